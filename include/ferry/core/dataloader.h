@@ -1,0 +1,345 @@
+// ferry/core/dataloader.h — PyTorch's DataLoader, in C++, on threads.
+//
+//   ferry::DataLoader loader(ferry::TensorDataset({images, labels}),
+//                            {.batch_size = 256, .shuffle = true, .num_workers = 4, .seed = 7});
+//   for (int epoch = 0; epoch < 10; ++epoch)
+//     for (std::vector<ferry::Tensor>& batch : loader)   // one epoch per pass
+//       train_step(batch[0], batch[1]);
+//
+// What happens: the sampler (which depends only on seed and epoch) cuts the epoch into batches of
+// indices; `num_workers` long-lived threads fetch the samples (dataset.get / get_batch / get_into),
+// run transforms and collate them into one batch buffer; batches come back in sampler order (or as
+// they complete with in_order = false). At most prefetch_factor * num_workers batches are in flight,
+// so memory is bounded whatever the consumer's pace. num_workers = 0 does everything on the
+// consumer thread.
+//
+// Errors: an exception in a dataset, transform, collate or worker_init_fn surfaces on the consumer
+// thread at that batch's position as ferry::WorkerError (worker, batch, stage and samples named; the
+// original nested). The iterator stays usable: advancing it goes on with the next batch. A stalled
+// pipeline raises ferry::TimeoutError when `timeout` is set.
+//
+// Lifetime: one iterator at a time per loader (begin() while one is live throws ferry::Error).
+// Destroying the iterator mid-epoch cancels the rest of the epoch; destroying the loader joins its
+// threads. Either returns as soon as user code already running in a worker returns.
+//
+// Thread safety: a DataLoader and its iterator belong to one consumer thread. The dataset's get()
+// (and get_batch, get_into, open) and the collate_fn are called from several workers at once.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "ferry/collate/collate.h"
+#include "ferry/core/allocator.h"
+#include "ferry/core/dataset.h"
+#include "ferry/core/error.h"
+#include "ferry/core/parallel.h"
+#include "ferry/core/sampler.h"
+#include "ferry/detail/engine.h"
+
+namespace ferry {
+
+/// Loader options, named and defaulted as torch.utils.data.DataLoader's.
+struct DataLoaderOptions {
+  std::size_t batch_size = 1;
+  /// A seeded RandomSampler (seed, epoch); excludes `sampler`.
+  bool shuffle = false;
+  /// Custom index order; excludes shuffle and batch_sampler.
+  std::shared_ptr<const Sampler> sampler;
+  /// Custom batches; excludes batch_size != 1, shuffle, sampler and drop_last.
+  std::shared_ptr<const BatchSampler> batch_sampler;
+  /// Worker threads; 0 runs everything on the consumer thread.
+  int num_workers = 0;
+  bool drop_last = false;
+  /// Longest wait for one batch; 0 waits forever. Needs num_workers > 0.
+  std::chrono::milliseconds timeout{0};
+  /// Called once on each worker thread as it starts (each epoch, unless persistent_workers).
+  std::function<void(const WorkerInfo&)> worker_init_fn;
+  /// Keys the shuffle order and every sample's Generator; the default 0 is reproducible, not random.
+  std::uint64_t seed = 0;
+  /// Batches in flight per worker.
+  int prefetch_factor = 2;
+  /// Keep the workers (and worker_init_fn's effects) across epochs. Needs num_workers > 0.
+  bool persistent_workers = false;
+  /// Deliver in sampler order (true) or as batches complete (false).
+  bool in_order = true;
+  /// Deliver batches in pinned memory. The pinning stage is a separate module; until it is
+  /// linked this logs one warning and delivers pageable batches.
+  bool pin_memory = false;
+  /// Threads used to copy one large batch (>= 4 MiB) during collate; 1 copies on the worker alone.
+  int intra_batch_threads = 1;
+  /// Where batch buffers come from; null means pageable host memory.
+  std::shared_ptr<BatchAllocator> allocator;
+};
+
+namespace detail {
+template <class D, class C, bool Streaming, bool Direct, bool Default>
+struct LoaderBatch;
+template <class D, class C, bool S>
+struct LoaderBatch<D, C, S, true, true> {
+  using type = std::decay_t<decltype(std::declval<const D&>().make_batch(std::size_t{}, std::declval<BatchAllocator&>()))>;
+};
+template <class D, class C, bool S>
+struct LoaderBatch<D, C, S, false, true> {
+  static_assert(Collatable<sample_t<D>>,
+                "ferry: no collate rule for this dataset's sample type; specialize ferry::CollateFields<Sample> "
+                "(see ferry/collate/collate.h) or pass a collate_fn");
+  using type = typename Collate<sample_t<D>>::Batch;
+};
+template <class D, class C, bool S>
+struct LoaderBatch<D, C, S, false, false> {
+  using type = std::decay_t<std::invoke_result_t<C&, std::vector<sample_t<D>>&&>>;
+};
+
+void validate_options(const DataLoaderOptions& o, bool streaming);
+std::string describe_options(const DataLoaderOptions& o, bool streaming);
+}  // namespace detail
+
+/// The loader. `CollateFn` is DefaultCollate (the rules of ferry/collate/collate.h) or any callable
+/// `Batch(std::vector<Sample>&&)`.
+template <class Dataset, class CollateFn = DefaultCollate>
+  requires(MapDataset<Dataset> || IterableDataset<Dataset>)
+class DataLoader {
+  static constexpr bool kStreaming = IterableDataset<Dataset> && !MapDataset<Dataset>;
+  static constexpr bool kDefaultCollate = std::is_same_v<CollateFn, DefaultCollate>;
+  static constexpr bool kDirect = !kStreaming && kDefaultCollate && DirectDataset<Dataset>;
+
+ public:
+  using Sample = sample_t<Dataset>;
+  using Batch = typename detail::LoaderBatch<Dataset, CollateFn, kStreaming, kDirect, kDefaultCollate>::type;
+
+  /// Throws ferry::Error naming the option when the options contradict each other.
+  explicit DataLoader(Dataset dataset, DataLoaderOptions options = {}, CollateFn collate_fn = {})
+      : state_(std::make_unique<State>(std::move(dataset), std::move(options), std::move(collate_fn))) {}
+
+  struct sentinel {};
+
+  /// Input iterator over one epoch's batches. Move-only.
+  class iterator {
+   public:
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    iterator(iterator&& o) noexcept : state_(std::exchange(o.state_, nullptr)), current_(std::move(o.current_)), fetched_(o.fetched_) {}
+    iterator& operator=(iterator&& o) noexcept {
+      if (this != &o) {
+        release();
+        state_ = std::exchange(o.state_, nullptr);
+        current_ = std::move(o.current_);
+        fetched_ = o.fetched_;
+      }
+      return *this;
+    }
+    ~iterator() { release(); }
+
+    /// The current batch. Throws WorkerError if it failed, ferry::Error past the end.
+    Batch& operator*() {
+      fill();
+      if (!current_) throw Error("DataLoader: dereferenced the end of the epoch");
+      return *current_;
+    }
+    Batch* operator->() { return &**this; }
+    iterator& operator++() {
+      fill();
+      current_.reset();
+      fetched_ = false;
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    bool operator==(sentinel) { fill(); return !current_; }
+
+   private:
+    friend class DataLoader;
+    explicit iterator(typename DataLoader::State* s) : state_(s) {}
+    void fill() {
+      if (fetched_ || !state_) return;
+      detail::Payload p = state_->engine.next();  // may throw: then the next call fetches the next batch
+      fetched_ = true;
+      if (p) current_.emplace(std::move(p.template get<Batch>()));
+    }
+    void release() noexcept {
+      current_.reset();
+      if (state_) state_->engine.end_epoch();
+      state_ = nullptr;
+    }
+    typename DataLoader::State* state_ = nullptr;
+    std::optional<Batch> current_;
+    bool fetched_ = false;
+  };
+
+  /// Starts the next epoch. Throws ferry::Error if an iterator of this loader is still live.
+  iterator begin() {
+    State& s = *state_;
+    std::shared_ptr<const BatchPlan> plan;
+    if constexpr (!kStreaming) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
+    s.engine.begin_epoch(s.next_epoch, std::move(plan));
+    ++s.next_epoch;
+    return iterator(&s);
+  }
+  sentinel end() const noexcept { return {}; }
+
+  /// Batches per epoch. Streams: only when the dataset has size() (ferry::Error otherwise).
+  std::size_t size() const {
+    if constexpr (kStreaming) {
+      if constexpr (requires(const Dataset& d) { { d.size() } -> std::convertible_to<std::size_t>; }) {
+        const std::size_t n = state_->dataset->size(), b = state_->opt.batch_size;
+        return state_->opt.drop_last ? n / b : (n + b - 1) / b;
+      } else {
+        throw Error("DataLoader::size(): the iterable dataset has no size()");
+      }
+    } else {
+      return state_->batch_sampler->size();
+    }
+  }
+  /// The epoch the next begin() starts (0, 1, 2, ... by default).
+  std::uint64_t next_epoch() const noexcept { return state_->next_epoch; }
+  /// Sets the epoch the next begin() starts: resume or replay an epoch exactly.
+  void set_epoch(std::uint64_t epoch) noexcept { state_->next_epoch = epoch; }
+  const Dataset& dataset() const noexcept { return *state_->dataset; }
+  const DataLoaderOptions& options() const noexcept { return state_->opt; }
+  /// Whether batches are written by the dataset's get_into (no collate copy).
+  static constexpr bool direct() noexcept { return kDirect; }
+
+ private:
+  struct State final : detail::Producer {
+    State(Dataset d, DataLoaderOptions o, CollateFn c)
+        : dataset(std::make_shared<const Dataset>(std::move(d))),
+          opt(std::move(o)),
+          collate_fn(std::move(c)),
+          batch_sampler(make_batch_sampler()),
+          pool(opt.intra_batch_threads > 1 ? std::make_unique<ParallelFor>(opt.intra_batch_threads) : nullptr),
+          allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
+          engine(detail::EngineOptions{opt.num_workers, opt.prefetch_factor, opt.in_order, opt.persistent_workers,
+                                       kStreaming, opt.timeout, opt.seed},
+                 *this) {
+      if (opt.pin_memory)
+        detail::warn_once("pin_memory",
+                          "DataLoader: pin_memory=true, but the pinning stage is not available in this build; "
+                          "batches are delivered in pageable memory");
+      detail::log_debug(detail::describe_options(opt, kStreaming));
+    }
+    ~State() override { engine.shutdown(); }  // workers stop before anything they use is destroyed
+
+    std::shared_ptr<const BatchSampler> make_batch_sampler() {
+      detail::validate_options(opt, kStreaming);
+      if constexpr (kStreaming) {
+        return nullptr;
+      } else {
+        if (opt.batch_sampler) return opt.batch_sampler;
+        std::shared_ptr<const Sampler> sampler = opt.sampler;
+        if (!sampler) {
+          const std::size_t n = dataset->size();
+          if (opt.shuffle) sampler = std::make_shared<RandomSampler>(n, opt.seed);
+          else sampler = std::make_shared<SequentialSampler>(n);
+        }
+        return std::make_shared<BatchSampler>(std::move(sampler), opt.batch_size, opt.drop_last);
+      }
+    }
+
+    void init_worker(const WorkerInfo& worker) override {
+      if (opt.worker_init_fn) opt.worker_init_fn(worker);
+    }
+
+    detail::Payload produce(const detail::Job& job, detail::JobContext& ctx) override {
+      if constexpr (kStreaming) return produce_stream(ctx);
+      else return produce_map(job, ctx);
+    }
+
+    detail::Payload produce_map(const detail::Job& job, detail::JobContext& ctx) {
+      const Dataset& ds = *dataset;
+      const std::span<const std::size_t> idx = job.indices;
+      const std::uint64_t epoch = ctx.worker.epoch;
+      if constexpr (kDirect) {
+        Batch batch = ds.make_batch(idx.size(), *allocator);
+        for (std::size_t r = 0; r < idx.size(); ++r) {
+          if (ctx.cancelled()) return {};
+          ctx.current_sample = idx[r];
+          ctx.stage.store(Stage::Fetch, std::memory_order_relaxed);
+          SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, &ctx.stage);
+          ds.get_into(idx[r], batch, r, sc);
+        }
+        return detail::Payload::make(std::move(batch));
+      } else {
+        std::vector<Sample> samples;
+        if constexpr (BatchFetchDataset<Dataset>) {
+          samples = ds.get_batch(idx);
+          if (samples.size() != idx.size())
+            throw Error("get_batch returned " + std::to_string(samples.size()) + " samples for " +
+                        std::to_string(idx.size()) + " indices");
+        } else {
+          samples.reserve(idx.size());
+          for (std::size_t i : idx) {
+            if (ctx.cancelled()) return {};
+            ctx.current_sample = i;
+            ctx.stage.store(Stage::Fetch, std::memory_order_relaxed);
+            SampleContext sc(i, opt.seed, epoch, ctx.worker, &ctx.stage);
+            samples.push_back(fetch(ds, i, sc));
+          }
+        }
+        ctx.current_sample.reset();
+        if (ctx.cancelled()) return {};
+        ctx.stage.store(Stage::Collate, std::memory_order_relaxed);
+        return detail::Payload::make(collate_samples(std::move(samples), idx));
+      }
+    }
+
+    detail::Payload produce_stream(detail::JobContext& ctx) {
+      if constexpr (kStreaming) {
+        using Stream = std::decay_t<decltype(std::declval<const Dataset&>().open(std::declval<const WorkerInfo&>()))>;
+        struct StreamState {
+          Stream stream;
+          std::vector<std::size_t> positions;
+          std::size_t read = 0;
+        };
+        if (!ctx.stream) ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0});
+        auto& st = *static_cast<StreamState*>(ctx.stream.get());
+        std::vector<Sample> samples;
+        samples.reserve(opt.batch_size);
+        st.positions.clear();
+        ctx.stream_indices = st.positions;
+        while (samples.size() < opt.batch_size) {
+          if (ctx.cancelled()) return {};
+          std::optional<Sample> s = st.stream.next();
+          if (!s) break;
+          samples.push_back(std::move(*s));
+          st.positions.push_back(st.read++);
+          ctx.stream_indices = st.positions;
+        }
+        if (samples.empty() || (opt.drop_last && samples.size() < opt.batch_size)) return {};
+        ctx.stage.store(Stage::Collate, std::memory_order_relaxed);
+        return detail::Payload::make(collate_samples(std::move(samples), st.positions));
+      } else {
+        (void)ctx;
+        return {};
+      }
+    }
+
+    Batch collate_samples(std::vector<Sample>&& samples, std::span<const std::size_t> idx) {
+      if constexpr (kDefaultCollate) {
+        return collate<Sample>(std::span<const Sample>(samples), idx, *allocator, pool.get());
+      } else {
+        return collate_fn(std::move(samples));
+      }
+    }
+
+    std::shared_ptr<const Dataset> dataset;
+    DataLoaderOptions opt;
+    CollateFn collate_fn;
+    std::shared_ptr<const BatchSampler> batch_sampler;
+    std::unique_ptr<ParallelFor> pool;
+    BatchAllocator* allocator;
+    std::uint64_t next_epoch = 0;
+    detail::Engine engine;  // last: built after, and shut down before, everything it calls into
+  };
+
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,308 @@
+// ferry/core/dataset.h — what a dataset is, and the datasets ferry composes for you.
+//
+// A map-style dataset is any type with
+//
+//   std::size_t size() const;
+//   Sample get(std::size_t index, ferry::SampleContext& ctx) const;   // or get(std::size_t) const
+//
+// and optionally, for speed:
+//
+//   std::vector<Sample> get_batch(std::span<const std::size_t> indices) const;   // one call a batch
+//   Batch make_batch(std::size_t rows, ferry::BatchAllocator&) const;             // "direct" mode:
+//   void get_into(std::size_t index, Batch&, std::size_t row, ferry::SampleContext&) const;
+//
+// With make_batch + get_into the loader skips collate: it allocates the batch once and each sample
+// is written straight into its row (a decoder writing pixels into the batch buffer).
+//
+// An iterable dataset (a stream) instead has
+//
+//   Stream open(const ferry::WorkerInfo& worker) const;   // Stream::next() -> std::optional<Sample>
+//
+// and each worker opens its own stream; it uses worker.id and worker.num_workers to read its own
+// share (see ferry::shard_range), so nothing is read twice and nothing is dropped.
+//
+// Workers call get()/get_batch()/get_into()/open() concurrently on one shared dataset, so these
+// must be safe to call from several threads (const and free of unsynchronized caches).
+//
+// Randomness: ctx.rng() is a Generator keyed by (seed, epoch, sample index), so a transform draws
+// the same numbers for a sample whichever worker runs it.
+//
+//   auto ds = ferry::TensorDataset({images, labels})
+//                 .map([](std::vector<ferry::Tensor> s, ferry::SampleContext& ctx) {
+//                   if (ctx.rng().bernoulli(0.5)) flip(s[0]);
+//                   return s;
+//                 });
+#pragma once
+
+#include <atomic>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "ferry/core/allocator.h"
+#include "ferry/core/error.h"
+#include "ferry/core/random.h"
+#include "ferry/core/tensor.h"
+
+namespace ferry {
+
+/// Which worker is running, as torch.utils.data.get_worker_info(). With num_workers == 0 the
+/// consumer thread is worker 0 of 1.
+struct WorkerInfo {
+  int id = 0;
+  int num_workers = 1;
+  std::uint64_t seed = 0;   ///< the loader's seed
+  std::uint64_t epoch = 0;  ///< the epoch being produced (0 outside an epoch, e.g. in worker_init_fn)
+};
+
+/// The share [begin, end) of `n` items that worker `id` of `count` should read: contiguous,
+/// disjoint, covering 0..n-1, sizes differing by at most one.
+std::pair<std::size_t, std::size_t> shard_range(std::size_t n, int id, int count);
+
+/// The stage a worker is in; named in TimeoutError and WorkerError messages.
+enum class Stage : std::uint8_t { Idle, Fetch, Transform, Collate, WorkerInit, Pin, Copy };
+const char* stage_name(Stage stage) noexcept;
+
+/// Per-sample context handed to get() and to transforms.
+class SampleContext {
+ public:
+  SampleContext(std::size_t index, std::uint64_t seed, std::uint64_t epoch, const WorkerInfo& worker,
+                std::atomic<Stage>* stage = nullptr) noexcept
+      : index_(index), seed_(seed), epoch_(epoch), worker_(worker), stage_(stage) {}
+  /// The sample's index as the sampler produced it.
+  std::size_t index() const noexcept { return index_; }
+  std::uint64_t epoch() const noexcept { return epoch_; }
+  const WorkerInfo& worker() const noexcept { return worker_; }
+  /// The sample's generator, keyed by (seed, epoch, index); created on first use.
+  Generator& rng() noexcept {
+    if (!rng_) rng_.emplace(seed_, epoch_, index_);
+    return *rng_;
+  }
+  /// Marks the stage this thread is in (for error and timeout messages); returns the previous one.
+  Stage enter(Stage s) noexcept {
+    if (!stage_) return Stage::Idle;
+    return stage_->exchange(s, std::memory_order_relaxed);
+  }
+
+ private:
+  std::size_t index_;
+  std::uint64_t seed_, epoch_;
+  const WorkerInfo& worker_;
+  std::atomic<Stage>* stage_;
+  std::optional<Generator> rng_;
+};
+
+// --- concepts -----------------------------------------------------------------------------------
+
+template <class D>
+concept GetWithContext = requires(const D& d, std::size_t i, SampleContext& c) { d.get(i, c); };
+template <class D>
+concept GetPlain = requires(const D& d, std::size_t i) { d.get(i); };
+
+/// A dataset indexed by 0..size()-1.
+template <class D>
+concept MapDataset = requires(const D& d) {
+  { d.size() } -> std::convertible_to<std::size_t>;
+} && (GetWithContext<D> || GetPlain<D>);
+
+/// A dataset that can write a sample into a row of a batch it allocates (direct mode).
+template <class D>
+concept DirectDataset = MapDataset<D> && requires(const D& d, std::size_t i, BatchAllocator& a, SampleContext& c) {
+  d.make_batch(i, a);
+  d.get_into(i, std::declval<std::add_lvalue_reference_t<decltype(d.make_batch(i, a))>>(), i, c);
+};
+
+/// A dataset with a one-call-per-batch fetch.
+template <class D>
+concept BatchFetchDataset = MapDataset<D> && requires(const D& d, std::span<const std::size_t> idx) {
+  d.get_batch(idx);
+};
+
+/// A stream dataset: each worker opens its own stream.
+template <class D>
+concept IterableDataset = requires(const D& d, const WorkerInfo& w) {
+  d.open(w);
+  { d.open(w).next() };
+};
+
+/// Calls d.get(i, ctx) or d.get(i), whichever the dataset has.
+template <MapDataset D>
+decltype(auto) fetch(const D& d, std::size_t i, SampleContext& ctx) {
+  if constexpr (GetWithContext<D>) return d.get(i, ctx);
+  else return d.get(i);
+}
+
+/// The sample type of a dataset.
+template <class D> struct sample_type_of;
+template <MapDataset D> struct sample_type_of<D> {
+  using type = std::decay_t<decltype(fetch(std::declval<const D&>(), std::size_t{}, std::declval<SampleContext&>()))>;
+};
+template <class D> requires(IterableDataset<D> && !MapDataset<D>) struct sample_type_of<D> {
+  using type = typename std::decay_t<decltype(std::declval<const D&>().open(std::declval<const WorkerInfo&>()).next())>::value_type;
+};
+template <class D> using sample_t = typename sample_type_of<D>::type;
+
+// --- composition --------------------------------------------------------------------------------
+
+template <class D, class F> class MappedDataset;
+
+/// CRTP base that gives a dataset `.map(transform)`. Optional: ferry::map works on any dataset.
+template <class Derived>
+class DatasetBase {
+ public:
+  /// A dataset whose samples are transform(sample) or transform(sample, ctx).
+  template <class F>
+  MappedDataset<Derived, std::decay_t<F>> map(F&& transform) const& {
+    return {static_cast<const Derived&>(*this), std::forward<F>(transform)};
+  }
+  template <class F>
+  MappedDataset<Derived, std::decay_t<F>> map(F&& transform) && {
+    return {std::move(static_cast<Derived&>(*this)), std::forward<F>(transform)};
+  }
+};
+
+/// base.get(i) followed by a transform; the transform runs in the worker, in Stage::Transform.
+template <class D, class F>
+class MappedDataset : public DatasetBase<MappedDataset<D, F>> {
+ public:
+  MappedDataset(D base, F transform) : base_(std::move(base)), transform_(std::move(transform)) {}
+  std::size_t size() const { return base_.size(); }
+  auto get(std::size_t i, SampleContext& ctx) const {
+    auto sample = fetch(base_, i, ctx);
+    Stage prev = ctx.enter(Stage::Transform);
+    if constexpr (std::is_invocable_v<const F&, decltype(sample)&&, SampleContext&>) {
+      auto out = transform_(std::move(sample), ctx);
+      ctx.enter(prev);
+      return out;
+    } else {
+      auto out = transform_(std::move(sample));
+      ctx.enter(prev);
+      return out;
+    }
+  }
+  const D& base() const noexcept { return base_; }
+
+ private:
+  D base_;
+  F transform_;
+};
+
+/// ferry::map(dataset, transform) for datasets without DatasetBase.
+template <MapDataset D, class F>
+MappedDataset<std::decay_t<D>, std::decay_t<F>> map(D&& dataset, F&& transform) {
+  return {std::forward<D>(dataset), std::forward<F>(transform)};
+}
+
+/// Row i of each tensor: TensorDataset({x, y}).get(i) == {x[i], y[i]}. All tensors must have the
+/// same first dimension (ferry::Error names the mismatch). Supports direct mode.
+class TensorDataset : public DatasetBase<TensorDataset> {
+ public:
+  explicit TensorDataset(std::vector<Tensor> tensors);
+  std::size_t size() const noexcept { return size_; }
+  std::vector<Tensor> get(std::size_t i) const;
+  std::vector<Tensor> make_batch(std::size_t rows, BatchAllocator& allocator) const;
+  void get_into(std::size_t i, std::vector<Tensor>& batch, std::size_t row, SampleContext&) const;
+  const std::vector<Tensor>& tensors() const noexcept { return tensors_; }
+
+ private:
+  std::vector<Tensor> tensors_;
+  std::size_t size_ = 0;
+};
+
+/// The samples of `base` at `indices`, in that order. Indices are checked against base.size().
+template <MapDataset D>
+class Subset : public DatasetBase<Subset<D>> {
+ public:
+  Subset(D base, std::vector<std::size_t> indices) : base_(std::move(base)), indices_(std::move(indices)) {
+    const std::size_t n = base_.size();
+    for (std::size_t k = 0; k < indices_.size(); ++k)
+      if (indices_[k] >= n)
+        throw Error("Subset: index " + std::to_string(indices_[k]) + " at position " + std::to_string(k) +
+                    " is out of range for a dataset of size " + std::to_string(n));
+  }
+  std::size_t size() const noexcept { return indices_.size(); }
+  auto get(std::size_t i, SampleContext& ctx) const { return fetch(base_, indices_.at(i), ctx); }
+  const std::vector<std::size_t>& indices() const noexcept { return indices_; }
+
+ private:
+  D base_;
+  std::vector<std::size_t> indices_;
+};
+
+/// Several datasets of one type end to end. Use AnyDataset<Sample> to join different types.
+template <MapDataset D>
+class ConcatDataset : public DatasetBase<ConcatDataset<D>> {
+ public:
+  explicit ConcatDataset(std::vector<D> parts) : parts_(std::move(parts)) {
+    std::size_t total = 0;
+    for (const D& p : parts_) {
+      total += p.size();
+      ends_.push_back(total);
+    }
+  }
+  std::size_t size() const noexcept { return ends_.empty() ? 0 : ends_.back(); }
+  auto get(std::size_t i, SampleContext& ctx) const {
+    std::size_t part = 0;
+    while (part < ends_.size() && i >= ends_[part]) ++part;
+    if (part == ends_.size())
+      throw Error("ConcatDataset: index " + std::to_string(i) + " is out of range for size " + std::to_string(size()));
+    return fetch(parts_[part], i - (part ? ends_[part - 1] : 0), ctx);
+  }
+
+ private:
+  std::vector<D> parts_;
+  std::vector<std::size_t> ends_;
+};
+
+/// A type-erased map-style dataset of `Sample`s (shares the wrapped dataset).
+template <class Sample>
+class AnyDataset : public DatasetBase<AnyDataset<Sample>> {
+ public:
+  template <MapDataset D>
+    requires(!std::same_as<std::decay_t<D>, AnyDataset>)
+  AnyDataset(D dataset) : impl_(std::make_shared<Impl<D>>(std::move(dataset))) {}  // NOLINT: implicit by design
+  std::size_t size() const { return impl_->size(); }
+  Sample get(std::size_t i, SampleContext& ctx) const { return impl_->get(i, ctx); }
+
+ private:
+  struct Concept {
+    virtual ~Concept() = default;
+    virtual std::size_t size() const = 0;
+    virtual Sample get(std::size_t i, SampleContext& ctx) const = 0;
+  };
+  template <class D>
+  struct Impl final : Concept {
+    explicit Impl(D d) : d(std::move(d)) {}
+    std::size_t size() const override { return d.size(); }
+    Sample get(std::size_t i, SampleContext& ctx) const override { return fetch(d, i, ctx); }
+    D d;
+  };
+  std::shared_ptr<const Concept> impl_;
+};
+
+/// Splits 0..n-1 into disjoint random index sets of the given lengths (which must sum to n), or
+/// fractions (which must sum to 1; remainders go round-robin from the first split), as
+/// torch.utils.data.random_split. Deterministic in `seed`.
+std::vector<std::vector<std::size_t>> random_split_indices(std::size_t n, std::span<const double> lengths,
+                                                           std::uint64_t seed);
+
+/// random_split over a dataset: one Subset per entry of `lengths`.
+template <MapDataset D>
+std::vector<Subset<D>> random_split(const D& dataset, std::span<const double> lengths, std::uint64_t seed) {
+  std::vector<Subset<D>> out;
+  for (auto& idx : random_split_indices(dataset.size(), lengths, seed)) out.emplace_back(dataset, std::move(idx));
+  return out;
+}
+template <MapDataset D>
+std::vector<Subset<D>> random_split(const D& dataset, std::initializer_list<double> lengths, std::uint64_t seed) {
+  return random_split(dataset, std::span<const double>(lengths.begin(), lengths.size()), seed);
+}
+
+}  // namespace ferry

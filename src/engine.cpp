@@ -1,0 +1,380 @@
+// The DataLoader engine: see Note [Engine design] and Note [Shutdown order] in
+// include/ferry/detail/engine.h.
+#include "ferry/detail/engine.h"
+
+#include <algorithm>
+#include <deque>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "ferry/core/error.h"
+#include "log.h"
+#include "queue.h"
+#include "reorder.h"
+#include "thread.h"
+
+namespace ferry::detail {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
+struct Result {
+  std::uint64_t key = 0;
+  std::int64_t batch = 0;
+  int worker = -1;
+  Payload payload;
+  std::exception_ptr error;
+  bool end = false;  // stream mode: the worker's stream is exhausted
+};
+
+struct EpochState {
+  EpochState(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan, int workers)
+      : epoch(epoch), plan(std::move(plan)), streams(static_cast<std::size_t>(std::max(workers, 1))) {}
+  const std::uint64_t epoch;
+  const std::shared_ptr<const BatchPlan> plan;
+  std::atomic<bool> cancelled{false};
+  StageQueue<Result> results;
+  // One per worker; element w is touched only by worker w (its jobs come from its own queue).
+  std::vector<std::shared_ptr<void>> streams;
+};
+
+struct Task {
+  std::shared_ptr<EpochState> epoch;
+  Job job;
+};
+
+// What each worker is doing, read by the consumer for timeout messages.
+struct WorkerSlot {
+  std::atomic<Stage> stage{Stage::Idle};
+  std::atomic<std::int64_t> batch{-1};
+  std::atomic<std::int64_t> since_ns{0};
+};
+
+std::string describe_indices(std::span<const std::size_t> indices, const char* noun) {
+  std::ostringstream os;
+  os << noun << " ";
+  const std::size_t shown = std::min<std::size_t>(indices.size(), 16);
+  for (std::size_t i = 0; i < shown; ++i) os << (i ? ", " : "") << indices[i];
+  if (shown < indices.size()) os << ", ... (" << indices.size() << " in all)";
+  return os.str();
+}
+
+std::string worker_name(int worker) {
+  return worker < 0 ? std::string("the consumer thread (num_workers=0)") : "worker " + std::to_string(worker);
+}
+
+}  // namespace
+
+std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::span<const std::size_t> indices,
+                                          Stage stage, std::optional<std::size_t> sample, bool stream) {
+  std::string what;
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+    what = "an exception of unknown type";
+  }
+  std::ostringstream os;
+  os << worker_name(worker) << " failed in stage '" << stage_name(stage) << "' of ";
+  if (stream) os << "its stream batch " << batch;
+  else os << "batch " << batch;
+  if (sample) os << " at sample " << *sample;
+  if (!indices.empty()) os << " (" << describe_indices(indices, stream ? "stream positions" : "samples") << ")";
+  os << ": " << what;
+  // Constructed here, inside the caller's catch block, so std::nested_exception captures it.
+  return std::make_exception_ptr(WorkerError(os.str(), worker, batch));
+}
+
+struct Engine::State {
+  State(EngineOptions o, Producer& p) : opt(o), producer(p), W(o.num_workers) {}
+
+  const EngineOptions opt;
+  Producer& producer;
+  const int W;
+
+  // Workers (see Note [Shutdown order]).
+  std::vector<std::unique_ptr<StageQueue<Task>>> queues;  // 1 shared (map-style) or W (streams)
+  std::unique_ptr<WorkerSlot[]> slots;
+  std::vector<Thread> threads;
+
+  // The live epoch; consumer thread only.
+  std::shared_ptr<EpochState> ep;
+  bool live = false;
+  std::uint64_t total = 0;  // map-style: batches in the epoch
+  std::uint64_t next_key = 0;
+  std::uint64_t delivered = 0;
+  std::uint64_t in_flight = 0;
+  std::unique_ptr<ReorderWindow<Result>> window;
+  std::deque<Result> arrived;                       // in_order == false
+  std::vector<std::int64_t> ended_at;               // streams: first exhausted j per worker, -1 if live
+  int ended = 0;
+  bool inline_done = false;
+  std::atomic<Stage> inline_stage{Stage::Idle};
+
+  std::size_t limit() const { return static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(W); }
+
+  bool dead(std::uint64_t key) const {
+    const auto w = static_cast<std::size_t>(key % static_cast<std::uint64_t>(W));
+    return ended_at[w] >= 0 && static_cast<std::int64_t>(key / static_cast<std::uint64_t>(W)) >= ended_at[w];
+  }
+  // Streams, in order: no live key at or after `key` remains.
+  bool streams_done(std::uint64_t key) const {
+    if (ended < W) return false;
+    for (int w = 0; w < W; ++w)
+      if (ended_at[w] > 0 && static_cast<std::uint64_t>((ended_at[w] - 1) * W + w) >= key) return false;
+    return true;
+  }
+
+  void start_workers() {
+    if (!threads.empty() || W == 0) return;
+    queues.clear();
+    const int nq = opt.streaming ? W : 1;
+    for (int q = 0; q < nq; ++q) queues.push_back(std::make_unique<StageQueue<Task>>());
+    slots = std::make_unique<WorkerSlot[]>(static_cast<std::size_t>(W));
+    threads.reserve(static_cast<std::size_t>(W));
+    for (int w = 0; w < W; ++w)
+      threads.emplace_back("ferry-w" + std::to_string(w), [this, w] { worker_main(w); });
+    logger().debug("started {} workers ({} queue{})", W, nq, nq == 1 ? "" : "s");
+  }
+
+  void stop_workers() noexcept {
+    for (auto& q : queues) q->close();
+    for (auto& t : threads) t.join();
+    threads.clear();
+  }
+
+  void worker_main(int id) {
+    WorkerSlot& slot = slots[static_cast<std::size_t>(id)];
+    WorkerInfo info{id, W, opt.seed, 0};
+    std::exception_ptr init_error;
+    slot.stage.store(Stage::WorkerInit);
+    try {
+      producer.init_worker(info);
+    } catch (...) {
+      init_error = std::current_exception();
+    }
+    slot.stage.store(Stage::Idle);
+    StageQueue<Task>& queue = *queues[opt.streaming ? static_cast<std::size_t>(id) : 0];
+    while (std::optional<Task> task = queue.pop()) {
+      EpochState& epoch = *task->epoch;
+      if (epoch.cancelled.load(std::memory_order_relaxed)) continue;
+      const Job& job = task->job;
+      info.epoch = epoch.epoch;
+      slot.batch.store(job.batch, std::memory_order_relaxed);
+      slot.since_ns.store(now_ns(), std::memory_order_relaxed);
+      slot.stage.store(Stage::Fetch, std::memory_order_relaxed);
+      Result r;
+      r.key = job.key;
+      r.batch = job.batch;
+      r.worker = id;
+      JobContext ctx(info, slot.stage, epoch.cancelled, epoch.streams[static_cast<std::size_t>(id)]);
+      if (init_error) {
+        try {
+          std::rethrow_exception(init_error);
+        } catch (...) {
+          r.error = wrap_current_exception(id, job.batch, job.indices, Stage::WorkerInit, std::nullopt, opt.streaming);
+        }
+      } else {
+        try {
+          r.payload = producer.produce(job, ctx);
+          if (!r.payload) {
+            if (epoch.cancelled.load(std::memory_order_relaxed)) {
+              slot.stage.store(Stage::Idle);
+              continue;
+            }
+            r.end = true;
+          }
+        } catch (...) {
+          r.error = wrap_current_exception(id, job.batch, opt.streaming ? ctx.stream_indices : job.indices,
+                                           slot.stage.load(), ctx.current_sample, opt.streaming);
+        }
+      }
+      slot.stage.store(Stage::Idle, std::memory_order_relaxed);
+      epoch.results.push(std::move(r));
+    }
+  }
+
+  void dispatch() {
+    const std::size_t k = limit();
+    for (;;) {
+      if (!opt.streaming) {
+        if (next_key >= total) return;
+      } else {
+        if (ended == W) return;
+        while (dead(next_key)) ++next_key;
+      }
+      if (opt.in_order ? next_key >= window->next() + k : in_flight >= k) return;
+      Job job;
+      job.key = next_key;
+      if (opt.streaming) {
+        job.batch = static_cast<std::int64_t>(next_key / static_cast<std::uint64_t>(W));
+      } else {
+        job.batch = static_cast<std::int64_t>(next_key);
+        job.indices = ep->plan->batch(next_key);
+      }
+      const std::size_t q = opt.streaming ? next_key % static_cast<std::uint64_t>(W) : 0;
+      queues[q]->push(Task{ep, job});
+      ++in_flight;
+      ++next_key;
+    }
+  }
+
+  void receive(Result r) {
+    --in_flight;
+    if (r.end) {
+      auto& e = ended_at[static_cast<std::size_t>(r.worker)];
+      if (e < 0) {
+        e = r.batch;
+        ++ended;
+      } else {
+        e = std::min(e, r.batch);
+      }
+      return;
+    }
+    if (opt.in_order) window->put(r.key, std::move(r));
+    else arrived.push_back(std::move(r));
+  }
+
+  Payload deliver(Result r) {
+    ++delivered;
+    dispatch();
+    if (r.error) std::rethrow_exception(r.error);
+    return std::move(r.payload);
+  }
+
+  [[noreturn]] void throw_timeout(std::uint64_t waiting_for) const {
+    std::ostringstream os;
+    os << "DataLoader timed out after " << opt.timeout.count() << " ms waiting for ";
+    if (opt.in_order) os << (opt.streaming ? "stream key " : "batch ") << waiting_for;
+    else os << "any batch";
+    os << " (" << in_flight << " in flight, " << W << " workers):";
+    const std::int64_t now = now_ns();
+    for (int w = 0; w < W; ++w) {
+      const WorkerSlot& s = slots[static_cast<std::size_t>(w)];
+      const Stage st = s.stage.load();
+      os << " worker " << w << " ";
+      if (st == Stage::Idle) os << "idle";
+      else
+        os << "in stage '" << stage_name(st) << "' of batch " << s.batch.load() << " for "
+           << (now - s.since_ns.load()) / 1000000 << " ms";
+      os << (w + 1 < W ? ";" : "");
+    }
+    throw TimeoutError(os.str());
+  }
+
+  Payload next_inline() {
+    if (inline_done) return {};
+    Job job;
+    job.key = delivered;
+    job.batch = static_cast<std::int64_t>(delivered);
+    if (!opt.streaming) {
+      if (delivered >= total) return {};
+      job.indices = ep->plan->batch(delivered);
+    }
+    WorkerInfo info{0, 1, opt.seed, ep->epoch};
+    JobContext ctx(info, inline_stage, ep->cancelled, ep->streams[0]);
+    inline_stage.store(Stage::Fetch);
+    ++delivered;
+    Payload p;
+    try {
+      p = producer.produce(job, ctx);
+    } catch (...) {
+      const Stage st = inline_stage.exchange(Stage::Idle);
+      std::rethrow_exception(wrap_current_exception(-1, job.batch, opt.streaming ? ctx.stream_indices : job.indices,
+                                                    st, ctx.current_sample, opt.streaming));
+    }
+    inline_stage.store(Stage::Idle);
+    if (!p) inline_done = true;
+    return p;
+  }
+
+  Payload next() {
+    if (!live) throw Error("DataLoader: next() called with no live epoch");
+    if (W == 0) return next_inline();
+    const auto deadline = Clock::now() + opt.timeout;
+    for (;;) {
+      if (opt.in_order) {
+        if (opt.streaming) {
+          while (!window->ready() && !streams_done(window->next()) && dead(window->next())) window->skip();
+          if (!window->ready() && streams_done(window->next())) return {};
+        } else if (window->next() >= total) {
+          return {};
+        }
+        if (window->ready()) return deliver(window->take());
+      } else {
+        if (!arrived.empty()) {
+          Result r = std::move(arrived.front());
+          arrived.pop_front();
+          return deliver(std::move(r));
+        }
+        if (opt.streaming ? (ended == W && in_flight == 0) : delivered >= total) return {};
+      }
+      dispatch();
+      if (opt.timeout.count() > 0) {
+        const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+        auto [r, timed_out] = ep->results.pop_for(std::max(left, std::chrono::microseconds(0)));
+        if (timed_out) throw_timeout(window ? window->next() : 0);
+        if (r) receive(std::move(*r));
+      } else if (std::optional<Result> r = ep->results.pop()) {
+        receive(std::move(*r));
+      }
+    }
+  }
+};
+
+Engine::Engine(EngineOptions options, Producer& producer) : state_(std::make_unique<State>(options, producer)) {
+  if (options.num_workers < 0) throw Error("DataLoader: num_workers must be >= 0, got " + std::to_string(options.num_workers));
+  if (options.prefetch_factor < 1)
+    throw Error("DataLoader: prefetch_factor must be >= 1, got " + std::to_string(options.prefetch_factor));
+}
+
+Engine::~Engine() { shutdown(); }
+
+void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan) {
+  State& s = *state_;
+  if (s.live)
+    throw Error(
+        "DataLoader: begin() was called while an iterator of this loader is still live; finish or destroy "
+        "the first iterator before starting another epoch");
+  if (!s.opt.streaming && !plan) throw Error("DataLoader: no batch plan for a map-style epoch");
+  s.ep = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
+  s.total = s.opt.streaming ? 0 : s.ep->plan->size();
+  s.next_key = s.delivered = s.in_flight = 0;
+  s.arrived.clear();
+  s.ended_at.assign(static_cast<std::size_t>(std::max(s.W, 1)), -1);
+  s.ended = 0;
+  s.inline_done = false;
+  s.window = std::make_unique<ReorderWindow<Result>>(std::max<std::size_t>(s.limit(), 1));
+  s.live = true;
+  s.start_workers();
+  if (s.W > 0) s.dispatch();
+}
+
+Payload Engine::next() { return state_->next(); }
+
+void Engine::end_epoch() noexcept {
+  State& s = *state_;
+  if (!s.live) return;
+  s.ep->cancelled.store(true);
+  s.ep->results.close();
+  if (!s.opt.persistent_workers) s.stop_workers();
+  s.window.reset();
+  s.arrived.clear();
+  s.ep.reset();
+  s.live = false;
+}
+
+void Engine::shutdown() noexcept {
+  end_epoch();
+  state_->stop_workers();
+}
+
+bool Engine::epoch_live() const noexcept { return state_->live; }
+
+}  // namespace ferry::detail

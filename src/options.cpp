@@ -1,0 +1,32 @@
+#include <sstream>
+
+#include "ferry/core/dataloader.h"
+
+namespace ferry::detail {
+
+void validate_options(const DataLoaderOptions& o, bool streaming) {
+  auto fail = [](const std::string& m) { throw Error("DataLoaderOptions: " + m); };
+  if (o.batch_size == 0) fail("batch_size must be >= 1");
+  if (o.num_workers < 0) fail("num_workers must be >= 0, got " + std::to_string(o.num_workers));
+  if (o.prefetch_factor < 1) fail("prefetch_factor must be >= 1, got " + std::to_string(o.prefetch_factor));
+  if (o.timeout.count() < 0) fail("timeout must be >= 0 ms");
+  if (o.persistent_workers && o.num_workers == 0) fail("persistent_workers=true needs num_workers > 0");
+  if (o.intra_batch_threads < 1) fail("intra_batch_threads must be >= 1");
+  if (o.sampler && o.shuffle) fail("sampler and shuffle=true are mutually exclusive (shuffle inside the sampler)");
+  if (o.batch_sampler && (o.batch_size != 1 || o.shuffle || o.sampler || o.drop_last))
+    fail("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last");
+  if (streaming && (o.sampler || o.batch_sampler || o.shuffle))
+    fail("an iterable dataset takes no sampler, batch_sampler or shuffle (it decides its own order)");
+}
+
+std::string describe_options(const DataLoaderOptions& o, bool streaming) {
+  std::ostringstream os;
+  os << "DataLoader: " << (streaming ? "iterable" : "map-style") << " dataset, batch_size=" << o.batch_size
+     << " num_workers=" << o.num_workers << " prefetch_factor=" << o.prefetch_factor
+     << " max_in_flight=" << static_cast<long>(o.prefetch_factor) * o.num_workers << " in_order=" << o.in_order
+     << " persistent_workers=" << o.persistent_workers << " timeout_ms=" << o.timeout.count() << " seed=" << o.seed
+     << " intra_batch_threads=" << o.intra_batch_threads;
+  return os.str();
+}
+
+}  // namespace ferry::detail

@@ -1,0 +1,51 @@
+#include "ferry/core/parallel.h"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <cstring>
+
+namespace ferry {
+
+struct ParallelFor::Impl {
+  explicit Impl(int threads) : arena(threads) {}
+  mutable tbb::task_arena arena;
+};
+
+ParallelFor::ParallelFor(int threads) : threads_(threads < 1 ? 1 : threads) {
+  if (threads_ > 1) impl_ = std::make_unique<Impl>(threads_);
+}
+
+ParallelFor::~ParallelFor() = default;
+
+void ParallelFor::run(std::size_t n, const std::function<void(std::size_t, std::size_t)>& body, std::size_t grain) const {
+  if (n == 0) return;
+  if (!impl_ || n <= grain) {
+    body(0, n);
+    return;
+  }
+  impl_->arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, grain == 0 ? 1 : grain),
+                      [&](const tbb::blocked_range<std::size_t>& r) { body(r.begin(), r.end()); });
+  });
+}
+
+void parallel_memcpy(void* dst, const void* src, std::size_t bytes, const ParallelFor* pool) {
+  constexpr std::size_t kPerThread = std::size_t{1} << 20;
+  if (!pool || pool->threads() <= 1 || bytes < 2 * kPerThread) {
+    if (bytes) std::memcpy(dst, src, bytes);
+    return;
+  }
+  const std::size_t chunks = std::min<std::size_t>(bytes / kPerThread, static_cast<std::size_t>(pool->threads()) * 4);
+  const std::size_t chunk = (bytes + chunks - 1) / chunks;
+  pool->run(chunks, [&](std::size_t b, std::size_t e) {
+    for (std::size_t c = b; c < e; ++c) {
+      const std::size_t off = c * chunk;
+      if (off >= bytes) break;
+      std::memcpy(static_cast<std::byte*>(dst) + off, static_cast<const std::byte*>(src) + off, std::min(chunk, bytes - off));
+    }
+  });
+}
+
+}  // namespace ferry

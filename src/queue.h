@@ -1,0 +1,75 @@
+// src/queue.h — the stage queue: moodycamel's blocking queue behind a sticky close.
+//
+// moodycamel::BlockingConcurrentQueue is fast and lock-free but has no close(): a consumer
+// blocked in wait_dequeue sleeps until an item arrives. StageQueue adds one. close() sets a flag
+// and enqueues a sentinel (an empty optional); whichever consumer dequeues the sentinel puts it
+// back before returning, so every waiter, present or future, wakes in turn. After close(), pop()
+// returns std::nullopt and items still queued are dropped with the queue.
+//
+// Order: moodycamel is FIFO per producer only. ferry never relies on cross-producer order: batch
+// order comes from sequence numbers (the reorder window).
+//
+// This is the only file that includes moodycamel.
+//
+// Thread safety: every member may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <optional>
+#include <utility>
+
+#include <concurrentqueue/blockingconcurrentqueue.h>
+
+namespace ferry::detail {
+
+template <class T>
+class StageQueue {
+ public:
+  /// Enqueues `item`; returns false (dropping it) when the queue is closed.
+  bool push(T item) {
+    if (closed_.load(std::memory_order_acquire)) return false;
+    q_.enqueue(std::optional<T>(std::move(item)));
+    return true;
+  }
+
+  /// Blocks until an item arrives or the queue closes (then std::nullopt).
+  std::optional<T> pop() {
+    std::optional<T> item;
+    q_.wait_dequeue(item);
+    return accept(std::move(item));
+  }
+
+  /// As pop(), giving up after `timeout`: returns {std::nullopt, true} on timeout.
+  std::pair<std::optional<T>, bool> pop_for(std::chrono::microseconds timeout) {
+    std::optional<T> item;
+    if (!q_.wait_dequeue_timed(item, timeout)) {
+      if (closed_.load(std::memory_order_acquire)) return {std::nullopt, false};
+      return {std::nullopt, true};
+    }
+    return {accept(std::move(item)), false};
+  }
+
+  /// Sticky: wakes every current and future pop(). Idempotent.
+  void close() {
+    if (!closed_.exchange(true, std::memory_order_acq_rel)) q_.enqueue(std::optional<T>());
+  }
+  bool closed() const noexcept { return closed_.load(std::memory_order_acquire); }
+  /// Approximate number of queued items.
+  std::size_t size_approx() const { return q_.size_approx(); }
+
+ private:
+  std::optional<T> accept(std::optional<T> item) {
+    if (!item) {
+      q_.enqueue(std::optional<T>());  // pass the sentinel on to the next waiter
+      return std::nullopt;
+    }
+    if (closed_.load(std::memory_order_acquire)) return std::nullopt;
+    return item;
+  }
+
+  moodycamel::BlockingConcurrentQueue<std::optional<T>> q_;
+  std::atomic<bool> closed_{false};
+};
+
+}  // namespace ferry::detail

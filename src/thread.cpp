@@ -1,0 +1,47 @@
+#include "thread.h"
+
+#include <pthread.h>
+
+#include <atomic>
+
+#include "ferry/core/diagnostics.h"
+
+namespace ferry {
+namespace {
+std::atomic<std::size_t> g_live_threads{0};
+}
+
+std::size_t live_threads() noexcept { return g_live_threads.load(); }
+
+namespace detail {
+
+Thread::Thread(std::string name, std::function<void()> body) {
+  g_live_threads.fetch_add(1);
+  try {
+    t_ = std::thread([name = std::move(name), body = std::move(body)] {
+      pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+      body();
+    });
+  } catch (...) {
+    g_live_threads.fetch_sub(1);
+    throw;
+  }
+}
+
+Thread& Thread::operator=(Thread&& other) noexcept {
+  if (this != &other) {
+    join();
+    t_ = std::move(other.t_);
+  }
+  return *this;
+}
+
+void Thread::join() noexcept {
+  if (t_.joinable()) {
+    t_.join();
+    g_live_threads.fetch_sub(1);
+  }
+}
+
+}  // namespace detail
+}  // namespace ferry

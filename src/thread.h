@@ -1,0 +1,28 @@
+// src/thread.h — a named thread that cannot be destroyed unjoined.
+//
+// std::thread terminates the process when destroyed joinable; ferry's Thread joins instead (and
+// the owner is expected to have told it to stop first). Live threads are counted for
+// ferry::live_threads(), which tests use to prove nothing leaks.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <thread>
+
+namespace ferry::detail {
+
+class Thread {
+ public:
+  Thread() = default;
+  Thread(std::string name, std::function<void()> body);
+  Thread(Thread&&) noexcept = default;
+  Thread& operator=(Thread&& other) noexcept;
+  ~Thread() { join(); }
+  void join() noexcept;
+  bool joinable() const noexcept { return t_.joinable(); }
+
+ private:
+  std::thread t_;
+};
+
+}  // namespace ferry::detail
