@@ -329,23 +329,36 @@ struct Collate<T> {
   }
 };
 
+/// Collates n samples, get(i) returning the i-th, into one buffer from `allocator`; `indices` are
+/// the samples' dataset indices, used in error messages.
+template <class S, class Get>
+typename Collate<S>::Batch collate_with(std::size_t n, Get&& get, std::span<const std::size_t> indices,
+                                        BatchAllocator& allocator = pageable_allocator(),
+                                        const ParallelFor* pool = nullptr) {
+  if (n == 0) detail::throw_empty_batch();
+  const std::size_t nbytes = Collate<S>::bytes(n, get);
+  CollateContext ctx(indices, allocator.allocate(nbytes), pool);
+  return Collate<S>::apply(n, get, ctx);
+}
+
 /// Collates `samples` (whose dataset indices are `indices`) into one buffer from `allocator`.
 template <Collatable S>
 typename Collate<S>::Batch collate(std::span<const S> samples, std::span<const std::size_t> indices,
                                    BatchAllocator& allocator = pageable_allocator(),
                                    const ParallelFor* pool = nullptr) {
-  const std::size_t n = samples.size();
-  if (n == 0) detail::throw_empty_batch();
-  auto get = [&](std::size_t i) -> const S& { return samples[i]; };
-  const std::size_t nbytes = Collate<S>::bytes(n, get);
-  CollateContext ctx(indices, allocator.allocate(nbytes), pool);
-  return Collate<S>::apply(n, get, ctx);
+  return collate_with<S>(samples.size(), [&](std::size_t i) -> const S& { return samples[i]; }, indices, allocator, pool);
 }
+
+/// Collates a vector of samples whose dataset indices are 0..n-1.
 template <Collatable S>
 typename Collate<S>::Batch collate(const std::vector<S>& samples) {
   std::vector<std::size_t> idx(samples.size());
   for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-  return collate(std::span<const S>(samples), idx);
+  if constexpr (std::is_same_v<S, bool>) {
+    return collate_with<S>(samples.size(), [&](std::size_t i) -> bool { return samples[i]; }, idx);
+  } else {
+    return collate_with<S>(samples.size(), [&](std::size_t i) -> const S& { return samples[i]; }, idx);
+  }
 }
 
 /// The loader's default collate_fn: the rules above.

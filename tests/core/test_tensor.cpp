@@ -1,0 +1,83 @@
+// Tests that Tensor and Storage share bytes through views, check their arguments and say what
+// was wrong when they refuse.
+#include <catch2/catch.hpp>
+
+#include "ferry/ferry.h"
+
+using namespace ferry;
+
+TEST_CASE("tensor basics: shape, numel, dtype sizes", "[unit][tensor]") {
+  Tensor t = Tensor::zeros(DType::Float32, {4, 3, 2});
+  CHECK(t.dim() == 3);
+  CHECK(t.numel() == 24);
+  CHECK(t.nbytes() == 96);
+  CHECK(t.size(-1) == 2);
+  CHECK(t.device() == Device::host());
+  CHECK_FALSE(t.is_pinned());
+  CHECK(t.data<float>()[23] == 0.0f);
+  CHECK(itemsize(DType::BFloat16) == 2);
+  CHECK(itemsize(DType::Float64) == 8);
+  CHECK(std::string(dtype_name(DType::UInt8)) == "uint8");
+  CHECK(t.str() == "Tensor(float32, [4, 3, 2], cpu)");
+  CHECK(Device::cuda(1).str() == "cuda:1");
+  CHECK_FALSE(Tensor().defined());
+}
+
+TEST_CASE("select and narrow are views sharing storage", "[unit][tensor]") {
+  std::vector<std::int32_t> v(12);
+  for (int i = 0; i < 12; ++i) v[i] = i;
+  Tensor t = Tensor::from(v, {4, 3});
+  Tensor row = t.select(2);
+  CHECK(row.shape() == Shape{3});
+  CHECK(row.item<std::int32_t>(0) == 6);
+  row.data<std::int32_t>()[1] = 100;
+  CHECK(t.item<std::int32_t>(7) == 100);  // wrote through the view
+  Tensor mid = t.narrow(1, 2);
+  CHECK(mid.shape() == Shape{2, 3});
+  CHECK(mid.item<std::int32_t>(0) == 3);
+  CHECK(mid.storage().data() == t.storage().data());
+  CHECK(t.reshape({3, 4}).item<std::int32_t>(4) == 4);
+  Tensor c = t.clone();
+  CHECK(c.equal(t));
+  c.data<std::int32_t>()[0] = -1;
+  CHECK_FALSE(c.equal(t));
+}
+
+TEST_CASE("views keep storage alive after the parent is gone", "[unit][tensor]") {
+  Tensor row;
+  std::weak_ptr<void> owner;
+  {
+    Tensor t = Tensor::zeros(DType::Int64, {8, 2});
+    owner = t.storage().owner();
+    row = t.select(7);
+  }
+  CHECK_FALSE(owner.expired());
+  row = Tensor();
+  CHECK(owner.expired());
+}
+
+TEST_CASE("bad tensor arguments raise errors naming the problem", "[unit][tensor][errors]") {
+  Tensor t = Tensor::zeros(DType::UInt8, {4, 5});
+  CHECK_THROWS_WITH(t.select(4), Catch::Contains("index 4 out of range for shape [4, 5]"));
+  CHECK_THROWS_WITH(t.narrow(3, 2), Catch::Contains("rows [3, 5) out of range"));
+  CHECK_THROWS_WITH(t.reshape({3, 3}), Catch::Contains("cannot view [4, 5] as [3, 3]"));
+  CHECK_THROWS_WITH(t.data<float>(), Catch::Contains("asked for float32 elements of a Tensor(uint8"));
+  CHECK_THROWS_WITH(Tensor(Storage::allocate(10), DType::Float32, {3}), Catch::Contains("needs 12 bytes but the storage has 10"));
+  CHECK_THROWS_WITH(Tensor::empty(DType::Float32, {2, -1}), Catch::Contains("negative dimension"));
+  CHECK_THROWS_WITH(t.size(2), Catch::Contains("dimension 2 out of range"));
+  CHECK_THROWS_AS(Tensor::scalar(1.0).select(0), Error);
+}
+
+TEST_CASE("the empty() of an allocator takes its memory from it", "[unit][tensor]") {
+  struct Fixed final : BatchAllocator {
+    int calls = 0;
+    Storage allocate(std::size_t n) override {
+      ++calls;
+      return Storage::allocate(n);
+    }
+  } alloc;
+  Tensor t = empty(DType::Float64, {3, 3}, alloc);
+  CHECK(alloc.calls == 1);
+  CHECK(t.nbytes() == 72);
+  CHECK(reinterpret_cast<std::uintptr_t>(t.raw()) % 64 == 0);
+}

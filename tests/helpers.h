@@ -1,0 +1,77 @@
+// Test helpers shared by the suites: counting allocators and instance-counted samples.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <chrono>
+#include <thread>
+
+#include "ferry/ferry.h"
+
+namespace ferry::test {
+
+// A BatchAllocator that counts live buffers, so a leaked batch fails the test.
+class CountingAllocator final : public BatchAllocator {
+ public:
+  Storage allocate(std::size_t nbytes) override {
+    Storage s = Storage::allocate(nbytes);
+    allocations.fetch_add(1);
+    live.fetch_add(1);
+    auto* counter = &live;
+    // Wrap the owner so its release is counted.
+    std::shared_ptr<void> owner(new std::shared_ptr<void>(s.owner()), [counter](void* p) {
+      delete static_cast<std::shared_ptr<void>*>(p);
+      counter->fetch_sub(1);
+    });
+    return Storage::wrap(s.data(), nbytes, s.device(), std::move(owner));
+  }
+  std::atomic<long> allocations{0};
+  std::atomic<long> live{0};
+};
+
+// A sample that counts its live instances.
+struct Tracked {
+  static inline std::atomic<long> alive{0};
+  std::size_t index = 0;
+  explicit Tracked(std::size_t i = 0) : index(i) { alive.fetch_add(1); }
+  Tracked(const Tracked& o) : index(o.index) { alive.fetch_add(1); }
+  Tracked& operator=(const Tracked&) = default;
+  ~Tracked() { alive.fetch_sub(1); }
+};
+
+// Waits (polling) until pred() holds or `limit` passes; returns pred().
+template <class Pred>
+bool eventually(Pred pred, std::chrono::milliseconds limit = std::chrono::seconds(20)) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > end) return pred();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+// A one-shot gate: wait() blocks until open().
+class Gate {
+ public:
+  void open() {
+    std::lock_guard l(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  void wait() {
+    std::unique_lock l(mu_);
+    cv_.wait(l, [&] { return open_; });
+  }
+  bool is_open() {
+    std::lock_guard l(mu_);
+    return open_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;  // guarded by mu_
+};
+
+}  // namespace ferry::test

@@ -1,0 +1,121 @@
+// Tests the loader's lifecycle: bounded in-flight batches, one live iterator, persistent workers,
+// and destruction mid-epoch that waits only for user code already running.
+#include <catch2/catch.hpp>
+
+#include <thread>
+
+#include "ferry/ferry.h"
+#include "helpers.h"
+
+using namespace ferry;
+using test::eventually;
+
+namespace {
+struct Counted {
+  std::size_t n;
+  std::shared_ptr<std::atomic<std::size_t>> fetched = std::make_shared<std::atomic<std::size_t>>(0);
+  std::size_t size() const { return n; }
+  std::int64_t get(std::size_t i) const {
+    fetched->fetch_add(1);
+    return static_cast<std::int64_t>(i);
+  }
+};
+}  // namespace
+
+TEST_CASE("in-flight batches are bounded by prefetch_factor * num_workers", "[lifecycle]") {
+  Counted ds{10000};
+  DataLoaderOptions o;
+  o.batch_size = 10;
+  o.num_workers = 3;
+  o.prefetch_factor = 2;
+  DataLoader loader(ds, o);
+  auto it = loader.begin();
+  CHECK(it->item<std::int64_t>(0) == 0);
+  // Taking batch 0 released one more job: 6 + 1 batches of 10 can be fetched, and no more.
+  CHECK(eventually([&] { return ds.fetched->load() == 70; }));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(ds.fetched->load() == 70);
+}
+
+TEST_CASE("a second live iterator is a clear error; after the first ends it works", "[lifecycle][errors]") {
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  o.num_workers = 1;
+  DataLoader loader(Counted{8}, o);
+  {
+    auto first = loader.begin();
+    CHECK_THROWS_WITH(loader.begin(), Catch::Contains("while an iterator of this loader is still live"));
+  }
+  std::size_t n = 0;
+  for (auto& b : loader) n += static_cast<std::size_t>(b.numel());
+  CHECK(n == 8);
+}
+
+TEST_CASE("persistent workers run worker_init_fn once; others once per epoch", "[lifecycle]") {
+  for (bool persistent : {true, false}) {
+    auto inits = std::make_shared<std::atomic<int>>(0);
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = 3;
+    o.persistent_workers = persistent;
+    o.worker_init_fn = [inits](const WorkerInfo& w) {
+      CHECK(w.num_workers == 3);
+      inits->fetch_add(1);
+    };
+    {
+      DataLoader loader(Counted{20}, o);
+      for (int e = 0; e < 3; ++e) {
+        std::size_t n = 0;
+        for (auto& b : loader) n += static_cast<std::size_t>(b.numel());
+        CHECK(n == 20);
+        CHECK(live_threads() == (persistent ? 3u : 0u));
+      }
+    }
+    CHECK(*inits == (persistent ? 3 : 9));
+    CHECK(live_threads() == 0);
+  }
+}
+
+TEST_CASE("destroying an iterator mid-epoch waits only for user code already running", "[lifecycle][shutdown]") {
+  struct Blocks {
+    std::shared_ptr<test::Gate> entered = std::make_shared<test::Gate>();
+    std::shared_ptr<test::Gate> release = std::make_shared<test::Gate>();
+    std::shared_ptr<std::atomic<std::size_t>> fetched = std::make_shared<std::atomic<std::size_t>>(0);
+    std::size_t size() const { return 1000; }
+    std::int64_t get(std::size_t i) const {
+      fetched->fetch_add(1);
+      if (i == 20) {
+        entered->open();
+        release->wait();
+      }
+      return static_cast<std::int64_t>(i);
+    }
+  };
+  Blocks ds;
+  test::CountingAllocator* alloc = new test::CountingAllocator;
+  DataLoaderOptions o;
+  o.batch_size = 10;
+  o.num_workers = 2;
+  o.allocator.reset(alloc);
+  {
+    DataLoader loader(ds, o);
+    {
+      auto it = loader.begin();
+      CHECK(it->item<std::int64_t>(0) == 0);
+      ds.entered->wait();  // a worker is now inside get(20)
+      std::thread releaser([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        ds.release->open();
+      });
+      // Destroying the iterator blocks until get(20) returns, then stops.
+      { auto gone = std::move(it); }  // a moved-to iterator owns the epoch; its end cancels it
+      CHECK(ds.release->is_open());
+      releaser.join();
+    }
+    const std::size_t after = ds.fetched->load();
+    CHECK(after < 100);  // the rest of the epoch was cancelled, not fetched
+    CHECK(live_threads() == 0);
+    CHECK(alloc->live == 0);  // every batch buffer was released
+  }
+  CHECK(live_threads() == 0);
+}
