@@ -2,6 +2,7 @@
 
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
 
 #include <cstring>
@@ -27,7 +28,8 @@ void ParallelFor::run(std::size_t n, const std::function<void(std::size_t, std::
   }
   impl_->arena.execute([&] {
     tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, grain == 0 ? 1 : grain),
-                      [&](const tbb::blocked_range<std::size_t>& r) { body(r.begin(), r.end()); });
+                      [&](const tbb::blocked_range<std::size_t>& r) { body(r.begin(), r.end()); },
+                      tbb::simple_partitioner());
   });
 }
 

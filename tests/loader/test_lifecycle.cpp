@@ -53,13 +53,13 @@ TEST_CASE("a second live iterator is a clear error; after the first ends it work
 
 TEST_CASE("persistent workers run worker_init_fn once; others once per epoch", "[lifecycle]") {
   for (bool persistent : {true, false}) {
-    auto inits = std::make_shared<std::atomic<int>>(0);
+    auto inits = std::make_shared<std::atomic<int>>(0), wrong_info = std::make_shared<std::atomic<int>>(0);
     DataLoaderOptions o;
     o.batch_size = 4;
     o.num_workers = 3;
     o.persistent_workers = persistent;
-    o.worker_init_fn = [inits](const WorkerInfo& w) {
-      CHECK(w.num_workers == 3);
+    o.worker_init_fn = [inits, wrong_info](const WorkerInfo& w) {  // runs on workers: no Catch2 here
+      if (w.num_workers != 3 || w.id < 0 || w.id >= 3) wrong_info->fetch_add(1);
       inits->fetch_add(1);
     };
     {
@@ -72,6 +72,7 @@ TEST_CASE("persistent workers run worker_init_fn once; others once per epoch", "
       }
     }
     CHECK(*inits == (persistent ? 3 : 9));
+    CHECK(*wrong_info == 0);
     CHECK(live_threads() == 0);
   }
 }
