@@ -65,7 +65,7 @@ std::string cpu_model() {
 
 int main(int argc, char** argv) {
   int runs = 7;
-  std::size_t overhead_batches = 20000, throughput_batches = 400;
+  std::size_t overhead_batches = 20000, throughput_batches = 1500;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
     if (a == "--runs") runs = std::stoi(argv[i + 1]);
@@ -76,18 +76,19 @@ int main(int argc, char** argv) {
               std::thread::hardware_concurrency(), runs);
 
   std::printf("## (1) engine overhead: empty get(), batch of 64 int64 scalars, %zu batches\n\n", overhead_batches);
-  std::printf("| num_workers | batches/s | us per batch |\n|---:|---:|---:|\n");
-  for (int workers : {0, 1, 2}) {
+  std::printf("| num_workers | prefetch_factor | batches/s | us per batch (median) | fastest run | slowest run |\n|---:|---:|---:|---:|---:|---:|\n");
+  for (auto [workers, prefetch] : {std::pair{0, 2}, {1, 2}, {1, 4}, {1, 8}, {2, 2}, {2, 4}}) {
     DataLoaderOptions o;
     o.batch_size = 64;
     o.num_workers = workers;
     o.persistent_workers = workers > 0;
-    o.prefetch_factor = 4;
+    o.prefetch_factor = prefetch;
     DataLoader loader(Nothing{overhead_batches * 64}, o);
     std::vector<double> r;
     for (int k = 0; k < runs; ++k) r.push_back(batches_per_second(loader, sink));
     const double m = median(r);
-    std::printf("| %d | %.0f | %.2f |\n", workers, m, 1e6 / m);
+    const auto [lo, hi] = std::minmax_element(r.begin(), r.end());
+    std::printf("| %d | %d | %.0f | %.2f | %.2f | %.2f |\n", workers, prefetch, m, 1e6 / m, 1e6 / *hi, 1e6 / *lo);
   }
 
   constexpr std::int64_t kFeatures = 784, kBatch = 256;

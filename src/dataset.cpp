@@ -66,9 +66,13 @@ std::vector<Tensor> TensorDataset::make_batch(std::size_t rows, BatchAllocator& 
 void TensorDataset::get_into(std::size_t i, std::vector<Tensor>& batch, std::size_t row, SampleContext&) const {
   if (i >= size_) throw Error("TensorDataset: index " + std::to_string(i) + " out of range for size " + std::to_string(size_));
   for (std::size_t k = 0; k < tensors_.size(); ++k) {
-    const Tensor src = tensors_[k].select(static_cast<std::int64_t>(i));
-    Tensor dst = batch[k].select(static_cast<std::int64_t>(row));
-    std::memcpy(dst.raw(), src.raw(), src.nbytes());
+    const Tensor& src = tensors_[k];
+    const std::size_t row_bytes = src.nbytes() / size_;  // no views: this runs once per sample
+    if (row >= static_cast<std::size_t>(batch[k].size(0)) || batch[k].nbytes() / static_cast<std::size_t>(batch[k].size(0)) != row_bytes)
+      throw Error("TensorDataset::get_into: batch tensor " + std::to_string(k) + " (" + batch[k].str() +
+                  ") has no row " + std::to_string(row) + " of " + std::to_string(row_bytes) + " bytes");
+    std::memcpy(static_cast<std::byte*>(batch[k].raw()) + row * row_bytes,
+                static_cast<const std::byte*>(src.raw()) + i * row_bytes, row_bytes);
   }
 }
 

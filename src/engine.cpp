@@ -116,6 +116,7 @@ struct Engine::State {
   int ended = 0;
   bool inline_done = false;
   std::atomic<Stage> inline_stage{Stage::Idle};
+  std::uint64_t refill_burst = 1;  // dispatch only when this many slots are free (or none in flight)
 
   std::size_t limit() const { return static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(W); }
 
@@ -202,6 +203,7 @@ struct Engine::State {
 
   void dispatch() {
     const std::size_t k = limit();
+    bool bursting = false;
     for (;;) {
       if (!opt.streaming) {
         if (next_key >= total) return;
@@ -210,6 +212,11 @@ struct Engine::State {
         while (dead(next_key)) ++next_key;
       }
       if (opt.in_order ? next_key >= window->next() + k : in_flight >= k) return;
+      // Refill in bursts of half the window: a worker that ran dry is woken once per burst rather
+      // than once per batch (bench/RESULTS.md, engine overhead).
+      const std::uint64_t free = opt.in_order ? window->next() + k - next_key : k - in_flight;
+      if (!bursting && in_flight > 0 && free < refill_burst) return;
+      bursting = true;
       Job job;
       job.key = next_key;
       if (opt.streaming) {
@@ -224,6 +231,8 @@ struct Engine::State {
       ++next_key;
     }
   }
+
+
 
   void receive(Result r) {
     --in_flight;
@@ -351,6 +360,7 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
   s.ended = 0;
   s.inline_done = false;
   s.window = std::make_unique<ReorderWindow<Result>>(std::max<std::size_t>(s.limit(), 1));
+  s.refill_burst = std::max<std::uint64_t>(1, s.limit() / 2);
   s.live = true;
   s.start_workers();
   if (s.W > 0) s.dispatch();
