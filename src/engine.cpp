@@ -65,6 +65,7 @@ std::string describe_indices(std::span<const std::size_t> indices, const char* n
 }
 
 std::string worker_name(int worker) {
+  if (worker == -2) return "the pin thread";
   return worker < 0 ? std::string("the consumer thread (num_workers=0)") : "worker " + std::to_string(worker);
 }
 
@@ -333,6 +334,7 @@ struct Engine::State {
       } else if (std::optional<Result> r = ep->results.pop()) {
         receive(std::move(*r));
       }
+      if (ep->results.closed()) return {};  // interrupted
     }
   }
 };
@@ -386,5 +388,12 @@ void Engine::shutdown() noexcept {
 }
 
 bool Engine::epoch_live() const noexcept { return state_->live; }
+
+void Engine::interrupt() noexcept {
+  State& s = *state_;
+  if (!s.live) return;
+  s.ep->cancelled.store(true);
+  s.ep->results.close();
+}
 
 }  // namespace ferry::detail

@@ -125,6 +125,10 @@ class Engine {
   void end_epoch() noexcept;
   /// Ends the epoch and joins every worker (idempotent).
   void shutdown() noexcept;
+  /// Makes a next() blocked on another thread return an empty Payload promptly, and the workers
+  /// drop the epoch's remaining work. The only member safe to call from another thread while
+  /// next() runs; the owner calls end_epoch() after that thread is done with the engine.
+  void interrupt() noexcept;
   bool epoch_live() const noexcept;
 
   struct State;

@@ -1,0 +1,40 @@
+// ferry/detail/pin_stage.h — the pin thread between the engine and the consumer. Not for direct use.
+//
+// Per epoch, one thread takes batches from the engine in order (it becomes the engine's only
+// consumer), pins each through a type-erased function and hands it to the consumer through a
+// queue. It runs at most `depth` batches ahead of the consumer. Errors from the workers
+// (WorkerError, TimeoutError) and from pinning (a WorkerError naming stage 'pin') are forwarded in
+// order. stop() interrupts the engine, wakes and joins the thread; the owner then ends the
+// engine's epoch. See Note [Shutdown order] in engine.h.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "ferry/detail/engine.h"
+
+namespace ferry::detail {
+
+class PinStage {
+ public:
+  using PinFn = std::function<void(Payload&)>;
+  /// `engine` must outlive the stage; `pin` runs on the pin thread.
+  PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout);
+  ~PinStage();
+  PinStage(const PinStage&) = delete;
+  PinStage& operator=(const PinStage&) = delete;
+
+  /// Starts the pin thread for the engine's live epoch.
+  void start();
+  /// The next pinned batch; empty at the end of the epoch. Rethrows forwarded errors.
+  Payload next();
+  /// Stops and joins the pin thread (idempotent).
+  void stop() noexcept;
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace ferry::detail

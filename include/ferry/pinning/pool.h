@@ -1,0 +1,94 @@
+// ferry/pinning/pool.h — a bounded, recycled pool of pinned host blocks.
+//
+// Note [Pinned block lifecycle]
+// A block moves free -> leased -> pending -> free. allocate() leases a block (reusing a free one
+// of a fitting size, or allocating an exact-size one while under the byte budget); it comes back
+// as a Storage whose last reference, when dropped, moves the block to pending. A pending block
+// becomes free only when every fence attached to it (add_fence: one CUDA event per device copy
+// that read it) has completed, never merely because the host let go: reusing a pinned source
+// before its non_blocking copy has finished silently corrupts the copy on the GPU.
+//
+// The budget (`limit_bytes`) is hard: when it is reached, allocate() first reclaims free blocks of
+// unfitting sizes, then waits for pending fences, then for leases to come back. A single request
+// larger than the budget throws ferry::Error at once. Blocks are sized exactly (no power-of-two
+// rounding); a free block is reused for any request between half its size and its size.
+// cudaHostAlloc costs ~350 ms per GiB, so after warm-up the pool allocates nothing (stats()).
+//
+//   ferry::PinnedPool pool({.limit_bytes = 1 << 30});
+//   ferry::Storage s = pool.allocate(38'535'168);      // pinned, 64-byte aligned
+//   ... cudaMemcpyAsync from s.data() on a stream; record an event ...
+//   pool.add_fence(s, std::make_shared<ferry::EventFence>(std::move(event)));
+//
+// The pool's memory outlives the PinnedPool object while any Storage from it is alive: the last
+// one out frees it (after waiting on its fences).
+//
+// Thread safety: all members may be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "ferry/core/allocator.h"
+#include "ferry/pinning/fence.h"
+
+namespace ferry {
+
+/// Where the pool's blocks come from.
+class HostBackend {
+ public:
+  virtual ~HostBackend() = default;
+  virtual void* allocate(std::size_t bytes) = 0;
+  virtual void free(void* p, std::size_t bytes) noexcept = 0;
+  /// The memory kind of Storage handed out (PinnedHost for cudaHostAlloc).
+  virtual Device device() const noexcept = 0;
+};
+
+/// cudaHostAlloc / cudaFreeHost.
+std::unique_ptr<HostBackend> cuda_host_backend();
+/// Plain aligned host memory, reported as pinned: lets the pool's logic run on a CPU-only machine.
+std::unique_ptr<HostBackend> pageable_backend_for_tests();
+
+struct PinnedPoolOptions {
+  /// Hard cap on bytes the pool holds (free + in use + pending).
+  std::size_t limit_bytes = std::size_t{4} << 30;
+  /// Null: cudaHostAlloc.
+  std::shared_ptr<HostBackend> backend;
+};
+
+struct PinnedPoolStats {
+  std::size_t bytes_pinned = 0;   ///< held by the pool now
+  std::size_t bytes_in_use = 0;   ///< leased or pending (not yet reusable)
+  std::size_t blocks = 0;
+  std::uint64_t allocations = 0;  ///< backend allocations so far (cudaHostAlloc calls)
+  std::uint64_t frees = 0;        ///< backend frees so far
+  std::uint64_t leases = 0;       ///< allocate() calls served
+  std::uint64_t waits = 0;        ///< allocate() calls that had to wait (budget reached)
+  std::uint64_t fence_waits = 0;  ///< of those, waits on a pending block's fences
+};
+
+class PinnedPool final : public BatchAllocator {
+ public:
+  explicit PinnedPool(PinnedPoolOptions options = {});
+  ~PinnedPool() override;
+  PinnedPool(const PinnedPool&) = delete;
+  PinnedPool& operator=(const PinnedPool&) = delete;
+
+  /// Leases a block of at least `nbytes` (see Note [Pinned block lifecycle]). May block on the
+  /// budget; throws ferry::Error if `nbytes` exceeds it, CudaError if the backend fails.
+  Storage allocate(std::size_t nbytes) override;
+  /// Attaches a fence to the block behind `storage`: the block is not reused before it completes.
+  /// Throws ferry::Error if `storage` did not come from this pool.
+  void add_fence(const Storage& storage, std::shared_ptr<Fence> fence);
+  /// True if `storage` lies in one of this pool's blocks.
+  bool owns(const Storage& storage) const;
+  PinnedPoolStats stats() const;
+  std::size_t limit_bytes() const noexcept;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+}  // namespace ferry

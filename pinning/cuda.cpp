@@ -1,0 +1,191 @@
+// CUDA runtime wrappers. Without the toolkit (FERRY_HAVE_CUDA undefined) every entry point reports
+// "built without CUDA" and available() is false.
+#include "ferry/pinning/cuda.h"
+
+#include <mutex>
+#include <string>
+
+#include "ferry/detail/engine.h"
+
+#ifdef FERRY_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace ferry::cuda {
+namespace {
+
+#ifdef FERRY_HAVE_CUDA
+void check(cudaError_t e, const char* call) {
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky-free error state
+    throw CudaError(std::string(call) + " failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  }
+}
+// Destructors: never throw; tolerate the runtime being torn down at process exit.
+void check_noexcept(cudaError_t e, const char* call) noexcept {
+  if (e == cudaSuccess || e == cudaErrorCudartUnloading) return;
+  cudaGetLastError();
+  detail::warn_once(call, std::string(call) + " failed in a destructor: " + cudaGetErrorString(e));
+}
+#define FERRY_CUDA(call) check((call), #call)
+
+struct Probe {
+  int count = 0;
+  std::string reason;
+};
+const Probe& probe() {
+  static const Probe p = [] {
+    Probe r;
+    const cudaError_t e = cudaGetDeviceCount(&r.count);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      r.count = 0;
+      r.reason = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+    } else if (r.count == 0) {
+      r.reason = "no CUDA device";
+    }
+    return r;
+  }();
+  return p;
+}
+#else
+[[noreturn]] void no_cuda(const char* what) { throw CudaError(std::string(what) + ": ferry was built without CUDA"); }
+#endif
+
+}  // namespace
+
+#ifdef FERRY_HAVE_CUDA
+bool available() noexcept { return probe().count > 0; }
+int device_count() noexcept { return probe().count; }
+std::string unavailable_reason() { return probe().reason; }
+
+DeviceGuard::DeviceGuard(int device) {
+  FERRY_CUDA(cudaGetDevice(&previous_));
+  if (previous_ != device) FERRY_CUDA(cudaSetDevice(device));
+}
+DeviceGuard::~DeviceGuard() {
+  int now = -1;
+  if (cudaGetDevice(&now) == cudaSuccess && now != previous_ && previous_ >= 0)
+    check_noexcept(cudaSetDevice(previous_), "cudaSetDevice");
+}
+
+Stream Stream::create(int device) {
+  DeviceGuard g(device);
+  Stream s;
+  cudaStream_t h = nullptr;
+  FERRY_CUDA(cudaStreamCreateWithFlags(&h, cudaStreamNonBlocking));
+  s.handle_ = h;
+  s.device_ = device;
+  s.owned_ = true;
+  return s;
+}
+Stream Stream::borrow(void* native, int device) {
+  Stream s;
+  s.handle_ = native;
+  s.device_ = device;
+  s.owned_ = false;
+  return s;
+}
+Stream::~Stream() {
+  if (owned_ && handle_) check_noexcept(cudaStreamDestroy(static_cast<cudaStream_t>(handle_)), "cudaStreamDestroy");
+}
+void Stream::wait(const Event& event) const {
+  FERRY_CUDA(cudaStreamWaitEvent(static_cast<cudaStream_t>(handle_), static_cast<cudaEvent_t>(event.native()), 0));
+}
+void Stream::synchronize() const { FERRY_CUDA(cudaStreamSynchronize(static_cast<cudaStream_t>(handle_))); }
+
+Event Event::create(int device) {
+  DeviceGuard g(device);
+  Event e;
+  cudaEvent_t h = nullptr;
+  FERRY_CUDA(cudaEventCreateWithFlags(&h, cudaEventDisableTiming));
+  e.handle_ = h;
+  e.device_ = device;
+  return e;
+}
+Event::~Event() {
+  if (handle_) check_noexcept(cudaEventDestroy(static_cast<cudaEvent_t>(handle_)), "cudaEventDestroy");
+}
+void Event::record(const Stream& stream) {
+  FERRY_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(handle_), static_cast<cudaStream_t>(stream.native())));
+}
+bool Event::ready() const {
+  const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(handle_));
+  if (e == cudaErrorNotReady) {
+    cudaGetLastError();
+    return false;
+  }
+  FERRY_CUDA(e);
+  return true;
+}
+void Event::synchronize() const { FERRY_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_))); }
+
+void* host_alloc(std::size_t bytes) {
+  void* p = nullptr;
+  FERRY_CUDA(cudaHostAlloc(&p, bytes, cudaHostAllocDefault));
+  return p;
+}
+void host_free(void* p) noexcept { check_noexcept(cudaFreeHost(p), "cudaFreeHost"); }
+void* device_alloc(std::size_t bytes) {
+  void* p = nullptr;
+  FERRY_CUDA(cudaMalloc(&p, bytes));
+  return p;
+}
+void device_free(void* p) noexcept { check_noexcept(cudaFree(p), "cudaFree"); }
+void memcpy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, const Stream& stream) {
+  const cudaMemcpyKind k = kind == CopyKind::HostToDevice   ? cudaMemcpyHostToDevice
+                           : kind == CopyKind::DeviceToHost ? cudaMemcpyDeviceToHost
+                           : kind == CopyKind::DeviceToDevice ? cudaMemcpyDeviceToDevice
+                                                              : cudaMemcpyHostToHost;
+  FERRY_CUDA(cudaMemcpyAsync(dst, src, bytes, k, static_cast<cudaStream_t>(stream.native())));
+}
+#else
+bool available() noexcept { return false; }
+int device_count() noexcept { return 0; }
+std::string unavailable_reason() { return "ferry was built without CUDA"; }
+DeviceGuard::DeviceGuard(int) { no_cuda("DeviceGuard"); }
+DeviceGuard::~DeviceGuard() = default;
+Stream Stream::create(int) { no_cuda("Stream::create"); }
+Stream Stream::borrow(void* native, int device) {
+  Stream s;
+  s.handle_ = native;
+  s.device_ = device;
+  return s;
+}
+Stream::~Stream() = default;
+void Stream::wait(const Event&) const { no_cuda("Stream::wait"); }
+void Stream::synchronize() const { no_cuda("Stream::synchronize"); }
+Event Event::create(int) { no_cuda("Event::create"); }
+Event::~Event() = default;
+void Event::record(const Stream&) { no_cuda("Event::record"); }
+bool Event::ready() const { no_cuda("Event::ready"); }
+void Event::synchronize() const { no_cuda("Event::synchronize"); }
+void* host_alloc(std::size_t) { no_cuda("cudaHostAlloc"); }
+void host_free(void*) noexcept {}
+void* device_alloc(std::size_t) { no_cuda("cudaMalloc"); }
+void device_free(void*) noexcept {}
+void memcpy_async(void*, const void*, std::size_t, CopyKind, const Stream&) { no_cuda("cudaMemcpyAsync"); }
+#endif
+
+Stream::Stream(Stream&& o) noexcept
+    : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_), owned_(std::exchange(o.owned_, false)) {}
+Stream& Stream::operator=(Stream&& o) noexcept {
+  if (this != &o) {
+    Stream tmp(std::move(*this));
+    handle_ = std::exchange(o.handle_, nullptr);
+    device_ = o.device_;
+    owned_ = std::exchange(o.owned_, false);
+  }
+  return *this;
+}
+Event::Event(Event&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_) {}
+Event& Event::operator=(Event&& o) noexcept {
+  if (this != &o) {
+    Event tmp(std::move(*this));
+    handle_ = std::exchange(o.handle_, nullptr);
+    device_ = o.device_;
+  }
+  return *this;
+}
+
+}  // namespace ferry::cuda

@@ -1,0 +1,41 @@
+#include "ferry/pinning/pin.h"
+
+#include "ferry/collate/collate.h"
+
+namespace ferry {
+
+void PinContext::begin_measure() noexcept {
+  measuring_ = true;
+  need_ = used_ = 0;
+  block_ = Storage();
+}
+
+void PinContext::begin_copy() {
+  measuring_ = false;
+  if (need_ > 0) block_ = pool_.allocate(need_);
+}
+
+void PinContext::finish() noexcept {
+  block_ = Storage();
+  need_ = used_ = 0;
+}
+
+Tensor PinContext::pin(const Tensor& t) {
+  if (!t.defined() || t.is_pinned()) return t;
+  if (!t.device().is_host()) throw Error("pin_memory: " + t.str() + " is not in host memory");
+  const std::size_t bytes = align_up(t.nbytes());
+  if (measuring_) {
+    need_ += bytes;
+    return t;
+  }
+  if (used_ + bytes > need_)
+    throw Error("pin_memory: the batch's pin_memory pinned more tensors in its second pass than in its first; "
+                "a custom pin_memory must only call ctx.pin()");
+  Tensor out(block_, t.dtype(), t.shape(), used_);
+  used_ += bytes;
+  parallel_memcpy(out.raw(), t.raw(), t.nbytes(), copy_pool_);
+  copied_ += t.nbytes();
+  return out;
+}
+
+}  // namespace ferry

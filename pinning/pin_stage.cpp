@@ -1,0 +1,112 @@
+#include "ferry/detail/pin_stage.h"
+
+#include <atomic>
+#include <semaphore>
+#include <string>
+
+#include "../src/queue.h"
+#include "../src/thread.h"
+#include "ferry/core/error.h"
+
+namespace ferry::detail {
+
+namespace {
+struct Item {
+  Payload payload;
+  std::exception_ptr error;
+  bool end = false;
+};
+}  // namespace
+
+struct PinStage::State {
+  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t)
+      : engine(e), pin(std::move(p)), depth(d < 1 ? 1 : d), timeout(t) {}
+  Engine& engine;
+  PinFn pin;
+  const int depth;
+  const std::chrono::milliseconds timeout;
+  std::unique_ptr<StageQueue<Item>> out;
+  std::unique_ptr<std::counting_semaphore<>> credits;
+  std::atomic<bool> stopping{false};
+  std::atomic<Stage> stage{Stage::Idle};
+  std::atomic<std::int64_t> batches{0};
+  Thread thread;
+
+  void run() {
+    for (;;) {
+      credits->acquire();
+      if (stopping.load()) return;
+      Item item;
+      stage.store(Stage::Fetch);  // waiting on the workers
+      try {
+        item.payload = engine.next();
+        if (!item.payload) {
+          item.end = true;
+        } else {
+          stage.store(Stage::Pin);
+          try {
+            pin(item.payload);
+          } catch (...) {
+            item.payload = Payload();
+            item.error = wrap_current_exception(-2, batches.load(), {}, Stage::Pin, std::nullopt, false);
+          }
+        }
+      } catch (...) {
+        item.error = std::current_exception();  // already a WorkerError / TimeoutError
+      }
+      stage.store(Stage::Idle);
+      if (stopping.load()) return;
+      ++batches;
+      const bool end = item.end;
+      out->push(std::move(item));
+      if (end) return;
+    }
+  }
+};
+
+PinStage::PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout)
+    : state_(std::make_unique<State>(engine, std::move(pin), depth, timeout)) {}
+
+PinStage::~PinStage() { stop(); }
+
+void PinStage::start() {
+  State& s = *state_;
+  stop();
+  s.stopping = false;
+  s.batches = 0;
+  s.out = std::make_unique<StageQueue<Item>>();
+  s.credits = std::make_unique<std::counting_semaphore<>>(s.depth);
+  s.thread = Thread("ferry-pin", [&s] { s.run(); });
+}
+
+Payload PinStage::next() {
+  State& s = *state_;
+  if (!s.out) throw Error("PinStage: next() before start()");
+  std::optional<Item> item;
+  if (s.timeout.count() > 0) {
+    // The workers' own timeout is enforced inside engine.next(); this one catches a stalled pin.
+    auto [got, timed_out] = s.out->pop_for(std::chrono::duration_cast<std::chrono::microseconds>(s.timeout) * 2);
+    if (timed_out)
+      throw TimeoutError("DataLoader timed out after " + std::to_string(2 * s.timeout.count()) +
+                         " ms waiting for the pin thread, which is in stage '" + stage_name(s.stage.load()) + "'");
+    item = std::move(got);
+  } else {
+    item = s.out->pop();
+  }
+  if (!item) return {};
+  s.credits->release();
+  if (item->error) std::rethrow_exception(item->error);
+  return std::move(item->payload);
+}
+
+void PinStage::stop() noexcept {
+  State& s = *state_;
+  if (!s.thread.joinable()) return;
+  s.stopping = true;
+  s.engine.interrupt();
+  s.credits->release();
+  s.out->close();
+  s.thread.join();
+}
+
+}  // namespace ferry::detail

@@ -1,0 +1,219 @@
+// The pinned pool: see Note [Pinned block lifecycle] in include/ferry/pinning/pool.h.
+#include "ferry/pinning/pool.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ferry/detail/engine.h"
+
+namespace ferry {
+namespace {
+
+class CudaHostBackend final : public HostBackend {
+ public:
+  void* allocate(std::size_t bytes) override { return cuda::host_alloc(bytes); }
+  void free(void* p, std::size_t) noexcept override { cuda::host_free(p); }
+  Device device() const noexcept override { return Device::pinned(); }
+};
+
+class PageableBackend final : public HostBackend {
+ public:
+  void* allocate(std::size_t bytes) override {
+    void* p = std::aligned_alloc(64, (std::max<std::size_t>(bytes, 1) + 63) / 64 * 64);
+    if (!p) throw Error("pageable test backend: out of memory");
+    return p;
+  }
+  void free(void* p, std::size_t) noexcept override { std::free(p); }
+  Device device() const noexcept override { return Device::pinned(); }
+};
+
+std::string mib(std::size_t bytes) { return std::to_string(bytes / (1024.0 * 1024.0)).substr(0, 8) + " MiB"; }
+
+}  // namespace
+
+std::unique_ptr<HostBackend> cuda_host_backend() { return std::make_unique<CudaHostBackend>(); }
+std::unique_ptr<HostBackend> pageable_backend_for_tests() { return std::make_unique<PageableBackend>(); }
+
+struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
+  enum class State { Free, Leased, Pending };
+  struct Block {
+    std::byte* ptr = nullptr;
+    std::size_t size = 0;
+    State state = State::Free;
+    std::vector<std::shared_ptr<Fence>> fences;
+  };
+
+  Impl(std::size_t limit, std::shared_ptr<HostBackend> backend) : limit(limit), backend(std::move(backend)) {}
+  ~Impl() {
+    // Every Storage is gone (each holds a reference to Impl), so only fences can still be open.
+    for (auto& [ptr, b] : blocks) {
+      for (auto& f : b.fences) f->wait();
+      backend->free(ptr, b.size);
+    }
+  }
+
+  const std::size_t limit;
+  const std::shared_ptr<HostBackend> backend;
+  mutable std::mutex mu;
+  std::condition_variable returned;            // a lease came back
+  std::map<std::byte*, Block> blocks;          // guarded by mu; keyed by address
+  std::size_t pinned = 0, reserved = 0;        // guarded by mu; reserved: allocations in progress
+  PinnedPoolStats counters;                    // guarded by mu (allocations, frees, leases, waits)
+
+  // Pending blocks whose fences have all completed become free. Needs mu.
+  void reap() {
+    for (auto& [ptr, b] : blocks)
+      if (b.state == State::Pending &&
+          std::all_of(b.fences.begin(), b.fences.end(), [](const auto& f) { return f->ready(); })) {
+        b.fences.clear();
+        b.state = State::Free;
+      }
+  }
+
+  Storage lease(Block& b, std::size_t nbytes) {
+    b.state = State::Leased;
+    ++counters.leases;
+    std::shared_ptr<Impl> self = shared_from_this();
+    std::byte* key = b.ptr;
+    std::shared_ptr<void> owner(key, [self](void* p) { self->release(static_cast<std::byte*>(p)); });
+    return Storage::wrap(b.ptr, nbytes, backend->device(), std::move(owner));
+  }
+
+  void release(std::byte* ptr) noexcept {
+    std::lock_guard l(mu);
+    auto it = blocks.find(ptr);
+    if (it == blocks.end()) return;
+    it->second.state = it->second.fences.empty() ? State::Free : State::Pending;
+    returned.notify_all();
+  }
+
+  Storage allocate(std::size_t nbytes) {
+    if (nbytes > limit)
+      throw Error("PinnedPool: a batch needs " + std::to_string(nbytes) + " bytes (" + mib(nbytes) +
+                  ") but pinned_memory_limit is " + std::to_string(limit) + " bytes (" + mib(limit) +
+                  "); raise the limit or make batches smaller");
+    const std::size_t want = std::max<std::size_t>(nbytes, 1);
+    std::unique_lock l(mu);
+    bool waited = false;
+    const auto started = std::chrono::steady_clock::now();
+    bool warned = false;
+    for (;;) {
+      reap();
+      // Best fit among free blocks between want and 2 * want bytes.
+      Block* best = nullptr;
+      for (auto& [ptr, b] : blocks)
+        if (b.state == State::Free && b.size >= want && b.size <= 2 * want && (!best || b.size < best->size)) best = &b;
+      if (best) return lease(*best, nbytes);
+      if (pinned + reserved + want <= limit) {
+        reserved += want;
+        l.unlock();
+        void* p = nullptr;
+        try {
+          p = backend->allocate(want);  // cudaHostAlloc is slow: not under the lock
+        } catch (...) {
+          l.lock();
+          reserved -= want;
+          throw;
+        }
+        l.lock();
+        reserved -= want;
+        pinned += want;
+        ++counters.allocations;
+        Block& b = blocks[static_cast<std::byte*>(p)];
+        b.ptr = static_cast<std::byte*>(p);
+        b.size = want;
+        return lease(b, nbytes);
+      }
+      // Over budget: give back a free block of the wrong size, if any.
+      auto unfit = std::find_if(blocks.begin(), blocks.end(), [](const auto& kv) { return kv.second.state == State::Free; });
+      if (unfit != blocks.end()) {
+        backend->free(unfit->first, unfit->second.size);
+        pinned -= unfit->second.size;
+        ++counters.frees;
+        blocks.erase(unfit);
+        continue;
+      }
+      if (!waited) {
+        ++counters.waits;
+        waited = true;
+      }
+      // Wait for a pending block's fences (the device is still reading it), else for a lease.
+      auto pending = std::find_if(blocks.begin(), blocks.end(), [](const auto& kv) { return kv.second.state == State::Pending; });
+      if (pending != blocks.end()) {
+        ++counters.fence_waits;
+        std::vector<std::shared_ptr<Fence>> fences = pending->second.fences;
+        l.unlock();
+        for (auto& f : fences) f->wait();
+        l.lock();
+        continue;
+      }
+      returned.wait_for(l, std::chrono::milliseconds(100));
+      if (!warned && std::chrono::steady_clock::now() - started > std::chrono::seconds(5)) {
+        warned = true;
+        detail::warn_once("pinned-pool-exhausted",
+                          "PinnedPool: waited over 5 s for a pinned block: all " + mib(pinned) +
+                              " are held by batches still alive (pinned_memory_limit " + mib(limit) +
+                              "); release batches sooner or raise the limit");
+      }
+    }
+  }
+};
+
+PinnedPool::PinnedPool(PinnedPoolOptions options) {
+  if (options.limit_bytes == 0) throw Error("PinnedPool: limit_bytes must be > 0");
+  std::shared_ptr<HostBackend> backend = options.backend;
+  if (!backend) {
+    if (!cuda::available())
+      throw CudaError("PinnedPool: cannot pin memory without a CUDA device (" + cuda::unavailable_reason() + ")");
+    backend = cuda_host_backend();
+  }
+  impl_ = std::make_shared<Impl>(options.limit_bytes, std::move(backend));
+}
+
+PinnedPool::~PinnedPool() = default;
+
+Storage PinnedPool::allocate(std::size_t nbytes) { return impl_->allocate(nbytes); }
+
+void PinnedPool::add_fence(const Storage& storage, std::shared_ptr<Fence> fence) {
+  std::lock_guard l(impl_->mu);
+  auto it = impl_->blocks.upper_bound(storage.data());
+  if (it != impl_->blocks.begin()) {
+    --it;
+    Impl::Block& b = it->second;
+    if (storage.data() >= b.ptr && storage.data() < b.ptr + std::max<std::size_t>(b.size, 1)) {
+      if (b.state == Impl::State::Free)
+        throw Error("PinnedPool::add_fence: the block is free; fences must be added while the storage is held");
+      b.fences.push_back(std::move(fence));
+      return;
+    }
+  }
+  throw Error("PinnedPool::add_fence: the storage was not allocated by this pool");
+}
+
+bool PinnedPool::owns(const Storage& storage) const {
+  std::lock_guard l(impl_->mu);
+  auto it = impl_->blocks.upper_bound(storage.data());
+  if (it == impl_->blocks.begin()) return false;
+  --it;
+  return storage.data() >= it->second.ptr && storage.data() < it->second.ptr + std::max<std::size_t>(it->second.size, 1);
+}
+
+PinnedPoolStats PinnedPool::stats() const {
+  std::lock_guard l(impl_->mu);
+  PinnedPoolStats s = impl_->counters;
+  s.bytes_pinned = impl_->pinned;
+  s.blocks = impl_->blocks.size();
+  for (const auto& [p, b] : impl_->blocks)
+    if (b.state != Impl::State::Free) s.bytes_in_use += b.size;
+  return s;
+}
+
+std::size_t PinnedPool::limit_bytes() const noexcept { return impl_->limit; }
+
+}  // namespace ferry

@@ -1,0 +1,168 @@
+// Tests pin_memory and the loader's pin thread on a CPU-only machine (test pool): custom batch
+// types, pass-through of pinned tensors, one block per batch, errors in the pin stage at their
+// batch's position, and shutdown with blocks in flight returning every block.
+#include <catch2/catch.hpp>
+
+#include "ferry/ferry.h"
+#include "helpers.h"
+
+using namespace ferry;
+
+namespace {
+std::shared_ptr<PinnedPool> test_pool(std::size_t limit = 64 << 20) {
+  PinnedPoolOptions o;
+  o.limit_bytes = limit;
+  o.backend = pageable_backend_for_tests();
+  return std::make_shared<PinnedPool>(o);
+}
+
+struct CustomBatch {
+  Tensor inputs, targets;
+  int pinned_calls = 0;
+  void pin_memory(PinContext& ctx) {
+    ++pinned_calls;
+    inputs = ctx.pin(inputs);
+    targets = ctx.pin(targets);
+  }
+};
+
+Tensor iota_tensor(std::int64_t n, std::int64_t offset = 0) {
+  Tensor t = Tensor::empty(DType::Float32, {n});
+  for (std::int64_t i = 0; i < n; ++i) t.data<float>()[i] = static_cast<float>(i + offset);
+  return t;
+}
+}  // namespace
+
+TEST_CASE("a custom batch's pin_memory moves its tensors into one pinned block", "[unit][pin]") {
+  auto pool = test_pool();
+  CustomBatch b{iota_tensor(100), iota_tensor(7, 5)};
+  Tensor original = b.inputs;
+  PinContext ctx(*pool, nullptr);
+  pin_memory(b, ctx);
+  CHECK(b.pinned_calls == 2);  // measure, then copy
+  CHECK(b.inputs.is_pinned());
+  CHECK(b.targets.is_pinned());
+  CHECK(b.inputs.storage().data() == b.targets.storage().data());  // one block
+  CHECK(b.inputs.equal(original));
+  CHECK(b.targets.item<float>(6) == 11.0f);
+  CHECK(ctx.bytes_copied() == 107 * 4);
+  CHECK(pool->stats().leases == 1);
+}
+
+TEST_CASE("tensors already pinned pass through without a copy", "[unit][pin]") {
+  auto pool = test_pool();
+  Tensor pinned(pool->allocate(400), DType::Float32, {100});
+  std::vector<Tensor> batch{pinned, iota_tensor(3)};
+  PinContext ctx(*pool, nullptr);
+  pin_memory(batch, ctx);
+  CHECK(batch[0].raw() == pinned.raw());
+  CHECK(batch[1].is_pinned());
+  CHECK(ctx.bytes_copied() == 12);
+  std::tuple<int, std::string, std::map<std::string, Tensor>, std::optional<Tensor>> nested{1, "x", {{"a", iota_tensor(2)}}, iota_tensor(4)};
+  pin_memory(nested, ctx);
+  CHECK(std::get<2>(nested)["a"].is_pinned());
+  CHECK(std::get<3>(nested)->is_pinned());
+}
+
+TEST_CASE("the loader pins every batch in order, in copy and direct mode", "[pin][ordering]") {
+  Tensor x = Tensor::empty(DType::Int32, {50, 8});
+  for (std::int64_t i = 0; i < x.numel(); ++i) x.data<std::int32_t>()[i] = static_cast<std::int32_t>(i);
+  for (auto mode : {DataLoaderOptions::PinMode::Copy, DataLoaderOptions::PinMode::Direct}) {
+    auto pool = test_pool();
+    DataLoaderOptions o;
+    o.batch_size = 8;
+    o.shuffle = true;
+    o.num_workers = 2;
+    o.pin_memory = true;
+    o.pin_mode = mode;
+    o.pinned_pool = pool;
+    DataLoader pinned(TensorDataset({x}), o);
+    CHECK(pinned.pinned());
+    o.pin_memory = false;
+    o.pinned_pool = nullptr;
+    DataLoader plain(TensorDataset({x}), o);
+    std::vector<std::vector<Tensor>> a, b;
+    for (auto& batch : pinned) {
+      CHECK(batch[0].is_pinned());
+      a.push_back(batch);
+    }
+    for (auto& batch : plain) {
+      CHECK_FALSE(batch[0].is_pinned());
+      b.push_back(batch);
+    }
+    REQUIRE(a.size() == 7);
+    for (std::size_t k = 0; k < a.size(); ++k) CHECK(a[k][0].equal(b[k][0]));
+    a.clear();
+    CHECK(pool->stats().bytes_in_use == 0);
+    CHECK(pool->stats().leases >= 7);
+  }
+}
+
+TEST_CASE("a failure in pin_memory reaches the consumer at its batch; the epoch goes on", "[pin][errors]") {
+  struct Flaky {
+    Tensor t;
+    std::int64_t first;
+    void pin_memory(PinContext& ctx) {
+      if (first == 8 && !ctx.measuring()) throw std::runtime_error("cannot pin this one");
+      t = ctx.pin(t);
+    }
+  };
+  struct Source {
+    std::size_t size() const { return 20; }
+    std::int64_t get(std::size_t i) const { return static_cast<std::int64_t>(i); }
+  };
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  o.num_workers = 2;
+  o.pin_memory = true;
+  o.pinned_pool = test_pool();
+  DataLoader loader(Source{}, o, [](std::vector<std::int64_t>&& s) { return Flaky{collate(s), s[0]}; });
+  std::vector<std::int64_t> firsts;
+  std::vector<std::string> errors;
+  auto it = loader.begin();
+  for (;;) {
+    try {
+      if (it == loader.end()) break;
+      CHECK(it->t.is_pinned());
+      firsts.push_back(it->first);
+    } catch (const WorkerError& e) {
+      errors.push_back(e.what());
+      continue;
+    }
+    ++it;
+  }
+  CHECK(firsts == std::vector<std::int64_t>{0, 4, 12, 16});
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("the pin thread failed in stage 'pin' of batch 2") && Catch::Contains("cannot pin this one"));
+}
+
+TEST_CASE("destroying a pinned loader mid-epoch returns every block and thread", "[pin][shutdown]") {
+  auto pool = test_pool();
+  Tensor x = Tensor::zeros(DType::Float32, {1000, 64});
+  for (int cycle = 0; cycle < 50; ++cycle) {
+    DataLoaderOptions o;
+    o.batch_size = 10;
+    o.num_workers = cycle % 3;
+    o.pin_memory = true;
+    o.pin_mode = cycle % 2 ? DataLoaderOptions::PinMode::Direct : DataLoaderOptions::PinMode::Copy;
+    o.pinned_pool = pool;
+    DataLoader loader(TensorDataset({x}), o);
+    int n = 0;
+    for (auto& b : loader) {
+      (void)b;
+      if (++n > cycle % 7) break;
+    }
+  }
+  CHECK(live_threads() == 0);
+  CHECK(pool->stats().bytes_in_use == 0);
+}
+
+TEST_CASE("pin_memory without CUDA or a pool warns and delivers pageable batches", "[pin]") {
+  if (cuda::available()) return;
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  o.pin_memory = true;
+  DataLoader loader(TensorDataset({Tensor::zeros(DType::Float32, {8, 2})}), o);
+  CHECK_FALSE(loader.pinned());
+  for (auto& b : loader) CHECK_FALSE(b[0].is_pinned());
+}

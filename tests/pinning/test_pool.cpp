@@ -1,0 +1,163 @@
+// Tests the pinned pool's lifecycle on a CPU-only machine (test backend + manual fences): a block
+// whose fence is closed is never handed out, the byte budget holds (waiting, or refusing a batch
+// that can never fit), sizes are exact, and nothing is allocated after warm-up.
+#include <catch2/catch.hpp>
+
+#include <thread>
+
+#include "ferry/ferry.h"
+#include "helpers.h"
+
+using namespace ferry;
+using test::eventually;
+
+namespace {
+// A backend that counts live blocks, so a leak fails the test.
+struct CountingBackend final : HostBackend {
+  std::shared_ptr<HostBackend> inner = pageable_backend_for_tests();
+  std::atomic<long> live{0};
+  void* allocate(std::size_t b) override {
+    ++live;
+    return inner->allocate(b);
+  }
+  void free(void* p, std::size_t b) noexcept override {
+    --live;
+    inner->free(p, b);
+  }
+  Device device() const noexcept override { return Device::pinned(); }
+};
+
+PinnedPoolOptions options(std::size_t limit, std::shared_ptr<HostBackend> backend = nullptr) {
+  PinnedPoolOptions o;
+  o.limit_bytes = limit;
+  o.backend = backend ? backend : std::shared_ptr<HostBackend>(pageable_backend_for_tests());
+  return o;
+}
+}  // namespace
+
+TEST_CASE("a block whose fence is closed is never handed out again", "[unit][pool]") {
+  PinnedPool pool(options(1 << 20));
+  auto fence = std::make_shared<ManualFence>();
+  std::byte* first = nullptr;
+  {
+    Storage s = pool.allocate(1000);
+    first = s.data();
+    CHECK(s.device() == Device::pinned());
+    pool.add_fence(s, fence);
+  }  // the host let go; the device (fence) has not
+  for (int i = 0; i < 10; ++i) {
+    Storage other = pool.allocate(1000);
+    CHECK(other.data() != first);
+  }
+  fence->open();
+  Storage again = pool.allocate(1000);
+  CHECK(again.data() == first);  // reusable once the fence completed
+}
+
+TEST_CASE("at the budget, allocate waits for the fence, then reuses the block", "[unit][pool]") {
+  PinnedPool pool(options(4096));
+  auto fence = std::make_shared<ManualFence>();
+  { 
+    Storage s = pool.allocate(4096);
+    pool.add_fence(s, fence);
+  }
+  std::atomic<bool> got{false};
+  std::thread t([&] {
+    Storage s = pool.allocate(4000);
+    got = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK_FALSE(got.load());  // still waiting: the only block is fenced and the budget is full
+  fence->open();
+  t.join();
+  CHECK(got.load());
+  auto st = pool.stats();
+  CHECK(st.allocations == 1);
+  CHECK(st.waits == 1);
+  CHECK(st.fence_waits >= 1);
+}
+
+TEST_CASE("at the budget, allocate waits for a lease to come back", "[unit][pool]") {
+  PinnedPool pool(options(8192));
+  auto held = std::make_unique<Storage>(pool.allocate(8192));
+  std::atomic<bool> got{false};
+  std::thread t([&] {
+    Storage s = pool.allocate(8000);
+    got = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK_FALSE(got.load());
+  held.reset();
+  t.join();
+  CHECK(got.load());
+}
+
+TEST_CASE("a batch larger than the budget is an error saying so", "[unit][pool][errors]") {
+  PinnedPool pool(options(1000));
+  CHECK_THROWS_WITH(pool.allocate(1001), Catch::Contains("needs 1001 bytes") && Catch::Contains("pinned_memory_limit is 1000 bytes"));
+  CHECK_THROWS_WITH(pool.add_fence(Storage::allocate(10), std::make_shared<ReadyFence>()),
+                    Catch::Contains("not allocated by this pool"));
+}
+
+TEST_CASE("blocks are sized exactly and reused for requests of at least half their size", "[unit][pool]") {
+  PinnedPool pool(options(1 << 20));
+  std::byte* p = nullptr;
+  {
+    Storage s = pool.allocate(1000);
+    p = s.data();
+  }
+  CHECK(pool.stats().bytes_pinned == 1000);  // no power-of-two rounding
+  {
+    Storage s = pool.allocate(600);
+    CHECK(s.data() == p);
+    CHECK(s.nbytes() == 600);
+  }
+  Storage small = pool.allocate(400);  // under half: a new exact block
+  CHECK(small.data() != p);
+  CHECK(pool.stats().bytes_pinned == 1400);
+}
+
+TEST_CASE("over budget, free blocks of the wrong size are given back to make room", "[unit][pool]") {
+  auto backend = std::make_shared<CountingBackend>();
+  PinnedPool pool(options(10000, backend));
+  { Storage a = pool.allocate(3000); }
+  Storage b = pool.allocate(9000);  // 3000 + 9000 > 10000: the free 3000-byte block goes
+  CHECK(backend->live == 1);
+  CHECK(pool.stats().frees == 1);
+}
+
+TEST_CASE("after warm-up the pool allocates nothing", "[unit][pool]") {
+  PinnedPool pool(options(64 << 20));
+  std::vector<Storage> in_flight;
+  for (int i = 0; i < 1000; ++i) {
+    in_flight.push_back(pool.allocate(1 << 20));
+    if (in_flight.size() > 4) in_flight.erase(in_flight.begin());
+  }
+  auto st = pool.stats();
+  CHECK(st.allocations == 5);
+  CHECK(st.leases == 1000);
+}
+
+TEST_CASE("the pool's memory lives until the last storage and its fences are done", "[unit][pool][shutdown]") {
+  auto backend = std::make_shared<CountingBackend>();
+  Storage survivor;
+  auto fence = std::make_shared<ManualFence>();
+  {
+    PinnedPool pool(options(1 << 20, backend));
+    survivor = pool.allocate(100);
+    Storage fenced = pool.allocate(100);
+    pool.add_fence(fenced, fence);
+  }
+  CHECK(backend->live == 2);  // the pool object is gone, its blocks are not
+  fence->open();
+  survivor = Storage();
+  CHECK(backend->live == 0);
+}
+
+TEST_CASE("without a CUDA device a CUDA-backed pool is a clear error", "[unit][pool][errors]") {
+  if (cuda::available()) return;  // covered by the GPU suite
+  CHECK_THROWS_WITH(PinnedPool(), Catch::Contains("cannot pin memory without a CUDA device"));
+  CHECK_FALSE(cuda::unavailable_reason().empty());
+  CHECK(cuda::device_count() == 0);
+  CHECK_THROWS_AS(cuda::Stream::create(0), CudaError);
+}
