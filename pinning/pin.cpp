@@ -12,15 +12,32 @@ void PinContext::begin_measure() noexcept {
 
 void PinContext::begin_copy() {
   measuring_ = false;
-  if (need_ > 0) block_ = pool_.allocate(need_);
+  if (stage_) stage_->begin(need_);
+  else if (need_ > 0) block_ = pool_->allocate(need_);
 }
 
-void PinContext::finish() noexcept {
+void PinContext::finish() {
   block_ = Storage();
   need_ = used_ = 0;
+  if (stage_) stage_->end();
+}
+
+void PinContext::abort() noexcept {
+  block_ = Storage();
+  need_ = used_ = 0;
+  if (stage_) stage_->abort();
 }
 
 Tensor PinContext::pin(const Tensor& t) {
+  if (stage_) {
+    if (!t.defined() || t.device().kind == MemoryKind::Device) return t;
+    if (measuring_) {
+      need_ += align_up(t.nbytes());
+      return t;
+    }
+    copied_ += t.nbytes();
+    return stage_->move(t);
+  }
   if (!t.defined() || t.is_pinned()) return t;
   if (!t.device().is_host()) throw Error("pin_memory: " + t.str() + " is not in host memory");
   const std::size_t bytes = align_up(t.nbytes());

@@ -49,7 +49,8 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
     std::vector<std::shared_ptr<Fence>> fences;
   };
 
-  Impl(std::size_t limit, std::shared_ptr<HostBackend> backend) : limit(limit), backend(std::move(backend)) {}
+  Impl(std::size_t limit, std::shared_ptr<HostBackend> backend, bool ignore_fences)
+      : limit(limit), backend(std::move(backend)), ignore_fences(ignore_fences) {}
   ~Impl() {
     // Every Storage is gone (each holds a reference to Impl), so only fences can still be open.
     for (auto& [ptr, b] : blocks) {
@@ -60,6 +61,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
 
   const std::size_t limit;
   const std::shared_ptr<HostBackend> backend;
+  const bool ignore_fences;
   mutable std::mutex mu;
   std::condition_variable returned;            // a lease came back
   std::map<std::byte*, Block> blocks;          // guarded by mu; keyed by address
@@ -89,6 +91,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
     std::lock_guard l(mu);
     auto it = blocks.find(ptr);
     if (it == blocks.end()) return;
+    if (ignore_fences) it->second.fences.clear();
     it->second.state = it->second.fences.empty() ? State::Free : State::Pending;
     returned.notify_all();
   }
@@ -173,7 +176,10 @@ PinnedPool::PinnedPool(PinnedPoolOptions options) {
       throw CudaError("PinnedPool: cannot pin memory without a CUDA device (" + cuda::unavailable_reason() + ")");
     backend = cuda_host_backend();
   }
-  impl_ = std::make_shared<Impl>(options.limit_bytes, std::move(backend));
+  if (options.ignore_fences_unsafe)
+    detail::warn_once("pool-unsafe", "PinnedPool: ignore_fences_unsafe is set: pinned blocks may be overwritten "
+                                     "while the GPU still reads them (test use only)");
+  impl_ = std::make_shared<Impl>(options.limit_bytes, std::move(backend), options.ignore_fences_unsafe);
 }
 
 PinnedPool::~PinnedPool() = default;

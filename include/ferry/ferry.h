@@ -13,6 +13,7 @@
 #include "ferry/core/sampler.h"
 #include "ferry/core/tensor.h"
 #include "ferry/pinning/cuda.h"
+#include "ferry/pinning/device.h"
 #include "ferry/pinning/fence.h"
 #include "ferry/pinning/pin.h"
 #include "ferry/pinning/pool.h"

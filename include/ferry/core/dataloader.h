@@ -27,6 +27,7 @@
 #pragma once
 
 #include <chrono>
+#include <deque>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -46,6 +47,7 @@
 #include "ferry/detail/engine.h"
 #include "ferry/detail/pin_stage.h"
 #include "ferry/pinning/cuda.h"
+#include "ferry/pinning/device.h"
 #include "ferry/pinning/pin.h"
 #include "ferry/pinning/pool.h"
 
@@ -91,6 +93,17 @@ struct DataLoaderOptions {
   int pin_depth = 2;
   /// Use this pool instead of creating one (share it across loaders, or inject one in tests).
   std::shared_ptr<PinnedPool> pinned_pool;
+  /// Deliver batches on CUDA device N: each pinned batch is copied with cudaMemcpyAsync on a side
+  /// stream and the consumer's stream waits on the copy's event (implies pin_memory). Without a
+  /// usable device, constructing the loader throws CudaError.
+  std::optional<int> device;
+  /// Device batches whose copies are issued ahead of the one being consumed (>= 1).
+  int device_prefetch = 2;
+  /// One cudaMemcpyAsync per batch when its tensors lie in one pinned slab.
+  bool device_pack = true;
+  /// The consumer's compute stream (a cudaStream_t, borrowed); null: the loader creates one,
+  /// available as loader.stream().
+  void* consumer_stream = nullptr;
   /// Threads used to copy one large batch (>= 4 MiB) during collate; 1 copies on the worker alone.
   int intra_batch_threads = 1;
   /// Where batch buffers come from; null means pageable host memory.
@@ -177,17 +190,13 @@ class DataLoader {
     explicit iterator(typename DataLoader::State* s) : state_(s) {}
     void fill() {
       if (fetched_ || !state_) return;
-      detail::Payload p = state_->pin_stage ? state_->pin_stage->next() : state_->engine.next();  // may throw:
-      // then the next call fetches the next batch
+      detail::Payload p = state_->next_payload();  // may throw: the next call fetches the next batch
       fetched_ = true;
       if (p) current_.emplace(std::move(p.template get<Batch>()));
     }
     void release() noexcept {
       current_.reset();
-      if (state_) {
-        if (state_->pin_stage) state_->pin_stage->stop();
-        state_->engine.end_epoch();
-      }
+      if (state_) state_->end_epoch();
       state_ = nullptr;
     }
     typename DataLoader::State* state_ = nullptr;
@@ -202,6 +211,8 @@ class DataLoader {
     if constexpr (!kStreaming) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
     s.engine.begin_epoch(s.next_epoch, std::move(plan));
     if (s.pin_stage) s.pin_stage->start();
+    s.device_queue.clear();
+    s.device_end = false;
     ++s.next_epoch;
     return iterator(&s);
   }
@@ -232,6 +243,12 @@ class DataLoader {
   bool pinned() const noexcept { return state_->pin_stage != nullptr; }
   /// The pinned pool, or null when not pinning.
   const std::shared_ptr<PinnedPool>& pinned_pool() const noexcept { return state_->pinned_pool; }
+  /// The device stage (its streams and statistics), or null without `device`.
+  const DeviceStage* device_stage() const noexcept { return state_->device_stage.get(); }
+  /// The stream device batches are ordered on: launch work on it (null without `device`).
+  const cuda::Stream* stream() const noexcept {
+    return state_->device_stage ? &state_->device_stage->consumer_stream() : nullptr;
+  }
 
  private:
   struct State final : detail::Producer {
@@ -245,12 +262,74 @@ class DataLoader {
           engine(detail::EngineOptions{opt.num_workers, opt.prefetch_factor, opt.in_order, opt.persistent_workers,
                                        kStreaming, opt.timeout, opt.seed},
                  *this) {
+      if (opt.device) {
+        if (!cuda::available())
+          throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
+                          cuda::unavailable_reason() + ")");
+        if (opt.device_prefetch < 1) throw Error("DataLoaderOptions: device_prefetch must be >= 1");
+        opt.pin_memory = true;
+      }
       if (opt.pin_memory) setup_pinning();
+      if (opt.device && pin_stage) {
+        DeviceStageOptions d;
+        d.device = *opt.device;
+        d.pack = opt.device_pack;
+        d.consumer_stream = opt.consumer_stream;
+        device_stage = std::make_unique<DeviceStage>(d, pinned_pool);
+      }
       detail::log_debug(detail::describe_options(opt, kStreaming));
     }
     ~State() override {  // the pin thread and workers stop before anything they use is destroyed
+      device_queue.clear();
       if (pin_stage) pin_stage->stop();
       engine.shutdown();
+    }
+
+    // The next batch for the consumer, from the last stage there is.
+    detail::Payload next_payload() {
+      if (!pin_stage) return engine.next();
+      if (!device_stage) return pin_stage->next();
+      // Issue the copies of up to device_prefetch batches ahead, so batch i+1 transfers while
+      // batch i computes. Failures keep their position in the queue.
+      while (device_queue.size() < static_cast<std::size_t>(opt.device_prefetch) && !device_end) {
+        DeviceItem item;
+        try {
+          detail::Payload p = pin_stage->next();
+          if (!p) {
+            device_end = true;
+            break;
+          }
+          Batch& b = p.template get<Batch>();
+          PinContext ctx(*device_stage);
+          walk(b, ctx);
+          item.batch = std::move(p);
+        } catch (...) {
+          item.error = std::current_exception();
+        }
+        device_queue.push_back(std::move(item));
+      }
+      if (device_queue.empty()) return {};
+      DeviceItem item = std::move(device_queue.front());
+      device_queue.pop_front();
+      if (item.error) std::rethrow_exception(item.error);
+      return std::move(item.batch);
+    }
+
+    void end_epoch() noexcept {
+      device_queue.clear();
+      if (pin_stage) pin_stage->stop();
+      engine.end_epoch();
+    }
+
+    // Visits every tensor of a batch with ctx (pinning it, or moving it to the device).
+    void walk(Batch& b, PinContext& ctx) {
+      if constexpr (kPinnable) {
+        if constexpr (kCollatedFields) pin_collated_fields<Sample>(b, ctx);
+        else pin_memory(b, ctx);
+      } else {
+        (void)b;
+        (void)ctx;
+      }
     }
 
     static constexpr bool kCollatedFields = kDefaultCollate && !kDirect && requires { typename CollateFields<Sample>::batch_type; };
@@ -278,9 +357,7 @@ class DataLoader {
         if (opt.pin_mode == DataLoaderOptions::PinMode::Direct) allocator = pinned_pool.get();
         pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p) {
           PinContext ctx(*pinned_pool, pin_copy_pool.get());
-          Batch& b = p.template get<Batch>();
-          if constexpr (kCollatedFields) pin_collated_fields<Sample>(b, ctx);
-          else pin_memory(b, ctx);
+          walk(p.template get<Batch>(), ctx);
         }, opt.pin_depth, opt.timeout);
       }
     }
@@ -398,6 +475,13 @@ class DataLoader {
     std::uint64_t next_epoch = 0;
     detail::Engine engine;  // built after, and shut down before, everything it calls into
     std::unique_ptr<detail::PinStage> pin_stage;  // the engine's consumer when pinning; stops first
+    std::unique_ptr<DeviceStage> device_stage;
+    struct DeviceItem {
+      detail::Payload batch;
+      std::exception_ptr error;
+    };
+    std::deque<DeviceItem> device_queue;  // copies issued, not yet delivered (consumer thread)
+    bool device_end = false;
   };
 
   std::unique_ptr<State> state_;

@@ -16,7 +16,10 @@
 // block leased for the whole batch (so the batch is one slab: one fence, one device copy). A
 // custom pin_memory should therefore do nothing but call ctx.pin().
 //
-// Thread safety: a PinContext belongs to the pin thread.
+// The same walk moves a batch to the GPU: ferry::to_device(batch, stage) runs pin_memory with a
+// context in device mode, where ctx.pin() returns the device tensor (see ferry/pinning/device.h).
+//
+// Thread safety: a PinContext belongs to the thread using it (the pin thread, or the consumer).
 #pragma once
 
 #include <array>
@@ -31,6 +34,7 @@
 #include "ferry/collate/collate.h"
 #include "ferry/core/parallel.h"
 #include "ferry/core/tensor.h"
+#include "ferry/pinning/device.h"
 #include "ferry/pinning/pool.h"
 
 namespace ferry {
@@ -38,23 +42,28 @@ namespace ferry {
 class PinContext {
  public:
   /// `pool` supplies the blocks; `copy_pool` (may be null) splits large copies across threads.
-  PinContext(PinnedPool& pool, const ParallelFor* copy_pool) : pool_(pool), copy_pool_(copy_pool) {}
+  PinContext(PinnedPool& pool, const ParallelFor* copy_pool) : pool_(&pool), copy_pool_(copy_pool) {}
+  /// Device mode: pin() hands each host tensor to `stage` and returns its device counterpart.
+  explicit PinContext(DeviceStage& stage) : stage_(&stage) {}
 
   /// The pinned version of `t`: `t` itself when already pinned, else a copy in the batch's block.
   Tensor pin(const Tensor& t);
   bool measuring() const noexcept { return measuring_; }
-  PinnedPool& pool() noexcept { return pool_; }
+  /// True when moving to the device rather than pinning.
+  bool to_device() const noexcept { return stage_ != nullptr; }
 
   /// Used by ferry::pin_memory: counts, leases one block, then copies.
   void begin_measure() noexcept;
   void begin_copy();
-  void finish() noexcept;
+  void finish();
+  void abort() noexcept;
   /// Bytes copied into pinned memory by this context so far (not counting pass-through).
   std::size_t bytes_copied() const noexcept { return copied_; }
 
  private:
-  PinnedPool& pool_;
-  const ParallelFor* copy_pool_;
+  PinnedPool* pool_ = nullptr;
+  DeviceStage* stage_ = nullptr;
+  const ParallelFor* copy_pool_ = nullptr;
   bool measuring_ = false;
   std::size_t need_ = 0, used_ = 0, copied_ = 0;
   Storage block_;
@@ -127,30 +136,44 @@ struct PinMemory<std::optional<T>> {
   }
 };
 
+/// Runs `walk(ctx)` twice: once measuring, once copying into one block (or one device buffer).
+template <class Walk>
+void run_pin_passes(PinContext& ctx, Walk&& walk) {
+  ctx.begin_measure();
+  walk();
+  ctx.begin_copy();
+  try {
+    walk();
+    ctx.finish();
+  } catch (...) {
+    ctx.abort();
+    throw;
+  }
+}
+
 /// Pins every tensor of `batch` into one block leased from ctx's pool (two passes; see above).
 template <class Batch>
 void pin_memory(Batch& batch, PinContext& ctx) {
-  ctx.begin_measure();
-  PinMemory<Batch>::apply(batch, ctx);
-  ctx.begin_copy();
-  PinMemory<Batch>::apply(batch, ctx);
-  ctx.finish();
+  run_pin_passes(ctx, [&] { PinMemory<Batch>::apply(batch, ctx); });
+}
+
+/// Moves every tensor of a (pinned) batch to the stage's device: asynchronous, ordered before
+/// anything later queued on stage.consumer_stream().
+template <class Batch>
+void to_device(Batch& batch, DeviceStage& stage) {
+  PinContext ctx(stage);
+  pin_memory(batch, ctx);
 }
 
 /// The batch struct of a sample type collated through CollateFields<Sample>: its fields are
-/// pinned one by one (the loader uses this when it knows the sample type).
+/// walked one by one (the loader uses this when it knows the sample type).
 template <class Sample, class Batch>
 void pin_collated_fields(Batch& batch, PinContext& ctx) {
-  auto walk = [&] {
+  run_pin_passes(ctx, [&] {
     std::apply([&](const auto&... f) {
       ((PinMemory<std::remove_cvref_t<decltype(batch.*(f.second))>>::apply(batch.*(f.second), ctx)), ...);
     }, CollateFields<Sample>::fields);
-  };
-  ctx.begin_measure();
-  walk();
-  ctx.begin_copy();
-  walk();
-  ctx.finish();
+  });
 }
 
 }  // namespace ferry

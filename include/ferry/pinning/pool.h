@@ -54,6 +54,9 @@ struct PinnedPoolOptions {
   std::size_t limit_bytes = std::size_t{4} << 30;
   /// Null: cudaHostAlloc.
   std::shared_ptr<HostBackend> backend;
+  /// UNSAFE, for one test only: reuse blocks as soon as the host lets go, ignoring fences. It
+  /// exists to prove the GPU corruption test catches exactly this bug. Never set it otherwise.
+  bool ignore_fences_unsafe = false;
 };
 
 struct PinnedPoolStats {

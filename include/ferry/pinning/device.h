@@ -1,0 +1,102 @@
+// ferry/pinning/device.h — host-to-device copies on a side stream that overlap compute.
+//
+// Note [Device stage]
+// For each batch the stage leases one device buffer sized to the whole batch, makes its copy
+// stream wait (on the device, not the host) until the consumer's stream has passed the event
+// recorded when that buffer was last released, issues cudaMemcpyAsync for the batch's tensors
+// (with `pack`, tensors adjacent in one pinned slab go as one copy), records an event E, attaches E
+// as a fence to every pinned block it read (the pool will not reuse them before E), and makes the
+// consumer's stream wait on E. The consumer's kernels are thus ordered after the copy, the host
+// never blocks, and the copy of the next batch runs while the current one computes. When the
+// consumer drops a device batch, an event is recorded on the consumer stream and the buffer
+// returns to the stage's pool, to be reused only behind that event.
+//
+//   ferry::DeviceStage stage({.device = 0});
+//   ferry::Tensor on_gpu = stage.to_device(pinned_tensor);      // async; ordered on stage.consumer_stream()
+//   my_kernel<<<..., (cudaStream_t)stage.consumer_stream().native()>>>(on_gpu.raw());
+//
+//   ferry::HostCopy back = ferry::to_host(on_gpu, stage.consumer_stream());
+//   ferry::Tensor result = back.get();                          // synchronizes before it returns
+//
+// Thread safety: a DeviceStage is used by one thread (the loader's consumer); device batches may
+// be dropped on any thread.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+#include "ferry/core/tensor.h"
+#include "ferry/pinning/cuda.h"
+#include "ferry/pinning/pool.h"
+
+namespace ferry {
+
+struct DeviceStageOptions {
+  int device = 0;
+  /// Coalesce adjacent tensors of one pinned slab into a single cudaMemcpyAsync.
+  bool pack = true;
+  /// The stream the consumer computes on (a cudaStream_t, borrowed); null: the stage creates one.
+  void* consumer_stream = nullptr;
+};
+
+struct DeviceStageStats {
+  std::uint64_t batches = 0;
+  std::uint64_t copies = 0;              ///< cudaMemcpyAsync calls
+  std::uint64_t bytes = 0;
+  std::uint64_t device_allocations = 0;  ///< cudaMalloc calls (constant after warm-up)
+};
+
+class DeviceStage {
+ public:
+  /// `pool`: the pinned pool whose blocks the stage fences (null: pinned sources are kept alive
+  /// until their copy completes instead). Throws CudaError without a usable device.
+  explicit DeviceStage(DeviceStageOptions options = {}, std::shared_ptr<PinnedPool> pool = nullptr);
+  ~DeviceStage();
+  DeviceStage(const DeviceStage&) = delete;
+  DeviceStage& operator=(const DeviceStage&) = delete;
+
+  const cuda::Stream& copy_stream() const noexcept;
+  const cuda::Stream& consumer_stream() const noexcept;
+  int device() const noexcept;
+  DeviceStageStats stats() const;
+
+  /// One tensor to the device, asynchronously (a batch of one).
+  Tensor to_device(const Tensor& host);
+
+  /// Batch protocol (used by ferry::to_device through PinContext): begin with the batch's total
+  /// bytes (64-byte aligned per tensor), move() each tensor, then end() issues and orders the copies.
+  void begin(std::size_t bytes);
+  Tensor move(const Tensor& host);
+  void end();
+  /// Drops a batch begun but not ended (after an exception mid-batch); issues nothing.
+  void abort() noexcept;
+
+  struct Impl;
+
+ private:
+  std::shared_ptr<Impl> impl_;
+};
+
+/// A device-to-host copy in flight: the data can only be reached through get(), which waits for
+/// the copy first.
+class HostCopy {
+ public:
+  HostCopy(Tensor host, cuda::Event done) : host_(std::move(host)), done_(std::make_shared<cuda::Event>(std::move(done))) {}
+  /// True when the copy has finished (no blocking).
+  bool ready() const { return done_->ready(); }
+  /// Waits for the copy, then returns the host tensor.
+  Tensor get() const {
+    done_->synchronize();
+    return host_;
+  }
+
+ private:
+  Tensor host_;
+  std::shared_ptr<cuda::Event> done_;
+};
+
+/// Copies a device tensor to (pinned) host memory on `stream`, non_blocking.
+HostCopy to_host(const Tensor& device_tensor, const cuda::Stream& stream);
+
+}  // namespace ferry

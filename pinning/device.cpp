@@ -1,0 +1,217 @@
+// The device stage: see Note [Device stage] in include/ferry/pinning/device.h.
+#include "ferry/pinning/device.h"
+
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "ferry/collate/collate.h"
+#include "ferry/detail/engine.h"
+#include "ferry/pinning/fence.h"
+
+namespace ferry {
+
+struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
+  struct Buffer {
+    std::byte* ptr = nullptr;
+    std::size_t size = 0;
+    cuda::Event released;      // recorded on the consumer stream when the batch was dropped
+    bool has_release = false;  // guarded by mu
+    bool free = true;          // guarded by mu
+  };
+  struct Pending {
+    const std::byte* src;
+    std::size_t dst_off, bytes;
+    Storage storage;
+  };
+
+  Impl(DeviceStageOptions o, std::shared_ptr<PinnedPool> p) : opt(o), pool(std::move(p)) {
+    if (!cuda::available()) throw CudaError("DeviceStage: no usable CUDA device (" + cuda::unavailable_reason() + ")");
+    if (opt.device < 0 || opt.device >= cuda::device_count())
+      throw Error("DeviceStage: device " + std::to_string(opt.device) + " does not exist (" +
+                  std::to_string(cuda::device_count()) + " devices)");
+    copy = cuda::Stream::create(opt.device);
+    consumer = opt.consumer_stream ? cuda::Stream::borrow(opt.consumer_stream, opt.device) : cuda::Stream::create(opt.device);
+  }
+  ~Impl() {
+    // Every device batch is gone (each holds a reference); wait for the streams, then free.
+    try {
+      copy.synchronize();
+      consumer.synchronize();
+    } catch (...) {
+    }
+    for (auto& b : buffers) cuda::device_free(b->ptr);
+  }
+
+  const DeviceStageOptions opt;
+  const std::shared_ptr<PinnedPool> pool;
+  cuda::Stream copy, consumer;
+  std::mutex mu;
+  std::vector<std::unique_ptr<Buffer>> buffers;  // guarded by mu
+  DeviceStageStats counters;
+  // The batch being moved (consumer thread only).
+  Buffer* cur = nullptr;
+  std::size_t cur_size = 0, used = 0;
+  std::shared_ptr<void> cur_owner;
+  std::vector<Pending> pending;
+  // Sources not from `pool` stay alive until the copy that read them completes.
+  std::deque<std::pair<std::shared_ptr<EventFence>, std::vector<Storage>>> keepalive;
+
+  void begin(std::size_t bytes) {
+    if (cur) throw Error("DeviceStage::begin: the previous batch was not ended");
+    const std::size_t want = std::max<std::size_t>(bytes, 1);
+    Buffer* best = nullptr;
+    {
+      std::lock_guard l(mu);
+      for (auto& b : buffers)
+        if (b->free && b->size >= want && b->size <= 2 * want && (!best || b->size < best->size)) best = b.get();
+      if (best) best->free = false;
+    }
+    if (!best) {
+      cuda::DeviceGuard g(opt.device);
+      auto b = std::make_unique<Buffer>();
+      b->ptr = static_cast<std::byte*>(cuda::device_alloc(want));
+      b->size = want;
+      b->released = cuda::Event::create(opt.device);
+      b->free = false;
+      best = b.get();
+      std::lock_guard l(mu);
+      buffers.push_back(std::move(b));
+      ++counters.device_allocations;
+    }
+    {
+      std::lock_guard l(mu);
+      if (best->has_release) copy.wait(best->released);  // reuse only behind the consumer's release
+    }
+    cur = best;
+    cur_size = bytes;
+    used = 0;
+    std::shared_ptr<Impl> self = shared_from_this();
+    cur_owner = std::shared_ptr<void>(best, [self](void* p) { self->release(static_cast<Buffer*>(p)); });
+  }
+
+  void release(Buffer* b) noexcept {
+    std::lock_guard l(mu);
+    try {
+      b->released.record(consumer);
+      b->has_release = true;
+    } catch (const std::exception& e) {
+      detail::warn_once("device-release", std::string("DeviceStage: recording a release event failed: ") + e.what() +
+                                              "; synchronizing instead");
+      try {
+        consumer.synchronize();
+      } catch (...) {
+      }
+      b->has_release = false;
+    }
+    b->free = true;
+  }
+
+  Tensor move(const Tensor& host) {
+    if (!cur) throw Error("DeviceStage::move: no batch begun");
+    if (!host.defined()) return host;
+    if (host.device().kind == MemoryKind::Device) {
+      if (host.device().index == opt.device) return host;
+      throw Error("DeviceStage: " + host.str() + " is on another device than cuda:" + std::to_string(opt.device));
+    }
+    const std::size_t bytes = align_up(host.nbytes());
+    if (used + bytes > cur_size)
+      throw Error("DeviceStage: the batch moved more bytes than begin() reserved; a custom pin_memory must only call ctx.pin()");
+    if (!host.is_pinned())
+      detail::warn_once("device-pageable", "DeviceStage: copying from pageable host memory (slower, and the copy "
+                                           "cannot overlap); enable pin_memory");
+    pending.push_back({static_cast<const std::byte*>(host.raw()), used, host.nbytes(), host.storage()});
+    Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), host.dtype(), host.shape(), used);
+    used += bytes;
+    return out;
+  }
+
+  void end() {
+    if (!cur) throw Error("DeviceStage::end: no batch begun");
+    std::size_t i = 0;
+    while (i < pending.size()) {
+      std::size_t j = i + 1;
+      if (opt.pack)
+        while (j < pending.size() && pending[j].src == pending[j - 1].src + align_up(pending[j - 1].bytes) &&
+               pending[j].dst_off == pending[j - 1].dst_off + align_up(pending[j - 1].bytes))
+          ++j;
+      const std::size_t span = static_cast<std::size_t>(pending[j - 1].src + pending[j - 1].bytes - pending[i].src);
+      if (span) cuda::memcpy_async(cur->ptr + pending[i].dst_off, pending[i].src, span, cuda::CopyKind::HostToDevice, copy);
+      ++counters.copies;
+      counters.bytes += span;
+      i = j;
+    }
+    cuda::Event done = cuda::Event::create(opt.device);
+    done.record(copy);
+    consumer.wait(done);
+    auto fence = std::make_shared<EventFence>(std::move(done));
+    std::vector<Storage> keep;
+    std::set<const void*> seen;
+    for (auto& p : pending) {
+      if (!seen.insert(p.storage.owner().get()).second) continue;
+      if (pool && p.storage.device().kind == MemoryKind::PinnedHost && pool->owns(p.storage)) pool->add_fence(p.storage, fence);
+      else keep.push_back(p.storage);
+    }
+    if (!keep.empty()) keepalive.emplace_back(fence, std::move(keep));
+    while (!keepalive.empty() && keepalive.front().first->ready()) keepalive.pop_front();
+    ++counters.batches;
+    pending.clear();
+    cur_owner.reset();
+    cur = nullptr;
+  }
+};
+
+DeviceStage::DeviceStage(DeviceStageOptions options, std::shared_ptr<PinnedPool> pool)
+    : impl_(std::make_shared<Impl>(options, std::move(pool))) {}
+void DeviceStage::abort() noexcept {
+  impl_->pending.clear();
+  impl_->cur_owner.reset();  // the buffer returns (behind a release event: nothing was issued into it)
+  impl_->cur = nullptr;
+}
+
+DeviceStage::~DeviceStage() {
+  abort();
+  // Sources kept alive for in-flight copies: wait for those copies before dropping them.
+  for (auto& [fence, storages] : impl_->keepalive) {
+    try {
+      fence->wait();
+    } catch (...) {
+    }
+  }
+}
+const cuda::Stream& DeviceStage::copy_stream() const noexcept { return impl_->copy; }
+const cuda::Stream& DeviceStage::consumer_stream() const noexcept { return impl_->consumer; }
+int DeviceStage::device() const noexcept { return impl_->opt.device; }
+DeviceStageStats DeviceStage::stats() const { return impl_->counters; }
+void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }
+Tensor DeviceStage::move(const Tensor& host) { return impl_->move(host); }
+void DeviceStage::end() { impl_->end(); }
+
+Tensor DeviceStage::to_device(const Tensor& host) {
+  begin(align_up(host.nbytes()));
+  Tensor t;
+  try {
+    t = move(host);
+  } catch (...) {
+    abort();
+    throw;
+  }
+  end();
+  return t;
+}
+
+HostCopy to_host(const Tensor& device_tensor, const cuda::Stream& stream) {
+  if (device_tensor.device().kind != MemoryKind::Device) throw Error("to_host: " + device_tensor.str() + " is not on a device");
+  cuda::DeviceGuard g(device_tensor.device().index);
+  const std::size_t n = device_tensor.nbytes();
+  void* p = cuda::host_alloc(std::max<std::size_t>(n, 1));
+  Tensor host(Storage::wrap(p, n, Device::pinned(), std::shared_ptr<void>(p, [](void* q) { cuda::host_free(q); })),
+              device_tensor.dtype(), device_tensor.shape());
+  cuda::memcpy_async(p, device_tensor.raw(), n, cuda::CopyKind::DeviceToHost, stream);
+  cuda::Event done = cuda::Event::create(device_tensor.device().index);
+  done.record(stream);
+  return HostCopy(std::move(host), std::move(done));
+}
+
+}  // namespace ferry

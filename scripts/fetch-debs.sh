@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Downloads the Debian 12 packages ferry builds against into .debs/ (git-ignored), for machines
+# with no package registry (the GPU machine): scripts/gpu.sh unpacks them there with dpkg -x.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .debs
+cd .debs
+pkgs=(libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5 libconcurrentqueue-dev libspdlog-dev libspdlog1.10
+      libfmt-dev libfmt9 catch2 libdlpack-dev)
+[ "$(id -u)" -eq 0 ] && apt-get update -qq
+apt-get download "${pkgs[@]}"
+ls -la

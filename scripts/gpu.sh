@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
+# suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [test|bench|all]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-all}
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+prefix=/tmp/ferry-deps
+if [ ! -d $prefix/usr ]; then
+  for f in .debs/*.deb; do dpkg -x "$f" $prefix; done
+fi
+export CMAKE_PREFIX_PATH=$prefix/usr
+export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export CPATH=$prefix/usr/include
+export PATH=/usr/local/cuda/bin:$PATH
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv;
+  nproc; lscpu | grep "Model name"; g++ --version | head -1; nvcc --version | tail -1; } > "$OUT/machine.txt" 2>&1
+cat "$OUT/machine.txt"
+cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_TEST_INSTALL=OFF \
+  -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build build/gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
+rc=0
+if [ "$what" = test ] || [ "$what" = all ]; then
+  (cd build/gpu && FERRY_REQUIRE_GPU=1 ctest --output-on-failure -j 4 2>&1 | tee "$OUT/ctest.log" | tail -25)
+  grep -q "100% tests passed" "$OUT/ctest.log" || rc=1
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  build/gpu/bench/bench_pin 2>&1 | tee "$OUT/bench_pin.md"
+  PYTHONUNBUFFERED=1 python3 bench/peers_torch.py 2>&1 | tee "$OUT/peers_torch.md"
+fi
+exit $rc

@@ -1,0 +1,58 @@
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels.h"
+
+namespace ferry::test {
+namespace {
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+__global__ void spin(long long cycles) {
+  const long long start = clock64();
+  while (clock64() - start < cycles) {
+  }
+}
+__device__ std::uint32_t dpattern(std::int64_t index, std::int64_t col) {
+  return static_cast<std::uint32_t>(index) * 2654435761u ^ (static_cast<std::uint32_t>(col) * 40503u + 0x9E37u);
+}
+__global__ void verify(const std::uint32_t* data, const std::int64_t* index, int rows, int cols, unsigned long long* bad) {
+  unsigned long long local = 0;
+  for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<long long>(rows) * cols; i += gridDim.x * blockDim.x) {
+    const int r = static_cast<int>(i / cols), c = static_cast<int>(i % cols);
+    local += data[i] != dpattern(index[r], c);
+  }
+  if (local) atomicAdd(bad, local);
+}
+}  // namespace
+
+void launch_spin(void* stream, double microseconds) {
+  int khz = 0, dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "cudaDeviceGetAttribute");
+  spin<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<long long>(microseconds * khz / 1000.0));
+  check(cudaGetLastError(), "spin kernel launch");
+}
+
+void launch_check(void* stream, const std::uint32_t* data, const std::int64_t* index, int rows, int cols,
+                  unsigned long long* bad) {
+  verify<<<64, 256, 0, static_cast<cudaStream_t>(stream)>>>(data, index, rows, cols, bad);
+  check(cudaGetLastError(), "verify kernel launch");
+}
+
+unsigned long long* alloc_counter() {
+  unsigned long long* p = nullptr;
+  check(cudaMalloc(&p, sizeof(*p)), "cudaMalloc");
+  check(cudaMemset(p, 0, sizeof(*p)), "cudaMemset");
+  return p;
+}
+unsigned long long read_counter(unsigned long long* counter) {
+  unsigned long long v = 0;
+  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  check(cudaMemcpy(&v, counter, sizeof(v), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  return v;
+}
+void free_counter(unsigned long long* counter) { cudaFree(counter); }
+}  // namespace ferry::test

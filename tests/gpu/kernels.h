@@ -1,0 +1,20 @@
+// Test kernels (tests/gpu/kernels.cu), behind a plain C++ interface; streams are cudaStream_t as void*.
+#pragma once
+
+#include <cstdint>
+
+namespace ferry::test {
+/// The value of word `col` of sample `index` in the corruption test's dataset.
+inline std::uint32_t pattern(std::int64_t index, std::int64_t col) {
+  return static_cast<std::uint32_t>(index) * 2654435761u ^ (static_cast<std::uint32_t>(col) * 40503u + 0x9E37u);
+}
+/// Occupies one SM for about `microseconds` on `stream`.
+void launch_spin(void* stream, double microseconds);
+/// Counts words of data[rows][cols] that differ from pattern(index[r], c) into *bad (device memory).
+void launch_check(void* stream, const std::uint32_t* data, const std::int64_t* index, int rows, int cols,
+                  unsigned long long* bad);
+/// Device memory helpers for the counter.
+unsigned long long* alloc_counter();
+unsigned long long read_counter(unsigned long long* counter);  // synchronizes the device
+void free_counter(unsigned long long* counter);
+}  // namespace ferry::test
