@@ -21,6 +21,9 @@
 #include <vector>
 
 #include "ferry/ferry.h"
+#ifdef FERRY_BENCH_TRAINING_LOOP
+#include "kernels.h"
+#endif
 
 using namespace ferry;
 using Clock = std::chrono::steady_clock;
@@ -135,11 +138,41 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
   cuda::device_free(dev);
 }
 
+#ifdef FERRY_BENCH_TRAINING_LOOP
+// A training loop: each step runs `step_ms` of GPU work on the batch's stream, then synchronizes
+// (as reading the loss does). GPU wait = 1 - busy / wall.
+void training_loop(double step_ms, int steps, int workers) {
+  constexpr std::int64_t kBatch = 256;
+  Tensor data = Tensor::empty(DType::UInt8, {2048, 3, 224, 224});
+  std::memset(data.raw(), 3, data.nbytes());
+  DataLoaderOptions o;
+  o.batch_size = kBatch;
+  o.sampler = std::make_shared<RandomSampler>(2048, 5, true, static_cast<std::size_t>(steps + 10) * kBatch);
+  o.num_workers = workers;
+  o.device = 0;
+  o.pin_mode = DataLoaderOptions::PinMode::Direct;
+  DataLoader loader(TensorDataset({data}), o);
+  int step = 0;
+  Clock::time_point t0;
+  for (auto& b : loader) {
+    if (step == 10) t0 = Clock::now();  // 10 warm-up steps
+    if (step == steps + 10) break;
+    (void)b;
+    test::launch_spin(loader.stream()->native(), step_ms * 1000);
+    loader.stream()->synchronize();
+    ++step;
+  }
+  const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  std::printf("| ferry, device=0, direct, %d workers | %.0f ms | %d | %.0f ms | %.1f%% |\n", workers, step_ms, steps, wall,
+              100.0 * std::max(0.0, 1.0 - steps * step_ms / wall));
+}
+#endif
+
 }  // namespace
 
 int main(int argc, char** argv) {
   std::size_t batches = 200;
-  std::vector<int> workers{4, 8, 12};
+  std::vector<int> workers{6, 8, 10, 12};
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
     if (a == "--batches") batches = std::stoul(argv[i + 1]);
@@ -157,5 +190,10 @@ int main(int argc, char** argv) {
   std::printf("# bench_pin — %u hardware threads, median of 5 passes\n", std::thread::hardware_concurrency());
   run({"(a) 3x224x224 uint8", DType::UInt8, {3, 224, 224}, 2048}, batches, workers);
   run({"(b) 784 float32", DType::Float32, {784}, 60000}, batches * 20, workers);
+#ifdef FERRY_BENCH_TRAINING_LOOP
+  std::printf("\n## training loop: (a) batches, GPU work per step, synchronize each step\n\n");
+  std::printf("| loader | GPU work per step | steps | wall | GPU waiting for data |\n|---|---:|---:|---:|---:|\n");
+  for (double ms : {10.0, 20.0}) training_loop(ms, 200, 8);
+#endif
   return 0;
 }

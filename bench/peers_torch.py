@@ -34,7 +34,7 @@ def rate(batches, loader):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, default=200)
-    ap.add_argument("--workers", default="4,8,12")
+    ap.add_argument("--workers", default="6,8,12")
     args = ap.parse_args()
     workers = [int(w) for w in args.workers.split(",")]
     print(f"# peers_torch — torch {torch.__version__}, {torch.cuda.get_device_name(0)}, median of 3 passes")
@@ -57,5 +57,37 @@ def main():
                 del loader
 
 
+def training_loop(step_ms, steps, workers, pin):
+    """Each step: step_ms of GPU work (torch.cuda._sleep) on the batch, then synchronize."""
+    data = torch.full((2048, 3, 224, 224), 3, dtype=torch.uint8)
+    ds = TensorDataset(data)
+    sampler = RandomSampler(ds, replacement=True, num_samples=(steps + 10) * 256)
+    loader = DataLoader(ds, batch_size=256, sampler=sampler, num_workers=workers, pin_memory=pin, prefetch_factor=2)
+    # Calibrate _sleep's cycles per millisecond.
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(100_000_000)
+    torch.cuda.synchronize()
+    cycles_per_ms = 100_000_000 / ((time.perf_counter() - t0) * 1e3)
+    step = 0
+    for (x,) in loader:
+        if step == 10:
+            t0 = time.perf_counter()
+        if step == steps + 10:
+            break
+        x = x.to("cuda", non_blocking=True)
+        torch.cuda._sleep(int(step_ms * cycles_per_ms))
+        torch.cuda.synchronize()
+        step += 1
+    wall = (time.perf_counter() - t0) * 1e3
+    print(f"| torch DataLoader, pin_memory={pin}, {workers} workers | {step_ms:.0f} ms | {steps} | {wall:.0f} ms | "
+          f"{100 * max(0.0, 1 - steps * step_ms / wall):.1f}% |", flush=True)
+
+
 if __name__ == "__main__":
     main()
+    print("\n## training loop: (a) batches, GPU work per step, synchronize each step\n")
+    print("| loader | GPU work per step | steps | wall | GPU waiting for data |\n|---|---:|---:|---:|---:|")
+    for ms in (10.0, 20.0):
+        for pin in (True, False):
+            training_loop(ms, 200, 8, pin)

@@ -24,13 +24,17 @@ class CudaHostBackend final : public HostBackend {
 
 class PageableBackend final : public HostBackend {
  public:
+  explicit PageableBackend(Device d) : device_(d) {}
   void* allocate(std::size_t bytes) override {
     void* p = std::aligned_alloc(64, (std::max<std::size_t>(bytes, 1) + 63) / 64 * 64);
     if (!p) throw Error("pageable test backend: out of memory");
     return p;
   }
   void free(void* p, std::size_t) noexcept override { std::free(p); }
-  Device device() const noexcept override { return Device::pinned(); }
+  Device device() const noexcept override { return device_; }
+
+ private:
+  Device device_;
 };
 
 std::string mib(std::size_t bytes) { return std::to_string(bytes / (1024.0 * 1024.0)).substr(0, 8) + " MiB"; }
@@ -38,7 +42,8 @@ std::string mib(std::size_t bytes) { return std::to_string(bytes / (1024.0 * 102
 }  // namespace
 
 std::unique_ptr<HostBackend> cuda_host_backend() { return std::make_unique<CudaHostBackend>(); }
-std::unique_ptr<HostBackend> pageable_backend_for_tests() { return std::make_unique<PageableBackend>(); }
+std::unique_ptr<HostBackend> pageable_backend_for_tests() { return std::make_unique<PageableBackend>(Device::pinned()); }
+std::unique_ptr<HostBackend> pageable_backend() { return std::make_unique<PageableBackend>(Device::host()); }
 
 struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
   enum class State { Free, Leased, Pending };

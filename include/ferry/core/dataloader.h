@@ -81,10 +81,12 @@ struct DataLoaderOptions {
   /// into a block of a bounded, recycled pinned pool. Without a CUDA device this logs one warning
   /// and delivers pageable batches.
   bool pin_memory = false;
-  /// How batches reach pinned memory: Copy (the pin thread copies them) or Direct (collate and
-  /// get_into write straight into pinned blocks; the pin thread then has nothing to copy).
+  /// How batches reach pinned memory: Direct (collate and get_into write straight into pinned
+  /// blocks; the pin thread has nothing to copy) or Copy (workers collate into recycled pageable
+  /// buffers and the pin thread copies each batch with pin_threads threads). A custom collate_fn
+  /// that allocates its own tensors is copied in either mode.
   enum class PinMode { Copy, Direct };
-  PinMode pin_mode = PinMode::Copy;
+  PinMode pin_mode = PinMode::Direct;
   /// Hard budget of the pinned pool, in bytes; producers wait when it is reached.
   std::size_t pinned_memory_limit = std::size_t{2} << 30;
   /// Threads that copy one large batch into pinned memory (one thread's memcpy is ~12 GB/s).
@@ -354,7 +356,15 @@ class DataLoader {
         if (opt.pin_threads < 1) throw Error("DataLoaderOptions: pin_threads must be >= 1");
         if (opt.pin_depth < 1) throw Error("DataLoaderOptions: pin_depth must be >= 1");
         if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads);
-        if (opt.pin_mode == DataLoaderOptions::PinMode::Direct) allocator = pinned_pool.get();
+        if (opt.pin_mode == DataLoaderOptions::PinMode::Direct) {
+          allocator = pinned_pool.get();
+        } else if (!opt.allocator) {
+          PinnedPoolOptions po;  // recycled pageable collate buffers, same budget
+          po.limit_bytes = pinned_pool->limit_bytes();
+          po.backend = pageable_backend();
+          collate_pool = std::make_shared<PinnedPool>(po);
+          allocator = collate_pool.get();
+        }
         pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p) {
           PinContext ctx(*pinned_pool, pin_copy_pool.get());
           walk(p.template get<Batch>(), ctx);
@@ -471,6 +481,7 @@ class DataLoader {
     std::unique_ptr<ParallelFor> pool;
     BatchAllocator* allocator;
     std::shared_ptr<PinnedPool> pinned_pool;
+    std::shared_ptr<PinnedPool> collate_pool;  // copy mode: recycled pageable batch buffers
     std::unique_ptr<ParallelFor> pin_copy_pool;
     std::uint64_t next_epoch = 0;
     detail::Engine engine;  // built after, and shut down before, everything it calls into

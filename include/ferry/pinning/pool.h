@@ -48,6 +48,9 @@ class HostBackend {
 std::unique_ptr<HostBackend> cuda_host_backend();
 /// Plain aligned host memory, reported as pinned: lets the pool's logic run on a CPU-only machine.
 std::unique_ptr<HostBackend> pageable_backend_for_tests();
+/// Plain aligned host memory, reported as pageable: a pool of recycled collate buffers, so large
+/// batches do not page-fault fresh memory every time (glibc maps anything over 32 MiB anew).
+std::unique_ptr<HostBackend> pageable_backend();
 
 struct PinnedPoolOptions {
   /// Hard cap on bytes the pool holds (free + in use + pending).
