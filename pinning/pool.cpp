@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/core/dataloader.h"
 #include "ferry/detail/engine.h"
 
 namespace ferry {
@@ -227,4 +228,17 @@ PinnedPoolStats PinnedPool::stats() const {
 
 std::size_t PinnedPool::limit_bytes() const noexcept { return impl_->limit; }
 
+namespace detail {
+
+Storage DepthCheckedAllocator::allocate(std::size_t nbytes) {
+  const std::size_t limit = pool_.limit_bytes();
+  if (nbytes > 0 && nbytes * depth_ > limit)
+    throw Error("pinned_memory_limit is " + std::to_string(limit) + " bytes, but " + what_ + " may hold up to " +
+                std::to_string(depth_) + " batches of " + std::to_string(nbytes) + " bytes at once (" +
+                std::to_string(nbytes * depth_) + " bytes: prefetch_factor x num_workers, pin_depth, device_prefetch "
+                "and the consumer's); raise pinned_memory_limit, lower the prefetch, or use pin_mode Copy");
+  return pool_.allocate(nbytes);
+}
+
+}  // namespace detail
 }  // namespace ferry

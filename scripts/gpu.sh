@@ -23,11 +23,11 @@ cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_T
 cmake --build build/gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = test ] || [ "$what" = all ]; then
-  (cd build/gpu && FERRY_REQUIRE_GPU=1 ctest --output-on-failure -j 4 2>&1 | tee "$OUT/ctest.log" | tail -25)
+  (cd build/gpu && FERRY_REQUIRE_GPU=1 ctest --output-on-failure --timeout 240 -j 4 2>&1 | tee "$OUT/ctest.log" | tail -25)
   grep -q "100% tests passed" "$OUT/ctest.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  build/gpu/bench/bench_pin 2>&1 | tee "$OUT/bench_pin.md"
-  PYTHONUNBUFFERED=1 python3 bench/peers_torch.py 2>&1 | tee "$OUT/peers_torch.md"
+  timeout 200 build/gpu/bench/bench_pin 2>&1 | tee "$OUT/bench_pin.md"
+  PYTHONUNBUFFERED=1 timeout 200 python3 bench/peers_torch.py 2>&1 | tee "$OUT/peers_torch.md"
 fi
 exit $rc

@@ -31,10 +31,12 @@ struct Patterned {
 
 // Streams batches to the GPU while a spin kernel on the copy stream delays every copy; returns
 // the number of words that reached the GPU different from what the dataset produced.
-unsigned long long corruption_run(std::size_t batches, bool ignore_fences) {
+unsigned long long corruption_run(std::size_t batches, bool ignore_fences, DataLoaderOptions::PinMode mode) {
   constexpr std::size_t kBatch = 16;
   PinnedPoolOptions po;
-  po.limit_bytes = 6 * (kBatch * kCols * 4 + 4096);  // a few blocks: reuse is constant
+  // As few blocks as the pipeline's depth allows, so blocks are reused all the time: copy mode
+  // holds pin_depth + device_prefetch + 2 = 6, direct mode adds prefetch_factor x num_workers = 8.
+  po.limit_bytes = (mode == DataLoaderOptions::PinMode::Copy ? 6 : 14) * (kBatch * kCols * 4 + 4096);
   po.ignore_fences_unsafe = ignore_fences;
   auto pool = std::make_shared<PinnedPool>(po);
   DataLoaderOptions o;
@@ -42,6 +44,7 @@ unsigned long long corruption_run(std::size_t batches, bool ignore_fences) {
   o.num_workers = 4;
   o.device = 0;
   o.pinned_pool = pool;
+  o.pin_mode = mode;
   DataLoader loader(Patterned{batches * kBatch}, o);
   unsigned long long* bad = test::alloc_counter();
   std::size_t seen = 0;
@@ -61,13 +64,14 @@ unsigned long long corruption_run(std::size_t batches, bool ignore_fences) {
 }  // namespace
 
 TEST_CASE("100,000 batches reach the GPU intact while the copy stream is delayed", "[gpu][corruption]") {
-  CHECK(corruption_run(100000, false) == 0);
+  CHECK(corruption_run(100000, false, DataLoaderOptions::PinMode::Copy) == 0);
+  CHECK(corruption_run(20000, false, DataLoaderOptions::PinMode::Direct) == 0);
 }
 
 TEST_CASE("the corruption test catches pinned blocks reused before their copy finished", "[gpu][corruption]") {
   // The same pipeline with the pool told to ignore fences: the test must see corruption, proving
   // it can catch the bug the fences prevent.
-  CHECK(corruption_run(5000, true) > 0);
+  CHECK(corruption_run(5000, true, DataLoaderOptions::PinMode::Copy) > 0);
 }
 
 TEST_CASE("a copy on the side stream overlaps a kernel on the compute stream", "[gpu][overlap]") {

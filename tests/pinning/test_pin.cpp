@@ -166,3 +166,19 @@ TEST_CASE("pin_memory without CUDA or a pool warns and delivers pageable batches
   CHECK_FALSE(loader.pinned());
   for (auto& b : loader) CHECK_FALSE(b[0].is_pinned());
 }
+
+TEST_CASE("a pinned budget too small for the pipeline's depth is an error, not a hang", "[pin][errors]") {
+  DataLoaderOptions o;
+  o.batch_size = 10;
+  o.num_workers = 2;
+  o.pin_memory = true;
+  o.pin_mode = DataLoaderOptions::PinMode::Direct;
+  o.pinned_pool = test_pool(5 * 10 * 64 * 4);  // 5 batches; direct mode may hold 4 + 2 + 2 = 8
+  DataLoader loader(TensorDataset({Tensor::zeros(DType::Float32, {100, 64})}), o);
+  try {
+    for (auto& b : loader) (void)b;
+    FAIL("no error");
+  } catch (const WorkerError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("may hold up to 8 batches of 2560 bytes") && Catch::Contains("raise pinned_memory_limit"));
+  }
+}

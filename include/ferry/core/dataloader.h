@@ -132,6 +132,21 @@ struct LoaderBatch<D, C, S, false, false> {
 };
 
 void validate_options(const DataLoaderOptions& o, bool streaming);
+
+/// Leases from a pinned pool, refusing a batch whose size times the pipeline's depth exceeds the
+/// pool's budget: that many batches can be alive at once (in flight, in the reorder window, queued
+/// for the pin thread and the device), and a budget below it would stall the in-order batch
+/// behind later ones forever. Refusing names the numbers instead of hanging.
+class DepthCheckedAllocator final : public BatchAllocator {
+ public:
+  DepthCheckedAllocator(PinnedPool& pool, std::size_t depth, const char* what) : pool_(pool), depth_(depth), what_(what) {}
+  Storage allocate(std::size_t nbytes) override;
+
+ private:
+  PinnedPool& pool_;
+  std::size_t depth_;
+  const char* what_;
+};
 std::string describe_options(const DataLoaderOptions& o, bool streaming);
 }  // namespace detail
 
@@ -356,8 +371,14 @@ class DataLoader {
         if (opt.pin_threads < 1) throw Error("DataLoaderOptions: pin_threads must be >= 1");
         if (opt.pin_depth < 1) throw Error("DataLoaderOptions: pin_depth must be >= 1");
         if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads);
+        const std::size_t behind = static_cast<std::size_t>(opt.pin_depth) +
+                                   (opt.device ? static_cast<std::size_t>(opt.device_prefetch) : 0) + 2;
+        const std::size_t in_flight =
+            static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(std::max(opt.num_workers, 1));
+        pin_blocks = std::make_unique<detail::DepthCheckedAllocator>(*pinned_pool, behind, "the pin thread");
         if (opt.pin_mode == DataLoaderOptions::PinMode::Direct) {
-          allocator = pinned_pool.get();
+          direct_blocks = std::make_unique<detail::DepthCheckedAllocator>(*pinned_pool, behind + in_flight, "direct pin_mode");
+          allocator = direct_blocks.get();
         } else if (!opt.allocator) {
           PinnedPoolOptions po;  // recycled pageable collate buffers, same budget
           po.limit_bytes = pinned_pool->limit_bytes();
@@ -366,7 +387,7 @@ class DataLoader {
           allocator = collate_pool.get();
         }
         pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p) {
-          PinContext ctx(*pinned_pool, pin_copy_pool.get());
+          PinContext ctx(*pin_blocks, pin_copy_pool.get());
           walk(p.template get<Batch>(), ctx);
         }, opt.pin_depth, opt.timeout);
       }
@@ -482,6 +503,7 @@ class DataLoader {
     BatchAllocator* allocator;
     std::shared_ptr<PinnedPool> pinned_pool;
     std::shared_ptr<PinnedPool> collate_pool;  // copy mode: recycled pageable batch buffers
+    std::unique_ptr<detail::DepthCheckedAllocator> pin_blocks, direct_blocks;
     std::unique_ptr<ParallelFor> pin_copy_pool;
     std::uint64_t next_epoch = 0;
     detail::Engine engine;  // built after, and shut down before, everything it calls into

@@ -41,8 +41,9 @@ namespace ferry {
 
 class PinContext {
  public:
-  /// `pool` supplies the blocks; `copy_pool` (may be null) splits large copies across threads.
-  PinContext(PinnedPool& pool, const ParallelFor* copy_pool) : pool_(&pool), copy_pool_(copy_pool) {}
+  /// `blocks` supplies pinned blocks (a PinnedPool, or the loader's budget-checking wrapper of
+  /// one); `copy_pool` (may be null) splits large copies across threads.
+  PinContext(BatchAllocator& blocks, const ParallelFor* copy_pool) : pool_(&blocks), copy_pool_(copy_pool) {}
   /// Device mode: pin() hands each host tensor to `stage` and returns its device counterpart.
   explicit PinContext(DeviceStage& stage) : stage_(&stage) {}
 
@@ -61,7 +62,7 @@ class PinContext {
   std::size_t bytes_copied() const noexcept { return copied_; }
 
  private:
-  PinnedPool* pool_ = nullptr;
+  BatchAllocator* pool_ = nullptr;
   DeviceStage* stage_ = nullptr;
   const ParallelFor* copy_pool_ = nullptr;
   bool measuring_ = false;
