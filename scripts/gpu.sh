@@ -27,7 +27,7 @@ if [ "$what" = test ] || [ "$what" = all ]; then
   grep -q "100% tests passed" "$OUT/ctest.log" || rc=1
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout 200 build/gpu/bench/bench_pin 2>&1 | tee "$OUT/bench_pin.md"
+  timeout 200 build/gpu/bench/bench_pin ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_pin.md"
   PYTHONUNBUFFERED=1 timeout 200 python3 bench/peers_torch.py 2>&1 | tee "$OUT/peers_torch.md"
 fi
 exit $rc
