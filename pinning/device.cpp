@@ -127,7 +127,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     return out;
   }
 
-  void end() {
+  std::shared_ptr<const EventFence> end() {
     if (!cur) throw Error("DeviceStage::end: no batch begun");
     std::size_t i = 0;
     while (i < pending.size()) {
@@ -144,7 +144,6 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     }
     cuda::Event done = cuda::Event::create(opt.device);
     done.record(copy);
-    consumer.wait(done);
     auto fence = std::make_shared<EventFence>(std::move(done));
     std::vector<Storage> keep;
     std::set<const void*> seen;
@@ -159,6 +158,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     pending.clear();
     cur_owner.reset();
     cur = nullptr;
+    return fence;
   }
 };
 
@@ -186,7 +186,8 @@ int DeviceStage::device() const noexcept { return impl_->opt.device; }
 DeviceStageStats DeviceStage::stats() const { return impl_->counters; }
 void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }
 Tensor DeviceStage::move(const Tensor& host) { return impl_->move(host); }
-void DeviceStage::end() { impl_->end(); }
+std::shared_ptr<const EventFence> DeviceStage::end() { return impl_->end(); }
+void DeviceStage::deliver(const EventFence& copied) { impl_->consumer.wait(copied.event()); }
 
 Tensor DeviceStage::to_device(const Tensor& host) {
   begin(align_up(host.nbytes()));
@@ -197,7 +198,7 @@ Tensor DeviceStage::to_device(const Tensor& host) {
     abort();
     throw;
   }
-  end();
+  deliver(*end());
   return t;
 }
 

@@ -19,7 +19,7 @@ void PinContext::begin_copy() {
 void PinContext::finish() {
   block_ = Storage();
   need_ = used_ = 0;
-  if (stage_) stage_->end();
+  if (stage_) device_copy_ = stage_->end();
 }
 
 void PinContext::abort() noexcept {

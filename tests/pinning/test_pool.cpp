@@ -50,8 +50,10 @@ TEST_CASE("a block whose fence is closed is never handed out again", "[unit][poo
     CHECK(other.data() != first);
   }
   fence->open();
-  Storage again = pool.allocate(1000);
-  CHECK(again.data() == first);  // reusable once the fence completed
+  // Reusable once the fence completed: two leases now need no new block, and one of them is it.
+  Storage again = pool.allocate(1000), second = pool.allocate(1000);
+  CHECK((again.data() == first || second.data() == first));
+  CHECK(pool.stats().allocations == 2);
 }
 
 TEST_CASE("at the budget, allocate waits for the fence, then reuses the block", "[unit][pool]") {

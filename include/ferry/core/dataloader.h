@@ -319,6 +319,7 @@ class DataLoader {
           Batch& b = p.template get<Batch>();
           PinContext ctx(*device_stage);
           walk(b, ctx);
+          item.copied = ctx.device_copy();
           item.batch = std::move(p);
         } catch (...) {
           item.error = std::current_exception();
@@ -329,6 +330,7 @@ class DataLoader {
       DeviceItem item = std::move(device_queue.front());
       device_queue.pop_front();
       if (item.error) std::rethrow_exception(item.error);
+      if (item.copied) device_stage->deliver(*item.copied);  // order the consumer after this copy only
       return std::move(item.batch);
     }
 
@@ -511,6 +513,7 @@ class DataLoader {
     std::unique_ptr<DeviceStage> device_stage;
     struct DeviceItem {
       detail::Payload batch;
+      std::shared_ptr<const EventFence> copied;  // the batch's copy; the consumer waits at hand-over
       std::exception_ptr error;
     };
     std::deque<DeviceItem> device_queue;  // copies issued, not yet delivered (consumer thread)

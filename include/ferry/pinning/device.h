@@ -4,10 +4,11 @@
 // For each batch the stage leases one device buffer sized to the whole batch, makes its copy
 // stream wait (on the device, not the host) until the consumer's stream has passed the event
 // recorded when that buffer was last released, issues cudaMemcpyAsync for the batch's tensors
-// (with `pack`, tensors adjacent in one pinned slab go as one copy), records an event E, attaches E
-// as a fence to every pinned block it read (the pool will not reuse them before E), and makes the
-// consumer's stream wait on E. The consumer's kernels are thus ordered after the copy, the host
-// never blocks, and the copy of the next batch runs while the current one computes. When the
+// (with `pack`, tensors adjacent in one pinned slab go as one copy), records an event E and
+// attaches E as a fence to every pinned block it read (the pool will not reuse them before E).
+// When the batch is handed to the consumer (deliver), the consumer's stream waits on E: its
+// kernels are ordered after the copy, the host never blocks, and copies issued ahead for later
+// batches never delay the batch being computed (the wait is per batch, at hand-over). When the
 // consumer drops a device batch, an event is recorded on the consumer stream and the buffer
 // returns to the stage's pool, to be reused only behind that event.
 //
@@ -28,6 +29,7 @@
 
 #include "ferry/core/tensor.h"
 #include "ferry/pinning/cuda.h"
+#include "ferry/pinning/fence.h"
 #include "ferry/pinning/pool.h"
 
 namespace ferry {
@@ -61,14 +63,16 @@ class DeviceStage {
   int device() const noexcept;
   DeviceStageStats stats() const;
 
-  /// One tensor to the device, asynchronously (a batch of one).
+  /// One tensor to the device, asynchronously (a batch of one), ordered on consumer_stream().
   Tensor to_device(const Tensor& host);
 
   /// Batch protocol (used by ferry::to_device through PinContext): begin with the batch's total
-  /// bytes (64-byte aligned per tensor), move() each tensor, then end() issues and orders the copies.
+  /// bytes (64-byte aligned per tensor), move() each tensor, then end() issues the copies and
+  /// returns their completion event; deliver(event) orders the consumer stream after it.
   void begin(std::size_t bytes);
   Tensor move(const Tensor& host);
-  void end();
+  std::shared_ptr<const EventFence> end();
+  void deliver(const EventFence& copied);
   /// Drops a batch begun but not ended (after an exception mid-batch); issues nothing.
   void abort() noexcept;
 

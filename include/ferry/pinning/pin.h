@@ -60,10 +60,13 @@ class PinContext {
   void abort() noexcept;
   /// Bytes copied into pinned memory by this context so far (not counting pass-through).
   std::size_t bytes_copied() const noexcept { return copied_; }
+  /// Device mode: the completion event of the last batch's copies.
+  const std::shared_ptr<const EventFence>& device_copy() const noexcept { return device_copy_; }
 
  private:
   BatchAllocator* pool_ = nullptr;
   DeviceStage* stage_ = nullptr;
+  std::shared_ptr<const EventFence> device_copy_;
   const ParallelFor* copy_pool_ = nullptr;
   bool measuring_ = false;
   std::size_t need_ = 0, used_ = 0, copied_ = 0;
@@ -164,6 +167,7 @@ template <class Batch>
 void to_device(Batch& batch, DeviceStage& stage) {
   PinContext ctx(stage);
   pin_memory(batch, ctx);
+  if (ctx.device_copy()) stage.deliver(*ctx.device_copy());
 }
 
 /// The batch struct of a sample type collated through CollateFields<Sample>: its fields are
