@@ -9,7 +9,7 @@
 // with device=0 in pin modes copy and direct for several worker counts. Each row: median of 5
 // timed passes over --batches batches after a warm-up pass; batches count as delivered once their
 // copy has completed (the consumer stream is synchronized at the end of each pass).
-// Usage: bench_pin [--batches N] [--workers 4,8,12]
+// Usage: bench_pin [--batches N] [--workers 6,8,10,12] [--prefetch 2,4]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -53,6 +53,8 @@ struct Workload {
   Shape sample;
   std::int64_t samples;
 };
+
+std::vector<int> g_prefetch{2};
 
 void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_counts) {
   constexpr std::int64_t kBatch = 256;
@@ -112,13 +114,14 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
   std::fflush(stdout);
 
   for (auto mode : {DataLoaderOptions::PinMode::Direct, DataLoaderOptions::PinMode::Copy}) {
+    for (int prefetch : g_prefetch)
     for (int workers : worker_counts) {
       DataLoaderOptions o;
       o.batch_size = kBatch;
       o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(w.samples), 3, true, batches * kBatch);
       o.num_workers = workers;
       o.persistent_workers = true;
-      o.prefetch_factor = 2;
+      o.prefetch_factor = prefetch;
       o.device = 0;
       o.pin_mode = mode;
       o.pin_threads = 8;
@@ -129,8 +132,9 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
         for (auto& b : loader) got += static_cast<std::size_t>(b[0].size(0));
         loader.stream()->synchronize();
       });
-      std::printf("| ferry, device=0, pin_mode=%s | %d | %.0f | %.1f | %.2f |\n",
-                  mode == DataLoaderOptions::PinMode::Direct ? "direct" : "copy", workers, r, r * mb / 1e3, r / probe_rate);
+      std::printf("| ferry, device=0, pin_mode=%s, prefetch_factor=%d | %d | %.0f | %.1f | %.2f |\n",
+                  mode == DataLoaderOptions::PinMode::Direct ? "direct" : "copy", prefetch, workers, r, r * mb / 1e3,
+                  r / probe_rate);
       std::fflush(stdout);
       if (got == 0) std::printf("(no batches?)\n");
     }
@@ -186,6 +190,12 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
     if (a == "--batches") batches = std::stoul(argv[i + 1]);
+    if (a == "--prefetch") {
+      g_prefetch.clear();
+      std::stringstream ss(argv[i + 1]);
+      std::string tok;
+      while (std::getline(ss, tok, ',')) g_prefetch.push_back(std::stoi(tok));
+    }
     if (a == "--workers") {
       workers.clear();
       std::stringstream ss(argv[i + 1]);
