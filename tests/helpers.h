@@ -4,6 +4,8 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <string>
+#include <vector>
 #include <chrono>
 #include <thread>
 
@@ -39,6 +41,30 @@ struct Tracked {
   Tracked& operator=(const Tracked&) = default;
   ~Tracked() { alive.fetch_sub(1); }
 };
+
+// Iterates one epoch by hand, calling on_batch(batch) for each batch; a WorkerError is recorded
+// (its message, then on_error's suffix) and iteration goes on with the next batch, as a user who
+// skips bad batches would. Returns the error messages in order.
+template <class Loader, class OnBatch, class OnError>
+std::vector<std::string> iterate_skipping_errors(Loader& loader, OnBatch&& on_batch, OnError&& on_error) {
+  std::vector<std::string> errors;
+  auto it = loader.begin();
+  for (;;) {
+    try {
+      if (it == loader.end()) break;
+      on_batch(*it);
+    } catch (const WorkerError& e) {
+      errors.push_back(std::string(e.what()) + on_error(e));
+      continue;  // the failed batch is consumed; go on with the next
+    }
+    ++it;
+  }
+  return errors;
+}
+template <class Loader, class OnBatch>
+std::vector<std::string> iterate_skipping_errors(Loader& loader, OnBatch&& on_batch) {
+  return iterate_skipping_errors(loader, on_batch, [](const WorkerError&) { return std::string(); });
+}
 
 // Waits (polling) until pred() holds or `limit` passes; returns pred().
 template <class Pred>

@@ -23,29 +23,23 @@ struct FailsAt {
   }
 };
 
-// Iterates manually, catching errors and carrying on; returns the batches seen and error messages.
+// Iterates manually, skipping failed batches; returns the batches' first values and the error
+// messages, each tagged with the type of its nested exception.
 template <class Loader>
 std::pair<std::vector<std::int64_t>, std::vector<std::string>> drain(Loader& loader) {
   std::vector<std::int64_t> firsts;
-  std::vector<std::string> errors;
-  auto it = loader.begin();
-  for (;;) {
-    try {
-      if (it == loader.end()) break;
-      firsts.push_back((*it).template item<std::int64_t>(0));
-    } catch (const WorkerError& e) {
-      errors.push_back(e.what());
-      try {
-        std::rethrow_if_nested(e);
-      } catch (const BadSample&) {
-        errors.back() += " [nested BadSample]";
-      } catch (...) {
-        errors.back() += " [nested other]";
-      }
-      continue;  // the failed batch is consumed; go on with the next
-    }
-    ++it;
-  }
+  auto errors = test::iterate_skipping_errors(
+      loader, [&](auto& batch) { firsts.push_back(batch.template item<std::int64_t>(0)); },
+      [](const WorkerError& e) -> std::string {
+        try {
+          std::rethrow_if_nested(e);
+        } catch (const BadSample&) {
+          return " [nested BadSample]";
+        } catch (...) {
+          return " [nested other]";
+        }
+        return " [nothing nested]";
+      });
   return {firsts, errors};
 }
 
