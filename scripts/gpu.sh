@@ -28,6 +28,15 @@ if [ "$what" = test ] || [ "$what" = all ]; then
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 200 build/gpu/bench/bench_pin ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_pin.md"
-  PYTHONUNBUFFERED=1 timeout 200 python3 bench/peers_torch.py 2>&1 | tee "$OUT/peers_torch.md"
+  PYTHONUNBUFFERED=1 timeout 200 python3 bench/peers_torch.py ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers_torch.md"
+fi
+if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = libtorch ]; then
+  torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  if cmake -S bench/peers_libtorch -B build/libtorch -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
+       > "$OUT/libtorch-configure.log" 2>&1 && cmake --build build/libtorch -j 16 > "$OUT/libtorch-build.log" 2>&1; then
+    timeout 240 build/libtorch/peers_libtorch 2>&1 | tee "$OUT/peers_libtorch.md"
+  else
+    echo "peers_libtorch: build failed"; tail -20 "$OUT/libtorch-configure.log" "$OUT/libtorch-build.log"
+  fi
 fi
 exit $rc
