@@ -55,6 +55,7 @@ struct Workload {
 };
 
 std::vector<int> g_prefetch{2};
+std::vector<std::pair<int, int>> g_split{{2, 8}, {4, 4}, {8, 2}};  // workers x intra_batch_threads rows
 
 void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_counts) {
   constexpr std::int64_t kBatch = 256;
@@ -138,6 +139,26 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
       std::fflush(stdout);
       if (got == 0) std::printf("(no batches?)\n");
     }
+  }
+  // Few workers, each batch's samples fetched by several threads (intra_batch_threads), as the
+  // probe spreads one batch over its threads.
+  for (auto [workers, intra] : g_split) {
+    DataLoaderOptions o;
+    o.batch_size = kBatch;
+    o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(w.samples), 3, true, batches * kBatch);
+    o.num_workers = workers;
+    o.intra_batch_threads = intra;
+    o.persistent_workers = true;
+    o.device = 0;
+    o.pinned_memory_limit = std::size_t{4} << 30;
+    DataLoader loader(TensorDataset({data}), o);
+    const double r = rate(batches, [&] {
+      for (auto& b : loader) (void)b;
+      loader.stream()->synchronize();
+    });
+    std::printf("| ferry, device=0, direct, intra_batch_threads=%d | %d | %.0f | %.1f | %.2f |\n", intra, workers, r,
+                r * mb / 1e3, r / probe_rate);
+    std::fflush(stdout);
   }
   cuda::device_free(dev);
 }

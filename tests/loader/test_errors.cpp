@@ -63,6 +63,18 @@ TEST_CASE("a dataset exception surfaces at its batch, names everything and the e
   }
 }
 
+TEST_CASE("with intra-batch threads a failing sample is still named", "[errors]") {
+  DataLoaderOptions o;
+  o.batch_size = 8;
+  o.num_workers = 1;
+  o.intra_batch_threads = 4;
+  DataLoader loader(FailsAt{32, 21}, o);
+  auto [firsts, errors] = drain(loader);
+  CHECK(firsts == std::vector<std::int64_t>{0, 8, 24});
+  REQUIRE(errors.size() == 1);
+  CHECK_THAT(errors[0], Catch::Contains("of batch 2 at sample 21") && Catch::Contains("[nested BadSample]"));
+}
+
 TEST_CASE("WorkerError carries the worker, the batch and the original exception", "[errors]") {
   DataLoaderOptions o;
   o.batch_size = 5;

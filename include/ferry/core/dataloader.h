@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -106,7 +107,9 @@ struct DataLoaderOptions {
   /// The consumer's compute stream (a cudaStream_t, borrowed); null: the loader creates one,
   /// available as loader.stream().
   void* consumer_stream = nullptr;
-  /// Threads used to copy one large batch (>= 4 MiB) during collate; 1 copies on the worker alone.
+  /// Threads that work on one batch: its samples are fetched (get / get_into) in parallel and
+  /// large collate copies (>= 4 MiB) are split, on a oneTBB arena of this size shared by the
+  /// workers. 1: each worker does its batch alone. Useful for few, large batches (38 MB images).
   int intra_batch_threads = 1;
   /// Where batch buffers come from; null means pageable host memory.
   std::shared_ptr<BatchAllocator> allocator;
@@ -423,16 +426,10 @@ class DataLoader {
     detail::Payload produce_map(const detail::Job& job, detail::JobContext& ctx) {
       const Dataset& ds = *dataset;
       const std::span<const std::size_t> idx = job.indices;
-      const std::uint64_t epoch = ctx.worker.epoch;
       if constexpr (kDirect) {
         Batch batch = ds.make_batch(idx.size(), *allocator);
-        for (std::size_t r = 0; r < idx.size(); ++r) {
-          if (ctx.cancelled()) return {};
-          ctx.current_sample = idx[r];
-          ctx.stage.store(Stage::Fetch, std::memory_order_relaxed);
-          SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, &ctx.stage);
-          ds.get_into(idx[r], batch, r, sc);
-        }
+        if (!for_each_sample(idx, ctx, [&](std::size_t r, SampleContext& sc) { ds.get_into(idx[r], batch, r, sc); }))
+          return {};
         return detail::Payload::make(std::move(batch));
       } else {
         std::vector<Sample> samples;
@@ -441,21 +438,68 @@ class DataLoader {
           if (samples.size() != idx.size())
             throw Error("get_batch returned " + std::to_string(samples.size()) + " samples for " +
                         std::to_string(idx.size()) + " indices");
+        } else if (pool) {
+          std::vector<std::optional<Sample>> slots(idx.size());
+          if (!for_each_sample(idx, ctx, [&](std::size_t r, SampleContext& sc) { slots[r].emplace(fetch(ds, idx[r], sc)); }))
+            return {};
+          samples.reserve(idx.size());
+          for (auto& s : slots) samples.push_back(std::move(*s));
         } else {
           samples.reserve(idx.size());
-          for (std::size_t i : idx) {
-            if (ctx.cancelled()) return {};
-            ctx.current_sample = i;
-            ctx.stage.store(Stage::Fetch, std::memory_order_relaxed);
-            SampleContext sc(i, opt.seed, epoch, ctx.worker, &ctx.stage);
-            samples.push_back(fetch(ds, i, sc));
-          }
+          if (!for_each_sample(idx, ctx, [&](std::size_t r, SampleContext& sc) { samples.push_back(fetch(ds, idx[r], sc)); }))
+            return {};
         }
         ctx.current_sample.reset();
         if (ctx.cancelled()) return {};
         ctx.stage.store(Stage::Collate, std::memory_order_relaxed);
         return detail::Payload::make(collate_samples(std::move(samples), idx));
       }
+    }
+
+    // Calls fn(r, ctx) for every row r of the batch, in order on this worker, or across the
+    // intra-batch pool (rows are independent: each writes only its own row or slot). Returns false
+    // when the epoch was cancelled. A failure is rethrown here with ctx.current_sample naming it.
+    template <class Fn>
+    bool for_each_sample(std::span<const std::size_t> idx, detail::JobContext& ctx, Fn&& fn) {
+      const std::uint64_t epoch = ctx.worker.epoch;
+      ctx.stage.store(Stage::Fetch, std::memory_order_relaxed);
+      if (!pool || idx.size() < 2) {
+        for (std::size_t r = 0; r < idx.size(); ++r) {
+          if (ctx.cancelled()) return false;
+          ctx.current_sample = idx[r];
+          ctx.stage.store(Stage::Fetch, std::memory_order_relaxed);
+          SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, &ctx.stage);
+          fn(r, sc);
+        }
+        ctx.current_sample.reset();
+        return !ctx.cancelled();
+      }
+      std::atomic<bool> failed{false};
+      std::mutex mu;
+      std::exception_ptr error;           // guarded by mu
+      std::optional<std::size_t> failing;  // guarded by mu
+      pool->run(idx.size(), [&](std::size_t begin, std::size_t end) {
+        for (std::size_t r = begin; r < end; ++r) {
+          if (ctx.cancelled() || failed.load(std::memory_order_relaxed)) return;
+          SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, &ctx.stage);
+          try {
+            fn(r, sc);
+          } catch (...) {
+            std::lock_guard lock(mu);
+            if (!error) {
+              error = std::current_exception();
+              failing = idx[r];
+            }
+            failed = true;
+            return;
+          }
+        }
+      });
+      if (error) {
+        ctx.current_sample = failing;
+        std::rethrow_exception(error);
+      }
+      return !ctx.cancelled();
     }
 
     detail::Payload produce_stream(detail::JobContext& ctx) {
