@@ -35,6 +35,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -107,9 +108,11 @@ struct DataLoaderOptions {
   /// The consumer's compute stream (a cudaStream_t, borrowed); null: the loader creates one,
   /// available as loader.stream().
   void* consumer_stream = nullptr;
-  /// Threads that work on one batch: its samples are fetched (get / get_into) in parallel and
-  /// large collate copies (>= 4 MiB) are split, on a oneTBB arena of this size shared by the
-  /// workers. 1: each worker does its batch alone. Useful for few, large batches (38 MB images).
+  /// Threads that work on one batch: its samples are fetched (get / get_into) in that many
+  /// parallel parts and large collate copies (>= 4 MiB) are split, on one oneTBB arena of
+  /// intra_batch_threads x num_workers threads (at most the hardware's). 1: each worker does its
+  /// batch alone. For few, large batches (38 MB images) few workers with several threads each
+  /// gather faster than many single-threaded ones (bench/RESULTS.md).
   int intra_batch_threads = 1;
   /// Where batch buffers come from; null means pageable host memory.
   std::shared_ptr<BatchAllocator> allocator;
@@ -277,7 +280,7 @@ class DataLoader {
           opt(std::move(o)),
           collate_fn(std::move(c)),
           batch_sampler(make_batch_sampler()),
-          pool(opt.intra_batch_threads > 1 ? std::make_unique<ParallelFor>(opt.intra_batch_threads) : nullptr),
+          pool(make_intra_pool(opt)),
           allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
           engine(detail::EngineOptions{opt.num_workers, opt.prefetch_factor, opt.in_order, opt.persistent_workers,
                                        kStreaming, opt.timeout, opt.seed},
@@ -398,6 +401,12 @@ class DataLoader {
       }
     }
 
+    static std::unique_ptr<ParallelFor> make_intra_pool(const DataLoaderOptions& o) {
+      if (o.intra_batch_threads <= 1) return nullptr;
+      const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+      return std::make_unique<ParallelFor>(std::min(o.intra_batch_threads * std::max(o.num_workers, 1), hw));
+    }
+
     std::shared_ptr<const BatchSampler> make_batch_sampler() {
       detail::validate_options(opt, kStreaming);
       if constexpr (kStreaming) {
@@ -478,6 +487,7 @@ class DataLoader {
       std::mutex mu;
       std::exception_ptr error;           // guarded by mu
       std::optional<std::size_t> failing;  // guarded by mu
+      const std::size_t parts = static_cast<std::size_t>(opt.intra_batch_threads);
       pool->run(idx.size(), [&](std::size_t begin, std::size_t end) {
         for (std::size_t r = begin; r < end; ++r) {
           if (ctx.cancelled() || failed.load(std::memory_order_relaxed)) return;
@@ -494,7 +504,7 @@ class DataLoader {
             return;
           }
         }
-      });
+      }, (idx.size() + parts - 1) / parts);  // intra_batch_threads parts per batch
       if (error) {
         ctx.current_sample = failing;
         std::rethrow_exception(error);
