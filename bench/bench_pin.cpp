@@ -55,7 +55,7 @@ struct Workload {
 };
 
 std::vector<int> g_prefetch{2};
-std::vector<std::pair<int, int>> g_split{{2, 8}, {4, 4}, {8, 2}};  // workers x intra_batch_threads rows
+std::vector<std::pair<int, int>> g_split{{1, 8}, {2, 4}, {2, 8}, {4, 4}, {8, 2}};  // workers x intra_batch_threads rows
 
 void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_counts) {
   constexpr std::int64_t kBatch = 256;

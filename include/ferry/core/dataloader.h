@@ -108,9 +108,10 @@ struct DataLoaderOptions {
   /// The consumer's compute stream (a cudaStream_t, borrowed); null: the loader creates one,
   /// available as loader.stream().
   void* consumer_stream = nullptr;
-  /// Threads that work on one batch: its samples are fetched (get / get_into) in parallel and
-  /// large collate copies (>= 4 MiB) are split, on one oneTBB arena of intra_batch_threads x
-  /// num_workers threads (at most the hardware's less two). 1: each worker does its batch alone. For few, large batches (38 MB images) few workers with several threads each
+  /// Threads that work on one batch: its samples are fetched (get / get_into) in that many
+  /// parallel parts and large collate copies (>= 4 MiB) are split, on one oneTBB arena of
+  /// intra_batch_threads x num_workers threads (at most the hardware's). 1: each worker does its
+  /// batch alone. For few, large batches (38 MB images) few workers with several threads each
   /// gather faster than many single-threaded ones (bench/RESULTS.md).
   int intra_batch_threads = 1;
   /// Where batch buffers come from; null means pageable host memory.
@@ -402,8 +403,7 @@ class DataLoader {
 
     static std::unique_ptr<ParallelFor> make_intra_pool(const DataLoaderOptions& o) {
       if (o.intra_batch_threads <= 1) return nullptr;
-      // Leave two cores to the pin thread and the consumer.
-      const int hw = std::max(2, static_cast<int>(std::thread::hardware_concurrency()) - 2);
+      const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
       return std::make_unique<ParallelFor>(std::min(o.intra_batch_threads * std::max(o.num_workers, 1), hw));
     }
 
@@ -487,6 +487,7 @@ class DataLoader {
       std::mutex mu;
       std::exception_ptr error;           // guarded by mu
       std::optional<std::size_t> failing;  // guarded by mu
+      const std::size_t parts = static_cast<std::size_t>(opt.intra_batch_threads);
       pool->run(idx.size(), [&](std::size_t begin, std::size_t end) {
         for (std::size_t r = begin; r < end; ++r) {
           if (ctx.cancelled() || failed.load(std::memory_order_relaxed)) return;
@@ -503,7 +504,7 @@ class DataLoader {
             return;
           }
         }
-      });  // row by row: idle threads of the arena take whichever batch's rows are left
+      }, (idx.size() + parts - 1) / parts);  // intra_batch_threads parts per batch
       if (error) {
         ctx.current_sample = failing;
         std::rethrow_exception(error);
