@@ -114,52 +114,41 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
               probe_threads, probe_rate, probe_rate * mb / 1e3);
   std::fflush(stdout);
 
-  for (auto mode : {DataLoaderOptions::PinMode::Direct, DataLoaderOptions::PinMode::Copy}) {
-    for (int prefetch : g_prefetch)
-    for (int workers : worker_counts) {
-      DataLoaderOptions o;
-      o.batch_size = kBatch;
-      o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(w.samples), 3, true, batches * kBatch);
-      o.num_workers = workers;
-      o.persistent_workers = true;
-      o.prefetch_factor = prefetch;
-      o.device = 0;
-      o.pin_mode = mode;
-      o.pin_threads = 8;
-      o.pinned_memory_limit = std::size_t{4} << 30;
-      DataLoader loader(TensorDataset({data}), o);
-      std::size_t got = 0;
-      const double r = rate(batches, [&] {
-        for (auto& b : loader) got += static_cast<std::size_t>(b[0].size(0));
-        loader.stream()->synchronize();
-      });
-      std::printf("| ferry, device=0, pin_mode=%s, prefetch_factor=%d | %d | %.0f | %.1f | %.2f |\n",
-                  mode == DataLoaderOptions::PinMode::Direct ? "direct" : "copy", prefetch, workers, r, r * mb / 1e3,
-                  r / probe_rate);
-      std::fflush(stdout);
-      if (got == 0) std::printf("(no batches?)\n");
-    }
-  }
-  // Few workers, each batch's samples fetched by several threads (intra_batch_threads), as the
-  // probe spreads one batch over its threads.
-  for (auto [workers, intra] : g_split) {
+  // One ferry row: the loader over the workload with `configure` applied, delivering on cuda:0.
+  auto ferry_row = [&](const std::string& label, int workers, auto&& configure) {
     DataLoaderOptions o;
     o.batch_size = kBatch;
     o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(w.samples), 3, true, batches * kBatch);
     o.num_workers = workers;
-    o.intra_batch_threads = intra;
     o.persistent_workers = true;
     o.device = 0;
     o.pinned_memory_limit = std::size_t{4} << 30;
+    configure(o);
     DataLoader loader(TensorDataset({data}), o);
+    std::size_t rows = 0;
     const double r = rate(batches, [&] {
-      for (auto& b : loader) (void)b;
+      for (auto& b : loader) rows += static_cast<std::size_t>(b[0].size(0));
       loader.stream()->synchronize();
     });
-    std::printf("| ferry, device=0, direct, intra_batch_threads=%d | %d | %.0f | %.1f | %.2f |\n", intra, workers, r,
-                r * mb / 1e3, r / probe_rate);
+    std::printf("| ferry, device=0, %s | %d | %.0f | %.1f | %.2f |\n", label.c_str(), workers, r, r * mb / 1e3, r / probe_rate);
+    if (rows == 0) std::printf("(no batches?)\n");
     std::fflush(stdout);
-  }
+  };
+  for (auto mode : {DataLoaderOptions::PinMode::Direct, DataLoaderOptions::PinMode::Copy})
+    for (int prefetch : g_prefetch)
+      for (int workers : worker_counts)
+        ferry_row(std::string("pin_mode=") + (mode == DataLoaderOptions::PinMode::Direct ? "direct" : "copy") +
+                      ", prefetch_factor=" + std::to_string(prefetch),
+                  workers, [&](DataLoaderOptions& o) {
+                    o.prefetch_factor = prefetch;
+                    o.pin_mode = mode;
+                    o.pin_threads = 8;
+                  });
+  // Few workers, each batch's samples fetched by several threads (intra_batch_threads), as the
+  // probe spreads one batch over its threads.
+  for (auto [workers, intra] : g_split)
+    ferry_row("direct, intra_batch_threads=" + std::to_string(intra), workers,
+              [intra = intra](DataLoaderOptions& o) { o.intra_batch_threads = intra; });
   cuda::device_free(dev);
 }
 
