@@ -64,7 +64,7 @@ struct DataLoaderOptions {
   std::shared_ptr<const Sampler> sampler;
   /// Custom batches; excludes batch_size != 1, shuffle, sampler and drop_last.
   std::shared_ptr<const BatchSampler> batch_sampler;
-  /// Worker threads; 0 runs everything on the consumer thread.
+  /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning).
   int num_workers = 0;
   bool drop_last = false;
   /// Longest wait for one batch; 0 waits forever. Needs num_workers > 0.
