@@ -1,7 +1,6 @@
 // The first demo: an in-memory dataset of (image, label) samples through ferry's loader with
 // workers, a seeded shuffle and a per-sample random transform, printing what it delivered.
 #include <cstdio>
-#include <numeric>
 
 #include "ferry/ferry.h"
 

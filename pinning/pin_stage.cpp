@@ -4,8 +4,8 @@
 #include <semaphore>
 #include <string>
 
-#include "../src/queue.h"
-#include "../src/thread.h"
+#include "queue.h"
+#include "thread.h"
 #include "ferry/core/error.h"
 
 namespace ferry::detail {

@@ -33,8 +33,7 @@ class Generator {
   /// (ferry uses epoch and sample index).
   explicit Generator(std::uint64_t seed = 0, std::uint64_t stream = 0, std::uint64_t substream = 0) noexcept
       : key_{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)},
-        counter_{0, 0, static_cast<std::uint32_t>(stream), static_cast<std::uint32_t>(stream >> 32)},
-        substream_(substream) {
+        counter_{0, 0, static_cast<std::uint32_t>(stream), static_cast<std::uint32_t>(stream >> 32)} {
     counter_[1] = static_cast<std::uint32_t>(substream);
     // The high half of the substream is folded into the key so 64-bit sample indices stay distinct.
     key_[0] ^= static_cast<std::uint32_t>(substream >> 32) * 0x9E3779B9u;
@@ -68,7 +67,6 @@ class Generator {
   void refill() noexcept;
   std::array<std::uint32_t, 2> key_;
   std::array<std::uint32_t, 4> counter_;
-  std::uint64_t substream_;
   std::array<std::uint32_t, 4> block_{};
   int used_ = 4;
 };

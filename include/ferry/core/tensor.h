@@ -151,7 +151,7 @@ class Tensor {
     check_dtype(dtype_v<T>);
     return reinterpret_cast<T*>(raw());
   }
-  /// Element at flat index `i` (host memory only; no bounds check beyond numel in debug builds).
+  /// Element at flat index `i` (host memory only; not bounds-checked).
   template <class T>
   T item(std::int64_t i = 0) const { return data<T>()[i]; }
 
