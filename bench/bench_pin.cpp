@@ -155,7 +155,7 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
 // A training loop: each step runs `step_ms` of GPU work on the batch's stream, then synchronizes
 // (as reading the loss does). The same loop without a loader sets the baseline time per step;
 // GPU waiting for data = 1 - steps * baseline / wall.
-void training_loop(double step_ms, int steps, int workers) {
+void training_loop(double step_ms, int steps, int workers, int intra) {
   constexpr std::int64_t kBatch = 256;
   Tensor data = Tensor::empty(DType::UInt8, {2048, 3, 224, 224});
   std::memset(data.raw(), 3, data.nbytes());
@@ -163,6 +163,7 @@ void training_loop(double step_ms, int steps, int workers) {
   o.batch_size = kBatch;
   o.sampler = std::make_shared<RandomSampler>(2048, 5, true, static_cast<std::size_t>(steps + 10) * kBatch);
   o.num_workers = workers;
+  o.intra_batch_threads = intra;
   o.device = 0;
   o.pin_mode = DataLoaderOptions::PinMode::Direct;
   DataLoader loader(TensorDataset({data}), o);
@@ -186,7 +187,8 @@ void training_loop(double step_ms, int steps, int workers) {
     ++step;
   }
   const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-  std::printf("| ferry, device=0, direct, %d workers | %.2f ms | %d | %.0f ms | %.2f%% |\n", workers, base_ms, steps, wall,
+  std::printf("| ferry, device=0, direct, %d workers x intra_batch_threads=%d | %.2f ms | %d | %.0f ms | %.2f%% |\n",
+              workers, intra, base_ms, steps, wall,
               100.0 * std::max(0.0, 1.0 - steps * base_ms / wall));
 }
 #endif
@@ -222,7 +224,9 @@ int main(int argc, char** argv) {
 #ifdef FERRY_BENCH_TRAINING_LOOP
   std::printf("\n## training loop: (a) batches, GPU work per step, synchronize each step\n\n");
   std::printf("| loader | step alone (baseline) | steps | wall | GPU waiting for data |\n|---|---:|---:|---:|---:|\n");
-  for (double ms : {10.0, 20.0}) training_loop(ms, 200, 8);
+  for (double ms : {10.0, 20.0})
+    for (auto [workers, intra] : {std::pair{8, 1}, std::pair{1, 8}})
+      for (int rep = 0; rep < 3; ++rep) training_loop(ms, 200, workers, intra);
 #endif
   return 0;
 }

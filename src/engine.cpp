@@ -74,8 +74,12 @@ std::string worker_name(int worker) {
 std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::span<const std::size_t> indices,
                                           Stage stage, std::optional<std::size_t> sample, bool stream) {
   std::string what;
+  DataError const* data_error = nullptr;
   try {
     throw;
+  } catch (const DataError& e) {
+    data_error = &e;  // the object our caller is handling: alive until its catch block ends
+    what = e.what();
   } catch (const std::exception& e) {
     what = e.what();
   } catch (...) {
@@ -87,6 +91,11 @@ std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::s
   else os << "batch " << batch;
   if (sample) os << " at sample " << *sample;
   if (!indices.empty()) os << " (" << describe_indices(indices, stream ? "stream positions" : "samples") << ")";
+  if (data_error) {
+    // Bad data keeps its type so the consumer can catch DataError and skip it; where it happened
+    // goes at the end of the message, after the file and offset.
+    return std::make_exception_ptr(data_error->with_context(os.str()));
+  }
   os << ": " << what;
   // Constructed here, inside the caller's catch block, so std::nested_exception captures it.
   return std::make_exception_ptr(WorkerError(os.str(), worker, batch));

@@ -45,7 +45,7 @@ struct Tracked {
 // Iterates one epoch by hand, calling on_batch(batch) for each batch; a WorkerError is recorded
 // (its message, then on_error's suffix) and iteration goes on with the next batch, as a user who
 // skips bad batches would. Returns the error messages in order.
-template <class Loader, class OnBatch, class OnError>
+template <class E = WorkerError, class Loader, class OnBatch, class OnError>
 std::vector<std::string> iterate_skipping_errors(Loader& loader, OnBatch&& on_batch, OnError&& on_error) {
   std::vector<std::string> errors;
   auto it = loader.begin();
@@ -53,7 +53,7 @@ std::vector<std::string> iterate_skipping_errors(Loader& loader, OnBatch&& on_ba
     try {
       if (it == loader.end()) break;
       on_batch(*it);
-    } catch (const WorkerError& e) {
+    } catch (const E& e) {
       errors.push_back(std::string(e.what()) + on_error(e));
       continue;  // the failed batch is consumed; go on with the next
     }
@@ -61,9 +61,9 @@ std::vector<std::string> iterate_skipping_errors(Loader& loader, OnBatch&& on_ba
   }
   return errors;
 }
-template <class Loader, class OnBatch>
+template <class E = WorkerError, class Loader, class OnBatch>
 std::vector<std::string> iterate_skipping_errors(Loader& loader, OnBatch&& on_batch) {
-  return iterate_skipping_errors(loader, on_batch, [](const WorkerError&) { return std::string(); });
+  return iterate_skipping_errors<E>(loader, on_batch, [](const E&) { return std::string(); });
 }
 
 // Waits (polling) until pred() holds or `limit` passes; returns pred().

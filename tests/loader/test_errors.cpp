@@ -196,3 +196,33 @@ TEST_CASE("a stalled fetch raises TimeoutError naming the stage and batch", "[er
   for (auto& b : loader) n += static_cast<std::size_t>(b.numel());
   CHECK(n == 8);
 }
+
+namespace {
+struct BadFile {
+  std::size_t size() const { return 12; }
+  std::int64_t get(std::size_t i) const {
+    if (i == 5) throw DataError("shard-3.bin", 4096, "bad record");
+    return static_cast<std::int64_t>(i);
+  }
+};
+}  // namespace
+
+TEST_CASE("a DataError keeps its type, file and offset on the consumer, and the epoch goes on", "[errors]") {
+  for (int workers : {0, 2}) {
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = workers;
+    DataLoader loader(BadFile{}, o);
+    std::vector<std::int64_t> firsts;
+    auto errors = test::iterate_skipping_errors<DataError>(loader, [&](Tensor& b) { firsts.push_back(b.item<std::int64_t>(0)); },
+                                                          [](const DataError& e) {
+                                                            CHECK(e.file() == "shard-3.bin");
+                                                            CHECK(e.offset() == 4096);
+                                                            return std::string();
+                                                          });
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::StartsWith("shard-3.bin: at byte 4096: bad record [") && Catch::Contains("batch 1") &&
+                              Catch::Contains("at sample 5"));
+    CHECK(firsts == std::vector<std::int64_t>{0, 8});
+  }
+}

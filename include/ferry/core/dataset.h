@@ -152,19 +152,30 @@ template <class D> using sample_t = typename sample_type_of<D>::type;
 // --- composition --------------------------------------------------------------------------------
 
 template <class D, class F> class MappedDataset;
+template <class D, class F> class MappedIterable;
 
 /// CRTP base that gives a dataset `.map(transform)`. Optional: ferry::map works on any dataset.
 template <class Derived>
 class DatasetBase {
  public:
-  /// A dataset whose samples are transform(sample) or transform(sample, ctx).
+  /// A dataset whose samples are transform(sample) or transform(sample, ctx); a stream for an
+  /// iterable dataset (MappedIterable), a map-style dataset otherwise (MappedDataset).
   template <class F>
-  MappedDataset<Derived, std::decay_t<F>> map(F&& transform) const& {
-    return {static_cast<const Derived&>(*this), std::forward<F>(transform)};
+  auto map(F&& transform) const& {
+    return Mapped<F>(static_cast<const Derived&>(*this), std::forward<F>(transform));
   }
   template <class F>
-  MappedDataset<Derived, std::decay_t<F>> map(F&& transform) && {
-    return {std::move(static_cast<Derived&>(*this)), std::forward<F>(transform)};
+  auto map(F&& transform) && {
+    return Mapped<F>(std::move(static_cast<Derived&>(*this)), std::forward<F>(transform));
+  }
+
+ private:
+  template <class F, class D>
+  static auto Mapped(D&& d, F&& f) {
+    if constexpr (IterableDataset<Derived> && !MapDataset<Derived>)
+      return MappedIterable<Derived, std::decay_t<F>>(std::forward<D>(d), std::forward<F>(f));
+    else
+      return MappedDataset<Derived, std::decay_t<F>>(std::forward<D>(d), std::forward<F>(f));
   }
 };
 
@@ -187,6 +198,49 @@ class MappedDataset : public DatasetBase<MappedDataset<D, F>> {
       return out;
     }
   }
+  const D& base() const noexcept { return base_; }
+
+ private:
+  D base_;
+  F transform_;
+};
+
+/// An iterable dataset whose samples are transform(sample) or transform(sample, ctx), run in the
+/// worker that reads the stream. ctx.index() is the sample's position in this worker's stream
+/// (offset by worker id << 40), so ctx.rng() is reproducible for a given seed, epoch and worker
+/// count.
+template <class D, class F>
+class MappedIterable : public DatasetBase<MappedIterable<D, F>> {
+ public:
+  MappedIterable(D base, F transform) : base_(std::move(base)), transform_(std::move(transform)) {}
+  class Stream {
+   public:
+    Stream(const MappedIterable& owner, const WorkerInfo& worker)
+        : owner_(&owner), worker_(worker), inner_(owner.base_.open(worker)) {}
+    auto next() {
+      auto sample = inner_.next();
+      using In = std::decay_t<decltype(*sample)>;
+      using Out = std::decay_t<decltype(apply(std::declval<In&&>()))>;
+      if (!sample) return std::optional<Out>();
+      return std::optional<Out>(apply(std::move(*sample)));
+    }
+
+   private:
+    template <class S>
+    auto apply(S&& s) {
+      if constexpr (std::is_invocable_v<const F&, S&&, SampleContext&>) {
+        SampleContext ctx((static_cast<std::size_t>(worker_.id) << 40) + position_++, worker_.seed, worker_.epoch, worker_);
+        return owner_->transform_(std::forward<S>(s), ctx);
+      } else {
+        return owner_->transform_(std::forward<S>(s));
+      }
+    }
+    const MappedIterable* owner_;
+    WorkerInfo worker_;
+    decltype(std::declval<const D&>().open(std::declval<const WorkerInfo&>())) inner_;
+    std::size_t position_ = 0;
+  };
+  Stream open(const WorkerInfo& worker) const { return Stream(*this, worker); }
   const D& base() const noexcept { return base_; }
 
  private:

@@ -8,7 +8,8 @@
 //                 worker, the batch index, the stage and the sample indices; the original exception
 //                 is nested (std::rethrow_if_nested(e), or e.original()).
 //   TimeoutError  no batch arrived within DataLoaderOptions::timeout; names the stage that stalled.
-//   DataError     a file or record is malformed; names the file and the offset or sample.
+//   DataError     a file or record is malformed; names the file and the offset or sample. It
+//                 reaches the consumer unwrapped (worker and batch appended to the message).
 //
 // Thread safety: exception objects are immutable after construction.
 #pragma once
@@ -17,6 +18,7 @@
 #include <exception>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace ferry {
 
@@ -50,10 +52,30 @@ class TimeoutError : public Error {
   using Error::Error;
 };
 
-/// Malformed input data (a file, a record, a header field).
+/// Malformed or unreadable input data: a file, a record, a header field. The message reads
+/// "<file>: at byte <offset>: <what>" (the offset where it makes sense). Thrown inside the pipeline,
+/// it reaches the consumer as a DataError (not wrapped in WorkerError), with the worker, batch and
+/// samples appended to the message, so `catch (const ferry::DataError&)` can skip bad data.
 class DataError : public Error {
  public:
-  using Error::Error;
+  static constexpr std::uint64_t kNoOffset = ~std::uint64_t{0};
+  /// A data error in `file` at byte `offset` (kNoOffset when no offset applies).
+  DataError(std::string file, std::uint64_t offset, const std::string& what)
+      : Error(file + (offset == kNoOffset ? std::string() : ": at byte " + std::to_string(offset)) + ": " + what),
+        file_(std::move(file)), offset_(offset) {}
+  /// The file (or shard, or record) that was bad.
+  const std::string& file() const noexcept { return file_; }
+  /// The byte offset of the problem, or kNoOffset.
+  std::uint64_t offset() const noexcept { return offset_; }
+  /// The same error with `context` appended to the message (used by the loader to name the
+  /// worker and batch).
+  DataError with_context(const std::string& context) const { return DataError(*this, context); }
+
+ private:
+  DataError(const DataError& e, const std::string& context)
+      : Error(std::string(e.what()) + " [" + context + "]"), file_(e.file_), offset_(e.offset_) {}
+  std::string file_;
+  std::uint64_t offset_ = kNoOffset;
 };
 
 }  // namespace ferry

@@ -1,0 +1,100 @@
+// ferry/loaders/image.h — JPEG and PNG decoding, and folders of images as a dataset.
+//
+// decode_image() turns the bytes of a JPEG (libjpeg-turbo) or PNG (libpng) file into a uint8
+// [H, W, C] tensor. Corrupt or truncated data, a format that is neither, or an image larger than
+// the pixel limit is a ferry::DataError naming the image; libjpeg's warnings (such as "premature
+// end of data") count as errors, so a damaged file never yields a half-grey image silently.
+//
+// ImageFolder reads a tree laid out as torchvision.datasets.ImageFolder expects:
+//
+//   root/cat/001.jpg          classes are the subfolders of root, sorted by name (byte order);
+//   root/cat/nested/002.png   label = the class's position; files are found recursively and
+//   root/dog/003.jpeg         sorted by path, so indices are the same on every machine.
+//
+//   ferry::ImageFolder train("photos/train", {.transform = ferry::ImageTransform()
+//                                                  .random_resized_crop(224, 224)
+//                                                  .horizontal_flip()
+//                                                  .to_float()});
+//   ferry::DataLoader loader(train, {.batch_size = 256, .num_workers = 8});
+//
+// With a transform whose output size is fixed, ImageFolder supports the loader's direct mode:
+// each worker decodes into a reused per-thread buffer and transforms straight into the sample's
+// row of the batch (which is pinned memory when pinning in direct mode).
+//
+// Thread safety: decode_image() may run on many threads at once (decoder state is per thread);
+// an ImageFolder is immutable after construction.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/core/allocator.h"
+#include "ferry/core/dataset.h"
+#include "ferry/core/tensor.h"
+#include "ferry/loaders/sample.h"
+#include "ferry/loaders/transforms.h"
+
+namespace ferry {
+
+/// Image file formats ferry decodes.
+enum class ImageFormat : std::uint8_t { Unknown, Jpeg, Png };
+/// Recognizes JPEG and PNG by their magic bytes.
+ImageFormat sniff_image(std::span<const std::byte> bytes) noexcept;
+
+struct DecodeOptions {
+  /// Channels to produce: 0 = the file's own (1 gray, 3 RGB, 4 RGBA; gray+alpha becomes RGBA),
+  /// 1 = grayscale, 3 = RGB, 4 = RGBA (alpha 255 where the file has none).
+  int channels = 0;
+  /// Images with more pixels than this are refused (a DataError), before any allocation.
+  std::int64_t max_pixels = std::int64_t{1} << 28;
+};
+
+/// Decodes a JPEG or PNG held in memory into a new uint8 [H, W, C] tensor. `name` is used in errors.
+Tensor decode_image(std::span<const std::byte> bytes, const std::string& name, const DecodeOptions& options = {});
+/// Reads and decodes an image file.
+Tensor read_image(const std::string& path, const DecodeOptions& options = {});
+
+struct ImageFolderOptions {
+  /// Channels of every decoded image (see DecodeOptions::channels); 3 unless set.
+  int channels = 3;
+  /// Applied to each decoded [H, W, C] uint8 image in the worker; empty = none (the loader can then
+  /// batch only images that all have one size).
+  ImageTransform transform;
+  /// File extensions to include, lower case, with the dot.
+  std::vector<std::string> extensions{".jpg", ".jpeg", ".png"};
+  std::int64_t max_pixels = std::int64_t{1} << 28;
+};
+
+/// One class per subfolder of `root`; samples are LabeledSample{image, class index}.
+class ImageFolder : public DatasetBase<ImageFolder> {
+ public:
+  /// Scans `root`. DataError names the folder when root is missing or unreadable, has no class
+  /// folders, or a class folder holds no image.
+  explicit ImageFolder(const std::string& root, ImageFolderOptions options = {});
+
+  std::size_t size() const noexcept { return files_.size(); }
+  LabeledSample get(std::size_t i, SampleContext& ctx) const;
+  /// Direct mode; throws ferry::Error unless the transform fixes the output size.
+  LabeledBatch make_batch(std::size_t rows, BatchAllocator& allocator) const;
+  void get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const;
+
+  /// Class names, sorted; a label indexes this list.
+  const std::vector<std::string>& classes() const noexcept { return classes_; }
+  /// The file and label of sample i.
+  const std::string& path(std::size_t i) const { return files_.at(i).path; }
+  std::int64_t label(std::size_t i) const { return files_.at(i).label; }
+
+ private:
+  struct File {
+    std::string path;
+    std::int64_t label;
+  };
+  std::vector<std::string> classes_;
+  std::vector<File> files_;
+  ImageFolderOptions options_;
+};
+
+}  // namespace ferry

@@ -1,0 +1,110 @@
+// ferry/loaders/registry.h — datasets by name, configured by "key=value" strings, and plugins
+// loaded at run time.
+//
+//   auto& reg = ferry::DatasetRegistry::global();
+//   reg.load_plugin("build/examples/plugin/libferry_ramp_plugin.so");    // registers "ramp"
+//   ferry::DynamicDataset ds = reg.create("ramp", "n=1000,dim=16");
+//   ferry::DataLoader loader(ds, {.batch_size = 64});                    // batches: std::vector<Tensor>
+//
+// Built in: "idx" (images=, labels=), "npy" (path=), "image_folder" (root=, size=, channels=,
+// random_crop=0|1), "synthetic" (n=, shape=3x224x224, dtype=uint8). Every dataset made here yields
+// samples as std::vector<Tensor> (one tensor per field; labels as int64 scalars). An unknown name,
+// an unknown or malformed option, a plugin file that cannot be loaded, a library without the
+// entry point, or a plugin built for another ABI version is a ferry::Error saying which.
+//
+// Plugins stay loaded until the process exits (datasets made from them may outlive anything
+// else). Thread safety: the registry is internally locked; datasets are safe to read from many
+// threads.
+#pragma once
+
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "ferry/core/dataset.h"
+#include "ferry/core/tensor.h"
+
+namespace ferry {
+
+/// Parsed "key=value,key=value" options. Getters throw ferry::Error naming the dataset, the key and
+/// the bad value; finish() throws for keys nobody asked for (a typo shows up at once).
+class DatasetConfig {
+ public:
+  DatasetConfig(std::string dataset, const std::string& text);
+  std::string str(const std::string& key) const;                        ///< required
+  std::string str(const std::string& key, const std::string& fallback) const;
+  std::int64_t integer(const std::string& key) const;
+  std::int64_t integer(const std::string& key, std::int64_t fallback) const;
+  bool has(const std::string& key) const { return values_.count(key) != 0; }
+  void finish() const;
+  const std::map<std::string, std::string>& values() const noexcept { return values_; }
+  const std::string& dataset() const noexcept { return dataset_; }
+
+ private:
+  std::string dataset_;
+  std::map<std::string, std::string> values_;
+  mutable std::vector<std::string> read_;
+};
+
+/// A map-style dataset of std::vector<Tensor> samples, of any registered kind. Copies share it.
+class DynamicDataset : public DatasetBase<DynamicDataset> {
+ public:
+  struct Impl {
+    virtual ~Impl() = default;
+    virtual std::size_t size() const = 0;
+    virtual std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const = 0;
+  };
+  explicit DynamicDataset(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
+  /// Wraps any map-style dataset whose samples convert to std::vector<Tensor> with `convert`.
+  template <MapDataset D, class Convert>
+  static DynamicDataset wrap(D dataset, Convert convert) {
+    struct Wrapped final : Impl {
+      Wrapped(D d, Convert c) : d(std::move(d)), c(std::move(c)) {}
+      std::size_t size() const override { return d.size(); }
+      std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const override { return c(fetch(d, i, ctx)); }
+      D d;
+      Convert c;
+    };
+    return DynamicDataset(std::make_shared<Wrapped>(std::move(dataset), std::move(convert)));
+  }
+  std::size_t size() const { return impl_->size(); }
+  std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const { return impl_->get(i, ctx); }
+
+ private:
+  std::shared_ptr<const Impl> impl_;
+};
+
+class DatasetRegistry {
+ public:
+  using Factory = std::function<DynamicDataset(const DatasetConfig&)>;
+  /// The process-wide registry, with the built-in datasets.
+  static DatasetRegistry& global();
+  /// An empty registry (tests).
+  DatasetRegistry() = default;
+
+  /// Registers `name`; ferry::Error when the name is taken.
+  void add(const std::string& name, Factory factory, std::string help = {});
+  /// Creates dataset `name` from a "key=value,..." string.
+  DynamicDataset create(const std::string& name, const std::string& config = {}) const;
+  bool contains(const std::string& name) const;
+  /// Registered names, sorted.
+  std::vector<std::string> names() const;
+  std::string help(const std::string& name) const;
+  /// Loads a plugin library and returns the names it registered (the same names again when the
+  /// library was loaded before).
+  std::vector<std::string> load_plugin(const std::string& path);
+
+ private:
+  struct Entry {
+    Factory factory;
+    std::string help;
+  };
+  mutable std::mutex mu_;
+  std::map<std::string, Entry> entries_;                         // guarded by mu_
+  std::map<void*, std::vector<std::string>> plugins_;            // guarded by mu_: dlopen handle -> names
+};
+
+}  // namespace ferry

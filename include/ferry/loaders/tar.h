@@ -1,0 +1,127 @@
+// ferry/loaders/tar.h — tar archives and WebDataset-style shards as a stream.
+//
+// A shard is a tar file whose members are grouped by key: "n01440764/0001.jpg" and
+// "n01440764/0001.cls" form one record with key "n01440764/0001" and fields "jpg" and "cls" (the
+// key is the member path up to the first dot of its file name; the field is the rest). Members
+// of one record must be adjacent, as WebDataset writes them.
+//
+//   ferry::TarShards shards({"train-000.tar", "train-001.tar", ...}, {.rank = rank, .world_size = world});
+//   ferry::TarImageOptions img{.transform = ferry::ImageTransform().random_resized_crop(224, 224).to_float()};
+//   auto train = shards.map([img](ferry::TarRecord r, ferry::SampleContext& ctx) {
+//     return ferry::decode_labeled_image(r, img, ctx.rng());
+//   });
+//   ferry::DataLoader loader(train, {.batch_size = 256, .num_workers = 8});
+//
+// Splitting: each epoch the shard list is (optionally) shuffled with (seed, epoch), and shard k
+// goes to reader slot k mod (world_size * num_workers), where rank r's worker w is slot
+// r * num_workers + w. Every shard is read exactly once per epoch across all ranks and workers;
+// with fewer shards than slots, some workers read nothing.
+//
+// Archives: POSIX ustar, GNU long names ('L') and pax headers ('x': path and size); directories,
+// links and other entries are skipped. A bad header checksum, a truncated member or a header
+// that does not parse is a ferry::DataError naming the shard and the byte offset; the stream then
+// moves on to its next shard, so the loader stays usable.
+//
+// Thread safety: TarShards is immutable; each stream belongs to one worker.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/core/dataset.h"
+#include "ferry/core/random.h"
+#include "ferry/loaders/sample.h"
+#include "ferry/loaders/transforms.h"
+
+namespace ferry {
+
+/// One regular file of a tar archive.
+struct TarMember {
+  std::string path;
+  std::vector<std::byte> data;
+  std::uint64_t offset = 0;  ///< byte offset of the member's header in the archive
+};
+
+/// Reads the members of a tar archive one at a time (from a file, buffered, or from memory).
+class TarReader {
+ public:
+  /// Opens a tar file; DataError when it cannot be opened.
+  explicit TarReader(const std::string& path);
+  /// Reads an archive held in memory (which must outlive the reader).
+  TarReader(std::span<const std::byte> bytes, std::string name);
+  ~TarReader();
+  TarReader(TarReader&&) noexcept;
+  TarReader& operator=(TarReader&&) noexcept;
+  /// The next regular file, or nullopt at the end of the archive. DataError on damage.
+  std::optional<TarMember> next();
+  const std::string& name() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// A group of adjacent members sharing a key.
+struct TarRecord {
+  std::string key;    ///< "dir/0001"
+  std::string shard;  ///< the archive it came from
+  std::uint64_t offset = 0;
+  std::map<std::string, std::vector<std::byte>> fields;  ///< "jpg" -> bytes
+  /// The field's bytes; DataError naming the shard, record and present fields when missing.
+  const std::vector<std::byte>& field(const std::string& name) const;
+};
+
+struct TarShardsOptions {
+  int rank = 0;        ///< this process's rank
+  int world_size = 1;  ///< number of ranks
+  /// Shuffle the shard order each epoch with (seed, epoch) (records within a shard keep their order).
+  bool shuffle = true;
+};
+
+/// A stream of TarRecords over a list of shards, split across workers and ranks.
+class TarShards : public DatasetBase<TarShards> {
+ public:
+  /// Error when the list is empty or the rank does not fit the world size. Files are opened lazily,
+  /// by the worker that reads them.
+  explicit TarShards(std::vector<std::string> shards, TarShardsOptions options = {});
+
+  class Stream {
+   public:
+    std::optional<TarRecord> next();
+
+   private:
+    friend class TarShards;
+    std::vector<std::string> shards_;  // this reader's shards, in order
+    std::size_t current_ = 0;
+    std::optional<TarReader> reader_;
+    std::optional<TarMember> pending_;  // first member of the next record
+  };
+  /// The stream of `worker`'s shards for this rank and the worker's epoch.
+  Stream open(const WorkerInfo& worker) const;
+  /// The shard indices read by (rank, worker) in `epoch`.
+  std::vector<std::size_t> assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const;
+  const std::vector<std::string>& shards() const noexcept { return shards_; }
+
+ private:
+  std::vector<std::string> shards_;
+  TarShardsOptions options_;
+};
+
+struct TarImageOptions {
+  std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded
+  std::string label_field = "cls";                                ///< decimal class index
+  int channels = 3;
+  ImageTransform transform;
+};
+
+/// Decodes a record's image (and transform) and its integer label. DataError names the shard and
+/// the record when a field is missing or malformed.
+LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOptions& options, Generator& rng);
+
+}  // namespace ferry

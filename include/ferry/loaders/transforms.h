@@ -1,0 +1,93 @@
+// ferry/loaders/transforms.h — image transforms, composed and fused into one pass.
+//
+// An ImageTransform is a list of steps, as torchvision.transforms.Compose, applied to an image
+// tensor of uint8 (or float32) in HWC layout ([H, W, C], or [H, W] for grayscale):
+//
+//   auto train = ferry::ImageTransform()
+//                    .random_resized_crop(224, 224)       // scale (0.08, 1), ratio (3/4, 4/3)
+//                    .horizontal_flip(0.5)
+//                    .to_float()                          // uint8 HWC [0, 255] -> float32 CHW [0, 1]
+//                    .normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+//   ferry::Tensor out = train(image, ctx.rng());          // [3, 224, 224] float32
+//
+// Semantics match torchvision on tensors: resize is bilinear with half-pixel centres and no
+// antialiasing (torch.nn.functional.interpolate(mode="bilinear", align_corners=False)), rounded to
+// the nearest integer when the image is still uint8; crops larger than the image pad with zeros;
+// random_resized_crop draws its box exactly as torchvision's RandomResizedCrop.get_params.
+//
+// Steps are not run one after another over whole images: crops and flips only move the sampling
+// grid, so a run of crops, flips and one resize is evaluated as a single bilinear pass from the
+// source straight into the output (a second resize starts a new pass over an intermediate image).
+// to_float and normalize are folded into that pass's write. apply_into() writes the result into
+// caller memory, which is how datasets decode and transform straight into a batch's row.
+//
+// Randomness comes from the Generator passed in: inside a loader, pass ctx.rng(), which is keyed
+// by (seed, epoch, sample index), so a sample gets the same crop whichever worker runs it.
+//
+// Thread safety: an ImageTransform is immutable once built; apply from any number of threads.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/core/random.h"
+#include "ferry/core/tensor.h"
+
+namespace ferry {
+
+class ImageTransform {
+ public:
+  /// Resizes to exactly height x width.
+  ImageTransform& resize(int height, int width);
+  /// Resizes so the shorter side is `size`, keeping the aspect ratio (torchvision Resize(size)).
+  ImageTransform& resize_shorter(int size);
+  /// Crops height x width from the centre (zero padding where the image is smaller).
+  ImageTransform& center_crop(int height, int width);
+  /// A random box of `scale` of the area and `ratio` aspect, resized to height x width.
+  ImageTransform& random_resized_crop(int height, int width, std::array<double, 2> scale = {0.08, 1.0},
+                                      std::array<double, 2> ratio = {3.0 / 4.0, 4.0 / 3.0});
+  /// Mirrors left-right with probability p.
+  ImageTransform& horizontal_flip(double p = 0.5);
+  /// uint8 HWC in [0, 255] becomes float32 CHW in [0, 1] (torchvision ToTensor).
+  ImageTransform& to_float();
+  /// (x - mean[c]) / std[c] per channel; one value applies to all channels. Must follow to_float.
+  ImageTransform& normalize(std::vector<float> mean, std::vector<float> std);
+
+  /// The output's dtype: float32 after to_float, else the input's.
+  DType output_dtype(DType input) const noexcept;
+  /// The output shape for an input of height x width x channels.
+  Shape output_shape(std::int64_t height, std::int64_t width, std::int64_t channels) const;
+  /// The output shape when it does not depend on the input's height and width (a fixed-size
+  /// resize or crop comes after any size-dependent step), else nullopt.
+  std::optional<Shape> fixed_output_shape(std::int64_t channels) const;
+  /// True when there are no steps.
+  bool empty() const noexcept { return steps_.empty(); }
+  /// "random_resized_crop(224x224) -> horizontal_flip(0.5) -> to_float".
+  std::string str() const;
+
+  /// Applies the steps to `image` ([H, W, C] or [H, W], uint8 or float32, host memory).
+  Tensor operator()(const Tensor& image, Generator& rng) const;
+  /// The same, written into `out` (host memory, output_shape() and output_dtype() of the input;
+  /// ferry::Error names the mismatch otherwise).
+  void apply_into(const Tensor& image, const Tensor& out, Generator& rng) const;
+
+  /// One step (public so the implementation can be a free function; build through the methods).
+  struct Step {
+    enum class Kind : std::uint8_t { Resize, ResizeShorter, CenterCrop, RandomResizedCrop, Flip, ToFloat, Normalize };
+    Kind kind;
+    int height = 0, width = 0;
+    std::array<double, 2> scale{}, ratio{};
+    double p = 0;
+    std::vector<float> mean, std;
+  };
+  const std::vector<Step>& steps() const noexcept { return steps_; }
+
+ private:
+  std::vector<Step> steps_;
+  bool float_ = false;
+};
+
+}  // namespace ferry

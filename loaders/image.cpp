@@ -1,0 +1,285 @@
+#include "ferry/loaders/image.h"
+
+#include <png.h>
+#include <turbojpeg.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <system_error>
+
+#include "io.h"
+
+namespace ferry {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Decoder {  // one TurboJPEG handle per thread
+  tjhandle h = tjInitDecompress();
+  ~Decoder() {
+    if (h) tjDestroy(h);
+  }
+};
+
+Decoder& thread_decoder_slot() {
+  thread_local Decoder d;
+  return d;
+}
+
+tjhandle thread_decoder() {
+  Decoder& d = thread_decoder_slot();
+  if (!d.h) d.h = tjInitDecompress();
+  if (!d.h) throw Error(std::string("TurboJPEG: cannot create a decompressor: ") + tjGetErrorStr2(nullptr));
+  return d.h;
+}
+
+// A handle that reported an error can keep failing on later, valid images (libjpeg-turbo 2.1
+// leaves the decompressor mid-stream), so a failed handle is replaced.
+void discard_thread_decoder() {
+  Decoder& d = thread_decoder_slot();
+  if (d.h) tjDestroy(d.h);
+  d.h = nullptr;
+}
+
+struct Size {
+  std::int64_t h, w, c;
+};
+
+void check_pixels(const std::string& name, std::int64_t w, std::int64_t h, const DecodeOptions& o) {
+  if (w <= 0 || h <= 0) throw DataError(name, DataError::kNoOffset, "image has no pixels (" + std::to_string(w) + "x" + std::to_string(h) + ")");
+  if (w * h > o.max_pixels)
+    throw DataError(name, DataError::kNoOffset, "image is " + std::to_string(w) + "x" + std::to_string(h) +
+                                                    ", more than the limit of " + std::to_string(o.max_pixels) + " pixels");
+}
+
+void check_channels(int c) {
+  if (c != 0 && c != 1 && c != 3 && c != 4)
+    throw Error("decode_image: channels must be 0, 1, 3 or 4, got " + std::to_string(c));
+}
+
+// Reads the header and returns the decoded size; `decode` then fills `dst` (h * w * c bytes).
+class JpegDecode {
+ public:
+  JpegDecode(std::span<const std::byte> bytes, const std::string& name, const DecodeOptions& o) : bytes_(bytes), name_(name) {
+    tj_ = thread_decoder();
+    int w = 0, h = 0, subsamp = 0, cs = 0;
+    if (tjDecompressHeader3(tj_, data(), size(), &w, &h, &subsamp, &cs) != 0) fail("corrupt JPEG header");
+    if (w <= 0 || h <= 0) throw DataError(name, DataError::kNoOffset, "corrupt JPEG header: no image size");
+    if (cs == TJCS_CMYK || cs == TJCS_YCCK) {
+      if (o.channels != 0 && o.channels != 4) throw DataError(name, DataError::kNoOffset, "CMYK JPEGs cannot be decoded to RGB or grayscale");
+    }
+    const int c = o.channels ? o.channels : (cs == TJCS_GRAY ? 1 : (cs == TJCS_CMYK || cs == TJCS_YCCK) ? 4 : 3);
+    pf_ = c == 1 ? TJPF_GRAY : c == 3 ? TJPF_RGB : (cs == TJCS_CMYK || cs == TJCS_YCCK) ? TJPF_CMYK : TJPF_RGBA;
+    check_pixels(name, w, h, o);
+    size_ = {h, w, c};
+  }
+  Size size_info() const { return size_; }
+  void decode(std::uint8_t* dst) {
+    // STOPONWARNING: truncated or corrupt entropy data is an error, not a grey-filled image.
+    if (tjDecompress2(tj_, data(), size(), dst, static_cast<int>(size_.w), 0, static_cast<int>(size_.h), pf_,
+                      TJFLAG_STOPONWARNING) != 0)
+      fail("corrupt JPEG data");
+  }
+
+ private:
+  const unsigned char* data() const { return reinterpret_cast<const unsigned char*>(bytes_.data()); }
+  unsigned long size() const { return static_cast<unsigned long>(bytes_.size()); }
+  [[noreturn]] void fail(const char* what) const {
+    const std::string message = std::string(what) + ": " + tjGetErrorStr2(tj_);
+    discard_thread_decoder();
+    throw DataError(name_, DataError::kNoOffset, message);
+  }
+  std::span<const std::byte> bytes_;
+  const std::string& name_;
+  tjhandle tj_;
+  int pf_ = TJPF_RGB;
+  Size size_{};
+};
+
+class PngDecode {
+ public:
+  PngDecode(std::span<const std::byte> bytes, const std::string& name, const DecodeOptions& o) : name_(name) {
+    std::memset(&img_, 0, sizeof img_);
+    img_.version = PNG_IMAGE_VERSION;
+    if (!png_image_begin_read_from_memory(&img_, bytes.data(), bytes.size())) fail();
+    const bool color = img_.format & PNG_FORMAT_FLAG_COLOR, alpha = img_.format & PNG_FORMAT_FLAG_ALPHA;
+    const int c = o.channels ? o.channels : (alpha ? 4 : color ? 3 : 1);
+    // RGB from a file with alpha drops the alpha (as PIL's convert("RGB")) instead of compositing.
+    drop_alpha_ = c == 3 && alpha;
+    img_.format = c == 1 ? PNG_FORMAT_GRAY : (c == 3 && !drop_alpha_) ? PNG_FORMAT_RGB : PNG_FORMAT_RGBA;
+    try {
+      check_pixels(name, img_.width, img_.height, o);
+    } catch (...) {
+      png_image_free(&img_);
+      throw;
+    }
+    size_ = {static_cast<std::int64_t>(img_.height), static_cast<std::int64_t>(img_.width), c};
+  }
+  ~PngDecode() { png_image_free(&img_); }
+  Size size_info() const { return size_; }
+  void decode(std::uint8_t* dst) {
+    if (!drop_alpha_) {
+      if (!png_image_finish_read(&img_, nullptr, dst, 0, nullptr)) fail();
+      return;
+    }
+    std::vector<std::uint8_t> rgba(static_cast<std::size_t>(size_.h * size_.w * 4));
+    if (!png_image_finish_read(&img_, nullptr, rgba.data(), 0, nullptr)) fail();
+    for (std::size_t p = 0, n = static_cast<std::size_t>(size_.h * size_.w); p < n; ++p)
+      std::memcpy(dst + 3 * p, rgba.data() + 4 * p, 3);
+  }
+
+ private:
+  [[noreturn]] void fail() { throw DataError(name_, DataError::kNoOffset, std::string("corrupt PNG: ") + img_.message); }
+  png_image img_;
+  const std::string& name_;
+  bool drop_alpha_ = false;
+  Size size_{};
+};
+
+// Decodes into `buf` (resized) and returns the size; the scratch path for datasets.
+template <class Buffer>
+Size decode_into(std::span<const std::byte> bytes, const std::string& name, const DecodeOptions& o, Buffer&& alloc) {
+  check_channels(o.channels);
+  switch (sniff_image(bytes)) {
+    case ImageFormat::Jpeg: {
+      JpegDecode d(bytes, name, o);
+      d.decode(alloc(d.size_info()));
+      return d.size_info();
+    }
+    case ImageFormat::Png: {
+      PngDecode d(bytes, name, o);
+      d.decode(alloc(d.size_info()));
+      return d.size_info();
+    }
+    case ImageFormat::Unknown: break;
+  }
+  if (bytes.empty()) throw DataError(name, DataError::kNoOffset, "is empty (0 bytes)");
+  throw DataError(name, 0, "not a JPEG or PNG image (unrecognized magic bytes)");
+}
+
+std::string lower(std::string s) {
+  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
+  return s;
+}
+
+[[noreturn]] void fs_fail(const fs::path& p, const char* what, const std::error_code& ec) {
+  throw DataError(p.string(), DataError::kNoOffset, std::string(what) + ": " + ec.message());
+}
+
+// Thread-local buffers for the dataset path: file bytes and decoded pixels.
+struct Scratch {
+  std::vector<std::byte> file;
+  std::vector<std::uint8_t> pixels;
+};
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+}  // namespace
+
+ImageFormat sniff_image(std::span<const std::byte> b) noexcept {
+  auto at = [&](std::size_t i) { return std::to_integer<unsigned>(b[i]); };
+  if (b.size() >= 3 && at(0) == 0xFF && at(1) == 0xD8 && at(2) == 0xFF) return ImageFormat::Jpeg;
+  static constexpr unsigned kPng[8] = {0x89, 0x50, 0x4E, 0x47, 0x0D, 0x0A, 0x1A, 0x0A};
+  if (b.size() >= 8 && std::equal(kPng, kPng + 8, b.begin(), [](unsigned x, std::byte y) { return x == std::to_integer<unsigned>(y); }))
+    return ImageFormat::Png;
+  return ImageFormat::Unknown;
+}
+
+Tensor decode_image(std::span<const std::byte> bytes, const std::string& name, const DecodeOptions& options) {
+  Tensor out;
+  decode_into(bytes, name, options, [&](Size s) {
+    out = Tensor::empty(DType::UInt8, {s.h, s.w, s.c});
+    return out.data<std::uint8_t>();
+  });
+  return out;
+}
+
+Tensor read_image(const std::string& path, const DecodeOptions& options) {
+  std::vector<std::byte> bytes;
+  loaders::read_file(path, bytes);
+  return decode_image(bytes, path, options);
+}
+
+ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : options_(std::move(options)) {
+  if (options_.channels != 1 && options_.channels != 3 && options_.channels != 4)
+    throw Error("ImageFolder: channels must be 1, 3 or 4, got " + std::to_string(options_.channels));
+  for (std::string& e : options_.extensions) e = lower(e);
+  std::error_code ec;
+  const fs::path base(root);
+  const fs::file_status st = fs::status(base, ec);
+  if (st.type() == fs::file_type::not_found) throw DataError(root, DataError::kNoOffset, "does not exist");
+  if (ec) fs_fail(base, "cannot read the dataset root", ec);
+  if (st.type() != fs::file_type::directory) throw DataError(root, DataError::kNoOffset, "is not a directory");
+  fs::directory_iterator it(base, ec);
+  if (ec) fs_fail(base, "cannot list the dataset root", ec);
+  for (; it != fs::directory_iterator(); it.increment(ec)) {
+    if (ec) fs_fail(base, "cannot list the dataset root", ec);
+    if (it->is_directory(ec)) classes_.push_back(it->path().filename().string());
+  }
+  if (ec) fs_fail(base, "cannot list the dataset root", ec);
+  std::sort(classes_.begin(), classes_.end());
+  if (classes_.empty()) throw DataError(root, DataError::kNoOffset, "holds no class folders (expected root/<class>/<image>)");
+  for (std::size_t label = 0; label < classes_.size(); ++label) {
+    const fs::path dir = base / classes_[label];
+    std::vector<std::pair<std::string, std::string>> found;  // (folder, file name), sorted as os.walk
+    fs::recursive_directory_iterator rit(dir, fs::directory_options::follow_directory_symlink, ec);
+    if (ec) fs_fail(dir, "cannot list the class folder", ec);
+    for (; rit != fs::recursive_directory_iterator(); rit.increment(ec)) {
+      if (ec) fs_fail(rit->path(), "cannot list", ec);
+      if (!rit->is_regular_file(ec)) continue;
+      const fs::path& p = rit->path();
+      const std::string ext = lower(p.extension().string());
+      if (std::find(options_.extensions.begin(), options_.extensions.end(), ext) != options_.extensions.end())
+        found.emplace_back(p.parent_path().string(), p.filename().string());
+    }
+    if (ec) fs_fail(dir, "cannot list the class folder", ec);
+    if (found.empty()) throw DataError(dir.string(), DataError::kNoOffset, "class folder '" + classes_[label] + "' holds no image files");
+    std::sort(found.begin(), found.end());
+    for (auto& [folder, name] : found)
+      files_.push_back({(fs::path(folder) / name).string(), static_cast<std::int64_t>(label)});
+  }
+}
+
+LabeledSample ImageFolder::get(std::size_t i, SampleContext& ctx) const {
+  const File& f = files_.at(i);
+  Scratch& s = scratch();
+  loaders::read_file(f.path, s.file);
+  Tensor img = decode_image(s.file, f.path, {options_.channels, options_.max_pixels});
+  if (options_.transform.empty()) return {std::move(img), f.label};
+  Stage prev = ctx.enter(Stage::Transform);
+  Tensor out = options_.transform(img, ctx.rng());
+  ctx.enter(prev);
+  return {std::move(out), f.label};
+}
+
+LabeledBatch ImageFolder::make_batch(std::size_t rows, BatchAllocator& allocator) const {
+  std::optional<Shape> shape = options_.transform.fixed_output_shape(options_.channels);
+  if (!shape)
+    throw Error("ImageFolder: batching needs a transform that ends in a fixed size (resize(h, w), center_crop or "
+                "random_resized_crop), so every image fits one batch shape; the transform is " + options_.transform.str());
+  shape->insert(shape->begin(), static_cast<std::int64_t>(rows));
+  return {empty(options_.transform.output_dtype(DType::UInt8), std::move(*shape), allocator),
+          empty(DType::Int64, {static_cast<std::int64_t>(rows)}, allocator)};
+}
+
+void ImageFolder::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const {
+  const File& f = files_.at(i);
+  Scratch& s = scratch();
+  loaders::read_file(f.path, s.file);
+  const Size sz = decode_into(s.file, f.path, {options_.channels, options_.max_pixels}, [&](Size z) {
+    s.pixels.resize(static_cast<std::size_t>(z.h * z.w * z.c));
+    return s.pixels.data();
+  });
+  // The decoded pixels, viewed as a tensor without copying (the scratch outlives this call).
+  Tensor img(Storage::wrap(s.pixels.data(), s.pixels.size(), Device::host(), std::shared_ptr<void>(s.pixels.data(), [](void*) {})),
+             DType::UInt8, {sz.h, sz.w, sz.c});
+  Stage prev = ctx.enter(Stage::Transform);
+  options_.transform.apply_into(img, batch.image.select(static_cast<std::int64_t>(row)), ctx.rng());
+  ctx.enter(prev);
+  batch.label.data<std::int64_t>()[row] = f.label;
+}
+
+}  // namespace ferry

@@ -1,0 +1,149 @@
+#include "io.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace ferry::loaders {
+namespace {
+
+[[noreturn]] void throw_errno(const std::string& path, const char* what) {
+  throw DataError(path, DataError::kNoOffset, std::string(what) + ": " + std::strerror(errno));
+}
+
+struct Fd {
+  int fd = -1;
+  ~Fd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Opens `path` for reading and returns its size; DataError for anything but a non-empty regular file.
+std::size_t open_regular(const std::string& path, Fd& f) {
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd < 0) throw_errno(path, "cannot open");
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) throw_errno(path, "cannot stat");
+  if (S_ISDIR(st.st_mode)) throw DataError(path, DataError::kNoOffset, "is a directory, expected a file");
+  if (!S_ISREG(st.st_mode)) throw DataError(path, DataError::kNoOffset, "is not a regular file");
+  if (st.st_size == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
+  return static_cast<std::size_t>(st.st_size);
+}
+
+}  // namespace
+
+std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
+  Fd f;
+  const std::size_t size = open_regular(path, f);
+  // Private and writable: a Tensor over the mapping may be written (copy on write) without
+  // touching the file or faulting.
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, f.fd, 0);
+  if (p == MAP_FAILED) throw_errno(path, "cannot map");
+  return std::shared_ptr<const MappedFile>(new MappedFile(path, static_cast<const std::byte*>(p), size));
+}
+
+MappedFile::~MappedFile() { ::munmap(const_cast<std::byte*>(data_), size_); }
+
+void read_file(const std::string& path, std::vector<std::byte>& out) {
+  Fd f;
+  const std::size_t size = open_regular(path, f);
+  out.resize(size);
+  std::size_t got = 0;
+  while (got < size) {
+    const ssize_t n = ::read(f.fd, out.data() + got, size - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw_errno(path, "read failed");
+    if (n == 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  if (got != size)
+    throw DataError(path, got, "file shrank while being read (" + std::to_string(size) + " bytes expected)");
+}
+
+bool is_gzip(std::span<const std::byte> b) noexcept {
+  return b.size() >= 2 && b[0] == std::byte{0x1f} && b[1] == std::byte{0x8b};
+}
+
+struct ByteSource::ZStream {
+  z_stream z{};
+  bool ended = false;
+  ~ZStream() { inflateEnd(&z); }
+};
+
+ByteSource::ByteSource(std::span<const std::byte> bytes, std::string name) : bytes_(bytes), name_(std::move(name)) {
+  if (!is_gzip(bytes)) return;
+  zstream_ = std::make_unique<ZStream>();
+  // 16 + MAX_WBITS: expect a gzip header and trailer.
+  if (inflateInit2(&zstream_->z, 16 + MAX_WBITS) != Z_OK) {
+    zstream_.reset();
+    throw Error("zlib: inflateInit2 failed");
+  }
+  zstream_->z.next_in = reinterpret_cast<Bytef*>(const_cast<std::byte*>(bytes.data()));
+  zstream_->z.avail_in = static_cast<uInt>(std::min<std::size_t>(bytes.size(), 1u << 30));
+}
+
+ByteSource::~ByteSource() = default;
+
+void ByteSource::fail(const std::string& what) const { throw DataError(name_, offset_, what); }
+
+std::size_t ByteSource::read_some(std::byte* dst, std::size_t n) {
+  if (!zstream_) {
+    const std::size_t k = std::min(n, bytes_.size() - pos_);
+    std::memcpy(dst, bytes_.data() + pos_, k);
+    pos_ += k;
+    return k;
+  }
+  ZStream& zs = *zstream_;
+  std::size_t got = 0;
+  while (got < n && !zs.ended) {
+    // Feed the next slice of input when zlib has consumed what it was given.
+    if (zs.z.avail_in == 0) {
+      const std::size_t consumed = static_cast<std::size_t>(reinterpret_cast<std::byte*>(zs.z.next_in) - bytes_.data());
+      if (consumed >= bytes_.size()) fail("truncated gzip stream (compressed data ends early)");
+      zs.z.avail_in = static_cast<uInt>(std::min<std::size_t>(bytes_.size() - consumed, 1u << 30));
+    }
+    zs.z.next_out = reinterpret_cast<Bytef*>(dst + got);
+    zs.z.avail_out = static_cast<uInt>(std::min<std::size_t>(n - got, 1u << 30));
+    const uInt before = zs.z.avail_out;
+    const int rc = inflate(&zs.z, Z_NO_FLUSH);
+    got += before - zs.z.avail_out;
+    if (rc == Z_STREAM_END) {
+      zs.ended = true;
+    } else if (rc == Z_BUF_ERROR) {
+      // No progress possible: input exhausted (handled above on the next turn) or output full.
+      const std::size_t consumed = static_cast<std::size_t>(reinterpret_cast<std::byte*>(zs.z.next_in) - bytes_.data());
+      if (consumed >= bytes_.size()) fail("truncated gzip stream (compressed data ends early)");
+    } else if (rc != Z_OK) {
+      fail(std::string("corrupt gzip data: ") + (zs.z.msg ? zs.z.msg : "inflate error " + std::to_string(rc)));
+    }
+  }
+  return got;
+}
+
+void ByteSource::read_exact(void* dst, std::size_t n, const char* what) {
+  const std::uint64_t start = offset_;
+  const std::size_t got = read_some(static_cast<std::byte*>(dst), n);
+  offset_ += got;
+  if (got != n)
+    throw DataError(name_, start,
+                    std::string("truncated ") + what + ": needed " + std::to_string(n) + " bytes, found " + std::to_string(got));
+}
+
+bool ByteSource::at_end() {
+  if (!zstream_) return pos_ == bytes_.size();
+  std::byte probe;
+  if (read_some(&probe, 1) == 1) return false;
+  return true;
+}
+
+std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const std::string& file, const char* what) {
+  if (a != 0 && b > ~std::uint64_t{0} / a) throw DataError(file, DataError::kNoOffset, std::string(what) + " overflows 64 bits");
+  return a * b;
+}
+
+}  // namespace ferry::loaders

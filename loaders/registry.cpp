@@ -1,0 +1,298 @@
+#include "ferry/loaders/registry.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "ferry/loaders/idx.h"
+#include "ferry/loaders/image.h"
+#include "ferry/loaders/npy.h"
+#include "ferry/loaders/plugin_abi.h"
+
+namespace ferry {
+
+static_assert(FERRY_FLOAT32 == static_cast<int>(DType::Float32) && FERRY_BOOL == static_cast<int>(DType::Bool) &&
+              FERRY_FLOAT64 == static_cast<int>(DType::Float64) && FERRY_INT64 == static_cast<int>(DType::Int64));
+
+namespace {
+
+std::string trim(const std::string& s) {
+  const std::size_t b = s.find_first_not_of(" \t"), e = s.find_last_not_of(" \t");
+  return b == std::string::npos ? std::string() : s.substr(b, e - b + 1);
+}
+
+std::vector<Tensor> labeled(LabeledSample s) { return {std::move(s.image), Tensor::scalar<std::int64_t>(s.label)}; }
+
+Shape parse_shape(const DatasetConfig& c, const std::string& text) {
+  Shape shape;
+  std::stringstream ss(text);
+  std::string part;
+  while (std::getline(ss, part, 'x')) {
+    if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos || part.size() > 9)
+      throw Error("dataset '" + c.dataset() + "': option 'shape' must look like 3x224x224, got '" + text + "'");
+    shape.push_back(std::stoll(part));
+  }
+  if (shape.empty()) throw Error("dataset '" + c.dataset() + "': option 'shape' is empty");
+  return shape;
+}
+
+DType parse_dtype(const DatasetConfig& c, const std::string& name) {
+  for (DType d : {DType::Bool, DType::UInt8, DType::Int8, DType::Int16, DType::Int32, DType::Int64, DType::Float16,
+                  DType::BFloat16, DType::Float32, DType::Float64})
+    if (name == dtype_name(d)) return d;
+  throw Error("dataset '" + c.dataset() + "': option 'dtype' is not a dtype: '" + name + "'");
+}
+
+// A synthetic dataset: sample i is a tensor whose bytes are (i + k) mod 251, and label i mod 10.
+struct Synthetic {
+  std::size_t n;
+  DType dtype;
+  Shape shape;
+  std::size_t size() const { return n; }
+  std::vector<Tensor> get(std::size_t i) const {
+    Tensor t = Tensor::empty(dtype, shape);
+    auto* p = static_cast<std::uint8_t*>(t.raw());
+    for (std::size_t k = 0; k < t.nbytes(); ++k) p[k] = static_cast<std::uint8_t>((i + k) % 251);
+    return {t, Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(i % 10))};
+  }
+};
+
+void add_builtins(DatasetRegistry& r) {
+  r.add("idx", [](const DatasetConfig& c) {
+    IdxDataset d(c.str("images"), c.str("labels"));
+    c.finish();
+    return DynamicDataset::wrap(std::move(d), labeled);
+  }, "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz)");
+  r.add("npy", [](const DatasetConfig& c) {
+    NpyDataset d(c.str("path"));
+    c.finish();
+    return DynamicDataset::wrap(std::move(d), [](Tensor t) { return std::vector<Tensor>{std::move(t)}; });
+  }, "rows of a .npy array: path=<file>");
+  r.add("image_folder", [](const DatasetConfig& c) {
+    ImageFolderOptions o;
+    o.channels = static_cast<int>(c.integer("channels", 3));
+    const auto size = static_cast<int>(c.integer("size", 224));
+    if (c.integer("random_crop", 0)) o.transform.random_resized_crop(size, size).horizontal_flip();
+    else o.transform.resize_shorter(size).center_crop(size, size);
+    if (c.integer("float", 0)) o.transform.to_float();
+    ImageFolder d(c.str("root"), std::move(o));
+    c.finish();
+    return DynamicDataset::wrap(std::move(d), labeled);
+  }, "root/<class>/<image>: root=<dir>, size=224, channels=3, random_crop=0|1, float=0|1");
+  r.add("synthetic", [](const DatasetConfig& c) {
+    const std::int64_t n = c.integer("n", 10000);
+    if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
+    Synthetic d{static_cast<std::size_t>(n), parse_dtype(c, c.str("dtype", "uint8")), parse_shape(c, c.str("shape", "3x224x224"))};
+    c.finish();
+    return DynamicDataset::wrap(std::move(d), [](std::vector<Tensor> v) { return v; });
+  }, "in-memory patterns: n=10000, shape=3x224x224, dtype=uint8");
+}
+
+// --- plugins ------------------------------------------------------------------------------------
+
+struct PluginDataset final : DynamicDataset::Impl {
+  std::string plugin, name;
+  const ferry_dataset_ops* ops;
+  void* self = nullptr;
+  std::vector<ferry_field> fields;
+  ~PluginDataset() override {
+    if (self) ops->destroy(self);
+  }
+  std::size_t size() const override { return static_cast<std::size_t>(ops->size(self)); }
+  std::vector<Tensor> get(std::size_t i, SampleContext&) const override {
+    std::vector<Tensor> out;
+    std::vector<void*> ptrs;
+    out.reserve(fields.size());
+    for (const ferry_field& f : fields) {
+      out.push_back(Tensor::empty(static_cast<DType>(f.dtype), Shape(f.shape, f.shape + f.ndim)));
+      ptrs.push_back(out.back().raw());
+    }
+    char err[512] = {0};
+    if (ops->get(self, i, ptrs.data(), err, sizeof err) != 0)
+      throw DataError(plugin, DataError::kNoOffset, "dataset '" + name + "', sample " + std::to_string(i) + ": " +
+                                                        (err[0] ? std::string(err, strnlen(err, sizeof err)) : "get() failed"));
+    return out;
+  }
+};
+
+struct Staging {
+  std::string path;
+  std::vector<std::pair<std::string, const ferry_dataset_ops*>> datasets;
+  std::string error;
+};
+
+int stage_dataset(void* context, const char* name, const ferry_dataset_ops* ops) {
+  auto* s = static_cast<Staging*>(context);
+  if (!name || !*name || !ops) {
+    s->error = "registered a dataset with no name or no ops table";
+    return 1;
+  }
+  if (ops->abi_version != FERRY_PLUGIN_ABI_VERSION || ops->struct_size < sizeof(ferry_dataset_ops)) {
+    s->error = "dataset '" + std::string(name) + "' was built for plugin ABI version " + std::to_string(ops->abi_version) +
+               ", this ferry speaks version " + std::to_string(FERRY_PLUGIN_ABI_VERSION);
+    return 1;
+  }
+  if (!ops->create || !ops->destroy || !ops->size || !ops->fields || !ops->get) {
+    s->error = "dataset '" + std::string(name) + "' has a null function in its ops table";
+    return 1;
+  }
+  s->datasets.emplace_back(name, ops);
+  return 0;
+}
+
+DynamicDataset create_plugin_dataset(const std::string& plugin, const std::string& name, const ferry_dataset_ops* ops,
+                                     const DatasetConfig& c) {
+  std::vector<ferry_kv> kv;
+  for (auto& [k, v] : c.values()) kv.push_back({k.c_str(), v.c_str()});
+  auto d = std::make_shared<PluginDataset>();
+  d->plugin = plugin;
+  d->name = name;
+  d->ops = ops;
+  char err[512] = {0};
+  d->self = ops->create(kv.data(), kv.size(), err, sizeof err);
+  if (!d->self)
+    throw Error("plugin dataset '" + name + "' (" + plugin + "): " + (err[0] ? std::string(err, strnlen(err, sizeof err)) : "create() failed"));
+  const std::size_t n = ops->fields(d->self, nullptr, 0);
+  if (n == 0 || n > 64) throw Error("plugin dataset '" + name + "' (" + plugin + "): declares " + std::to_string(n) + " fields (1 to 64 allowed)");
+  d->fields.resize(n);
+  ops->fields(d->self, d->fields.data(), n);
+  for (const ferry_field& f : d->fields) {
+    const bool ok = f.dtype >= FERRY_BOOL && f.dtype <= FERRY_FLOAT64 && f.ndim >= 0 && f.ndim <= FERRY_PLUGIN_MAX_DIMS &&
+                    std::all_of(f.shape, f.shape + std::max(f.ndim, 0), [](std::int64_t x) { return x >= 0 && x < (std::int64_t{1} << 40); });
+    if (!ok) throw Error("plugin dataset '" + name + "' (" + plugin + "): field '" + std::string(f.name, strnlen(f.name, sizeof f.name)) + "' has an invalid dtype or shape");
+  }
+  return DynamicDataset(std::move(d));
+}
+
+}  // namespace
+
+DatasetConfig::DatasetConfig(std::string dataset, const std::string& text) : dataset_(std::move(dataset)) {
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (trim(item).empty()) continue;
+    const std::size_t eq = item.find('=');
+    if (eq == std::string::npos) throw Error("dataset '" + dataset_ + "': option '" + trim(item) + "' is not key=value");
+    const std::string key = trim(item.substr(0, eq)), value = trim(item.substr(eq + 1));
+    if (key.empty()) throw Error("dataset '" + dataset_ + "': option '" + trim(item) + "' has an empty key");
+    if (!values_.emplace(key, value).second) throw Error("dataset '" + dataset_ + "': option '" + key + "' is given twice");
+  }
+}
+
+std::string DatasetConfig::str(const std::string& key) const {
+  auto it = values_.find(key);
+  if (it == values_.end()) throw Error("dataset '" + dataset_ + "': option '" + key + "' is required");
+  read_.push_back(key);
+  return it->second;
+}
+std::string DatasetConfig::str(const std::string& key, const std::string& fallback) const {
+  return has(key) ? str(key) : (read_.push_back(key), fallback);
+}
+std::int64_t DatasetConfig::integer(const std::string& key) const {
+  const std::string v = str(key);
+  std::size_t used = 0;
+  std::int64_t out = 0;
+  try {
+    out = std::stoll(v, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (v.empty() || used != v.size()) throw Error("dataset '" + dataset_ + "': option '" + key + "' must be an integer, got '" + v + "'");
+  return out;
+}
+std::int64_t DatasetConfig::integer(const std::string& key, std::int64_t fallback) const {
+  return has(key) ? integer(key) : (read_.push_back(key), fallback);
+}
+void DatasetConfig::finish() const {
+  for (auto& [k, v] : values_)
+    if (std::find(read_.begin(), read_.end(), k) == read_.end()) {
+      std::string known;
+      for (const std::string& r : read_) known += (known.empty() ? "" : ", ") + r;
+      throw Error("dataset '" + dataset_ + "': unknown option '" + k + "' (it takes: " + known + ")");
+    }
+}
+
+DatasetRegistry& DatasetRegistry::global() {
+  static DatasetRegistry* r = [] {
+    auto* reg = new DatasetRegistry();  // never destroyed: plugin datasets may outlive static destruction
+    add_builtins(*reg);
+    return reg;
+  }();
+  return *r;
+}
+
+void DatasetRegistry::add(const std::string& name, Factory factory, std::string help) {
+  if (name.empty()) throw Error("DatasetRegistry: a dataset name must not be empty");
+  std::lock_guard lock(mu_);
+  if (!entries_.emplace(name, Entry{std::move(factory), std::move(help)}).second)
+    throw Error("DatasetRegistry: a dataset named '" + name + "' is already registered");
+}
+
+DynamicDataset DatasetRegistry::create(const std::string& name, const std::string& config) const {
+  Factory f;
+  {
+    std::lock_guard lock(mu_);
+    auto it = entries_.find(name);
+    if (it == entries_.end()) {
+      std::string known;
+      for (auto& [k, v] : entries_) known += (known.empty() ? "" : ", ") + k;
+      throw Error("DatasetRegistry: no dataset named '" + name + "' (registered: " + known + ")");
+    }
+    f = it->second.factory;
+  }
+  return f(DatasetConfig(name, config));
+}
+
+bool DatasetRegistry::contains(const std::string& name) const {
+  std::lock_guard lock(mu_);
+  return entries_.count(name) != 0;
+}
+
+std::vector<std::string> DatasetRegistry::names() const {
+  std::lock_guard lock(mu_);
+  std::vector<std::string> out;
+  for (auto& [k, v] : entries_) out.push_back(k);
+  return out;
+}
+
+std::string DatasetRegistry::help(const std::string& name) const {
+  std::lock_guard lock(mu_);
+  auto it = entries_.find(name);
+  return it == entries_.end() ? std::string() : it->second.help;
+}
+
+std::vector<std::string> DatasetRegistry::load_plugin(const std::string& path) {
+  // Loaded for good: RTLD_NODELETE keeps the code mapped even if the handle were closed.
+  void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+  if (!handle) {
+    const char* e = ::dlerror();
+    throw Error("load_plugin: cannot load '" + path + "': " + (e ? e : "unknown error"));
+  }
+  std::lock_guard lock(mu_);
+  if (auto it = plugins_.find(handle); it != plugins_.end()) return it->second;
+  ::dlerror();
+  auto init = reinterpret_cast<ferry_plugin_init_fn>(::dlsym(handle, FERRY_PLUGIN_ENTRY));
+  if (!init) throw Error("load_plugin: '" + path + "' does not export " FERRY_PLUGIN_ENTRY "() (is it a ferry plugin?)");
+  Staging staging{path, {}, {}};
+  const ferry_plugin_host host{FERRY_PLUGIN_ABI_VERSION, &staging, &stage_dataset};
+  const std::uint32_t version = init(&host);
+  if (version != FERRY_PLUGIN_ABI_VERSION)
+    throw Error("load_plugin: '" + path + "' was built for plugin ABI version " + std::to_string(version) +
+                ", this ferry speaks version " + std::to_string(FERRY_PLUGIN_ABI_VERSION) + "; rebuild the plugin");
+  if (!staging.error.empty()) throw Error("load_plugin: '" + path + "': " + staging.error);
+  if (staging.datasets.empty()) throw Error("load_plugin: '" + path + "' registered no datasets");
+  for (auto& [name, ops] : staging.datasets)
+    if (entries_.count(name)) throw Error("load_plugin: '" + path + "' registers '" + name + "', which is already registered");
+  std::vector<std::string> names;
+  for (auto& [name, ops] : staging.datasets) {
+    entries_.emplace(name, Entry{[path, name = name, ops = ops](const DatasetConfig& c) { return create_plugin_dataset(path, name, ops, c); },
+                                 "plugin dataset from " + path});
+    names.push_back(name);
+  }
+  plugins_.emplace(handle, names);
+  return names;
+}
+
+}  // namespace ferry

@@ -1,0 +1,336 @@
+#include "ferry/loaders/tar.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <numeric>
+
+#include "ferry/loaders/image.h"
+
+namespace ferry {
+
+// --- TarReader ----------------------------------------------------------------------------------
+
+struct TarReader::Impl {
+  std::string name;
+  int fd = -1;
+  std::uint64_t size = 0;  // archive size in bytes
+  std::span<const std::byte> mem;
+  std::vector<std::byte> buf;  // file read buffer
+  std::size_t buf_pos = 0, buf_len = 0;
+  std::uint64_t offset = 0;  // bytes consumed
+  bool done = false;
+
+  ~Impl() {
+    if (fd >= 0) ::close(fd);
+  }
+  std::uint64_t remaining() const { return size - offset; }
+  [[noreturn]] void fail(std::uint64_t at, const std::string& what) const { throw DataError(name, at, what); }
+
+  // Reads up to n bytes; fewer only at the end of the archive.
+  std::size_t read(std::byte* dst, std::size_t n) {
+    n = static_cast<std::size_t>(std::min<std::uint64_t>(n, remaining()));
+    if (fd < 0) {
+      std::memcpy(dst, mem.data() + offset, n);
+      offset += n;
+      return n;
+    }
+    std::size_t got = 0;
+    while (got < n) {
+      if (buf_pos == buf_len) {
+        if (n - got >= buf.size()) {  // large member: read straight into the destination
+          const ssize_t r = ::read(fd, dst + got, n - got);
+          if (r < 0 && errno == EINTR) continue;
+          if (r <= 0) fail(offset, r < 0 ? std::string("read failed: ") + std::strerror(errno) : "file shrank while being read");
+          got += static_cast<std::size_t>(r);
+          offset += static_cast<std::uint64_t>(r);
+          continue;
+        }
+        const ssize_t r = ::read(fd, buf.data(), buf.size());
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) fail(offset, r < 0 ? std::string("read failed: ") + std::strerror(errno) : "file shrank while being read");
+        buf_pos = 0;
+        buf_len = static_cast<std::size_t>(r);
+      }
+      const std::size_t k = std::min(n - got, buf_len - buf_pos);
+      std::memcpy(dst + got, buf.data() + buf_pos, k);
+      buf_pos += k;
+      got += k;
+      offset += k;
+    }
+    return got;
+  }
+  void skip(std::uint64_t n) {
+    std::byte tmp[512];
+    while (n > 0) {
+      const std::size_t k = read(tmp, static_cast<std::size_t>(std::min<std::uint64_t>(n, sizeof tmp)));
+      if (k == 0) return;  // lenient: missing padding at the very end
+      n -= k;
+    }
+  }
+};
+
+namespace {
+
+constexpr std::uint64_t kMaxMeta = 1 << 20;  // long names and pax headers
+
+std::optional<std::uint64_t> parse_number(const std::byte* f, std::size_t n) {
+  const auto* p = reinterpret_cast<const unsigned char*>(f);
+  if (p[0] & 0x80) {  // base-256 (GNU), for sizes of 8 GiB and more
+    std::uint64_t v = p[0] & 0x3f;
+    for (std::size_t i = 1; i < n; ++i) {
+      if (v >> 55) return std::nullopt;
+      v = (v << 8) | p[i];
+    }
+    return v;
+  }
+  std::size_t i = 0;
+  while (i < n && (p[i] == ' ' || p[i] == 0)) ++i;
+  std::uint64_t v = 0;
+  bool any = false;
+  for (; i < n && p[i] >= '0' && p[i] <= '7'; ++i, any = true) {
+    if (v >> 60) return std::nullopt;
+    v = v * 8 + (p[i] - '0');
+  }
+  for (; i < n; ++i)
+    if (p[i] != ' ' && p[i] != 0) return std::nullopt;
+  return any ? std::optional<std::uint64_t>(v) : std::optional<std::uint64_t>(0);
+}
+
+std::string field_str(const std::byte* f, std::size_t n) {
+  const char* c = reinterpret_cast<const char*>(f);
+  return std::string(c, strnlen(c, n));
+}
+
+// "key" and "field" of a member path, as WebDataset: key = path up to the first dot of the file
+// name, field = the rest, lower case. nullopt for names without one (skipped).
+std::optional<std::pair<std::string, std::string>> split_key(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  const std::size_t base = slash == std::string::npos ? 0 : slash + 1;
+  const std::size_t dot = path.find('.', base);
+  if (dot == std::string::npos || dot == base) return std::nullopt;
+  std::string field = path.substr(dot + 1);
+  std::transform(field.begin(), field.end(), field.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return std::pair{path.substr(0, dot), std::move(field)};
+}
+
+}  // namespace
+
+TarReader::TarReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+  impl_->name = path;
+  impl_->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (impl_->fd < 0) throw DataError(path, DataError::kNoOffset, std::string("cannot open: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(impl_->fd, &st) != 0) throw DataError(path, DataError::kNoOffset, std::string("cannot stat: ") + std::strerror(errno));
+  if (S_ISDIR(st.st_mode)) throw DataError(path, DataError::kNoOffset, "is a directory, expected a tar file");
+  if (st.st_size == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
+  impl_->size = static_cast<std::uint64_t>(st.st_size);
+  impl_->buf.resize(1 << 20);
+}
+
+TarReader::TarReader(std::span<const std::byte> bytes, std::string name) : impl_(std::make_unique<Impl>()) {
+  impl_->name = std::move(name);
+  impl_->mem = bytes;
+  impl_->size = bytes.size();
+  if (bytes.empty()) throw DataError(impl_->name, DataError::kNoOffset, "is empty (0 bytes)");
+}
+
+TarReader::~TarReader() = default;
+TarReader::TarReader(TarReader&&) noexcept = default;
+TarReader& TarReader::operator=(TarReader&&) noexcept = default;
+const std::string& TarReader::name() const noexcept { return impl_->name; }
+
+std::optional<TarMember> TarReader::next() {
+  Impl& r = *impl_;
+  std::string long_name, pax_path;
+  std::optional<std::uint64_t> pax_size;
+  while (!r.done) {
+    const std::uint64_t at = r.offset;
+    std::byte h[512];
+    const std::size_t n = r.read(h, 512);
+    if (n == 0) break;  // no end-of-archive blocks: accepted
+    if (n < 512) r.fail(at, "truncated tar header (" + std::to_string(n) + " of 512 bytes)");
+    if (std::all_of(h, h + 512, [](std::byte b) { return b == std::byte{0}; })) break;
+    // The checksum covers the header with its own field read as spaces.
+    const auto stored = parse_number(h + 148, 8);
+    std::uint64_t sum = 0;
+    for (std::size_t i = 0; i < 512; ++i) sum += (i >= 148 && i < 156) ? ' ' : std::to_integer<unsigned>(h[i]);
+    if (!stored || *stored != sum)
+      r.fail(at, "bad tar header checksum (stored " + (stored ? std::to_string(*stored) : std::string("unreadable")) +
+                     ", computed " + std::to_string(sum) + "): not a tar archive, or a damaged one");
+    const auto header_size = parse_number(h + 124, 12);
+    if (!header_size) r.fail(at, "bad size field in tar header");
+    const char type = static_cast<char>(h[156]);
+    const bool meta = type == 'L' || type == 'x' || type == 'g';
+    const std::uint64_t size = (!meta && pax_size) ? *pax_size : *header_size;
+    std::string path = field_str(h, 100);
+    if (std::memcmp(h + 257, "ustar", 5) == 0) {
+      const std::string prefix = field_str(h + 345, 155);
+      if (!prefix.empty()) path = prefix + "/" + path;
+    }
+    if (!pax_path.empty()) path = pax_path;
+    else if (!long_name.empty()) path = long_name;
+    if (size > r.remaining())
+      r.fail(at, "truncated member '" + path + "': it needs " + std::to_string(size) + " bytes, the archive has " +
+                     std::to_string(r.remaining()) + " left");
+    const std::uint64_t padding = (512 - size % 512) % 512;
+    if (meta) {
+      if (size > kMaxMeta) r.fail(at, "tar extended header of " + std::to_string(size) + " bytes is too large");
+      std::string text(static_cast<std::size_t>(size), '\0');
+      r.read(reinterpret_cast<std::byte*>(text.data()), text.size());
+      r.skip(padding);
+      if (type == 'L') {
+        long_name = text.substr(0, strnlen(text.c_str(), text.size()));
+      } else if (type == 'x') {
+        // Records: "<length> <key>=<value>\n".
+        std::size_t pos = 0;
+        while (pos < text.size()) {
+          std::size_t sp = text.find(' ', pos);
+          if (sp == std::string::npos) r.fail(at, "malformed pax header");
+          std::size_t len = 0;
+          for (std::size_t i = pos; i < sp; ++i) {
+            if (text[i] < '0' || text[i] > '9' || len > kMaxMeta) r.fail(at, "malformed pax header length");
+            len = len * 10 + static_cast<std::size_t>(text[i] - '0');
+          }
+          if (len == 0 || pos + len > text.size() || len <= sp - pos + 1 || text[pos + len - 1] != '\n') r.fail(at, "malformed pax record");
+          const std::string rec = text.substr(sp + 1, pos + len - 1 - (sp + 1));
+          const std::size_t eq = rec.find('=');
+          if (eq == std::string::npos) r.fail(at, "malformed pax record (no '=')");
+          const std::string key = rec.substr(0, eq), value = rec.substr(eq + 1);
+          if (key == "path") pax_path = value;
+          if (key == "size") {
+            if (value.empty() || value.size() > 19 || value.find_first_not_of("0123456789") != std::string::npos)
+              r.fail(at, "malformed pax size '" + value + "'");
+            pax_size = std::stoull(value);
+          }
+          pos += len;
+        }
+      }
+      continue;
+    }
+    long_name.clear();
+    pax_path.clear();
+    pax_size.reset();
+    if (type == '0' || type == '\0' || type == '7') {
+      TarMember m{path, std::vector<std::byte>(static_cast<std::size_t>(size)), at};
+      r.read(m.data.data(), m.data.size());
+      r.skip(padding);
+      return m;
+    }
+    r.skip(size + padding);  // directory, link, device, ...
+  }
+  r.done = true;
+  return std::nullopt;
+}
+
+// --- records and shards -------------------------------------------------------------------------
+
+const std::vector<std::byte>& TarRecord::field(const std::string& name) const {
+  auto it = fields.find(name);
+  if (it != fields.end()) return it->second;
+  std::string have;
+  for (auto& [k, v] : fields) have += (have.empty() ? "" : ", ") + k;
+  throw DataError(shard, offset, "record '" + key + "' has no '" + name + "' field (it has: " + have + ")");
+}
+
+TarShards::TarShards(std::vector<std::string> shards, TarShardsOptions options)
+    : shards_(std::move(shards)), options_(options) {
+  if (shards_.empty()) throw Error("TarShards: the shard list is empty");
+  if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size)
+    throw Error("TarShards: rank " + std::to_string(options_.rank) + " is not valid for world_size " +
+                std::to_string(options_.world_size));
+}
+
+std::vector<std::size_t> TarShards::assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const {
+  if (num_workers < 1 || worker < 0 || worker >= num_workers)
+    throw Error("TarShards: worker " + std::to_string(worker) + " of " + std::to_string(num_workers) + " is not valid");
+  std::vector<std::size_t> order(shards_.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (options_.shuffle) {
+    Generator g(mix_seed(seed, 0x7a75ULL), epoch);
+    for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[g.randint(i)]);
+  }
+  const std::size_t slots = static_cast<std::size_t>(options_.world_size) * static_cast<std::size_t>(num_workers);
+  const std::size_t slot = static_cast<std::size_t>(options_.rank) * static_cast<std::size_t>(num_workers) + static_cast<std::size_t>(worker);
+  std::vector<std::size_t> mine;
+  for (std::size_t k = slot; k < order.size(); k += slots) mine.push_back(order[k]);
+  return mine;
+}
+
+TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
+  Stream s;
+  for (std::size_t k : assignment(worker.id, worker.num_workers, worker.seed, worker.epoch)) s.shards_.push_back(shards_[k]);
+  return s;
+}
+
+std::optional<TarRecord> TarShards::Stream::next() {
+  while (current_ < shards_.size()) {
+    try {
+      if (!reader_) reader_.emplace(shards_[current_]);
+      std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next();
+      pending_.reset();
+      std::optional<std::pair<std::string, std::string>> kf;
+      while (first && !(kf = split_key(first->path))) first = reader_->next();  // skip members without a field
+      if (!first) {
+        reader_.reset();
+        ++current_;
+        continue;
+      }
+      TarRecord rec{kf->first, shards_[current_], first->offset, {}};
+      rec.fields.emplace(kf->second, std::move(first->data));
+      while (true) {
+        std::optional<TarMember> m = reader_->next();
+        if (!m) {
+          reader_.reset();
+          ++current_;
+          return rec;
+        }
+        auto mk = split_key(m->path);
+        if (!mk) continue;
+        if (mk->first != rec.key) {
+          pending_ = std::move(m);
+          return rec;
+        }
+        if (!rec.fields.emplace(mk->second, std::move(m->data)).second)
+          throw DataError(rec.shard, m->offset, "record '" + rec.key + "' has two '" + mk->second + "' members");
+      }
+    } catch (...) {
+      // A damaged shard ends here; the next call goes on with the next shard.
+      reader_.reset();
+      pending_.reset();
+      ++current_;
+      throw;
+    }
+  }
+  return std::nullopt;
+}
+
+LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOptions& options, Generator& rng) {
+  const std::vector<std::byte>* image = nullptr;
+  std::string field;
+  for (const std::string& f : options.image_fields) {
+    auto it = record.fields.find(f);
+    if (it != record.fields.end()) {
+      image = &it->second;
+      field = f;
+      break;
+    }
+  }
+  if (!image) record.field(options.image_fields.empty() ? std::string("image") : options.image_fields.front());  // throws, naming the fields
+  const std::vector<std::byte>& cls = record.field(options.label_field);
+  std::string text(reinterpret_cast<const char*>(cls.data()), cls.size());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.erase(0, 1);
+  if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos)
+    throw DataError(record.shard, record.offset, "record '" + record.key + "': the '" + options.label_field +
+                                                     "' field is not a non-negative integer: '" + text.substr(0, 40) + "'");
+  Tensor img = decode_image(*image, record.shard + ": " + record.key + "." + field, {options.channels, std::int64_t{1} << 28});
+  if (!options.transform.empty()) img = options.transform(img, rng);
+  return {std::move(img), std::stoll(text)};
+}
+
+}  // namespace ferry

@@ -1,0 +1,356 @@
+// Note [Fused transforms]
+// Each axis of a pass is described by a small state: the source window [c0, c0 + L0) that was
+// resized to R samples (or no resize: R == L0), then a crop offset c1 and output length N in the
+// resized grid, and a flip flag. Output index k reads resized sample
+//     j = c1 + (flip ? N - 1 - k : k)           (zero when j is outside [0, R): padding)
+// and resized sample j reads the source at x = (j + 0.5) * L0 / R - 0.5, bilinear, clamped to the
+// window. Crops move c1 and N (mirrored when flipped); a flip toggles the flag; a resize folds the
+// current window into (c0, L0), which is exact because bilinear resampling with half-pixel centres
+// commutes with mirroring. A second resize, or a resize of a zero-padded window, cannot be folded:
+// the pass is written to an intermediate image and a new pass starts from it. Values stay in the
+// input's scale until the final write, where to_float's 1/255 and normalize's (x - mean) / std
+// are applied as one multiply-add per channel.
+#include "ferry/loaders/transforms.h"
+
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "ferry/core/error.h"
+
+namespace ferry {
+namespace {
+
+constexpr int kMaxSide = 1 << 15;
+
+void check_size(const char* step, int h, int w) {
+  if (h <= 0 || w <= 0 || h > kMaxSide || w > kMaxSide)
+    throw Error(std::string("ImageTransform::") + step + ": size " + std::to_string(h) + "x" + std::to_string(w) +
+                " must be between 1 and " + std::to_string(kMaxSide));
+}
+
+struct Axis {
+  std::int64_t c0 = 0, L0 = 0, R = 0, c1 = 0, N = 0;
+  bool resized = false, flip = false, padded = false;
+  static Axis identity(std::int64_t n) { return {0, n, n, 0, n, false, false, false}; }
+  void crop(std::int64_t off, std::int64_t n) {
+    c1 = flip ? c1 + N - off - n : c1 + off;
+    N = n;
+    if (c1 < 0 || c1 + N > R) padded = true;
+  }
+  void resize(std::int64_t n) {
+    c0 += c1;  // only called when !resized && !padded: the window lies inside the source
+    L0 = N;
+    R = n;
+    c1 = 0;
+    N = n;
+    resized = true;
+  }
+};
+
+// Per output index: two source indices and a weight, or -1 for padding.
+struct Tap {
+  std::int64_t i0, i1;
+  float w;
+};
+
+std::vector<Tap> taps(const Axis& a) {
+  std::vector<Tap> out(static_cast<std::size_t>(a.N));
+  const float scale = static_cast<float>(a.L0) / static_cast<float>(a.R);
+  for (std::int64_t k = 0; k < a.N; ++k) {
+    const std::int64_t j = a.c1 + (a.flip ? a.N - 1 - k : k);
+    Tap& t = out[static_cast<std::size_t>(k)];
+    if (j < 0 || j >= a.R) {
+      t = {-1, -1, 0.f};
+    } else if (!a.resized) {
+      t = {a.c0 + j, a.c0 + j, 0.f};
+    } else {
+      // As ATen's area_pixel_compute_source_index with align_corners=false.
+      float x = scale * (static_cast<float>(j) + 0.5f) - 0.5f;
+      if (x < 0) x = 0;
+      const auto i0 = static_cast<std::int64_t>(x);
+      const std::int64_t i1 = i0 + (i0 < a.L0 - 1 ? 1 : 0);
+      t = {a.c0 + i0, a.c0 + i1, x - static_cast<float>(i0)};
+    }
+  }
+  return out;
+}
+
+struct Image {  // HWC view
+  const void* data;
+  DType dtype;
+  std::int64_t h, w, c;
+};
+
+// One bilinear pass from `in` into `out`. Output is HWC, or CHW when `chw`; `round` rounds the
+// interpolated value (uint8 semantics); the value written is a[c] * v + b[c].
+template <class In, class Out>
+void run_pass(const Image& in, const Axis& ay, const Axis& ax, Out* out, bool chw, bool round, const float* a,
+              const float* b) {
+  const auto* src = static_cast<const In*>(in.data);
+  const std::vector<Tap> ty = taps(ay), tx = taps(ax);
+  const std::int64_t C = in.c, H = ay.N, W = ax.N;
+  for (std::int64_t y = 0; y < H; ++y) {
+    const Tap& r = ty[static_cast<std::size_t>(y)];
+    for (std::int64_t x = 0; x < W; ++x) {
+      const Tap& t = tx[static_cast<std::size_t>(x)];
+      for (std::int64_t c = 0; c < C; ++c) {
+        float v = 0.f;
+        if (r.i0 >= 0 && t.i0 >= 0) {
+          const In* row0 = src + r.i0 * in.w * C;
+          const In* row1 = src + r.i1 * in.w * C;
+          const float p00 = static_cast<float>(row0[t.i0 * C + c]), p01 = static_cast<float>(row0[t.i1 * C + c]);
+          const float p10 = static_cast<float>(row1[t.i0 * C + c]), p11 = static_cast<float>(row1[t.i1 * C + c]);
+          const float top = p00 + (p01 - p00) * t.w, bottom = p10 + (p11 - p10) * t.w;
+          v = top + (bottom - top) * r.w;
+          if (round) v = std::nearbyint(v);
+        }
+        v = a[c] * v + b[c];
+        const std::int64_t o = chw ? (c * H + y) * W + x : (y * W + x) * C + c;
+        if constexpr (std::is_same_v<Out, std::uint8_t>) out[o] = static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
+        else out[o] = v;
+      }
+    }
+  }
+}
+
+std::int64_t py_round(double v) { return static_cast<std::int64_t>(std::nearbyint(v)); }  // half to even, as Python
+
+// torchvision RandomResizedCrop.get_params: {top, left, height, width}.
+std::array<std::int64_t, 4> rrc_box(std::int64_t H, std::int64_t W, const ImageTransform::Step& s, Generator& rng) {
+  const double area = static_cast<double>(H) * static_cast<double>(W);
+  const double lr0 = std::log(s.ratio[0]), lr1 = std::log(s.ratio[1]);
+  for (int attempt = 0; attempt < 10; ++attempt) {
+    const double target = area * (s.scale[0] + rng.uniform() * (s.scale[1] - s.scale[0]));
+    const double aspect = std::exp(lr0 + rng.uniform() * (lr1 - lr0));
+    const std::int64_t w = py_round(std::sqrt(target * aspect)), h = py_round(std::sqrt(target / aspect));
+    if (w > 0 && w <= W && h > 0 && h <= H) {
+      const auto i = static_cast<std::int64_t>(rng.randint(static_cast<std::uint64_t>(H - h + 1)));
+      const auto j = static_cast<std::int64_t>(rng.randint(static_cast<std::uint64_t>(W - w + 1)));
+      return {i, j, h, w};
+    }
+  }
+  const double in_ratio = static_cast<double>(W) / static_cast<double>(H);
+  std::int64_t w = W, h = H;
+  if (in_ratio < std::min(s.ratio[0], s.ratio[1])) h = py_round(static_cast<double>(w) / std::min(s.ratio[0], s.ratio[1]));
+  else if (in_ratio > std::max(s.ratio[0], s.ratio[1])) w = py_round(static_cast<double>(h) * std::max(s.ratio[0], s.ratio[1]));
+  return {(H - h) / 2, (W - w) / 2, h, w};
+}
+
+std::int64_t center_offset(std::int64_t have, std::int64_t want) {
+  return want > have ? -((want - have) / 2) : py_round(static_cast<double>(have - want) / 2.0);
+}
+
+std::pair<std::int64_t, std::int64_t> shorter_side(std::int64_t H, std::int64_t W, int size) {
+  // torchvision: the shorter side becomes `size`, the longer int(size * long / short).
+  if (H <= W) return {size, static_cast<std::int64_t>(static_cast<double>(size) * static_cast<double>(W) / static_cast<double>(H))};
+  return {static_cast<std::int64_t>(static_cast<double>(size) * static_cast<double>(H) / static_cast<double>(W)), size};
+}
+
+Image image_of(const Tensor& t) {
+  if (!t.defined() || !t.device().is_host()) throw Error("ImageTransform: the image must be a host tensor, got " + t.str());
+  if (t.dtype() != DType::UInt8 && t.dtype() != DType::Float32)
+    throw Error("ImageTransform: images must be uint8 or float32, got " + t.str());
+  if (t.dim() != 2 && t.dim() != 3) throw Error("ImageTransform: images must be [H, W] or [H, W, C], got " + t.str());
+  const std::int64_t c = t.dim() == 3 ? t.size(2) : 1;
+  if (t.size(0) <= 0 || t.size(1) <= 0 || c <= 0) throw Error("ImageTransform: empty image " + t.str());
+  return {t.raw(), t.dtype(), t.size(0), t.size(1), c};
+}
+
+}  // namespace
+
+ImageTransform& ImageTransform::resize(int height, int width) {
+  check_size("resize", height, width);
+  steps_.push_back({Step::Kind::Resize, height, width, {}, {}, 0, {}, {}});
+  return *this;
+}
+ImageTransform& ImageTransform::resize_shorter(int size) {
+  check_size("resize_shorter", size, size);
+  steps_.push_back({Step::Kind::ResizeShorter, size, size, {}, {}, 0, {}, {}});
+  return *this;
+}
+ImageTransform& ImageTransform::center_crop(int height, int width) {
+  check_size("center_crop", height, width);
+  steps_.push_back({Step::Kind::CenterCrop, height, width, {}, {}, 0, {}, {}});
+  return *this;
+}
+ImageTransform& ImageTransform::random_resized_crop(int height, int width, std::array<double, 2> scale,
+                                                    std::array<double, 2> ratio) {
+  check_size("random_resized_crop", height, width);
+  if (!(scale[0] > 0 && scale[0] <= scale[1] && scale[1] <= 1))
+    throw Error("ImageTransform::random_resized_crop: scale must satisfy 0 < min <= max <= 1, got (" +
+                std::to_string(scale[0]) + ", " + std::to_string(scale[1]) + ")");
+  if (!(ratio[0] > 0 && ratio[0] <= ratio[1]))
+    throw Error("ImageTransform::random_resized_crop: ratio must satisfy 0 < min <= max, got (" +
+                std::to_string(ratio[0]) + ", " + std::to_string(ratio[1]) + ")");
+  steps_.push_back({Step::Kind::RandomResizedCrop, height, width, scale, ratio, 0, {}, {}});
+  return *this;
+}
+ImageTransform& ImageTransform::horizontal_flip(double p) {
+  if (!(p >= 0 && p <= 1)) throw Error("ImageTransform::horizontal_flip: p must be in [0, 1], got " + std::to_string(p));
+  steps_.push_back({Step::Kind::Flip, 0, 0, {}, {}, p, {}, {}});
+  return *this;
+}
+ImageTransform& ImageTransform::to_float() {
+  if (float_) throw Error("ImageTransform::to_float: called twice");
+  float_ = true;
+  steps_.push_back({Step::Kind::ToFloat, 0, 0, {}, {}, 0, {}, {}});
+  return *this;
+}
+ImageTransform& ImageTransform::normalize(std::vector<float> mean, std::vector<float> std) {
+  if (!float_) throw Error("ImageTransform::normalize: must follow to_float()");
+  if (mean.empty() || mean.size() != std.size())
+    throw Error("ImageTransform::normalize: mean and std need the same, non-zero length (got " +
+                std::to_string(mean.size()) + " and " + std::to_string(std.size()) + ")");
+  for (float s : std)
+    if (!(s > 0) || !std::isfinite(s)) throw Error("ImageTransform::normalize: every std must be positive, got " + std::to_string(s));
+  steps_.push_back({Step::Kind::Normalize, 0, 0, {}, {}, 0, std::move(mean), std::move(std)});
+  return *this;
+}
+
+DType ImageTransform::output_dtype(DType input) const noexcept { return float_ ? DType::Float32 : input; }
+
+std::optional<Shape> ImageTransform::fixed_output_shape(std::int64_t channels) const {
+  std::optional<std::pair<std::int64_t, std::int64_t>> hw;
+  for (const Step& s : steps_) {
+    switch (s.kind) {
+      case Step::Kind::Resize:
+      case Step::Kind::CenterCrop:
+      case Step::Kind::RandomResizedCrop: hw = {s.height, s.width}; break;
+      case Step::Kind::ResizeShorter: hw.reset(); break;
+      default: break;
+    }
+  }
+  if (!hw) return std::nullopt;
+  return output_shape(hw->first, hw->second, channels);  // the last sizing step fixes the size
+}
+
+Shape ImageTransform::output_shape(std::int64_t H, std::int64_t W, std::int64_t channels) const {
+  for (const Step& s : steps_) {
+    switch (s.kind) {
+      case Step::Kind::Resize:
+      case Step::Kind::CenterCrop:
+      case Step::Kind::RandomResizedCrop: H = s.height, W = s.width; break;
+      case Step::Kind::ResizeShorter: std::tie(H, W) = shorter_side(H, W, s.height); break;
+      default: break;
+    }
+  }
+  if (float_) return {std::max<std::int64_t>(channels, 1), H, W};
+  return channels == 0 ? Shape{H, W} : Shape{H, W, channels};
+}
+
+std::string ImageTransform::str() const {
+  std::ostringstream os;
+  for (std::size_t k = 0; k < steps_.size(); ++k) {
+    const Step& s = steps_[k];
+    if (k) os << " -> ";
+    switch (s.kind) {
+      case Step::Kind::Resize: os << "resize(" << s.height << "x" << s.width << ")"; break;
+      case Step::Kind::ResizeShorter: os << "resize_shorter(" << s.height << ")"; break;
+      case Step::Kind::CenterCrop: os << "center_crop(" << s.height << "x" << s.width << ")"; break;
+      case Step::Kind::RandomResizedCrop: os << "random_resized_crop(" << s.height << "x" << s.width << ")"; break;
+      case Step::Kind::Flip: os << "horizontal_flip(" << s.p << ")"; break;
+      case Step::Kind::ToFloat: os << "to_float"; break;
+      case Step::Kind::Normalize: os << "normalize"; break;
+    }
+  }
+  return steps_.empty() ? "identity" : os.str();
+}
+
+Tensor ImageTransform::operator()(const Tensor& image, Generator& rng) const {
+  const Image in = image_of(image);
+  // The output shape can depend on random draws only through sizes fixed by the steps, so it is
+  // known before the pass runs.
+  Tensor out = Tensor::empty(output_dtype(image.dtype()), output_shape(in.h, in.w, image.dim() == 3 ? in.c : 0));
+  apply_into(image, out, rng);
+  return out;
+}
+
+void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generator& rng) const {
+  Image in = image_of(image);
+  const Shape want = output_shape(in.h, in.w, image.dim() == 3 ? in.c : 0);
+  if (!out.defined() || !out.device().is_host() || out.dtype() != output_dtype(image.dtype()) || out.shape() != want)
+    throw Error("ImageTransform(" + str() + "): output " + out.str() + " does not match " +
+                dtype_name(output_dtype(image.dtype())) + " " + shape_str(want) + " for input " + image.str());
+  const std::int64_t C = in.c;
+  // Final per-channel multiply-add; values keep the input's scale until then.
+  std::vector<float> a(static_cast<std::size_t>(C), 1.f), b(static_cast<std::size_t>(C), 0.f);
+  Axis ay = Axis::identity(in.h), ax = Axis::identity(in.w);
+  bool seen_float = false;
+  bool round = in.dtype == DType::UInt8;  // resampling uint8 data rounds (until to_float)
+  std::vector<std::byte> scratch[2];
+  int which = 0;
+  auto materialize = [&] {
+    // Write the pass so far to an intermediate HWC image and continue from it.
+    const bool as_float = in.dtype == DType::Float32 || !round;
+    std::vector<std::byte>& buf = scratch[which ^= 1];
+    buf.resize(static_cast<std::size_t>(ay.N * ax.N * C) * (as_float ? 4 : 1));
+    const std::vector<float> one(static_cast<std::size_t>(C), 1.f), zero(static_cast<std::size_t>(C), 0.f);
+    if (in.dtype == DType::UInt8) {
+      if (as_float) run_pass<std::uint8_t, float>(in, ay, ax, reinterpret_cast<float*>(buf.data()), false, round, one.data(), zero.data());
+      else run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, reinterpret_cast<std::uint8_t*>(buf.data()), false, round, one.data(), zero.data());
+    } else {
+      run_pass<float, float>(in, ay, ax, reinterpret_cast<float*>(buf.data()), false, false, one.data(), zero.data());
+    }
+    in = {buf.data(), as_float ? DType::Float32 : DType::UInt8, ay.N, ax.N, C};
+    round = in.dtype == DType::UInt8 && !seen_float;
+    ay = Axis::identity(in.h);
+    ax = Axis::identity(in.w);
+  };
+  auto resize = [&](std::int64_t h, std::int64_t w) {
+    if (ay.resized || ax.resized || ay.padded || ax.padded) materialize();
+    ay.resize(h);
+    ax.resize(w);
+  };
+  for (const Step& s : steps_) {
+    switch (s.kind) {
+      case Step::Kind::Resize: resize(s.height, s.width); break;
+      case Step::Kind::ResizeShorter: {
+        auto [h, w] = shorter_side(ay.N, ax.N, s.height);
+        resize(h, w);
+        break;
+      }
+      case Step::Kind::CenterCrop:
+        ay.crop(center_offset(ay.N, s.height), s.height);
+        ax.crop(center_offset(ax.N, s.width), s.width);
+        break;
+      case Step::Kind::RandomResizedCrop: {
+        auto [top, left, h, w] = rrc_box(ay.N, ax.N, s, rng);
+        ay.crop(top, h);
+        ax.crop(left, w);
+        resize(s.height, s.width);
+        break;
+      }
+      case Step::Kind::Flip:
+        if (rng.bernoulli(s.p)) ax.flip = !ax.flip;
+        break;
+      case Step::Kind::ToFloat:
+        // A resize already in this pass happened on uint8 data and keeps its rounding; a later one
+        // in a new pass works in float.
+        if (image.dtype() == DType::UInt8) std::fill(a.begin(), a.end(), 1.f / 255.f);
+        seen_float = true;
+        if (!ay.resized && !ax.resized) round = false;
+        break;
+      case Step::Kind::Normalize:
+        if (s.mean.size() != 1 && static_cast<std::int64_t>(s.mean.size()) != C)
+          throw Error("ImageTransform::normalize: " + std::to_string(s.mean.size()) + " means for an image of " +
+                      std::to_string(C) + " channels");
+        for (std::int64_t c = 0; c < C; ++c) {
+          const std::size_t k = s.mean.size() == 1 ? 0 : static_cast<std::size_t>(c);
+          a[static_cast<std::size_t>(c)] /= s.std[k];
+          b[static_cast<std::size_t>(c)] = (b[static_cast<std::size_t>(c)] - s.mean[k]) / s.std[k];
+        }
+        break;
+    }
+  }
+  if (float_) {
+    if (in.dtype == DType::UInt8) run_pass<std::uint8_t, float>(in, ay, ax, out.data<float>(), true, round, a.data(), b.data());
+    else run_pass<float, float>(in, ay, ax, out.data<float>(), true, false, a.data(), b.data());
+  } else if (in.dtype == DType::UInt8) {
+    run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, out.data<std::uint8_t>(), false, true, a.data(), b.data());
+  } else {
+    run_pass<float, float>(in, ay, ax, out.data<float>(), false, false, a.data(), b.data());
+  }
+}
+
+}  // namespace ferry

@@ -1,0 +1,89 @@
+// Tests that datasets are created by name from "key=value" options with clear errors for typos,
+// and that a plugin library is loaded at run time, feeds the loader, and that a missing file, a
+// missing entry point, a wrong ABI version and an unknown name are each a clear error.
+#include <catch2/catch.hpp>
+
+#include "ferry/ferry.h"
+#include "files.h"
+
+using namespace ferry;
+using namespace ferry::test;
+
+TEST_CASE("options parse as key=value, and typos are errors", "[unit][registry]") {
+  DatasetConfig c("demo", " n = 10, shape=3x4 ,,");
+  CHECK(c.integer("n") == 10);
+  CHECK(c.str("shape") == "3x4");
+  CHECK(c.integer("missing", 5) == 5);
+  c.finish();
+  CHECK_THROWS_WITH(DatasetConfig("demo", "n"), Catch::Contains("option 'n' is not key=value"));
+  CHECK_THROWS_WITH(DatasetConfig("demo", "n=1,n=2"), Catch::Contains("given twice"));
+  CHECK_THROWS_WITH(DatasetConfig("demo", "=1"), Catch::Contains("empty key"));
+  CHECK_THROWS_WITH(DatasetConfig("demo", "n=ten").integer("n"), Catch::Contains("'n' must be an integer, got 'ten'"));
+  CHECK_THROWS_WITH(DatasetConfig("demo", "").str("root"), Catch::Contains("option 'root' is required"));
+  DatasetConfig typo("demo", "n=1,sahpe=2");
+  typo.integer("n");
+  CHECK_THROWS_WITH(typo.finish(), Catch::Contains("unknown option 'sahpe' (it takes: n)"));
+}
+
+TEST_CASE("built-in datasets by name", "[unit][registry]") {
+  auto& reg = DatasetRegistry::global();
+  for (const char* name : {"idx", "npy", "image_folder", "synthetic"}) CHECK(reg.contains(name));
+  DynamicDataset syn = reg.create("synthetic", "n=20,shape=2x3,dtype=float32");
+  CHECK(syn.size() == 20);
+  DataLoaderOptions o;
+  o.batch_size = 8;
+  o.num_workers = 2;
+  std::size_t rows = 0;
+  for (std::vector<Tensor>& b : DataLoader(syn, o)) {
+    CHECK(b[0].shape() == Shape{b[0].size(0), 2, 3});
+    CHECK(b[1].dtype() == DType::Int64);
+    rows += static_cast<std::size_t>(b[0].size(0));
+  }
+  CHECK(rows == 20);
+  CHECK_THROWS_WITH(reg.create("synthetic", "shape=3xx"), Catch::Contains("must look like 3x224x224"));
+  CHECK_THROWS_WITH(reg.create("synthetic", "dtype=float128"), Catch::Contains("not a dtype"));
+  CHECK_THROWS_WITH(reg.create("synthetic", "colour=red"), Catch::Contains("unknown option 'colour'"));
+  CHECK_THROWS_WITH(reg.create("imagenet"), Catch::Contains("no dataset named 'imagenet'") && Catch::Contains("synthetic"));
+  CHECK_THROWS_AS(reg.create("npy", "path=/nonexistent.npy"), DataError);
+  CHECK_THROWS_WITH(reg.add("npy", [](const DatasetConfig&) -> DynamicDataset { throw Error("unused"); }), Catch::Contains("already registered"));
+}
+
+TEST_CASE("a plugin is loaded at run time and feeds the loader", "[registry][plugin]") {
+  DatasetRegistry reg;
+  CHECK(reg.load_plugin(FERRY_TEST_RAMP_PLUGIN) == std::vector<std::string>{"ramp"});
+  CHECK(reg.load_plugin(FERRY_TEST_RAMP_PLUGIN) == std::vector<std::string>{"ramp"});  // loading twice is harmless
+  DynamicDataset ds = reg.create("ramp", "n=50,dim=4");
+  CHECK(ds.size() == 50);
+  for (int workers : {0, 3}) {
+    DataLoaderOptions o;
+    o.batch_size = 16;
+    o.shuffle = true;
+    o.num_workers = workers;
+    std::size_t rows = 0;
+    for (std::vector<Tensor>& b : DataLoader(ds, o)) {
+      REQUIRE(b.size() == 2);
+      for (std::int64_t r = 0; r < b[0].size(0); ++r) {
+        const float* x = b[0].data<float>() + r * 4;
+        const auto i = static_cast<std::int64_t>(x[0]);
+        CHECK(x[3] == Approx(static_cast<float>(i) + 0.003f));
+        CHECK(b[1].data<std::int64_t>()[r] == i % 10);
+        ++rows;
+      }
+    }
+    CHECK(rows == 50);
+  }
+  CHECK_THROWS_WITH(reg.create("ramp", "dim=0"), Catch::Contains("option 'dim' must be a positive integer") && Catch::Contains("ramp"));
+  CHECK_THROWS_WITH(reg.create("ramp", "speed=2"), Catch::Contains("unknown option 'speed'"));
+}
+
+TEST_CASE("plugin errors name the file and what is wrong", "[errors][plugin]") {
+  DatasetRegistry reg;
+  CHECK_THROWS_WITH(reg.load_plugin("/nonexistent/libplugin.so"), Catch::Contains("cannot load '/nonexistent/libplugin.so'"));
+  CHECK_THROWS_WITH(reg.load_plugin(FERRY_TEST_NOT_A_PLUGIN), Catch::Contains("does not export ferry_plugin_init()"));
+  CHECK_THROWS_WITH(reg.load_plugin(FERRY_TEST_WRONG_ABI_PLUGIN),
+                    Catch::Contains("plugin ABI version 99") && Catch::Contains("this ferry speaks version 1"));
+  CHECK_FALSE(reg.contains("ramp"));  // nothing from the refused plugin was registered
+  TempDir dir;
+  write_file(dir / "garbage.so", bytes_of("not an ELF file"));
+  CHECK_THROWS_WITH(reg.load_plugin(dir / "garbage.so"), Catch::Contains("cannot load"));
+}

@@ -1,0 +1,155 @@
+// Tests that tar archives (ustar, GNU long names, pax) read member by member, that shards split
+// across ranks and workers with every record read once, and that a damaged shard is a DataError
+// with the shard and offset after which the stream goes on with its next shard.
+#include <catch2/catch.hpp>
+
+#include <set>
+
+#include "ferry/ferry.h"
+#include "files.h"
+#include "helpers.h"
+
+using namespace ferry;
+using namespace ferry::test;
+
+namespace {
+// A shard of `n` records "s<shard>/<k>" with a .txt and a .cls field.
+Bytes shard_bytes(int shard, int n) {
+  TarBuilder t;
+  for (int k = 0; k < n; ++k) {
+    const std::string key = "s" + std::to_string(shard) + "/" + std::to_string(k);
+    t.file(key + ".txt", key).file(key + ".cls", std::to_string(k % 10));
+  }
+  return t.finish();
+}
+std::vector<std::string> write_shards(const TempDir& dir, int shards, int per_shard) {
+  std::vector<std::string> paths;
+  for (int s = 0; s < shards; ++s) {
+    paths.push_back(dir / ("shard-" + std::to_string(s) + ".tar"));
+    write_file(paths.back(), shard_bytes(s, per_shard));
+  }
+  return paths;
+}
+}  // namespace
+
+TEST_CASE("TarReader reads ustar, GNU long-name and pax members, skipping directories", "[unit][tar]") {
+  const std::string long_path = std::string(150, 'd') + "/sample.jpg";
+  const Bytes archive = TarBuilder()
+                            .dir("folder/")
+                            .file("folder/a.txt", "alpha")
+                            .long_file(long_path, bytes_of("long"))
+                            .pax_file("pax/name.cls", bytes_of("7"))
+                            .file("empty.bin", Bytes())
+                            .finish();
+  TarReader r(archive, "mem.tar");
+  std::vector<std::pair<std::string, std::string>> got;
+  while (auto m = r.next()) got.emplace_back(m->path, std::string(reinterpret_cast<const char*>(m->data.data()), m->data.size()));
+  CHECK(got == std::vector<std::pair<std::string, std::string>>{
+                   {"folder/a.txt", "alpha"}, {long_path, "long"}, {"pax/name.cls", "7"}, {"empty.bin", ""}});
+}
+
+TEST_CASE("damaged archives are DataErrors with the shard and offset", "[errors][tar]") {
+  const Bytes good = TarBuilder().file("a.txt", "alpha").file("b.txt", "beta").finish();
+  Bytes bad_sum = good;
+  bad_sum[512 + 512 + 3] ^= std::byte{1};  // header of b.txt, in its name
+  Bytes cut = good;
+  cut.resize(512 + 512 + 512 + 2);  // b.txt's data cut short
+  Bytes half_header(good.begin(), good.begin() + 1024 + 100);  // inside b.txt's header
+  auto err = [](const Bytes& b) -> std::pair<std::string, std::uint64_t> {
+    try {
+      TarReader r(b, "shard.tar");
+      while (r.next()) {
+      }
+    } catch (const DataError& e) {
+      return {e.what(), e.offset()};
+    }
+    return {"", 0};
+  };
+  auto [m1, o1] = err(bad_sum);
+  CHECK_THAT(m1, Catch::Contains("shard.tar") && Catch::Contains("bad tar header checksum"));
+  CHECK(o1 == 1024);
+  auto [m2, o2] = err(cut);
+  CHECK_THAT(m2, Catch::Contains("truncated member 'b.txt'"));
+  CHECK(o2 == 1024);
+  auto [m3, o3] = err(half_header);
+  CHECK_THAT(m3, Catch::Contains("truncated tar header"));
+  CHECK(o3 == 1024);
+  CHECK_THAT(err(bytes_of(std::string(600, 'x'))).first, Catch::Contains("not a tar archive"));
+  CHECK_THROWS_AS(TarReader(Bytes(), "empty.tar"), DataError);
+  CHECK_THROWS_WITH(TarReader("/nonexistent/shard.tar"), Catch::Contains("cannot open"));
+}
+
+TEST_CASE("shards split across ranks and workers: every record once", "[unit][tar]") {
+  TempDir dir;
+  const auto paths = write_shards(dir, 7, 3);
+  for (int world : {1, 2, 3})
+    for (int workers : {1, 2, 4}) {
+      std::multiset<std::string> keys;
+      for (int rank = 0; rank < world; ++rank) {
+        TarShards shards(paths, {.rank = rank, .world_size = world});
+        for (int w = 0; w < workers; ++w) {
+          auto s = shards.open(WorkerInfo{w, workers, 42, 3});
+          while (auto rec = s.next()) {
+            CHECK(rec->fields.size() == 2);
+            keys.insert(rec->key);
+          }
+        }
+      }
+      CHECK(keys.size() == 21);
+      CHECK(std::set<std::string>(keys.begin(), keys.end()).size() == 21);
+    }
+  TarShards shards(paths);
+  CHECK(shards.assignment(0, 1, 1, 0) != shards.assignment(0, 1, 1, 1));  // reshuffled each epoch
+  CHECK_THROWS_WITH(TarShards({}), Catch::Contains("empty"));
+  CHECK_THROWS_WITH(TarShards(paths, {.rank = 2, .world_size = 2}), Catch::Contains("rank 2"));
+}
+
+TEST_CASE("tar shards through the loader, with a damaged shard", "[loader][tar]") {
+  TempDir dir;
+  auto paths = write_shards(dir, 4, 5);
+  Bytes damaged = shard_bytes(9, 5);
+  damaged[512 * 6 + 10] ^= std::byte{0x40};  // the header of the 4th member
+  paths.push_back(dir / "damaged.tar");
+  write_file(paths.back(), damaged);
+  paths.push_back(dir / "missing.tar");
+  TarShards shards(paths);
+  auto labelled = shards.map([](TarRecord r) {
+    const auto& cls = r.field("cls");
+    return std::pair<std::string, std::int64_t>(r.key, static_cast<std::int64_t>(cls[0]) - '0');
+  });
+  for (int workers : {0, 2, 3}) {
+    DataLoaderOptions o;
+    o.batch_size = 1;  // a stream error fails the batch it happens in: one record per batch keeps the count exact
+    o.num_workers = workers;
+    DataLoader loader(labelled, o, [](std::vector<std::pair<std::string, std::int64_t>> v) { return v; });
+    std::set<std::string> keys;
+    auto messages = iterate_skipping_errors<DataError>(loader, [&](std::vector<std::pair<std::string, std::int64_t>>& batch) {
+      for (auto& [key, label] : batch) {
+        CHECK(keys.insert(key).second);
+        CHECK(label == std::stoi(key.substr(key.find('/') + 1)) % 10);
+      }
+    }, [&](const DataError& e) {
+      const bool named = e.file() == dir / "damaged.tar" || e.file() == dir / "missing.tar";
+      CHECK(named);
+      return std::string();
+    });
+    const std::size_t errors = messages.size();
+    CHECK(errors == 2);
+    // The four good shards are complete, and the damaged one gave what preceded the damage.
+    CHECK(keys.size() == 4 * 5 + 1);
+  }
+}
+
+TEST_CASE("decode_labeled_image reads the image and class fields", "[unit][tar]") {
+  TarRecord r{"k", "shard.tar", 0, {}};
+  r.fields["png"] = encode_png(gradient(6, 4, 3), 6, 4, 3);
+  r.fields["cls"] = bytes_of("3\n");
+  Generator g(1);
+  LabeledSample s = decode_labeled_image(r, {}, g);
+  CHECK(s.label == 3);
+  CHECK(s.image.shape() == Shape{4, 6, 3});
+  r.fields["cls"] = bytes_of("three");
+  CHECK_THROWS_WITH(decode_labeled_image(r, {}, g), Catch::Contains("not a non-negative integer") && Catch::Contains("shard.tar"));
+  r.fields.erase("png");
+  CHECK_THROWS_WITH(decode_labeled_image(r, {}, g), Catch::Contains("has no 'jpg' field (it has: cls)"));
+}
