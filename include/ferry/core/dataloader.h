@@ -176,6 +176,10 @@ class DataLoader {
   struct sentinel {};
 
   /// Input iterator over one epoch's batches. Move-only.
+ private:
+  struct State;  // defined below; the iterator holds a pointer to it
+
+ public:
   class iterator {
    public:
     using value_type = Batch;

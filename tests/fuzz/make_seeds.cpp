@@ -1,0 +1,24 @@
+// Writes a small seed corpus per fuzz target (valid files of each format), so the fuzzers start
+// from real structure: make_seeds <dir> creates <dir>/{idx,npy,tar,image}/.
+#include <filesystem>
+#include <string>
+
+#include "../loaders/files.h"
+
+using namespace ferry::test;
+
+int main(int argc, char** argv) {
+  if (argc != 2) return 2;
+  const std::string root = argv[1];
+  write_file(root + "/idx/u8", idx_bytes(0x08, {2, 3, 3}, Bytes(18, std::byte{7})));
+  write_file(root + "/idx/f32.gz", gzip(idx_bytes(0x0D, {2}, Bytes(8, std::byte{0x3f}))));
+  write_file(root + "/npy/f4", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 2), }", Bytes(16)));
+  write_file(root + "/npy/v2", npy_bytes("{'descr': '|u1', 'fortran_order': False, 'shape': (3,), }", Bytes(3), 2));
+  write_file(root + "/tar/shard", TarBuilder().dir("d/").file("d/a.jpg", "abc").file("d/a.cls", "1").finish());
+  write_file(root + "/tar/long", TarBuilder().long_file(std::string(120, 'x') + ".txt", bytes_of("y")).pax_file("p.cls", bytes_of("2")).finish());
+  write_file(root + "/image/rgb.jpg", encode_jpeg(gradient(24, 16, 3), 24, 16, 3, 80));
+  write_file(root + "/image/gray.jpg", encode_jpeg(gradient(8, 8, 1), 8, 8, 1, 80));
+  write_file(root + "/image/rgba.png", encode_png(gradient(9, 5, 4), 9, 5, 4));
+  write_file(root + "/image/gray.png", encode_png(gradient(4, 4, 1), 4, 4, 1));
+  return 0;
+}
