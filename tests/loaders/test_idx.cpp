@@ -88,6 +88,10 @@ TEST_CASE("damaged IDX files are DataErrors naming the file and the offset", "[e
   Bytes trailing = good;
   trailing.push_back(std::byte{1});
   Bytes short_header(good.begin(), good.begin() + 6);
+  Bytes cut_gz = gzip(good);
+  cut_gz.resize(cut_gz.size() / 2);
+  Bytes garbage_gz = gzip(idx_bytes(0x08, {64}, Bytes(64)));
+  std::fill(garbage_gz.begin() + 10, garbage_gz.end(), std::byte{0xA5});
   std::vector<Case> cases{
       {"magic", bytes_of("PK\x03\x04 not idx"), "not an IDX file", 0},
       {"type", idx_bytes(0x0A, {1}, Bytes(1)), "unknown IDX element type code 0xa", 2},
@@ -97,8 +101,8 @@ TEST_CASE("damaged IDX files are DataErrors naming the file and the offset", "[e
       {"trailing", trailing, "(trailing bytes)", 12},
       {"huge", idx_bytes(0x0E, {0x7fffffff, 0x7fffffff, 0x7fffffff}, Bytes()), "overflows", DataError::kNoOffset},
       {"bomb.gz", gzip(idx_bytes(0x08, {100000, 100000}, Bytes(10))), "more than a", 12},
-      {"cut.gz", [&] { Bytes g = gzip(good); g.resize(g.size() / 2); return g; }(), "truncated", 0},
-      {"garbage.gz", [&] { Bytes g = gzip(idx_bytes(0x08, {64}, Bytes(64))); for (std::size_t i = 10; i < g.size(); ++i) g[i] = std::byte(0xA5); return g; }(), "gzip", 0},
+      {"cut.gz", cut_gz, "truncated", 0},
+      {"garbage.gz", garbage_gz, "gzip", 0},
   };
   for (const Case& c : cases) {
     INFO(c.name);
