@@ -30,6 +30,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 200 build/gpu/bench/bench_pin ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_pin.md"
   PYTHONUNBUFFERED=1 timeout 200 python3 bench/peers_torch.py ${PEERS_ARGS:-} 2>&1 | tee "$OUT/peers_torch.md"
 fi
+if { [ "$what" = bench ] || [ "$what" = all ]; } && [ -d build/bench-data/photos ]; then
+  # The loaders on this host's cores (tiles made here by scripts/bench-loaders.sh and carried).
+  timeout 120 build/gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 2>&1 | tee "$OUT/bench_loaders.md"
+fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = libtorch ]; then
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
   if cmake -S bench/peers_libtorch -B build/libtorch -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
