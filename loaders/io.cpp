@@ -94,7 +94,7 @@ void ByteSource::fail(const std::string& what) const { throw DataError(name_, of
 std::size_t ByteSource::read_some(std::byte* dst, std::size_t n) {
   if (!zstream_) {
     const std::size_t k = std::min(n, bytes_.size() - pos_);
-    std::memcpy(dst, bytes_.data() + pos_, k);
+    if (k) std::memcpy(dst, bytes_.data() + pos_, k);
     pos_ += k;
     return k;
   }

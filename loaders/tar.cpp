@@ -35,7 +35,7 @@ struct TarReader::Impl {
   std::size_t read(std::byte* dst, std::size_t n) {
     n = static_cast<std::size_t>(std::min<std::uint64_t>(n, remaining()));
     if (fd < 0) {
-      std::memcpy(dst, mem.data() + offset, n);
+      if (n) std::memcpy(dst, mem.data() + offset, n);
       offset += n;
       return n;
     }

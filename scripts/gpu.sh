@@ -18,8 +18,11 @@ export PATH=/usr/local/cuda/bin:$PATH
 { nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv;
   nproc; lscpu | grep "Model name"; g++ --version | head -1; nvcc --version | tail -1; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
+# The unpacked zlib1g-dev's libz.so points at an absolute path this host lacks: link the host's
+# own libz.so.1 (the headers come from the prefix; zlib keeps its ABI).
+zlib=$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)
 cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_TEST_INSTALL=OFF -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
-  -DCMAKE_CUDA_ARCHITECTURES=90 > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 cmake --build build/gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = test ] || [ "$what" = all ]; then
