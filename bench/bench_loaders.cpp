@@ -43,6 +43,19 @@ std::vector<std::byte> slurp(const std::string& path) {
   return b;
 }
 
+// Median over `runs` epochs of samples delivered per second by a loader of LabeledBatches.
+template <class Loader>
+double samples_per_second(Loader& loader, int runs) {
+  std::vector<double> ts;
+  for (int r = 0; r < runs; ++r) {
+    std::size_t n = 0;
+    const auto t0 = Clock::now();
+    for (LabeledBatch& b : loader) n += static_cast<std::size_t>(b.label.size(0));
+    ts.push_back(static_cast<double>(n) / seconds_since(t0));
+  }
+  return median(ts);
+}
+
 int make_tiles(const std::string& src, const std::string& out) {
   tjhandle enc = tjInitCompress();
   int written = 0;
@@ -144,14 +157,7 @@ void photos(const std::string& dir, int runs) {
     lo.num_workers = static_cast<int>(workers);
     lo.sampler = std::make_shared<RandomSampler>(ds.size(), 9, true, std::size_t{64} * 64);
     DataLoader loader(ds, lo);
-    std::vector<double> ts;
-    for (int r = 0; r < runs; ++r) {
-      std::size_t n = 0;
-      const auto t0 = Clock::now();
-      for (LabeledBatch& b : loader) n += static_cast<std::size_t>(b.label.size(0));
-      ts.push_back(static_cast<double>(n) / seconds_since(t0));
-    }
-    const double m = median(ts);
+    const double m = samples_per_second(loader, runs);
     std::printf("| DataLoader(ImageFolder), %u workers, batch 64: per core | %.0f | %.2f |\n", workers, m / workers, m / workers / ceiling);
     std::printf("| DataLoader(ImageFolder), %u workers, batch 64: total | %.0f | - |\n", workers, m);
   }
@@ -170,15 +176,8 @@ void fmnist(const std::string& root, int runs) {
       lo.shuffle = true;
       lo.num_workers = workers;
       DataLoader loader(ds, lo);
-      std::vector<double> ts;
-      for (int r = 0; r < runs; ++r) {
-        std::size_t n = 0;
-        const auto t0 = Clock::now();
-        for (LabeledBatch& b : loader) n += static_cast<std::size_t>(b.label.size(0));
-        ts.push_back(static_cast<double>(n) / seconds_since(t0));
-      }
       std::printf("| IdxDataset, shuffled, %s | %d | %.0f |\n",
-                  transform ? "flip + to_float + normalize" : "uint8 as stored", workers, median(ts));
+                  transform ? "flip + to_float + normalize" : "uint8 as stored", workers, samples_per_second(loader, runs));
     }
   }
 }

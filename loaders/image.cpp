@@ -167,10 +167,11 @@ std::string lower(std::string s) {
   throw DataError(p.string(), DataError::kNoOffset, std::string(what) + ": " + ec.message());
 }
 
-// Thread-local buffers for the dataset path: file bytes and decoded pixels.
+// Thread-local buffers for the dataset path: file bytes and decoded pixels (grown, never shrunk;
+// freed at thread exit).
 struct Scratch {
   std::vector<std::byte> file;
-  std::vector<std::uint8_t> pixels;
+  Storage pixels;
 };
 Scratch& scratch() {
   thread_local Scratch s;
@@ -270,12 +271,11 @@ void ImageFolder::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, 
   Scratch& s = scratch();
   loaders::read_file(f.path, s.file);
   const Size sz = decode_into(s.file, f.path, {options_.channels, options_.max_pixels}, [&](Size z) {
-    s.pixels.resize(static_cast<std::size_t>(z.h * z.w * z.c));
-    return s.pixels.data();
+    const auto need = static_cast<std::size_t>(z.h * z.w * z.c);
+    if (s.pixels.nbytes() < need) s.pixels = Storage::allocate(need);
+    return reinterpret_cast<std::uint8_t*>(s.pixels.data());
   });
-  // The decoded pixels, viewed as a tensor without copying (the scratch outlives this call).
-  Tensor img(Storage::wrap(s.pixels.data(), s.pixels.size(), Device::host(), std::shared_ptr<void>(s.pixels.data(), [](void*) {})),
-             DType::UInt8, {sz.h, sz.w, sz.c});
+  const Tensor img(s.pixels, DType::UInt8, {sz.h, sz.w, sz.c});  // a view of the scratch, no copy
   Stage prev = ctx.enter(Stage::Transform);
   options_.transform.apply_into(img, batch.image.select(static_cast<std::int64_t>(row)), ctx.rng());
   ctx.enter(prev);

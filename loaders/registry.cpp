@@ -63,12 +63,12 @@ void add_builtins(DatasetRegistry& r) {
   r.add("idx", [](const DatasetConfig& c) {
     IdxDataset d(c.str("images"), c.str("labels"));
     c.finish();
-    return DynamicDataset::wrap(std::move(d), labeled);
+    return DynamicDataset(ferry::map(std::move(d), labeled));
   }, "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz)");
   r.add("npy", [](const DatasetConfig& c) {
     NpyDataset d(c.str("path"));
     c.finish();
-    return DynamicDataset::wrap(std::move(d), [](Tensor t) { return std::vector<Tensor>{std::move(t)}; });
+    return DynamicDataset(ferry::map(std::move(d), [](Tensor t) { return std::vector<Tensor>{std::move(t)}; }));
   }, "rows of a .npy array: path=<file>");
   r.add("image_folder", [](const DatasetConfig& c) {
     ImageFolderOptions o;
@@ -79,40 +79,45 @@ void add_builtins(DatasetRegistry& r) {
     if (c.integer("float", 0)) o.transform.to_float();
     ImageFolder d(c.str("root"), std::move(o));
     c.finish();
-    return DynamicDataset::wrap(std::move(d), labeled);
+    return DynamicDataset(ferry::map(std::move(d), labeled));
   }, "root/<class>/<image>: root=<dir>, size=224, channels=3, random_crop=0|1, float=0|1");
   r.add("synthetic", [](const DatasetConfig& c) {
     const std::int64_t n = c.integer("n", 10000);
     if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
     Synthetic d{static_cast<std::size_t>(n), parse_dtype(c, c.str("dtype", "uint8")), parse_shape(c, c.str("shape", "3x224x224"))};
     c.finish();
-    return DynamicDataset::wrap(std::move(d), [](std::vector<Tensor> v) { return v; });
+    return DynamicDataset(std::move(d));
   }, "in-memory patterns: n=10000, shape=3x224x224, dtype=uint8");
 }
 
 // --- plugins ------------------------------------------------------------------------------------
 
-struct PluginDataset final : DynamicDataset::Impl {
+// One plugin instance; destroyed (ops->destroy) with the last copy of the dataset holding it.
+struct PluginInstance {
   std::string plugin, name;
   const ferry_dataset_ops* ops;
   void* self = nullptr;
   std::vector<ferry_field> fields;
-  ~PluginDataset() override {
+  ~PluginInstance() {
     if (self) ops->destroy(self);
   }
-  std::size_t size() const override { return static_cast<std::size_t>(ops->size(self)); }
-  std::vector<Tensor> get(std::size_t i, SampleContext&) const override {
+};
+
+struct PluginDataset {
+  std::shared_ptr<const PluginInstance> p;
+  std::size_t size() const { return static_cast<std::size_t>(p->ops->size(p->self)); }
+  std::vector<Tensor> get(std::size_t i) const {
     std::vector<Tensor> out;
     std::vector<void*> ptrs;
-    out.reserve(fields.size());
-    for (const ferry_field& f : fields) {
+    out.reserve(p->fields.size());
+    for (const ferry_field& f : p->fields) {
       out.push_back(Tensor::empty(static_cast<DType>(f.dtype), Shape(f.shape, f.shape + f.ndim)));
       ptrs.push_back(out.back().raw());
     }
     char err[512] = {0};
-    if (ops->get(self, i, ptrs.data(), err, sizeof err) != 0)
-      throw DataError(plugin, DataError::kNoOffset, "dataset '" + name + "', sample " + std::to_string(i) + ": " +
-                                                        (err[0] ? std::string(err, strnlen(err, sizeof err)) : "get() failed"));
+    if (p->ops->get(p->self, i, ptrs.data(), err, sizeof err) != 0)
+      throw DataError(p->plugin, DataError::kNoOffset, "dataset '" + p->name + "', sample " + std::to_string(i) + ": " +
+                                                           (err[0] ? std::string(err, strnlen(err, sizeof err)) : "get() failed"));
     return out;
   }
 };
@@ -146,7 +151,7 @@ DynamicDataset create_plugin_dataset(const std::string& plugin, const std::strin
                                      const DatasetConfig& c) {
   std::vector<ferry_kv> kv;
   for (auto& [k, v] : c.values()) kv.push_back({k.c_str(), v.c_str()});
-  auto d = std::make_shared<PluginDataset>();
+  auto d = std::make_shared<PluginInstance>();
   d->plugin = plugin;
   d->name = name;
   d->ops = ops;
@@ -163,7 +168,7 @@ DynamicDataset create_plugin_dataset(const std::string& plugin, const std::strin
                     std::all_of(f.shape, f.shape + std::max(f.ndim, 0), [](std::int64_t x) { return x >= 0 && x < (std::int64_t{1} << 40); });
     if (!ok) throw Error("plugin dataset '" + name + "' (" + plugin + "): field '" + std::string(f.name, strnlen(f.name, sizeof f.name)) + "' has an invalid dtype or shape");
   }
-  return DynamicDataset(std::move(d));
+  return DynamicDataset(PluginDataset{std::move(d)});
 }
 
 }  // namespace
@@ -188,7 +193,9 @@ std::string DatasetConfig::str(const std::string& key) const {
   return it->second;
 }
 std::string DatasetConfig::str(const std::string& key, const std::string& fallback) const {
-  return has(key) ? str(key) : (read_.push_back(key), fallback);
+  if (has(key)) return str(key);
+  read_.push_back(key);  // a known option, for finish()'s list
+  return fallback;
 }
 std::int64_t DatasetConfig::integer(const std::string& key) const {
   const std::string v = str(key);
@@ -203,7 +210,9 @@ std::int64_t DatasetConfig::integer(const std::string& key) const {
   return out;
 }
 std::int64_t DatasetConfig::integer(const std::string& key, std::int64_t fallback) const {
-  return has(key) ? integer(key) : (read_.push_back(key), fallback);
+  if (has(key)) return integer(key);
+  read_.push_back(key);
+  return fallback;
 }
 void DatasetConfig::finish() const {
   for (auto& [k, v] : values_)

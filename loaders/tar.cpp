@@ -118,6 +118,34 @@ std::optional<std::pair<std::string, std::string>> split_key(const std::string& 
   return std::pair{path.substr(0, dot), std::move(field)};
 }
 
+// A pax extended header: records "<length> <key>=<value>\n"; keeps path and size.
+void parse_pax(const std::string& text, const std::string& name, std::uint64_t at, std::string& path,
+               std::optional<std::uint64_t>& size) {
+  auto fail = [&](const std::string& what) { throw DataError(name, at, what); };
+  std::size_t pos = 0;
+  while (pos < text.size()) {
+    const std::size_t sp = text.find(' ', pos);
+    if (sp == std::string::npos) fail("malformed pax header");
+    std::size_t len = 0;
+    for (std::size_t i = pos; i < sp; ++i) {
+      if (text[i] < '0' || text[i] > '9' || len > kMaxMeta) fail("malformed pax header length");
+      len = len * 10 + static_cast<std::size_t>(text[i] - '0');
+    }
+    if (len == 0 || pos + len > text.size() || len <= sp - pos + 1 || text[pos + len - 1] != '\n') fail("malformed pax record");
+    const std::string rec = text.substr(sp + 1, pos + len - 1 - (sp + 1));
+    const std::size_t eq = rec.find('=');
+    if (eq == std::string::npos) fail("malformed pax record (no '=')");
+    const std::string key = rec.substr(0, eq), value = rec.substr(eq + 1);
+    if (key == "path") path = value;
+    if (key == "size") {
+      if (value.empty() || value.size() > 19 || value.find_first_not_of("0123456789") != std::string::npos)
+        fail("malformed pax size '" + value + "'");
+      size = std::stoull(value);
+    }
+    pos += len;
+  }
+}
+
 }  // namespace
 
 TarReader::TarReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
@@ -186,29 +214,7 @@ std::optional<TarMember> TarReader::next() {
       if (type == 'L') {
         long_name = text.substr(0, strnlen(text.c_str(), text.size()));
       } else if (type == 'x') {
-        // Records: "<length> <key>=<value>\n".
-        std::size_t pos = 0;
-        while (pos < text.size()) {
-          std::size_t sp = text.find(' ', pos);
-          if (sp == std::string::npos) r.fail(at, "malformed pax header");
-          std::size_t len = 0;
-          for (std::size_t i = pos; i < sp; ++i) {
-            if (text[i] < '0' || text[i] > '9' || len > kMaxMeta) r.fail(at, "malformed pax header length");
-            len = len * 10 + static_cast<std::size_t>(text[i] - '0');
-          }
-          if (len == 0 || pos + len > text.size() || len <= sp - pos + 1 || text[pos + len - 1] != '\n') r.fail(at, "malformed pax record");
-          const std::string rec = text.substr(sp + 1, pos + len - 1 - (sp + 1));
-          const std::size_t eq = rec.find('=');
-          if (eq == std::string::npos) r.fail(at, "malformed pax record (no '=')");
-          const std::string key = rec.substr(0, eq), value = rec.substr(eq + 1);
-          if (key == "path") pax_path = value;
-          if (key == "size") {
-            if (value.empty() || value.size() > 19 || value.find_first_not_of("0123456789") != std::string::npos)
-              r.fail(at, "malformed pax size '" + value + "'");
-            pax_size = std::stoull(value);
-          }
-          pos += len;
-        }
+        parse_pax(text, r.name, at, pax_path, pax_size);
       }
       continue;
     }

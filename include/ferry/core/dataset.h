@@ -162,16 +162,16 @@ class DatasetBase {
   /// iterable dataset (MappedIterable), a map-style dataset otherwise (MappedDataset).
   template <class F>
   auto map(F&& transform) const& {
-    return Mapped<F>(static_cast<const Derived&>(*this), std::forward<F>(transform));
+    return make_mapped<F>(static_cast<const Derived&>(*this), std::forward<F>(transform));
   }
   template <class F>
   auto map(F&& transform) && {
-    return Mapped<F>(std::move(static_cast<Derived&>(*this)), std::forward<F>(transform));
+    return make_mapped<F>(std::move(static_cast<Derived&>(*this)), std::forward<F>(transform));
   }
 
  private:
   template <class F, class D>
-  static auto Mapped(D&& d, F&& f) {
+  static auto make_mapped(D&& d, F&& f) {
     if constexpr (IterableDataset<Derived> && !MapDataset<Derived>)
       return MappedIterable<Derived, std::decay_t<F>>(std::forward<D>(d), std::forward<F>(f));
     else

@@ -49,33 +49,9 @@ class DatasetConfig {
   mutable std::vector<std::string> read_;
 };
 
-/// A map-style dataset of std::vector<Tensor> samples, of any registered kind. Copies share it.
-class DynamicDataset : public DatasetBase<DynamicDataset> {
- public:
-  struct Impl {
-    virtual ~Impl() = default;
-    virtual std::size_t size() const = 0;
-    virtual std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const = 0;
-  };
-  explicit DynamicDataset(std::shared_ptr<const Impl> impl) : impl_(std::move(impl)) {}
-  /// Wraps any map-style dataset whose samples convert to std::vector<Tensor> with `convert`.
-  template <MapDataset D, class Convert>
-  static DynamicDataset wrap(D dataset, Convert convert) {
-    struct Wrapped final : Impl {
-      Wrapped(D d, Convert c) : d(std::move(d)), c(std::move(c)) {}
-      std::size_t size() const override { return d.size(); }
-      std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const override { return c(fetch(d, i, ctx)); }
-      D d;
-      Convert c;
-    };
-    return DynamicDataset(std::make_shared<Wrapped>(std::move(dataset), std::move(convert)));
-  }
-  std::size_t size() const { return impl_->size(); }
-  std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const { return impl_->get(i, ctx); }
-
- private:
-  std::shared_ptr<const Impl> impl_;
-};
+/// A map-style dataset of std::vector<Tensor> samples, of any registered kind (one tensor per
+/// field; labels as int64 scalars). Copies share it.
+using DynamicDataset = AnyDataset<std::vector<Tensor>>;
 
 class DatasetRegistry {
  public:
