@@ -33,6 +33,7 @@ struct PinStage::State {
   Thread thread;
 
   void run() {
+    StopScope stop_scope(&stopping);  // a pool wait inside pin() gives up on stop()
     for (;;) {
       credits->acquire();
       if (stopping.load()) return;

@@ -55,8 +55,8 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
     std::vector<std::shared_ptr<Fence>> fences;
   };
 
-  Impl(std::size_t limit, std::shared_ptr<HostBackend> backend, bool ignore_fences)
-      : limit(limit), backend(std::move(backend)), ignore_fences(ignore_fences) {}
+  Impl(std::size_t limit, std::shared_ptr<HostBackend> backend, bool ignore_fences, bool hard_limit)
+      : limit(limit), backend(std::move(backend)), ignore_fences(ignore_fences), hard_limit(hard_limit) {}
   ~Impl() {
     // Every Storage is gone (each holds a reference to Impl), so only fences can still be open.
     for (auto& [ptr, b] : blocks) {
@@ -68,6 +68,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
   const std::size_t limit;
   const std::shared_ptr<HostBackend> backend;
   const bool ignore_fences;
+  const bool hard_limit;
   mutable std::mutex mu;
   std::condition_variable returned;            // a lease came back
   std::map<std::byte*, Block> blocks;          // guarded by mu; keyed by address
@@ -82,6 +83,21 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
         b.fences.clear();
         b.state = State::Free;
       }
+    if (!hard_limit) trim();
+  }
+
+  // A cache past its budget gives free blocks back until under it. Needs mu.
+  void trim() {
+    for (auto it = blocks.begin(); it != blocks.end() && pinned > limit;) {
+      if (it->second.state != State::Free) {
+        ++it;
+        continue;
+      }
+      backend->free(it->first, it->second.size);
+      pinned -= it->second.size;
+      ++counters.frees;
+      it = blocks.erase(it);
+    }
   }
 
   Storage lease(Block& b, std::size_t nbytes) {
@@ -99,11 +115,12 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
     if (it == blocks.end()) return;
     if (ignore_fences) it->second.fences.clear();
     it->second.state = it->second.fences.empty() ? State::Free : State::Pending;
+    if (!hard_limit) trim();
     returned.notify_all();
   }
 
   Storage allocate(std::size_t nbytes) {
-    if (nbytes > limit)
+    if (hard_limit && nbytes > limit)
       throw Error("PinnedPool: a batch needs " + std::to_string(nbytes) + " bytes (" + mib(nbytes) +
                   ") but pinned_memory_limit is " + std::to_string(limit) + " bytes (" + mib(limit) +
                   "); raise the limit or make batches smaller");
@@ -119,7 +136,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
       for (auto& [ptr, b] : blocks)
         if (b.state == State::Free && b.size >= want && b.size <= 2 * want && (!best || b.size < best->size)) best = &b;
       if (best) return lease(*best, nbytes);
-      if (pinned + reserved + want <= limit) {
+      if (pinned + reserved + want <= limit || !hard_limit) {
         reserved += want;
         l.unlock();
         void* p = nullptr;
@@ -162,7 +179,8 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
         l.lock();
         continue;
       }
-      returned.wait_for(l, std::chrono::milliseconds(100));
+      if (stop_requested()) throw Error("PinnedPool: gave up waiting for a block: the loader is stopping");
+      returned.wait_for(l, std::chrono::milliseconds(20));
       if (!warned && std::chrono::steady_clock::now() - started > std::chrono::seconds(5)) {
         warned = true;
         detail::warn_once("pinned-pool-exhausted",
@@ -185,7 +203,7 @@ PinnedPool::PinnedPool(PinnedPoolOptions options) {
   if (options.ignore_fences_unsafe)
     detail::warn_once("pool-unsafe", "PinnedPool: ignore_fences_unsafe is set: pinned blocks may be overwritten "
                                      "while the GPU still reads them (test use only)");
-  impl_ = std::make_shared<Impl>(options.limit_bytes, std::move(backend), options.ignore_fences_unsafe);
+  impl_ = std::make_shared<Impl>(options.limit_bytes, std::move(backend), options.ignore_fences_unsafe, options.hard_limit);
 }
 
 PinnedPool::~PinnedPool() = default;

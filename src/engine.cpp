@@ -185,6 +185,7 @@ struct Engine::State {
       r.batch = job.batch;
       r.worker = id;
       JobContext ctx(info, slot.stage, epoch.cancelled, epoch.streams[static_cast<std::size_t>(id)]);
+      StopScope stop_scope(&epoch.cancelled);  // a blocked allocation gives up when the epoch ends
       if (init_error) {
         try {
           std::rethrow_exception(init_error);

@@ -4,16 +4,23 @@
 
 #include <atomic>
 
+#include "ferry/core/allocator.h"
 #include "ferry/core/diagnostics.h"
 
 namespace ferry {
 namespace {
 std::atomic<std::size_t> g_live_threads{0};
-}
+thread_local const std::atomic<bool>* t_stop_flag = nullptr;
+}  // namespace
 
 std::size_t live_threads() noexcept { return g_live_threads.load(); }
 
+bool stop_requested() noexcept { return t_stop_flag && t_stop_flag->load(std::memory_order_relaxed); }
+
 namespace detail {
+
+StopScope::StopScope(const std::atomic<bool>* flag) noexcept : previous_(t_stop_flag) { t_stop_flag = flag; }
+StopScope::~StopScope() { t_stop_flag = previous_; }
 
 Thread::Thread(std::string name, std::function<void()> body) {
   g_live_threads.fetch_add(1);

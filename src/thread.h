@@ -5,11 +5,24 @@
 // ferry::live_threads(), which tests use to prove nothing leaks.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <string>
 #include <thread>
 
 namespace ferry::detail {
+
+/// Makes ferry::stop_requested() on this thread read `flag` for the scope's lifetime.
+class StopScope {
+ public:
+  explicit StopScope(const std::atomic<bool>* flag) noexcept;
+  ~StopScope();
+  StopScope(const StopScope&) = delete;
+  StopScope& operator=(const StopScope&) = delete;
+
+ private:
+  const std::atomic<bool>* previous_;
+};
 
 class Thread {
  public:

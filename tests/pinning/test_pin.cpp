@@ -3,6 +3,10 @@
 // batch's position, and shutdown with blocks in flight returning every block.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
 #include "ferry/ferry.h"
 #include "helpers.h"
 
@@ -174,4 +178,70 @@ TEST_CASE("a pinned budget too small for the pipeline's depth is an error, not a
   } catch (const WorkerError& e) {
     CHECK_THAT(e.what(), Catch::Contains("may hold up to 8 batches of 2560 bytes") && Catch::Contains("raise pinned_memory_limit"));
   }
+}
+
+namespace {
+// Sample 0 is slow, so batches 1.. finish first and wait in the reorder buffer for batch 0.
+struct SlowFirst {
+  std::size_t size() const { return 16 * 40; }
+  Tensor get(std::size_t i) const {
+    if (i == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    Tensor t = Tensor::empty(DType::Int32, {1024});
+    std::fill_n(t.data<std::int32_t>(), 1024, static_cast<std::int32_t>(i));
+    return t;
+  }
+};
+}  // namespace
+
+TEST_CASE("a tight pinned budget does not starve collate while later batches wait for an early one", "[pin][budget]") {
+  // Regression: copy mode's recycled (pageable) collate buffers once shared the pinned budget, so
+  // with 4 workers x 2 prefetch = 8 batches in flight and room for 6, batches 1..6 took every
+  // collate buffer while waiting to be delivered after batch 0, and batch 0 could never collate.
+  for (auto mode : {DataLoaderOptions::PinMode::Copy, DataLoaderOptions::PinMode::Direct}) {
+    DataLoaderOptions o;
+    o.batch_size = 16;
+    o.num_workers = 4;
+    o.pin_memory = true;
+    o.pin_mode = mode;
+    o.timeout = std::chrono::milliseconds(5000);
+    const std::size_t batch_bytes = 16 * 1024 * 4;
+    // Exactly the depth each mode reports needing: copy 2 + 2 = 4 batches; direct adds 8 in flight.
+    o.pinned_pool = test_pool((mode == DataLoaderOptions::PinMode::Copy ? 4 : 12) * batch_bytes);
+    DataLoader loader(SlowFirst{}, o);
+    std::int64_t next = 0;
+    for (auto& b : loader) {
+      REQUIRE(b.is_pinned());
+      REQUIRE(b.item<std::int32_t>(0) == next * 16);
+      ++next;
+    }
+    CHECK(next == 40);
+  }
+}
+
+TEST_CASE("a loader whose pin thread waits for blocks the consumer holds times out and shuts down", "[pin][shutdown]") {
+  // The consumer keeps every batch, so the pool runs dry and the pin thread waits for a block
+  // that never comes back. The consumer gets a TimeoutError naming the pin thread; destroying
+  // the loader then stops the waiting pin thread instead of hanging on it.
+  auto pool = test_pool(4 * 10 * 64 * 4);  // exactly the depth copy mode needs: 2 + 2 batches
+  std::vector<Tensor> kept;
+  {
+    DataLoaderOptions o;
+    o.batch_size = 10;
+    o.num_workers = 2;
+    o.pin_memory = true;
+    o.pin_mode = DataLoaderOptions::PinMode::Copy;
+    o.pinned_pool = pool;
+    o.timeout = std::chrono::milliseconds(200);
+    DataLoader loader(TensorDataset({Tensor::zeros(DType::Float32, {200, 64})}), o);
+    try {
+      for (auto& b : loader) kept.push_back(b[0]);
+      FAIL("no timeout");
+    } catch (const TimeoutError& e) {
+      CHECK_THAT(e.what(), Catch::Contains("pin thread"));
+    }
+    CHECK(kept.size() == 4);
+  }
+  CHECK(live_threads() == 0);
+  kept.clear();
+  CHECK(pool->stats().bytes_in_use == 0);
 }

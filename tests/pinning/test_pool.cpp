@@ -163,3 +163,24 @@ TEST_CASE("without a CUDA device a CUDA-backed pool is a clear error", "[unit][p
   CHECK(cuda::device_count() == 0);
   CHECK_THROWS_AS(cuda::Stream::create(0), CudaError);
 }
+
+TEST_CASE("a pool without a hard limit allocates past its budget and trims back to it", "[unit][pool]") {
+  auto backend = std::make_shared<CountingBackend>();
+  PinnedPoolOptions o = options(1000, backend);
+  o.hard_limit = false;
+  PinnedPool pool(o);
+  {
+    std::vector<Storage> held;
+    for (int i = 0; i < 5; ++i) held.push_back(pool.allocate(400));  // 2000 bytes: no wait
+    CHECK(pool.stats().bytes_pinned == 2000);
+    CHECK(pool.stats().waits == 0);
+  }
+  // Every block came back; the pool kept no more than its budget.
+  CHECK(pool.stats().bytes_pinned <= 1000);
+  CHECK(backend->live == static_cast<long>(pool.stats().blocks));
+  CHECK(pool.stats().blocks == 2);
+  Storage big = pool.allocate(5000);  // larger than the budget: served, then not kept
+  CHECK(big.nbytes() == 5000);
+  big = Storage();
+  CHECK(pool.stats().bytes_pinned <= 1000);
+}

@@ -18,9 +18,16 @@ class BatchAllocator {
  public:
   virtual ~BatchAllocator() = default;
   /// `nbytes` of memory, at least 64-byte aligned. May block (a bounded pool); throws ferry::Error
-  /// when the request can never be met.
+  /// when the request can never be met. An implementation that blocks must poll stop_requested()
+  /// and throw once it is true, or the loader cannot shut down while it waits.
   virtual Storage allocate(std::size_t nbytes) = 0;
 };
+
+/// True when the loader thread calling it (a worker or the pin thread) is being stopped: its
+/// epoch ended early or the loader is being destroyed. Code that blocks (an allocator waiting for
+/// memory, a dataset waiting on a network read) should give up by throwing; the loader discards
+/// the result. Always false on threads a loader did not start.
+bool stop_requested() noexcept;
 
 /// Pageable host memory (Storage::allocate). A process-wide instance.
 BatchAllocator& pageable_allocator() noexcept;

@@ -392,9 +392,10 @@ class DataLoader {
           direct_blocks = std::make_unique<detail::DepthCheckedAllocator>(*pinned_pool, behind + in_flight, "direct pin_mode");
           allocator = direct_blocks.get();
         } else if (!opt.allocator) {
-          PinnedPoolOptions po;  // recycled pageable collate buffers, same budget
+          PinnedPoolOptions po;  // recycled pageable collate buffers: a cache that never waits
           po.limit_bytes = pinned_pool->limit_bytes();
           po.backend = pageable_backend();
+          po.hard_limit = false;
           collate_pool = std::make_shared<PinnedPool>(po);
           allocator = collate_pool.get();
         }

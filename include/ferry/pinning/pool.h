@@ -9,8 +9,12 @@
 // before its non_blocking copy has finished silently corrupts the copy on the GPU.
 //
 // The budget (`limit_bytes`) is hard: when it is reached, allocate() first reclaims free blocks of
-// unfitting sizes, then waits for pending fences, then for leases to come back. A single request
-// larger than the budget throws ferry::Error at once. Blocks are sized exactly (no power-of-two
+// unfitting sizes, then waits for pending fences, then for leases to come back (giving up with an
+// Error once ferry::stop_requested(), so a stopping loader never hangs here). A single request
+// larger than the budget throws ferry::Error at once. With `hard_limit = false` the pool is a
+// cache instead: past the budget it allocates anyway and frees blocks as they come back until it
+// is under it again (the loader's pageable collate buffers: their number is bounded by the
+// pipeline's depth, and waiting for them could deadlock behind the reorder window). Blocks are sized exactly (no power-of-two
 // rounding); a free block is reused for any request between half its size and its size.
 // cudaHostAlloc costs ~350 ms per GiB, so after warm-up the pool allocates nothing (stats()).
 //
@@ -60,6 +64,8 @@ struct PinnedPoolOptions {
   /// UNSAFE, for one test only: reuse blocks as soon as the host lets go, ignoring fences. It
   /// exists to prove the GPU corruption test catches exactly this bug. Never set it otherwise.
   bool ignore_fences_unsafe = false;
+  /// True: the budget is a hard cap (allocate() waits). False: a retention cap (see the Note).
+  bool hard_limit = true;
 };
 
 struct PinnedPoolStats {
