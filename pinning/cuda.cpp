@@ -94,11 +94,11 @@ void Stream::wait(const Event& event) const {
 }
 void Stream::synchronize() const { FERRY_CUDA(cudaStreamSynchronize(static_cast<cudaStream_t>(handle_))); }
 
-Event Event::create(int device) {
+Event Event::create(int device, bool timing) {
   DeviceGuard g(device);
   Event e;
   cudaEvent_t h = nullptr;
-  FERRY_CUDA(cudaEventCreateWithFlags(&h, cudaEventDisableTiming));
+  FERRY_CUDA(cudaEventCreateWithFlags(&h, timing ? cudaEventDefault : cudaEventDisableTiming));
   e.handle_ = h;
   e.device_ = device;
   return e;
@@ -119,6 +119,11 @@ bool Event::ready() const {
   return true;
 }
 void Event::synchronize() const { FERRY_CUDA(cudaEventSynchronize(static_cast<cudaEvent_t>(handle_))); }
+double Event::elapsed_ms(const Event& start, const Event& end) {
+  float ms = 0;
+  FERRY_CUDA(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start.native()), static_cast<cudaEvent_t>(end.native())));
+  return ms;
+}
 
 void* host_alloc(std::size_t bytes) {
   void* p = nullptr;
@@ -155,7 +160,8 @@ Stream Stream::borrow(void* native, int device) {
 Stream::~Stream() = default;
 void Stream::wait(const Event&) const { no_cuda("Stream::wait"); }
 void Stream::synchronize() const { no_cuda("Stream::synchronize"); }
-Event Event::create(int) { no_cuda("Event::create"); }
+Event Event::create(int, bool) { no_cuda("Event::create"); }
+double Event::elapsed_ms(const Event&, const Event&) { no_cuda("Event::elapsed_ms"); }
 Event::~Event() = default;
 void Event::record(const Stream&) { no_cuda("Event::record"); }
 bool Event::ready() const { no_cuda("Event::ready"); }

@@ -57,6 +57,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   std::vector<Pending> pending;
   // Sources not from `pool` stay alive until the copy that read them completes.
   std::deque<std::pair<std::shared_ptr<EventFence>, std::vector<Storage>>> keepalive;
+  // Start events and completion fences of copies whose GPU time is not yet counted.
+  std::deque<std::pair<cuda::Event, std::shared_ptr<EventFence>>> timings;
 
   void begin(std::size_t bytes) {
     if (cur) throw Error("DeviceStage::begin: the previous batch was not ended");
@@ -127,8 +129,18 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     return out;
   }
 
+  // Adds the GPU time of completed copies to the counters (consumer thread).
+  void poll_timings() {
+    while (!timings.empty() && timings.front().second->ready()) {
+      counters.copy_ms += cuda::Event::elapsed_ms(timings.front().first, timings.front().second->event());
+      timings.pop_front();
+    }
+  }
+
   std::shared_ptr<const EventFence> end() {
     if (!cur) throw Error("DeviceStage::end: no batch begun");
+    cuda::Event started = cuda::Event::create(opt.device, true);
+    started.record(copy);  // after any wait begin() queued: the interval is the copies alone
     std::size_t i = 0;
     while (i < pending.size()) {
       std::size_t j = i + 1;
@@ -142,9 +154,11 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       counters.bytes += span;
       i = j;
     }
-    cuda::Event done = cuda::Event::create(opt.device);
+    cuda::Event done = cuda::Event::create(opt.device, true);
     done.record(copy);
     auto fence = std::make_shared<EventFence>(std::move(done));
+    timings.emplace_back(std::move(started), fence);
+    poll_timings();
     std::vector<Storage> keep;
     std::set<const void*> seen;
     for (auto& p : pending) {
@@ -183,7 +197,10 @@ DeviceStage::~DeviceStage() {
 const cuda::Stream& DeviceStage::copy_stream() const noexcept { return impl_->copy; }
 const cuda::Stream& DeviceStage::consumer_stream() const noexcept { return impl_->consumer; }
 int DeviceStage::device() const noexcept { return impl_->opt.device; }
-DeviceStageStats DeviceStage::stats() const { return impl_->counters; }
+DeviceStageStats DeviceStage::stats() const {
+  impl_->poll_timings();
+  return impl_->counters;
+}
 void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }
 Tensor DeviceStage::move(const Tensor& host) { return impl_->move(host); }
 std::shared_ptr<const EventFence> DeviceStage::end() { return impl_->end(); }

@@ -14,6 +14,7 @@ void PinContext::begin_copy() {
   measuring_ = false;
   if (stage_) stage_->begin(need_);
   else if (need_ > 0) block_ = pool_->allocate(need_);
+  last_block_ = block_.data();
 }
 
 void PinContext::finish() {

@@ -19,16 +19,17 @@ struct Item {
 }  // namespace
 
 struct PinStage::State {
-  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t)
-      : engine(e), pin(std::move(p)), depth(d < 1 ? 1 : d), timeout(t) {}
+  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t, TraceRecorder* tr)
+      : engine(e), pin(std::move(p)), depth(d < 1 ? 1 : d), timeout(t), trace(tr) {}
   Engine& engine;
   PinFn pin;
   const int depth;
   const std::chrono::milliseconds timeout;
+  TraceRecorder* const trace;
   std::unique_ptr<StageQueue<Item>> out;
   std::unique_ptr<std::counting_semaphore<>> credits;
   std::atomic<bool> stopping{false};
-  std::atomic<Stage> stage{Stage::Idle};
+  StageMeter stage;
   std::atomic<std::int64_t> batches{0};
   Thread thread;
 
@@ -38,15 +39,16 @@ struct PinStage::State {
       credits->acquire();
       if (stopping.load()) return;
       Item item;
-      stage.store(Stage::Fetch);  // waiting on the workers
+      const std::int64_t batch = batches.load();
+      stage.enter(Stage::Fetch);  // waiting on the workers
       try {
         item.payload = engine.next();
         if (!item.payload) {
           item.end = true;
         } else {
-          stage.store(Stage::Pin);
+          stage.enter(Stage::Pin);  // pin() records its own trace span (with the block it used)
           try {
-            pin(item.payload);
+            pin(item.payload, batch);
           } catch (...) {
             item.payload = Payload();
             item.error = wrap_current_exception(-2, batches.load(), {}, Stage::Pin, std::nullopt, false);
@@ -55,7 +57,7 @@ struct PinStage::State {
       } catch (...) {
         item.error = std::current_exception();  // already a WorkerError / TimeoutError
       }
-      stage.store(Stage::Idle);
+      stage.enter(Stage::Idle);
       if (stopping.load()) return;
       ++batches;
       const bool end = item.end;
@@ -65,8 +67,12 @@ struct PinStage::State {
   }
 };
 
-PinStage::PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout)
-    : state_(std::make_unique<State>(engine, std::move(pin), depth, timeout)) {}
+PinStage::PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout, TraceRecorder* trace)
+    : state_(std::make_unique<State>(engine, std::move(pin), depth, timeout, trace)) {
+  if (trace) trace->name_track(TraceRecorder::kPinTrack, "pin thread");
+}
+
+std::int64_t PinStage::pin_ns() const noexcept { return state_->stage.total_ns(Stage::Pin); }
 
 PinStage::~PinStage() { stop(); }
 
@@ -89,7 +95,7 @@ Payload PinStage::next() {
     auto [got, timed_out] = s.out->pop_for(std::chrono::duration_cast<std::chrono::microseconds>(s.timeout) * 2);
     if (timed_out)
       throw TimeoutError("DataLoader timed out after " + std::to_string(2 * s.timeout.count()) +
-                         " ms waiting for the pin thread, which is in stage '" + stage_name(s.stage.load()) + "'");
+                         " ms waiting for the pin thread, which is in stage '" + stage_name(s.stage.current()) + "'");
     item = std::move(got);
   } else {
     item = s.out->pop();

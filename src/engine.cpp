@@ -50,7 +50,7 @@ struct Task {
 
 // What each worker is doing, read by the consumer for timeout messages.
 struct WorkerSlot {
-  std::atomic<Stage> stage{Stage::Idle};
+  StageMeter stage;
   std::atomic<std::int64_t> batch{-1};
   std::atomic<std::int64_t> since_ns{0};
 };
@@ -125,7 +125,7 @@ struct Engine::State {
   std::vector<std::int64_t> ended_at;               // streams: first exhausted j per worker, -1 if live
   int ended = 0;
   bool inline_done = false;
-  std::atomic<Stage> inline_stage{Stage::Idle};
+  StageMeter inline_stage;
   std::uint64_t refill_burst = 1;  // dispatch only when this many slots are free (or none in flight)
 
   std::size_t limit() const { return static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(W); }
@@ -147,8 +147,10 @@ struct Engine::State {
     queues.clear();
     const int nq = opt.streaming ? W : 1;
     for (int q = 0; q < nq; ++q) queues.push_back(std::make_unique<StageQueue<Task>>());
-    slots = std::make_unique<WorkerSlot[]>(static_cast<std::size_t>(W));
+    if (!slots) slots = std::make_unique<WorkerSlot[]>(static_cast<std::size_t>(W));
     threads.reserve(static_cast<std::size_t>(W));
+    if (opt.trace)
+      for (int w = 0; w < W; ++w) opt.trace->name_track(w, "worker " + std::to_string(w));
     for (int w = 0; w < W; ++w)
       threads.emplace_back("ferry-w" + std::to_string(w), [this, w] { worker_main(w); });
     logger().debug("started {} workers ({} queue{})", W, nq, nq == 1 ? "" : "s");
@@ -164,13 +166,13 @@ struct Engine::State {
     WorkerSlot& slot = slots[static_cast<std::size_t>(id)];
     WorkerInfo info{id, W, opt.seed, 0};
     std::exception_ptr init_error;
-    slot.stage.store(Stage::WorkerInit);
+    slot.stage.enter(Stage::WorkerInit);
     try {
       producer.init_worker(info);
     } catch (...) {
       init_error = std::current_exception();
     }
-    slot.stage.store(Stage::Idle);
+    slot.stage.enter(Stage::Idle);
     StageQueue<Task>& queue = *queues[opt.streaming ? static_cast<std::size_t>(id) : 0];
     while (std::optional<Task> task = queue.pop()) {
       EpochState& epoch = *task->epoch;
@@ -179,7 +181,8 @@ struct Engine::State {
       info.epoch = epoch.epoch;
       slot.batch.store(job.batch, std::memory_order_relaxed);
       slot.since_ns.store(now_ns(), std::memory_order_relaxed);
-      slot.stage.store(Stage::Fetch, std::memory_order_relaxed);
+      slot.stage.trace(opt.trace, job.batch, id);
+      slot.stage.enter(Stage::Fetch);
       Result r;
       r.key = job.key;
       r.batch = job.batch;
@@ -197,17 +200,19 @@ struct Engine::State {
           r.payload = producer.produce(job, ctx);
           if (!r.payload) {
             if (epoch.cancelled.load(std::memory_order_relaxed)) {
-              slot.stage.store(Stage::Idle);
+              slot.stage.enter(Stage::Idle);
+              slot.stage.trace(nullptr, -1, id);
               continue;
             }
             r.end = true;
           }
         } catch (...) {
           r.error = wrap_current_exception(id, job.batch, opt.streaming ? ctx.stream_indices : job.indices,
-                                           slot.stage.load(), ctx.current_sample, opt.streaming);
+                                           slot.stage.current(), ctx.current_sample, opt.streaming);
         }
       }
-      slot.stage.store(Stage::Idle, std::memory_order_relaxed);
+      slot.stage.enter(Stage::Idle);
+      slot.stage.trace(nullptr, -1, id);
       epoch.results.push(std::move(r));
     }
   }
@@ -277,7 +282,7 @@ struct Engine::State {
     const std::int64_t now = now_ns();
     for (int w = 0; w < W; ++w) {
       const WorkerSlot& s = slots[static_cast<std::size_t>(w)];
-      const Stage st = s.stage.load();
+      const Stage st = s.stage.current();
       os << " worker " << w << " ";
       if (st == Stage::Idle) os << "idle";
       else
@@ -299,17 +304,19 @@ struct Engine::State {
     }
     WorkerInfo info{0, 1, opt.seed, ep->epoch};
     JobContext ctx(info, inline_stage, ep->cancelled, ep->streams[0]);
-    inline_stage.store(Stage::Fetch);
+    inline_stage.trace(opt.trace, job.batch, TraceRecorder::kInlineTrack);
+    inline_stage.enter(Stage::Fetch);
     ++delivered;
     Payload p;
     try {
       p = producer.produce(job, ctx);
     } catch (...) {
-      const Stage st = inline_stage.exchange(Stage::Idle);
+      const Stage st = inline_stage.enter(Stage::Idle);
       std::rethrow_exception(wrap_current_exception(-1, job.batch, opt.streaming ? ctx.stream_indices : job.indices,
                                                     st, ctx.current_sample, opt.streaming));
     }
-    inline_stage.store(Stage::Idle);
+    inline_stage.enter(Stage::Idle);
+    inline_stage.trace(nullptr, -1, TraceRecorder::kInlineTrack);
     if (!p) inline_done = true;
     return p;
   }
@@ -356,6 +363,14 @@ Engine::Engine(EngineOptions options, Producer& producer) : state_(std::make_uni
 }
 
 Engine::~Engine() { shutdown(); }
+
+std::int64_t Engine::stage_ns(Stage stage) const noexcept {
+  const State& s = *state_;
+  std::int64_t total = s.inline_stage.total_ns(stage);
+  if (s.slots)
+    for (int w = 0; w < s.W; ++w) total += s.slots[static_cast<std::size_t>(w)].stage.total_ns(stage);
+  return total;
+}
 
 void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan) {
   State& s = *state_;

@@ -11,6 +11,8 @@
 #include "ferry/core/parallel.h"
 #include "ferry/core/random.h"
 #include "ferry/core/sampler.h"
+#include "ferry/core/stats.h"
+#include "ferry/core/trace.h"
 #include "ferry/core/tensor.h"
 #include "ferry/loaders/idx.h"
 #include "ferry/loaders/image.h"

@@ -27,6 +27,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <cstdint>
 #include <functional>
@@ -46,6 +47,8 @@
 #include "ferry/core/error.h"
 #include "ferry/core/parallel.h"
 #include "ferry/core/sampler.h"
+#include "ferry/core/stats.h"
+#include "ferry/core/trace.h"
 #include "ferry/detail/engine.h"
 #include "ferry/detail/pin_stage.h"
 #include "ferry/pinning/cuda.h"
@@ -116,6 +119,9 @@ struct DataLoaderOptions {
   int intra_batch_threads = 1;
   /// Where batch buffers come from; null means pageable host memory.
   std::shared_ptr<BatchAllocator> allocator;
+  /// Records per-batch timelines (which thread, which stage, which pinned block) for a Chrome
+  /// trace; see ferry/core/trace.h. Null: no tracing.
+  std::shared_ptr<TraceRecorder> trace;
 };
 
 namespace detail {
@@ -272,6 +278,11 @@ class DataLoader {
   const std::shared_ptr<PinnedPool>& pinned_pool() const noexcept { return state_->pinned_pool; }
   /// The device stage (its streams and statistics), or null without `device`.
   const DeviceStage* device_stage() const noexcept { return state_->device_stage.get(); }
+  /// Where the loader's time went since the first begin() or reset_stats(): per-stage seconds,
+  /// how busy each stage was, and the bottleneck (ferry/core/stats.h).
+  LoaderStats stats() const { return state_->stats(); }
+  /// Starts the statistics afresh (e.g. after a warm-up epoch).
+  void reset_stats() { state_->reset_stats(); }
   /// The stream device batches are ordered on: launch work on it (null without `device`).
   const cuda::Stream* stream() const noexcept {
     return state_->device_stage ? &state_->device_stage->consumer_stream() : nullptr;
@@ -287,8 +298,12 @@ class DataLoader {
           pool(make_intra_pool(opt)),
           allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
           engine(detail::EngineOptions{opt.num_workers, opt.prefetch_factor, opt.in_order, opt.persistent_workers,
-                                       kStreaming, opt.timeout, opt.seed},
+                                       kStreaming, opt.timeout, opt.seed, opt.trace.get()},
                  *this) {
+      if (opt.trace) {
+        opt.trace->name_track(TraceRecorder::kConsumerTrack, "consumer");
+        opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (num_workers = 0)");
+      }
       if (opt.device) {
         if (!cuda::available())
           throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
@@ -312,8 +327,64 @@ class DataLoader {
       engine.shutdown();
     }
 
-    // The next batch for the consumer, from the last stage there is.
+    // The next batch for the consumer, timing the wait (stats, trace).
     detail::Payload next_payload() {
+      const std::int64_t t0 = now_ns();
+      if (!stats_origin_ns) stats_origin_ns = t0;
+      TraceRecorder* trace = opt.trace.get();
+      const std::int64_t batch = epoch_delivered;
+      if (trace && last_delivered_ns && trace->wants(batch - 1))
+        trace->span(TraceRecorder::kConsumerTrack, "consumer holds batch", batch - 1, last_delivered_ns, t0);
+      struct Timer {
+        State& s;
+        std::int64_t t0, batch;
+        ~Timer() {
+          const std::int64_t t1 = now_ns();
+          s.wait_ns += t1 - t0;
+          s.last_delivered_ns = t1;
+          if (s.opt.trace && s.opt.trace->wants(batch)) {
+            try {
+              s.opt.trace->span(TraceRecorder::kConsumerTrack, "wait for batch", batch, t0, t1);
+            } catch (...) {
+            }
+          }
+        }
+      } timer{*this, t0, batch};
+      ++epoch_delivered;  // a failed batch takes its position too
+      detail::Payload p = last_stage_next();
+      if (p) ++delivered_batches;
+      else last_delivered_ns = 0;
+      return p;
+    }
+
+    LoaderStats stats() const {
+      LoaderStats s;
+      s.wall_seconds = stats_origin_ns ? static_cast<double>(now_ns() - stats_origin_ns) / 1e9 : 0.0;
+      s.batches = delivered_batches;
+      s.workers = std::max(opt.num_workers, 1);
+      auto secs = [&](Stage st) { return static_cast<double>(engine.stage_ns(st) - base.stage_ns[static_cast<std::size_t>(st)]) / 1e9; };
+      s.fetch_seconds = secs(Stage::Fetch);
+      s.transform_seconds = secs(Stage::Transform);
+      s.collate_seconds = secs(Stage::Collate);
+      s.pinning = pin_stage != nullptr;
+      s.device = device_stage != nullptr;
+      if (pin_stage) s.pin_seconds = static_cast<double>(pin_stage->pin_ns() - base.pin_ns) / 1e9;
+      if (device_stage) s.copy_seconds = (device_stage->stats().copy_ms - base.copy_ms) / 1e3;
+      s.wait_seconds = static_cast<double>(wait_ns - base.wait_ns) / 1e9;
+      return s;
+    }
+
+    void reset_stats() {
+      for (std::size_t k = 0; k < kStageCount; ++k) base.stage_ns[k] = engine.stage_ns(static_cast<Stage>(k));
+      base.pin_ns = pin_stage ? pin_stage->pin_ns() : 0;
+      base.copy_ms = device_stage ? device_stage->stats().copy_ms : 0;
+      base.wait_ns = wait_ns;
+      delivered_batches = 0;
+      stats_origin_ns = now_ns();
+    }
+
+    // The next batch for the consumer, from the last stage there is.
+    detail::Payload last_stage_next() {
       if (!pin_stage) return engine.next();
       if (!device_stage) return pin_stage->next();
       // Issue the copies of up to device_prefetch batches ahead, so batch i+1 transfers while
@@ -345,6 +416,8 @@ class DataLoader {
     }
 
     void end_epoch() noexcept {
+      epoch_delivered = 0;
+      last_delivered_ns = 0;
       device_queue.clear();
       if (pin_stage) pin_stage->stop();
       engine.end_epoch();
@@ -399,10 +472,17 @@ class DataLoader {
           collate_pool = std::make_shared<PinnedPool>(po);
           allocator = collate_pool.get();
         }
-        pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p) {
+        pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p, std::int64_t batch) {
+          const std::int64_t t0 = opt.trace ? now_ns() : 0;
           PinContext ctx(*pin_blocks, pin_copy_pool.get());
           walk(p.template get<Batch>(), ctx);
-        }, opt.pin_depth, opt.timeout);
+          if (opt.trace && opt.trace->wants(batch)) {
+            char args[96];
+            std::snprintf(args, sizeof args, "\"block\":\"%p\",\"bytes\":%zu", ctx.block(), ctx.bytes_copied());
+            opt.trace->span(TraceRecorder::kPinTrack, ctx.bytes_copied() ? "pin (copy)" : "pin (already pinned)", batch, t0,
+                            now_ns(), args);
+          }
+        }, opt.pin_depth, opt.timeout, opt.trace.get());
       }
     }
 
@@ -465,7 +545,7 @@ class DataLoader {
         }
         ctx.current_sample.reset();
         if (ctx.cancelled()) return {};
-        ctx.stage.store(Stage::Collate, std::memory_order_relaxed);
+        ctx.stage.enter(Stage::Collate);
         return detail::Payload::make(collate_samples(std::move(samples), idx));
       }
     }
@@ -476,12 +556,12 @@ class DataLoader {
     template <class Fn>
     bool for_each_sample(std::span<const std::size_t> idx, detail::JobContext& ctx, Fn&& fn) {
       const std::uint64_t epoch = ctx.worker.epoch;
-      ctx.stage.store(Stage::Fetch, std::memory_order_relaxed);
+      ctx.stage.enter(Stage::Fetch);
       if (!pool || idx.size() < 2) {
         for (std::size_t r = 0; r < idx.size(); ++r) {
           if (ctx.cancelled()) return false;
           ctx.current_sample = idx[r];
-          ctx.stage.store(Stage::Fetch, std::memory_order_relaxed);
+          ctx.stage.enter(Stage::Fetch);
           SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, &ctx.stage);
           fn(r, sc);
         }
@@ -496,7 +576,8 @@ class DataLoader {
       pool->run(idx.size(), [&](std::size_t begin, std::size_t end) {
         for (std::size_t r = begin; r < end; ++r) {
           if (ctx.cancelled() || failed.load(std::memory_order_relaxed)) return;
-          SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, &ctx.stage);
+          // No stage meter: it belongs to the worker thread, which waits here in 'fetch'.
+          SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, nullptr);
           try {
             fn(r, sc);
           } catch (...) {
@@ -540,7 +621,7 @@ class DataLoader {
           ctx.stream_indices = st.positions;
         }
         if (samples.empty() || (opt.drop_last && samples.size() < opt.batch_size)) return {};
-        ctx.stage.store(Stage::Collate, std::memory_order_relaxed);
+        ctx.stage.enter(Stage::Collate);
         return detail::Payload::make(collate_samples(std::move(samples), st.positions));
       } else {
         (void)ctx;
@@ -565,6 +646,14 @@ class DataLoader {
     std::shared_ptr<PinnedPool> pinned_pool;
     std::shared_ptr<PinnedPool> collate_pool;  // copy mode: recycled pageable batch buffers
     std::unique_ptr<detail::DepthCheckedAllocator> pin_blocks, direct_blocks;
+    // Statistics and tracing (consumer thread).
+    std::int64_t stats_origin_ns = 0, wait_ns = 0, last_delivered_ns = 0, epoch_delivered = 0;
+    std::uint64_t delivered_batches = 0;
+    struct {
+      std::int64_t stage_ns[kStageCount] = {};
+      std::int64_t pin_ns = 0, wait_ns = 0;
+      double copy_ms = 0;
+    } base;
     std::unique_ptr<ParallelFor> pin_copy_pool;
     std::uint64_t next_epoch = 0;
     detail::Engine engine;  // built after, and shut down before, everything it calls into

@@ -68,13 +68,44 @@ std::pair<std::size_t, std::size_t> shard_range(std::size_t n, int id, int count
 
 /// The stage a worker is in; named in TimeoutError and WorkerError messages.
 enum class Stage : std::uint8_t { Idle, Fetch, Transform, Collate, WorkerInit, Pin, Copy };
+inline constexpr std::size_t kStageCount = 7;
 const char* stage_name(Stage stage) noexcept;
+
+class TraceRecorder;
+
+/// What one loader thread is doing, and how long it has spent in each stage (loader.stats()).
+/// Written by its owning thread only (enter); read from any thread.
+class StageMeter {
+ public:
+  /// Moves to stage `s`, charging the time since the last change to the previous stage; returns it.
+  Stage enter(Stage s) noexcept;
+  Stage current() const noexcept { return stage_.load(std::memory_order_relaxed); }
+  /// Nanoseconds spent in stage `s` so far (closed intervals only).
+  std::int64_t total_ns(Stage s) const noexcept {
+    return total_ns_[static_cast<std::size_t>(s)].load(std::memory_order_relaxed);
+  }
+  /// Time intervals of batch `batch` go to `trace` (when non-null and it wants that batch).
+  void trace(TraceRecorder* trace, std::int64_t batch, int track) noexcept {
+    span_since_ns_ = since_ns_;
+    trace_ = trace;
+    batch_ = batch;
+    track_ = track;
+  }
+
+ private:
+  std::atomic<Stage> stage_{Stage::Idle};
+  std::int64_t since_ns_ = 0, span_since_ns_ = 0;
+  std::atomic<std::int64_t> total_ns_[kStageCount] = {};
+  TraceRecorder* trace_ = nullptr;
+  std::int64_t batch_ = -1;
+  int track_ = 0;
+};
 
 /// Per-sample context handed to get() and to transforms.
 class SampleContext {
  public:
   SampleContext(std::size_t index, std::uint64_t seed, std::uint64_t epoch, const WorkerInfo& worker,
-                std::atomic<Stage>* stage = nullptr) noexcept
+                StageMeter* stage = nullptr) noexcept
       : index_(index), seed_(seed), epoch_(epoch), worker_(worker), stage_(stage) {}
   /// The sample's index as the sampler produced it.
   std::size_t index() const noexcept { return index_; }
@@ -88,14 +119,14 @@ class SampleContext {
   /// Marks the stage this thread is in (for error and timeout messages); returns the previous one.
   Stage enter(Stage s) noexcept {
     if (!stage_) return Stage::Idle;
-    return stage_->exchange(s, std::memory_order_relaxed);
+    return stage_->enter(s);
   }
 
  private:
   std::size_t index_;
   std::uint64_t seed_, epoch_;
   const WorkerInfo& worker_;
-  std::atomic<Stage>* stage_;
+  StageMeter* stage_;
   std::optional<Generator> rng_;
 };
 

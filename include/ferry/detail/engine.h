@@ -34,6 +34,7 @@
 
 #include "ferry/core/dataset.h"
 #include "ferry/core/sampler.h"
+#include "ferry/core/trace.h"
 
 namespace ferry::detail {
 
@@ -67,11 +68,11 @@ struct Job {
 /// What a worker hands the producer along with a job.
 class JobContext {
  public:
-  JobContext(const WorkerInfo& worker, std::atomic<Stage>& stage, const std::atomic<bool>& cancelled,
+  JobContext(const WorkerInfo& worker, StageMeter& stage, const std::atomic<bool>& cancelled,
              std::shared_ptr<void>& stream)
       : worker(worker), stage(stage), stream(stream), cancelled_(cancelled) {}
   const WorkerInfo& worker;
-  std::atomic<Stage>& stage;
+  StageMeter& stage;
   /// True once the epoch is being torn down: return an empty Payload promptly.
   bool cancelled() const noexcept { return cancelled_.load(std::memory_order_relaxed); }
   /// Per-worker, per-epoch state (the worker's open stream); starts empty each epoch.
@@ -104,6 +105,7 @@ struct EngineOptions {
   bool streaming = false;
   std::chrono::milliseconds timeout{0};
   std::uint64_t seed = 0;
+  TraceRecorder* trace = nullptr;  ///< per-batch timelines (may be null)
 };
 
 /// The engine of one DataLoader: worker threads, task and result queues, reorder window.
@@ -130,6 +132,9 @@ class Engine {
   /// next() runs; the owner calls end_epoch() after that thread is done with the engine.
   void interrupt() noexcept;
   bool epoch_live() const noexcept;
+  /// Nanoseconds the workers (or, with no workers, the thread producing inline) have spent in
+  /// `stage`, summed over threads, since the engine started.
+  std::int64_t stage_ns(Stage stage) const noexcept;
 
   struct State;
 

@@ -17,9 +17,10 @@ namespace ferry::detail {
 
 class PinStage {
  public:
-  using PinFn = std::function<void(Payload&)>;
-  /// `engine` must outlive the stage; `pin` runs on the pin thread.
-  PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout);
+  /// Pins batch number `batch` (its position in the epoch) in place.
+  using PinFn = std::function<void(Payload&, std::int64_t batch)>;
+  /// `engine` must outlive the stage; `pin` runs on the pin thread; `trace` may be null.
+  PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout, TraceRecorder* trace = nullptr);
   ~PinStage();
   PinStage(const PinStage&) = delete;
   PinStage& operator=(const PinStage&) = delete;
@@ -30,6 +31,8 @@ class PinStage {
   Payload next();
   /// Stops and joins the pin thread (idempotent).
   void stop() noexcept;
+  /// Nanoseconds the pin thread has spent pinning, over all epochs.
+  std::int64_t pin_ns() const noexcept;
 
   struct State;
 

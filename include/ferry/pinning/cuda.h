@@ -78,11 +78,13 @@ class Stream {
   bool owned_ = false;
 };
 
-/// An owned CUDA event created without timing (cheapest to record and query).
+/// An owned CUDA event, created without timing (cheapest to record and query) unless asked.
 class Event {
  public:
   Event() = default;
-  static Event create(int device);
+  static Event create(int device, bool timing = false);
+  /// Milliseconds between two completed timing events (cudaEventElapsedTime).
+  static double elapsed_ms(const Event& start, const Event& end);
   Event(Event&&) noexcept;
   Event& operator=(Event&&) noexcept;
   ~Event();

@@ -47,6 +47,7 @@ struct DeviceStageStats {
   std::uint64_t copies = 0;              ///< cudaMemcpyAsync calls
   std::uint64_t bytes = 0;
   std::uint64_t device_allocations = 0;  ///< cudaMalloc calls (constant after warm-up)
+  double copy_ms = 0;                    ///< GPU time of the copies completed so far (timing events)
 };
 
 class DeviceStage {

@@ -60,6 +60,8 @@ class PinContext {
   void abort() noexcept;
   /// Bytes copied into pinned memory by this context so far (not counting pass-through).
   std::size_t bytes_copied() const noexcept { return copied_; }
+  /// The pinned block the last batch was copied into (null if nothing was copied).
+  const void* block() const noexcept { return last_block_; }
   /// Device mode: the completion event of the last batch's copies.
   const std::shared_ptr<const EventFence>& device_copy() const noexcept { return device_copy_; }
 
@@ -71,6 +73,7 @@ class PinContext {
   bool measuring_ = false;
   std::size_t need_ = 0, used_ = 0, copied_ = 0;
   Storage block_;
+  const void* last_block_ = nullptr;
 };
 
 /// How a type is pinned. Specialize for types you cannot give a pin_memory member.

@@ -1,0 +1,50 @@
+// ferry/core/stats.h — where a loader's time goes (DataLoader::stats()).
+//
+// Every loader thread charges its time to the stage it is in (StageMeter), so the numbers are
+// measured, not sampled: thread-seconds in fetch, transform and collate summed over the workers,
+// the pin thread's copying, the GPU time of the host-to-device copies (CUDA timing events on the
+// copy stream), and the time the consumer spent blocked in the loader waiting for its next batch.
+// Dividing each by the capacity of its stage (workers x wall time for the workers, wall time for
+// the pin thread, the copy engine and the consumer) gives how busy it was; the busiest one is the
+// bottleneck. When the consumer almost never waits, the loader keeps up and the consumer's own
+// work (the training step) is what limits throughput.
+//
+//   ferry::LoaderStats s = loader.stats();
+//   std::cout << s.report();   // batches/s, per-stage seconds and busy fractions, bottleneck
+//
+// With intra_batch_threads > 1 a transform runs on the intra-batch pool and its time is counted
+// in fetch (the worker waits for the pool in that stage).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace ferry {
+
+struct LoaderStats {
+  double wall_seconds = 0;         ///< since the first begin() (or reset_stats())
+  std::uint64_t batches = 0;       ///< delivered to the consumer
+  int workers = 0;                 ///< threads producing batches (num_workers, or 1 inline)
+  double fetch_seconds = 0;        ///< summed over worker threads
+  double transform_seconds = 0;    ///< summed over worker threads (MappedDataset transforms)
+  double collate_seconds = 0;      ///< summed over worker threads
+  double pin_seconds = 0;          ///< the pin thread copying batches into pinned memory
+  double copy_seconds = 0;         ///< GPU time of the host-to-device copies
+  double wait_seconds = 0;         ///< the consumer blocked in the loader for its next batch
+  bool pinning = false;            ///< whether a pin thread ran
+  bool device = false;             ///< whether a device stage ran
+
+  double batches_per_second() const noexcept { return wall_seconds > 0 ? batches / wall_seconds : 0; }
+  /// Busy fractions (0..1) of each stage's capacity.
+  double workers_busy() const noexcept;
+  double pin_busy() const noexcept;
+  double copy_busy() const noexcept;
+  double consumer_busy() const noexcept;
+  /// "consumer" when the consumer waited under 5% of the time (the loader keeps up), else the
+  /// busiest of "workers", "pin" and "copy".
+  std::string bottleneck() const;
+  /// A human-readable table of the above.
+  std::string report() const;
+};
+
+}  // namespace ferry

@@ -1,0 +1,62 @@
+// Loader statistics: see include/ferry/core/stats.h.
+#include "ferry/core/stats.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace ferry {
+
+namespace {
+double fraction(double part, double whole) { return whole > 0 ? std::clamp(part / whole, 0.0, 1.0) : 0.0; }
+}  // namespace
+
+double LoaderStats::workers_busy() const noexcept {
+  return fraction(fetch_seconds + transform_seconds + collate_seconds, wall_seconds * std::max(workers, 1));
+}
+double LoaderStats::pin_busy() const noexcept { return fraction(pin_seconds, wall_seconds); }
+double LoaderStats::copy_busy() const noexcept { return fraction(copy_seconds, wall_seconds); }
+double LoaderStats::consumer_busy() const noexcept { return wall_seconds > 0 ? 1.0 - fraction(wait_seconds, wall_seconds) : 0.0; }
+
+std::string LoaderStats::bottleneck() const {
+  if (wall_seconds <= 0 || batches == 0) return "none";
+  if (consumer_busy() >= 0.95) return "consumer";
+  std::string name = "workers";
+  double busiest = workers_busy();
+  if (pinning && pin_busy() > busiest) {
+    name = "pin";
+    busiest = pin_busy();
+  }
+  if (device && copy_busy() > busiest) name = "copy";
+  return name;
+}
+
+std::string LoaderStats::report() const {
+  char line[160];
+  std::string out;
+  std::snprintf(line, sizeof line, "%llu batches in %.3f s: %.1f batches/s\n", static_cast<unsigned long long>(batches),
+                wall_seconds, batches_per_second());
+  out += line;
+  out += "stage        thread-s    busy  capacity\n";
+  auto row = [&](const char* name, double seconds, double busy, const char* capacity) {
+    std::snprintf(line, sizeof line, "%-10s %10.3f  %5.1f%%  %s\n", name, seconds, 100 * busy, capacity);
+    out += line;
+  };
+  char workers_cap[48];
+  std::snprintf(workers_cap, sizeof workers_cap, "%d worker thread%s", std::max(workers, 1), workers == 1 ? "" : "s");
+  const double wcap = wall_seconds * std::max(workers, 1);
+  row("fetch", fetch_seconds, fraction(fetch_seconds, wcap), workers_cap);
+  row("transform", transform_seconds, fraction(transform_seconds, wcap), workers_cap);
+  row("collate", collate_seconds, fraction(collate_seconds, wcap), workers_cap);
+  if (pinning) row("pin", pin_seconds, pin_busy(), "the pin thread");
+  if (device) row("copy", copy_seconds, copy_busy(), "the GPU copy engine");
+  row("wait", wait_seconds, fraction(wait_seconds, wall_seconds), "the consumer, waiting for data");
+  const std::string b = bottleneck();
+  if (b == "consumer")
+    out += "bottleneck: the consumer (it waited for data " + std::to_string(static_cast<int>(100 * (1 - consumer_busy()) + 0.5)) +
+           "% of the time; the loader keeps up)\n";
+  else
+    out += "bottleneck: " + b + "\n";
+  return out;
+}
+
+}  // namespace ferry
