@@ -1,0 +1,430 @@
+// ferry — the command-line tool: bench, tune and trace any dataset ferry can load.
+//
+//   ferry bench synthetic -c n=20000,shape=3x224x224 --batch-size 256 --workers 4 --pin
+//   ferry bench idx -c images=/usr/share/.../train-images-idx3-ubyte.gz,labels=... --json
+//   ferry bench ramp --plugin build/examples/plugin/libferry_ramp_plugin.so -c n=100000
+//   ferry bench tar -c dir=shards/,size=224 --workers 8
+//   ferry tune synthetic -c n=20000 --batch-size 256 --pin --cpus 8
+//   ferry trace image_folder -c root=photos --workers 4 --pin --batches 20 -o trace.json
+//
+// Datasets come from the registry (ferry/loaders/registry.h: idx, npy, image_folder, synthetic,
+// and whatever --plugin libraries register), plus "tar" (WebDataset shards read as a stream:
+// dir=<folder of .tar> or shards=a.tar:b.tar, size=224, random_crop=0|1). Every batch is a
+// std::vector<Tensor>; its first tensor's first dimension counts the samples.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/ferry.h"
+
+namespace {
+
+using ferry::DataLoaderOptions;
+using ferry::Tensor;
+using Clock = std::chrono::steady_clock;
+
+// The loader options the tool exposes, with PyTorch's names where there is one.
+struct Flags {
+  std::string dataset;
+  std::string config;
+  std::vector<std::string> plugins;
+  std::size_t batch_size = 256;
+  int workers = 4;
+  int prefetch = 2;
+  bool pin = false;
+  std::string pin_mode = "direct";
+  int pin_threads = 4;
+  int device = -1;
+  int intra = 1;
+  bool shuffle = true;
+  bool drop_last = false;
+  std::uint64_t seed = 0;
+  std::size_t batches = 0;  // 0: whole epochs
+  int epochs = 1;
+  double consumer_ms = 0;   // simulated training step per batch
+
+  DataLoaderOptions options() const {
+    DataLoaderOptions o;
+    o.batch_size = batch_size;
+    o.num_workers = workers;
+    o.prefetch_factor = prefetch;
+    o.pin_memory = pin || device >= 0;
+    if (pin_mode != "copy" && pin_mode != "direct")
+      throw ferry::Error("--pin-mode must be 'copy' or 'direct', got '" + pin_mode + "'");
+    o.pin_mode = pin_mode == "copy" ? DataLoaderOptions::PinMode::Copy : DataLoaderOptions::PinMode::Direct;
+    o.pin_threads = pin_threads;
+    if (device >= 0) o.device = device;
+    o.intra_batch_threads = intra;
+    o.shuffle = shuffle;
+    o.drop_last = drop_last;
+    o.seed = seed;
+    return o;
+  }
+};
+
+void add_loader_flags(CLI::App& app, Flags& f) {
+  app.add_option("dataset", f.dataset, "dataset name: idx, npy, image_folder, synthetic, tar, or one a plugin registers")
+      ->required();
+  app.add_option("-c,--config", f.config, "dataset options, key=value,key=value (see `ferry list`)");
+  app.add_option("--plugin", f.plugins, "load a dataset plugin library first (repeatable)");
+  app.add_option("-b,--batch-size", f.batch_size, "samples per batch")->check(CLI::PositiveNumber);
+  app.add_option("-w,--workers", f.workers, "num_workers (0: batches made on the consumer thread)")->check(CLI::NonNegativeNumber);
+  app.add_option("--prefetch", f.prefetch, "prefetch_factor: batches in flight per worker")->check(CLI::PositiveNumber);
+  app.add_flag("--pin", f.pin, "pin_memory: deliver batches in pinned memory");
+  app.add_option("--pin-mode", f.pin_mode, "copy or direct")->check(CLI::IsMember({"copy", "direct"}));
+  app.add_option("--pin-threads", f.pin_threads, "threads copying one batch into pinned memory")->check(CLI::PositiveNumber);
+  app.add_option("--device", f.device, "deliver batches on CUDA device N (implies --pin)");
+  app.add_option("--intra-threads", f.intra, "intra_batch_threads: threads per batch")->check(CLI::PositiveNumber);
+  app.add_option("--shuffle", f.shuffle, "shuffle (map-style datasets)");
+  app.add_flag("--drop-last", f.drop_last, "drop a last, smaller batch");
+  app.add_option("--seed", f.seed, "seed of the shuffle and the augmentations");
+  app.add_option("-n,--batches", f.batches, "stop after this many batches (0: whole epochs)");
+  app.add_option("--epochs", f.epochs, "epochs to run when --batches is 0")->check(CLI::PositiveNumber);
+  app.add_option("--consumer-ms", f.consumer_ms, "simulated work per batch on the consumer, in ms (a training step)")
+      ->check(CLI::NonNegativeNumber);
+}
+
+// --- datasets -----------------------------------------------------------------------------------
+
+std::vector<std::string> tar_shards(const ferry::DatasetConfig& c) {
+  std::vector<std::string> shards;
+  if (c.has("dir")) {
+    const std::string dir = c.str("dir");
+    if (!std::filesystem::is_directory(dir)) throw ferry::Error("dataset 'tar': dir '" + dir + "' is not a directory");
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      if (e.path().extension() == ".tar") shards.push_back(e.path().string());
+    std::sort(shards.begin(), shards.end());
+    if (shards.empty()) throw ferry::Error("dataset 'tar': no .tar files in '" + dir + "'");
+  } else {
+    const std::string list = c.str("shards");
+    std::size_t start = 0;
+    while (start <= list.size()) {
+      const std::size_t end = std::min(list.find(':', start), list.size());
+      if (end > start) shards.push_back(list.substr(start, end - start));
+      start = end + 1;
+    }
+  }
+  return shards;
+}
+
+// A tar-shard stream of {image, label} as std::vector<Tensor>, like the registry's datasets.
+auto make_tar(const std::string& config) {
+  ferry::DatasetConfig c("tar", config);
+  ferry::TarImageOptions o;
+  const auto size = static_cast<int>(c.integer("size", 224));
+  if (c.integer("random_crop", 0)) o.transform.random_resized_crop(size, size).horizontal_flip();
+  else o.transform.resize_shorter(size).center_crop(size, size);
+  o.channels = static_cast<int>(c.integer("channels", 3));
+  ferry::TarShardsOptions so;
+  so.shuffle = c.integer("shuffle", 1) != 0;
+  ferry::TarShards shards(tar_shards(c), so);
+  c.finish();
+  return shards.map([o](const ferry::TarRecord& r, ferry::SampleContext& ctx) {
+    ferry::LabeledSample s = ferry::decode_labeled_image(r, o, ctx.rng());
+    return std::vector<Tensor>{std::move(s.image), Tensor::scalar(s.label)};
+  });
+}
+
+// Calls fn(loader) with a loader over the named dataset.
+template <class Fn>
+auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
+  auto& registry = ferry::DatasetRegistry::global();
+  for (const auto& p : f.plugins) registry.load_plugin(p);
+  if (f.dataset == "tar") {
+    DataLoaderOptions so = o;
+    so.shuffle = false;  // a stream: the shard order is shuffled by the dataset
+    ferry::DataLoader loader(make_tar(f.config), so);
+    return fn(loader);
+  }
+  ferry::DataLoader loader(registry.create(f.dataset, f.config), o);
+  return fn(loader);
+}
+
+// --- running ------------------------------------------------------------------------------------
+
+struct Run {
+  ferry::LoaderStats stats;
+  std::uint64_t samples = 0, bytes = 0, errors = 0;
+  double seconds = 0;
+  std::string first_error;
+  double samples_per_second() const { return seconds > 0 ? samples / seconds : 0; }
+  double mb_per_second() const { return seconds > 0 ? bytes / seconds / 1e6 : 0; }
+};
+
+// Iterates the loader (f.batches batches, or f.epochs epochs); a progress line on stderr when
+// `progress`. Bad samples (DataError) are counted and skipped, as a training loop would.
+template <class Loader>
+Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup = 0) {
+  Run r;
+  auto t0 = Clock::now();
+  auto last_print = t0;
+  std::size_t seen = 0;
+  bool warm = warmup == 0;
+  auto print = [&](bool final) {
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    std::fprintf(stderr, "\r%8llu batches  %9.1f batches/s  %11.0f samples/s  %9.1f MB/s%s",
+                 static_cast<unsigned long long>(seen), seen / std::max(s, 1e-9),
+                 r.samples / std::max(s, 1e-9), r.bytes / std::max(s, 1e-9) / 1e6, final ? "\n" : "");
+    std::fflush(stderr);
+  };
+  for (int epoch = 0; f.batches > 0 || epoch < f.epochs; ++epoch) {
+    bool any = false;
+    auto it = loader.begin();
+    for (;;) {
+      try {
+        if (it == loader.end()) break;
+        std::vector<Tensor>& b = *it;
+        any = true;
+        if (!warm && ++seen >= warmup) {
+          warm = true;
+          seen = 0;
+          loader.reset_stats();
+          t0 = Clock::now();
+          r = Run{};
+        } else if (warm) {
+          ++seen;
+          if (!b.empty() && b[0].dim() > 0) r.samples += static_cast<std::uint64_t>(b[0].size(0));
+          for (const Tensor& t : b) r.bytes += t.nbytes();
+        }
+        if (f.consumer_ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(f.consumer_ms));
+      } catch (const ferry::DataError& e) {
+        ++r.errors;
+        if (r.first_error.empty()) r.first_error = e.what();
+      }
+      ++it;
+      if (progress && Clock::now() - last_print > std::chrono::milliseconds(250)) {
+        last_print = Clock::now();
+        print(false);
+      }
+      if (f.batches > 0 && warm && seen >= f.batches) break;
+    }
+    if (f.batches > 0 && warm && seen >= f.batches) break;
+    if (!any) throw ferry::Error("the dataset produced no batches (is it empty, or smaller than one batch with --drop-last?)");
+  }
+  r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.stats = loader.stats();
+  if (progress) print(true);
+  return r;
+}
+
+nlohmann::json to_json(const Run& r, const Flags& f) {
+  const auto& s = r.stats;
+  return {{"dataset", f.dataset},
+          {"config", f.config},
+          {"options",
+           {{"batch_size", f.batch_size}, {"num_workers", f.workers}, {"prefetch_factor", f.prefetch},
+            {"pin_memory", f.pin || f.device >= 0}, {"pin_mode", f.pin_mode}, {"pin_threads", f.pin_threads},
+            {"device", f.device}, {"intra_batch_threads", f.intra}}},
+          {"batches", s.batches},
+          {"samples", r.samples},
+          {"bytes", r.bytes},
+          {"seconds", r.seconds},
+          {"batches_per_second", s.batches / std::max(r.seconds, 1e-9)},
+          {"samples_per_second", r.samples_per_second()},
+          {"mb_per_second", r.mb_per_second()},
+          {"data_errors", r.errors},
+          {"stage_seconds",
+           {{"fetch", s.fetch_seconds}, {"transform", s.transform_seconds}, {"collate", s.collate_seconds},
+            {"pin", s.pin_seconds}, {"copy", s.copy_seconds}, {"consumer_wait", s.wait_seconds}}},
+          {"busy",
+           {{"workers", s.workers_busy()}, {"pin", s.pin_busy()}, {"copy", s.copy_busy()}, {"consumer", s.consumer_busy()}}},
+          {"bottleneck", s.bottleneck()}};
+}
+
+void print_report(const Run& r, const Flags& f) {
+  const std::string pin = !r.stats.pinning ? (f.pin ? "not pinned (no CUDA device)" : "not pinned")
+                                           : "pin " + f.pin_mode + (f.pin_mode == "copy" ? " (" + std::to_string(f.pin_threads) + " threads)" : "");
+  std::printf("dataset %s%s%s, batch %zu, %d workers, prefetch %d, %s%s\n", f.dataset.c_str(), f.config.empty() ? "" : " ",
+              f.config.c_str(), f.batch_size, f.workers, f.prefetch, pin.c_str(),
+              f.device >= 0 ? (", device cuda:" + std::to_string(f.device)).c_str() : "");
+  std::printf("%.1f batches/s, %.0f samples/s, %.1f MB/s over %.2f s\n", r.stats.batches / std::max(r.seconds, 1e-9),
+              r.samples_per_second(), r.mb_per_second(), r.seconds);
+  if (r.errors) std::printf("%llu bad samples skipped; the first: %s\n", static_cast<unsigned long long>(r.errors), r.first_error.c_str());
+  std::printf("%s", r.stats.report().c_str());
+}
+
+// --- tune ---------------------------------------------------------------------------------------
+
+struct Trial {
+  Flags flags;
+  double batches_per_second = 0;
+  std::string bottleneck;
+};
+
+int tune(Flags base, int cpus, double seconds_per_trial) {
+  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  if (cpus <= 0) cpus = hw;
+  // Threads a setting keeps busy: workers x intra-batch threads, plus the pin thread's copiers.
+  auto threads = [](const Flags& f) {
+    return std::max(f.workers, 1) * f.intra + ((f.pin || f.device >= 0) && f.pin_mode == "copy" ? f.pin_threads : 0);
+  };
+  std::vector<Trial> trials;
+  auto measure = [&](Flags f) -> double {
+    if (threads(f) > cpus) return -1;
+    for (const Trial& t : trials)
+      if (t.flags.workers == f.workers && t.flags.prefetch == f.prefetch && t.flags.pin_mode == f.pin_mode &&
+          t.flags.pin_threads == f.pin_threads && t.flags.intra == f.intra)
+        return t.batches_per_second;
+    // Enough batches for seconds_per_trial at the rate of a short first look.
+    f.batches = 8;
+    const Run probe = with_loader(f, f.options(), [&](auto& loader) { return run_loader(loader, f, false, 4); });
+    const double rate = probe.stats.batches / std::max(probe.seconds, 1e-9);
+    f.batches = std::max<std::size_t>(16, static_cast<std::size_t>(rate * seconds_per_trial));
+    const Run r = with_loader(f, f.options(), [&](auto& loader) { return run_loader(loader, f, false, 4); });
+    Trial t{f, r.stats.batches / std::max(r.seconds, 1e-9), r.stats.bottleneck()};
+    std::printf("  workers %2d  intra %d  prefetch %d  %-22s %9.1f batches/s  bottleneck %s\n", f.workers, f.intra, f.prefetch,
+                f.pin || f.device >= 0 ? ("pin " + f.pin_mode + (f.pin_mode == "copy" ? " x" + std::to_string(f.pin_threads) : "")).c_str() : "",
+                t.batches_per_second, t.bottleneck.c_str());
+    std::fflush(stdout);
+    trials.push_back(t);
+    return t.batches_per_second;
+  };
+  std::printf("tuning %s on %d of %d cpus, about %.1f s per trial\n", base.dataset.c_str(), cpus, hw, seconds_per_trial);
+  // 1. workers: 1, 2, 4, ... up to the budget (one thread per batch).
+  Flags best = base;
+  best.intra = 1;
+  best.pin_threads = 1;
+  double best_rate = -1;
+  for (int w = 1; w <= cpus; w *= 2) {
+    Flags f = best;
+    f.workers = w;
+    const double rate = measure(f);
+    if (rate > best_rate * 1.03) {
+      best_rate = rate;
+      best = f;
+    }
+  }
+  // 2. fewer workers, several threads each (large batches gather faster that way).
+  for (int intra : {2, 4, 8}) {
+    for (int w : {1, 2}) {
+      Flags f = best;
+      f.workers = w;
+      f.intra = intra;
+      const double rate = measure(f);
+      if (rate > best_rate * 1.03) {
+        best_rate = rate;
+        best = f;
+      }
+    }
+  }
+  // 3. prefetch depth.
+  for (int p : {4, 8}) {
+    Flags f = best;
+    f.prefetch = p;
+    const double rate = measure(f);
+    if (rate > best_rate * 1.03) {
+      best_rate = rate;
+      best = f;
+    }
+  }
+  // 4. pin mode and pin threads.
+  if (base.pin || base.device >= 0) {
+    for (const char* mode : {"direct", "copy"})
+      for (int pt : {1, 4, 8}) {
+        if (std::string(mode) == "direct" && pt != 1) continue;
+        Flags f = best;
+        f.pin_mode = mode;
+        f.pin_threads = pt;
+        const double rate = measure(f);
+        if (rate > best_rate * 1.03) {
+          best_rate = rate;
+          best = f;
+        }
+      }
+  }
+  if (best_rate <= 0) throw ferry::Error("tune: no setting fits in --cpus " + std::to_string(cpus));
+  std::printf("\nbest: %.1f batches/s (%d trials). Paste:\n\n", best_rate, static_cast<int>(trials.size()));
+  std::printf("  ferry::DataLoaderOptions options;\n");
+  std::printf("  options.batch_size = %zu;\n", best.batch_size);
+  std::printf("  options.num_workers = %d;\n", best.workers);
+  std::printf("  options.prefetch_factor = %d;\n", best.prefetch);
+  if (best.intra > 1) std::printf("  options.intra_batch_threads = %d;\n", best.intra);
+  if (best.pin || best.device >= 0) {
+    std::printf("  options.pin_memory = true;\n");
+    std::printf("  options.pin_mode = ferry::DataLoaderOptions::PinMode::%s;\n", best.pin_mode == "copy" ? "Copy" : "Direct");
+    if (best.pin_mode == "copy") std::printf("  options.pin_threads = %d;\n", best.pin_threads);
+  }
+  if (best.device >= 0) std::printf("  options.device = %d;\n", best.device);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"ferry: benchmark, tune and trace ferry data loaders"};
+  app.require_subcommand(1);
+
+  Flags bench_flags;
+  bool json = false;
+  auto* bench = app.add_subcommand("bench", "iterate a dataset and report throughput and where the time went");
+  add_loader_flags(*bench, bench_flags);
+  bench->add_flag("--json", json, "print the report as JSON on stdout (no progress line)");
+  std::size_t warmup = 4;
+  bench->add_option("--warmup", warmup, "batches run before measuring");
+
+  Flags tune_flags;
+  int cpus = 0;
+  double trial_seconds = 2.0;
+  auto* tune_cmd = app.add_subcommand("tune", "search workers, intra-batch threads, prefetch and pin settings for throughput");
+  add_loader_flags(*tune_cmd, tune_flags);
+  tune_cmd->add_option("--cpus", cpus, "CPU budget: threads the loader may keep busy (default: all)");
+  tune_cmd->add_option("--seconds", trial_seconds, "seconds per trial")->check(CLI::PositiveNumber);
+
+  Flags trace_flags;
+  std::string trace_out = "ferry-trace.json";
+  auto* trace_cmd = app.add_subcommand("trace", "write a Chrome trace of the first N batches (chrome://tracing, ui.perfetto.dev)");
+  add_loader_flags(*trace_cmd, trace_flags);
+  trace_cmd->add_option("-o,--out", trace_out, "output file");
+
+  auto* list = app.add_subcommand("list", "list the datasets and their options");
+  std::vector<std::string> list_plugins;
+  list->add_option("--plugin", list_plugins, "load a dataset plugin library first");
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (bench->parsed()) {
+      const Run r = with_loader(bench_flags, bench_flags.options(),
+                                [&](auto& loader) { return run_loader(loader, bench_flags, !json, warmup); });
+      if (json) std::cout << to_json(r, bench_flags).dump(2) << "\n";
+      else print_report(r, bench_flags);
+    } else if (tune_cmd->parsed()) {
+      return tune(tune_flags, cpus, trial_seconds);
+    } else if (trace_cmd->parsed()) {
+      Flags f = trace_flags;
+      if (f.batches == 0) f.batches = 20;
+      auto trace = std::make_shared<ferry::TraceRecorder>(static_cast<std::int64_t>(f.batches));
+      DataLoaderOptions o = f.options();
+      o.trace = trace;
+      const Run r = with_loader(f, o, [&](auto& loader) { return run_loader(loader, f, true, 0); });
+      std::ofstream out(trace_out);
+      if (!out) throw ferry::Error("trace: cannot write '" + trace_out + "'");
+      trace->write_chrome_json(out);
+      out.close();
+      if (!out) throw ferry::Error("trace: writing '" + trace_out + "' failed");
+      std::printf("%zu events of %llu batches written to %s (open in chrome://tracing or ui.perfetto.dev)\n", trace->events(),
+                  static_cast<unsigned long long>(r.stats.batches), trace_out.c_str());
+      std::printf("%s", r.stats.report().c_str());
+    } else if (list->parsed()) {
+      auto& registry = ferry::DatasetRegistry::global();
+      for (const auto& p : list_plugins) registry.load_plugin(p);
+      for (const auto& name : registry.names()) std::printf("%-14s %s\n", name.c_str(), registry.help(name).c_str());
+      std::printf("%-14s %s\n", "tar",
+                  "WebDataset shards as a stream: dir=<folder of .tar> or shards=a.tar:b.tar, size=224, random_crop=0|1, "
+                  "channels=3, shuffle=1");
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "\nferry: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
