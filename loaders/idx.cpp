@@ -166,7 +166,10 @@ LabeledSample IdxDataset::get(std::size_t i, SampleContext& ctx) const {
   if (i >= size_) throw Error("IdxDataset: index " + std::to_string(i) + " out of range for size " + std::to_string(size_));
   const Tensor img = images_.select(static_cast<std::int64_t>(i));
   if (options_.transform.empty()) return {img, label_at(labels_, i)};
-  return {options_.transform(img, ctx.rng()), label_at(labels_, i)};
+  const Stage prev = ctx.enter(Stage::Transform);
+  Tensor out = options_.transform(img, ctx.rng());
+  ctx.enter(prev);
+  return {std::move(out), label_at(labels_, i)};
 }
 
 LabeledBatch IdxDataset::make_batch(std::size_t rows, BatchAllocator& allocator) const {
@@ -180,7 +183,11 @@ void IdxDataset::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, S
   const Tensor img = images_.select(static_cast<std::int64_t>(i));
   const Tensor slot = batch.image.select(static_cast<std::int64_t>(row));
   if (options_.transform.empty()) std::memcpy(slot.raw(), img.raw(), img.nbytes());
-  else options_.transform.apply_into(img, slot, ctx.rng());
+  else {
+    const Stage prev = ctx.enter(Stage::Transform);
+    options_.transform.apply_into(img, slot, ctx.rng());
+    ctx.enter(prev);
+  }
   batch.label.data<std::int64_t>()[row] = label_at(labels_, i);
 }
 

@@ -1,0 +1,23 @@
+// The CUDA half of the demo's model, with a plain interface (no ferry or CUDA types) so that
+// mlp_gpu.cu compiles with nvcc alone. mlp_gpu_adapter.cpp wraps it as a demo::Mlp.
+#pragma once
+
+namespace demo::gpu {
+
+struct Config {
+  int in, hidden, classes;
+  float lr, momentum;
+  int device;
+  void* stream;  ///< cudaStream_t: every kernel and cuBLAS call goes there
+};
+struct Model;
+
+/// Throws std::runtime_error naming the CUDA or cuBLAS call that failed.
+Model* create(const Config& config, const float* w1, const float* b1, const float* w2, const float* b2);
+void destroy(Model* model) noexcept;
+/// One batch: x [B, in] float32 and y [B] int64, both on the device. learn: SGD step too.
+void step(Model* model, const float* x, const long long* y, int batch, bool learn);
+/// Sums since the last call (synchronizes the stream), then resets them.
+void take(Model* model, double* loss, long long* correct, long long* samples);
+
+}  // namespace demo::gpu
