@@ -38,6 +38,16 @@ Shape parse_shape(const DatasetConfig& c, const std::string& text) {
   return shape;
 }
 
+float parse_float(const DatasetConfig& c, const std::string& key, const std::string& text) {
+  try {
+    std::size_t used = 0;
+    const float v = std::stof(text, &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw Error("dataset '" + c.dataset() + "': option '" + key + "' must be a number, got '" + text + "'");
+}
+
 DType parse_dtype(const DatasetConfig& c, const std::string& name) {
   for (DType d : {DType::Bool, DType::UInt8, DType::Int8, DType::Int16, DType::Int32, DType::Int64, DType::Float16,
                   DType::BFloat16, DType::Float32, DType::Float64})
@@ -61,10 +71,16 @@ struct Synthetic {
 
 void add_builtins(DatasetRegistry& r) {
   r.add("idx", [](const DatasetConfig& c) {
-    IdxDataset d(c.str("images"), c.str("labels"));
+    IdxDatasetOptions o;
+    if (c.integer("flip", 0)) o.transform.horizontal_flip();
+    if (c.integer("float", 0) || c.has("mean") || c.has("std")) o.transform.to_float();
+    if (c.has("mean") || c.has("std"))
+      o.transform.normalize({parse_float(c, "mean", c.str("mean", "0"))}, {parse_float(c, "std", c.str("std", "1"))});
+    IdxDataset d(c.str("images"), c.str("labels"), std::move(o));
     c.finish();
     return DynamicDataset(ferry::map(std::move(d), labeled));
-  }, "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz)");
+  }, "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz), flip=0|1 (random "
+     "horizontal flip), float=0|1, mean=, std= (normalize; implies float)");
   r.add("npy", [](const DatasetConfig& c) {
     NpyDataset d(c.str("path"));
     c.finish();
