@@ -3,7 +3,7 @@
 
 (A) Fashion-MNIST train set in memory (uint8 28x28), per sample: random horizontal flip (p=0.5),
     to float in [0, 1], normalize (0.2860, 0.3530); batch 256, shuffled.
-(B) 60000 samples of 784 float32 in memory, no per-sample work; batch 256, shuffled.
+(B) 60000 rows of 784 float32 from one .npy file (in memory), no per-sample work; batch 256, shuffled.
 Each setting: one warm-up epoch, then the median samples/s of 3 epochs. Prints JSON lines.
 """
 import argparse
@@ -72,11 +72,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--workers", default="0,1,2")
+    ap.add_argument("--rows", required=True, help=".npy file of (B)'s rows")
     args = ap.parse_args()
     torch.manual_seed(0)
     images = read_idx(f"{args.data}/train-images-idx3-ubyte.gz")
     labels = read_idx(f"{args.data}/train-labels-idx1-ubyte.gz")
-    rows = torch.rand(60000, 784)
+    rows = torch.from_numpy(np.load(args.rows))
     for w in [int(x) for x in args.workers.split(",")]:
         for name, ds in (("A", FashionAugmented(images, labels)), ("B", Rows(rows))):
             print(json.dumps({"peer": f"torch {torch.__version__} DataLoader", "workload": name, "workers": w,

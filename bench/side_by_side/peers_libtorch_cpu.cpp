@@ -9,6 +9,7 @@
 #include <fstream>
 #include <string>
 #include <vector>
+#include <cstring>
 #include <zlib.h>
 
 namespace {
@@ -27,6 +28,19 @@ torch::Tensor read_idx(const std::string& path) {
     dims.push_back((int64_t(bytes[4 + 4 * i]) << 24) | (bytes[5 + 4 * i] << 16) | (bytes[6 + 4 * i] << 8) | bytes[7 + 4 * i]);
   auto t = torch::empty(dims, torch::kUInt8);
   std::memcpy(t.data_ptr(), bytes.data() + 4 + 4 * ndim, t.numel());
+  return t;
+}
+
+torch::Tensor read_npy_f32(const std::string& path, int64_t rows, int64_t cols) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) throw std::runtime_error("cannot open " + path);
+  char magic[10];
+  f.read(magic, 10);
+  const int header = static_cast<unsigned char>(magic[8]) | (static_cast<unsigned char>(magic[9]) << 8);
+  f.seekg(10 + header);
+  auto t = torch::empty({rows, cols}, torch::kFloat32);
+  f.read(static_cast<char*>(t.data_ptr()), t.numel() * 4);
+  if (!f) throw std::runtime_error(path + ": short read");
   return t;
 }
 
@@ -81,7 +95,8 @@ int main(int argc, char** argv) {
   torch::set_num_threads(1);  // per-sample ops: intra-op threads would only compete with workers
   auto images = read_idx(data + "/train-images-idx3-ubyte.gz");
   auto labels = read_idx(data + "/train-labels-idx1-ubyte.gz");
-  auto rows = torch::rand({60000, 784});
+  // (B)'s rows: the same .npy file (version 1.0, little-endian float32, C order, 60000 x 784).
+  auto rows = read_npy_f32(argc > 2 ? argv[2] : "build/bench-data/rows784.npy", 60000, 784);
   for (int w : {0, 1, 2}) {
     std::printf("{\"peer\": \"libtorch %s make_data_loader\", \"workload\": \"A\", \"workers\": %d, \"samples_per_second\": %.1f}\n",
                 TORCH_VERSION, w, measure(FashionAugmented(images, labels), w));

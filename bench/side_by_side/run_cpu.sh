@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=${1:-bench/results/cpu-side-by-side.md}
 scripts/install-deps.sh >/dev/null
-for p in python3-torch libtorch-dev python3-numpy; do
+for p in python3-torch libtorch-dev; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="${missing:-} $p"
 done
 if [ -n "${missing:-}" ]; then
@@ -18,13 +18,17 @@ cmake --preset release >/dev/null && cmake --build --preset release --target fer
 cmake -S bench/side_by_side -B build/side-cpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 cmake --build build/side-cpu >/dev/null
 D=/usr/share/datasets/fashion-mnist
+# (B)'s rows, one file read by all three: 60000 x 784 float32 (188 MB).
+rows=build/bench-data/rows784.npy
+mkdir -p build/bench-data
+[ -f $rows ] || /usr/bin/python3 -c "import numpy as np; np.save('$rows', np.random.default_rng(0).random((60000, 784), dtype=np.float32))"
 raw=$(mktemp)
 for w in 0 1 2; do
   for wl in A B; do
     if [ $wl = A ]; then
       args=(idx -c "images=$D/train-images-idx3-ubyte.gz,labels=$D/train-labels-idx1-ubyte.gz,flip=1,mean=0.2860,std=0.3530")
     else
-      args=(synthetic -c "n=60000,shape=784,dtype=float32")
+      args=(npy -c "path=$rows")
     fi
     # Three runs of ~3 epochs each after a warm-up; the median is kept.
     for r in 1 2 3; do
@@ -33,8 +37,8 @@ for w in 0 1 2; do
     done
   done
 done >> "$raw"
-python3 bench/side_by_side/peers_cpu.py >> "$raw"
-build/side-cpu/peers_libtorch_cpu >> "$raw"
+/usr/bin/python3 bench/side_by_side/peers_cpu.py --rows $rows >> "$raw"  # Debian's python, with python3-torch
+build/side-cpu/peers_libtorch_cpu $D $rows >> "$raw"
 python3 - "$raw" "$out" <<'PY'
 import json, statistics, sys, platform, os, subprocess
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]

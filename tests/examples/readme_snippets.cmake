@@ -3,7 +3,7 @@
 # (functions, types, specializations), with statements inside functions.
 function(ferry_readme_snippets readme out)
   file(READ ${readme} text)
-  set(code "// Generated from README.md by tests/examples/readme_snippets.cmake. Do not edit.\n#include <ferry/ferry.h>\n#include <cstdio>\n")
+  set(code "// Generated from README.md by tests/examples/readme_snippets.cmake. Do not edit.\n#include <ferry/ferry.h>\n#include <cstdio>\n#include <fstream>\n")
   set(count 0)
   while(TRUE)
     string(FIND "${text}" "```cpp\n" start)
