@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [test|bench|all]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [test|demo|bench|all|libtorch]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 prefix=/tmp/ferry-deps
-if [ ! -d $prefix/usr ]; then
-  for f in .debs/*.deb; do dpkg -x "$f" $prefix; done
-fi
+for f in .debs/*.deb; do dpkg -x "$f" $prefix; done  # idempotent; picks up packages added since
 export CMAKE_PREFIX_PATH=$prefix/usr
 export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 export CPATH=$prefix/usr/include
@@ -22,12 +20,28 @@ cat "$OUT/machine.txt"
 # own libz.so.1 (the headers come from the prefix; zlib keeps its ABI).
 zlib=$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)
 cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_TEST_INSTALL=OFF -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+  -DCMAKE_CUDA_ARCHITECTURES=90 -DFERRY_FASHION_MNIST_DIR=$prefix/usr/share/datasets/fashion-mnist -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 cmake --build build/gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = test ] || [ "$what" = all ]; then
   (cd build/gpu && FERRY_REQUIRE_GPU=1 ctest --output-on-failure --timeout 240 -j 4 2>&1 | tee "$OUT/ctest.log" | tail -25)
   grep -q "100% tests passed" "$OUT/ctest.log" || rc=1
+fi
+if [ "$what" = demo ] || [ "$what" = all ]; then
+  # The demo on the GPU, then the ferry tool on the GPU workloads (its report names the bottleneck).
+  D=${FASHION_MNIST:-/tmp/ferry-deps/usr/share/datasets/fashion-mnist}
+  timeout 240 build/gpu/examples/fashion_mnist/train_fashion_mnist --data "$D" --epochs 3 2>&1 | tee "$OUT/demo.txt"
+  { for w in "-w 1 --intra-threads 8" "-w 8"; do
+      timeout 60 build/gpu/ferry bench synthetic -c n=2048,shape=3x224x224 -b 256 $w --device 0 --warmup 20 -n 400 2>/dev/null
+      echo; done
+    timeout 60 build/gpu/ferry bench idx -c "images=$D/train-images-idx3-ubyte.gz,labels=$D/train-labels-idx1-ubyte.gz,flip=1,mean=0.286,std=0.353" \
+      -b 256 -w 8 --device 0 --epochs 3 2>/dev/null
+    echo
+    timeout 60 build/gpu/ferry bench synthetic -c n=2048,shape=3x224x224 -b 256 -w 1 --intra-threads 8 --device 0 --consumer-ms 10 -n 200 2>/dev/null
+    echo
+    timeout 120 build/gpu/ferry tune synthetic -c n=2048,shape=3x224x224 -b 256 --device 0 --seconds 1
+    timeout 60 build/gpu/ferry trace synthetic -c n=2048,shape=3x224x224 -b 256 -w 2 --intra-threads 4 --device 0 -n 12 -o "$OUT/trace.json" 2>/dev/null
+  } 2>&1 | tee "$OUT/ferry-tool.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 200 build/gpu/bench/bench_pin ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_pin.md"
