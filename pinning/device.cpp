@@ -145,7 +145,10 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     while (i < pending.size()) {
       std::size_t j = i + 1;
       if (opt.pack)
-        while (j < pending.size() && pending[j].src == pending[j - 1].src + align_up(pending[j - 1].bytes) &&
+        // Adjacent in the same storage only: two pinned blocks can be adjacent in memory, but one
+        // cudaMemcpyAsync may not span two cudaHostAlloc allocations (cudaErrorInvalidValue).
+        while (j < pending.size() && pending[j].storage.owner() == pending[j - 1].storage.owner() &&
+               pending[j].src == pending[j - 1].src + align_up(pending[j - 1].bytes) &&
                pending[j].dst_off == pending[j - 1].dst_off + align_up(pending[j - 1].bytes))
           ++j;
       const std::size_t span = static_cast<std::size_t>(pending[j - 1].src + pending[j - 1].bytes - pending[i].src);

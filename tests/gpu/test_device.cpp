@@ -157,3 +157,31 @@ TEST_CASE("pinned and device memory stay constant after the first epoch", "[gpu]
   CHECK(loader.device_stage()->stats().device_allocations == device_allocs);
   CHECK(loader.device_stage()->stats().copies == loader.device_stage()->stats().batches);  // packed: one copy a batch
 }
+
+TEST_CASE("direct-mode batches built from several pinned blocks reach the GPU intact", "[gpu][custom]") {
+  // IdxDataset's make_batch leases one block for the images and one for the labels; blocks can
+  // be adjacent in memory, and packing them into one copy across two cudaHostAlloc allocations
+  // is an invalid copy. Each sample's label is its first pixel, so pairing is checked too.
+  constexpr std::int64_t kN = 4096;
+  Tensor images = Tensor::empty(DType::UInt8, {kN, 28, 28});
+  Tensor labels = Tensor::empty(DType::Int64, {kN});
+  for (std::int64_t i = 0; i < kN; ++i) {
+    std::fill_n(images.data<std::uint8_t>() + i * 784, 784, static_cast<std::uint8_t>(i % 251));
+    labels.data<std::int64_t>()[i] = i % 251;
+  }
+  DataLoaderOptions o;
+  o.batch_size = 128;
+  o.shuffle = true;
+  o.num_workers = 4;
+  o.device = 0;
+  DataLoader loader(IdxDataset(images, labels), o);
+  STATIC_REQUIRE(decltype(loader)::direct());
+  std::size_t batches = 0;
+  for (LabeledBatch& b : loader) {
+    Tensor x = to_host(b.image, *loader.stream()).get();
+    Tensor y = to_host(b.label, *loader.stream()).get();
+    for (std::int64_t r = 0; r < y.numel(); ++r) REQUIRE(x.data<std::uint8_t>()[r * 784 + 783] == y.item<std::int64_t>(r));
+    ++batches;
+  }
+  CHECK(batches == kN / 128);
+}
