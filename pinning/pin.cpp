@@ -6,6 +6,7 @@ namespace ferry {
 
 void PinContext::begin_measure() noexcept {
   measuring_ = true;
+  last_block_ = nullptr;
   need_ = used_ = 0;
   block_ = Storage();
 }
@@ -14,7 +15,7 @@ void PinContext::begin_copy() {
   measuring_ = false;
   if (stage_) stage_->begin(need_);
   else if (need_ > 0) block_ = pool_->allocate(need_);
-  last_block_ = block_.data();
+  if (block_.data()) last_block_ = block_.data();
 }
 
 void PinContext::finish() {
@@ -39,7 +40,11 @@ Tensor PinContext::pin(const Tensor& t) {
     copied_ += t.nbytes();
     return stage_->move(t);
   }
-  if (!t.defined() || t.is_pinned()) return t;
+  if (!t.defined()) return t;
+  if (t.is_pinned()) {
+    if (!last_block_) last_block_ = t.storage().data();  // already pinned (direct mode): its block
+    return t;
+  }
   if (!t.device().is_host()) throw Error("pin_memory: " + t.str() + " is not in host memory");
   const std::size_t bytes = align_up(t.nbytes());
   if (measuring_) {

@@ -479,7 +479,7 @@ class DataLoader {
           if (opt.trace && opt.trace->wants(batch)) {
             char args[96];
             std::snprintf(args, sizeof args, "\"block\":\"%p\",\"bytes\":%zu", ctx.block(), ctx.bytes_copied());
-            opt.trace->span(TraceRecorder::kPinTrack, ctx.bytes_copied() ? "pin (copy)" : "pin (already pinned)", batch, t0,
+            opt.trace->span(TraceRecorder::kPinTrack, ctx.bytes_copied() ? "pin (copy)" : "pin (already pinned: direct)", batch, t0,
                             now_ns(), args);
           }
         }, opt.pin_depth, opt.timeout, opt.trace.get());

@@ -60,7 +60,8 @@ class PinContext {
   void abort() noexcept;
   /// Bytes copied into pinned memory by this context so far (not counting pass-through).
   std::size_t bytes_copied() const noexcept { return copied_; }
-  /// The pinned block the last batch was copied into (null if nothing was copied).
+  /// The pinned block the last batch was copied into, or, when it was already pinned (direct
+  /// mode), the block of its first tensor; null when it has no tensors.
   const void* block() const noexcept { return last_block_; }
   /// Device mode: the completion event of the last batch's copies.
   const std::shared_ptr<const EventFence>& device_copy() const noexcept { return device_copy_; }
