@@ -82,36 +82,72 @@ struct Image {  // HWC view
   std::int64_t h, w, c;
 };
 
+// Round half to even, as std::nearbyint in the default rounding mode, for 0 <= |v| < 2^22:
+// adding and subtracting 1.5 * 2^23 leaves the integer part (no libm call, so loops vectorize).
+inline float round_even(float v) {
+  constexpr float kMagic = 12582912.0f;  // 0x1.8p23
+  const float t = v + kMagic;  // not folded: without -ffast-math the compiler keeps both roundings
+  return t - kMagic;
+}
+
+// The pass's inner loops, with the channel count fixed at compile time when kC > 0 (1 and 3:
+// gray and RGB, nearly every image) and the row pointers, taps and padding hoisted out.
+template <class In, class Out, int kC, bool kRound>
+void run_pass_c(const Image& in, const std::vector<Tap>& ty, const std::vector<Tap>& tx, Out* out, bool chw,
+                const float* a, const float* b) {
+  const auto* src = static_cast<const In*>(in.data);
+  const std::int64_t C = kC > 0 ? kC : in.c, H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
+  auto store = [&](std::int64_t y, std::int64_t x, std::int64_t c, float v) {
+    v = a[c] * v + b[c];
+    const std::int64_t o = chw ? (c * H + y) * W + x : (y * W + x) * C + c;
+    if constexpr (std::is_same_v<Out, std::uint8_t>) out[o] = static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
+    else out[o] = v;
+  };
+  for (std::int64_t y = 0; y < H; ++y) {
+    const Tap& r = ty[static_cast<std::size_t>(y)];
+    if (r.i0 < 0) {  // a padded row
+      for (std::int64_t x = 0; x < W; ++x)
+        for (std::int64_t c = 0; c < C; ++c) store(y, x, c, 0.f);
+      continue;
+    }
+    const In* row0 = src + r.i0 * in.w * C;
+    const In* row1 = src + r.i1 * in.w * C;
+    const float wy = r.w;
+    for (std::int64_t x = 0; x < W; ++x) {
+      const Tap& t = tx[static_cast<std::size_t>(x)];
+      if (t.i0 < 0) {
+        for (std::int64_t c = 0; c < C; ++c) store(y, x, c, 0.f);
+        continue;
+      }
+      const In *p0 = row0 + t.i0 * C, *p1 = row0 + t.i1 * C, *q0 = row1 + t.i0 * C, *q1 = row1 + t.i1 * C;
+      const float wx = t.w;
+      for (std::int64_t c = 0; c < C; ++c) {
+        const float p00 = static_cast<float>(p0[c]), p01 = static_cast<float>(p1[c]);
+        const float p10 = static_cast<float>(q0[c]), p11 = static_cast<float>(q1[c]);
+        const float top = p00 + (p01 - p00) * wx, bottom = p10 + (p11 - p10) * wx;
+        float v = top + (bottom - top) * wy;
+        if constexpr (kRound) v = round_even(v);
+        store(y, x, c, v);
+      }
+    }
+  }
+}
+
 // One bilinear pass from `in` into `out`. Output is HWC, or CHW when `chw`; `round` rounds the
 // interpolated value (uint8 semantics); the value written is a[c] * v + b[c].
 template <class In, class Out>
 void run_pass(const Image& in, const Axis& ay, const Axis& ax, Out* out, bool chw, bool round, const float* a,
               const float* b) {
-  const auto* src = static_cast<const In*>(in.data);
   const std::vector<Tap> ty = taps(ay), tx = taps(ax);
-  const std::int64_t C = in.c, H = ay.N, W = ax.N;
-  for (std::int64_t y = 0; y < H; ++y) {
-    const Tap& r = ty[static_cast<std::size_t>(y)];
-    for (std::int64_t x = 0; x < W; ++x) {
-      const Tap& t = tx[static_cast<std::size_t>(x)];
-      for (std::int64_t c = 0; c < C; ++c) {
-        float v = 0.f;
-        if (r.i0 >= 0 && t.i0 >= 0) {
-          const In* row0 = src + r.i0 * in.w * C;
-          const In* row1 = src + r.i1 * in.w * C;
-          const float p00 = static_cast<float>(row0[t.i0 * C + c]), p01 = static_cast<float>(row0[t.i1 * C + c]);
-          const float p10 = static_cast<float>(row1[t.i0 * C + c]), p11 = static_cast<float>(row1[t.i1 * C + c]);
-          const float top = p00 + (p01 - p00) * t.w, bottom = p10 + (p11 - p10) * t.w;
-          v = top + (bottom - top) * r.w;
-          if (round) v = std::nearbyint(v);
-        }
-        v = a[c] * v + b[c];
-        const std::int64_t o = chw ? (c * H + y) * W + x : (y * W + x) * C + c;
-        if constexpr (std::is_same_v<Out, std::uint8_t>) out[o] = static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
-        else out[o] = v;
-      }
+  auto with = [&]<bool kRound>() {
+    switch (in.c) {
+      case 1: return run_pass_c<In, Out, 1, kRound>(in, ty, tx, out, chw, a, b);
+      case 3: return run_pass_c<In, Out, 3, kRound>(in, ty, tx, out, chw, a, b);
+      default: return run_pass_c<In, Out, 0, kRound>(in, ty, tx, out, chw, a, b);
     }
-  }
+  };
+  if (round) with.template operator()<true>();
+  else with.template operator()<false>();
 }
 
 std::int64_t py_round(double v) { return static_cast<std::int64_t>(std::nearbyint(v)); }  // half to even, as Python
