@@ -59,6 +59,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   std::deque<std::pair<std::shared_ptr<EventFence>, std::vector<Storage>>> keepalive;
   // Start events and completion fences of copies whose GPU time is not yet counted.
   std::deque<std::pair<cuda::Event, std::shared_ptr<EventFence>>> timings;
+  std::vector<cuda::Event> spare_starts;  // start events whose copies were counted
 
   void begin(std::size_t bytes) {
     if (cur) throw Error("DeviceStage::begin: the previous batch was not ended");
@@ -133,13 +134,20 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   void poll_timings() {
     while (!timings.empty() && timings.front().second->ready()) {
       counters.copy_ms += cuda::Event::elapsed_ms(timings.front().first, timings.front().second->event());
+      spare_starts.push_back(std::move(timings.front().first));  // reused: no cudaEventCreate per batch
       timings.pop_front();
     }
   }
 
   std::shared_ptr<const EventFence> end() {
     if (!cur) throw Error("DeviceStage::end: no batch begun");
-    cuda::Event started = cuda::Event::create(opt.device, true);
+    cuda::Event started;
+    if (spare_starts.empty()) {
+      started = cuda::Event::create(opt.device, true);
+    } else {
+      started = std::move(spare_starts.back());
+      spare_starts.pop_back();
+    }
     started.record(copy);  // after any wait begin() queued: the interval is the copies alone
     std::size_t i = 0;
     while (i < pending.size()) {

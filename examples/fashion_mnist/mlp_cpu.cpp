@@ -59,7 +59,6 @@ class CpuMlp final : public Mlp {
         std::copy(w_.b1.begin(), w_.b1.end(), h);
         for (int i = 0; i < I; ++i) {
           const float xi = x[b * I + i];
-          if (xi == 0.0f) continue;
           const float* w = &w_.w1[static_cast<std::size_t>(i) * H];
           for (int j = 0; j < H; ++j) h[j] += xi * w[j];
         }
@@ -110,7 +109,6 @@ class CpuMlp final : public Mlp {
         const float* dh = &dh_[static_cast<std::size_t>(b) * H];
         for (std::size_t i = begin; i < end; ++i) {
           const float xi = x[static_cast<std::size_t>(b) * I + i];
-          if (xi == 0.0f) continue;
           float* g = &gw1_[i * H];
           for (int j = 0; j < H; ++j) g[j] += xi * dh[j];
         }

@@ -295,52 +295,26 @@ int tune(Flags base, int cpus, double seconds_per_trial) {
   best.intra = 1;
   best.pin_threads = 1;
   double best_rate = -1;
-  for (int w = 1; w <= cpus; w *= 2) {
+  // Measures the best setting so far with `change` applied; keeps it when over 3% faster.
+  auto try_change = [&](auto&& change) {
     Flags f = best;
-    f.workers = w;
+    change(f);
     const double rate = measure(f);
     if (rate > best_rate * 1.03) {
       best_rate = rate;
       best = f;
     }
-  }
+  };
+  for (int w = 1; w <= cpus; w *= 2) try_change([&](Flags& f) { f.workers = w; });
   // 2. fewer workers, several threads each (large batches gather faster that way).
-  for (int intra : {2, 4, 8}) {
-    for (int w : {1, 2}) {
-      Flags f = best;
-      f.workers = w;
-      f.intra = intra;
-      const double rate = measure(f);
-      if (rate > best_rate * 1.03) {
-        best_rate = rate;
-        best = f;
-      }
-    }
-  }
+  for (int intra : {2, 4, 8})
+    for (int w : {1, 2}) try_change([&](Flags& f) { f.workers = w, f.intra = intra; });
   // 3. prefetch depth.
-  for (int p : {4, 8}) {
-    Flags f = best;
-    f.prefetch = p;
-    const double rate = measure(f);
-    if (rate > best_rate * 1.03) {
-      best_rate = rate;
-      best = f;
-    }
-  }
-  // 4. pin mode and pin threads.
+  for (int p : {4, 8}) try_change([&](Flags& f) { f.prefetch = p; });
+  // 4. pin mode, and pin threads for copy mode.
   if (base.pin || base.device >= 0) {
-    for (const char* mode : {"direct", "copy"})
-      for (int pt : {1, 4, 8}) {
-        if (std::string(mode) == "direct" && pt != 1) continue;
-        Flags f = best;
-        f.pin_mode = mode;
-        f.pin_threads = pt;
-        const double rate = measure(f);
-        if (rate > best_rate * 1.03) {
-          best_rate = rate;
-          best = f;
-        }
-      }
+    try_change([](Flags& f) { f.pin_mode = "direct", f.pin_threads = 1; });
+    for (int pt : {1, 4, 8}) try_change([&](Flags& f) { f.pin_mode = "copy", f.pin_threads = pt; });
   }
   if (best_rate <= 0) throw ferry::Error("tune: no setting fits in --cpus " + std::to_string(cpus));
   std::printf("\nbest: %.1f batches/s (%d trials). Paste:\n\n", best_rate, static_cast<int>(trials.size()));
