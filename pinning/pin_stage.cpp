@@ -92,11 +92,18 @@ Payload PinStage::next() {
   std::optional<Item> item;
   if (s.timeout.count() > 0) {
     // The workers' own timeout is enforced inside engine.next(); this one catches a stalled pin.
-    auto [got, timed_out] = s.out->pop_for(std::chrono::duration_cast<std::chrono::microseconds>(s.timeout) * 2);
-    if (timed_out)
-      throw TimeoutError("DataLoader timed out after " + std::to_string(2 * s.timeout.count()) +
-                         " ms waiting for the pin thread, which is in stage '" + stage_name(s.stage.current()) + "'");
-    item = std::move(got);
+    // While the pin thread waits on the workers ('fetch'), the engine's own timeout governs (it
+    // abandons stuck workers and may dispatch a batch again); only a pin that stalls is ours.
+    for (;;) {
+      auto [got, timed_out] = s.out->pop_for(std::chrono::duration_cast<std::chrono::microseconds>(s.timeout) * 2);
+      if (!timed_out) {
+        item = std::move(got);
+        break;
+      }
+      if (s.stage.current() != Stage::Fetch)
+        throw TimeoutError("DataLoader timed out after " + std::to_string(2 * s.timeout.count()) +
+                           " ms waiting for the pin thread, which is in stage '" + stage_name(s.stage.current()) + "'");
+    }
   } else {
     item = s.out->pop();
   }

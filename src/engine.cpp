@@ -3,7 +3,9 @@
 #include "ferry/detail/engine.h"
 
 #include <algorithm>
+#include <condition_variable>
 #include <deque>
+#include <mutex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -48,11 +50,24 @@ struct Task {
   Job job;
 };
 
-// What each worker is doing, read by the consumer for timeout messages.
-struct WorkerSlot {
+// One worker thread's control block, shared by the thread and the engine (an abandoned thread
+// keeps it). See Note [Abandoned workers].
+enum WorkerState : int { kIdle = 0, kBusy = 1, kAbandoned = 2 };
+struct WorkerCtl {
   StageMeter stage;
+  std::atomic<int> state{kIdle};
   std::atomic<std::int64_t> batch{-1};
   std::atomic<std::int64_t> since_ns{0};
+  std::atomic<std::int64_t> sample{-1};
+  Task task;  // the job in hand: written by the worker before Busy, read by the engine after Abandoned
+  std::mutex mu;
+  std::condition_variable cv;
+  bool exited = false;  // guarded by mu
+  void signal(bool exit) {
+    std::lock_guard lock(mu);
+    if (exit) exited = true;
+    cv.notify_all();
+  }
 };
 
 std::string describe_indices(std::span<const std::size_t> indices, const char* noun) {
@@ -108,10 +123,13 @@ struct Engine::State {
   Producer& producer;
   const int W;
 
-  // Workers (see Note [Shutdown order]).
-  std::vector<std::unique_ptr<StageQueue<Task>>> queues;  // 1 shared (map-style) or W (streams)
-  std::unique_ptr<WorkerSlot[]> slots;
+  // Workers (see Note [Shutdown order] and Note [Abandoned workers]).
+  std::vector<std::shared_ptr<StageQueue<Task>>> queues;  // 1 shared (map-style) or W (streams)
+  std::vector<std::shared_ptr<WorkerCtl>> ctl;            // the current thread of each slot
   std::vector<Thread> threads;
+  std::int64_t retired_ns[kStageCount] = {};              // stage time of threads gone
+  std::atomic<std::uint64_t> abandoned{0}, timeouts{0};
+  bool keepable = false;  // the producer gave workers a keep-alive: they may be abandoned
 
   // The live epoch; consumer thread only.
   std::shared_ptr<EpochState> ep;
@@ -146,49 +164,117 @@ struct Engine::State {
     if (!threads.empty() || W == 0) return;
     queues.clear();
     const int nq = opt.streaming ? W : 1;
-    for (int q = 0; q < nq; ++q) queues.push_back(std::make_unique<StageQueue<Task>>());
-    if (!slots) slots = std::make_unique<WorkerSlot[]>(static_cast<std::size_t>(W));
-    threads.reserve(static_cast<std::size_t>(W));
+    for (int q = 0; q < nq; ++q) queues.push_back(std::make_shared<StageQueue<Task>>());
+    ctl.assign(static_cast<std::size_t>(W), nullptr);
+    threads.resize(static_cast<std::size_t>(W));
     if (opt.trace)
       for (int w = 0; w < W; ++w) opt.trace->name_track(w, "worker " + std::to_string(w));
-    for (int w = 0; w < W; ++w)
-      threads.emplace_back("ferry-w" + std::to_string(w), [this, w] { worker_main(w); });
+    for (int w = 0; w < W; ++w) spawn(w);
     logger().debug("started {} workers ({} queue{})", W, nq, nq == 1 ? "" : "s");
+  }
+
+  // Starts a thread for slot w (at start, or in place of an abandoned one).
+  void spawn(int w) {
+    auto c = std::make_shared<WorkerCtl>();
+    std::shared_ptr<StageQueue<Task>> q = queues[opt.streaming ? static_cast<std::size_t>(w) : 0];
+    ctl[static_cast<std::size_t>(w)] = c;
+    std::shared_ptr<void> keep = producer.keep_alive();
+    keepable = keep != nullptr;
+    threads[static_cast<std::size_t>(w)] =
+        Thread("ferry-w" + std::to_string(w), [this, w, c, q, keep = std::move(keep)] { worker_main(w, *c, *q); });
+  }
+
+  void retire_ctl(const WorkerCtl& c) {
+    for (std::size_t k = 0; k < kStageCount; ++k) retired_ns[k] += c.stage.total_ns(static_cast<Stage>(k));
+  }
+
+  bool can_abandon() const { return opt.timeout.count() > 0 && keepable; }
+
+  // Abandons slot w's worker if it is still in a job; returns whether it did. Consumer thread.
+  bool abandon(int w) {
+    WorkerCtl& c = *ctl[static_cast<std::size_t>(w)];
+    int expected = kBusy;
+    if (!c.state.compare_exchange_strong(expected, kAbandoned, std::memory_order_acq_rel)) return false;
+    abandoned.fetch_add(1);
+    retire_ctl(c);
+    threads[static_cast<std::size_t>(w)].detach();
+    logger().warn("DataLoader: abandoned worker {} stuck in stage '{}' of batch {} for {} ms", w,
+                  stage_name(c.stage.current()), c.batch.load(), (now_ns() - c.since_ns.load()) / 1000000);
+    return true;
+  }
+
+  // Waits for slot w's thread to end (its queue is closed), abandoning it if it stays in one job
+  // longer than `timeout` (Note [Abandoned workers]).
+  void retire(int w) noexcept {
+    Thread& t = threads[static_cast<std::size_t>(w)];
+    if (!t.joinable()) return;
+    const std::shared_ptr<WorkerCtl> c = ctl[static_cast<std::size_t>(w)];
+    if (c && can_abandon()) {
+      std::unique_lock lock(c->mu);
+      for (;;) {
+        if (c->exited) break;
+        const std::int64_t limit = c->state.load() == kBusy ? c->since_ns.load() + opt.timeout.count() * 1000000
+                                                             : now_ns() + opt.timeout.count() * 1000000;
+        const std::int64_t left = limit - now_ns();
+        if (left <= 0) {
+          lock.unlock();
+          if (abandon(w)) return;
+          lock.lock();
+          continue;
+        }
+        c->cv.wait_for(lock, std::chrono::nanoseconds(left));
+      }
+    }
+    t.join();
+    if (c) retire_ctl(*c);
   }
 
   void stop_workers() noexcept {
     for (auto& q : queues) q->close();
-    for (auto& t : threads) t.join();
+    for (int w = 0; w < static_cast<int>(threads.size()); ++w) retire(w);
     threads.clear();
+    ctl.clear();
   }
 
-  void worker_main(int id) {
-    WorkerSlot& slot = slots[static_cast<std::size_t>(id)];
+  // Persistent workers between epochs: a worker stuck past `timeout` is replaced.
+  void replace_stuck_workers() {
+    if (!can_abandon()) return;
+    const std::int64_t now = now_ns();
+    for (int w = 0; w < static_cast<int>(threads.size()); ++w) {
+      WorkerCtl& c = *ctl[static_cast<std::size_t>(w)];
+      if (c.state.load() == kBusy && now - c.since_ns.load() >= opt.timeout.count() * 1000000 && abandon(w)) spawn(w);
+    }
+  }
+
+  void worker_main(int id, WorkerCtl& c, StageQueue<Task>& queue) {
     WorkerInfo info{id, W, opt.seed, 0};
     std::exception_ptr init_error;
-    slot.stage.enter(Stage::WorkerInit);
+    c.stage.enter(Stage::WorkerInit);
     try {
       producer.init_worker(info);
     } catch (...) {
       init_error = std::current_exception();
     }
-    slot.stage.enter(Stage::Idle);
-    StageQueue<Task>& queue = *queues[opt.streaming ? static_cast<std::size_t>(id) : 0];
+    c.stage.enter(Stage::Idle);
     while (std::optional<Task> task = queue.pop()) {
       EpochState& epoch = *task->epoch;
       if (epoch.cancelled.load(std::memory_order_relaxed)) continue;
       const Job& job = task->job;
       info.epoch = epoch.epoch;
-      slot.batch.store(job.batch, std::memory_order_relaxed);
-      slot.since_ns.store(now_ns(), std::memory_order_relaxed);
-      slot.stage.trace(opt.trace, job.batch, id);
-      slot.stage.enter(Stage::Fetch);
+      c.batch.store(job.batch, std::memory_order_relaxed);
+      c.sample.store(-1, std::memory_order_relaxed);
+      c.since_ns.store(now_ns(), std::memory_order_relaxed);
+      c.task = *task;
+      c.state.store(kBusy, std::memory_order_release);
+      c.stage.trace(opt.trace, job.batch, id);
+      c.stage.enter(Stage::Fetch);
       Result r;
       r.key = job.key;
       r.batch = job.batch;
       r.worker = id;
-      JobContext ctx(info, slot.stage, epoch.cancelled, epoch.streams[static_cast<std::size_t>(id)]);
+      JobContext ctx(info, c.stage, epoch.cancelled, epoch.streams[static_cast<std::size_t>(id)], &c.state, &c.sample);
       StopScope stop_scope(&epoch.cancelled);  // a blocked allocation gives up when the epoch ends
+      bool drop = false;
       if (init_error) {
         try {
           std::rethrow_exception(init_error);
@@ -199,22 +285,24 @@ struct Engine::State {
         try {
           r.payload = producer.produce(job, ctx);
           if (!r.payload) {
-            if (epoch.cancelled.load(std::memory_order_relaxed)) {
-              slot.stage.enter(Stage::Idle);
-              slot.stage.trace(nullptr, -1, id);
-              continue;
-            }
-            r.end = true;
+            if (ctx.cancelled()) drop = true;
+            else r.end = true;
           }
         } catch (...) {
           r.error = wrap_current_exception(id, job.batch, opt.streaming ? ctx.stream_indices : job.indices,
-                                           slot.stage.current(), ctx.current_sample, opt.streaming);
+                                           c.stage.current(), ctx.current_sample, opt.streaming);
         }
       }
-      slot.stage.enter(Stage::Idle);
-      slot.stage.trace(nullptr, -1, id);
-      epoch.results.push(std::move(r));
+      c.stage.enter(Stage::Idle);
+      c.stage.trace(nullptr, -1, id);
+      int expected = kBusy;
+      const bool mine = c.state.compare_exchange_strong(expected, kIdle, std::memory_order_acq_rel);
+      if (!mine) break;  // abandoned: the consumer has settled this batch without us
+      c.task = Task{};
+      c.signal(false);
+      if (!drop) epoch.results.push(std::move(r));
     }
+    c.signal(true);
   }
 
   void dispatch() {
@@ -240,6 +328,7 @@ struct Engine::State {
       } else {
         job.batch = static_cast<std::int64_t>(next_key);
         job.indices = ep->plan->batch(next_key);
+        job.epoch_indices = ep->plan->indices;
       }
       const std::size_t q = opt.streaming ? next_key % static_cast<std::uint64_t>(W) : 0;
       queues[q]->push(Task{ep, job});
@@ -273,24 +362,79 @@ struct Engine::State {
     return std::move(r.payload);
   }
 
-  [[noreturn]] void throw_timeout(std::uint64_t waiting_for) const {
+  // "worker 2 in stage 'fetch' of batch 5 at sample 41 for 512 ms", or "worker 2 idle".
+  std::string describe_worker(int w, std::int64_t now) const {
+    const WorkerCtl& c = *ctl[static_cast<std::size_t>(w)];
+    std::ostringstream os;
+    os << "worker " << w;
+    if (c.state.load() != kBusy) return os.str() + " idle";
+    os << " in stage '" << stage_name(c.stage.current()) << "' of batch " << c.batch.load();
+    if (const std::int64_t sample = c.sample.load(); sample >= 0) os << " at sample " << sample;
+    os << " for " << (now - c.since_ns.load()) / 1000000 << " ms";
+    return os.str();
+  }
+
+  [[noreturn]] void throw_timeout(std::uint64_t waiting_for) {
+    timeouts.fetch_add(1);
     std::ostringstream os;
     os << "DataLoader timed out after " << opt.timeout.count() << " ms waiting for ";
     if (opt.in_order) os << (opt.streaming ? "stream key " : "batch ") << waiting_for;
     else os << "any batch";
     os << " (" << in_flight << " in flight, " << W << " workers):";
     const std::int64_t now = now_ns();
-    for (int w = 0; w < W; ++w) {
-      const WorkerSlot& s = slots[static_cast<std::size_t>(w)];
-      const Stage st = s.stage.current();
-      os << " worker " << w << " ";
-      if (st == Stage::Idle) os << "idle";
-      else
-        os << "in stage '" << stage_name(st) << "' of batch " << s.batch.load() << " for "
-           << (now - s.since_ns.load()) / 1000000 << " ms";
-      os << (w + 1 < W ? ";" : "");
-    }
+    for (int w = 0; w < W; ++w) os << " " << describe_worker(w, now) << (w + 1 < W ? ";" : "");
     throw TimeoutError(os.str());
+  }
+
+  // Map-style, after waiting `timeout` for `awaited` (nullopt: any batch, in_order = false):
+  // abandons the worker on the awaited batch and every worker busy past `timeout`, replaces them,
+  // and settles each one's batch: dispatched again without its stuck sample, or failed at its
+  // position with TimeoutError. Returns false when no worker could be abandoned.
+  bool on_timeout(std::optional<std::uint64_t> awaited) {
+    if (opt.streaming || !can_abandon()) return false;
+    const std::int64_t now = now_ns();
+    bool any = false;
+    for (int w = 0; w < W; ++w) {
+      const std::shared_ptr<WorkerCtl> held = ctl[static_cast<std::size_t>(w)];  // spawn() replaces the slot's
+      WorkerCtl& c = *held;
+      if (c.state.load() != kBusy) continue;
+      const bool on_awaited = awaited && c.batch.load() == static_cast<std::int64_t>(*awaited);
+      if (!on_awaited && now - c.since_ns.load() < opt.timeout.count() * 1000000) continue;
+      const std::string where = describe_worker(w, now);
+      const std::int64_t sample = c.sample.load();
+      if (!abandon(w)) continue;  // it finished just now: its result is on its way
+      any = true;
+      Task task = c.task;  // ours now: the worker lost the race (Note [Abandoned workers])
+      spawn(w);
+      if (task.epoch != ep) {  // a job of an epoch already ended
+        continue;
+      }
+      if (sample >= 0) producer.sample_abandoned(static_cast<std::size_t>(sample));
+      Job job = task.job;
+      if (opt.redispatch_stuck && sample >= 0 && job.attempt < opt.max_redispatch) {
+        auto stuck = std::make_shared<std::vector<StuckSample>>(job.stuck ? *job.stuck : std::vector<StuckSample>{});
+        stuck->push_back(StuckSample{static_cast<std::size_t>(sample),
+                                     "stuck for " + std::to_string((now - c.since_ns.load()) / 1000000) + " ms (" + where +
+                                         "; the worker was abandoned)"});
+        job.stuck = std::move(stuck);
+        ++job.attempt;
+        queues[0]->push(Task{ep, job});
+        continue;
+      }
+      timeouts.fetch_add(1);
+      std::ostringstream os;
+      os << "DataLoader timed out after " << opt.timeout.count() << " ms on batch " << job.batch << ": " << where
+         << "; the worker was abandoned and replaced";
+      if (opt.redispatch_stuck && sample < 0) os << " (the stuck sample is unknown: with intra_batch_threads > 1 a stuck sample costs its batch)";
+      else if (opt.redispatch_stuck) os << " (the batch was already dispatched " << job.attempt << " times)";
+      Result r;
+      r.key = job.key;
+      r.batch = job.batch;
+      r.worker = w;
+      r.error = std::make_exception_ptr(TimeoutError(os.str()));
+      receive(std::move(r));
+    }
+    return any;
   }
 
   Payload next_inline() {
@@ -324,7 +468,7 @@ struct Engine::State {
   Payload next() {
     if (!live) throw Error("DataLoader: next() called with no live epoch");
     if (W == 0) return next_inline();
-    const auto deadline = Clock::now() + opt.timeout;
+    auto deadline = Clock::now() + opt.timeout;
     for (;;) {
       if (opt.in_order) {
         if (opt.streaming) {
@@ -346,7 +490,12 @@ struct Engine::State {
       if (opt.timeout.count() > 0) {
         const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
         auto [r, timed_out] = ep->results.pop_for(std::max(left, std::chrono::microseconds(0)));
-        if (timed_out) throw_timeout(window ? window->next() : 0);
+        if (timed_out) {
+          const std::optional<std::uint64_t> awaited = opt.in_order ? std::optional(window->next()) : std::nullopt;
+          if (!on_timeout(awaited)) throw_timeout(window ? window->next() : 0);
+          deadline = Clock::now() + opt.timeout;  // a fresh wait for the batches dispatched again
+          continue;
+        }
         if (r) receive(std::move(*r));
       } else if (std::optional<Result> r = ep->results.pop()) {
         receive(std::move(*r));
@@ -366,11 +515,14 @@ Engine::~Engine() { shutdown(); }
 
 std::int64_t Engine::stage_ns(Stage stage) const noexcept {
   const State& s = *state_;
-  std::int64_t total = s.inline_stage.total_ns(stage);
-  if (s.slots)
-    for (int w = 0; w < s.W; ++w) total += s.slots[static_cast<std::size_t>(w)].stage.total_ns(stage);
+  std::int64_t total = s.inline_stage.total_ns(stage) + s.retired_ns[static_cast<std::size_t>(stage)];
+  for (const auto& c : s.ctl)
+    if (c) total += c->stage.total_ns(stage);
   return total;
 }
+
+std::uint64_t Engine::abandoned_workers() const noexcept { return state_->abandoned.load(); }
+std::uint64_t Engine::timeouts() const noexcept { return state_->timeouts.load(); }
 
 void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan) {
   State& s = *state_;
@@ -401,6 +553,7 @@ void Engine::end_epoch() noexcept {
   s.ep->cancelled.store(true);
   s.ep->results.close();
   if (!s.opt.persistent_workers) s.stop_workers();
+  else s.replace_stuck_workers();
   s.window.reset();
   s.arrived.clear();
   s.ep.reset();

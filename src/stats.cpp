@@ -56,6 +56,17 @@ std::string LoaderStats::report() const {
            "% of the time; the loader keeps up)\n";
   else
     out += "bottleneck: " + b + "\n";
+  if (samples_skipped || samples_replaced || io_retries || timeouts || abandoned_workers) {
+    std::snprintf(line, sizeof line,
+                  "faults: %llu skipped, %llu replaced (%llu damaged, %llu i/o, %llu stuck); %llu i/o retries; %llu timeouts; "
+                  "%llu workers abandoned\n",
+                  static_cast<unsigned long long>(samples_skipped), static_cast<unsigned long long>(samples_replaced),
+                  static_cast<unsigned long long>(data_errors), static_cast<unsigned long long>(io_errors),
+                  static_cast<unsigned long long>(stuck_samples), static_cast<unsigned long long>(io_retries),
+                  static_cast<unsigned long long>(timeouts), static_cast<unsigned long long>(abandoned_workers));
+    out += line;
+    for (const std::string& e : first_errors) out += "  " + e + "\n";
+  }
   return out;
 }
 

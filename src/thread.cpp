@@ -27,6 +27,9 @@ Thread::Thread(std::string name, std::function<void()> body) {
   try {
     t_ = std::thread([name = std::move(name), body = std::move(body)] {
       pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+      struct Count {
+        ~Count() { g_live_threads.fetch_sub(1); }
+      } count;
       body();
     });
   } catch (...) {
@@ -44,10 +47,11 @@ Thread& Thread::operator=(Thread&& other) noexcept {
 }
 
 void Thread::join() noexcept {
-  if (t_.joinable()) {
-    t_.join();
-    g_live_threads.fetch_sub(1);
-  }
+  if (t_.joinable()) t_.join();
+}
+
+void Thread::detach() noexcept {
+  if (t_.joinable()) t_.detach();
 }
 
 }  // namespace detail

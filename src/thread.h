@@ -2,7 +2,8 @@
 //
 // std::thread terminates the process when destroyed joinable; ferry's Thread joins instead (and
 // the owner is expected to have told it to stop first). Live threads are counted for
-// ferry::live_threads(), which tests use to prove nothing leaks.
+// ferry::live_threads(), which tests use to prove nothing leaks: a thread counts until its body
+// returns, so a detached (abandoned) thread counts while it is still stuck.
 #pragma once
 
 #include <atomic>
@@ -32,6 +33,8 @@ class Thread {
   Thread& operator=(Thread&& other) noexcept;
   ~Thread() { join(); }
   void join() noexcept;
+  /// Lets the thread run on unowned (an abandoned worker: Note [Abandoned workers]).
+  void detach() noexcept;
   bool joinable() const noexcept { return t_.joinable(); }
 
  private:

@@ -8,6 +8,7 @@
 #include "ferry/core/diagnostics.h"
 #include "ferry/core/dlpack.h"
 #include "ferry/core/error.h"
+#include "ferry/core/faults.h"
 #include "ferry/core/parallel.h"
 #include "ferry/core/random.h"
 #include "ferry/core/sampler.h"

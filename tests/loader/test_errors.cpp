@@ -186,8 +186,9 @@ TEST_CASE("a stalled fetch raises TimeoutError naming the stage and batch", "[er
       FAIL("no timeout");
     } catch (const TimeoutError& e) {
       INFO(e.what());
-      CHECK_THAT(e.what(), Catch::Contains("timed out after 50 ms waiting for batch 0"));
-      CHECK_THAT(e.what(), Catch::Contains("in stage 'fetch' of batch 0"));
+      CHECK_THAT(e.what(), Catch::Contains("timed out after 50 ms on batch 0"));
+      CHECK_THAT(e.what(), Catch::Contains("worker ") && Catch::Contains("in stage 'fetch' of batch 0 at sample 0 for"));
+      CHECK_THAT(e.what(), Catch::Contains("abandoned and replaced"));
     }
     ds.gate->open();  // let the stuck worker return so the iterator can be destroyed
   }

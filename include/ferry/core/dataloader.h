@@ -15,12 +15,20 @@
 //
 // Errors: an exception in a dataset, transform, collate or worker_init_fn surfaces on the consumer
 // thread at that batch's position as ferry::WorkerError (worker, batch, stage and samples named; the
-// original nested). The iterator stays usable: advancing it goes on with the next batch. A stalled
-// pipeline raises ferry::TimeoutError when `timeout` is set.
+// original nested). The iterator stays usable: advancing it goes on with the next batch. With
+// on_error = Skip or Replace a damaged sample costs only itself (ferry/core/faults.h).
+//
+// Timeouts: with `timeout` set, the consumer never waits longer than `timeout` for a batch held by
+// a stuck call: the stuck worker is abandoned (it keeps shared ownership of what it may touch and
+// its late result is dropped), a fresh worker takes its slot, and the batch fails at its position
+// with ferry::TimeoutError naming worker, batch, sample, stage and time (or, with Skip/Replace, is
+// made again without the stuck sample). Streams cannot be read past a call that never returns:
+// there TimeoutError ends the stream's epoch, and the next begin() starts afresh.
 //
 // Lifetime: one iterator at a time per loader (begin() while one is live throws ferry::Error).
 // Destroying the iterator mid-epoch cancels the rest of the epoch; destroying the loader joins its
-// threads. Either returns as soon as user code already running in a worker returns.
+// threads. Either returns as soon as user code already running in a worker returns, and with a
+// timeout, after at most `timeout` past the start of the stuck job (the worker is abandoned).
 //
 // Thread safety: a DataLoader and its iterator belong to one consumer thread. The dataset's get()
 // (and get_batch, get_into, open) and the collate_fn are called from several workers at once.
@@ -49,7 +57,9 @@
 #include "ferry/core/sampler.h"
 #include "ferry/core/stats.h"
 #include "ferry/core/trace.h"
+#include "ferry/core/faults.h"
 #include "ferry/detail/engine.h"
+#include "ferry/detail/fault_log.h"
 #include "ferry/detail/pin_stage.h"
 #include "ferry/pinning/cuda.h"
 #include "ferry/pinning/device.h"
@@ -70,8 +80,26 @@ struct DataLoaderOptions {
   /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning).
   int num_workers = 0;
   bool drop_last = false;
-  /// Longest wait for one batch; 0 waits forever. Needs num_workers > 0.
+  /// Longest wait for one batch; 0 waits forever. Needs num_workers > 0. A worker stuck longer
+  /// than this in one batch is abandoned and replaced (see "Timeouts" above).
   std::chrono::milliseconds timeout{0};
+  /// What a damaged or stuck sample costs: its batch (Raise), itself (Skip: the batch comes one
+  /// row short) or nothing (Replace: another sample of the epoch takes its row, by a rule of
+  /// (seed, epoch, index)). See ferry/core/faults.h.
+  OnError on_error = OnError::Raise;
+  /// Skip/Replace: more than this many bad samples in one epoch fail the batch at hand and every
+  /// later one that meets another; 0: no count limit.
+  std::size_t max_errors = 0;
+  /// Skip/Replace: the same as a fraction of the epoch's samples (map-style, or a stream with a
+  /// size()); 0: no limit.
+  double max_error_fraction = 0.1;
+  /// Retries of a transient I/O error (IoError::transient()) before it counts, with a backoff of
+  /// io_retry_backoff, doubling each time.
+  int io_retries = 3;
+  std::chrono::milliseconds io_retry_backoff{10};
+  /// Called for every skipped or replaced sample, on the worker thread that met it, one call at a
+  /// time. May throw: that fails the batch.
+  std::function<void(const SampleError&)> on_sample_error;
   /// Called once on each worker thread as it starts (each epoch, unless persistent_workers).
   std::function<void(const WorkerInfo&)> worker_init_fn;
   /// Keys the shuffle order and every sample's Generator; the default 0 is reproducible, not random.
@@ -145,6 +173,24 @@ struct LoaderBatch<D, C, S, false, false> {
 
 void validate_options(const DataLoaderOptions& o, bool streaming);
 
+/// Direct mode with on_error = Skip: a batch made for n rows keeps its first `rows`.
+template <class B>
+inline constexpr bool kTruncatable = std::is_same_v<B, Tensor> || std::is_same_v<B, std::vector<Tensor>> ||
+                                     requires(B& b, std::size_t n) { b.truncate_rows(n); };
+template <class B>
+void truncate_rows(B& b, std::size_t rows) {
+  if constexpr (std::is_same_v<B, Tensor>) {
+    b = b.narrow(0, static_cast<std::int64_t>(rows));
+  } else if constexpr (std::is_same_v<B, std::vector<Tensor>>) {
+    for (Tensor& t : b) t = t.narrow(0, static_cast<std::int64_t>(rows));
+  } else if constexpr (requires { b.truncate_rows(rows); }) {
+    b.truncate_rows(rows);
+  } else {
+    (void)b;
+    (void)rows;
+  }
+}
+
 /// Leases from a pinned pool, refusing a batch whose size times the pipeline's depth exceeds the
 /// pool's budget: that many batches can be alive at once (in flight, in the reorder window, queued
 /// for the pin thread and the device), and a budget below it would stall the in-order batch
@@ -177,7 +223,20 @@ class DataLoader {
 
   /// Throws ferry::Error naming the option when the options contradict each other.
   explicit DataLoader(Dataset dataset, DataLoaderOptions options = {}, CollateFn collate_fn = {})
-      : state_(std::make_unique<State>(std::move(dataset), std::move(options), std::move(collate_fn))) {}
+      : state_(std::make_shared<State>(std::move(dataset), std::move(options), std::move(collate_fn))) {}
+  /// Stops the pipeline: joins every worker, or abandons one stuck past `timeout` (which keeps
+  /// shared ownership of the loader's state until its call returns, if ever).
+  ~DataLoader() {
+    if (state_) state_->stop();
+  }
+  DataLoader(DataLoader&&) noexcept = default;
+  DataLoader& operator=(DataLoader&& o) noexcept {
+    if (this != &o) {
+      if (state_) state_->stop();
+      state_ = std::move(o.state_);
+    }
+    return *this;
+  }
 
   struct sentinel {};
 
@@ -242,6 +301,7 @@ class DataLoader {
     State& s = *state_;
     std::shared_ptr<const BatchPlan> plan;
     if constexpr (!kStreaming) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
+    s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.stream_size());
     s.engine.begin_epoch(s.next_epoch, std::move(plan));
     if (s.pin_stage) s.pin_stage->start();
     s.device_queue.clear();
@@ -289,7 +349,7 @@ class DataLoader {
   }
 
  private:
-  struct State final : detail::Producer {
+  struct State final : detail::Producer, std::enable_shared_from_this<State> {
     State(Dataset d, DataLoaderOptions o, CollateFn c)
         : dataset(std::make_shared<const Dataset>(std::move(d))),
           opt(std::move(o)),
@@ -297,9 +357,14 @@ class DataLoader {
           batch_sampler(make_batch_sampler()),
           pool(make_intra_pool(opt)),
           allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
-          engine(detail::EngineOptions{opt.num_workers, opt.prefetch_factor, opt.in_order, opt.persistent_workers,
-                                       kStreaming, opt.timeout, opt.seed, opt.trace.get()},
-                 *this) {
+          faults({opt.max_errors, opt.max_error_fraction}, opt.on_sample_error),
+          engine(engine_options(opt), *this) {
+      if constexpr (kDirect) {
+        if (opt.on_error == OnError::Skip && !detail::kTruncatable<Batch>)
+          throw Error("DataLoaderOptions: on_error=Skip needs a batch type that can drop rows (a Tensor, a "
+                      "std::vector<Tensor>, or a member truncate_rows(std::size_t)); this dataset's direct batch has "
+                      "none: use OnError::Replace, or add truncate_rows");
+      }
       if (opt.trace) {
         opt.trace->name_track(TraceRecorder::kConsumerTrack, "consumer");
         opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (num_workers = 0)");
@@ -321,10 +386,35 @@ class DataLoader {
       }
       detail::log_debug(detail::describe_options(opt, kStreaming));
     }
-    ~State() override {  // the pin thread and workers stop before anything they use is destroyed
+    ~State() override { stop(); }
+
+    // The pin thread and workers stop before anything they use is destroyed. Idempotent.
+    void stop() noexcept {
       device_queue.clear();
       if (pin_stage) pin_stage->stop();
       engine.shutdown();
+    }
+
+    static detail::EngineOptions engine_options(const DataLoaderOptions& o) {
+      detail::EngineOptions e;
+      e.num_workers = o.num_workers;
+      e.prefetch_factor = o.prefetch_factor;
+      e.in_order = o.in_order;
+      e.persistent_workers = o.persistent_workers;
+      e.streaming = kStreaming;
+      e.timeout = o.timeout;
+      e.redispatch_stuck = o.on_error != OnError::Raise;
+      e.seed = o.seed;
+      e.trace = o.trace.get();
+      return e;
+    }
+
+    std::shared_ptr<void> keep_alive() override { return this->shared_from_this(); }
+    void sample_abandoned(std::size_t sample) override { faults.mark_stuck(sample); }
+
+    std::size_t stream_size() const {
+      if constexpr (requires(const Dataset& d) { { d.size() } -> std::convertible_to<std::size_t>; }) return dataset->size();
+      else return 0;
     }
 
     // The next batch for the consumer, timing the wait (stats, trace).
@@ -371,6 +461,16 @@ class DataLoader {
       if (pin_stage) s.pin_seconds = static_cast<double>(pin_stage->pin_ns() - base.pin_ns) / 1e9;
       if (device_stage) s.copy_seconds = (device_stage->stats().copy_ms - base.copy_ms) / 1e3;
       s.wait_seconds = static_cast<double>(wait_ns - base.wait_ns) / 1e9;
+      const detail::FaultCounts f = faults.counts();
+      s.samples_skipped = f.skipped - base.faults.skipped;
+      s.samples_replaced = f.replaced - base.faults.replaced;
+      s.data_errors = f.data - base.faults.data;
+      s.io_errors = f.io - base.faults.io;
+      s.stuck_samples = f.timeout - base.faults.timeout;
+      s.io_retries = f.retries - base.faults.retries;
+      s.timeouts = engine.timeouts() - base.timeouts;
+      s.abandoned_workers = engine.abandoned_workers() - base.abandoned;
+      s.first_errors = faults.first_errors();
       return s;
     }
 
@@ -379,6 +479,9 @@ class DataLoader {
       base.pin_ns = pin_stage ? pin_stage->pin_ns() : 0;
       base.copy_ms = device_stage ? device_stage->stats().copy_ms : 0;
       base.wait_ns = wait_ns;
+      base.faults = faults.counts();
+      base.timeouts = engine.timeouts();
+      base.abandoned = engine.abandoned_workers();
       delivered_batches = 0;
       stats_origin_ns = now_ns();
     }
@@ -522,8 +625,11 @@ class DataLoader {
       const std::span<const std::size_t> idx = job.indices;
       if constexpr (kDirect) {
         Batch batch = ds.make_batch(idx.size(), *allocator);
-        if (!for_each_sample(idx, ctx, [&](std::size_t r, SampleContext& sc) { ds.get_into(idx[r], batch, r, sc); }))
-          return {};
+        const Rows rows = for_each_sample(job, ctx, true, [&](std::size_t row, std::size_t i, SampleContext& sc) {
+          ds.get_into(i, batch, row, sc);
+        });
+        if (!rows.complete) return {};
+        if (rows.kept < idx.size()) detail::truncate_rows(batch, rows.kept);
         return detail::Payload::make(std::move(batch));
       } else {
         std::vector<Sample> samples;
@@ -532,54 +638,138 @@ class DataLoader {
           if (samples.size() != idx.size())
             throw Error("get_batch returned " + std::to_string(samples.size()) + " samples for " +
                         std::to_string(idx.size()) + " indices");
-        } else if (pool) {
-          std::vector<std::optional<Sample>> slots(idx.size());
-          if (!for_each_sample(idx, ctx, [&](std::size_t r, SampleContext& sc) { slots[r].emplace(fetch(ds, idx[r], sc)); }))
-            return {};
-          samples.reserve(idx.size());
-          for (auto& s : slots) samples.push_back(std::move(*s));
         } else {
-          samples.reserve(idx.size());
-          if (!for_each_sample(idx, ctx, [&](std::size_t r, SampleContext& sc) { samples.push_back(fetch(ds, idx[r], sc)); }))
-            return {};
+          std::vector<std::optional<Sample>> slots(idx.size());
+          const Rows rows = for_each_sample(job, ctx, false, [&](std::size_t row, std::size_t i, SampleContext& sc) {
+            slots[row].emplace(fetch(ds, i, sc));
+          });
+          if (!rows.complete) return {};
+          samples.reserve(rows.kept);
+          for (auto& slot : slots)
+            if (slot) samples.push_back(std::move(*slot));
         }
-        ctx.current_sample.reset();
+        ctx.set_sample(std::nullopt);
         if (ctx.cancelled()) return {};
         ctx.stage.enter(Stage::Collate);
         return detail::Payload::make(collate_samples(std::move(samples), idx));
       }
     }
 
-    // Calls fn(r, ctx) for every row r of the batch, in order on this worker, or across the
-    // intra-batch pool (rows are independent: each writes only its own row or slot). Returns false
-    // when the epoch was cancelled. A failure is rethrown here with ctx.current_sample naming it.
+    struct Rows {
+      bool complete = true;  // false: the epoch was cancelled
+      std::size_t kept = 0;  // rows delivered (fewer than the batch's samples when some were skipped)
+    };
+
+    // Fetches sample i into `row` through fn(row, i, sc), retrying transient I/O errors; returns
+    // the error that remains, if any.
     template <class Fn>
-    bool for_each_sample(std::span<const std::size_t> idx, detail::JobContext& ctx, Fn&& fn) {
-      const std::uint64_t epoch = ctx.worker.epoch;
+    std::exception_ptr attempt(std::size_t row, std::size_t i, detail::JobContext& ctx, StageMeter* meter, Fn& fn) {
+      for (int a = 0;; ++a) {
+        SampleContext sc(i, opt.seed, ctx.worker.epoch, ctx.worker, meter);
+        try {
+          fn(row, i, sc);
+          return nullptr;
+        } catch (...) {
+          std::exception_ptr e = std::current_exception();
+          if (a >= opt.io_retries || ctx.cancelled() || !detail::is_transient(e)) return e;
+          faults.count_retry();
+          std::this_thread::sleep_for(opt.io_retry_backoff * (1 << std::min(a, 16)));
+        }
+      }
+    }
+
+    static bool listed_stuck(const detail::Job& job, std::size_t i, std::string* message = nullptr) {
+      if (!job.stuck) return false;
+      for (const detail::StuckSample& s : *job.stuck)
+        if (s.index == i) {
+          if (message) *message = s.message;
+          return true;
+        }
+      return false;
+    }
+
+    // Row r of the batch under the error policy; returns whether a sample landed in `row`. Raise
+    // rethrows; the limit check in faults.report() may throw too.
+    template <class Fn>
+    bool fetch_row(const detail::Job& job, detail::JobContext& ctx, std::size_t r, std::size_t row, StageMeter* meter,
+                   Fn& fn, std::size_t* used) {
+      const std::size_t i = job.indices[r];
+      if (used) *used = i;
+      std::exception_ptr error;
+      std::string stuck_message;
+      SampleError::Kind kind = SampleError::Kind::Timeout;
+      if (listed_stuck(job, i, &stuck_message)) {
+      } else if (opt.on_error != OnError::Raise && faults.is_stuck(i)) {
+        stuck_message = "got stuck in an earlier fetch (its worker was abandoned); not fetched again by this loader";
+      } else {
+        error = attempt(row, i, ctx, meter, fn);
+        if (!error) return true;
+        kind = detail::is_io_error(error) ? SampleError::Kind::Io : SampleError::Kind::Data;
+      }
+      if (opt.on_error == OnError::Raise) {
+        if (!error) throw TimeoutError("sample " + std::to_string(i) + " " + stuck_message);
+        std::rethrow_exception(error);
+      }
+      SampleError report;
+      report.epoch = ctx.worker.epoch;
+      report.batch = job.batch;
+      report.index = i;
+      report.worker = ctx.worker.id;
+      report.kind = kind;
+      report.message = error ? detail::what_of(error) : stuck_message;
+      if (opt.on_error == OnError::Replace) {
+        const std::span<const std::size_t> all = job.epoch_indices;
+        for (unsigned t = 0; t < 16 && !all.empty(); ++t) {
+          const std::size_t c = all[replacement_position(opt.seed, ctx.worker.epoch, i, t, all.size())];
+          if (c == i || listed_stuck(job, c) || faults.is_stuck(c)) continue;
+          if (attempt(row, c, ctx, meter, fn)) continue;
+          report.action = SampleError::Action::Replaced;
+          report.replacement = c;
+          if (used) *used = c;
+          faults.report(report);
+          return true;
+        }
+        throw Error("on_error=Replace: no replacement found for sample " + std::to_string(i) + " (16 candidates failed); it failed with: " +
+                    report.message);
+      }
+      report.action = SampleError::Action::Skipped;
+      faults.report(report);
+      return false;
+    }
+
+    // Calls fn(row, index, ctx) for every sample of the batch under the error policy, in order on
+    // this worker, or across the intra-batch pool (rows are independent: each writes only its own
+    // row or slot). `compact`: skipped samples leave no hole (the kept rows come first, in order).
+    // A failure that fails the batch is rethrown here with ctx.current_sample naming it.
+    template <class Fn>
+    Rows for_each_sample(const detail::Job& job, detail::JobContext& ctx, bool compact, Fn&& fn) {
+      const std::span<const std::size_t> idx = job.indices;
+      Rows out;
       ctx.stage.enter(Stage::Fetch);
       if (!pool || idx.size() < 2) {
         for (std::size_t r = 0; r < idx.size(); ++r) {
-          if (ctx.cancelled()) return false;
-          ctx.current_sample = idx[r];
+          if (ctx.cancelled()) return {false, out.kept};
+          ctx.set_sample(idx[r]);
           ctx.stage.enter(Stage::Fetch);
-          SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, &ctx.stage);
-          fn(r, sc);
+          if (fetch_row(job, ctx, r, compact ? out.kept : r, &ctx.stage, fn, nullptr)) ++out.kept;
         }
-        ctx.current_sample.reset();
-        return !ctx.cancelled();
+        ctx.set_sample(std::nullopt);
+        out.complete = !ctx.cancelled();
+        return check_not_empty(job, out);
       }
       std::atomic<bool> failed{false};
       std::mutex mu;
       std::exception_ptr error;           // guarded by mu
       std::optional<std::size_t> failing;  // guarded by mu
+      std::vector<unsigned char> kept(idx.size(), 0);
+      std::vector<std::size_t> used(idx.size());
       const std::size_t parts = static_cast<std::size_t>(opt.intra_batch_threads);
       pool->run(idx.size(), [&](std::size_t begin, std::size_t end) {
         for (std::size_t r = begin; r < end; ++r) {
           if (ctx.cancelled() || failed.load(std::memory_order_relaxed)) return;
           // No stage meter: it belongs to the worker thread, which waits here in 'fetch'.
-          SampleContext sc(idx[r], opt.seed, epoch, ctx.worker, nullptr);
           try {
-            fn(r, sc);
+            kept[r] = fetch_row(job, ctx, r, r, nullptr, fn, &used[r]) ? 1 : 0;
           } catch (...) {
             std::lock_guard lock(mu);
             if (!error) {
@@ -592,10 +782,27 @@ class DataLoader {
         }
       }, (idx.size() + parts - 1) / parts);  // intra_batch_threads parts per batch
       if (error) {
-        ctx.current_sample = failing;
+        ctx.set_sample(failing);
         std::rethrow_exception(error);
       }
-      return !ctx.cancelled();
+      out.complete = !ctx.cancelled();
+      for (std::size_t r = 0; r < idx.size(); ++r) {
+        if (!kept[r]) continue;
+        if (compact && out.kept != r) {  // close the hole: fetch this row's sample again, one row up
+          ctx.set_sample(used[r]);
+          if (std::exception_ptr e = attempt(out.kept, used[r], ctx, &ctx.stage, fn)) std::rethrow_exception(e);
+        }
+        ++out.kept;
+      }
+      ctx.set_sample(std::nullopt);
+      return check_not_empty(job, out);
+    }
+
+    static Rows check_not_empty(const detail::Job& job, Rows rows) {
+      if (rows.complete && rows.kept == 0 && !job.indices.empty())
+        throw Error("every sample of batch " + std::to_string(job.batch) +
+                    " failed and was skipped: there is nothing to deliver (see stats().first_errors)");
+      return rows;
     }
 
     detail::Payload produce_stream(detail::JobContext& ctx) {
@@ -605,22 +812,58 @@ class DataLoader {
           Stream stream;
           std::vector<std::size_t> positions;
           std::size_t read = 0;
+          std::int64_t batch = 0;
         };
-        if (!ctx.stream) ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0});
+        if (!ctx.stream) ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0, 0});
         auto& st = *static_cast<StreamState*>(ctx.stream.get());
         std::vector<Sample> samples;
         samples.reserve(opt.batch_size);
         st.positions.clear();
         ctx.stream_indices = st.positions;
-        while (samples.size() < opt.batch_size) {
+        // Skip: a batch spends batch_size records, good or bad. Replace: it reads on until full.
+        std::size_t reads = 0, failures_in_a_row = 0;
+        bool ended = false;
+        while (samples.size() < opt.batch_size && (opt.on_error != OnError::Skip || reads < opt.batch_size)) {
           if (ctx.cancelled()) return {};
-          std::optional<Sample> s = st.stream.next();
-          if (!s) break;
+          std::optional<Sample> s;
+          const std::size_t position = st.read;
+          try {
+            s = st.stream.next();
+          } catch (...) {
+            st.positions.push_back(position);
+            ctx.stream_indices = st.positions;
+            if (opt.on_error == OnError::Raise) throw;
+            st.positions.pop_back();
+            ++st.read;
+            ++reads;
+            std::exception_ptr e = std::current_exception();
+            SampleError report;
+            report.epoch = ctx.worker.epoch;
+            report.batch = st.batch;
+            report.index = position;
+            report.stream = true;
+            report.worker = ctx.worker.id;
+            report.kind = detail::is_io_error(e) ? SampleError::Kind::Io : SampleError::Kind::Data;
+            report.action = opt.on_error == OnError::Replace ? SampleError::Action::Replaced : SampleError::Action::Skipped;
+            report.message = detail::what_of(e);
+            faults.report(report);
+            if (++failures_in_a_row >= 1024)
+              throw Error("the stream failed 1024 times in a row (the last at position " + std::to_string(position) +
+                          "): it cannot get past a bad record; the last error: " + report.message);
+            continue;
+          }
+          failures_in_a_row = 0;
+          if (!s) {
+            ended = true;
+            break;
+          }
+          ++reads;
           samples.push_back(std::move(*s));
           st.positions.push_back(st.read++);
           ctx.stream_indices = st.positions;
         }
-        if (samples.empty() || (opt.drop_last && samples.size() < opt.batch_size)) return {};
+        ++st.batch;
+        if (samples.empty() || (opt.drop_last && ended && samples.size() < opt.batch_size)) return {};
         ctx.stage.enter(Stage::Collate);
         return detail::Payload::make(collate_samples(std::move(samples), st.positions));
       } else {
@@ -643,6 +886,7 @@ class DataLoader {
     std::shared_ptr<const BatchSampler> batch_sampler;
     std::unique_ptr<ParallelFor> pool;
     BatchAllocator* allocator;
+    detail::FaultLog faults;
     std::shared_ptr<PinnedPool> pinned_pool;
     std::shared_ptr<PinnedPool> collate_pool;  // copy mode: recycled pageable batch buffers
     std::unique_ptr<detail::DepthCheckedAllocator> pin_blocks, direct_blocks;
@@ -653,6 +897,8 @@ class DataLoader {
       std::int64_t stage_ns[kStageCount] = {};
       std::int64_t pin_ns = 0, wait_ns = 0;
       double copy_ms = 0;
+      detail::FaultCounts faults;
+      std::uint64_t timeouts = 0, abandoned = 0;
     } base;
     std::unique_ptr<ParallelFor> pin_copy_pool;
     std::uint64_t next_epoch = 0;
@@ -668,7 +914,7 @@ class DataLoader {
     bool device_end = false;
   };
 
-  std::unique_ptr<State> state_;
+  std::shared_ptr<State> state_;  // shared with abandoned workers (Note [Abandoned workers])
 };
 
 }  // namespace ferry

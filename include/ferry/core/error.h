@@ -10,6 +10,9 @@
 //   TimeoutError  no batch arrived within DataLoaderOptions::timeout; names the stage that stalled.
 //   DataError     a file or record is malformed; names the file and the offset or sample. It
 //                 reaches the consumer unwrapped (worker and batch appended to the message).
+//   IoError       a DataError from the operating system (open, read, map) with its errno; the
+//                 transient ones (EINTR, EAGAIN, EIO, ETIMEDOUT: network file systems) are
+//                 retried by the loader before they count (DataLoaderOptions::io_retries).
 //
 // Thread safety: exception objects are immutable after construction.
 #pragma once
@@ -76,6 +79,21 @@ class DataError : public Error {
       : Error(std::string(e.what()) + " [" + context + "]"), file_(e.file_), offset_(e.offset_) {}
   std::string file_;
   std::uint64_t offset_ = kNoOffset;
+};
+
+/// A DataError raised by a system call, with its errno. transient() is true for EINTR, EAGAIN,
+/// EWOULDBLOCK, EIO and ETIMEDOUT, the errors a network or FUSE file system returns for a moment.
+class IoError : public DataError {
+ public:
+  IoError(std::string file, std::uint64_t offset, const std::string& what, int error_number)
+      : DataError(std::move(file), offset, what), errno_(error_number) {}
+  /// The errno of the failed call.
+  int error_number() const noexcept { return errno_; }
+  /// Whether retrying the same call may succeed.
+  bool transient() const noexcept;
+
+ private:
+  int errno_;
 };
 
 }  // namespace ferry

@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace ferry {
 
@@ -33,6 +34,16 @@ struct LoaderStats {
   double wait_seconds = 0;         ///< the consumer blocked in the loader for its next batch
   bool pinning = false;            ///< whether a pin thread ran
   bool device = false;             ///< whether a device stage ran
+  // Faults (ferry/core/faults.h), since the loader started (or reset_stats()).
+  std::uint64_t samples_skipped = 0;    ///< on_error = Skip
+  std::uint64_t samples_replaced = 0;   ///< on_error = Replace
+  std::uint64_t data_errors = 0;        ///< skipped/replaced samples whose dataset threw
+  std::uint64_t io_errors = 0;          ///< ... an I/O error still failing after io_retries
+  std::uint64_t stuck_samples = 0;      ///< ... stuck past timeout
+  std::uint64_t io_retries = 0;         ///< transient I/O errors retried (not counted above)
+  std::uint64_t timeouts = 0;           ///< TimeoutErrors raised
+  std::uint64_t abandoned_workers = 0;  ///< workers abandoned in a stuck call (and replaced)
+  std::vector<std::string> first_errors;  ///< the loader's first skipped/replaced samples, named
 
   double batches_per_second() const noexcept { return wall_seconds > 0 ? batches / wall_seconds : 0; }
   /// Busy fractions (0..1) of each stage's capacity.
@@ -43,7 +54,7 @@ struct LoaderStats {
   /// "consumer" when the consumer waited under 5% of the time (the loader keeps up), else the
   /// busiest of "workers", "pin" and "copy".
   std::string bottleneck() const;
-  /// A human-readable table of the above.
+  /// A human-readable table of the above (with a faults section when there were any).
   std::string report() const;
 };
 

@@ -20,6 +20,22 @@
 // then, for non-persistent workers, close the task queues and join every worker. shutdown() does
 // the same for persistent workers. A worker inside user code finishes that call first; nothing
 // else is waited for. The epoch's state is shared by its queued jobs, so it dies with the last.
+//
+// Note [Abandoned workers]
+// With a timeout, a worker is never waited for longer than `timeout` past the start of its job:
+// a call that never returns (a dead mount) must not hang the consumer, the destructor or exit.
+// Such a worker is abandoned: a compare-and-swap on its control block (Busy -> Abandoned, raced
+// against the worker's own Busy -> Idle) decides once whether its result counts; its thread is
+// detached, and a fresh worker takes its slot. The abandoned thread holds shared ownership of
+// everything it may still touch: its control block, its task queue, the epoch (through its task)
+// and the loader's state (Producer::keep_alive()), so nothing is freed under it; if its call ever
+// returns it sees it was abandoned, drops its result and exits. Map-style: when the consumer has
+// waited `timeout` for batch k, the worker on k (and any other busy past `timeout`) is abandoned,
+// and its batch either fails at its position with TimeoutError, or, when the producer takes
+// skip/replace (EngineOptions::redispatch_stuck) and the stuck sample is known, is dispatched
+// again with that sample named in Job::stuck. Streams cannot be re-read past a call that has
+// not returned: there a timeout is raised as before and the stuck worker is abandoned when the
+// epoch ends. Without a keep-alive (or without a timeout) workers are joined as before.
 #pragma once
 
 #include <atomic>
@@ -30,7 +46,9 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "ferry/core/dataset.h"
 #include "ferry/core/sampler.h"
@@ -58,32 +76,51 @@ class Payload {
   Ptr ptr_{nullptr, nullptr};
 };
 
+/// A sample the consumer gave up on (its worker was abandoned while fetching it).
+struct StuckSample {
+  std::size_t index = 0;
+  std::string message;  ///< "stuck for 512 ms in stage 'fetch' on worker 2 (abandoned)"
+};
+
 /// One batch to produce.
 struct Job {
   std::uint64_t key = 0;                   ///< position in the epoch's key sequence
   std::int64_t batch = 0;                  ///< batch index (map-style) or the worker's j-th batch (stream)
   std::span<const std::size_t> indices;    ///< map-style: the batch's sample indices
+  std::span<const std::size_t> epoch_indices;  ///< map-style: every sample of the epoch, in order
+  int attempt = 0;                         ///< > 0: dispatched again after a worker was abandoned
+  std::shared_ptr<const std::vector<StuckSample>> stuck;  ///< samples not to fetch again (may be null)
 };
 
 /// What a worker hands the producer along with a job.
 class JobContext {
  public:
   JobContext(const WorkerInfo& worker, StageMeter& stage, const std::atomic<bool>& cancelled,
-             std::shared_ptr<void>& stream)
-      : worker(worker), stage(stage), stream(stream), cancelled_(cancelled) {}
+             std::shared_ptr<void>& stream, const std::atomic<int>* abandoned = nullptr,
+             std::atomic<std::int64_t>* published_sample = nullptr)
+      : worker(worker), stage(stage), stream(stream), cancelled_(cancelled), state_(abandoned),
+        published_(published_sample) {}
   const WorkerInfo& worker;
   StageMeter& stage;
-  /// True once the epoch is being torn down: return an empty Payload promptly.
-  bool cancelled() const noexcept { return cancelled_.load(std::memory_order_relaxed); }
+  /// True once the epoch is being torn down or this worker was abandoned: return promptly.
+  bool cancelled() const noexcept {
+    return cancelled_.load(std::memory_order_relaxed) || (state_ && state_->load(std::memory_order_relaxed) == 2);
+  }
   /// Per-worker, per-epoch state (the worker's open stream); starts empty each epoch.
   std::shared_ptr<void>& stream;
-  /// The sample being fetched, named in error messages.
+  /// The sample being fetched, named in error messages and timeouts.
   std::optional<std::size_t> current_sample;
+  void set_sample(std::optional<std::size_t> sample) noexcept {
+    current_sample = sample;
+    if (published_) published_->store(sample ? static_cast<std::int64_t>(*sample) : -1, std::memory_order_relaxed);
+  }
   /// Stream mode: dataset positions read so far by this worker (named in errors).
   std::span<const std::size_t> stream_indices;
 
  private:
   const std::atomic<bool>& cancelled_;
+  const std::atomic<int>* state_;
+  std::atomic<std::int64_t>* published_;
 };
 
 /// Implemented by DataLoader<D>: the per-type work of one batch.
@@ -95,6 +132,11 @@ class Producer {
   /// Map-style: the batch of job.indices. Stream: the worker's next batch, or an empty Payload when
   /// its stream is exhausted. Either: an empty Payload when ctx.cancelled().
   virtual Payload produce(const Job& job, JobContext& ctx) = 0;
+  /// Shared ownership of everything produce() touches, held by each worker thread so that an
+  /// abandoned worker never sees it freed (Note [Abandoned workers]). Null: never abandon.
+  virtual std::shared_ptr<void> keep_alive() { return nullptr; }
+  /// Called on the consumer thread when a worker stuck on `sample` is abandoned.
+  virtual void sample_abandoned(std::size_t sample) { (void)sample; }
 };
 
 struct EngineOptions {
@@ -104,6 +146,10 @@ struct EngineOptions {
   bool persistent_workers = false;
   bool streaming = false;
   std::chrono::milliseconds timeout{0};
+  /// Map-style: after a timeout, dispatch the stuck batch again without its stuck sample (up to
+  /// max_redispatch times) instead of failing it.
+  bool redispatch_stuck = false;
+  int max_redispatch = 3;
   std::uint64_t seed = 0;
   TraceRecorder* trace = nullptr;  ///< per-batch timelines (may be null)
 };
@@ -135,6 +181,9 @@ class Engine {
   /// Nanoseconds the workers (or, with no workers, the thread producing inline) have spent in
   /// `stage`, summed over threads, since the engine started.
   std::int64_t stage_ns(Stage stage) const noexcept;
+  /// Workers abandoned so far (Note [Abandoned workers]) and TimeoutErrors raised.
+  std::uint64_t abandoned_workers() const noexcept;
+  std::uint64_t timeouts() const noexcept;
 
   struct State;
 
