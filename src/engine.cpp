@@ -445,6 +445,7 @@ struct Engine::State {
     if (!opt.streaming) {
       if (delivered >= total) return {};
       job.indices = ep->plan->batch(delivered);
+      job.epoch_indices = ep->plan->indices;
     }
     WorkerInfo info{0, 1, opt.seed, ep->epoch};
     JobContext ctx(info, inline_stage, ep->cancelled, ep->streams[0]);

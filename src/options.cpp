@@ -10,6 +10,10 @@ void validate_options(const DataLoaderOptions& o, bool streaming) {
   if (o.num_workers < 0) fail("num_workers must be >= 0, got " + std::to_string(o.num_workers));
   if (o.prefetch_factor < 1) fail("prefetch_factor must be >= 1, got " + std::to_string(o.prefetch_factor));
   if (o.timeout.count() < 0) fail("timeout must be >= 0 ms");
+  if (!(o.max_error_fraction >= 0 && o.max_error_fraction <= 1))
+    fail("max_error_fraction must be in [0, 1], got " + std::to_string(o.max_error_fraction));
+  if (o.io_retries < 0) fail("io_retries must be >= 0, got " + std::to_string(o.io_retries));
+  if (o.io_retry_backoff.count() < 0) fail("io_retry_backoff must be >= 0 ms");
   if (o.persistent_workers && o.num_workers == 0) fail("persistent_workers=true needs num_workers > 0");
   if (o.intra_batch_threads < 1) fail("intra_batch_threads must be >= 1");
   if (o.sampler && o.shuffle) fail("sampler and shuffle=true are mutually exclusive (shuffle inside the sampler)");

@@ -722,7 +722,10 @@ class DataLoader {
         for (unsigned t = 0; t < 16 && !all.empty(); ++t) {
           const std::size_t c = all[replacement_position(opt.seed, ctx.worker.epoch, i, t, all.size())];
           if (c == i || listed_stuck(job, c) || faults.is_stuck(c)) continue;
-          if (attempt(row, c, ctx, meter, fn)) continue;
+          if (meter) ctx.set_sample(c);  // a candidate that gets stuck is the one to leave out next time
+          const bool failed = attempt(row, c, ctx, meter, fn) != nullptr;
+          if (meter) ctx.set_sample(i);
+          if (failed) continue;
           report.action = SampleError::Action::Replaced;
           report.replacement = c;
           if (used) *used = c;
