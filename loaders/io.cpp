@@ -13,7 +13,8 @@ namespace ferry::loaders {
 namespace {
 
 [[noreturn]] void throw_errno(const std::string& path, const char* what) {
-  throw DataError(path, DataError::kNoOffset, std::string(what) + ": " + std::strerror(errno));
+  const int e = errno;
+  throw IoError(path, DataError::kNoOffset, std::string(what) + ": " + std::strerror(e), e);
 }
 
 struct Fd {

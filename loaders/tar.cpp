@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <numeric>
+#include <utility>
 
 #include "ferry/loaders/image.h"
 
@@ -151,7 +152,10 @@ void parse_pax(const std::string& text, const std::string& name, std::uint64_t a
 TarReader::TarReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
   impl_->name = path;
   impl_->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (impl_->fd < 0) throw DataError(path, DataError::kNoOffset, std::string("cannot open: ") + std::strerror(errno));
+  if (impl_->fd < 0) {
+    const int e = errno;
+    throw IoError(path, DataError::kNoOffset, std::string("cannot open: ") + std::strerror(e), e);
+  }
   struct stat st {};
   if (::fstat(impl_->fd, &st) != 0) throw DataError(path, DataError::kNoOffset, std::string("cannot stat: ") + std::strerror(errno));
   if (S_ISDIR(st.st_mode)) throw DataError(path, DataError::kNoOffset, "is a directory, expected a tar file");
@@ -274,6 +278,7 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
 }
 
 std::optional<TarRecord> TarShards::Stream::next() {
+  if (deferred_) std::rethrow_exception(std::exchange(deferred_, nullptr));
   while (current_ < shards_.size()) {
     try {
       if (!reader_) reader_.emplace(shards_[current_]);
@@ -289,7 +294,17 @@ std::optional<TarRecord> TarShards::Stream::next() {
       TarRecord rec{kf->first, shards_[current_], first->offset, {}};
       rec.fields.emplace(kf->second, std::move(first->data));
       while (true) {
-        std::optional<TarMember> m = reader_->next();
+        std::optional<TarMember> m;
+        try {
+          m = reader_->next();
+        } catch (...) {
+          // The record before a damaged member is complete: deliver it; the error comes next call
+          // (a damaged member costs its own record, and the rest of a shard that cannot be parsed).
+          deferred_ = std::current_exception();
+          reader_.reset();
+          ++current_;
+          return rec;
+        }
         if (!m) {
           reader_.reset();
           ++current_;

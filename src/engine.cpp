@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
+#include <limits>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -386,35 +387,38 @@ struct Engine::State {
     throw TimeoutError(os.str());
   }
 
-  // Map-style, after waiting `timeout` for `awaited` (nullopt: any batch, in_order = false):
-  // abandons the worker on the awaited batch and every worker busy past `timeout`, replaces them,
-  // and settles each one's batch: dispatched again without its stuck sample, or failed at its
-  // position with TimeoutError. Returns false when no worker could be abandoned.
-  bool on_timeout(std::optional<std::uint64_t> awaited) {
-    if (opt.streaming || !can_abandon()) return false;
-    const std::int64_t now = now_ns();
+  // Map-style, when the consumer's wait reached its deadline: abandons every worker that has been
+  // on its current batch for `timeout` or longer, replaces it, and settles its batch: dispatched
+  // again without its stuck sample, or failed at its position with TimeoutError. Returns the next
+  // deadline (when the next busy worker's batch reaches `timeout`), or nullopt when no worker is
+  // busy and none was abandoned: then nothing the engine can see is stuck (the caller throws).
+  std::optional<Clock::time_point> on_timeout() {
+    if (opt.streaming || !can_abandon()) return std::nullopt;
+    const std::int64_t now = now_ns(), limit = opt.timeout.count() * 1000000;
     bool any = false;
+    std::int64_t next = std::numeric_limits<std::int64_t>::max();
     for (int w = 0; w < W; ++w) {
       const std::shared_ptr<WorkerCtl> held = ctl[static_cast<std::size_t>(w)];  // spawn() replaces the slot's
       WorkerCtl& c = *held;
       if (c.state.load() != kBusy) continue;
-      const bool on_awaited = awaited && c.batch.load() == static_cast<std::int64_t>(*awaited);
-      if (!on_awaited && now - c.since_ns.load() < opt.timeout.count() * 1000000) continue;
+      const std::int64_t since = c.since_ns.load();
+      if (now - since < limit) {
+        next = std::min(next, since + limit);
+        continue;
+      }
       const std::string where = describe_worker(w, now);
       const std::int64_t sample = c.sample.load();
       if (!abandon(w)) continue;  // it finished just now: its result is on its way
       any = true;
       Task task = c.task;  // ours now: the worker lost the race (Note [Abandoned workers])
       spawn(w);
-      if (task.epoch != ep) {  // a job of an epoch already ended
-        continue;
-      }
+      if (task.epoch != ep) continue;  // a job of an epoch already ended
       if (sample >= 0) producer.sample_abandoned(static_cast<std::size_t>(sample));
       Job job = task.job;
       if (opt.redispatch_stuck && sample >= 0 && job.attempt < opt.max_redispatch) {
         auto stuck = std::make_shared<std::vector<StuckSample>>(job.stuck ? *job.stuck : std::vector<StuckSample>{});
         stuck->push_back(StuckSample{static_cast<std::size_t>(sample),
-                                     "stuck for " + std::to_string((now - c.since_ns.load()) / 1000000) + " ms (" + where +
+                                     "stuck for " + std::to_string((now - since) / 1000000) + " ms (" + where +
                                          "; the worker was abandoned)"});
         job.stuck = std::move(stuck);
         ++job.attempt;
@@ -426,7 +430,7 @@ struct Engine::State {
       os << "DataLoader timed out after " << opt.timeout.count() << " ms on batch " << job.batch << ": " << where
          << "; the worker was abandoned and replaced";
       if (opt.redispatch_stuck && sample < 0) os << " (the stuck sample is unknown: with intra_batch_threads > 1 a stuck sample costs its batch)";
-      else if (opt.redispatch_stuck) os << " (the batch was already dispatched " << job.attempt << " times)";
+      else if (opt.redispatch_stuck) os << " (the batch was already dispatched " << job.attempt + 1 << " times)";
       Result r;
       r.key = job.key;
       r.batch = job.batch;
@@ -434,7 +438,10 @@ struct Engine::State {
       r.error = std::make_exception_ptr(TimeoutError(os.str()));
       receive(std::move(r));
     }
-    return any;
+    if (any) return Clock::now() + opt.timeout;  // replacements start on the batches dispatched again
+    if (next != std::numeric_limits<std::int64_t>::max())
+      return Clock::now() + std::chrono::nanoseconds(std::max<std::int64_t>(next - now_ns(), 0) + 1000);
+    return std::nullopt;
   }
 
   Payload next_inline() {
@@ -492,9 +499,9 @@ struct Engine::State {
         const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
         auto [r, timed_out] = ep->results.pop_for(std::max(left, std::chrono::microseconds(0)));
         if (timed_out) {
-          const std::optional<std::uint64_t> awaited = opt.in_order ? std::optional(window->next()) : std::nullopt;
-          if (!on_timeout(awaited)) throw_timeout(window ? window->next() : 0);
-          deadline = Clock::now() + opt.timeout;  // a fresh wait for the batches dispatched again
+          const std::optional<Clock::time_point> next_deadline = on_timeout();
+          if (!next_deadline) throw_timeout(window ? window->next() : 0);
+          deadline = *next_deadline;
           continue;
         }
         if (r) receive(std::move(*r));

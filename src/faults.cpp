@@ -106,10 +106,12 @@ void FaultLog::begin_epoch(std::uint64_t epoch, std::size_t samples) {
   epoch_ = epoch;
   epoch_samples_ = samples;
   epoch_errors_ = 0;
+  reported_.clear();
 }
 
 void FaultLog::report(const SampleError& e) {
   std::lock_guard lock(mu_);
+  if (!e.stream && !reported_.emplace(e.batch, e.index).second) return;
   (e.action == SampleError::Action::Replaced ? counts_.replaced : counts_.skipped) += 1;
   switch (e.kind) {
     case SampleError::Kind::Data: ++counts_.data; break;

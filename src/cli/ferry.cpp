@@ -52,6 +52,11 @@ struct Flags {
   std::size_t batches = 0;  // 0: whole epochs
   int epochs = 1;
   double consumer_ms = 0;   // simulated training step per batch
+  std::string on_error = "raise";
+  std::size_t max_errors = 0;
+  double max_error_fraction = 0.1;
+  int timeout_ms = 0;
+  bool persistent = false;
 
   DataLoaderOptions options() const {
     DataLoaderOptions o;
@@ -68,6 +73,14 @@ struct Flags {
     o.shuffle = shuffle;
     o.drop_last = drop_last;
     o.seed = seed;
+    if (on_error == "raise") o.on_error = ferry::OnError::Raise;
+    else if (on_error == "skip") o.on_error = ferry::OnError::Skip;
+    else if (on_error == "replace") o.on_error = ferry::OnError::Replace;
+    else throw ferry::Error("--on-error must be raise, skip or replace, got '" + on_error + "'");
+    o.max_errors = max_errors;
+    o.max_error_fraction = max_error_fraction;
+    o.timeout = std::chrono::milliseconds(timeout_ms);
+    o.persistent_workers = persistent && workers > 0;
     return o;
   }
 };
@@ -88,6 +101,14 @@ void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("--shuffle", f.shuffle, "shuffle (map-style datasets)");
   app.add_flag("--drop-last", f.drop_last, "drop a last, smaller batch");
   app.add_option("--seed", f.seed, "seed of the shuffle and the augmentations");
+  app.add_option("--on-error", f.on_error, "what a damaged or stuck sample costs: raise (its batch), skip (itself), replace (nothing: another sample takes its row)")
+      ->check(CLI::IsMember({"raise", "skip", "replace"}));
+  app.add_option("--max-errors", f.max_errors, "skip/replace: more bad samples than this in an epoch is an error (0: no count limit)");
+  app.add_option("--max-error-fraction", f.max_error_fraction, "skip/replace: the same as a fraction of the epoch")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--timeout-ms", f.timeout_ms, "timeout: a batch stuck this long fails (or, with skip/replace, is made again without its stuck sample)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--persistent-workers", f.persistent, "keep the workers across epochs");
   app.add_option("-n,--batches", f.batches, "stop after this many batches (0: whole epochs)");
   app.add_option("--epochs", f.epochs, "epochs to run when --batches is 0")->check(CLI::PositiveNumber);
   app.add_option("--consumer-ms", f.consumer_ms, "simulated work per batch on the consumer, in ms (a training step)")
@@ -190,7 +211,10 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
           seen = 0;
           loader.reset_stats();
           t0 = Clock::now();
-          r = Run{};
+          Run fresh;  // the warm-up's errors stay counted
+          fresh.errors = r.errors;
+          fresh.first_error = r.first_error;
+          r = std::move(fresh);
         } else if (warm) {
           ++seen;
           if (!b.empty() && b[0].dim() > 0) r.samples += static_cast<std::uint64_t>(b[0].size(0));
@@ -209,6 +233,9 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
       if (f.batches > 0 && warm && seen >= f.batches) break;
     }
     if (f.batches > 0 && warm && seen >= f.batches) break;
+    if (!any && r.errors > 0)
+      throw ferry::Error("every batch failed (" + std::to_string(r.errors) + " data error" + (r.errors == 1 ? "" : "s") +
+                         "; --on-error skip or replace costs a bad sample only itself); the first: " + r.first_error);
     if (!any) throw ferry::Error("the dataset produced no batches (is it empty, or smaller than one batch with --drop-last?)");
   }
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -233,6 +260,9 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
           {"samples_per_second", r.samples_per_second()},
           {"mb_per_second", r.mb_per_second()},
           {"data_errors", r.errors},
+          {"faults",
+           {{"skipped", s.samples_skipped}, {"replaced", s.samples_replaced}, {"io_retries", s.io_retries},
+            {"timeouts", s.timeouts}, {"abandoned_workers", s.abandoned_workers}}},
           {"stage_seconds",
            {{"fetch", s.fetch_seconds}, {"transform", s.transform_seconds}, {"collate", s.collate_seconds},
             {"pin", s.pin_seconds}, {"copy", s.copy_seconds}, {"consumer_wait", s.wait_seconds}}},
@@ -249,7 +279,9 @@ void print_report(const Run& r, const Flags& f) {
               f.device >= 0 ? (", device cuda:" + std::to_string(f.device)).c_str() : "");
   std::printf("%.1f batches/s, %.0f samples/s, %.1f MB/s over %.2f s\n", r.stats.batches / std::max(r.seconds, 1e-9),
               r.samples_per_second(), r.mb_per_second(), r.seconds);
-  if (r.errors) std::printf("%llu bad samples skipped; the first: %s\n", static_cast<unsigned long long>(r.errors), r.first_error.c_str());
+  if (r.errors)
+    std::printf("%llu batch%s failed with bad data (--on-error skip or replace costs a bad sample only itself); the first: %s\n",
+                static_cast<unsigned long long>(r.errors), r.errors == 1 ? "" : "es", r.first_error.c_str());
   std::printf("%s", r.stats.report().c_str());
 }
 

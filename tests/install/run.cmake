@@ -19,3 +19,13 @@ message("${out}")
 if(rc)
   message(FATAL_ERROR "the consumer failed: ${rc}")
 endif()
+
+# The installed tool runs from the prefix, outside the system's library path (install RPATH).
+execute_process(COMMAND ${WORK}/prefix/${CMAKE_INSTALL_BINDIR_REL}/ferry list RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(rc)
+  message(FATAL_ERROR "the installed ferry tool does not run from its prefix: ${rc}\n${out}${err}")
+endif()
+string(FIND "${out}" "image_folder" found)
+if(found EQUAL -1)
+  message(FATAL_ERROR "the installed ferry tool ran but did not list the datasets:\n${out}")
+endif()

@@ -18,8 +18,8 @@
 // original nested). The iterator stays usable: advancing it goes on with the next batch. With
 // on_error = Skip or Replace a damaged sample costs only itself (ferry/core/faults.h).
 //
-// Timeouts: with `timeout` set, the consumer never waits longer than `timeout` for a batch held by
-// a stuck call: the stuck worker is abandoned (it keeps shared ownership of what it may touch and
+// Timeouts: with `timeout` set, no batch stays in a worker longer than `timeout` while the consumer
+// waits, even if a call never returns: the stuck worker is abandoned (it keeps shared ownership of what it may touch and
 // its late result is dropped), a fresh worker takes its slot, and the batch fails at its position
 // with ferry::TimeoutError naming worker, batch, sample, stage and time (or, with Skip/Replace, is
 // made again without the stuck sample). Streams cannot be read past a call that never returns:
@@ -80,8 +80,8 @@ struct DataLoaderOptions {
   /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning).
   int num_workers = 0;
   bool drop_last = false;
-  /// Longest wait for one batch; 0 waits forever. Needs num_workers > 0. A worker stuck longer
-  /// than this in one batch is abandoned and replaced (see "Timeouts" above).
+  /// Longest a batch may take in a worker while the consumer waits for data; 0: no limit. Needs
+  /// num_workers > 0. A worker stuck longer is abandoned and replaced (see "Timeouts" above).
   std::chrono::milliseconds timeout{0};
   /// What a damaged or stuck sample costs: its batch (Raise), itself (Skip: the batch comes one
   /// row short) or nothing (Replace: another sample of the epoch takes its row, by a rule of
@@ -823,10 +823,12 @@ class DataLoader {
         samples.reserve(opt.batch_size);
         st.positions.clear();
         ctx.stream_indices = st.positions;
-        // Skip: a batch spends batch_size records, good or bad. Replace: it reads on until full.
+        // Skip: a batch spends batch_size records, good or bad (reading on while it has none: an
+        // empty batch would read as the end of the stream). Replace: it reads on until full.
         std::size_t reads = 0, failures_in_a_row = 0;
         bool ended = false;
-        while (samples.size() < opt.batch_size && (opt.on_error != OnError::Skip || reads < opt.batch_size)) {
+        while (samples.size() < opt.batch_size &&
+               (opt.on_error != OnError::Skip || reads < opt.batch_size || samples.empty())) {
           if (ctx.cancelled()) return {};
           std::optional<Sample> s;
           const std::size_t position = st.read;

@@ -29,9 +29,10 @@
 // detached, and a fresh worker takes its slot. The abandoned thread holds shared ownership of
 // everything it may still touch: its control block, its task queue, the epoch (through its task)
 // and the loader's state (Producer::keep_alive()), so nothing is freed under it; if its call ever
-// returns it sees it was abandoned, drops its result and exits. Map-style: when the consumer has
-// waited `timeout` for batch k, the worker on k (and any other busy past `timeout`) is abandoned,
-// and its batch either fails at its position with TimeoutError, or, when the producer takes
+// returns it sees it was abandoned, drops its result and exits. Map-style: while the consumer
+// waits, every worker that has been on one batch for `timeout` is abandoned (a worker that started
+// its batch later gets its own full `timeout`: its current sample is not known to be stuck), and
+// its batch either fails at its position with TimeoutError, or, when the producer takes
 // skip/replace (EngineOptions::redispatch_stuck) and the stuck sample is known, is dispatched
 // again with that sample named in Job::stuck. Streams cannot be re-read past a call that has
 // not returned: there a timeout is raised as before and the stuck worker is abandoned when the

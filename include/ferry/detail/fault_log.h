@@ -12,6 +12,8 @@
 #include <exception>
 #include <functional>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -40,7 +42,8 @@ class FaultLog {
   void begin_epoch(std::uint64_t epoch, std::size_t samples);
   /// Records one skipped or replaced sample: counts it, keeps its message if among the first
   /// kFirst, calls the callback (one call at a time), then throws ferry::Error when the epoch's
-  /// limit is passed.
+  /// limit is passed. A batch made again after its worker was abandoned meets its bad samples a
+  /// second time: a map-style (batch, index) already reported this epoch is not reported again.
   void report(const SampleError& e);
   void count_retry() noexcept { retries_.fetch_add(1, std::memory_order_relaxed); }
   bool is_stuck(std::size_t index) const;
@@ -60,6 +63,7 @@ class FaultLog {
   std::size_t epoch_samples_ = 0, epoch_errors_ = 0;
   std::atomic<bool> any_stuck_{false};
   std::unordered_set<std::size_t> stuck_;
+  std::set<std::pair<std::int64_t, std::size_t>> reported_;  // this epoch's (batch, index), map-style
 };
 
 /// Whether `e` is a transient I/O error worth retrying (IoError::transient(), or a std::system_error

@@ -37,6 +37,11 @@ struct LabeledBatch {
     image = ctx.pin(image);
     label = ctx.pin(label);
   }
+  /// Keeps the first `rows` rows (views of the same buffers); used by on_error = Skip.
+  void truncate_rows(std::size_t rows) {
+    image = image.narrow(0, static_cast<std::int64_t>(rows));
+    label = label.narrow(0, static_cast<std::int64_t>(rows));
+  }
 };
 
 template <>

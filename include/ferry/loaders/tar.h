@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <exception>
 #include <optional>
 #include <span>
 #include <string>
@@ -101,6 +102,7 @@ class TarShards : public DatasetBase<TarShards> {
     std::size_t current_ = 0;
     std::optional<TarReader> reader_;
     std::optional<TarMember> pending_;  // first member of the next record
+    std::exception_ptr deferred_;        // a damaged member met after a complete record: thrown next
   };
   /// The stream of `worker`'s shards for this rank and the worker's epoch.
   Stream open(const WorkerInfo& worker) const;
