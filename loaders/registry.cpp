@@ -6,6 +6,7 @@
 #include <cstring>
 #include <sstream>
 
+#include "ferry/core/faults.h"
 #include "ferry/loaders/idx.h"
 #include "ferry/loaders/image.h"
 #include "ferry/loaders/npy.h"
@@ -55,7 +56,8 @@ DType parse_dtype(const DatasetConfig& c, const std::string& name) {
   throw Error("dataset '" + c.dataset() + "': option 'dtype' is not a dtype: '" + name + "'");
 }
 
-// A synthetic dataset: sample i is a tensor whose bytes are (i + k) mod 251, and label i mod 10.
+// A synthetic dataset: sample i is a tensor whose every byte is i mod 251 (one memset: the loader
+// is measured, not the pattern), and label i mod 10.
 struct Synthetic {
   std::size_t n;
   DType dtype;
@@ -63,8 +65,7 @@ struct Synthetic {
   std::size_t size() const { return n; }
   std::vector<Tensor> get(std::size_t i) const {
     Tensor t = Tensor::empty(dtype, shape);
-    auto* p = static_cast<std::uint8_t*>(t.raw());
-    for (std::size_t k = 0; k < t.nbytes(); ++k) p[k] = static_cast<std::uint8_t>((i + k) % 251);
+    std::memset(t.raw(), static_cast<int>(i % 251), t.nbytes());
     return {t, Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(i % 10))};
   }
 };
@@ -101,9 +102,18 @@ void add_builtins(DatasetRegistry& r) {
     const std::int64_t n = c.integer("n", 10000);
     if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
     Synthetic d{static_cast<std::size_t>(n), parse_dtype(c, c.str("dtype", "uint8")), parse_shape(c, c.str("shape", "3x224x224"))};
+    FaultOptions f;  // ferry::FaultInjector, to try a pipeline's fault handling from the command line
+    f.seed = static_cast<std::uint64_t>(c.integer("fault_seed", 0));
+    f.throw_rate = parse_float(c, "throw_rate", c.str("throw_rate", "0"));
+    f.delay_rate = parse_float(c, "delay_rate", c.str("delay_rate", "0"));
+    f.delay = std::chrono::milliseconds(c.integer("delay_ms", 0));
     c.finish();
+    for (double rate : {f.throw_rate, f.delay_rate})
+      if (!(rate >= 0 && rate <= 1)) throw Error("dataset 'synthetic': throw_rate and delay_rate must be in [0, 1]");
+    if (f.throw_rate > 0 || f.delay_rate > 0) return DynamicDataset(FaultInjector(std::move(d), std::move(f)));
     return DynamicDataset(std::move(d));
-  }, "in-memory patterns: n=10000, shape=3x224x224, dtype=uint8");
+  }, "in-memory patterns: n=10000, shape=3x224x224, dtype=uint8; injected faults (ferry::FaultInjector): "
+     "throw_rate=0, delay_rate=0, delay_ms=0, fault_seed=0");
 }
 
 // --- plugins ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ namespace ferry {
 
 struct TarReader::Impl {
   std::string name;
+  std::string last_path;
   int fd = -1;
   std::uint64_t size = 0;  // archive size in bytes
   std::span<const std::byte> mem;
@@ -175,6 +176,7 @@ TarReader::~TarReader() = default;
 TarReader::TarReader(TarReader&&) noexcept = default;
 TarReader& TarReader::operator=(TarReader&&) noexcept = default;
 const std::string& TarReader::name() const noexcept { return impl_->name; }
+const std::string& TarReader::last_path() const noexcept { return impl_->last_path; }
 
 std::optional<TarMember> TarReader::next() {
   Impl& r = *impl_;
@@ -182,6 +184,7 @@ std::optional<TarMember> TarReader::next() {
   std::optional<std::uint64_t> pax_size;
   while (!r.done) {
     const std::uint64_t at = r.offset;
+    r.last_path.clear();
     std::byte h[512];
     const std::size_t n = r.read(h, 512);
     if (n == 0) break;  // no end-of-archive blocks: accepted
@@ -206,6 +209,7 @@ std::optional<TarMember> TarReader::next() {
     }
     if (!pax_path.empty()) path = pax_path;
     else if (!long_name.empty()) path = long_name;
+    r.last_path = path;
     if (size > r.remaining())
       r.fail(at, "truncated member '" + path + "': it needs " + std::to_string(size) + " bytes, the archive has " +
                      std::to_string(r.remaining()) + " left");
@@ -298,8 +302,12 @@ std::optional<TarRecord> TarShards::Stream::next() {
         try {
           m = reader_->next();
         } catch (...) {
-          // The record before a damaged member is complete: deliver it; the error comes next call
-          // (a damaged member costs its own record, and the rest of a shard that cannot be parsed).
+          // A damaged member of another record: the record in hand is complete, so deliver it and
+          // raise the error on the next call (a damaged member costs its own record, and the rest
+          // of a shard that cannot be parsed). A damaged header names no member: the record in
+          // hand may be incomplete, so it fails with the error.
+          const auto damaged = split_key(reader_->last_path());
+          if (!damaged || damaged->first == rec.key) throw;
           deferred_ = std::current_exception();
           reader_.reset();
           ++current_;

@@ -221,11 +221,12 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
           for (const Tensor& t : b) r.bytes += t.nbytes();
         }
         if (f.consumer_ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(f.consumer_ms));
+        ++it;
       } catch (const ferry::DataError& e) {
+        // The failed batch is consumed: the iterator already stands on the next one (no ++it).
         ++r.errors;
         if (r.first_error.empty()) r.first_error = e.what();
       }
-      ++it;
       if (progress && Clock::now() - last_print > std::chrono::milliseconds(250)) {
         last_print = Clock::now();
         print(false);

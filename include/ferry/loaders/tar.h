@@ -61,6 +61,9 @@ class TarReader {
   TarReader& operator=(TarReader&&) noexcept;
   /// The next regular file, or nullopt at the end of the archive. DataError on damage.
   std::optional<TarMember> next();
+  /// The path named by the last header read, or empty when next() failed before it could read
+  /// one (a damaged header): after a DataError, which member was damaged, if known.
+  const std::string& last_path() const noexcept;
   const std::string& name() const noexcept;
 
  private:
