@@ -302,6 +302,101 @@ Tensor ImageTransform::operator()(const Tensor& image, Generator& rng) const {
   return out;
 }
 
+namespace {
+
+// The sampling grid, scales and rounding of the pass being built; see Note [Fused transforms].
+struct PassState {
+  Axis ay, ax;
+  std::vector<float> a, b;  // the final write: a[c] * v + b[c]
+  bool seen_float = false;
+  bool round = false;       // resampling uint8 data rounds (until to_float)
+};
+
+// Runs the steps over `st`. A second resize (or one of a padded window) cannot be folded into the
+// pass: then `materialize(st)` must write the pass so far to an intermediate image and reset the
+// axes to it, or return false to give up (walk_steps then returns false).
+template <class Materialize>
+bool walk_steps(const std::vector<ImageTransform::Step>& steps, PassState& st, std::int64_t C, bool uint8_input,
+                Generator& rng, Materialize&& materialize) {
+  using Step = ImageTransform::Step;
+  auto resize = [&](std::int64_t h, std::int64_t w) {
+    if (st.ay.resized || st.ax.resized || st.ay.padded || st.ax.padded)
+      if (!materialize(st)) return false;
+    st.ay.resize(h);
+    st.ax.resize(w);
+    return true;
+  };
+  for (const Step& s : steps) {
+    switch (s.kind) {
+      case Step::Kind::Resize:
+        if (!resize(s.height, s.width)) return false;
+        break;
+      case Step::Kind::ResizeShorter: {
+        auto [h, w] = shorter_side(st.ay.N, st.ax.N, s.height);
+        if (!resize(h, w)) return false;
+        break;
+      }
+      case Step::Kind::CenterCrop:
+        st.ay.crop(center_offset(st.ay.N, s.height), s.height);
+        st.ax.crop(center_offset(st.ax.N, s.width), s.width);
+        break;
+      case Step::Kind::RandomResizedCrop: {
+        auto [top, left, h, w] = rrc_box(st.ay.N, st.ax.N, s, rng);
+        st.ay.crop(top, h);
+        st.ax.crop(left, w);
+        if (!resize(s.height, s.width)) return false;
+        break;
+      }
+      case Step::Kind::Flip:
+        if (rng.bernoulli(s.p)) st.ax.flip = !st.ax.flip;
+        break;
+      case Step::Kind::ToFloat:
+        // A resize already in this pass happened on uint8 data and keeps its rounding; a later one
+        // in a new pass works in float.
+        if (uint8_input) std::fill(st.a.begin(), st.a.end(), 1.f / 255.f);
+        st.seen_float = true;
+        if (!st.ay.resized && !st.ax.resized) st.round = false;
+        break;
+      case Step::Kind::Normalize:
+        if (s.mean.size() != 1 && static_cast<std::int64_t>(s.mean.size()) != C)
+          throw Error("ImageTransform::normalize: " + std::to_string(s.mean.size()) + " means for an image of " +
+                      std::to_string(C) + " channels");
+        for (std::int64_t c = 0; c < C; ++c) {
+          const std::size_t k = s.mean.size() == 1 ? 0 : static_cast<std::size_t>(c);
+          st.a[static_cast<std::size_t>(c)] /= s.std[k];
+          st.b[static_cast<std::size_t>(c)] = (st.b[static_cast<std::size_t>(c)] - s.mean[k]) / s.std[k];
+        }
+        break;
+    }
+  }
+  return true;
+}
+
+ImagePassPlan::Axis plan_axis(const Axis& a) { return {a.c0, a.L0, a.R, a.c1, a.N, a.resized, a.flip}; }
+
+}  // namespace
+
+std::optional<ImagePassPlan> ImageTransform::plan(std::int64_t height, std::int64_t width, std::int64_t channels,
+                                                  Generator& rng) const {
+  if (height <= 0 || width <= 0 || channels < 1 || channels > ImagePassPlan::kMaxChannels)
+    throw Error("ImageTransform::plan: bad image size " + std::to_string(height) + "x" + std::to_string(width) + "x" +
+                std::to_string(channels));
+  PassState st{Axis::identity(height), Axis::identity(width), std::vector<float>(static_cast<std::size_t>(channels), 1.f),
+               std::vector<float>(static_cast<std::size_t>(channels), 0.f), false, true};
+  if (!walk_steps(steps_, st, channels, true, rng, [](PassState&) { return false; })) return std::nullopt;
+  ImagePassPlan p;
+  p.y = plan_axis(st.ay);
+  p.x = plan_axis(st.ax);
+  p.channels = channels;
+  p.round = st.round;
+  p.to_float = float_;
+  for (std::int64_t c = 0; c < channels; ++c) {
+    p.a[c] = st.a[static_cast<std::size_t>(c)];
+    p.b[c] = st.b[static_cast<std::size_t>(c)];
+  }
+  return p;
+}
+
 void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generator& rng) const {
   Image in = image_of(image);
   const Shape want = output_shape(in.h, in.w, image.dim() == 3 ? in.c : 0);
@@ -310,82 +405,38 @@ void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generato
                 dtype_name(output_dtype(image.dtype())) + " " + shape_str(want) + " for input " + image.str());
   const std::int64_t C = in.c;
   // Final per-channel multiply-add; values keep the input's scale until then.
-  std::vector<float> a(static_cast<std::size_t>(C), 1.f), b(static_cast<std::size_t>(C), 0.f);
-  Axis ay = Axis::identity(in.h), ax = Axis::identity(in.w);
-  bool seen_float = false;
-  bool round = in.dtype == DType::UInt8;  // resampling uint8 data rounds (until to_float)
+  PassState st{Axis::identity(in.h), Axis::identity(in.w), std::vector<float>(static_cast<std::size_t>(C), 1.f),
+               std::vector<float>(static_cast<std::size_t>(C), 0.f), false, in.dtype == DType::UInt8};
   std::vector<std::byte> scratch[2];
   int which = 0;
-  auto materialize = [&] {
+  auto materialize = [&](PassState& p) {
     // Write the pass so far to an intermediate HWC image and continue from it.
-    const bool as_float = in.dtype == DType::Float32 || !round;
+    const bool as_float = in.dtype == DType::Float32 || !p.round;
     std::vector<std::byte>& buf = scratch[which ^= 1];
-    buf.resize(static_cast<std::size_t>(ay.N * ax.N * C) * (as_float ? 4 : 1));
+    buf.resize(static_cast<std::size_t>(p.ay.N * p.ax.N * C) * (as_float ? 4 : 1));
     const std::vector<float> one(static_cast<std::size_t>(C), 1.f), zero(static_cast<std::size_t>(C), 0.f);
     if (in.dtype == DType::UInt8) {
-      if (as_float) run_pass<std::uint8_t, float>(in, ay, ax, reinterpret_cast<float*>(buf.data()), false, round, one.data(), zero.data());
-      else run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, reinterpret_cast<std::uint8_t*>(buf.data()), false, round, one.data(), zero.data());
+      if (as_float) run_pass<std::uint8_t, float>(in, p.ay, p.ax, reinterpret_cast<float*>(buf.data()), false, p.round, one.data(), zero.data());
+      else run_pass<std::uint8_t, std::uint8_t>(in, p.ay, p.ax, reinterpret_cast<std::uint8_t*>(buf.data()), false, p.round, one.data(), zero.data());
     } else {
-      run_pass<float, float>(in, ay, ax, reinterpret_cast<float*>(buf.data()), false, false, one.data(), zero.data());
+      run_pass<float, float>(in, p.ay, p.ax, reinterpret_cast<float*>(buf.data()), false, false, one.data(), zero.data());
     }
-    in = {buf.data(), as_float ? DType::Float32 : DType::UInt8, ay.N, ax.N, C};
-    round = in.dtype == DType::UInt8 && !seen_float;
-    ay = Axis::identity(in.h);
-    ax = Axis::identity(in.w);
+    in = {buf.data(), as_float ? DType::Float32 : DType::UInt8, p.ay.N, p.ax.N, C};
+    p.round = in.dtype == DType::UInt8 && !p.seen_float;
+    p.ay = Axis::identity(in.h);
+    p.ax = Axis::identity(in.w);
+    return true;
   };
-  auto resize = [&](std::int64_t h, std::int64_t w) {
-    if (ay.resized || ax.resized || ay.padded || ax.padded) materialize();
-    ay.resize(h);
-    ax.resize(w);
-  };
-  for (const Step& s : steps_) {
-    switch (s.kind) {
-      case Step::Kind::Resize: resize(s.height, s.width); break;
-      case Step::Kind::ResizeShorter: {
-        auto [h, w] = shorter_side(ay.N, ax.N, s.height);
-        resize(h, w);
-        break;
-      }
-      case Step::Kind::CenterCrop:
-        ay.crop(center_offset(ay.N, s.height), s.height);
-        ax.crop(center_offset(ax.N, s.width), s.width);
-        break;
-      case Step::Kind::RandomResizedCrop: {
-        auto [top, left, h, w] = rrc_box(ay.N, ax.N, s, rng);
-        ay.crop(top, h);
-        ax.crop(left, w);
-        resize(s.height, s.width);
-        break;
-      }
-      case Step::Kind::Flip:
-        if (rng.bernoulli(s.p)) ax.flip = !ax.flip;
-        break;
-      case Step::Kind::ToFloat:
-        // A resize already in this pass happened on uint8 data and keeps its rounding; a later one
-        // in a new pass works in float.
-        if (image.dtype() == DType::UInt8) std::fill(a.begin(), a.end(), 1.f / 255.f);
-        seen_float = true;
-        if (!ay.resized && !ax.resized) round = false;
-        break;
-      case Step::Kind::Normalize:
-        if (s.mean.size() != 1 && static_cast<std::int64_t>(s.mean.size()) != C)
-          throw Error("ImageTransform::normalize: " + std::to_string(s.mean.size()) + " means for an image of " +
-                      std::to_string(C) + " channels");
-        for (std::int64_t c = 0; c < C; ++c) {
-          const std::size_t k = s.mean.size() == 1 ? 0 : static_cast<std::size_t>(c);
-          a[static_cast<std::size_t>(c)] /= s.std[k];
-          b[static_cast<std::size_t>(c)] = (b[static_cast<std::size_t>(c)] - s.mean[k]) / s.std[k];
-        }
-        break;
-    }
-  }
+  walk_steps(steps_, st, C, image.dtype() == DType::UInt8, rng, materialize);
+  const float* a = st.a.data();
+  const float* b = st.b.data();
   if (float_) {
-    if (in.dtype == DType::UInt8) run_pass<std::uint8_t, float>(in, ay, ax, out.data<float>(), true, round, a.data(), b.data());
-    else run_pass<float, float>(in, ay, ax, out.data<float>(), true, false, a.data(), b.data());
+    if (in.dtype == DType::UInt8) run_pass<std::uint8_t, float>(in, st.ay, st.ax, out.data<float>(), true, st.round, a, b);
+    else run_pass<float, float>(in, st.ay, st.ax, out.data<float>(), true, false, a, b);
   } else if (in.dtype == DType::UInt8) {
-    run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, out.data<std::uint8_t>(), false, true, a.data(), b.data());
+    run_pass<std::uint8_t, std::uint8_t>(in, st.ay, st.ax, out.data<std::uint8_t>(), false, true, a, b);
   } else {
-    run_pass<float, float>(in, ay, ax, out.data<float>(), false, false, a.data(), b.data());
+    run_pass<float, float>(in, st.ay, st.ax, out.data<float>(), false, false, a, b);
   }
 }
 

@@ -156,3 +156,51 @@ TEST_CASE("transform shapes and errors", "[errors][transforms]") {
   CHECK_THROWS_WITH(ImageTransform().resize(2, 2).apply_into(input(), wrong, g), Catch::Contains("does not match"));
   CHECK_THROWS_WITH(ImageTransform().resize(2, 2)(Tensor::empty(DType::Int32, {2, 2}), g), Catch::Contains("uint8 or float32"));
 }
+
+#include "ferry/detail/pass_math.h"
+
+TEST_CASE("a transform's single-pass plan, evaluated per pixel, equals apply_into bit for bit", "[unit][transforms][plan]") {
+  // The device kernel of GPU decode evaluates the plan with ferry/detail/pass_math.h; on the same
+  // decoded pixels it must give what the CPU path gives, with the same random crop and flip.
+  std::vector<std::pair<std::string, ImageTransform>> transforms;
+  transforms.emplace_back("train", ImageTransform().random_resized_crop(24, 20).horizontal_flip().to_float().normalize(
+                                       {0.45f}, {0.226f}));
+  transforms.emplace_back("train uint8", ImageTransform().random_resized_crop(16, 16).horizontal_flip());
+  transforms.emplace_back("eval", ImageTransform().resize_shorter(18).center_crop(16, 16).to_float());
+  transforms.emplace_back("upscale + pad", ImageTransform().center_crop(40, 44).horizontal_flip(1.0).to_float());
+  for (auto& [name, t] : transforms) {
+    for (int channels : {1, 3}) {
+      for (std::uint64_t seed = 0; seed < 40; ++seed) {
+        INFO(name << ", channels " << channels << ", seed " << seed);
+        Generator shape_rng(seed, 99);
+        const std::int64_t H = 20 + static_cast<std::int64_t>(shape_rng.randint(40)), W = 20 + static_cast<std::int64_t>(shape_rng.randint(40));
+        Tensor img = Tensor::empty(DType::UInt8, {H, W, channels});
+        for (std::int64_t k = 0; k < img.numel(); ++k) img.data<std::uint8_t>()[k] = static_cast<std::uint8_t>(shape_rng.randint(256));
+        Generator g1(seed, 1, 2), g2(seed, 1, 2);
+        const Tensor want = t(img, g1);
+        const std::optional<ImagePassPlan> plan = t.plan(H, W, channels, g2);
+        REQUIRE(plan);
+        const detail::PassAxis ay = detail::pass_axis(plan->y), ax = detail::pass_axis(plan->x);
+        const std::int64_t OH = ay.N, OW = ax.N;
+        REQUIRE(want.numel() == OH * OW * channels);
+        std::size_t mismatches = 0;
+        for (std::int64_t y = 0; y < OH; ++y)
+          for (std::int64_t x = 0; x < OW; ++x)
+            for (int c = 0; c < channels; ++c) {
+              const float v = detail::pass_value(img.data<std::uint8_t>(), W * channels, channels, detail::pass_tap(ay, y),
+                                                 detail::pass_tap(ax, x), c, plan->round);
+              if (plan->to_float) {
+                const float got = plan->a[c] * v + plan->b[c];
+                mismatches += got != want.data<float>()[(c * OH + y) * OW + x];
+              } else {
+                mismatches += detail::pass_store_u8(v, plan->a[c], plan->b[c]) != want.data<std::uint8_t>()[(y * OW + x) * channels + c];
+              }
+            }
+        REQUIRE(mismatches == 0);
+      }
+    }
+  }
+  // Two resizes cannot be one pass: no plan.
+  Generator g(0);
+  CHECK_FALSE(ImageTransform().resize(30, 30).resize(10, 10).plan(40, 40, 3, g));
+}

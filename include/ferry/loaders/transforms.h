@@ -38,6 +38,23 @@
 
 namespace ferry {
 
+/// One sample's transform as a single bilinear pass from a uint8 HWC image: the sampling grid of
+/// each axis (Note [Fused transforms] in loaders/transforms.cpp), whether the interpolated value is
+/// rounded (a resize of uint8 data before to_float), and the final per-channel a * v + b. What a
+/// device kernel needs to reproduce apply_into() exactly; ferry/detail/pass_math.h evaluates it.
+struct ImagePassPlan {
+  static constexpr int kMaxChannels = 4;
+  struct Axis {
+    std::int64_t c0 = 0, L0 = 0, R = 0, c1 = 0, N = 0;
+    bool resized = false, flip = false;
+  };
+  Axis y, x;
+  std::int64_t channels = 3;
+  bool round = false;
+  bool to_float = false;  ///< output float32 CHW; otherwise uint8 HWC
+  float a[kMaxChannels] = {1, 1, 1, 1}, b[kMaxChannels] = {0, 0, 0, 0};
+};
+
 class ImageTransform {
  public:
   /// Resizes to exactly height x width.
@@ -68,6 +85,10 @@ class ImageTransform {
   /// "random_resized_crop(224x224) -> horizontal_flip(0.5) -> to_float".
   std::string str() const;
 
+  /// The single-pass plan of one uint8 image of height x width x channels, drawing the random
+  /// choices (crop box, flip) from `rng` exactly as apply_into() does; nullopt when the steps need
+  /// more than one pass (two resizes, or a resize after a padding crop).
+  std::optional<ImagePassPlan> plan(std::int64_t height, std::int64_t width, std::int64_t channels, Generator& rng) const;
   /// Applies the steps to `image` ([H, W, C] or [H, W], uint8 or float32, host memory).
   Tensor operator()(const Tensor& image, Generator& rng) const;
   /// The same, written into `out` (host memory, output_shape() and output_dtype() of the input;

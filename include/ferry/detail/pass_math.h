@@ -1,0 +1,76 @@
+// ferry/detail/pass_math.h — one output value of an ImagePassPlan, for host and device code.
+//
+// The same arithmetic as the CPU pass in loaders/transforms.cpp (taps with half-pixel centres
+// as ATen's area_pixel_compute_source_index, two lerps, round half to even, one multiply-add),
+// written per output pixel so a CUDA kernel can evaluate it. Compiled for the device without
+// fused multiply-add contraction (-fmad=false), it gives the CPU pass's values bit for bit on the
+// same decoded pixels (tests/loaders/test_transforms.cpp checks the host side against
+// apply_into). Not for direct use.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "ferry/loaders/transforms.h"
+
+#if defined(__CUDACC__)
+#define FERRY_HD __host__ __device__
+#else
+#define FERRY_HD
+#endif
+
+namespace ferry::detail {
+
+/// Plain-old-data copy of ImagePassPlan::Axis for device code.
+struct PassAxis {
+  std::int64_t c0, L0, R, c1, N;
+  int resized, flip;
+};
+
+/// Source taps of output index k: i0 < 0 means padding (the value is 0).
+struct PassTap {
+  std::int64_t i0, i1;
+  float w;
+};
+
+FERRY_HD inline PassTap pass_tap(const PassAxis& a, std::int64_t k) {
+  const std::int64_t j = a.c1 + (a.flip ? a.N - 1 - k : k);
+  if (j < 0 || j >= a.R) return {-1, -1, 0.f};
+  if (!a.resized) return {a.c0 + j, a.c0 + j, 0.f};
+  const float scale = static_cast<float>(a.L0) / static_cast<float>(a.R);
+  float x = scale * (static_cast<float>(j) + 0.5f) - 0.5f;
+  if (x < 0) x = 0;
+  const auto i0 = static_cast<std::int64_t>(x);
+  const std::int64_t i1 = i0 + (i0 < a.L0 - 1 ? 1 : 0);
+  return {a.c0 + i0, a.c0 + i1, x - static_cast<float>(i0)};
+}
+
+/// The value before the final multiply-add at output (ty, tx), channel c, of an HWC uint8 image
+/// `src` with row pitch `pitch` bytes and C channels.
+FERRY_HD inline float pass_value(const std::uint8_t* src, std::int64_t pitch, int C, const PassTap& ty, const PassTap& tx, int c,
+                                 bool round) {
+  if (ty.i0 < 0 || tx.i0 < 0) return 0.f;
+  const std::uint8_t* row0 = src + ty.i0 * pitch;
+  const std::uint8_t* row1 = src + ty.i1 * pitch;
+  const float p00 = row0[tx.i0 * C + c], p01 = row0[tx.i1 * C + c];
+  const float p10 = row1[tx.i0 * C + c], p11 = row1[tx.i1 * C + c];
+  const float top = p00 + (p01 - p00) * tx.w, bottom = p10 + (p11 - p10) * tx.w;
+  float v = top + (bottom - top) * ty.w;
+#if defined(__CUDA_ARCH__)
+  if (round) v = rintf(v);
+#else
+  if (round) v = std::nearbyint(v);
+#endif
+  return v;
+}
+
+/// The stored uint8 value (HWC output without to_float).
+FERRY_HD inline std::uint8_t pass_store_u8(float v, float a, float b) {
+  v = a * v + b;
+  v = v < 0.f ? 0.f : (v > 255.f ? 255.f : v);
+  return static_cast<std::uint8_t>(v);
+}
+
+inline PassAxis pass_axis(const ImagePassPlan::Axis& a) { return {a.c0, a.L0, a.R, a.c1, a.N, a.resized ? 1 : 0, a.flip ? 1 : 0}; }
+
+}  // namespace ferry::detail
