@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <system_error>
 
+#include "ferry/detail/pass_math.h"
 #include "io.h"
 
 namespace ferry {
@@ -242,6 +243,21 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
     for (auto& [folder, name] : found)
       files_.push_back({(fs::path(folder) / name).string(), static_cast<std::int64_t>(label)});
   }
+  if (decodes_on_device()) {
+    if (options_.channels != 3) throw Error("ImageFolder: decode=gpu produces RGB: channels must be 3, got " + std::to_string(options_.channels));
+    Generator probe(0);
+    if (!options_.transform.fixed_output_shape(3) || !options_.transform.plan(256, 256, 3, probe))
+      throw Error("ImageFolder: decode=gpu needs a transform that runs as one pass and ends in a fixed size (crops, "
+                  "flips, one resize, to_float, normalize), got " + options_.transform.str());
+    std::size_t largest = 0;
+    for (const File& f : files_) {
+      std::error_code fec;
+      const auto n = fs::file_size(f.path, fec);
+      if (fec) fs_fail(f.path, "cannot read the size of", fec);
+      largest = std::max<std::size_t>(largest, static_cast<std::size_t>(n));
+    }
+    slot_ = (largest + 63) / 64 * 64;
+  }
 }
 
 LabeledSample ImageFolder::get(std::size_t i, SampleContext& ctx) const {
@@ -257,6 +273,13 @@ LabeledSample ImageFolder::get(std::size_t i, SampleContext& ctx) const {
 }
 
 LabeledBatch ImageFolder::make_batch(std::size_t rows, BatchAllocator& allocator) const {
+  if (decodes_on_device()) {
+    LabeledBatch b;
+    b.label = empty(DType::Int64, {static_cast<std::int64_t>(rows)}, allocator);
+    b.encoded = empty(DType::UInt8, {static_cast<std::int64_t>(std::max<std::size_t>(rows * slot_, 1))}, allocator);
+    b.encoded_index = empty(DType::Int64, {static_cast<std::int64_t>(rows), detail::kEncodedIndexWords}, allocator);
+    return b;
+  }
   std::optional<Shape> shape = options_.transform.fixed_output_shape(options_.channels);
   if (!shape)
     throw Error("ImageFolder: batching needs a transform that ends in a fixed size (resize(h, w), center_crop or "
@@ -266,7 +289,58 @@ LabeledBatch ImageFolder::make_batch(std::size_t rows, BatchAllocator& allocator
           empty(DType::Int64, {static_cast<std::int64_t>(rows)}, allocator)};
 }
 
+void ImageFolder::get_encoded(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const {
+  const File& f = files_.at(i);
+  Scratch& s = scratch();
+  loaders::read_file(f.path, s.file);
+  const ImageFormat format = sniff_image(s.file);
+  if (format != ImageFormat::Jpeg)
+    throw DataError(f.path, DataError::kNoOffset,
+                    std::string("decode=gpu takes JPEG files only; this is ") + (format == ImageFormat::Png ? "a PNG" : "not a JPEG"));
+  int w = 0, h = 0, subsampling = 0, colorspace = 0;
+  tjhandle tj = thread_decoder();
+  if (tjDecompressHeader3(tj, reinterpret_cast<const unsigned char*>(s.file.data()), static_cast<unsigned long>(s.file.size()), &w,
+                          &h, &subsampling, &colorspace) != 0) {
+    const std::string why = tjGetErrorStr2(tj);
+    discard_thread_decoder();
+    throw DataError(f.path, DataError::kNoOffset, "corrupt JPEG header: " + why);
+  }
+  if (w <= 0 || h <= 0 || static_cast<std::int64_t>(w) * h > options_.max_pixels)
+    throw DataError(f.path, DataError::kNoOffset, "image of " + std::to_string(w) + "x" + std::to_string(h) + " pixels is refused (max_pixels)");
+  if (s.file.size() > slot_) throw DataError(f.path, DataError::kNoOffset, "the file grew after the folder was scanned");
+  std::memcpy(batch.encoded.data<std::uint8_t>() + row * slot_, s.file.data(), s.file.size());
+  const Stage prev = ctx.enter(Stage::Transform);
+  const std::optional<ImagePassPlan> plan = options_.transform.plan(h, w, 3, ctx.rng());
+  ctx.enter(prev);
+  if (!plan) throw Error("ImageFolder: the transform needs two passes for " + f.path);
+  std::int64_t* r = batch.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(row) * detail::kEncodedIndexWords;
+  std::fill(r, r + detail::kEncodedIndexWords, 0);
+  auto axis = [](std::int64_t* at, const ImagePassPlan::Axis& a) {
+    at[0] = a.c0, at[1] = a.L0, at[2] = a.R, at[3] = a.c1, at[4] = a.N, at[5] = a.resized, at[6] = a.flip;
+  };
+  auto bits = [](float v) {
+    std::int32_t b;
+    std::memcpy(&b, &v, sizeof b);
+    return static_cast<std::int64_t>(b);
+  };
+  r[0] = static_cast<std::int64_t>(row * slot_);
+  r[1] = static_cast<std::int64_t>(s.file.size());
+  r[2] = h;
+  r[3] = w;
+  axis(r + 4, plan->y);
+  axis(r + 11, plan->x);
+  r[18] = plan->channels;
+  r[19] = plan->round;
+  r[20] = plan->to_float;
+  for (int c = 0; c < 4; ++c) {
+    r[21 + c] = bits(plan->a[c]);
+    r[25 + c] = bits(plan->b[c]);
+  }
+  batch.label.data<std::int64_t>()[row] = f.label;
+}
+
 void ImageFolder::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const {
+  if (decodes_on_device()) return get_encoded(i, batch, row, ctx);
   const File& f = files_.at(i);
   Scratch& s = scratch();
   loaders::read_file(f.path, s.file);

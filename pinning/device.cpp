@@ -8,7 +8,9 @@
 
 #include "ferry/collate/collate.h"
 #include "ferry/detail/engine.h"
+#include "ferry/detail/pass_math.h"
 #include "ferry/pinning/fence.h"
+#include "gpu_decode.h"
 
 namespace ferry {
 
@@ -60,6 +62,39 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   // Start events and completion fences of copies whose GPU time is not yet counted.
   std::deque<std::pair<cuda::Event, std::shared_ptr<EventFence>>> timings;
   std::vector<cuda::Event> spare_starts;  // start events whose copies were counted
+  // GPU decode (decode_images): the decoder, made on first use, and the batch's decodes.
+  struct PendingDecode {
+    Tensor bytes, index;
+    const std::int64_t* index_dev;
+    std::size_t out_off;
+  };
+  std::unique_ptr<detail::GpuJpegDecoder> decoder;
+  std::vector<PendingDecode> decodes;
+
+  Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_dev) {
+    if (!cur) throw Error("DeviceStage::decode_images: no batch begun");
+    if (!detail::gpu_decode_built())
+      throw CudaError("DeviceStage: GPU decode needs nvJPEG, and this build of ferry was made without it (CMake did not find "
+                      "nvjpeg.h and libnvjpeg: scripts/install-deps.sh installs them where the CUDA Toolkit lacks them)");
+    if (!bytes.defined() || bytes.dtype() != DType::UInt8 || !bytes.is_pinned() || !index.defined() ||
+        index.dtype() != DType::Int64 || index.dim() != 2 || index.size(1) != detail::kEncodedIndexWords || !index.is_pinned() ||
+        !index_dev.defined() || index_dev.device().kind != MemoryKind::Device)
+      throw Error("DeviceStage::decode_images: expected pinned uint8 bytes, a pinned int64 [B, " +
+                  std::to_string(detail::kEncodedIndexWords) + "] index and its device copy; got " + bytes.str() + ", " +
+                  index.str() + ", " + index_dev.str());
+    if (!decoder) decoder = detail::make_gpu_jpeg_decoder(opt.device);
+    const std::size_t bytes_out = DeviceStage::decoded_bytes(index);
+    if (used + align_up(bytes_out) > cur_size) throw Error("DeviceStage::decode_images: more than begin() reserved");
+    const std::int64_t* row = index.data<std::int64_t>();
+    const std::int64_t rows = index.size(0), OH = row[8], OW = row[15], C = row[18];
+    const bool to_float = row[20] != 0;
+    const Shape shape = to_float ? Shape{rows, C, OH, OW} : Shape{rows, OH, OW, C};
+    Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), to_float ? DType::Float32 : DType::UInt8,
+               shape, used);
+    decodes.push_back({bytes, index, index_dev.data<std::int64_t>(), used});
+    used += align_up(bytes_out);
+    return out;
+  }
 
   void begin(std::size_t bytes) {
     if (cur) throw Error("DeviceStage::begin: the previous batch was not ended");
@@ -141,6 +176,13 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
 
   std::shared_ptr<const EventFence> end() {
     if (!cur) throw Error("DeviceStage::end: no batch begun");
+    std::exception_ptr decode_error;
+    try {
+      // Each image's place in the decode scratch goes into the host index before it is copied.
+      for (PendingDecode& d : decodes) decoder->prepare(d.index.data<std::int64_t>(), static_cast<int>(d.index.size(0)));
+    } catch (...) {
+      decode_error = std::current_exception();
+    }
     cuda::Event started;
     if (spare_starts.empty()) {
       started = cuda::Event::create(opt.device, true);
@@ -165,6 +207,19 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       counters.bytes += span;
       i = j;
     }
+    for (PendingDecode& d : decodes) {
+      if (decode_error) break;
+      try {
+        decoder->run(static_cast<const std::byte*>(d.bytes.raw()), d.index.data<std::int64_t>(), d.index_dev,
+                     static_cast<int>(d.index.size(0)), cur->ptr + d.out_off, copy.native());
+        counters.images_decoded += static_cast<std::uint64_t>(d.index.size(0));
+      } catch (...) {
+        decode_error = std::current_exception();
+      }
+      pending.push_back({nullptr, 0, 0, d.bytes.storage()});  // fenced below: nvJPEG reads the block in place
+    }
+    decodes.clear();
+    if (decoder) counters.decode_allocations = decoder->allocations();
     cuda::Event done = cuda::Event::create(opt.device, true);
     done.record(copy);
     auto fence = std::make_shared<EventFence>(std::move(done));
@@ -183,6 +238,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     pending.clear();
     cur_owner.reset();
     cur = nullptr;
+    if (decode_error) std::rethrow_exception(decode_error);  // after the fence: the pinned block stays safe
     return fence;
   }
 };
@@ -191,6 +247,7 @@ DeviceStage::DeviceStage(DeviceStageOptions options, std::shared_ptr<PinnedPool>
     : impl_(std::make_shared<Impl>(options, std::move(pool))) {}
 void DeviceStage::abort() noexcept {
   impl_->pending.clear();
+  impl_->decodes.clear();
   impl_->cur_owner.reset();  // the buffer returns (behind a release event: nothing was issued into it)
   impl_->cur = nullptr;
 }
@@ -205,6 +262,20 @@ DeviceStage::~DeviceStage() {
     }
   }
 }
+Tensor DeviceStage::decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_on_device) {
+  return impl_->decode_images(bytes, index, index_on_device);
+}
+
+std::size_t DeviceStage::decoded_bytes(const Tensor& index) {
+  if (!index.defined() || index.dim() != 2 || index.size(1) != detail::kEncodedIndexWords || index.size(0) == 0) return 0;
+  const std::int64_t* row = index.data<std::int64_t>();
+  return static_cast<std::size_t>(index.size(0) * row[8] * row[15] * row[18] * (row[20] ? 4 : 1));
+}
+
+bool DeviceStage::can_decode_images() noexcept { return detail::gpu_decode_built(); }
+
+std::string DeviceStage::decode_backend() const { return impl_->decoder ? impl_->decoder->backend() : std::string(); }
+
 const cuda::Stream& DeviceStage::copy_stream() const noexcept { return impl_->copy; }
 const cuda::Stream& DeviceStage::consumer_stream() const noexcept { return impl_->consumer; }
 int DeviceStage::device() const noexcept { return impl_->opt.device; }

@@ -61,4 +61,13 @@ Tensor PinContext::pin(const Tensor& t) {
   return out;
 }
 
+Tensor PinContext::decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_on_device) {
+  if (!stage_) throw Error("PinContext::decode_images: only the device stage decodes images (set DataLoaderOptions::device)");
+  if (measuring_) {
+    need_ += align_up(DeviceStage::decoded_bytes(index));
+    return Tensor();
+  }
+  return stage_->decode_images(bytes, index, index_on_device);
+}
+
 }  // namespace ferry

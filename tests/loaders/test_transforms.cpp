@@ -159,6 +159,10 @@ TEST_CASE("transform shapes and errors", "[errors][transforms]") {
 
 #include "ferry/detail/pass_math.h"
 
+namespace {
+detail::PassAxis pass_axis(const ImagePassPlan::Axis& a) { return {a.c0, a.L0, a.R, a.c1, a.N, a.resized ? 1 : 0, a.flip ? 1 : 0}; }
+}  // namespace
+
 TEST_CASE("a transform's single-pass plan, evaluated per pixel, equals apply_into bit for bit", "[unit][transforms][plan]") {
   // The device kernel of GPU decode evaluates the plan with ferry/detail/pass_math.h; on the same
   // decoded pixels it must give what the CPU path gives, with the same random crop and flip.
@@ -180,7 +184,7 @@ TEST_CASE("a transform's single-pass plan, evaluated per pixel, equals apply_int
         const Tensor want = t(img, g1);
         const std::optional<ImagePassPlan> plan = t.plan(H, W, channels, g2);
         REQUIRE(plan);
-        const detail::PassAxis ay = detail::pass_axis(plan->y), ax = detail::pass_axis(plan->x);
+        const detail::PassAxis ay = pass_axis(plan->y), ax = pass_axis(plan->x);
         const std::int64_t OH = ay.N, OW = ax.N;
         REQUIRE(want.numel() == OH * OW * channels);
         std::size_t mismatches = 0;

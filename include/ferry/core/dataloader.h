@@ -359,6 +359,13 @@ class DataLoader {
           allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
           faults({opt.max_errors, opt.max_error_fraction}, opt.on_sample_error),
           engine(engine_options(opt), *this) {
+      if constexpr (requires(const Dataset& d) { { d.decodes_on_device() } -> std::convertible_to<bool>; }) {
+        if (dataset->decodes_on_device() && !opt.device)
+          throw Error("DataLoader: the dataset decodes its images on the GPU (ImageFolderOptions::decode = Gpu), which the "
+                      "device stage does: set DataLoaderOptions::device");
+        if (dataset->decodes_on_device() && !kDirect)
+          throw Error("DataLoader: GPU decode needs the default collate (direct mode); a collate_fn cannot take compressed images");
+      }
       if constexpr (kDirect) {
         if (opt.on_error == OnError::Skip && !detail::kTruncatable<Batch>)
           throw Error("DataLoaderOptions: on_error=Skip needs a batch type that can drop rows (a Tensor, a "

@@ -5,13 +5,11 @@
 // written per output pixel so a CUDA kernel can evaluate it. Compiled for the device without
 // fused multiply-add contraction (-fmad=false), it gives the CPU pass's values bit for bit on the
 // same decoded pixels (tests/loaders/test_transforms.cpp checks the host side against
-// apply_into). Not for direct use.
+// apply_into). Plain C++17 and CUDA: no ferry header.. Not for direct use.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
-
-#include "ferry/loaders/transforms.h"
 
 #if defined(__CUDACC__)
 #define FERRY_HD __host__ __device__
@@ -71,6 +69,10 @@ FERRY_HD inline std::uint8_t pass_store_u8(float v, float a, float b) {
   return static_cast<std::uint8_t>(v);
 }
 
-inline PassAxis pass_axis(const ImagePassPlan::Axis& a) { return {a.c0, a.L0, a.R, a.c1, a.N, a.resized ? 1 : 0, a.flip ? 1 : 0}; }
+/// Words (int64) per image in an encoded batch's index (LabeledBatch::encoded_index): [0] byte
+/// offset, [1] size, [2] height, [3] width, [4..10] y axis (c0, L0, R, c1, N, resized, flip),
+/// [11..17] x axis, [18] channels, [19] round, [20] to_float, [21..24] a (float bits), [25..28] b,
+/// [29] the decoded image's place in the device scratch (set by the device stage).
+inline constexpr std::int64_t kEncodedIndexWords = 32;
 
 }  // namespace ferry::detail

@@ -66,6 +66,14 @@ struct ImageFolderOptions {
   /// File extensions to include, lower case, with the dot.
   std::vector<std::string> extensions{".jpg", ".jpeg", ".png"};
   std::int64_t max_pixels = std::int64_t{1} << 28;
+  /// Where JPEGs are decoded. Cpu: in the workers (TurboJPEG, then the transform). Gpu: the workers
+  /// only read each file and draw its crop and flip (the same draws as on the CPU, from the
+  /// sample's generator); the loader's device stage decodes the batch with nvJPEG and applies the
+  /// transform in one kernel (DeviceStage::decode_images). Gpu needs DataLoaderOptions::device,
+  /// JPEG files (a PNG is a DataError naming it), channels = 3 and a transform that runs as one
+  /// pass (ImageTransform::plan). In direct mode only (the default collate).
+  enum class Decode : std::uint8_t { Cpu, Gpu };
+  Decode decode = Decode::Cpu;
 };
 
 /// One class per subfolder of `root`; samples are LabeledSample{image, class index}.
@@ -83,6 +91,8 @@ class ImageFolder : public DatasetBase<ImageFolder> {
 
   /// Class names, sorted; a label indexes this list.
   const std::vector<std::string>& classes() const noexcept { return classes_; }
+  /// Whether batches hold compressed JPEGs that the device stage decodes (Decode::Gpu).
+  bool decodes_on_device() const noexcept { return options_.decode == ImageFolderOptions::Decode::Gpu; }
   /// The file and label of sample i.
   const std::string& path(std::size_t i) const { return files_.at(i).path; }
   std::int64_t label(std::size_t i) const { return files_.at(i).label; }
@@ -95,6 +105,8 @@ class ImageFolder : public DatasetBase<ImageFolder> {
   std::vector<std::string> classes_;
   std::vector<File> files_;
   ImageFolderOptions options_;
+  std::size_t slot_ = 0;  // Decode::Gpu: bytes per image in a batch's encoded block (the largest file)
+  void get_encoded(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const;
 };
 
 }  // namespace ferry

@@ -30,17 +30,38 @@ struct LabeledSample {
 struct LabeledBatch {
   Tensor image;  ///< [B, ...]
   Tensor label;  ///< [B] int64
+  /// GPU decode (ImageFolderOptions::decode = Gpu), until the device stage: the batch's compressed
+  /// images in one pinned block (uint8) and one row per image (int64 [B, kEncodedIndexWords]: where
+  /// its bytes are and its transform's plan). The device stage decodes them into `image` and
+  /// clears both; the consumer never sees them.
+  Tensor encoded;
+  Tensor encoded_index;
   /// Pins (or moves to the device) both tensors; called by the pin thread and the device stage
-  /// with a ferry::PinContext (a template so this header needs no pinning header).
+  /// with a ferry::PinContext (a template so this header needs no pinning header). On the device,
+  /// encoded images are decoded (PinContext::decode_images).
   template <class PinContext>
   void pin_memory(PinContext& ctx) {
+    if (encoded.defined() && ctx.to_device()) {
+      const Tensor index_on_device = ctx.pin(encoded_index);
+      image = ctx.decode_images(encoded, encoded_index, index_on_device);
+      label = ctx.pin(label);
+      if (!ctx.measuring()) {
+        encoded = Tensor();
+        encoded_index = Tensor();
+      }
+      return;
+    }
     image = ctx.pin(image);
     label = ctx.pin(label);
+    encoded = ctx.pin(encoded);
+    encoded_index = ctx.pin(encoded_index);
   }
   /// Keeps the first `rows` rows (views of the same buffers); used by on_error = Skip.
   void truncate_rows(std::size_t rows) {
-    image = image.narrow(0, static_cast<std::int64_t>(rows));
-    label = label.narrow(0, static_cast<std::int64_t>(rows));
+    const auto n = static_cast<std::int64_t>(rows);
+    if (image.defined()) image = image.narrow(0, n);
+    label = label.narrow(0, n);
+    if (encoded_index.defined()) encoded_index = encoded_index.narrow(0, n);
   }
 };
 

@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ferry/core/tensor.h"
@@ -48,7 +49,10 @@ struct DeviceStageStats {
   std::uint64_t bytes = 0;
   std::uint64_t device_allocations = 0;  ///< cudaMalloc calls (constant after warm-up)
   double copy_ms = 0;                    ///< GPU time of the copies completed so far (timing events)
+  std::uint64_t images_decoded = 0;      ///< GPU decode: JPEGs decoded on the device
+  std::uint64_t decode_allocations = 0;  ///< GPU decode: scratch (re)allocations (constant after warm-up)
 };
+
 
 class DeviceStage {
  public:
@@ -76,6 +80,22 @@ class DeviceStage {
   void deliver(const EventFence& copied);
   /// Drops a batch begun but not ended (after an exception mid-batch); issues nothing.
   void abort() noexcept;
+
+  /// GPU decode, within a batch (between begin and end): reserves the decoded images' place in
+  /// the batch's device buffer and returns them ([B, C, H, W] float32 after to_float, else
+  /// [B, H, W, C] uint8). At end(), after the batch's copies, nvJPEG decodes the JPEGs of `bytes`
+  /// (a pinned host block, read by nvJPEG in place: the batch's fence covers it) on the copy
+  /// stream, with the hardware backend where the GPU has JPEG engines (else the GPU hybrid one),
+  /// and one fused kernel applies each image's crop, bilinear resize, flip and normalize from
+  /// `index_on_device` (rows of detail::kEncodedIndexWords, ferry/detail/pass_math.h). Throws
+  /// CudaError when ferry was built without nvJPEG; a JPEG nvJPEG refuses is a DataError at end().
+  Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_on_device);
+  /// Bytes of decode_images()'s output for an index of B rows.
+  static std::size_t decoded_bytes(const Tensor& index);
+  /// Whether this build can decode on the device (nvJPEG was found), and the backend in use
+  /// ("hardware", "GPU hybrid", "default"; empty before the first decode).
+  static bool can_decode_images() noexcept;
+  std::string decode_backend() const;
 
   struct Impl;
 

@@ -49,6 +49,11 @@ class PinContext {
 
   /// The pinned version of `t`: `t` itself when already pinned, else a copy in the batch's block.
   Tensor pin(const Tensor& t);
+  /// Device mode only: decodes a batch of JPEGs on the device (GPU decode; see
+  /// DeviceStage::decode_images). `bytes` and `index` are the host tensors of an encoded
+  /// LabeledBatch, `index_on_device` the index already moved with pin(). Returns the decoded,
+  /// transformed images (an undefined tensor while measuring).
+  Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_on_device);
   bool measuring() const noexcept { return measuring_; }
   /// True when moving to the device rather than pinning.
   bool to_device() const noexcept { return stage_ != nullptr; }

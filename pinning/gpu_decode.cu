@@ -1,0 +1,206 @@
+// GPU decode: nvJPEG batched decode into a scratch buffer, then one fused kernel per batch that
+// applies each image's single-pass plan (crop, bilinear resize, flip, to_float, normalize) with
+// the arithmetic of ferry/detail/pass_math.h. See DeviceStage::decode_images.
+#include <cuda_runtime.h>
+#include <nvjpeg.h>
+
+#include <string>
+#include <vector>
+
+#include "ferry/core/error.h"
+#include "ferry/detail/pass_math.h"
+#include "ferry/pinning/cuda.h"
+#include "gpu_decode.h"
+
+namespace ferry::detail {
+namespace {
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw CudaError(std::string("GPU decode: ") + what + ": " + cudaGetErrorString(e));
+}
+
+const char* nvjpeg_status(nvjpegStatus_t s) {
+  switch (s) {
+    case NVJPEG_STATUS_SUCCESS: return "success";
+    case NVJPEG_STATUS_NOT_INITIALIZED: return "not initialized";
+    case NVJPEG_STATUS_INVALID_PARAMETER: return "invalid parameter";
+    case NVJPEG_STATUS_BAD_JPEG: return "bad JPEG";
+    case NVJPEG_STATUS_JPEG_NOT_SUPPORTED: return "JPEG not supported";
+    case NVJPEG_STATUS_ALLOCATOR_FAILURE: return "allocator failure";
+    case NVJPEG_STATUS_EXECUTION_FAILED: return "execution failed";
+    case NVJPEG_STATUS_ARCH_MISMATCH: return "architecture mismatch";
+    case NVJPEG_STATUS_INTERNAL_ERROR: return "internal error";
+    case NVJPEG_STATUS_IMPLEMENTATION_NOT_SUPPORTED: return "implementation not supported";
+    default: return "unknown status";
+  }
+}
+
+struct Plan {  // one image's index row, as the kernel reads it
+  std::int64_t scratch, height, width;
+  PassAxis y, x;
+  int channels, round, to_float;
+  float a[4], b[4];
+};
+
+__device__ Plan read_plan(const std::int64_t* row) {
+  Plan p;
+  p.height = row[2];
+  p.width = row[3];
+  p.y = {row[4], row[5], row[6], row[7], row[8], static_cast<int>(row[9]), static_cast<int>(row[10])};
+  p.x = {row[11], row[12], row[13], row[14], row[15], static_cast<int>(row[16]), static_cast<int>(row[17])};
+  p.channels = static_cast<int>(row[18]);
+  p.round = static_cast<int>(row[19]);
+  p.to_float = static_cast<int>(row[20]);
+  for (int c = 0; c < 4; ++c) {
+    p.a[c] = __int_as_float(static_cast<int>(row[21 + c]));
+    p.b[c] = __int_as_float(static_cast<int>(row[25 + c]));
+  }
+  p.scratch = row[29];
+  return p;
+}
+
+// One thread per output pixel of the batch; every channel. Decoded images are RGB interleaved
+// (pitch = width * 3) in `scratch`.
+__global__ void fused_transform(const std::uint8_t* scratch, const std::int64_t* index, int rows, int OH, int OW, int C,
+                                int to_float, void* out) {
+  const std::int64_t pixels = static_cast<std::int64_t>(OH) * OW;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= pixels * rows) return;
+  const int n = static_cast<int>(t / pixels);
+  const std::int64_t p = t % pixels;
+  const int y = static_cast<int>(p / OW), x = static_cast<int>(p % OW);
+  const Plan plan = read_plan(index + static_cast<std::int64_t>(n) * kEncodedIndexWords);
+  const std::uint8_t* src = scratch + plan.scratch;
+  const PassTap ty = pass_tap(plan.y, y), tx = pass_tap(plan.x, x);
+  for (int c = 0; c < C; ++c) {
+    const float v = pass_value(src, plan.width * 3, 3, ty, tx, c, plan.round != 0);
+    if (to_float) {
+      static_cast<float*>(out)[((static_cast<std::int64_t>(n) * C + c) * OH + y) * OW + x] = __fadd_rn(__fmul_rn(plan.a[c], v), plan.b[c]);
+    } else {
+      static_cast<std::uint8_t*>(out)[((static_cast<std::int64_t>(n) * OH + y) * OW + x) * C + c] = pass_store_u8(v, plan.a[c], plan.b[c]);
+    }
+  }
+}
+
+class NvJpegDecoder final : public GpuJpegDecoder {
+ public:
+  explicit NvJpegDecoder(int device) : device_(device) {
+    cuda::DeviceGuard guard(device_);
+    // The hardware backend where the GPU has JPEG engines (A100, H100, ...), else the GPU hybrid.
+    const std::pair<nvjpegBackend_t, const char*> backends[] = {{NVJPEG_BACKEND_HARDWARE, "hardware"},
+                                                                {NVJPEG_BACKEND_GPU_HYBRID, "GPU hybrid"},
+                                                                {NVJPEG_BACKEND_DEFAULT, "default"}};
+    nvjpegStatus_t last = NVJPEG_STATUS_NOT_INITIALIZED;
+    for (auto [b, name] : backends) {
+      last = nvjpegCreateEx(b, nullptr, nullptr, NVJPEG_FLAGS_DEFAULT, &handle_);
+      if (last == NVJPEG_STATUS_SUCCESS) {
+        backend_ = name;
+        break;
+      }
+      handle_ = nullptr;
+    }
+    if (!handle_) throw CudaError(std::string("GPU decode: nvjpegCreateEx failed for every backend: ") + nvjpeg_status(last));
+    if (nvjpegJpegStateCreate(handle_, &state_) != NVJPEG_STATUS_SUCCESS) throw CudaError("GPU decode: nvjpegJpegStateCreate failed");
+  }
+  ~NvJpegDecoder() override {
+    cuda::DeviceGuard guard(device_);
+    if (scratch_) cudaFree(scratch_);
+    if (fallback_state_) nvjpegJpegStateDestroy(fallback_state_);
+    if (fallback_) nvjpegDestroy(fallback_);
+    if (state_) nvjpegJpegStateDestroy(state_);
+    if (handle_) nvjpegDestroy(handle_);
+  }
+
+  void prepare(std::int64_t* index, int rows) override {
+    std::size_t total = 0;
+    for (int r = 0; r < rows; ++r) {
+      std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
+      row[29] = static_cast<std::int64_t>(total);
+      total += (static_cast<std::size_t>(row[2]) * static_cast<std::size_t>(row[3]) * 3 + 255) / 256 * 256;
+    }
+    if (total > scratch_size_) {
+      cuda::DeviceGuard guard(device_);
+      if (scratch_) check_cuda(cudaFree(scratch_), "cudaFree");  // synchronizes: the last kernel is done with it
+      scratch_ = nullptr;
+      const std::size_t size = total + total / 4;  // headroom: batches vary in size
+      check_cuda(cudaMalloc(&scratch_, size), "cudaMalloc of the decode scratch");
+      scratch_size_ = size;
+      ++allocations_;
+    }
+  }
+
+  void run(const std::byte* base, const std::int64_t* index, const std::int64_t* index_dev, int rows, void* out,
+           void* stream) override {
+    cuda::DeviceGuard guard(device_);
+    auto s = static_cast<cudaStream_t>(stream);
+    data_.resize(static_cast<std::size_t>(rows));
+    lengths_.resize(static_cast<std::size_t>(rows));
+    images_.assign(static_cast<std::size_t>(rows), nvjpegImage_t{});
+    for (int r = 0; r < rows; ++r) {
+      const std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
+      data_[static_cast<std::size_t>(r)] = reinterpret_cast<const unsigned char*>(base + row[0]);
+      lengths_[static_cast<std::size_t>(r)] = static_cast<std::size_t>(row[1]);
+      images_[static_cast<std::size_t>(r)].channel[0] = static_cast<unsigned char*>(scratch_) + row[29];
+      images_[static_cast<std::size_t>(r)].pitch[0] = static_cast<unsigned int>(row[3] * 3);
+    }
+    nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
+    if (rows != initialized_rows_) {
+      st = nvjpegDecodeBatchedInitialize(handle_, state_, rows, 1, NVJPEG_OUTPUT_RGBI);
+      if (st == NVJPEG_STATUS_SUCCESS) initialized_rows_ = rows;
+    }
+    if (st == NVJPEG_STATUS_SUCCESS) st = nvjpegDecodeBatched(handle_, state_, data_.data(), lengths_.data(), images_.data(), s);
+    if (st != NVJPEG_STATUS_SUCCESS) {
+      initialized_rows_ = -1;
+      decode_one_by_one(rows, s, st);  // progressive, CMYK, ... : what the batched backend refuses
+    }
+    const std::int64_t* first = index;
+    const int OH = static_cast<int>(first[8]), OW = static_cast<int>(first[15]), C = static_cast<int>(first[18]);
+    const std::int64_t threads = static_cast<std::int64_t>(rows) * OH * OW;
+    const int block = 256;
+    fused_transform<<<static_cast<unsigned>((threads + block - 1) / block), block, 0, s>>>(
+        static_cast<const std::uint8_t*>(scratch_), index_dev, rows, OH, OW, C, static_cast<int>(first[20]), out);
+    check_cuda(cudaGetLastError(), "the fused transform kernel");
+  }
+
+  std::string backend() const override { return backend_; }
+  std::uint64_t allocations() const override { return allocations_; }
+
+ private:
+  void decode_one_by_one(int rows, cudaStream_t s, nvjpegStatus_t batched_status) {
+    if (!fallback_) {
+      if (nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, NVJPEG_FLAGS_DEFAULT, &fallback_) != NVJPEG_STATUS_SUCCESS ||
+          nvjpegJpegStateCreate(fallback_, &fallback_state_) != NVJPEG_STATUS_SUCCESS)
+        throw CudaError(std::string("GPU decode: the batched decode failed (") + nvjpeg_status(batched_status) +
+                        ") and no fallback decoder could start");
+    }
+    for (int r = 0; r < rows; ++r) {
+      const nvjpegStatus_t st = nvjpegDecode(fallback_, fallback_state_, data_[static_cast<std::size_t>(r)],
+                                             lengths_[static_cast<std::size_t>(r)], NVJPEG_OUTPUT_RGBI,
+                                             &images_[static_cast<std::size_t>(r)], s);
+      if (st != NVJPEG_STATUS_SUCCESS)
+        throw DataError("GPU decode", DataError::kNoOffset,
+                        "image " + std::to_string(r) + " of the batch (" + std::to_string(lengths_[static_cast<std::size_t>(r)]) +
+                            " bytes) is a JPEG nvJPEG cannot decode: " + nvjpeg_status(st));
+    }
+  }
+
+  int device_;
+  nvjpegHandle_t handle_ = nullptr, fallback_ = nullptr;
+  nvjpegJpegState_t state_ = nullptr, fallback_state_ = nullptr;
+  std::string backend_;
+  int initialized_rows_ = -1;
+  void* scratch_ = nullptr;
+  std::size_t scratch_size_ = 0;
+  std::uint64_t allocations_ = 0;
+  std::vector<const unsigned char*> data_;
+  std::vector<std::size_t> lengths_;
+  std::vector<nvjpegImage_t> images_;
+};
+
+}  // namespace
+
+bool gpu_decode_built() noexcept { return true; }
+
+std::unique_ptr<GpuJpegDecoder> make_gpu_jpeg_decoder(int device) { return std::make_unique<NvJpegDecoder>(device); }
+
+}  // namespace ferry::detail

@@ -1,0 +1,169 @@
+// GPU decode (ImageFolderOptions::decode = Gpu): every image of a generated JPEG set, decoded by
+// nvJPEG and transformed by the fused kernel, matches the CPU path (TurboJPEG + ImageTransform)
+// with the same crops and flips, within the two decoders' difference; a damaged JPEG is a
+// DataError at its batch and the next batches are intact; 100,000 images go through with no
+// device or pinned allocation after warm-up.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <cstdio>
+
+#include "ferry/ferry.h"
+#include "loaders/files.h"
+
+using namespace ferry;
+using namespace ferry::test;
+
+namespace {
+
+// A smooth image with some texture, so decoders agree closely but a wrong crop or flip shows.
+Bytes photo_like(int w, int h, int seed, int quality, bool gray = false) {
+  const int c = gray ? 1 : 3;
+  std::vector<std::uint8_t> p(static_cast<std::size_t>(w * h * c));
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x)
+      for (int k = 0; k < c; ++k)
+        p[static_cast<std::size_t>((y * w + x) * c + k)] =
+            static_cast<std::uint8_t>(128 + 90 * std::sin(0.05 * x + 0.031 * y * (k + 1) + seed) * std::cos(0.021 * (x - y) + k));
+  return encode_jpeg(p, w, h, c, quality);
+}
+
+void make_folder(const TempDir& dir, int per_class) {
+  for (int label = 0; label < 4; ++label)
+    for (int k = 0; k < per_class; ++k) {
+      const int w = 64 + 37 * ((k + label) % 7), h = 48 + 29 * ((k * 3 + label) % 5);  // odd sizes too
+      write_file(dir / ("root/c" + std::to_string(label) + "/" + std::to_string(k) + ".jpg"),
+                 photo_like(w, h, k * 4 + label, 80 + (k % 3) * 8, /*gray=*/k % 11 == 5));
+    }
+}
+
+ImageFolderOptions train_options(ImageFolderOptions::Decode decode) {
+  ImageFolderOptions o;
+  o.transform.random_resized_crop(56, 56).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  o.decode = decode;
+  return o;
+}
+
+DataLoaderOptions loader_options(int workers) {
+  DataLoaderOptions o;
+  o.batch_size = 16;
+  o.shuffle = true;
+  o.seed = 42;
+  o.num_workers = workers;
+  o.device = 0;
+  return o;
+}
+
+Tensor host_copy(const Tensor& t, const cuda::Stream& s) { return to_host(t, s).get(); }
+
+}  // namespace
+
+TEST_CASE("GPU-decoded batches match the CPU path for every image", "[gpu][decode]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 30);
+  ImageFolder cpu(dir / "root", train_options(ImageFolderOptions::Decode::Cpu));
+  ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
+  DataLoader cpu_loader(cpu, loader_options(2));
+  DataLoader gpu_loader(gpu, loader_options(3));
+  auto a = cpu_loader.begin();
+  auto b = gpu_loader.begin();
+  double sum = 0, worst = 0;
+  std::size_t values = 0, images = 0;
+  for (; a != cpu_loader.end(); ++a, ++b) {
+    const bool more = b != gpu_loader.end();
+    REQUIRE(more);
+    LabeledBatch& x = *a;
+    LabeledBatch& y = *b;
+    REQUIRE(y.image.device().kind == MemoryKind::Device);
+    REQUIRE_FALSE(y.encoded.defined());
+    REQUIRE(x.image.shape() == y.image.shape());
+    const Tensor xi = host_copy(x.image, *cpu_loader.stream()), yi = host_copy(y.image, *gpu_loader.stream());
+    const Tensor xl = host_copy(x.label, *cpu_loader.stream()), yl = host_copy(y.label, *gpu_loader.stream());
+    for (std::int64_t r = 0; r < xl.numel(); ++r) REQUIRE(xl.data<std::int64_t>()[r] == yl.data<std::int64_t>()[r]);
+    for (std::int64_t k = 0; k < xi.numel(); ++k) {
+      const double d = std::abs(static_cast<double>(xi.data<float>()[k]) - yi.data<float>()[k]) * 0.226 * 255;  // in pixel units
+      sum += d;
+      worst = std::max(worst, d);
+    }
+    values += static_cast<std::size_t>(xi.numel());
+    images += static_cast<std::size_t>(xl.numel());
+  }
+  const bool done = b == gpu_loader.end();
+  CHECK(done);
+  CHECK(images == 120);
+  const double mean = sum / static_cast<double>(values);
+  std::printf("GPU decode vs CPU path over %zu images (backend %s): mean |diff| %.3f, max %.2f (pixel units)\n", images,
+              gpu_loader.device_stage()->decode_backend().c_str(), mean, worst);
+  // The crops, flips and resampling are the same computation (bit-identical on the same pixels,
+  // tests/loaders/test_transforms.cpp); what differs is nvJPEG's IDCT and chroma upsampling.
+  CHECK(mean < 1.5);
+  CHECK(worst < 48);
+}
+
+TEST_CASE("GPU decode: a damaged JPEG is a DataError at its batch, a PNG is refused by name, the rest is intact",
+          "[gpu][decode][errors]") {
+  TempDir dir;
+  make_folder(dir, 8);
+  Bytes broken = photo_like(80, 60, 1, 90);
+  for (std::size_t i = 2; i < 40; ++i) broken[i] = std::byte{0x11};  // the header's markers are gone
+  write_file(dir / "root/c1/5-broken.jpg", broken);
+  std::vector<std::uint8_t> px(32 * 32 * 3, 77);
+  write_file(dir / "root/c2/6-a-png.jpg", encode_png(px, 32, 32, 3));
+  ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
+  DataLoaderOptions o = loader_options(2);
+  o.shuffle = false;
+  o.batch_size = 4;
+  DataLoader loader(gpu, o);
+  std::size_t good = 0;
+  std::vector<std::string> errors;
+  auto it = loader.begin();
+  for (;;) {
+    try {
+      if (it == loader.end()) break;
+      good += static_cast<std::size_t>(it->label.size(0));
+      REQUIRE(it->image.device().kind == MemoryKind::Device);
+    } catch (const DataError& e) {
+      errors.push_back(e.what());
+      continue;
+    }
+    ++it;
+  }
+  REQUIRE(errors.size() == 2);
+  CHECK_THAT(errors[0] + errors[1], Catch::Contains("5-broken.jpg") && Catch::Contains("6-a-png.jpg") &&
+                                        Catch::Contains("decode=gpu takes JPEG files only; this is a PNG"));
+  CHECK(good == gpu.size() - 8);  // two batches of 4 lost, every other image delivered
+
+  // With on_error = Replace, neither costs anything.
+  o.on_error = OnError::Replace;
+  DataLoader replacing(gpu, o);
+  std::size_t rows = 0;
+  for (LabeledBatch& b : replacing) rows += static_cast<std::size_t>(b.label.size(0));
+  CHECK(rows == gpu.size());
+  CHECK(replacing.stats().samples_replaced == 2);
+}
+
+TEST_CASE("GPU decode: 100,000 images with no device or pinned allocation after warm-up", "[gpu][decode][memory]") {
+  TempDir dir;
+  make_folder(dir, 250);  // 1,000 images
+  ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
+  DataLoaderOptions o = loader_options(4);
+  o.batch_size = 100;
+  DataLoader loader(gpu, o);
+  std::size_t images = 0;
+  DeviceStageStats warm{};
+  std::uint64_t pinned_warm = 0;
+  for (int epoch = 0; epoch < 100; ++epoch) {
+    for (LabeledBatch& b : loader) images += static_cast<std::size_t>(b.label.size(0));
+    if (epoch == 1) {
+      warm = loader.device_stage()->stats();
+      pinned_warm = loader.pinned_pool()->stats().allocations;
+    }
+  }
+  const DeviceStageStats end = loader.device_stage()->stats();
+  CHECK(images == 100000);
+  CHECK(end.images_decoded >= 100000);
+  CHECK(end.device_allocations == warm.device_allocations);
+  CHECK(end.decode_allocations == warm.decode_allocations);
+  CHECK(loader.pinned_pool()->stats().allocations == pinned_warm);
+}
