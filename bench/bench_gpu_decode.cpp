@@ -11,7 +11,11 @@
 // Each row: images/s (median of --runs epochs after a warm-up epoch) and the CPU cores the
 // process kept busy (CPU time / wall time), and images/s per busy core.
 //
-// Usage: bench_gpu_decode --photos DIR [--runs N]
+// Then a training loop: each step runs --step-ms of GPU work (a spin kernel) on the batch's
+// stream and synchronizes; GPU waiting for data = 1 - steps x (the step alone) / wall. The spin
+// is timed by the GPU's clock, so it cannot show how much the decode slows a real step down.
+//
+// Usage: bench_gpu_decode --photos DIR [--runs N] [--step-ms 20] [--steps 100]
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -28,6 +32,9 @@
 #ifdef FERRY_BENCH_NVJPEG
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
+#endif
+#ifdef FERRY_BENCH_TRAINING_LOOP
+#include "kernels.h"
 #endif
 
 using namespace ferry;
@@ -83,6 +90,49 @@ Row loader_row(const std::string& photos, ImageFolderOptions::Decode decode, int
     std::fprintf(stderr, "  (GPU decode backend: %s)\n", loader.device_stage()->decode_backend().c_str());
   return median_row(rows);
 }
+
+#ifdef FERRY_BENCH_TRAINING_LOOP
+void training_loop(const std::string& photos, ImageFolderOptions::Decode decode, int workers, double step_ms, int steps) {
+  ImageFolderOptions io;
+  io.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
+                                                                                   {0.229f, 0.224f, 0.225f});
+  io.decode = decode;
+  ImageFolder ds(photos, io);
+  DataLoaderOptions o;
+  o.batch_size = 256;
+  o.shuffle = true;
+  o.num_workers = workers;
+  o.persistent_workers = true;
+  o.device = 0;
+  o.pinned_memory_limit = std::size_t{8} << 30;
+  DataLoader loader(ds, o);
+  for (int k = 0; k < 3; ++k) test::launch_spin(loader.stream()->native(), step_ms * 1000);
+  loader.stream()->synchronize();
+  const auto b0 = Clock::now();
+  for (int k = 0; k < 20; ++k) {
+    test::launch_spin(loader.stream()->native(), step_ms * 1000);
+    loader.stream()->synchronize();
+  }
+  const double base_ms = std::chrono::duration<double, std::milli>(Clock::now() - b0).count() / 20;
+  int step = 0;
+  Clock::time_point t0;
+  while (step < steps + 10) {
+    for (LabeledBatch& b : loader) {
+      if (step == 10) t0 = Clock::now();  // 10 warm-up steps
+      if (step == steps + 10) break;
+      (void)b;
+      test::launch_spin(loader.stream()->native(), step_ms * 1000);
+      loader.stream()->synchronize();
+      ++step;
+    }
+  }
+  const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  std::printf("| ferry, %s decode, %d workers | %.2f ms | %d | %.0f ms | %.2f%% |\n",
+              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, base_ms, steps, wall,
+              100.0 * std::max(0.0, 1.0 - steps * base_ms / wall));
+  std::fflush(stdout);
+}
+#endif
 
 #ifdef FERRY_BENCH_NVJPEG
 Row nvjpeg_ceiling(const std::string& photos, int runs) {
@@ -149,11 +199,14 @@ Row nvjpeg_ceiling(const std::string& photos, int runs) {
 
 int main(int argc, char** argv) {
   std::string photos;
-  int runs = 3;
+  int runs = 3, steps = 100;
+  double step_ms = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--photos" && i + 1 < argc) photos = argv[++i];
     else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
+    else if (a == "--step-ms" && i + 1 < argc) step_ms = std::atof(argv[++i]);
+    else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
   }
   if (photos.empty()) {
     std::fprintf(stderr, "usage: bench_gpu_decode --photos DIR [--runs N]\n");
@@ -177,5 +230,13 @@ int main(int argc, char** argv) {
   }
   const std::string name = "ferry, CPU decode, " + std::to_string(cores) + " workers";
   print(name.c_str(), loader_row(photos, ImageFolderOptions::Decode::Cpu, cores, runs), ceiling);
+#ifdef FERRY_BENCH_TRAINING_LOOP
+  std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
+  std::printf("| loader | step alone | steps | wall | GPU waiting for data |\n|---|---:|---:|---:|---:|\n");
+  training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps);
+  training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps);
+#endif
+  (void)step_ms;
+  (void)steps;
   return 0;
 }

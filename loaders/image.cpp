@@ -289,30 +289,38 @@ LabeledBatch ImageFolder::make_batch(std::size_t rows, BatchAllocator& allocator
           empty(DType::Int64, {static_cast<std::int64_t>(rows)}, allocator)};
 }
 
+JpegPlan plan_jpeg(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform, Generator& rng,
+                   std::int64_t max_pixels) {
+  const ImageFormat format = sniff_image(bytes);
+  if (format != ImageFormat::Jpeg)
+    throw DataError(name, DataError::kNoOffset,
+                    std::string("decode=gpu takes JPEG files only; this is ") + (format == ImageFormat::Png ? "a PNG" : "not a JPEG"));
+  int w = 0, h = 0, subsampling = 0, colorspace = 0;
+  tjhandle tj = thread_decoder();
+  if (tjDecompressHeader3(tj, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()), &w, &h,
+                          &subsampling, &colorspace) != 0) {
+    const std::string why = tjGetErrorStr2(tj);
+    discard_thread_decoder();
+    throw DataError(name, DataError::kNoOffset, "corrupt JPEG header: " + why);
+  }
+  if (w <= 0 || h <= 0 || static_cast<std::int64_t>(w) * h > max_pixels)
+    throw DataError(name, DataError::kNoOffset, "image of " + std::to_string(w) + "x" + std::to_string(h) + " pixels is refused (max_pixels)");
+  std::optional<ImagePassPlan> plan = transform.plan(h, w, 3, rng);
+  if (!plan) throw Error("decode=gpu: the transform " + transform.str() + " needs more than one pass");
+  return {h, w, *plan};
+}
+
 void ImageFolder::get_encoded(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const {
   const File& f = files_.at(i);
   Scratch& s = scratch();
   loaders::read_file(f.path, s.file);
-  const ImageFormat format = sniff_image(s.file);
-  if (format != ImageFormat::Jpeg)
-    throw DataError(f.path, DataError::kNoOffset,
-                    std::string("decode=gpu takes JPEG files only; this is ") + (format == ImageFormat::Png ? "a PNG" : "not a JPEG"));
-  int w = 0, h = 0, subsampling = 0, colorspace = 0;
-  tjhandle tj = thread_decoder();
-  if (tjDecompressHeader3(tj, reinterpret_cast<const unsigned char*>(s.file.data()), static_cast<unsigned long>(s.file.size()), &w,
-                          &h, &subsampling, &colorspace) != 0) {
-    const std::string why = tjGetErrorStr2(tj);
-    discard_thread_decoder();
-    throw DataError(f.path, DataError::kNoOffset, "corrupt JPEG header: " + why);
-  }
-  if (w <= 0 || h <= 0 || static_cast<std::int64_t>(w) * h > options_.max_pixels)
-    throw DataError(f.path, DataError::kNoOffset, "image of " + std::to_string(w) + "x" + std::to_string(h) + " pixels is refused (max_pixels)");
+  const Stage prev = ctx.enter(Stage::Transform);
+  const JpegPlan jp = plan_jpeg(s.file, f.path, options_.transform, ctx.rng(), options_.max_pixels);
+  ctx.enter(prev);
   if (s.file.size() > slot_) throw DataError(f.path, DataError::kNoOffset, "the file grew after the folder was scanned");
   std::memcpy(batch.encoded.data<std::uint8_t>() + row * slot_, s.file.data(), s.file.size());
-  const Stage prev = ctx.enter(Stage::Transform);
-  const std::optional<ImagePassPlan> plan = options_.transform.plan(h, w, 3, ctx.rng());
-  ctx.enter(prev);
-  if (!plan) throw Error("ImageFolder: the transform needs two passes for " + f.path);
+  const ImagePassPlan* plan = &jp.plan;
+  const int h = jp.height, w = jp.width;
   std::int64_t* r = batch.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(row) * detail::kEncodedIndexWords;
   std::fill(r, r + detail::kEncodedIndexWords, 0);
   auto axis = [](std::int64_t* at, const ImagePassPlan::Axis& a) {

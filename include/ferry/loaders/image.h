@@ -57,6 +57,16 @@ Tensor decode_image(std::span<const std::byte> bytes, const std::string& name, c
 /// Reads and decodes an image file.
 Tensor read_image(const std::string& path, const DecodeOptions& options = {});
 
+/// GPU decode's worker side for one file (ImageFolderOptions::decode = Gpu): checks that `bytes`
+/// is a JPEG whose header reads and whose size is within `max_pixels` (a DataError naming `name`
+/// otherwise), and draws its transform's single-pass plan from `rng` as the CPU path would.
+struct JpegPlan {
+  int height = 0, width = 0;
+  ImagePassPlan plan;
+};
+JpegPlan plan_jpeg(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform, Generator& rng,
+                   std::int64_t max_pixels = std::int64_t{1} << 28);
+
 struct ImageFolderOptions {
   /// Channels of every decoded image (see DecodeOptions::channels); 3 unless set.
   int channels = 3;

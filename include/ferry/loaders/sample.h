@@ -34,8 +34,8 @@ struct LabeledBatch {
   /// images in one pinned block (uint8) and one row per image (int64 [B, kEncodedIndexWords]: where
   /// its bytes are and its transform's plan). The device stage decodes them into `image` and
   /// clears both; the consumer never sees them.
-  Tensor encoded;
-  Tensor encoded_index;
+  Tensor encoded{};
+  Tensor encoded_index{};
   /// Pins (or moves to the device) both tensors; called by the pin thread and the device stage
   /// with a ferry::PinContext (a template so this header needs no pinning header). On the device,
   /// encoded images are decoded (PinContext::decode_images).
