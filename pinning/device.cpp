@@ -62,6 +62,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   // Start events and completion fences of copies whose GPU time is not yet counted.
   std::deque<std::pair<cuda::Event, std::shared_ptr<EventFence>>> timings;
   std::vector<cuda::Event> spare_starts;  // start events whose copies were counted
+  std::mutex stats_mu;                    // counters and timings (end() and stats() may run on two threads)
   // GPU decode (decode_images): the decoder, made on first use, and the batch's decodes.
   struct PendingDecode {
     Tensor bytes, index;
@@ -176,6 +177,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
 
   std::shared_ptr<const EventFence> end() {
     if (!cur) throw Error("DeviceStage::end: no batch begun");
+    std::lock_guard stats_lock(stats_mu);  // counters and timings: stats() reads them on another thread
     std::exception_ptr decode_error;
     try {
       // Each image's place in the decode scratch goes into the host index before it is copied.
@@ -280,7 +282,9 @@ const cuda::Stream& DeviceStage::copy_stream() const noexcept { return impl_->co
 const cuda::Stream& DeviceStage::consumer_stream() const noexcept { return impl_->consumer; }
 int DeviceStage::device() const noexcept { return impl_->opt.device; }
 DeviceStageStats DeviceStage::stats() const {
+  std::lock_guard stats_lock(impl_->stats_mu);
   impl_->poll_timings();
+  std::lock_guard lock(impl_->mu);  // device_allocations is counted under mu
   return impl_->counters;
 }
 void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }

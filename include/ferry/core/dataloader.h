@@ -132,7 +132,8 @@ struct DataLoaderOptions {
   /// stream and the consumer's stream waits on the copy's event (implies pin_memory). Without a
   /// usable device, constructing the loader throws CudaError.
   std::optional<int> device;
-  /// Device batches whose copies are issued ahead of the one being consumed (>= 1).
+  /// Device batches whose copies are issued ahead of the one being consumed (>= 1), on top of
+  /// pin_depth: the pin thread issues them.
   int device_prefetch = 2;
   /// One cudaMemcpyAsync per batch when its tensors lie in one pinned slab.
   bool device_pack = true;
@@ -304,8 +305,6 @@ class DataLoader {
     s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.stream_size());
     s.engine.begin_epoch(s.next_epoch, std::move(plan));
     if (s.pin_stage) s.pin_stage->start();
-    s.device_queue.clear();
-    s.device_end = false;
     ++s.next_epoch;
     return iterator(&s);
   }
@@ -397,7 +396,6 @@ class DataLoader {
 
     // The pin thread and workers stop before anything they use is destroyed. Idempotent.
     void stop() noexcept {
-      device_queue.clear();
       if (pin_stage) pin_stage->stop();
       engine.shutdown();
     }
@@ -493,42 +491,21 @@ class DataLoader {
       stats_origin_ns = now_ns();
     }
 
-    // The next batch for the consumer, from the last stage there is.
+    // The next batch for the consumer, from the last stage there is. With a device stage the pin
+    // thread has already issued the batch's copies (and GPU decode); the consumer's stream waits
+    // on them here, at hand-over (Note [Device stage]).
     detail::Payload last_stage_next() {
       if (!pin_stage) return engine.next();
-      if (!device_stage) return pin_stage->next();
-      // Issue the copies of up to device_prefetch batches ahead, so batch i+1 transfers while
-      // batch i computes. Failures keep their position in the queue.
-      while (device_queue.size() < static_cast<std::size_t>(opt.device_prefetch) && !device_end) {
-        DeviceItem item;
-        try {
-          detail::Payload p = pin_stage->next();
-          if (!p) {
-            device_end = true;
-            break;
-          }
-          Batch& b = p.template get<Batch>();
-          PinContext ctx(*device_stage);
-          walk(b, ctx);
-          item.copied = ctx.device_copy();
-          item.batch = std::move(p);
-        } catch (...) {
-          item.error = std::current_exception();
-        }
-        device_queue.push_back(std::move(item));
-      }
-      if (device_queue.empty()) return {};
-      DeviceItem item = std::move(device_queue.front());
-      device_queue.pop_front();
-      if (item.error) std::rethrow_exception(item.error);
-      if (item.copied) device_stage->deliver(*item.copied);  // order the consumer after this copy only
-      return std::move(item.batch);
+      detail::Payload p = pin_stage->next();
+      if (!p || !device_stage) return p;
+      DeviceBatch& d = p.template get<DeviceBatch>();
+      if (d.copied) device_stage->deliver(*d.copied);
+      return detail::Payload::make(std::move(d.batch));
     }
 
     void end_epoch() noexcept {
       epoch_delivered = 0;
       last_delivered_ns = 0;
-      device_queue.clear();
       if (pin_stage) pin_stage->stop();
       engine.end_epoch();
     }
@@ -592,7 +569,14 @@ class DataLoader {
             opt.trace->span(TraceRecorder::kPinTrack, ctx.bytes_copied() ? "pin (copy)" : "pin (already pinned: direct)", batch, t0,
                             now_ns(), args);
           }
-        }, opt.pin_depth, opt.timeout, opt.trace.get());
+          if (device_stage) {
+            // The device copies (and GPU decode, which nvJPEG's hardware backend partly runs on the
+            // calling thread) are issued here, on the pin thread, never on the consumer's.
+            PinContext dctx(*device_stage);
+            walk(p.template get<Batch>(), dctx);
+            p = detail::Payload::make(DeviceBatch{std::move(p.template get<Batch>()), dctx.device_copy()});
+          }
+        }, opt.pin_depth + (opt.device ? opt.device_prefetch : 0), opt.timeout, opt.trace.get());
       }
     }
 
@@ -917,13 +901,10 @@ class DataLoader {
     detail::Engine engine;  // built after, and shut down before, everything it calls into
     std::unique_ptr<detail::PinStage> pin_stage;  // the engine's consumer when pinning; stops first
     std::unique_ptr<DeviceStage> device_stage;
-    struct DeviceItem {
-      detail::Payload batch;
-      std::shared_ptr<const EventFence> copied;  // the batch's copy; the consumer waits at hand-over
-      std::exception_ptr error;
+    struct DeviceBatch {
+      Batch batch;
+      std::shared_ptr<const EventFence> copied;  // the batch's copies; the consumer waits at hand-over
     };
-    std::deque<DeviceItem> device_queue;  // copies issued, not yet delivered (consumer thread)
-    bool device_end = false;
   };
 
   std::shared_ptr<State> state_;  // shared with abandoned workers (Note [Abandoned workers])
