@@ -305,6 +305,8 @@ class DataLoader {
     s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.stream_size());
     s.engine.begin_epoch(s.next_epoch, std::move(plan));
     if (s.pin_stage) s.pin_stage->start();
+    s.device_queue.clear();
+    s.device_end = false;
     ++s.next_epoch;
     return iterator(&s);
   }
@@ -382,6 +384,8 @@ class DataLoader {
         if (opt.device_prefetch < 1) throw Error("DataLoaderOptions: device_prefetch must be >= 1");
         opt.pin_memory = true;
       }
+      if constexpr (requires(const Dataset& d) { { d.decodes_on_device() } -> std::convertible_to<bool>; })
+        issue_on_pin_thread = dataset->decodes_on_device();
       if (opt.pin_memory) setup_pinning();
       if (opt.device && pin_stage) {
         DeviceStageOptions d;
@@ -396,6 +400,7 @@ class DataLoader {
 
     // The pin thread and workers stop before anything they use is destroyed. Idempotent.
     void stop() noexcept {
+      device_queue.clear();
       if (pin_stage) pin_stage->stop();
       engine.shutdown();
     }
@@ -491,21 +496,51 @@ class DataLoader {
       stats_origin_ns = now_ns();
     }
 
-    // The next batch for the consumer, from the last stage there is. With a device stage the pin
-    // thread has already issued the batch's copies (and GPU decode); the consumer's stream waits
-    // on them here, at hand-over (Note [Device stage]).
+    // The next batch for the consumer, from the last stage there is.
     detail::Payload last_stage_next() {
       if (!pin_stage) return engine.next();
-      detail::Payload p = pin_stage->next();
-      if (!p || !device_stage) return p;
-      DeviceBatch& d = p.template get<DeviceBatch>();
-      if (d.copied) device_stage->deliver(*d.copied);
-      return detail::Payload::make(std::move(d.batch));
+      if (!device_stage) return pin_stage->next();
+      if (issue_on_pin_thread) {
+        // GPU decode: the pin thread has issued the batch's copies and decode; the consumer's
+        // stream waits on them here, at hand-over (Note [Device stage]).
+        detail::Payload p = pin_stage->next();
+        if (!p) return p;
+        DeviceBatch& d = p.template get<DeviceBatch>();
+        if (d.copied) device_stage->deliver(*d.copied);
+        return detail::Payload::make(std::move(d.batch));
+      }
+      // Issue the copies of up to device_prefetch batches ahead, so batch i+1 transfers while
+      // batch i computes. Failures keep their position in the queue.
+      while (device_queue.size() < static_cast<std::size_t>(opt.device_prefetch) && !device_end) {
+        DeviceItem item;
+        try {
+          detail::Payload p = pin_stage->next();
+          if (!p) {
+            device_end = true;
+            break;
+          }
+          Batch& b = p.template get<Batch>();
+          PinContext ctx(*device_stage);
+          walk(b, ctx);
+          item.copied = ctx.device_copy();
+          item.batch = std::move(p);
+        } catch (...) {
+          item.error = std::current_exception();
+        }
+        device_queue.push_back(std::move(item));
+      }
+      if (device_queue.empty()) return {};
+      DeviceItem item = std::move(device_queue.front());
+      device_queue.pop_front();
+      if (item.error) std::rethrow_exception(item.error);
+      if (item.copied) device_stage->deliver(*item.copied);  // order the consumer after this copy only
+      return std::move(item.batch);
     }
 
     void end_epoch() noexcept {
       epoch_delivered = 0;
       last_delivered_ns = 0;
+      device_queue.clear();
       if (pin_stage) pin_stage->stop();
       engine.end_epoch();
     }
@@ -569,14 +604,14 @@ class DataLoader {
             opt.trace->span(TraceRecorder::kPinTrack, ctx.bytes_copied() ? "pin (copy)" : "pin (already pinned: direct)", batch, t0,
                             now_ns(), args);
           }
-          if (device_stage) {
-            // The device copies (and GPU decode, which nvJPEG's hardware backend partly runs on the
-            // calling thread) are issued here, on the pin thread, never on the consumer's.
+          if (device_stage && issue_on_pin_thread) {
+            // GPU decode: nvJPEG's hardware backend blocks the thread that calls it for much of a
+            // batch's decode, so the copies and decode are issued here, never on the consumer's.
             PinContext dctx(*device_stage);
             walk(p.template get<Batch>(), dctx);
             p = detail::Payload::make(DeviceBatch{std::move(p.template get<Batch>()), dctx.device_copy()});
           }
-        }, opt.pin_depth + (opt.device ? opt.device_prefetch : 0), opt.timeout, opt.trace.get());
+        }, opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get());
       }
     }
 
@@ -901,10 +936,18 @@ class DataLoader {
     detail::Engine engine;  // built after, and shut down before, everything it calls into
     std::unique_ptr<detail::PinStage> pin_stage;  // the engine's consumer when pinning; stops first
     std::unique_ptr<DeviceStage> device_stage;
+    bool issue_on_pin_thread = false;  // GPU decode: the pin thread issues the device work
     struct DeviceBatch {
       Batch batch;
       std::shared_ptr<const EventFence> copied;  // the batch's copies; the consumer waits at hand-over
     };
+    struct DeviceItem {
+      detail::Payload batch;
+      std::shared_ptr<const EventFence> copied;  // the batch's copy; the consumer waits at hand-over
+      std::exception_ptr error;
+    };
+    std::deque<DeviceItem> device_queue;  // copies issued, not yet delivered (consumer thread)
+    bool device_end = false;
   };
 
   std::shared_ptr<State> state_;  // shared with abandoned workers (Note [Abandoned workers])
