@@ -63,19 +63,28 @@ void print(const char* name, Row r, double ceiling) {
   std::fflush(stdout);
 }
 
-Row loader_row(const std::string& photos, ImageFolderOptions::Decode decode, int workers, int runs) {
+// The workload: the folder with RandomResizedCrop 224 + flip + to_float + normalize, and the
+// loader options every row shares.
+ImageFolder images(const std::string& photos, ImageFolderOptions::Decode decode) {
   ImageFolderOptions io;
   io.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
                                                                                    {0.229f, 0.224f, 0.225f});
   io.decode = decode;
-  ImageFolder ds(photos, io);
+  return ImageFolder(photos, io);
+}
+
+DataLoaderOptions options(int workers) {
   DataLoaderOptions o;
   o.batch_size = 256;
   o.shuffle = true;
   o.num_workers = workers;
   o.device = 0;
   o.pinned_memory_limit = std::size_t{8} << 30;
-  DataLoader loader(ds, o);
+  return o;
+}
+
+Row loader_row(const std::string& photos, ImageFolderOptions::Decode decode, int workers, int runs) {
+  DataLoader loader(images(photos, decode), options(workers));
   std::vector<Row> rows;
   for (int r = 0; r < runs + 1; ++r) {
     std::size_t n = 0;
@@ -93,19 +102,9 @@ Row loader_row(const std::string& photos, ImageFolderOptions::Decode decode, int
 
 #ifdef FERRY_BENCH_TRAINING_LOOP
 void training_loop(const std::string& photos, ImageFolderOptions::Decode decode, int workers, double step_ms, int steps) {
-  ImageFolderOptions io;
-  io.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
-                                                                                   {0.229f, 0.224f, 0.225f});
-  io.decode = decode;
-  ImageFolder ds(photos, io);
-  DataLoaderOptions o;
-  o.batch_size = 256;
-  o.shuffle = true;
-  o.num_workers = workers;
+  DataLoaderOptions o = options(workers);
   o.persistent_workers = true;
-  o.device = 0;
-  o.pinned_memory_limit = std::size_t{8} << 30;
-  DataLoader loader(ds, o);
+  DataLoader loader(images(photos, decode), o);
   for (int k = 0; k < 3; ++k) test::launch_spin(loader.stream()->native(), step_ms * 1000);
   loader.stream()->synchronize();
   const auto b0 = Clock::now();

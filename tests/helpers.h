@@ -4,6 +4,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 #include <chrono>
@@ -98,6 +99,22 @@ class Gate {
   std::mutex mu_;
   std::condition_variable cv_;
   bool open_ = false;  // guarded by mu_
+};
+
+// A stream of 0..n-1 split round-robin over the workers: worker w reads w, w + W, w + 2W, ...
+// (so the value at position p of worker w's stream is w + p * W).
+struct RoundRobinInts {
+  std::size_t n;
+  struct S {
+    std::size_t i, end, step;
+    std::optional<std::int64_t> next() {
+      if (i >= end) return std::nullopt;
+      const std::size_t v = i;
+      i += step;
+      return static_cast<std::int64_t>(v);
+    }
+  };
+  S open(const WorkerInfo& w) const { return S{static_cast<std::size_t>(w.id), n, static_cast<std::size_t>(w.num_workers)}; }
 };
 
 }  // namespace ferry::test

@@ -248,19 +248,7 @@ TEST_CASE("transient I/O errors are retried before they count, and told apart fr
 }
 
 TEST_CASE("skip and replace on a stream: bad records cost only themselves", "[faults][iterable]") {
-  struct Counter {
-    std::size_t n;
-    struct S {
-      std::size_t i, end, step;
-      std::optional<std::int64_t> next() {
-        if (i >= end) return std::nullopt;
-        const std::size_t v = i;
-        i += step;
-        return static_cast<std::int64_t>(v);
-      }
-    };
-    S open(const WorkerInfo& w) const { return S{static_cast<std::size_t>(w.id), n, static_cast<std::size_t>(w.num_workers)}; }
-  };
+  using Counter = test::RoundRobinInts;
   for (OnError policy : {OnError::Skip, OnError::Replace}) {
     for (int workers : {1, 3}) {
       FaultInjector ds(Counter{3000}, throwing(0.02, 9));

@@ -203,19 +203,7 @@ TEST_CASE("chaos: 100,000 batches through 1% throwing, 0.1% slow and 10 hung sam
 TEST_CASE("chaos: 20,000 stream batches through 1% throwing and 0.1% slow records, skip and replace", "[chaos][iterable]") {
   const std::size_t batches = batches_to_run(20000);
   const std::size_t batch_size = 4, workers = 4, n = batches * batch_size;
-  struct Counter {
-    std::size_t n;
-    struct S {
-      std::size_t i, end, step;
-      std::optional<std::int64_t> next() {
-        if (i >= end) return std::nullopt;
-        const std::size_t v = i;
-        i += step;
-        return static_cast<std::int64_t>(v);
-      }
-    };
-    S open(const WorkerInfo& w) const { return S{static_cast<std::size_t>(w.id), n, static_cast<std::size_t>(w.num_workers)}; }
-  };
+  using Counter = test::RoundRobinInts;
   FaultOptions f;
   f.seed = 78;
   f.throw_rate = 0.01;
