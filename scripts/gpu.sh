@@ -51,6 +51,15 @@ fi
 if { [ "$what" = bench ] || [ "$what" = all ]; } && [ -d build/bench-data/photos ]; then
   # The loaders on this host's cores (tiles made here by scripts/bench-loaders.sh and carried).
   timeout 120 build/gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 2>&1 | tee "$OUT/bench_loaders.md"
+  # GPU decode and fault handling on 10,260 images: the 171 tiles, 60 links to each.
+  P=/tmp/ferry-photos60
+  if [ ! -d $P ]; then
+    for d in build/bench-data/photos/*/; do c=$(basename "$d"); mkdir -p $P/$c
+      for i in $(seq 60); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$P/$c/${i}_$(basename "$f")"; done; done; done
+  fi
+  timeout 200 build/gpu/bench/bench_gpu_decode --photos $P --runs 3 --step-ms 20 --steps 100 2>&1 | tee "$OUT/bench_gpu_decode.md"
+  PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers_gpu_decode.py $P --runs 3 2>&1 | tee "$OUT/peers_gpu_decode.md"
+  timeout 110 build/gpu/bench/bench_faults --photos $P --runs 3 --trials 12 2>&1 | grep -v "\[warning\]" | tee "$OUT/bench_faults.md"
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = libtorch ]; then
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
