@@ -192,8 +192,10 @@ TEST_CASE("chaos: 100,000 batches through 1% throwing, 0.1% slow and 10 hung sam
   CHECK(replace4.sequence == replace3.sequence);  // identical for another worker count
 
   // Threads and memory stay bounded: once the 2 s delays have returned, only the hung samples'
-  // threads remain (each loader strands at most one per hung sample), then none after release.
-  CHECK(test::eventually([&] { return live_threads() <= 4 * 10; }, 10s));
+  // threads remain: one per hung sample and loader (a stuck sample is never fetched again),
+  // plus, rarely, a second when two workers reached the same hung sample before either was
+  // abandoned (its own batch and a replacement try at once). None remain after release.
+  CHECK(test::eventually([&] { return live_threads() <= 4 * 10 + 4; }, 10s));
   INFO("abandoned workers: raise " << raise.stats.abandoned_workers << ", skip " << skip.stats.abandoned_workers);
   pairs_ds.release();
   raise_ds.release();
