@@ -105,14 +105,7 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
   DataLoaderOptions o = options(workers);
   o.persistent_workers = true;
   DataLoader loader(images(photos, decode), o);
-  for (int k = 0; k < 3; ++k) test::launch_spin(loader.stream()->native(), step_ms * 1000);
-  loader.stream()->synchronize();
-  const auto b0 = Clock::now();
-  for (int k = 0; k < 20; ++k) {
-    test::launch_spin(loader.stream()->native(), step_ms * 1000);
-    loader.stream()->synchronize();
-  }
-  const double base_ms = std::chrono::duration<double, std::milli>(Clock::now() - b0).count() / 20;
+  const double base_ms = test::step_alone_ms(loader.stream()->native(), step_ms, 20);
   int step = 0;
   Clock::time_point t0;
   while (step < steps + 10) {

@@ -168,14 +168,7 @@ void training_loop(double step_ms, int steps, int workers, int intra) {
   o.pin_mode = DataLoaderOptions::PinMode::Direct;
   DataLoader loader(TensorDataset({data}), o);
   // Baseline: the identical step with no data loading.
-  for (int k = 0; k < 3; ++k) test::launch_spin(loader.stream()->native(), step_ms * 1000);
-  loader.stream()->synchronize();
-  const auto b0 = Clock::now();
-  for (int k = 0; k < 30; ++k) {
-    test::launch_spin(loader.stream()->native(), step_ms * 1000);
-    loader.stream()->synchronize();
-  }
-  const double base_ms = std::chrono::duration<double, std::milli>(Clock::now() - b0).count() / 30;
+  const double base_ms = test::step_alone_ms(loader.stream()->native(), step_ms, 30);
   int step = 0;
   Clock::time_point t0;
   for (auto& b : loader) {

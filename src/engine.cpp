@@ -258,14 +258,14 @@ struct Engine::State {
     }
     c.stage.enter(Stage::Idle);
     while (std::optional<Task> task = queue.pop()) {
-      EpochState& epoch = *task->epoch;
-      if (epoch.cancelled.load(std::memory_order_relaxed)) continue;
-      const Job& job = task->job;
+      if (task->epoch->cancelled.load(std::memory_order_relaxed)) continue;
+      c.task = std::move(*task);  // the job in hand, where the engine finds it if it abandons us
+      EpochState& epoch = *c.task.epoch;
+      const Job& job = c.task.job;
       info.epoch = epoch.epoch;
       c.batch.store(job.batch, std::memory_order_relaxed);
       c.sample.store(-1, std::memory_order_relaxed);
       c.since_ns.store(now_ns(), std::memory_order_relaxed);
-      c.task = *task;
       c.state.store(kBusy, std::memory_order_release);
       c.stage.trace(opt.trace, job.batch, id);
       c.stage.enter(Stage::Fetch);
@@ -299,9 +299,9 @@ struct Engine::State {
       int expected = kBusy;
       const bool mine = c.state.compare_exchange_strong(expected, kIdle, std::memory_order_acq_rel);
       if (!mine) break;  // abandoned: the consumer has settled this batch without us
-      c.task = Task{};
       c.signal(false);
       if (!drop) epoch.results.push(std::move(r));
+      c.task = Task{};  // last: it may hold the last reference to the epoch
     }
     c.signal(true);
   }

@@ -1,3 +1,4 @@
+#include <chrono>
 #include <cuda_runtime.h>
 
 #include <stdexcept>
@@ -34,6 +35,18 @@ void launch_spin(void* stream, double microseconds) {
   check(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "cudaDeviceGetAttribute");
   spin<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(static_cast<long long>(microseconds * khz / 1000.0));
   check(cudaGetLastError(), "spin kernel launch");
+}
+
+double step_alone_ms(void* stream, double step_ms, int steps) {
+  auto s = static_cast<cudaStream_t>(stream);
+  for (int k = 0; k < 3; ++k) launch_spin(stream, step_ms * 1000);
+  check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int k = 0; k < steps; ++k) {
+    launch_spin(stream, step_ms * 1000);
+    check(cudaStreamSynchronize(s), "cudaStreamSynchronize");
+  }
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
 }
 
 void launch_check(void* stream, const std::uint32_t* data, const std::int64_t* index, int rows, int cols,

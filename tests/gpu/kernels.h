@@ -10,6 +10,9 @@ inline std::uint32_t pattern(std::int64_t index, std::int64_t col) {
 }
 /// Occupies one SM for about `microseconds` on `stream`.
 void launch_spin(void* stream, double microseconds);
+/// A training step's baseline: the mean wall time in ms of `steps` spins of `step_ms` on
+/// `stream`, each followed by a stream synchronize (after 3 unmeasured ones).
+double step_alone_ms(void* stream, double step_ms, int steps);
 /// Counts words of data[rows][cols] that differ from pattern(index[r], c) into *bad (device memory).
 void launch_check(void* stream, const std::uint32_t* data, const std::int64_t* index, int rows, int cols,
                   unsigned long long* bad);

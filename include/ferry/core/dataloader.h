@@ -132,8 +132,8 @@ struct DataLoaderOptions {
   /// stream and the consumer's stream waits on the copy's event (implies pin_memory). Without a
   /// usable device, constructing the loader throws CudaError.
   std::optional<int> device;
-  /// Device batches whose copies are issued ahead of the one being consumed (>= 1), on top of
-  /// pin_depth: the pin thread issues them.
+  /// Device batches whose copies are issued ahead of the one being consumed (>= 1). With GPU
+  /// decode the pin thread issues them, and runs pin_depth + device_prefetch batches ahead.
   int device_prefetch = 2;
   /// One cudaMemcpyAsync per batch when its tensors lie in one pinned slab.
   bool device_pack = true;
@@ -360,13 +360,13 @@ class DataLoader {
           allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
           faults({opt.max_errors, opt.max_error_fraction}, opt.on_sample_error),
           engine(engine_options(opt), *this) {
-      if constexpr (requires(const Dataset& d) { { d.decodes_on_device() } -> std::convertible_to<bool>; }) {
-        if (dataset->decodes_on_device() && !opt.device)
-          throw Error("DataLoader: the dataset decodes its images on the GPU (ImageFolderOptions::decode = Gpu), which the "
-                      "device stage does: set DataLoaderOptions::device");
-        if (dataset->decodes_on_device() && !kDirect)
-          throw Error("DataLoader: GPU decode needs the default collate (direct mode); a collate_fn cannot take compressed images");
-      }
+      if constexpr (requires(const Dataset& d) { { d.decodes_on_device() } -> std::convertible_to<bool>; })
+        issue_on_pin_thread = dataset->decodes_on_device();  // GPU decode: see setup_pinning
+      if (issue_on_pin_thread && !opt.device)
+        throw Error("DataLoader: the dataset decodes its images on the GPU (ImageFolderOptions::decode = Gpu), which the "
+                    "device stage does: set DataLoaderOptions::device");
+      if (issue_on_pin_thread && !kDirect)
+        throw Error("DataLoader: GPU decode needs the default collate (direct mode); a collate_fn cannot take compressed images");
       if constexpr (kDirect) {
         if (opt.on_error == OnError::Skip && !detail::kTruncatable<Batch>)
           throw Error("DataLoaderOptions: on_error=Skip needs a batch type that can drop rows (a Tensor, a "
@@ -384,8 +384,6 @@ class DataLoader {
         if (opt.device_prefetch < 1) throw Error("DataLoaderOptions: device_prefetch must be >= 1");
         opt.pin_memory = true;
       }
-      if constexpr (requires(const Dataset& d) { { d.decodes_on_device() } -> std::convertible_to<bool>; })
-        issue_on_pin_thread = dataset->decodes_on_device();
       if (opt.pin_memory) setup_pinning();
       if (opt.device && pin_stage) {
         DeviceStageOptions d;

@@ -19,9 +19,9 @@
 //   ferry::HostCopy back = ferry::to_host(on_gpu, stage.consumer_stream());
 //   ferry::Tensor result = back.get();                          // synchronizes before it returns
 //
-// Thread safety: batches are begun, moved and ended by one thread (the loader's pin thread);
-// deliver() and stats() may run on another (the consumer); device batches may be dropped on any
-// thread.
+// Thread safety: batches are begun, moved and ended by one thread (the loader's consumer, or its
+// pin thread for GPU decode); deliver() and stats() may run on another (the consumer); device
+// batches may be dropped on any thread.
 #pragma once
 
 #include <cstddef>
