@@ -302,6 +302,7 @@ class DataLoader {
     State& s = *state_;
     std::shared_ptr<const BatchPlan> plan;
     if constexpr (!kStreaming) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
+    if (!s.stats_origin_ns) s.stats_origin_ns = now_ns();  // before any stage starts work
     s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.stream_size());
     s.engine.begin_epoch(s.next_epoch, std::move(plan));
     if (s.pin_stage) s.pin_stage->start();
