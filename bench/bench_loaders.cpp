@@ -1,13 +1,15 @@
 // bench_loaders — the loaders on real data.
 //
 // 1. JPEG decode plus random_resized_crop(224) + flip + to_float + normalize, per core, on real
-//    photographs cut into 500x375 tiles (ImageNet's typical size), against a plain TurboJPEG
-//    decode loop over the same files (the ceiling: ferry's path decodes the same way, then
-//    transforms). Then the same work through the DataLoader on every core.
+//    photographs cut into tiles (500x375, ImageNet's typical size, or larger), against a plain
+//    TurboJPEG decode loop over the same files. Rows: a full decode then the transform (ferry's
+//    CPU path before region decode), decode_transformed_into (only the crop's rows and columns
+//    decoded, Note [Region decode]), the same with DCT scaling, ImageFolder::get_into, and the
+//    whole DataLoader on every core.
 // 2. Fashion-MNIST (Debian's dataset-fashion-mnist) through the loader at 0, 1 and 2 workers.
 //
 // Usage: bench_loaders --photos DIR [--fmnist DIR] [--runs N]
-//        bench_loaders --make-tiles SRC_DIR OUT_DIR     (cut 500x375 JPEG tiles, quality 90)
+//        bench_loaders --make-tiles SRC_DIR OUT_DIR [WxH]   (cut JPEG tiles, 500x375 unless given, quality 90)
 #include <turbojpeg.h>
 
 #include <algorithm>
@@ -56,7 +58,7 @@ double samples_per_second(Loader& loader, int runs) {
   return median(ts);
 }
 
-int make_tiles(const std::string& src, const std::string& out) {
+int make_tiles(const std::string& src, const std::string& out, int tw, int th) {
   tjhandle enc = tjInitCompress();
   int written = 0;
   std::vector<fs::path> files;
@@ -69,19 +71,19 @@ int make_tiles(const std::string& src, const std::string& out) {
     const fs::path dir = fs::path(out) / p.stem();
     fs::create_directories(dir);
     int k = 0;
-    for (int y = 0; y + 375 <= H; y += 375)
-      for (int x = 0; x + 500 <= W; x += 500) {
+    for (int y = 0; y + th <= H; y += th)
+      for (int x = 0; x + tw <= W; x += tw) {
         const auto* src_px = img.data<std::uint8_t>() + (static_cast<std::size_t>(y) * W + x) * 3;
         unsigned char* buf = nullptr;
         unsigned long size = 0;
-        if (tjCompress2(enc, src_px, 500, W * 3, 375, TJPF_RGB, &buf, &size, TJSAMP_420, 90, 0) != 0) return 1;
+        if (tjCompress2(enc, src_px, tw, W * 3, th, TJPF_RGB, &buf, &size, TJSAMP_420, 90, 0) != 0) return 1;
         std::ofstream((dir / (std::to_string(k++) + ".jpg")).string(), std::ios::binary).write(reinterpret_cast<char*>(buf), static_cast<std::streamsize>(size));
         tjFree(buf);
         ++written;
       }
   }
   tjDestroy(enc);
-  std::printf("make-tiles: %d tiles of 500x375 from %zu photographs into %s\n", written, files.size(), out.c_str());
+  std::printf("make-tiles: %d tiles of %dx%d from %zu photographs into %s\n", written, tw, th, files.size(), out.c_str());
   return 0;
 }
 
@@ -98,8 +100,10 @@ void photos(const std::string& dir, int runs) {
   for (std::size_t i = 0; i < ds.size(); ++i) files.push_back(slurp(ds.path(i)));
   const unsigned hw = std::thread::hardware_concurrency();
   std::printf("## JPEG decode + random_resized_crop(224) + flip + to_float + normalize\n\n");
-  std::printf("%zu JPEG tiles of 500x375 (quality 90) cut from %zu photographs of Debian's mate-backgrounds; "
-              "one thread unless noted; median of %d passes over all files.\n\n", ds.size(), ds.classes().size(), runs);
+  const Tensor first = decode_image(files.at(0), ds.path(0));
+  std::printf("%zu JPEG tiles of %lldx%lld (quality 90) cut from %zu photographs of Debian's mate-backgrounds; "
+              "one thread unless noted; median of %d passes over all files.\n\n", ds.size(), static_cast<long long>(first.size(1)),
+              static_cast<long long>(first.size(0)), ds.classes().size(), runs);
   std::printf("| pipeline | images/s | vs. TurboJPEG decode |\n|---|---:|---:|\n");
 
   // Ceiling: a plain TurboJPEG decode of the in-memory files into one reused RGB buffer.
@@ -135,31 +139,49 @@ void photos(const std::string& dir, int runs) {
   });
   Tensor out = Tensor::empty(DType::Float32, {3, 224, 224});
   const ImageTransform tr = train_transform();
-  row("ferry decode_image + transform (files in memory)", [&](std::uint64_t epoch) {
+  row("ferry decode_image + transform: full decode (files in memory)", [&](std::uint64_t epoch) {
     for (std::size_t i = 0; i < files.size(); ++i) {
       Generator g(1, epoch, i);
       tr.apply_into(decode_image(files[i], "x"), out, g);
     }
   });
-  LabeledBatch batch = ds.make_batch(1, pageable_allocator());
-  WorkerInfo w;
-  row("ImageFolder::get_into (read + decode + transform into a batch row)", [&](std::uint64_t epoch) {
-    for (std::size_t i = 0; i < ds.size(); ++i) {
-      SampleContext ctx(i, 1, epoch, w);
-      ds.get_into(i, batch, 0, ctx);
+  for (bool scaled : {false, true}) {
+    row(scaled ? "ferry decode_transformed_into: region + DCT scaling (files in memory)"
+               : "ferry decode_transformed_into: region decode (files in memory)",
+        [&](std::uint64_t epoch) {
+          for (std::size_t i = 0; i < files.size(); ++i) {
+            Generator g(1, epoch, i);
+            decode_transformed_into(files[i], "x", tr, g, out, {.channels = 3, .dct_scaling = scaled});
+          }
+        });
+  }
+  for (bool scaled : {false, true}) {
+    ImageFolderOptions so = o;
+    so.dct_scaling = scaled;
+    const ImageFolder sds(dir, so);
+    LabeledBatch batch = sds.make_batch(1, pageable_allocator());
+    WorkerInfo w;
+    row(scaled ? "ImageFolder::get_into, dct_scaling (read + decode + transform into a batch row)"
+               : "ImageFolder::get_into (read + decode + transform into a batch row)",
+        [&](std::uint64_t epoch) {
+          for (std::size_t i = 0; i < sds.size(); ++i) {
+            SampleContext ctx(i, 1, epoch, w);
+            sds.get_into(i, batch, 0, ctx);
+          }
+        });
+    // The whole loader on every core: batches of 64, all hardware threads as workers, 64 batches
+    // per epoch drawn with replacement (the tiles are few).
+    for (unsigned workers : {1u, hw}) {
+      DataLoaderOptions lo;
+      lo.batch_size = 64;
+      lo.num_workers = static_cast<int>(workers);
+      lo.sampler = std::make_shared<RandomSampler>(sds.size(), 9, true, std::size_t{64} * 64);
+      DataLoader loader(sds, lo);
+      const double m = samples_per_second(loader, runs);
+      const char* how = scaled ? ", dct_scaling" : "";
+      std::printf("| DataLoader(ImageFolder%s), %u workers, batch 64: per core | %.0f | %.2f |\n", how, workers, m / workers, m / workers / ceiling);
+      std::printf("| DataLoader(ImageFolder%s), %u workers, batch 64: total | %.0f | - |\n", how, workers, m);
     }
-  });
-  // The whole loader on every core: batches of 64, all hardware threads as workers, 64 batches
-  // per epoch drawn with replacement (the tiles are few).
-  for (unsigned workers : {1u, hw}) {
-    DataLoaderOptions lo;
-    lo.batch_size = 64;
-    lo.num_workers = static_cast<int>(workers);
-    lo.sampler = std::make_shared<RandomSampler>(ds.size(), 9, true, std::size_t{64} * 64);
-    DataLoader loader(ds, lo);
-    const double m = samples_per_second(loader, runs);
-    std::printf("| DataLoader(ImageFolder), %u workers, batch 64: per core | %.0f | %.2f |\n", workers, m / workers, m / workers / ceiling);
-    std::printf("| DataLoader(ImageFolder), %u workers, batch 64: total | %.0f | - |\n", workers, m);
   }
 }
 
@@ -189,7 +211,14 @@ int main(int argc, char** argv) {
   int runs = 5;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--make-tiles" && i + 2 < argc) return make_tiles(argv[i + 1], argv[i + 2]);
+    if (a == "--make-tiles" && i + 2 < argc) {
+      int tw = 500, th = 375;
+      if (i + 3 < argc && std::sscanf(argv[i + 3], "%dx%d", &tw, &th) != 2) {
+        std::fprintf(stderr, "bench_loaders: --make-tiles SRC OUT [WxH]: bad size '%s'\n", argv[i + 3]);
+        return 2;
+      }
+      return make_tiles(argv[i + 1], argv[i + 2], tw, th);
+    }
     if (a == "--photos" && i + 1 < argc) photo_dir = argv[++i];
     else if (a == "--fmnist" && i + 1 < argc) fmnist_dir = argv[++i];
     else if (a == "--runs" && i + 1 < argc) runs = std::stoi(argv[++i]);

@@ -2,8 +2,13 @@
 
 #include <png.h>
 #include <turbojpeg.h>
+// libjpeg's own API (libjpeg-turbo's, as TurboJPEG's) for what TurboJPEG 2.1 lacks: skipping
+// scanlines and cropping columns. jpeglib.h needs <cstdio> first.
+#include <cstdio>
+#include <jpeglib.h>
 
 #include <algorithm>
+#include <csetjmp>
 #include <cstring>
 #include <filesystem>
 #include <system_error>
@@ -159,6 +164,190 @@ Size decode_into(std::span<const std::byte> bytes, const std::string& name, cons
   throw DataError(name, 0, "not a JPEG or PNG image (unrecognized magic bytes)");
 }
 
+// Note [Region decode]
+// decode_transformed_into() decodes a JPEG only as far as its transform reads it. The transform's
+// single-pass plan (ImageTransform::plan) names the source rows and columns the bilinear pass
+// touches; libjpeg-turbo then
+//   * stops after the last row needed (nothing below it is entropy-decoded),
+//   * skips the rows above the first one needed (jpeg_skip_scanlines: entropy-decoded, but no
+//     IDCT, upsampling or colour conversion), and
+//   * runs IDCT, upsampling and colour conversion only for the columns needed
+//     (jpeg_crop_scanline, which widens the window to a whole iMCU column).
+// Chroma upsampling reads a neighbour sample, and at the edge of a cropped window libjpeg
+// replicates the edge instead, so the window asked for is widened by 16 pixels (one iMCU at most)
+// on every side where the image goes on: the pixels the pass reads are then the full decode's,
+// bit for bit, and so is the output (tests/loaders/test_image.cpp checks it on photographs and on
+// edge cases). A file damaged only below the rows read decodes without an error.
+//
+// With DecodeOptions::dct_scaling, an image whose crop box is at least 2x (4x, 8x) the output on
+// both axes is decoded at 1/2 (1/4, 1/8) scale by the IDCT itself, and the pass resamples the
+// smaller image: the box is scaled with it (its origin and size rounded to the scaled grid).
+// Values then differ from a full decode (the IDCT's scaling averages where bilinear resampling
+// without antialiasing picks), which is why it is an option.
+
+// libjpeg reports errors through a callback that must not return: it jumps back to the setjmp
+// in the JpegRegion method that called libjpeg. Those methods hold no object with a destructor.
+struct JpegErrorManager {
+  jpeg_error_mgr pub;
+  std::jmp_buf jump;
+  char message[JMSG_LENGTH_MAX];
+};
+
+void on_jpeg_error(j_common_ptr c) {
+  auto* e = reinterpret_cast<JpegErrorManager*>(c->err);
+  (*c->err->format_message)(c, e->message);
+  std::longjmp(e->jump, 1);
+}
+
+// Warnings (level -1: corrupt or truncated entropy data) are errors, as TJFLAG_STOPONWARNING.
+void on_jpeg_message(j_common_ptr c, int level) {
+  if (level < 0) on_jpeg_error(c);
+}
+
+class JpegRegion {
+ public:
+  JpegRegion() {
+    cinfo_.err = jpeg_std_error(&err_.pub);
+    err_.pub.error_exit = on_jpeg_error;
+    err_.pub.emit_message = on_jpeg_message;
+    err_.message[0] = '\0';
+    ok_ = create();
+  }
+  ~JpegRegion() {
+    if (ok_) jpeg_destroy_decompress(&cinfo_);
+  }
+  JpegRegion(const JpegRegion&) = delete;
+  JpegRegion& operator=(const JpegRegion&) = delete;
+
+  bool usable() const noexcept { return ok_; }
+  const char* message() const noexcept { return err_.message; }
+  const jpeg_decompress_struct& info() const noexcept { return cinfo_; }
+
+  bool header(const unsigned char* data, unsigned long size) {
+    if (setjmp(err_.jump)) return false;
+    jpeg_abort_decompress(&cinfo_);
+    jpeg_mem_src(&cinfo_, data, size);
+    jpeg_read_header(&cinfo_, TRUE);
+    return true;
+  }
+  // Output colour space and scale 1/denom; then the scaled size is in info().output_*.
+  bool start(J_COLOR_SPACE out, unsigned denom) {
+    if (setjmp(err_.jump)) return false;
+    cinfo_.out_color_space = out;
+    cinfo_.scale_num = 1;
+    cinfo_.scale_denom = denom;
+    jpeg_start_decompress(&cinfo_);
+    return true;
+  }
+  // Columns [*x, *x + *width), widened by libjpeg to whole iMCUs.
+  bool crop(JDIMENSION* x, JDIMENSION* width) {
+    if (setjmp(err_.jump)) return false;
+    if (*x != 0 || *width != cinfo_.output_width) jpeg_crop_scanline(&cinfo_, x, width);
+    return true;
+  }
+  // Skips `skip` rows, then reads `rows` into dst (one row each `pitch` bytes).
+  bool read(JDIMENSION skip, JDIMENSION rows, unsigned char* dst, std::size_t pitch) {
+    if (setjmp(err_.jump)) return false;
+    if (skip && jpeg_skip_scanlines(&cinfo_, skip) != skip) return truncated();
+    for (JDIMENSION done = 0; done < rows;) {
+      JSAMPROW r[16];
+      const JDIMENSION n = std::min<JDIMENSION>(rows - done, 16);
+      for (JDIMENSION k = 0; k < n; ++k) r[k] = dst + (done + k) * pitch;
+      const JDIMENSION got = jpeg_read_scanlines(&cinfo_, r, n);
+      if (got == 0) return truncated();
+      done += got;
+    }
+    return true;
+  }
+  // Back to the idle state, ready for the next file (the rest of this one is never read).
+  void reset() noexcept {
+    if (setjmp(err_.jump)) return;
+    jpeg_abort_decompress(&cinfo_);
+  }
+
+ private:
+  bool create() {
+    if (setjmp(err_.jump)) return false;
+    jpeg_create_decompress(&cinfo_);
+    return true;
+  }
+  bool truncated() {
+    std::snprintf(err_.message, sizeof err_.message, "the data ends before the image does");
+    return false;
+  }
+  jpeg_decompress_struct cinfo_{};
+  JpegErrorManager err_{};
+  bool ok_ = false;
+};
+
+JpegRegion& thread_region() {
+  thread_local JpegRegion r;
+  return r;
+}
+
+// The plan's axis on an image decoded at 1/denom scale: the crop box moves to the scaled grid.
+void scale_axis(ImagePassPlan::Axis& a, unsigned denom, std::int64_t scaled) {
+  const double f = 1.0 / denom;
+  const std::int64_t len = std::clamp<std::int64_t>(std::llround(static_cast<double>(a.L0) * f), 1, scaled);
+  a.c0 = std::clamp<std::int64_t>(std::llround(static_cast<double>(a.c0) * f), 0, scaled - len);
+  a.L0 = len;
+}
+
+// Note [Region decode]. Returns false, leaving `rng` as it was, when this path does not apply (a
+// CMYK file, a transform that needs more than one pass); the caller then decodes the whole image.
+template <class BeforePass>
+bool decode_region(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform, Generator& rng,
+                   const Tensor& out, const DecodeOptions& o, Storage& pixels, BeforePass&& before_pass) {
+  JpegRegion& j = thread_region();
+  if (!j.usable()) return false;
+  struct Reset {  // whatever happens, the thread's decompressor is idle afterwards
+    JpegRegion& j;
+    ~Reset() { j.reset(); }
+  } reset{j};
+  auto fail = [&](const char* what) { throw DataError(name, DataError::kNoOffset, std::string(what) + ": " + j.message()); };
+  if (!j.header(reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size())))
+    fail("corrupt JPEG header");
+  const jpeg_decompress_struct& info = j.info();
+  if (info.jpeg_color_space == JCS_CMYK || info.jpeg_color_space == JCS_YCCK) return false;
+  if (info.image_width == 0 || info.image_height == 0) throw DataError(name, DataError::kNoOffset, "corrupt JPEG header: no image size");
+  check_pixels(name, info.image_width, info.image_height, o);
+  const int C = o.channels ? o.channels : (info.jpeg_color_space == JCS_GRAYSCALE ? 1 : 3);
+  if (C != 1 && C != 3) return false;
+  const Generator before = rng;
+  std::optional<ImagePassPlan> plan = transform.plan(info.image_height, info.image_width, C, rng);
+  if (!plan) {
+    rng = before;
+    return false;
+  }
+  unsigned denom = 1;
+  if (o.dct_scaling && plan->y.resized && plan->x.resized)
+    while (denom < 8 && plan->y.L0 >= 2 * denom * plan->y.R && plan->x.L0 >= 2 * denom * plan->x.R) denom *= 2;
+  if (!j.start(C == 1 ? JCS_GRAYSCALE : JCS_RGB, denom)) fail("corrupt JPEG data");
+  const auto H = static_cast<std::int64_t>(info.output_height), W = static_cast<std::int64_t>(info.output_width);
+  if (denom > 1) {
+    scale_axis(plan->y, denom, H);
+    scale_axis(plan->x, denom, W);
+  }
+  auto [y0, y1] = plan->y.source();
+  auto [x0, x1] = plan->x.source();
+  if (y0 >= y1 || x0 >= x1) y0 = 0, y1 = 1, x0 = 0, x1 = 1;  // all padding: the pass reads nothing
+  constexpr std::int64_t kMargin = 16;  // one iMCU at most: see the Note
+  auto x = static_cast<JDIMENSION>(std::max<std::int64_t>(x0 - kMargin, 0));
+  auto width = static_cast<JDIMENSION>(std::min(x1 + kMargin, W) - x);
+  if (!j.crop(&x, &width)) fail("corrupt JPEG data");
+  const std::int64_t top = std::max<std::int64_t>(y0 - kMargin, 0), rows = std::min(y1 + kMargin, H) - top;
+  const auto need = static_cast<std::size_t>(rows * width * C);
+  if (pixels.nbytes() < need) pixels = Storage::allocate(need);
+  if (!j.read(static_cast<JDIMENSION>(top), static_cast<JDIMENSION>(rows), reinterpret_cast<unsigned char*>(pixels.data()),
+              static_cast<std::size_t>(width) * C))
+    fail("corrupt JPEG data");
+  plan->y.c0 -= top;
+  plan->x.c0 -= static_cast<std::int64_t>(x);
+  before_pass();
+  apply_plan(*plan, Tensor(pixels, DType::UInt8, {rows, static_cast<std::int64_t>(width), C}), out);
+  return true;
+}
+
 std::string lower(std::string s) {
   std::transform(s.begin(), s.end(), s.begin(), [](unsigned char ch) { return static_cast<char>(std::tolower(ch)); });
   return s;
@@ -197,6 +386,42 @@ Tensor decode_image(std::span<const std::byte> bytes, const std::string& name, c
     return out.data<std::uint8_t>();
   });
   return out;
+}
+
+namespace {
+// decode_transformed_into, calling before_pass() between the decode and the transform's pass.
+template <class BeforePass>
+void decode_transformed(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform,
+                        Generator& rng, const Tensor& out, const DecodeOptions& options, BeforePass&& before_pass) {
+  check_channels(options.channels);
+  Scratch& s = scratch();
+  if (sniff_image(bytes) == ImageFormat::Jpeg && decode_region(bytes, name, transform, rng, out, options, s.pixels, before_pass))
+    return;
+  const Size sz = decode_into(bytes, name, options, [&](Size z) {
+    const auto need = static_cast<std::size_t>(z.h * z.w * z.c);
+    if (s.pixels.nbytes() < need) s.pixels = Storage::allocate(need);
+    return reinterpret_cast<std::uint8_t*>(s.pixels.data());
+  });
+  before_pass();
+  transform.apply_into(Tensor(s.pixels, DType::UInt8, {sz.h, sz.w, sz.c}), out, rng);  // a view of the scratch, no copy
+}
+
+// The dataset path: decode time counts as Fetch, the pass as Transform (stats, traces).
+void decode_transformed(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform,
+                        SampleContext& ctx, const Tensor& out, const DecodeOptions& options) {
+  bool entered = false;
+  Stage prev = Stage::Idle;
+  decode_transformed(bytes, name, transform, ctx.rng(), out, options, [&] {
+    prev = ctx.enter(Stage::Transform);
+    entered = true;
+  });
+  if (entered) ctx.enter(prev);
+}
+}  // namespace
+
+void decode_transformed_into(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform,
+                             Generator& rng, const Tensor& out, const DecodeOptions& options) {
+  decode_transformed(bytes, name, transform, rng, out, options, [] {});
 }
 
 Tensor read_image(const std::string& path, const DecodeOptions& options) {
@@ -264,7 +489,13 @@ LabeledSample ImageFolder::get(std::size_t i, SampleContext& ctx) const {
   const File& f = files_.at(i);
   Scratch& s = scratch();
   loaders::read_file(f.path, s.file);
-  Tensor img = decode_image(s.file, f.path, {options_.channels, options_.max_pixels});
+  const DecodeOptions decode{options_.channels, options_.max_pixels, options_.dct_scaling};
+  if (std::optional<Shape> shape = options_.transform.fixed_output_shape(options_.channels)) {
+    Tensor out = Tensor::empty(options_.transform.output_dtype(DType::UInt8), std::move(*shape));
+    decode_transformed(s.file, f.path, options_.transform, ctx, out, decode);
+    return {std::move(out), f.label};
+  }
+  Tensor img = decode_image(s.file, f.path, decode);
   if (options_.transform.empty()) return {std::move(img), f.label};
   Stage prev = ctx.enter(Stage::Transform);
   Tensor out = options_.transform(img, ctx.rng());
@@ -352,15 +583,8 @@ void ImageFolder::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, 
   const File& f = files_.at(i);
   Scratch& s = scratch();
   loaders::read_file(f.path, s.file);
-  const Size sz = decode_into(s.file, f.path, {options_.channels, options_.max_pixels}, [&](Size z) {
-    const auto need = static_cast<std::size_t>(z.h * z.w * z.c);
-    if (s.pixels.nbytes() < need) s.pixels = Storage::allocate(need);
-    return reinterpret_cast<std::uint8_t*>(s.pixels.data());
-  });
-  const Tensor img(s.pixels, DType::UInt8, {sz.h, sz.w, sz.c});  // a view of the scratch, no copy
-  Stage prev = ctx.enter(Stage::Transform);
-  options_.transform.apply_into(img, batch.image.select(static_cast<std::int64_t>(row)), ctx.rng());
-  ctx.enter(prev);
+  decode_transformed(s.file, f.path, options_.transform, ctx, batch.image.select(static_cast<std::int64_t>(row)),
+                     {options_.channels, options_.max_pixels, options_.dct_scaling});
   batch.label.data<std::int64_t>()[row] = f.label;
 }
 

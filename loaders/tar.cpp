@@ -357,7 +357,14 @@ LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOption
   if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos)
     throw DataError(record.shard, record.offset, "record '" + record.key + "': the '" + options.label_field +
                                                      "' field is not a non-negative integer: '" + text.substr(0, 40) + "'");
-  Tensor img = decode_image(*image, record.shard + ": " + record.key + "." + field, {options.channels, std::int64_t{1} << 28});
+  const std::string name = record.shard + ": " + record.key + "." + field;
+  const DecodeOptions decode{options.channels, std::int64_t{1} << 28, options.dct_scaling};
+  if (std::optional<Shape> shape = options.transform.empty() ? std::nullopt : options.transform.fixed_output_shape(options.channels)) {
+    Tensor out = Tensor::empty(options.transform.output_dtype(DType::UInt8), std::move(*shape));
+    decode_transformed_into(*image, name, options.transform, rng, out, decode);  // only the crop is decoded
+    return {std::move(out), std::stoll(text)};
+  }
+  Tensor img = decode_image(*image, name, decode);
   if (!options.transform.empty()) img = options.transform(img, rng);
   return {std::move(img), std::stoll(text)};
 }

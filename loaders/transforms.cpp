@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <type_traits>
 
 #include "ferry/core/error.h"
 
@@ -133,6 +134,88 @@ void run_pass_c(const Image& in, const std::vector<Tap>& ty, const std::vector<T
   }
 }
 
+// The same pass for uint8 sources of 1 or 3 channels (decoded images), separated: each source row
+// the output needs is interpolated along x once, into a planar float row (two rows cached, so
+// an upscale reuses them), then each output row is one vectorizable lerp between two such rows.
+// The float operations are the ones run_pass_c does, in the same order, so the values are the
+// same bit for bit (tests/loaders/test_transforms.cpp checks against pass_math.h).
+template <class Out, int kC, bool kRound>
+void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vector<Tap>& tx, Out* out, bool chw, const float* a,
+                   const float* b) {
+  const auto* src = static_cast<const std::uint8_t*>(in.data);
+  const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
+  thread_local std::vector<float> cache;
+  cache.resize(static_cast<std::size_t>(2 * kC * W));
+  float* slot[2] = {cache.data(), cache.data() + kC * W};
+  std::int64_t held[2] = {-1, -1};  // the source row in each slot
+  auto horizontal = [&](std::int64_t r, float* dst) {
+    const std::uint8_t* row = src + r * in.w * kC;
+    for (std::int64_t x = 0; x < W; ++x) {
+      const Tap& t = tx[static_cast<std::size_t>(x)];
+      if (t.i0 < 0) {
+        for (int c = 0; c < kC; ++c) dst[c * W + x] = 0.f;
+        continue;
+      }
+      const std::uint8_t *p0 = row + t.i0 * kC, *p1 = row + t.i1 * kC;
+      for (int c = 0; c < kC; ++c) {
+        const float v0 = static_cast<float>(p0[c]), v1 = static_cast<float>(p1[c]);
+        dst[c * W + x] = v0 + (v1 - v0) * t.w;
+      }
+    }
+  };
+  auto fetch = [&](std::int64_t r, int avoid) {  // the slot holding row r, filling one not `avoid`
+    if (held[0] == r) return 0;
+    if (held[1] == r) return 1;
+    const int s = avoid == 0 ? 1 : 0;
+    horizontal(r, slot[s]);
+    held[s] = r;
+    return s;
+  };
+  for (std::int64_t y = 0; y < H; ++y) {
+    const Tap& r = ty[static_cast<std::size_t>(y)];
+    const float* top = nullptr;
+    const float* bottom = nullptr;
+    if (r.i0 >= 0) {
+      const int s0 = fetch(r.i0, -1);
+      const int s1 = fetch(r.i1, s0);
+      top = slot[s0];
+      bottom = slot[s1];
+    }
+    const float wy = r.w;
+    for (int c = 0; c < kC; ++c) {
+      const float ac = a[c], bc = b[c];
+      const float* __restrict t = top ? top + c * W : nullptr;
+      const float* __restrict u = top ? bottom + c * W : nullptr;
+      if constexpr (std::is_same_v<Out, float>) {
+        if (chw) {
+          float* __restrict o = out + (c * H + y) * W;
+          if (!t) {
+            for (std::int64_t x = 0; x < W; ++x) o[x] = ac * 0.f + bc;
+            continue;
+          }
+          for (std::int64_t x = 0; x < W; ++x) {
+            float v = t[x] + (u[x] - t[x]) * wy;
+            if constexpr (kRound) v = round_even(v);
+            o[x] = ac * v + bc;
+          }
+          continue;
+        }
+      }
+      Out* o = out + y * W * kC + c;
+      for (std::int64_t x = 0; x < W; ++x) {
+        float v = 0.f;
+        if (t) {
+          v = t[x] + (u[x] - t[x]) * wy;
+          if constexpr (kRound) v = round_even(v);
+        }
+        v = ac * v + bc;
+        if constexpr (std::is_same_v<Out, std::uint8_t>) o[x * kC] = static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
+        else o[x * kC] = v;
+      }
+    }
+  }
+}
+
 // One bilinear pass from `in` into `out`. Output is HWC, or CHW when `chw`; `round` rounds the
 // interpolated value (uint8 semantics); the value written is a[c] * v + b[c].
 template <class In, class Out>
@@ -140,6 +223,10 @@ void run_pass(const Image& in, const Axis& ay, const Axis& ax, Out* out, bool ch
               const float* b) {
   const std::vector<Tap> ty = taps(ay), tx = taps(ax);
   auto with = [&]<bool kRound>() {
+    if constexpr (std::is_same_v<In, std::uint8_t>) {
+      if (in.c == 3) return run_pass_rows<Out, 3, kRound>(in, ty, tx, out, chw, a, b);
+      if (in.c == 1) return run_pass_rows<Out, 1, kRound>(in, ty, tx, out, chw, a, b);
+    }
     switch (in.c) {
       case 1: return run_pass_c<In, Out, 1, kRound>(in, ty, tx, out, chw, a, b);
       case 3: return run_pass_c<In, Out, 3, kRound>(in, ty, tx, out, chw, a, b);
@@ -395,6 +482,36 @@ std::optional<ImagePassPlan> ImageTransform::plan(std::int64_t height, std::int6
     p.b[c] = st.b[static_cast<std::size_t>(c)];
   }
   return p;
+}
+
+std::array<std::int64_t, 2> ImagePassPlan::Axis::source() const noexcept {
+  const std::int64_t first = std::max<std::int64_t>(c1, 0), last = std::min(c1 + N, R) - 1;  // output-side j
+  if (first > last) return {0, 0};
+  if (!resized) return {c0 + first, c0 + last + 1};
+  // Taps move monotonically with j; the first tap of `first` and the second of `last` bound them.
+  const Tap lo = taps({c0, L0, R, first, 1, true, false, false})[0];
+  const Tap hi = taps({c0, L0, R, last, 1, true, false, false})[0];
+  return {lo.i0, hi.i1 + 1};
+}
+
+void apply_plan(const ImagePassPlan& plan, const Tensor& image, const Tensor& out) {
+  const Image in = image_of(image);
+  const std::int64_t C = plan.channels;
+  if (in.dtype != DType::UInt8 || in.c != C)
+    throw Error("apply_plan: the image must be uint8 with " + std::to_string(C) + " channels, got " + image.str());
+  const Shape want = plan.to_float ? Shape{C, plan.y.N, plan.x.N} : Shape{plan.y.N, plan.x.N, C};
+  if (!out.defined() || !out.device().is_host() || out.dtype() != (plan.to_float ? DType::Float32 : DType::UInt8) ||
+      out.shape() != want)
+    throw Error("apply_plan: output " + out.str() + " does not match the plan's " + shape_str(want));
+  const auto [y0, y1] = plan.y.source();
+  const auto [x0, x1] = plan.x.source();
+  if ((y0 < y1 && (y0 < 0 || y1 > in.h)) || (x0 < x1 && (x0 < 0 || x1 > in.w)))
+    throw Error("apply_plan: the plan reads rows [" + std::to_string(y0) + ", " + std::to_string(y1) + ") and columns [" +
+                std::to_string(x0) + ", " + std::to_string(x1) + ") of a " + image.str());
+  const Axis ay{plan.y.c0, plan.y.L0, plan.y.R, plan.y.c1, plan.y.N, plan.y.resized, plan.y.flip, false};
+  const Axis ax{plan.x.c0, plan.x.L0, plan.x.R, plan.x.c1, plan.x.N, plan.x.resized, plan.x.flip, false};
+  if (plan.to_float) run_pass<std::uint8_t, float>(in, ay, ax, out.data<float>(), true, plan.round, plan.a, plan.b);
+  else run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, out.data<std::uint8_t>(), false, true, plan.a, plan.b);
 }
 
 void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generator& rng) const {

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 mkdir -p .debs
 cd .debs
 pkgs=(libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5 libconcurrentqueue-dev libspdlog-dev libspdlog1.10
-      libfmt-dev libfmt9 catch2 libdlpack-dev libturbojpeg0-dev libturbojpeg0 libpng-dev libpng16-16 zlib1g-dev zlib1g
+      libfmt-dev libfmt9 catch2 libdlpack-dev libturbojpeg0-dev libturbojpeg0 libjpeg62-turbo-dev libjpeg62-turbo libpng-dev libpng16-16 zlib1g-dev zlib1g
       libcli11-dev nlohmann-json3-dev dataset-fashion-mnist)
 [ "$(id -u)" -eq 0 ] && apt-get update -qq
 apt-get download "${pkgs[@]}"

@@ -11,7 +11,7 @@ prefix=/tmp/ferry-deps
 for f in .debs/*.deb; do dpkg -x "$f" $prefix; done  # idempotent; picks up packages added since
 export CMAKE_PREFIX_PATH=$prefix/usr
 export LD_LIBRARY_PATH=$prefix/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export CPATH=$prefix/usr/include
+export CPATH=$prefix/usr/include:$prefix/usr/include/x86_64-linux-gnu
 export PATH=/usr/local/cuda/bin:$PATH
 { nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv;
   nproc; lscpu | grep "Model name"; g++ --version | head -1; nvcc --version | tail -1; } > "$OUT/machine.txt" 2>&1

@@ -3,7 +3,7 @@
 # when everything is already there. Runs apt-get as root (directly, or through sudo).
 set -euo pipefail
 packages=(g++ cmake ninja-build libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
-          zlib1g-dev libpng-dev libturbojpeg0-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist)
+          zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -148,14 +148,16 @@ class TarBuilder {
   Bytes out_;
 };
 
-/// JPEG bytes of an RGB or gray image (quality q).
-inline Bytes encode_jpeg(const std::vector<std::uint8_t>& pixels, int w, int h, int channels, int q = 95) {
+/// JPEG bytes of an RGB or gray image (quality q; chroma subsampling `ss` as TurboJPEG's TJSAMP_*,
+/// 4:4:4 unless given; TJFLAG_* flags such as TJFLAG_PROGRESSIVE).
+inline Bytes encode_jpeg(const std::vector<std::uint8_t>& pixels, int w, int h, int channels, int q = 95, int ss = TJSAMP_444,
+                         int flags = 0) {
   tjhandle t = tjInitCompress();
   unsigned char* buf = nullptr;
   unsigned long size = 0;
   const int pf = channels == 1 ? TJPF_GRAY : TJPF_RGB;
-  const int ss = channels == 1 ? TJSAMP_GRAY : TJSAMP_444;
-  if (tjCompress2(t, pixels.data(), w, 0, h, pf, &buf, &size, ss, q, 0) != 0) throw std::runtime_error(tjGetErrorStr2(t));
+  if (channels == 1) ss = TJSAMP_GRAY;
+  if (tjCompress2(t, pixels.data(), w, 0, h, pf, &buf, &size, ss, q, flags) != 0) throw std::runtime_error(tjGetErrorStr2(t));
   Bytes out(size);
   std::memcpy(out.data(), buf, size);
   tjFree(buf);
@@ -176,6 +178,21 @@ inline Bytes encode_png(const std::vector<std::uint8_t>& pixels, int w, int h, i
   if (!png_image_write_to_memory(&img, out.data(), &size, 0, pixels.data(), 0, nullptr)) throw std::runtime_error(img.message);
   out.resize(size);
   return out;
+}
+
+/// A w x h image with a photograph's mix of smooth areas, edges and fine texture (seeded noise),
+/// for checks that must see every decoder path (chroma upsampling, IDCT of busy blocks).
+inline std::vector<std::uint8_t> textured(int w, int h, int channels, std::uint32_t seed = 1) {
+  std::vector<std::uint8_t> p(static_cast<std::size_t>(w) * h * channels);
+  std::uint32_t r = seed * 2654435761u + 12345u;
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x)
+      for (int c = 0; c < channels; ++c) {
+        r = r * 1664525u + 1013904223u;
+        const int smooth = (x * 3 + y * 2 + c * 70) % 256, edge = ((x / 11 + y / 7) % 2) * 90, noise = static_cast<int>(r >> 27);
+        p[(static_cast<std::size_t>(y) * w + x) * channels + c] = static_cast<std::uint8_t>((smooth + edge + noise) % 256);
+      }
+  return p;
 }
 
 /// A smooth w x h image (JPEG-friendly), with an optional per-image offset.

@@ -87,6 +87,123 @@ TEST_CASE("damaged images are DataErrors naming the image", "[errors][image]") {
   CHECK_THROWS_WITH(decode_image(jpg, "x.jpg", {.channels = 2}), Catch::Contains("channels must be 0, 1, 3 or 4"));
 }
 
+namespace {
+// transform(decode_image(bytes)) and decode_transformed_into(bytes) from generators of one seed;
+// returns the largest difference (0 = bit for bit) and checks both used the generator alike; the
+// mean difference goes to *mean.
+double region_vs_full(const Bytes& jpg, const ImageTransform& t, std::uint64_t seed, int channels, bool scaled = false,
+                      double* mean = nullptr) {
+  Generator g_full(seed, 3, 7), g_region(seed, 3, 7);
+  const Tensor full = t(decode_image(jpg, "x.jpg", {.channels = channels}), g_full);
+  Tensor region = Tensor::empty(full.dtype(), full.shape());
+  decode_transformed_into(jpg, "x.jpg", t, g_region, region, {.channels = channels, .dct_scaling = scaled});
+  CHECK(g_full() == g_region());  // the same draws, so the next sample's are the same too
+  double worst = 0, sum = 0;
+  for (std::int64_t i = 0; i < full.numel(); ++i) {
+    const double a = full.dtype() == DType::Float32 ? full.data<float>()[i] : full.data<std::uint8_t>()[i];
+    const double b = full.dtype() == DType::Float32 ? region.data<float>()[i] : region.data<std::uint8_t>()[i];
+    worst = std::max(worst, std::abs(a - b));
+    sum += std::abs(a - b);
+  }
+  if (mean) *mean = sum / static_cast<double>(full.numel());
+  return worst;
+}
+}  // namespace
+
+TEST_CASE("decoding only the crop gives the full decode's values bit for bit", "[unit][image][region]") {
+  const std::vector<std::pair<const char*, ImageTransform>> transforms = {
+      {"random_resized_crop + flip + normalize",
+       ImageTransform().random_resized_crop(56, 48).horizontal_flip().to_float().normalize({0.45f}, {0.226f})},
+      {"crops smaller than one 8x8 block", ImageTransform().random_resized_crop(6, 5, {0.0005, 0.002}).horizontal_flip()},
+      {"resize_shorter + center_crop", ImageTransform().resize_shorter(40).center_crop(32, 32)},
+      {"center_crop larger than the image (padding)", ImageTransform().center_crop(64, 300)},
+      {"plain resize", ImageTransform().resize(31, 17)},
+      {"crop at the borders", ImageTransform().random_resized_crop(24, 24, {0.9, 1.0}, {0.2, 5.0})},
+  };
+  struct Layout {
+    const char* name;
+    int channels, ss, flags;
+  };
+  const std::vector<Layout> layouts = {{"4:2:0", 3, TJSAMP_420, 0},          {"4:4:4", 3, TJSAMP_444, 0},
+                                       {"4:2:2", 3, TJSAMP_422, 0},          {"4:4:0", 3, TJSAMP_440, 0},
+                                       {"4:1:1", 3, TJSAMP_411, 0},          {"grayscale", 1, TJSAMP_GRAY, 0},
+                                       {"4:2:0 progressive", 3, TJSAMP_420, TJFLAG_PROGRESSIVE}};
+  const std::vector<std::pair<int, int>> sizes = {{250, 187}, {37, 29}, {7, 5}, {301, 16}, {16, 97}};
+  for (const Layout& l : layouts)
+    for (auto [w, h] : sizes) {
+      const Bytes jpg = encode_jpeg(textured(w, h, l.channels, static_cast<std::uint32_t>(w * h)), w, h, l.channels, 90, l.ss, l.flags);
+      for (const auto& [what, t] : transforms)
+        for (std::uint64_t seed = 0; seed < 6; ++seed) {
+          INFO(l.name << ", " << w << "x" << h << ", " << what << ", seed " << seed);
+          CHECK(region_vs_full(jpg, t, seed, l.channels) == 0);
+        }
+    }
+  // A gray file decoded to RGB, and an RGB file to gray, take the region path too.
+  const Bytes gray = encode_jpeg(textured(90, 70, 1), 90, 70, 1);
+  const Bytes rgb = encode_jpeg(textured(90, 70, 3), 90, 70, 3, 90, TJSAMP_420);
+  for (std::uint64_t seed = 0; seed < 6; ++seed) {
+    CHECK(region_vs_full(gray, transforms[0].second, seed, 3) == 0);
+    CHECK(region_vs_full(rgb, transforms[1].second, seed, 1) == 0);
+  }
+}
+
+TEST_CASE("decode_transformed_into: other formats and channel counts fall back to a full decode; errors name the file",
+          "[unit][image][region][errors]") {
+  const ImageTransform t = ImageTransform().random_resized_crop(16, 16).horizontal_flip();
+  // PNG, and RGBA output (not a region-decode layout), give transform(decode_image(...)).
+  const Bytes png = encode_png(textured(40, 30, 3), 40, 30, 3);
+  const Bytes jpg = encode_jpeg(textured(40, 30, 3), 40, 30, 3, 90, TJSAMP_420);
+  for (std::uint64_t seed = 0; seed < 4; ++seed) {
+    for (const Bytes* b : {&png, &jpg}) {
+      Generator g1(seed), g2(seed);
+      const Tensor ref = t(decode_image(*b, "x", {.channels = 4}), g1);
+      Tensor out = Tensor::empty(DType::UInt8, {16, 16, 4});
+      decode_transformed_into(*b, "x", t, g2, out, {.channels = 4});
+      CHECK(std::memcmp(ref.raw(), out.raw(), static_cast<std::size_t>(ref.nbytes())) == 0);
+    }
+  }
+  // Damage in the rows the crop reads is a DataError naming the file; the decoder goes on working.
+  const Bytes big = encode_jpeg(textured(200, 150, 3), 200, 150, 3, 90, TJSAMP_420);
+  Bytes cut(big.begin(), big.begin() + static_cast<std::ptrdiff_t>(big.size() / 2));
+  Tensor whole = Tensor::empty(DType::UInt8, {150, 200, 3});
+  Generator g(0);
+  CHECK_THROWS_MATCHES(decode_transformed_into(cut, "cut.jpg", ImageTransform().resize(150, 200), g, whole, {.channels = 3}), DataError,
+                       Catch::Matchers::Predicate<DataError>([](const DataError& e) {
+                         return e.file() == "cut.jpg" && std::string(e.what()).find("corrupt JPEG data") != std::string::npos;
+                       }, "a corrupt JPEG data error naming cut.jpg"));
+  Bytes header(jpg.begin(), jpg.begin() + 20);
+  CHECK_THROWS_WITH(decode_transformed_into(header, "h.jpg", t, g, Tensor::empty(DType::UInt8, {16, 16, 3}), {.channels = 3}),
+                    Catch::Contains("h.jpg") && Catch::Contains("corrupt JPEG header"));
+  CHECK_THROWS_WITH(decode_transformed_into(jpg, "big.jpg", t, g, Tensor::empty(DType::UInt8, {16, 16, 3}), {.channels = 3, .max_pixels = 100}),
+                    Catch::Contains("more than the limit of 100 pixels"));
+  CHECK_THROWS_WITH(decode_transformed_into(jpg, "x.jpg", t, g, Tensor::empty(DType::UInt8, {8, 8, 3}), {.channels = 3}),
+                    Catch::Contains("does not match"));
+  CHECK(region_vs_full(jpg, t, 1, 3) == 0);
+}
+
+TEST_CASE("DCT-scaled decode stays close to the full decode", "[unit][image][region]") {
+  // A crop at least twice the output on both axes is decoded at 1/2, 1/4 or 1/8 scale.
+  // A smooth image (a photograph's sky or skin) whose values change by up to 1.1 levels a pixel: the
+  // scaled decode is within a few levels. (The crop box moves to the scaled grid, by up to half a
+  // scaled pixel: 2 source pixels at 1/4 scale, which is most of the difference here.)
+  std::vector<std::uint8_t> smooth(800 * 600 * 3);
+  for (int y = 0; y < 600; ++y)
+    for (int x = 0; x < 800; ++x)
+      for (int c = 0; c < 3; ++c)
+        smooth[(static_cast<std::size_t>(y) * 800 + x) * 3 + c] =
+            static_cast<std::uint8_t>(128 + 100 * std::sin(x / 90.0 + c) * std::cos(y / 70.0));
+  const Bytes jpg = encode_jpeg(smooth, 800, 600, 3, 90, TJSAMP_420);
+  const ImageTransform t = ImageTransform().random_resized_crop(64, 64, {0.5, 1.0}).horizontal_flip().to_float();
+  double worst = 0, mean = 0;
+  for (std::uint64_t seed = 0; seed < 8; ++seed) {
+    worst = std::max(worst, region_vs_full(jpg, t, seed, 3, true, &mean));
+    CHECK(mean * 255 <= 6.0);
+  }
+  INFO("largest difference " << worst * 255 << " levels");
+  CHECK(worst > 0);             // it did decode at a smaller scale
+  CHECK(worst * 255 <= 16.0);   // and stayed close
+}
+
 TEST_CASE("ImageFolder sorts classes and files and reads nested folders", "[unit][image]") {
   TempDir dir;
   write_file(dir / "root/dog/b.jpg", class_image(1, 8, 8, false));

@@ -50,10 +50,21 @@ struct DecodeOptions {
   int channels = 0;
   /// Images with more pixels than this are refused (a DataError), before any allocation.
   std::int64_t max_pixels = std::int64_t{1} << 28;
+  /// decode_transformed_into() only: decode a JPEG at 1/2, 1/4 or 1/8 scale (libjpeg-turbo's IDCT
+  /// scaling) when the transform's crop box is at least that many times its output on both axes.
+  /// Faster on large images; the values are then close to, not equal to, a full decode's.
+  bool dct_scaling = false;
 };
 
 /// Decodes a JPEG or PNG held in memory into a new uint8 [H, W, C] tensor. `name` is used in errors.
 Tensor decode_image(std::span<const std::byte> bytes, const std::string& name, const DecodeOptions& options = {});
+/// transform.apply_into(decode_image(bytes, name, options), out, rng), decoding only the part of a
+/// JPEG the transform reads: the rows down to the last one it needs, and IDCT and colour conversion
+/// only for its columns. The result is the same bit for bit (unless options.dct_scaling); a file
+/// damaged only below those rows is not an error here. Used by ImageFolder and tar image records.
+/// `out` as apply_into() requires: output_shape() and output_dtype() of the decoded image.
+void decode_transformed_into(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform,
+                             Generator& rng, const Tensor& out, const DecodeOptions& options = {});
 /// Reads and decodes an image file.
 Tensor read_image(const std::string& path, const DecodeOptions& options = {});
 
@@ -76,6 +87,9 @@ struct ImageFolderOptions {
   /// File extensions to include, lower case, with the dot.
   std::vector<std::string> extensions{".jpg", ".jpeg", ".png"};
   std::int64_t max_pixels = std::int64_t{1} << 28;
+  /// Decode JPEGs at 1/2, 1/4 or 1/8 scale where the crop is that much larger than the output
+  /// (DecodeOptions::dct_scaling). Cpu decode only.
+  bool dct_scaling = false;
   /// Where JPEGs are decoded. Cpu: in the workers (TurboJPEG, then the transform). Gpu: the workers
   /// only read each file and draw its crop and flip (the same draws as on the CPU, from the
   /// sample's generator); the loader's device stage decodes the batch with nvJPEG and applies the

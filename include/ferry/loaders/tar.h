@@ -123,6 +123,7 @@ struct TarImageOptions {
   std::string label_field = "cls";                                ///< decimal class index
   int channels = 3;
   ImageTransform transform;
+  bool dct_scaling = false;  ///< DecodeOptions::dct_scaling
 };
 
 /// Decodes a record's image (and transform) and its integer label. DataError names the shard and

@@ -47,6 +47,9 @@ struct ImagePassPlan {
   struct Axis {
     std::int64_t c0 = 0, L0 = 0, R = 0, c1 = 0, N = 0;
     bool resized = false, flip = false;
+    /// The source indices the pass reads along this axis, [first, end); first == end when every
+    /// output index is padding.
+    std::array<std::int64_t, 2> source() const noexcept;
   };
   Axis y, x;
   std::int64_t channels = 3;
@@ -54,6 +57,13 @@ struct ImagePassPlan {
   bool to_float = false;  ///< output float32 CHW; otherwise uint8 HWC
   float a[kMaxChannels] = {1, 1, 1, 1}, b[kMaxChannels] = {0, 0, 0, 0};
 };
+
+/// Runs a plan (ImageTransform::plan) over `image` (uint8, host, [H, W, C] with C = plan.channels)
+/// into `out` (uint8 [y.N, x.N, C], or float32 [C, y.N, x.N] when plan.to_float): the same values
+/// apply_into() writes. The image may be a window of the one the plan was drawn for, with each
+/// axis's c0 moved by the window's origin (how decode_transformed_into() decodes only the crop);
+/// ferry::Error when the plan reads outside it or the shapes do not match.
+void apply_plan(const ImagePassPlan& plan, const Tensor& image, const Tensor& out);
 
 class ImageTransform {
  public:
