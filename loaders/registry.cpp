@@ -70,6 +70,23 @@ struct Synthetic {
   }
 };
 
+constexpr const char* kImageFolderHelp =
+    "root/<class>/<image>: root=<dir>, size=224, channels=3, random_crop=0|1 (random_resized_crop + flip; else "
+    "resize_shorter + center_crop), float=0|1, mean=, std= (normalize; implies float; one value, or one per channel "
+    "as 0.485:0.456:0.406), dct_scaling=0|1, decode=cpu|gpu (gpu: direct mode only, see ferry::make_image_folder)";
+
+std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) {
+  std::vector<float> out;
+  const std::string text = c.str(key);
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const std::size_t end = std::min(text.find(':', start), text.size());
+    out.push_back(parse_float(c, key, text.substr(start, end - start)));
+    start = end + 1;
+  }
+  return out;
+}
+
 void add_builtins(DatasetRegistry& r) {
   r.add("idx", [](const DatasetConfig& c) {
     IdxDatasetOptions o;
@@ -88,16 +105,13 @@ void add_builtins(DatasetRegistry& r) {
     return DynamicDataset(ferry::map(std::move(d), [](Tensor t) { return std::vector<Tensor>{std::move(t)}; }));
   }, "rows of a .npy array: path=<file>");
   r.add("image_folder", [](const DatasetConfig& c) {
-    ImageFolderOptions o;
-    o.channels = static_cast<int>(c.integer("channels", 3));
-    const auto size = static_cast<int>(c.integer("size", 224));
-    if (c.integer("random_crop", 0)) o.transform.random_resized_crop(size, size).horizontal_flip();
-    else o.transform.resize_shorter(size).center_crop(size, size);
-    if (c.integer("float", 0)) o.transform.to_float();
-    ImageFolder d(c.str("root"), std::move(o));
-    c.finish();
+    if (c.str("decode", "cpu") == "gpu")
+      throw Error("dataset 'image_folder': decode=gpu needs the loader's direct mode, which a registry dataset "
+                  "(std::vector<Tensor> samples) does not have: use ferry::make_image_folder(config) and "
+                  "DataLoader(ImageFolder) with a device (ferry bench does)");
+    ImageFolder d = make_image_folder(c);
     return DynamicDataset(ferry::map(std::move(d), labeled));
-  }, "root/<class>/<image>: root=<dir>, size=224, channels=3, random_crop=0|1, float=0|1");
+  }, kImageFolderHelp);
   r.add("synthetic", [](const DatasetConfig& c) {
     const std::int64_t n = c.integer("n", 10000);
     if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
@@ -198,6 +212,35 @@ DynamicDataset create_plugin_dataset(const std::string& plugin, const std::strin
 }
 
 }  // namespace
+
+ImageFolder make_image_folder(const DatasetConfig& c) {
+  ImageFolderOptions o;
+  o.channels = static_cast<int>(c.integer("channels", 3));
+  const std::int64_t size = c.integer("size", 224);
+  if (size < 1 || size > 32768) throw Error("dataset '" + c.dataset() + "': option 'size' must be in [1, 32768], got " + std::to_string(size));
+  const int n = static_cast<int>(size);
+  if (c.integer("random_crop", 0)) o.transform.random_resized_crop(n, n).horizontal_flip();
+  else o.transform.resize_shorter(n).center_crop(n, n);
+  const bool normalize = c.has("mean") || c.has("std");
+  if (c.integer("float", 0) || normalize) o.transform.to_float();
+  if (normalize) {
+    std::vector<float> mean = c.has("mean") ? parse_floats(c, "mean") : std::vector<float>{0.f};
+    std::vector<float> std = c.has("std") ? parse_floats(c, "std") : std::vector<float>{1.f};
+    if (mean.size() != std.size() && mean.size() != 1 && std.size() != 1)
+      throw Error("dataset '" + c.dataset() + "': options 'mean' and 'std' must have one value or one per channel each");
+    if (mean.size() == 1) mean.resize(std.size(), mean[0]);  // one value applies to every channel
+    if (std.size() == 1) std.resize(mean.size(), std[0]);
+    o.transform.normalize(std::move(mean), std::move(std));
+  }
+  o.dct_scaling = c.integer("dct_scaling", 0) != 0;
+  const std::string decode = c.str("decode", "cpu");
+  if (decode != "cpu" && decode != "gpu")
+    throw Error("dataset '" + c.dataset() + "': option 'decode' must be cpu or gpu, got '" + decode + "'");
+  o.decode = decode == "gpu" ? ImageFolderOptions::Decode::Gpu : ImageFolderOptions::Decode::Cpu;
+  const std::string root = c.str("root");
+  c.finish();
+  return ImageFolder(root, std::move(o));
+}
 
 DatasetConfig::DatasetConfig(std::string dataset, const std::string& text) : dataset_(std::move(dataset)) {
   std::stringstream ss(text);

@@ -60,8 +60,12 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   // Sources not from `pool` stay alive until the copy that read them completes.
   std::deque<std::pair<std::shared_ptr<EventFence>, std::vector<Storage>>> keepalive;
   // Start events and completion fences of copies whose GPU time is not yet counted.
-  std::deque<std::pair<cuda::Event, std::shared_ptr<EventFence>>> timings;
-  std::vector<cuda::Event> spare_starts;  // start events whose copies were counted
+  struct Timing {
+    cuda::Event started, copied;  // copied: recorded between the copies and a GPU decode (else empty)
+    std::shared_ptr<EventFence> done;
+  };
+  std::deque<Timing> timings;
+  std::vector<cuda::Event> spare_starts;  // timing events already counted, reused
   std::mutex stats_mu;                    // counters and timings (end() and stats() may run on two threads)
   // GPU decode (decode_images): the decoder, made on first use, and the batch's decodes.
   struct PendingDecode {
@@ -168,9 +172,16 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
 
   // Adds the GPU time of completed copies to the counters (consumer thread).
   void poll_timings() {
-    while (!timings.empty() && timings.front().second->ready()) {
-      counters.copy_ms += cuda::Event::elapsed_ms(timings.front().first, timings.front().second->event());
-      spare_starts.push_back(std::move(timings.front().first));  // reused: no cudaEventCreate per batch
+    while (!timings.empty() && timings.front().done->ready()) {
+      Timing& t = timings.front();
+      if (t.copied.native()) {
+        counters.copy_ms += cuda::Event::elapsed_ms(t.started, t.copied);
+        counters.decode_ms += cuda::Event::elapsed_ms(t.copied, t.done->event());
+        spare_starts.push_back(std::move(t.copied));
+      } else {
+        counters.copy_ms += cuda::Event::elapsed_ms(t.started, t.done->event());
+      }
+      spare_starts.push_back(std::move(t.started));  // reused: no cudaEventCreate per batch
       timings.pop_front();
     }
   }
@@ -185,13 +196,13 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     } catch (...) {
       decode_error = std::current_exception();
     }
-    cuda::Event started;
-    if (spare_starts.empty()) {
-      started = cuda::Event::create(opt.device, true);
-    } else {
-      started = std::move(spare_starts.back());
+    auto timing_event = [&] {
+      if (spare_starts.empty()) return cuda::Event::create(opt.device, true);
+      cuda::Event e = std::move(spare_starts.back());
       spare_starts.pop_back();
-    }
+      return e;
+    };
+    cuda::Event started = timing_event(), copied;
     started.record(copy);  // after any wait begin() queued: the interval is the copies alone
     std::size_t i = 0;
     while (i < pending.size()) {
@@ -209,6 +220,10 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       counters.bytes += span;
       i = j;
     }
+    if (!decodes.empty()) {  // the decode's GPU time is counted apart from the copies'
+      copied = timing_event();
+      copied.record(copy);
+    }
     for (PendingDecode& d : decodes) {
       if (decode_error) break;
       try {
@@ -225,7 +240,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     cuda::Event done = cuda::Event::create(opt.device, true);
     done.record(copy);
     auto fence = std::make_shared<EventFence>(std::move(done));
-    timings.emplace_back(std::move(started), fence);
+    timings.push_back({std::move(started), std::move(copied), fence});
     poll_timings();
     std::vector<Storage> keep;
     std::set<const void*> seen;

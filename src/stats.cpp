@@ -15,6 +15,7 @@ double LoaderStats::workers_busy() const noexcept {
 }
 double LoaderStats::pin_busy() const noexcept { return fraction(pin_seconds, wall_seconds); }
 double LoaderStats::copy_busy() const noexcept { return fraction(copy_seconds, wall_seconds); }
+double LoaderStats::decode_busy() const noexcept { return fraction(decode_seconds, wall_seconds); }
 double LoaderStats::consumer_busy() const noexcept { return wall_seconds > 0 ? 1.0 - fraction(wait_seconds, wall_seconds) : 0.0; }
 
 std::string LoaderStats::bottleneck() const {
@@ -26,7 +27,11 @@ std::string LoaderStats::bottleneck() const {
     name = "pin";
     busiest = pin_busy();
   }
-  if (device && copy_busy() > busiest) name = "copy";
+  if (device && copy_busy() > busiest) {
+    name = "copy";
+    busiest = copy_busy();
+  }
+  if (device && images_decoded && decode_busy() > busiest) name = "decode";
   return name;
 }
 
@@ -49,6 +54,7 @@ std::string LoaderStats::report() const {
   row("collate", collate_seconds, fraction(collate_seconds, wcap), workers_cap);
   if (pinning) row("pin", pin_seconds, pin_busy(), "the pin thread");
   if (device) row("copy", copy_seconds, copy_busy(), "the GPU copy engine");
+  if (device && images_decoded) row("decode", decode_seconds, decode_busy(), "the GPU (JPEG decode + transform, on the copy stream)");
   row("wait", wait_seconds, fraction(wait_seconds, wall_seconds), "the consumer, waiting for data");
   const std::string b = bottleneck();
   if (b == "consumer")

@@ -167,9 +167,19 @@ auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
     ferry::DataLoader loader(make_tar(f.config), so);
     return fn(loader);
   }
+  if (f.dataset == "image_folder" && ferry::DatasetConfig("image_folder", f.config).str("decode", "cpu") == "gpu") {
+    // GPU decode runs in the loader's direct mode: the typed dataset, batches as LabeledBatch.
+    if (!o.device) throw ferry::Error("dataset 'image_folder': decode=gpu needs --device N");
+    ferry::DataLoader loader(ferry::make_image_folder(ferry::DatasetConfig("image_folder", f.config)), o);
+    return fn(loader);
+  }
   ferry::DataLoader loader(registry.create(f.dataset, f.config), o);
   return fn(loader);
 }
+
+// The tensors of a batch, whichever batch type the loader delivers.
+std::vector<Tensor> fields(const std::vector<Tensor>& b) { return b; }
+std::vector<Tensor> fields(const ferry::LabeledBatch& b) { return {b.image, b.label}; }
 
 // --- running ------------------------------------------------------------------------------------
 
@@ -204,7 +214,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
     for (;;) {
       try {
         if (it == loader.end()) break;
-        std::vector<Tensor>& b = *it;
+        const std::vector<Tensor> b = fields(*it);
         any = true;
         if (!warm && ++seen >= warmup) {
           warm = true;
@@ -266,9 +276,11 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
             {"timeouts", s.timeouts}, {"abandoned_workers", s.abandoned_workers}}},
           {"stage_seconds",
            {{"fetch", s.fetch_seconds}, {"transform", s.transform_seconds}, {"collate", s.collate_seconds},
-            {"pin", s.pin_seconds}, {"copy", s.copy_seconds}, {"consumer_wait", s.wait_seconds}}},
+            {"pin", s.pin_seconds}, {"copy", s.copy_seconds}, {"decode", s.decode_seconds}, {"consumer_wait", s.wait_seconds}}},
           {"busy",
-           {{"workers", s.workers_busy()}, {"pin", s.pin_busy()}, {"copy", s.copy_busy()}, {"consumer", s.consumer_busy()}}},
+           {{"workers", s.workers_busy()}, {"pin", s.pin_busy()}, {"copy", s.copy_busy()}, {"decode", s.decode_busy()},
+            {"consumer", s.consumer_busy()}}},
+          {"images_decoded_on_device", s.images_decoded},
           {"bottleneck", s.bottleneck()}};
 }
 

@@ -1,5 +1,5 @@
 // libFuzzer targets for the loaders' parsers: one binary per format, chosen at compile time
-// (FERRY_FUZZ_IDX, _NPY, _TAR, _IMAGE, _PLAN: GPU decode's worker side, the JPEG header and the
+// (FERRY_FUZZ_IDX, _NPY, _TAR, _IMAGE (full and region decode), _PLAN: GPU decode's worker side, the JPEG header and the
 // transform plan whose every tap must lie inside the image). Any input must either parse or raise ferry::DataError
 // (a clear error); anything else (a crash, an ASan/UBSan report, another exception) is a finding.
 #include <cstddef>
@@ -23,9 +23,20 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     }
 #elif defined(FERRY_FUZZ_IMAGE)
     // Small pixel limit: the fuzzer looks for crashes, not for large images.
+    // Region decode (only the crop's rows and columns, Note [Region decode]) and DCT scaling first:
+    // the same bytes through libjpeg's skip and crop paths.
+    const auto crop = ferry::ImageTransform().random_resized_crop(16, 16).horizontal_flip().to_float();
+    ferry::Tensor out = ferry::Tensor::empty(ferry::DType::Float32, {3, 16, 16});
+    for (bool scaled : {false, true}) {
+      try {
+        ferry::Generator g(size);
+        ferry::decode_transformed_into(bytes, "fuzz.img", crop, g, out, {.channels = 3, .max_pixels = 1 << 20, .dct_scaling = scaled});
+      } catch (const ferry::DataError&) {
+      }
+    }
     ferry::Tensor t = ferry::decode_image(bytes, "fuzz.img", {.channels = 3, .max_pixels = 1 << 20});
     ferry::Generator g(size);
-    (void)ferry::ImageTransform().random_resized_crop(16, 16).horizontal_flip().to_float()(t, g);
+    (void)crop(t, g);
 #elif defined(FERRY_FUZZ_PLAN)
     ferry::Generator g(size);
     const auto t = ferry::ImageTransform().random_resized_crop(16, 12).horizontal_flip().to_float().normalize({0.5f}, {0.25f});

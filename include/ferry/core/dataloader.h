@@ -468,7 +468,12 @@ class DataLoader {
       s.pinning = pin_stage != nullptr;
       s.device = device_stage != nullptr;
       if (pin_stage) s.pin_seconds = static_cast<double>(pin_stage->pin_ns() - base.pin_ns) / 1e9;
-      if (device_stage) s.copy_seconds = (device_stage->stats().copy_ms - base.copy_ms) / 1e3;
+      if (device_stage) {
+        const DeviceStageStats d = device_stage->stats();
+        s.copy_seconds = (d.copy_ms - base.copy_ms) / 1e3;
+        s.decode_seconds = (d.decode_ms - base.decode_ms) / 1e3;
+        s.images_decoded = d.images_decoded - base.images_decoded;
+      }
       s.wait_seconds = static_cast<double>(wait_ns - base.wait_ns) / 1e9;
       const detail::FaultCounts f = faults.counts();
       s.samples_skipped = f.skipped - base.faults.skipped;
@@ -486,7 +491,12 @@ class DataLoader {
     void reset_stats() {
       for (std::size_t k = 0; k < kStageCount; ++k) base.stage_ns[k] = engine.stage_ns(static_cast<Stage>(k));
       base.pin_ns = pin_stage ? pin_stage->pin_ns() : 0;
-      base.copy_ms = device_stage ? device_stage->stats().copy_ms : 0;
+      if (device_stage) {
+        const DeviceStageStats d = device_stage->stats();
+        base.copy_ms = d.copy_ms;
+        base.decode_ms = d.decode_ms;
+        base.images_decoded = d.images_decoded;
+      }
       base.wait_ns = wait_ns;
       base.faults = faults.counts();
       base.timeouts = engine.timeouts();
@@ -926,7 +936,8 @@ class DataLoader {
     struct {
       std::int64_t stage_ns[kStageCount] = {};
       std::int64_t pin_ns = 0, wait_ns = 0;
-      double copy_ms = 0;
+      double copy_ms = 0, decode_ms = 0;
+      std::uint64_t images_decoded = 0;
       detail::FaultCounts faults;
       std::uint64_t timeouts = 0, abandoned = 0;
     } base;

@@ -31,6 +31,8 @@ struct LoaderStats {
   double collate_seconds = 0;      ///< summed over worker threads
   double pin_seconds = 0;          ///< the pin thread copying batches into pinned memory
   double copy_seconds = 0;         ///< GPU time of the host-to-device copies
+  double decode_seconds = 0;       ///< GPU decode: GPU time of the JPEG decodes and their transform kernel
+  std::uint64_t images_decoded = 0;  ///< GPU decode: JPEGs decoded on the device
   double wait_seconds = 0;         ///< the consumer blocked in the loader for its next batch
   bool pinning = false;            ///< whether a pin thread ran
   bool device = false;             ///< whether a device stage ran
@@ -50,9 +52,10 @@ struct LoaderStats {
   double workers_busy() const noexcept;
   double pin_busy() const noexcept;
   double copy_busy() const noexcept;
+  double decode_busy() const noexcept;
   double consumer_busy() const noexcept;
   /// "consumer" when the consumer waited under 5% of the time (the loader keeps up), else the
-  /// busiest of "workers", "pin" and "copy".
+  /// busiest of "workers", "pin", "copy" and "decode" (GPU decode).
   std::string bottleneck() const;
   /// A human-readable table of the above (with a faults section when there were any).
   std::string report() const;

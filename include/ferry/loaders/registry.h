@@ -7,7 +7,8 @@
 //   ferry::DataLoader loader(ds, {.batch_size = 64});                    // batches: std::vector<Tensor>
 //
 // Built in: "idx" (images=, labels=), "npy" (path=), "image_folder" (root=, size=, channels=,
-// random_crop=0|1), "synthetic" (n=, shape=3x224x224, dtype=uint8). Every dataset made here yields
+// random_crop=0|1, float=, mean=, std=, dct_scaling=, decode=cpu|gpu), "synthetic" (n=,
+// shape=3x224x224, dtype=uint8). Every dataset made here yields
 // samples as std::vector<Tensor> (one tensor per field; labels as int64 scalars). An unknown name,
 // an unknown or malformed option, a plugin file that cannot be loaded, a library without the
 // entry point, or a plugin built for another ABI version is a ferry::Error saying which.
@@ -26,6 +27,7 @@
 
 #include "ferry/core/dataset.h"
 #include "ferry/core/tensor.h"
+#include "ferry/loaders/image.h"
 
 namespace ferry {
 
@@ -52,6 +54,11 @@ class DatasetConfig {
 /// A map-style dataset of std::vector<Tensor> samples, of any registered kind (one tensor per
 /// field; labels as int64 scalars). Copies share it.
 using DynamicDataset = AnyDataset<std::vector<Tensor>>;
+
+/// The ImageFolder that "image_folder" makes from `config` (registry().help("image_folder") lists
+/// the keys), as the typed dataset: GPU decode (decode=gpu) needs the loader's direct mode, which
+/// a DynamicDataset does not have, so the registry refuses decode=gpu and this makes it.
+ImageFolder make_image_folder(const DatasetConfig& config);
 
 class DatasetRegistry {
  public:

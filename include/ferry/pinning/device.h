@@ -50,6 +50,7 @@ struct DeviceStageStats {
   std::uint64_t bytes = 0;
   std::uint64_t device_allocations = 0;  ///< cudaMalloc calls (constant after warm-up)
   double copy_ms = 0;                    ///< GPU time of the copies completed so far (timing events)
+  double decode_ms = 0;                  ///< GPU decode: GPU time of the decodes and their transform kernel
   std::uint64_t images_decoded = 0;      ///< GPU decode: JPEGs decoded on the device
   std::uint64_t decode_allocations = 0;  ///< GPU decode: scratch (re)allocations (constant after warm-up)
 };
