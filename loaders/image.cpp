@@ -570,7 +570,11 @@ void ImageFolder::get_encoded(std::size_t i, LabeledBatch& batch, std::size_t ro
   axis(r + 11, plan->x);
   r[18] = plan->channels;
   r[19] = plan->round;
-  r[20] = plan->to_float;
+  r[20] = !plan->to_float                         ? detail::kPassUInt8
+          : plan->out_dtype == DType::Float16  ? detail::kPassFloat16
+          : plan->out_dtype == DType::BFloat16 ? detail::kPassBFloat16
+                                               : detail::kPassFloat32;
+  r[30] = plan->channels_last;
   for (int c = 0; c < 4; ++c) {
     r[21 + c] = bits(plan->a[c]);
     r[25 + c] = bits(plan->b[c]);

@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "ferry/core/error.h"
+#include "ferry/detail/pass_math.h"
 
 namespace ferry {
 namespace {
@@ -91,6 +92,15 @@ inline float round_even(float v) {
   return t - kMagic;
 }
 
+// The value written for an element of type Out (to_float's 16-bit types round to nearest even).
+template <class Out>
+inline Out store_as(float v) {
+  if constexpr (std::is_same_v<Out, float>) return v;
+  else if constexpr (std::is_same_v<Out, Half>) return Half{detail::pass_f16_bits(v)};
+  else if constexpr (std::is_same_v<Out, BFloat16>) return BFloat16{detail::pass_bf16_bits(v)};
+  else return static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
+}
+
 // The pass's inner loops, with the channel count fixed at compile time when kC > 0 (1 and 3:
 // gray and RGB, nearly every image) and the row pointers, taps and padding hoisted out.
 template <class In, class Out, int kC, bool kRound>
@@ -101,8 +111,7 @@ void run_pass_c(const Image& in, const std::vector<Tap>& ty, const std::vector<T
   auto store = [&](std::int64_t y, std::int64_t x, std::int64_t c, float v) {
     v = a[c] * v + b[c];
     const std::int64_t o = chw ? (c * H + y) * W + x : (y * W + x) * C + c;
-    if constexpr (std::is_same_v<Out, std::uint8_t>) out[o] = static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
-    else out[o] = v;
+    out[o] = store_as<Out>(v);
   };
   for (std::int64_t y = 0; y < H; ++y) {
     const Tap& r = ty[static_cast<std::size_t>(y)];
@@ -186,17 +195,17 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
       const float ac = a[c], bc = b[c];
       const float* __restrict t = top ? top + c * W : nullptr;
       const float* __restrict u = top ? bottom + c * W : nullptr;
-      if constexpr (std::is_same_v<Out, float>) {
+      if constexpr (!std::is_same_v<Out, std::uint8_t>) {
         if (chw) {
-          float* __restrict o = out + (c * H + y) * W;
+          Out* __restrict o = out + (c * H + y) * W;
           if (!t) {
-            for (std::int64_t x = 0; x < W; ++x) o[x] = ac * 0.f + bc;
+            for (std::int64_t x = 0; x < W; ++x) o[x] = store_as<Out>(ac * 0.f + bc);
             continue;
           }
           for (std::int64_t x = 0; x < W; ++x) {
             float v = t[x] + (u[x] - t[x]) * wy;
             if constexpr (kRound) v = round_even(v);
-            o[x] = ac * v + bc;
+            o[x] = store_as<Out>(ac * v + bc);
           }
           continue;
         }
@@ -208,9 +217,7 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
           v = t[x] + (u[x] - t[x]) * wy;
           if constexpr (kRound) v = round_even(v);
         }
-        v = ac * v + bc;
-        if constexpr (std::is_same_v<Out, std::uint8_t>) o[x * kC] = static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
-        else o[x * kC] = v;
+        o[x * kC] = store_as<Out>(ac * v + bc);
       }
     }
   }
@@ -314,10 +321,18 @@ ImageTransform& ImageTransform::horizontal_flip(double p) {
   steps_.push_back({Step::Kind::Flip, 0, 0, {}, {}, p, {}, {}});
   return *this;
 }
-ImageTransform& ImageTransform::to_float() {
+ImageTransform& ImageTransform::to_float(DType dtype) {
   if (float_) throw Error("ImageTransform::to_float: called twice");
+  if (dtype != DType::Float32 && dtype != DType::Float16 && dtype != DType::BFloat16)
+    throw Error(std::string("ImageTransform::to_float: the dtype must be float32, float16 or bfloat16, got ") + dtype_name(dtype));
   float_ = true;
+  float_dtype_ = dtype;
   steps_.push_back({Step::Kind::ToFloat, 0, 0, {}, {}, 0, {}, {}});
+  return *this;
+}
+ImageTransform& ImageTransform::channels_last() {
+  if (!float_) throw Error("ImageTransform::channels_last: must follow to_float() (uint8 output is HWC already)");
+  channels_last_ = true;
   return *this;
 }
 ImageTransform& ImageTransform::normalize(std::vector<float> mean, std::vector<float> std) {
@@ -331,7 +346,7 @@ ImageTransform& ImageTransform::normalize(std::vector<float> mean, std::vector<f
   return *this;
 }
 
-DType ImageTransform::output_dtype(DType input) const noexcept { return float_ ? DType::Float32 : input; }
+DType ImageTransform::output_dtype(DType input) const noexcept { return float_ ? float_dtype_ : input; }
 
 std::optional<Shape> ImageTransform::fixed_output_shape(std::int64_t channels) const {
   std::optional<std::pair<std::int64_t, std::int64_t>> hw;
@@ -358,6 +373,7 @@ Shape ImageTransform::output_shape(std::int64_t H, std::int64_t W, std::int64_t 
       default: break;
     }
   }
+  if (float_ && channels_last_) return {H, W, std::max<std::int64_t>(channels, 1)};
   if (float_) return {std::max<std::int64_t>(channels, 1), H, W};
   return channels == 0 ? Shape{H, W} : Shape{H, W, channels};
 }
@@ -373,7 +389,11 @@ std::string ImageTransform::str() const {
       case Step::Kind::CenterCrop: os << "center_crop(" << s.height << "x" << s.width << ")"; break;
       case Step::Kind::RandomResizedCrop: os << "random_resized_crop(" << s.height << "x" << s.width << ")"; break;
       case Step::Kind::Flip: os << "horizontal_flip(" << s.p << ")"; break;
-      case Step::Kind::ToFloat: os << "to_float"; break;
+      case Step::Kind::ToFloat:
+        os << "to_float";
+        if (float_dtype_ != DType::Float32) os << "(" << dtype_name(float_dtype_) << ")";
+        if (channels_last_) os << " -> channels_last";
+        break;
       case Step::Kind::Normalize: os << "normalize"; break;
     }
   }
@@ -477,6 +497,8 @@ std::optional<ImagePassPlan> ImageTransform::plan(std::int64_t height, std::int6
   p.channels = channels;
   p.round = st.round;
   p.to_float = float_;
+  p.out_dtype = float_ ? float_dtype_ : DType::UInt8;
+  p.channels_last = channels_last_;
   for (std::int64_t c = 0; c < channels; ++c) {
     p.a[c] = st.a[static_cast<std::size_t>(c)];
     p.b[c] = st.b[static_cast<std::size_t>(c)];
@@ -499,9 +521,10 @@ void apply_plan(const ImagePassPlan& plan, const Tensor& image, const Tensor& ou
   const std::int64_t C = plan.channels;
   if (in.dtype != DType::UInt8 || in.c != C)
     throw Error("apply_plan: the image must be uint8 with " + std::to_string(C) + " channels, got " + image.str());
-  const Shape want = plan.to_float ? Shape{C, plan.y.N, plan.x.N} : Shape{plan.y.N, plan.x.N, C};
-  if (!out.defined() || !out.device().is_host() || out.dtype() != (plan.to_float ? DType::Float32 : DType::UInt8) ||
-      out.shape() != want)
+  const DType dtype = plan.to_float ? plan.out_dtype : DType::UInt8;
+  const bool chw = plan.to_float && !plan.channels_last;
+  const Shape want = chw ? Shape{C, plan.y.N, plan.x.N} : Shape{plan.y.N, plan.x.N, C};
+  if (!out.defined() || !out.device().is_host() || out.dtype() != dtype || out.shape() != want)
     throw Error("apply_plan: output " + out.str() + " does not match the plan's " + shape_str(want));
   const auto [y0, y1] = plan.y.source();
   const auto [x0, x1] = plan.x.source();
@@ -510,8 +533,13 @@ void apply_plan(const ImagePassPlan& plan, const Tensor& image, const Tensor& ou
                 std::to_string(x0) + ", " + std::to_string(x1) + ") of a " + image.str());
   const Axis ay{plan.y.c0, plan.y.L0, plan.y.R, plan.y.c1, plan.y.N, plan.y.resized, plan.y.flip, false};
   const Axis ax{plan.x.c0, plan.x.L0, plan.x.R, plan.x.c1, plan.x.N, plan.x.resized, plan.x.flip, false};
-  if (plan.to_float) run_pass<std::uint8_t, float>(in, ay, ax, out.data<float>(), true, plan.round, plan.a, plan.b);
-  else run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, out.data<std::uint8_t>(), false, true, plan.a, plan.b);
+  switch (dtype) {
+    case DType::Float32: return run_pass<std::uint8_t, float>(in, ay, ax, out.data<float>(), chw, plan.round, plan.a, plan.b);
+    case DType::Float16: return run_pass<std::uint8_t, Half>(in, ay, ax, out.data<Half>(), chw, plan.round, plan.a, plan.b);
+    case DType::BFloat16: return run_pass<std::uint8_t, BFloat16>(in, ay, ax, out.data<BFloat16>(), chw, plan.round, plan.a, plan.b);
+    case DType::UInt8: return run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, out.data<std::uint8_t>(), false, true, plan.a, plan.b);
+    default: throw Error(std::string("apply_plan: the plan's output dtype ") + dtype_name(dtype) + " is not an image output");
+  }
 }
 
 void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generator& rng) const {
@@ -548,8 +576,14 @@ void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generato
   const float* a = st.a.data();
   const float* b = st.b.data();
   if (float_) {
-    if (in.dtype == DType::UInt8) run_pass<std::uint8_t, float>(in, st.ay, st.ax, out.data<float>(), true, st.round, a, b);
-    else run_pass<float, float>(in, st.ay, st.ax, out.data<float>(), true, false, a, b);
+    const bool chw = !channels_last_;
+    auto write = [&]<class Out>(Out* o) {
+      if (in.dtype == DType::UInt8) run_pass<std::uint8_t, Out>(in, st.ay, st.ax, o, chw, st.round, a, b);
+      else run_pass<float, Out>(in, st.ay, st.ax, o, chw, false, a, b);
+    };
+    if (float_dtype_ == DType::Float16) write(out.data<Half>());
+    else if (float_dtype_ == DType::BFloat16) write(out.data<BFloat16>());
+    else write(out.data<float>());
   } else if (in.dtype == DType::UInt8) {
     run_pass<std::uint8_t, std::uint8_t>(in, st.ay, st.ax, out.data<std::uint8_t>(), false, true, a, b);
   } else {

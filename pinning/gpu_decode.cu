@@ -38,7 +38,7 @@ const char* nvjpeg_status(nvjpegStatus_t s) {
 struct Plan {  // one image's index row, as the kernel reads it
   std::int64_t scratch, height, width;
   PassAxis y, x;
-  int channels, round, to_float;
+  int channels, round, kind;  // kind: PassOutput
   float a[4], b[4];
 };
 
@@ -50,7 +50,7 @@ __device__ Plan read_plan(const std::int64_t* row) {
   p.x = {row[11], row[12], row[13], row[14], row[15], static_cast<int>(row[16]), static_cast<int>(row[17])};
   p.channels = static_cast<int>(row[18]);
   p.round = static_cast<int>(row[19]);
-  p.to_float = static_cast<int>(row[20]);
+  p.kind = static_cast<int>(row[20]);
   for (int c = 0; c < 4; ++c) {
     p.a[c] = __int_as_float(static_cast<int>(row[21 + c]));
     p.b[c] = __int_as_float(static_cast<int>(row[25 + c]));
@@ -62,7 +62,7 @@ __device__ Plan read_plan(const std::int64_t* row) {
 // One thread per output pixel of the batch; every channel. Decoded images are RGB interleaved
 // (pitch = width * 3) in `scratch`.
 __global__ void fused_transform(const std::uint8_t* scratch, const std::int64_t* index, int rows, int OH, int OW, int C,
-                                int to_float, void* out) {
+                                int kind, int channels_last, void* out) {
   const std::int64_t pixels = static_cast<std::int64_t>(OH) * OW;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= pixels * rows) return;
@@ -74,11 +74,16 @@ __global__ void fused_transform(const std::uint8_t* scratch, const std::int64_t*
   const PassTap ty = pass_tap(plan.y, y), tx = pass_tap(plan.x, x);
   for (int c = 0; c < C; ++c) {
     const float v = pass_value(src, plan.width * 3, 3, ty, tx, c, plan.round != 0);
-    if (to_float) {
-      static_cast<float*>(out)[((static_cast<std::int64_t>(n) * C + c) * OH + y) * OW + x] = __fadd_rn(__fmul_rn(plan.a[c], v), plan.b[c]);
-    } else {
-      static_cast<std::uint8_t*>(out)[((static_cast<std::int64_t>(n) * OH + y) * OW + x) * C + c] = pass_store_u8(v, plan.a[c], plan.b[c]);
+    const std::int64_t hwc = ((static_cast<std::int64_t>(n) * OH + y) * OW + x) * C + c;
+    if (kind == kPassUInt8) {
+      static_cast<std::uint8_t*>(out)[hwc] = pass_store_u8(v, plan.a[c], plan.b[c]);
+      continue;
     }
+    const float f = __fadd_rn(__fmul_rn(plan.a[c], v), plan.b[c]);
+    const std::int64_t o = channels_last ? hwc : ((static_cast<std::int64_t>(n) * C + c) * OH + y) * OW + x;
+    if (kind == kPassFloat32) static_cast<float*>(out)[o] = f;
+    else if (kind == kPassFloat16) static_cast<std::uint16_t*>(out)[o] = pass_f16_bits(f);
+    else static_cast<std::uint16_t*>(out)[o] = pass_bf16_bits(f);
   }
 }
 
@@ -158,7 +163,8 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     const std::int64_t threads = static_cast<std::int64_t>(rows) * OH * OW;
     const int block = 256;
     fused_transform<<<static_cast<unsigned>((threads + block - 1) / block), block, 0, s>>>(
-        static_cast<const std::uint8_t*>(scratch_), index_dev, rows, OH, OW, C, static_cast<int>(first[20]), out);
+        static_cast<const std::uint8_t*>(scratch_), index_dev, rows, OH, OW, C, static_cast<int>(first[20]), static_cast<int>(first[30]),
+        out);
     check_cuda(cudaGetLastError(), "the fused transform kernel");
   }
 

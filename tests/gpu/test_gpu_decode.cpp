@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "ferry/ferry.h"
 #include "loaders/files.h"
@@ -110,6 +111,52 @@ TEST_CASE("GPU-decoded batches match the CPU path for every image", "[gpu][decod
   double other_sum = 0;
   for (std::int64_t k = 0; k < ci.numel(); ++k) other_sum += std::abs(ci.data<float>()[k] - di.data<float>()[k]);
   CHECK(other_sum / static_cast<double>(ci.numel()) * 0.226 * 255 > 5);
+}
+
+TEST_CASE("GPU decode writes float16, bfloat16 and channels_last batches as the CPU path does", "[gpu][decode]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 6);
+  auto value = [](const Tensor& t, std::int64_t k) -> double {
+    if (t.dtype() == DType::Float16) {
+      _Float16 h;
+      std::memcpy(&h, &t.data<Half>()[k], sizeof h);
+      return static_cast<double>(h);
+    }
+    std::uint32_t bits = static_cast<std::uint32_t>(t.data<BFloat16>()[k].bits) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  };
+  for (const auto& [dtype, last] : std::vector<std::pair<DType, bool>>{{DType::Float16, false}, {DType::BFloat16, true}}) {
+    INFO(dtype_name(dtype) << (last ? " channels_last" : ""));
+    auto options = [&](ImageFolderOptions::Decode decode) {
+      ImageFolderOptions o;
+      o.transform.random_resized_crop(40, 32).horizontal_flip().to_float(dtype);
+      if (last) o.transform.channels_last();
+      o.transform.normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+      o.decode = decode;
+      return o;
+    };
+    ImageFolder cpu(dir / "root", options(ImageFolderOptions::Decode::Cpu));
+    ImageFolder gpu(dir / "root", options(ImageFolderOptions::Decode::Gpu));
+    DataLoader cpu_loader(cpu, loader_options(2));
+    DataLoader gpu_loader(gpu, loader_options(2));
+    auto a = cpu_loader.begin();
+    auto b = gpu_loader.begin();
+    double sum = 0;
+    std::size_t values = 0;
+    for (; a != cpu_loader.end() && b != gpu_loader.end(); ++a, ++b) {
+      REQUIRE(b->image.dtype() == dtype);
+      REQUIRE(b->image.shape() == a->image.shape());
+      REQUIRE(b->image.shape()[last ? 3 : 1] == 3);
+      const Tensor xi = host_copy(a->image, *cpu_loader.stream()), yi = host_copy(b->image, *gpu_loader.stream());
+      for (std::int64_t k = 0; k < xi.numel(); ++k) sum += std::abs(value(xi, k) - value(yi, k)) * 0.226 * 255;
+      values += static_cast<std::size_t>(xi.numel());
+    }
+    CHECK(values == std::size_t{24} * 40 * 32 * 3);
+    CHECK(sum / static_cast<double>(values) < 1.5);  // nvJPEG's decode differs a little, as for float32
+  }
 }
 
 TEST_CASE("GPU decode: a damaged JPEG is a DataError at its batch, a PNG is refused by name, the rest is intact",

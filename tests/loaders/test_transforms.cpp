@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
 
 #include "ferry/ferry.h"
 
@@ -207,4 +208,94 @@ TEST_CASE("a transform's single-pass plan, evaluated per pixel, equals apply_int
   // Two resizes cannot be one pass: no plan.
   Generator g(0);
   CHECK_FALSE(ImageTransform().resize(30, 30).resize(10, 10).plan(40, 40, 3, g));
+}
+
+TEST_CASE("16-bit float conversions round to nearest even, as the compiler's _Float16 and torch's bfloat16", "[unit][transforms]") {
+  auto bits_of = [](float f) {
+    std::uint32_t x;
+    std::memcpy(&x, &f, sizeof x);
+    return x;
+  };
+  auto from_bits = [](std::uint32_t x) {
+    float f;
+    std::memcpy(&f, &x, sizeof f);
+    return f;
+  };
+  std::vector<float> values = {0.f, -0.f, 1.f, -2.5f, 65504.f, 65519.99f, 65520.f, -70000.f, 1e-8f, std::ldexp(1.f, -25),
+                               std::ldexp(1.5f, -25), std::ldexp(1.f, -24), std::ldexp(3.f, -25), std::ldexp(1.f, -14),
+                               std::ldexp(1023.f, -24), std::ldexp(2047.f, -25), INFINITY, -INFINITY, 0.1f, 1.0009765625f,
+                               1.00048828125f, 1.00146484375f};
+  Generator g(7);
+  for (int k = 0; k < 200000; ++k) values.push_back(from_bits(g()));  // every exponent, NaNs included
+  std::size_t bad_half = 0, bad_bf16 = 0;
+  for (float f : values) {
+    const _Float16 h = static_cast<_Float16>(f);
+    std::uint16_t hb;
+    std::memcpy(&hb, &h, sizeof hb);
+    if (std::isnan(f)) bad_half += (detail::pass_f16_bits(f) & 0x7c00u) != 0x7c00u || (detail::pass_f16_bits(f) & 0x3ffu) == 0;
+    else bad_half += detail::pass_f16_bits(f) != hb;
+    // bfloat16 is float32's top half: the nearest of the two candidates, ties to the even one.
+    const std::uint16_t b = detail::pass_bf16_bits(f);
+    if (std::isnan(f)) {
+      bad_bf16 += !std::isnan(from_bits(static_cast<std::uint32_t>(b) << 16));
+    } else if (!std::isinf(f)) {
+      const std::uint32_t x = bits_of(f);
+      const float lo = from_bits(x & 0xffff0000u), hi = from_bits((x & 0xffff0000u) + 0x10000u);
+      // Past the largest finite value the next candidate is infinity, which IEEE rounding treats
+      // as 2^128 for the distance.
+      const double hi_d = std::isinf(hi) ? std::copysign(std::ldexp(1.0, 128), hi) : hi;
+      const double dlo = std::abs(static_cast<double>(f) - lo), dhi = std::abs(static_cast<double>(f) - hi_d);
+      const std::uint16_t want = dlo < dhi ? static_cast<std::uint16_t>(x >> 16)
+                                 : dhi < dlo ? static_cast<std::uint16_t>((x >> 16) + 1)
+                                             : static_cast<std::uint16_t>((x >> 16) + ((x >> 16) & 1u));
+      bad_bf16 += b != want;
+    }
+  }
+  CHECK(bad_half == 0);
+  CHECK(bad_bf16 == 0);
+}
+
+TEST_CASE("to_float to float16 or bfloat16, and channels_last, write the float32 values rounded and laid out as asked",
+          "[unit][transforms]") {
+  Generator shape_rng(3);
+  Tensor img = Tensor::empty(DType::UInt8, {37, 45, 3});
+  for (std::int64_t k = 0; k < img.numel(); ++k) img.data<std::uint8_t>()[k] = static_cast<std::uint8_t>(shape_rng.randint(256));
+  auto base = [] { return ImageTransform().random_resized_crop(12, 10).horizontal_flip(); };
+  const std::vector<float> mean{0.485f, 0.456f, 0.406f}, stdev{0.229f, 0.224f, 0.225f};
+  for (std::uint64_t seed = 0; seed < 20; ++seed) {
+    INFO("seed " << seed);
+    Generator g0(seed), g1(seed), g2(seed), g3(seed), g4(seed);
+    const Tensor f32 = base().to_float().normalize(mean, stdev)(img, g0);
+    const Tensor f16 = base().to_float(DType::Float16).normalize(mean, stdev)(img, g1);
+    const Tensor bf16 = base().to_float(DType::BFloat16).normalize(mean, stdev)(img, g2);
+    const ImageTransform nhwc = base().to_float(DType::BFloat16).channels_last().normalize(mean, stdev);
+    const Tensor last = nhwc(img, g3);
+    REQUIRE(f16.dtype() == DType::Float16);
+    REQUIRE(bf16.shape() == Shape{3, 12, 10});
+    REQUIRE(last.shape() == Shape{12, 10, 3});
+    std::size_t bad = 0;
+    for (std::int64_t c = 0; c < 3; ++c)
+      for (std::int64_t y = 0; y < 12; ++y)
+        for (std::int64_t x = 0; x < 10; ++x) {
+          const std::int64_t chw = (c * 12 + y) * 10 + x, hwc = (y * 10 + x) * 3 + c;
+          const float v = f32.data<float>()[chw];
+          bad += f16.data<Half>()[chw].bits != detail::pass_f16_bits(v);
+          bad += bf16.data<BFloat16>()[chw].bits != detail::pass_bf16_bits(v);
+          bad += last.data<BFloat16>()[hwc].bits != detail::pass_bf16_bits(v);
+        }
+    CHECK(bad == 0);
+    // The plan carries dtype and layout; apply_plan writes the same.
+    const std::optional<ImagePassPlan> plan = nhwc.plan(37, 45, 3, g4);
+    REQUIRE(plan);
+    CHECK(plan->out_dtype == DType::BFloat16);
+    CHECK(plan->channels_last);
+    Tensor again = Tensor::empty(DType::BFloat16, {12, 10, 3});
+    apply_plan(*plan, img, again);
+    CHECK(std::memcmp(again.raw(), last.raw(), static_cast<std::size_t>(last.nbytes())) == 0);
+  }
+  CHECK(base().to_float(DType::Float16).channels_last().output_dtype(DType::UInt8) == DType::Float16);
+  CHECK(base().to_float().channels_last().fixed_output_shape(3) == Shape{12, 10, 3});
+  CHECK(base().to_float(DType::BFloat16).channels_last().str().find("to_float(bfloat16) -> channels_last") != std::string::npos);
+  CHECK_THROWS_WITH(ImageTransform().to_float(DType::Int32), Catch::Contains("float32, float16 or bfloat16"));
+  CHECK_THROWS_WITH(ImageTransform().channels_last(), Catch::Contains("must follow to_float"));
 }

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define FERRY_HD __host__ __device__
@@ -69,10 +70,55 @@ FERRY_HD inline std::uint8_t pass_store_u8(float v, float a, float b) {
   return static_cast<std::uint8_t>(v);
 }
 
+FERRY_HD inline std::uint32_t pass_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  std::uint32_t x;
+  std::memcpy(&x, &f, sizeof x);
+  return x;
+#endif
+}
+
+/// float -> IEEE half (binary16) bits, rounding to nearest even (subnormals, infinities and NaN
+/// included): integer operations only, so host and device give the same bits.
+FERRY_HD inline std::uint16_t pass_f16_bits(float f) {
+  std::uint32_t x = pass_bits(f);
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  x &= 0x7fffffffu;
+  if (x >= 0x7f800000u) return static_cast<std::uint16_t>(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (x >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // 65520 and up round to infinity
+  if (x < 0x38800000u) {                                                       // below 2^-14: subnormal or zero
+    if (x < 0x33000000u) return static_cast<std::uint16_t>(sign);              // 2^-25 and below: zero (ties to even)
+    const std::uint32_t m = (x & 0x7fffffu) | 0x800000u;
+    const int shift = 126 - static_cast<int>(x >> 23);
+    std::uint32_t r = m >> shift;
+    const std::uint32_t rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (r & 1u))) ++r;
+    return static_cast<std::uint16_t>(sign | r);
+  }
+  std::uint32_t r = (x >> 13) - (112u << 10);  // rebias the exponent (127 -> 15)
+  const std::uint32_t rest = x & 0x1fffu;
+  if (rest > 0x1000u || (rest == 0x1000u && (r & 1u))) ++r;  // a carry moves into the exponent, as it should
+  return static_cast<std::uint16_t>(sign | r);
+}
+
+/// float -> bfloat16 bits, rounding to nearest even (NaN stays NaN).
+FERRY_HD inline std::uint16_t pass_bf16_bits(float f) {
+  std::uint32_t x = pass_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<std::uint16_t>(x >> 16);
+}
+
+/// Output kinds of an ImagePassPlan (ImagePassPlan::out_dtype), as the encoded index stores them.
+enum PassOutput : int { kPassUInt8 = 0, kPassFloat32 = 1, kPassFloat16 = 2, kPassBFloat16 = 3 };
+
 /// Words (int64) per image in an encoded batch's index (LabeledBatch::encoded_index): [0] byte
 /// offset, [1] size, [2] height, [3] width, [4..10] y axis (c0, L0, R, c1, N, resized, flip),
-/// [11..17] x axis, [18] channels, [19] round, [20] to_float, [21..24] a (float bits), [25..28] b,
-/// [29] the decoded image's place in the device scratch (set by the device stage).
+/// [11..17] x axis, [18] channels, [19] round, [20] output kind (PassOutput), [21..24] a (float
+/// bits), [25..28] b, [29] the decoded image's place in the device scratch (set by the device
+/// stage), [30] channels_last (float outputs: HWC instead of CHW).
 inline constexpr std::int64_t kEncodedIndexWords = 32;
 
 }  // namespace ferry::detail

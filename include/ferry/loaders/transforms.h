@@ -7,6 +7,8 @@
 //                    .random_resized_crop(224, 224)       // scale (0.08, 1), ratio (3/4, 4/3)
 //                    .horizontal_flip(0.5)
 //                    .to_float()                          // uint8 HWC [0, 255] -> float32 CHW [0, 1]
+//                                                         // (to_float(DType::BFloat16) or Float16,
+//                                                         // and channels_last() for HWC, as options)
 //                    .normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
 //   ferry::Tensor out = train(image, ctx.rng());          // [3, 224, 224] float32
 //
@@ -54,12 +56,15 @@ struct ImagePassPlan {
   Axis y, x;
   std::int64_t channels = 3;
   bool round = false;
-  bool to_float = false;  ///< output float32 CHW; otherwise uint8 HWC
+  bool to_float = false;  ///< output floats (out_dtype), CHW unless channels_last; otherwise uint8 HWC
+  DType out_dtype = DType::UInt8;  ///< UInt8, or Float32, Float16 or BFloat16 after to_float
+  bool channels_last = false;      ///< float output as HWC
   float a[kMaxChannels] = {1, 1, 1, 1}, b[kMaxChannels] = {0, 0, 0, 0};
 };
 
 /// Runs a plan (ImageTransform::plan) over `image` (uint8, host, [H, W, C] with C = plan.channels)
-/// into `out` (uint8 [y.N, x.N, C], or float32 [C, y.N, x.N] when plan.to_float): the same values
+/// into `out` (uint8 [y.N, x.N, C]; after to_float, out_dtype [C, y.N, x.N], or [y.N, x.N, C] when
+/// channels_last): the same values
 /// apply_into() writes. The image may be a window of the one the plan was drawn for, with each
 /// axis's c0 moved by the window's origin (how decode_transformed_into() decodes only the crop);
 /// ferry::Error when the plan reads outside it or the shapes do not match.
@@ -79,11 +84,16 @@ class ImageTransform {
   /// Mirrors left-right with probability p.
   ImageTransform& horizontal_flip(double p = 0.5);
   /// uint8 HWC in [0, 255] becomes float32 CHW in [0, 1] (torchvision ToTensor).
-  ImageTransform& to_float();
+  /// With `dtype` Float16 or BFloat16, values are computed in float32 and rounded to nearest even
+  /// at the write (torch's .to(torch.bfloat16) gives the same bits).
+  ImageTransform& to_float(DType dtype = DType::Float32);
+  /// Float output stays [H, W, C] (NHWC batches, torch.channels_last) instead of [C, H, W]. Must
+  /// follow to_float.
+  ImageTransform& channels_last();
   /// (x - mean[c]) / std[c] per channel; one value applies to all channels. Must follow to_float.
   ImageTransform& normalize(std::vector<float> mean, std::vector<float> std);
 
-  /// The output's dtype: float32 after to_float, else the input's.
+  /// The output's dtype: to_float's (float32 unless given) after it, else the input's.
   DType output_dtype(DType input) const noexcept;
   /// The output shape for an input of height x width x channels.
   Shape output_shape(std::int64_t height, std::int64_t width, std::int64_t channels) const;
@@ -118,7 +128,8 @@ class ImageTransform {
 
  private:
   std::vector<Step> steps_;
-  bool float_ = false;
+  bool float_ = false, channels_last_ = false;
+  DType float_dtype_ = DType::Float32;
 };
 
 }  // namespace ferry
