@@ -15,7 +15,7 @@
 // stream and synchronizes; GPU waiting for data = 1 - steps x (the step alone) / wall. The spin
 // is timed by the GPU's clock, so it cannot show how much the decode slows a real step down.
 //
-// Usage: bench_gpu_decode --photos DIR [--runs N] [--step-ms 20] [--steps 100]
+// Usage: bench_gpu_decode --photos DIR [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -223,10 +223,12 @@ int main(int argc, char** argv) {
   const std::string name = "ferry, CPU decode, " + std::to_string(cores) + " workers";
   print(name.c_str(), loader_row(photos, ImageFolderOptions::Decode::Cpu, cores, runs), ceiling);
 #ifdef FERRY_BENCH_TRAINING_LOOP
-  std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
-  std::printf("| loader | step alone | steps | wall | GPU waiting for data |\n|---|---:|---:|---:|---:|\n");
-  training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps);
-  training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps);
+  if (steps > 0) std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
+  if (steps > 0) {
+    std::printf("| loader | step alone | steps | wall | GPU waiting for data |\n|---|---:|---:|---:|---:|\n");
+    training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps);
+    training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps);
+  }
 #endif
   (void)step_ms;
   (void)steps;

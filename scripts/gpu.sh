@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images]
+# images: the image path alone, most important first (for short device time): the GPU suite, GPU
+# decode on the 500x375 set (with the training loop), the CPU path (and the CPU path of the source
+# tree in build/old-src, if there, built the same way: before/after in one run), GPU decode on the
+# 1500x1000 tiles (build/bench-data/photos-1500), and `ferry bench image_folder ...,decode=gpu`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -60,6 +64,30 @@ if { [ "$what" = bench ] || [ "$what" = all ]; } && [ -d build/bench-data/photos
   timeout 200 build/gpu/bench/bench_gpu_decode --photos $P --runs 3 --step-ms 20 --steps 100 2>&1 | tee "$OUT/bench_gpu_decode.md"
   PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers_gpu_decode.py $P --runs 3 2>&1 | tee "$OUT/peers_gpu_decode.md"
   timeout 110 build/gpu/bench/bench_faults --photos $P --runs 3 --trials 12 2>&1 | grep -v "\[warning\]" | tee "$OUT/bench_faults.md"
+fi
+if [ "$what" = images ]; then
+  (FERRY_REQUIRE_GPU=1 timeout 150 build/gpu/tests/test_gpu 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
+  grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
+  links() {  # links() SRC DST N: N symbolic links to each tile of SRC, in DST's class folders
+    [ -d "$2" ] && return
+    for d in "$1"/*/; do c=$(basename "$d"); mkdir -p "$2/$c"
+      for i in $(seq "$3"); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$2/$c/${i}_$(basename "$f")"; done; done; done
+  }
+  links build/bench-data/photos /tmp/ferry-photos60 60
+  timeout 150 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --runs 3 --step-ms 20 --steps 100 2>&1 | tee "$OUT/bench_gpu_decode.md"
+  timeout 60 build/gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 --fmnist /none 2>&1 | tee "$OUT/bench_loaders.md"
+  if [ -d build/old-src ]; then
+    cmake -S build/old-src -B build/old-gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_WITH_CUDA=OFF -DFERRY_TEST_INSTALL=OFF \
+      -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/old-configure.log" 2>&1 &&
+      cmake --build build/old-gpu -j 16 --target bench_loaders > "$OUT/old-build.log" 2>&1 &&
+      timeout 60 build/old-gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 --fmnist /none 2>&1 | tee "$OUT/bench_loaders-old.md"
+  fi
+  if [ -d build/bench-data/photos-1500 ]; then
+    links build/bench-data/photos-1500 /tmp/ferry-photos1500 40
+    timeout 90 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos1500 --runs 3 --steps 0 2>&1 | tee "$OUT/bench_gpu_decode-1500.md"
+  fi
+  timeout 40 build/gpu/ferry bench image_folder -b 256 -w 2 --device 0 -n 30 \
+    -c root=/tmp/ferry-photos60,random_crop=1,mean=0.485:0.456:0.406,std=0.229:0.224:0.225,decode=gpu 2>&1 | tee "$OUT/ferry-gpu-decode.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = libtorch ]; then
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
