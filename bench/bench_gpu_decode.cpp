@@ -147,7 +147,13 @@ Row nvjpeg_ceiling(const std::string& photos, int runs) {
   cudaStream_t s;
   cudaStreamCreate(&s);
   std::vector<unsigned char*> outs(B);
-  const std::size_t max_image = 4096 * 4096 * 3 / 16;  // 500x375 tiles need 0.56 MB
+  std::size_t max_image = 0;  // the largest decoded image: every output buffer holds it
+  for (const auto& f : files) {
+    int nc = 0, w[NVJPEG_MAX_COMPONENT], hh[NVJPEG_MAX_COMPONENT];
+    nvjpegChromaSubsampling_t sub;
+    if (nvjpegGetImageInfo(h, f.data(), f.size(), &nc, &sub, w, hh) == NVJPEG_STATUS_SUCCESS)
+      max_image = std::max(max_image, static_cast<std::size_t>(w[0]) * static_cast<std::size_t>(hh[0]) * 3);
+  }
   for (auto& p : outs) cudaMalloc(&p, max_image);
   std::vector<Row> rows;
   for (int r = 0; r < runs + 1; ++r) {

@@ -69,7 +69,6 @@ int make_tiles(const std::string& src, const std::string& out, int tw, int th) {
     Tensor img = read_image(p.string(), {.channels = 3});
     const int H = static_cast<int>(img.size(0)), W = static_cast<int>(img.size(1));
     const fs::path dir = fs::path(out) / p.stem();
-    fs::create_directories(dir);
     int k = 0;
     for (int y = 0; y + th <= H; y += th)
       for (int x = 0; x + tw <= W; x += tw) {
@@ -77,6 +76,7 @@ int make_tiles(const std::string& src, const std::string& out, int tw, int th) {
         unsigned char* buf = nullptr;
         unsigned long size = 0;
         if (tjCompress2(enc, src_px, tw, W * 3, th, TJPF_RGB, &buf, &size, TJSAMP_420, 90, 0) != 0) return 1;
+        fs::create_directories(dir);  // only photographs that give a tile get a class folder
         std::ofstream((dir / (std::to_string(k++) + ".jpg")).string(), std::ios::binary).write(reinterpret_cast<char*>(buf), static_cast<std::streamsize>(size));
         tjFree(buf);
         ++written;

@@ -70,7 +70,7 @@ if [ "$what" = images ]; then
   grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
   links() {  # links() SRC DST N: N symbolic links to each tile of SRC, in DST's class folders
     [ -d "$2" ] && return
-    for d in "$1"/*/; do c=$(basename "$d"); mkdir -p "$2/$c"
+    for d in "$1"/*/; do c=$(basename "$d"); ls "$d"*.jpg > /dev/null 2>&1 || continue; mkdir -p "$2/$c"
       for i in $(seq "$3"); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$2/$c/${i}_$(basename "$f")"; done; done; done
   }
   links build/bench-data/photos /tmp/ferry-photos60 60
