@@ -532,7 +532,7 @@ std::int64_t Engine::stage_ns(Stage stage) const noexcept {
 std::uint64_t Engine::abandoned_workers() const noexcept { return state_->abandoned.load(); }
 std::uint64_t Engine::timeouts() const noexcept { return state_->timeouts.load(); }
 
-void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan) {
+void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan, std::uint64_t start) {
   State& s = *state_;
   if (s.live)
     throw Error(
@@ -541,12 +541,16 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
   if (!s.opt.streaming && !plan) throw Error("DataLoader: no batch plan for a map-style epoch");
   s.ep = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
   s.total = s.opt.streaming ? 0 : s.ep->plan->size();
-  s.next_key = s.delivered = s.in_flight = 0;
+  if (start > 0 && (s.opt.streaming || start > s.total))
+    throw Error("DataLoader: cannot start the epoch at batch " + std::to_string(start) + " (" +
+                (s.opt.streaming ? std::string("a stream starts at its beginning") : std::to_string(s.total) + " batches in the epoch") + ")");
+  s.next_key = s.delivered = start;
+  s.in_flight = 0;
   s.arrived.clear();
   s.ended_at.assign(static_cast<std::size_t>(std::max(s.W, 1)), -1);
   s.ended = 0;
   s.inline_done = false;
-  s.window = std::make_unique<ReorderWindow<Result>>(std::max<std::size_t>(s.limit(), 1));
+  s.window = std::make_unique<ReorderWindow<Result>>(std::max<std::size_t>(s.limit(), 1), start);
   s.refill_burst = std::max<std::uint64_t>(1, s.limit() / 2);
   s.live = true;
   s.start_workers();

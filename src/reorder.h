@@ -18,7 +18,8 @@ namespace ferry::detail {
 template <class T>
 class ReorderWindow {
  public:
-  explicit ReorderWindow(std::size_t capacity) : slots_(capacity ? capacity : 1) {}
+  /// `start`: the first key the consumer waits for (a resumed epoch starts past 0).
+  explicit ReorderWindow(std::size_t capacity, std::uint64_t start = 0) : slots_(capacity ? capacity : 1), next_(start) {}
 
   std::size_t capacity() const noexcept { return slots_.size(); }
   /// The key the consumer waits for.

@@ -120,7 +120,9 @@ DistributedSampler::DistributedSampler(std::size_t n, std::size_t world_size, st
   per_rank_ = drop_last_ ? n_ / world_ : (n_ + world_ - 1) / world_;
 }
 
-std::vector<std::size_t> DistributedSampler::indices(std::uint64_t epoch) const {
+std::vector<std::size_t> DistributedSampler::indices(std::uint64_t epoch) const { return indices_from(epoch, 0); }
+
+std::vector<std::size_t> DistributedSampler::indices_from(std::uint64_t epoch, std::size_t start) const {
   const std::uint64_t e = pinned_epoch_.value_or(epoch);
   std::vector<std::size_t> all(n_);
   std::iota(all.begin(), all.end(), std::size_t{0});
@@ -128,17 +130,26 @@ std::vector<std::size_t> DistributedSampler::indices(std::uint64_t epoch) const 
     Generator g = epoch_generator(seed_, e, 4);
     shuffle(all, g);
   }
-  const std::size_t total = per_rank_ * world_;
-  if (total > all.size() && !all.empty()) {
-    // Pad by repeating from the start (cyclically if the padding exceeds n), as PyTorch does.
-    const std::size_t original = all.size();
-    for (std::size_t k = 0; all.size() < total; ++k) all.push_back(all[k % original]);
+  all.erase(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(std::min(start, all.size())));
+  const std::size_t m = all.size();
+  const std::size_t per = drop_last_ ? m / world_ : (m + world_ - 1) / world_;  // per_rank_ when start == 0
+  const std::size_t total = per * world_;
+  if (total > m && m > 0) {
+    // Pad by repeating from the start (cyclically if the padding exceeds the remainder), as PyTorch does.
+    for (std::size_t k = 0; all.size() < total; ++k) all.push_back(all[k % m]);
   }
   all.resize(total);
   std::vector<std::size_t> mine;
-  mine.reserve(per_rank_);
+  mine.reserve(per);
   for (std::size_t i = rank_; i < total; i += world_) mine.push_back(all[i]);
   return mine;
+}
+
+std::size_t DistributedSampler::position_after(std::size_t start, std::size_t taken) const {
+  if (start >= n_) return n_;
+  const std::size_t m = n_ - start;
+  const std::size_t unique = drop_last_ ? m / world_ * world_ : m;  // positions the split covers, padding aside
+  return start + std::min(taken * world_, unique);
 }
 
 BatchSampler::BatchSampler(std::shared_ptr<const Sampler> sampler, std::size_t batch_size, bool drop_last)
@@ -152,14 +163,17 @@ std::size_t BatchSampler::size() const {
   return drop_last_ ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
 }
 
-BatchPlan BatchSampler::plan(std::uint64_t epoch) const {
+BatchPlan make_batches(std::vector<std::size_t> indices, std::size_t batch_size, bool drop_last) {
+  if (batch_size == 0) throw Error("make_batches: batch_size must be >= 1");
   BatchPlan p;
-  p.indices = sampler_->indices(epoch);
-  if (drop_last_) p.indices.resize(p.indices.size() / batch_size_ * batch_size_);
-  p.offsets.reserve(p.indices.size() / batch_size_ + 2);
-  for (std::size_t i = batch_size_; i < p.indices.size(); i += batch_size_) p.offsets.push_back(i);
+  p.indices = std::move(indices);
+  if (drop_last) p.indices.resize(p.indices.size() / batch_size * batch_size);
+  p.offsets.reserve(p.indices.size() / batch_size + 2);
+  for (std::size_t i = batch_size; i < p.indices.size(); i += batch_size) p.offsets.push_back(i);
   if (!p.indices.empty()) p.offsets.push_back(p.indices.size());
   return p;
 }
+
+BatchPlan BatchSampler::plan(std::uint64_t epoch) const { return make_batches(sampler_->indices(epoch), batch_size_, drop_last_); }
 
 }  // namespace ferry

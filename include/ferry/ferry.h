@@ -12,6 +12,7 @@
 #include "ferry/core/parallel.h"
 #include "ferry/core/random.h"
 #include "ferry/core/sampler.h"
+#include "ferry/core/state.h"
 #include "ferry/core/stats.h"
 #include "ferry/core/trace.h"
 #include "ferry/core/tensor.h"

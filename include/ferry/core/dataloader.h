@@ -55,6 +55,7 @@
 #include "ferry/core/error.h"
 #include "ferry/core/parallel.h"
 #include "ferry/core/sampler.h"
+#include "ferry/core/state.h"
 #include "ferry/core/stats.h"
 #include "ferry/core/trace.h"
 #include "ferry/core/faults.h"
@@ -301,10 +302,25 @@ class DataLoader {
   iterator begin() {
     State& s = *state_;
     std::shared_ptr<const BatchPlan> plan;
-    if constexpr (!kStreaming) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
+    std::uint64_t start = 0;
+    if constexpr (!kStreaming) {
+      if (s.resume) {  // restore(): the saved epoch, from the batch after the last one received
+        plan = s.resume->plan;
+        start = s.resume->batch;
+        s.segment_start = s.resume->segment_start;
+        s.resume.reset();
+      } else {
+        s.segment_start = 0;
+        plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
+      }
+      s.epoch_plan = plan;
+      s.epoch_plan_hash.reset();
+    }
     if (!s.stats_origin_ns) s.stats_origin_ns = now_ns();  // before any stage starts work
     s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.stream_size());
-    s.engine.begin_epoch(s.next_epoch, std::move(plan));
+    s.engine.begin_epoch(s.next_epoch, std::move(plan), start);
+    s.epoch_delivered = static_cast<std::int64_t>(start);
+    s.live_epoch = s.next_epoch;
     if (s.pin_stage) s.pin_stage->start();
     s.device_queue.clear();
     s.device_end = false;
@@ -326,6 +342,16 @@ class DataLoader {
       return state_->batch_sampler->size();
     }
   }
+  /// Where the loader stands, to save with a checkpoint (ferry/core/state.h): during an epoch,
+  /// just after the last batch the consumer received (prefetched batches do not count); between
+  /// epochs, the start of the epoch the next begin() runs. Costs one epoch plan between epochs.
+  /// Streams have a state at epoch boundaries only: mid-epoch this throws ferry::Error.
+  LoaderState state() const { return state_->save_state(); }
+  /// The next begin() continues where `state` stood: its epoch, from the batch after the last one
+  /// received, with no consumed sample fetched again. Any num_workers, prefetch, pinning or device.
+  /// ferry::Error names what differs when the state is not this loader's (seed, dataset size, the
+  /// epoch's batches, rank), and while an iterator is live.
+  void restore(const LoaderState& state) { state_->restore_state(state); }
   /// The epoch the next begin() starts (0, 1, 2, ... by default).
   std::uint64_t next_epoch() const noexcept { return state_->next_epoch; }
   /// Sets the epoch the next begin() starts: resume or replay an epoch exactly.
@@ -454,6 +480,129 @@ class DataLoader {
       if (p) ++delivered_batches;
       else last_delivered_ns = 0;
       return p;
+    }
+
+    // The DistributedSampler the loader batches (elastic resume), if any.
+    std::shared_ptr<const DistributedSampler> distributed() const {
+      if (opt.batch_sampler) return nullptr;
+      return std::dynamic_pointer_cast<const DistributedSampler>(opt.sampler);
+    }
+
+    // The plan of `epoch` whose order starts at `segment_start` (DistributedSampler; else 0).
+    std::shared_ptr<const BatchPlan> plan_of(std::uint64_t epoch, std::size_t segment_start) const {
+      if (segment_start == 0) return std::make_shared<const BatchPlan>(batch_sampler->plan(epoch));
+      return std::make_shared<const BatchPlan>(make_batches(distributed()->indices_from(epoch, segment_start), opt.batch_size, opt.drop_last));
+    }
+
+    LoaderState save_state() const {
+      LoaderState st;
+      st.seed = opt.seed;
+      st.dataset_size = stream_size();
+      const bool live = engine.epoch_live();
+      if constexpr (kStreaming) {
+        if (live && epoch_delivered > 0)
+          throw Error("DataLoader::state(): a stream (iterable dataset) cannot be resumed mid-epoch, having no position to "
+                      "seek to; save the state between epochs, or use a map-style dataset");
+        st.epoch = live ? live_epoch : next_epoch;
+        return st;
+      } else {
+        std::shared_ptr<const BatchPlan> plan;
+        std::uint64_t k = 0;
+        std::size_t segment = 0;
+        if (live && epoch_plan) {
+          st.epoch = live_epoch;
+          k = std::min<std::uint64_t>(static_cast<std::uint64_t>(epoch_delivered), epoch_plan->size());
+          plan = epoch_plan;
+          segment = segment_start;
+          if (k == plan->size()) {  // every batch received: the next epoch, from its start
+            ++st.epoch;
+            k = 0;
+            plan.reset();
+            segment = 0;
+          }
+        } else if (resume) {
+          st.epoch = next_epoch;
+          k = resume->batch;
+          plan = resume->plan;
+          segment = resume->segment_start;
+        } else {
+          st.epoch = next_epoch;
+        }
+        const bool hash_cached = plan && plan == epoch_plan;
+        if (!plan) plan = plan_of(st.epoch, segment);
+        st.batches = k;
+        st.batches_per_epoch = plan->size();
+        st.samples_per_epoch = plan->indices.size();
+        if (hash_cached && !epoch_plan_hash) epoch_plan_hash = hash_plan(*plan);
+        st.plan_hash = hash_cached ? *epoch_plan_hash : hash_plan(*plan);
+        if (auto d = distributed()) {
+          st.world_size = d->world_size();
+          st.rank = d->rank();
+          st.segment_start = segment;
+          st.position = d->position_after(segment, plan->offsets[k]);
+        }
+        return st;
+      }
+    }
+
+    void restore_state(const LoaderState& st) {
+      if (engine.epoch_live())
+        throw Error("DataLoader::restore(): an iterator of this loader is live; restore before begin() or after the epoch");
+      auto differs = [](const char* what, auto saved, auto here) {
+        throw Error(std::string("DataLoader::restore(): the state is another loader's: its ") + what + " is " + std::to_string(saved) +
+                    ", this loader's is " + std::to_string(here));
+      };
+      if (st.seed != opt.seed) differs("seed", st.seed, opt.seed);
+      if (st.dataset_size != stream_size()) differs("dataset size", st.dataset_size, stream_size());
+      if constexpr (kStreaming) {
+        if (st.batches != 0)
+          throw Error("DataLoader::restore(): a stream (iterable dataset) resumes at an epoch's start only; the state stands at "
+                      "batch " + std::to_string(st.batches) + " of epoch " + std::to_string(st.epoch));
+        next_epoch = st.epoch;
+      } else {
+        const auto d = distributed();
+        if (st.world_size && !d)
+          throw Error("DataLoader::restore(): the state was saved by a loader with a DistributedSampler (world size " +
+                      std::to_string(st.world_size) + "); this loader has none (DataLoaderOptions::sampler)");
+        if (!st.world_size && d)
+          throw Error("DataLoader::restore(): this loader has a DistributedSampler; the state was saved by a loader without one");
+        std::size_t segment = 0;
+        std::uint64_t k = st.batches;
+        if (d && st.world_size != d->world_size()) {
+          // Elastic: the group had reached `position` of the epoch's order; the rest is split anew.
+          if (st.position > st.dataset_size) differs("position in the epoch", st.position, st.dataset_size);
+          segment = static_cast<std::size_t>(st.position);
+          k = 0;
+        } else {
+          if (d && st.rank != d->rank()) differs("rank", st.rank, d->rank());
+          segment = static_cast<std::size_t>(st.segment_start);
+        }
+        auto plan = plan_of(st.epoch, segment);
+        if (segment == static_cast<std::size_t>(st.segment_start) && (!d || st.world_size == d->world_size())) {
+          if (plan->size() != st.batches_per_epoch || plan->indices.size() != st.samples_per_epoch || hash_plan(*plan) != st.plan_hash)
+            throw Error("DataLoader::restore(): epoch " + std::to_string(st.epoch) + "'s batches differ from the saved loader's (" +
+                        std::to_string(plan->size()) + " batches of " + std::to_string(plan->indices.size()) + " samples here, " +
+                        std::to_string(st.batches_per_epoch) + " of " + std::to_string(st.samples_per_epoch) +
+                        " saved, or the same counts in another order): another sampler, shuffle, batch_size or drop_last, or a "
+                        "sampler that is not a function of the epoch");
+        }
+        next_epoch = st.epoch;
+        if (k == 0 && segment == 0) resume.reset();
+        else resume = Resume{std::move(plan), k, segment};
+      }
+    }
+
+    static std::uint64_t hash_plan(const BatchPlan& p) {
+      std::uint64_t h = 1469598103934665603ull;  // FNV-1a, 64-bit, over every index and bound
+      auto mix = [&](std::uint64_t v) {
+        for (int b = 0; b < 8; ++b) {
+          h ^= (v >> (8 * b)) & 0xff;
+          h *= 1099511628211ull;
+        }
+      };
+      for (std::size_t i : p.indices) mix(i);
+      for (std::size_t o : p.offsets) mix(o);
+      return h;
     }
 
     LoaderStats stats() const {
@@ -943,6 +1092,17 @@ class DataLoader {
     } base;
     std::unique_ptr<ParallelFor> pin_copy_pool;
     std::uint64_t next_epoch = 0;
+    // Resume (state(), restore()); consumer thread.
+    struct Resume {
+      std::shared_ptr<const BatchPlan> plan;
+      std::uint64_t batch = 0;
+      std::size_t segment_start = 0;
+    };
+    std::optional<Resume> resume;                   // set by restore(), taken by the next begin()
+    std::shared_ptr<const BatchPlan> epoch_plan;    // the live (or last) epoch's plan
+    mutable std::optional<std::uint64_t> epoch_plan_hash;
+    std::size_t segment_start = 0;                  // DistributedSampler: see LoaderState
+    std::uint64_t live_epoch = 0;                   // the epoch the live iterator runs
     detail::Engine engine;  // built after, and shut down before, everything it calls into
     std::unique_ptr<detail::PinStage> pin_stage;  // the engine's consumer when pinning; stops first
     std::unique_ptr<DeviceStage> device_stage;

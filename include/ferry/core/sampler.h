@@ -104,6 +104,20 @@ class DistributedSampler final : public Sampler {
   std::vector<std::size_t> indices(std::uint64_t epoch) const override;
   void set_epoch(std::uint64_t epoch) { pinned_epoch_ = epoch; }
 
+  /// Elastic resume (ferry/core/state.h): this rank's indices when the epoch's order (the seeded
+  /// permutation of 0..n-1, unpadded) is taken from position `start` on, the positions before it
+  /// having been delivered by the whole group, at any world size. That remainder is split as
+  /// PyTorch splits a whole epoch: rank r takes every world_size-th index from r, the remainder
+  /// padded with its own first indices so every rank gets as many (drop_last: its tail dropped
+  /// instead). So each remaining index is delivered once, plus at most world_size - 1 padding
+  /// repeats, as in any PyTorch epoch. indices_from(epoch, 0) == indices(epoch).
+  std::vector<std::size_t> indices_from(std::uint64_t epoch, std::size_t start) const;
+  /// The position in the epoch's order that the group has reached when every rank has taken
+  /// `taken` indices of indices_from(epoch, start) (padding repeats do not count).
+  std::size_t position_after(std::size_t start, std::size_t taken) const;
+  std::size_t world_size() const noexcept { return world_; }
+  std::size_t rank() const noexcept { return rank_; }
+
  private:
   std::size_t n_, world_, rank_;
   bool shuffle_;
@@ -127,6 +141,10 @@ struct BatchPlan {
     offsets.push_back(indices.size());
   }
 };
+
+/// Groups `indices` into batches of `batch_size` (the last one smaller unless drop_last), as
+/// BatchSampler::plan does.
+BatchPlan make_batches(std::vector<std::size_t> indices, std::size_t batch_size, bool drop_last);
 
 /// Groups a Sampler's indices into batches of `batch_size` (the last one smaller unless drop_last).
 /// Derive and override size() and plan() for custom batching.

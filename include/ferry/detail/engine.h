@@ -165,8 +165,10 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  /// Starts an epoch; `plan` is null in stream mode. Throws ferry::Error if one is live.
-  void begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan);
+  /// Starts an epoch; `plan` is null in stream mode. Throws ferry::Error if one is live. Map-style
+  /// epochs may start at batch `start` of the plan (a resumed epoch: batches before it are never
+  /// fetched; batch numbers, sample generators and replacements stay those of the whole epoch).
+  void begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan, std::uint64_t start = 0);
   /// The next batch, or an empty Payload at the end of the epoch. Throws WorkerError (the batch at
   /// this position failed; the epoch goes on with the next) or TimeoutError.
   Payload next();

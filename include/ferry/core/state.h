@@ -1,0 +1,57 @@
+// ferry/core/state.h — where a loader stands in its epochs, saved with a checkpoint and restored.
+//
+//   ferry::LoaderState s = loader.state();          // after the last batch the consumer received
+//   save(checkpoint_dir + "/loader", s.to_string()); // beside the model's weights
+//   ...
+//   loader.restore(ferry::LoaderState::from_string(load(checkpoint_dir + "/loader")));
+//   for (auto& batch : loader) ...                   // continues with the next batch
+//
+// A map-style epoch is a function of (seed, epoch): the sampler's batch plan, and each sample's
+// generator keyed by (seed, epoch, index). So the state is a handful of numbers, and a restore
+// costs one epoch plan (what begin() costs anyway): nothing is replayed, no consumed sample is
+// fetched, and the number of workers, prefetch depth, in_order, pinning and device may all change.
+// Batches prefetched but not received are not counted. Streams (iterable datasets) have no
+// position to seek to: their state exists at epoch boundaries only (state() says so mid-epoch).
+//
+// Checks: restore() compares the state with the loader (seed, dataset size, and a hash of the
+// epoch's batch plan, which changes with the sampler, shuffle, batch_size, drop_last or a sampler
+// that is not a function of the epoch) and throws ferry::Error naming what differs.
+//
+// Elastic data parallelism: a DistributedSampler state restored at another world size continues
+// the epoch from the position the whole group had reached (every rank steps together, so any
+// rank's state holds it), split over the new ranks as DistributedSampler::indices_from says.
+//
+// The text format (to_string), version 1: a first line "ferry.LoaderState 1", then one
+// "key value" line per field below, values decimal (plan_hash: 16 hex digits). Readers of version
+// 1 ignore keys they do not know (later versions of format 1 may add some); a missing or malformed
+// field, or another format version, is a ferry::Error naming it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace ferry {
+
+struct LoaderState {
+  static constexpr int kFormatVersion = 1;
+  std::uint64_t seed = 0;               ///< DataLoaderOptions::seed
+  std::uint64_t epoch = 0;              ///< the epoch the next batch belongs to
+  std::uint64_t batches = 0;            ///< batches of that epoch the consumer has received (failed ones too)
+  std::uint64_t batches_per_epoch = 0;  ///< of that epoch's plan
+  std::uint64_t samples_per_epoch = 0;  ///< sample indices in that plan
+  std::uint64_t dataset_size = 0;
+  std::uint64_t plan_hash = 0;          ///< FNV-1a of the epoch's plan (indices and batch bounds)
+  // DistributedSampler only (world_size 0 otherwise): the epoch's order is split over world_size
+  // ranks from position segment_start (0 unless the epoch was resumed at another world size).
+  std::uint64_t world_size = 0, rank = 0, segment_start = 0;
+  std::uint64_t position = 0;  ///< where the whole group stands in the epoch's order (elastic restore)
+
+  /// The text format above.
+  std::string to_string() const;
+  /// Parses to_string()'s text; ferry::Error names what is damaged or missing.
+  static LoaderState from_string(std::string_view text);
+  bool operator==(const LoaderState&) const = default;
+};
+
+}  // namespace ferry
