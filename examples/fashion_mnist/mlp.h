@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "ferry/ferry.h"
@@ -35,12 +36,24 @@ class Mlp {
   /// The sums so far (synchronizes with the device), reset to zero.
   virtual Metrics take() = 0;
   virtual const char* where() const = 0;
+  /// The parameters and their momentum (a checkpoint), and back.
+  virtual struct Checkpoint save() = 0;
+  virtual void load(const struct Checkpoint& checkpoint) = 0;
 };
 
 /// Initial weights: He-uniform for both layers, zero biases; W1 is [in][hidden], W2 [hidden][classes].
 struct Weights {
   std::vector<float> w1, b1, w2, b2;
 };
+
+/// What a checkpoint holds of the model: its weights and the momentum of each.
+struct Checkpoint {
+  Weights w, v;
+};
+/// Writes `c` to `path` (via a temporary file renamed over it) and reads it back; ferry::Error
+/// names the file when it is damaged or was made for another model size.
+void write_checkpoint(const std::string& path, const Checkpoint& c, const MlpConfig& config);
+Checkpoint read_checkpoint(const std::string& path, const MlpConfig& config);
 Weights initial_weights(const MlpConfig& config);
 
 std::unique_ptr<Mlp> make_cpu_mlp(const MlpConfig& config, int threads);

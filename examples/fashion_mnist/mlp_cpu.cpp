@@ -2,6 +2,8 @@
 // the compiler vectorizes them), batch rows and weight rows split over a ferry::ParallelFor.
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "mlp.h"
@@ -26,6 +28,47 @@ Weights initial_weights(const MlpConfig& c) {
 
 namespace {
 
+constexpr char kMagic[] = "ferry-demo-mlp 1\n";
+
+void put(std::ofstream& out, const std::vector<float>& v) {
+  out.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(float)));
+}
+
+}  // namespace
+
+void write_checkpoint(const std::string& path, const Checkpoint& c, const MlpConfig& m) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    out << kMagic << m.in << " " << m.hidden << " " << m.classes << "\n";
+    for (const Weights* w : {&c.w, &c.v}) put(out, w->w1), put(out, w->b1), put(out, w->w2), put(out, w->b2);
+    if (!out) throw ferry::Error("cannot write the checkpoint " + tmp);
+  }
+  std::filesystem::rename(tmp, path);  // a crash mid-write leaves the previous checkpoint whole
+}
+
+Checkpoint read_checkpoint(const std::string& path, const MlpConfig& m) {
+  std::ifstream in(path, std::ios::binary);
+  std::string magic(sizeof kMagic - 1, '\0');
+  int dims[3] = {};
+  if (!in.read(magic.data(), static_cast<std::streamsize>(magic.size())) || magic != kMagic || !(in >> dims[0] >> dims[1] >> dims[2]) ||
+      in.get() != '\n')
+    throw ferry::Error(path + ": not a checkpoint of the demo's MLP");
+  if (dims[0] != m.in || dims[1] != m.hidden || dims[2] != m.classes)
+    throw ferry::Error(path + ": a checkpoint of a " + std::to_string(dims[0]) + "-" + std::to_string(dims[1]) + "-" +
+                       std::to_string(dims[2]) + " MLP, not " + std::to_string(m.in) + "-" + std::to_string(m.hidden) + "-" +
+                       std::to_string(m.classes));
+  const Weights shape = initial_weights(m);
+  Checkpoint c{shape, shape};
+  for (Weights* w : {&c.w, &c.v})
+    for (std::vector<float>* v : {&w->w1, &w->b1, &w->w2, &w->b2})
+      if (!in.read(reinterpret_cast<char*>(v->data()), static_cast<std::streamsize>(v->size() * sizeof(float))))
+        throw ferry::Error(path + ": the checkpoint is cut short");
+  return c;
+}
+
+namespace {
+
 class CpuMlp final : public Mlp {
  public:
   CpuMlp(const MlpConfig& c, int threads) : c_(c), w_(initial_weights(c)), pool_(std::max(threads, 1)) {
@@ -39,6 +82,11 @@ class CpuMlp final : public Mlp {
   void evaluate(const ferry::Tensor& x, const ferry::Tensor& y) override { step(x, y, false); }
   Metrics take() override { return std::exchange(m_, Metrics{}); }
   const char* where() const override { return "CPU"; }
+  Checkpoint save() override { return {w_, v_}; }
+  void load(const Checkpoint& c) override {
+    w_ = c.w;
+    v_ = c.v;
+  }
 
  private:
   void step(const ferry::Tensor& images, const ferry::Tensor& labels, bool learn) {

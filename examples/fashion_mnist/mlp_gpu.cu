@@ -135,6 +135,30 @@ void destroy(Model* m) noexcept {
   delete m;
 }
 
+namespace {
+std::size_t count_of(const Model* m, int k) {
+  const std::size_t n1 = static_cast<std::size_t>(m->c.in) * m->c.hidden, n2 = static_cast<std::size_t>(m->c.hidden) * m->c.classes;
+  const std::size_t sizes[4] = {n1, static_cast<std::size_t>(m->c.hidden), n2, static_cast<std::size_t>(m->c.classes)};
+  return sizes[k % 4];
+}
+Buffer& buffer_of(Model* m, int k) {
+  Buffer* b[8] = {&m->w1, &m->b1, &m->w2, &m->b2, &m->v_w1, &m->v_b1, &m->v_w2, &m->v_b2};
+  return *b[k];
+}
+}  // namespace
+
+void save(Model* m, float* const arrays[8]) {
+  check(cudaStreamSynchronize(m->stream), "cudaStreamSynchronize");
+  for (int k = 0; k < 8; ++k)
+    check(cudaMemcpy(arrays[k], buffer_of(m, k).p, count_of(m, k) * sizeof(float), cudaMemcpyDeviceToHost), "cudaMemcpy");
+}
+
+void load(Model* m, const float* const arrays[8]) {
+  check(cudaStreamSynchronize(m->stream), "cudaStreamSynchronize");
+  for (int k = 0; k < 8; ++k)
+    check(cudaMemcpy(buffer_of(m, k).p, arrays[k], count_of(m, k) * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+}
+
 void take(Model* m, double* loss, long long* correct, long long* samples) {
   int counts[2] = {0, 0};
   check(cudaMemcpyAsync(loss, m->loss, sizeof(double), cudaMemcpyDeviceToHost, m->stream), "cudaMemcpyAsync");

@@ -19,5 +19,9 @@ void destroy(Model* model) noexcept;
 void step(Model* model, const float* x, const long long* y, int batch, bool learn);
 /// Sums since the last call (synchronizes the stream), then resets them.
 void take(Model* model, double* loss, long long* correct, long long* samples);
+/// The 8 parameter arrays (w1, b1, w2, b2, then their momentum), to or from host memory, after the
+/// stream's work so far.
+void save(Model* model, float* const arrays[8]);
+void load(Model* model, const float* const arrays[8]);
 
 }  // namespace demo::gpu

@@ -28,6 +28,19 @@ class GpuMlp final : public Mlp {
     return m;
   }
   const char* where() const override { return "GPU (cuBLAS)"; }
+  Checkpoint save() override {
+    const Weights shape = initial_weights(c_);
+    Checkpoint c{shape, shape};
+    float* const arrays[8] = {c.w.w1.data(), c.w.b1.data(), c.w.w2.data(), c.w.b2.data(),
+                              c.v.w1.data(), c.v.b1.data(), c.v.w2.data(), c.v.b2.data()};
+    wrap([&] { gpu::save(m_, arrays); });
+    return c;
+  }
+  void load(const Checkpoint& c) override {
+    const float* const arrays[8] = {c.w.w1.data(), c.w.b1.data(), c.w.w2.data(), c.w.b2.data(),
+                                    c.v.w1.data(), c.v.b1.data(), c.v.w2.data(), c.v.b2.data()};
+    wrap([&] { gpu::load(m_, arrays); });
+  }
 
  private:
   void step(const ferry::Tensor& images, const ferry::Tensor& labels, bool learn) {
@@ -39,6 +52,14 @@ class GpuMlp final : public Mlp {
       throw ferry::Error("demo MLP: expected int64 labels, one per image, got " + labels.str());
     gpu::step(m_, static_cast<const float*>(images.raw()), static_cast<const long long*>(labels.raw()),
               static_cast<int>(images.size(0)), learn);
+  }
+  template <class Fn>
+  static void wrap(Fn&& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      throw ferry::CudaError(std::string("demo MLP: ") + e.what());
+    }
   }
   MlpConfig c_;
   gpu::Model* m_ = nullptr;

@@ -7,12 +7,14 @@
 // CPU. Reaching 80%+ test accuracy proves images and labels stayed paired through every stage.
 //
 //   build/default/examples/fashion_mnist/train_fashion_mnist [--epochs 3] [--cpu] [--min-accuracy 0.8]
+//       [--checkpoint-dir DIR --checkpoint-every N] [--resume] [--stop-after N]
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 
@@ -63,6 +65,13 @@ int main(int argc, char** argv) {
   app.add_option("--seed", seed);
   app.add_flag("--cpu", cpu, "train on the CPU even when a GPU is present");
   app.add_option("--min-accuracy", min_accuracy, "exit 1 unless the final test accuracy reaches this (0..1)");
+  std::string checkpoint_dir;
+  std::size_t checkpoint_every = 0, stop_after = 0;
+  bool resume = false;
+  app.add_option("--checkpoint-dir", checkpoint_dir, "where checkpoints go: the model (model.bin) and the loader's state (loader.state)");
+  app.add_option("--checkpoint-every", checkpoint_every, "save a checkpoint every N training steps (needs --checkpoint-dir)");
+  app.add_flag("--resume", resume, "continue from the checkpoint in --checkpoint-dir, if there is one");
+  app.add_option("--stop-after", stop_after, "stop after N training steps of this run, as a preempted job would (for trying --resume)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -114,16 +123,46 @@ int main(int argc, char** argv) {
                 mc.in, mc.hidden, train.size(), test.size(), model->where(), batch_size, workers, workers == 1 ? "" : "s",
                 gpu ? ", pinned + device stage" : (ferry::cuda::available() ? "" : " (no CUDA device: CPU)"));
 
+    if ((checkpoint_every || resume) && checkpoint_dir.empty()) throw ferry::Error("--checkpoint-every and --resume need --checkpoint-dir");
+    const std::string model_file = checkpoint_dir + "/model.bin", state_file = checkpoint_dir + "/loader.state";
+    if (resume && fs::exists(state_file)) {
+      // The checkpoint: the model's weights, and where the loader stood when they were saved. The
+      // loader goes on with the next batch (same order, same augmentations), any worker count.
+      model->load(demo::read_checkpoint(model_file, mc));
+      std::ifstream in(state_file);
+      const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      loader.restore(ferry::LoaderState::from_string(text));
+      const ferry::LoaderState s = loader.state();
+      std::printf("resumed from %s: epoch %llu, after batch %llu of %llu\n", checkpoint_dir.c_str(),
+                  static_cast<unsigned long long>(s.epoch + 1), static_cast<unsigned long long>(s.batches),
+                  static_cast<unsigned long long>(s.batches_per_epoch));
+    }
+    if (!checkpoint_dir.empty()) fs::create_directories(checkpoint_dir);
+    auto save_checkpoint = [&] {
+      demo::write_checkpoint(model_file, model->save(), mc);  // (synchronizes with the GPU)
+      const std::string tmp = state_file + ".tmp";
+      std::ofstream(tmp) << loader.state().to_string();
+      fs::rename(tmp, state_file);  // the model first: a state never points past its weights
+    };
+
     double accuracy = 0;
     const bool tty = isatty(2) != 0;
-    for (int epoch = 1; epoch <= epochs; ++epoch) {
+    std::size_t steps = 0;
+    while (loader.next_epoch() < static_cast<std::uint64_t>(epochs)) {
+      const int epoch = static_cast<int>(loader.next_epoch()) + 1;
       const auto t0 = Clock::now();
       auto last = t0;
       demo::Metrics seen;
-      std::size_t done = 0;
+      std::size_t done = loader.state().batches;  // past 0 in a resumed epoch
       for (ferry::LabeledBatch& b : loader) {
         model->train_step(b.image, b.label);
         ++done;
+        ++steps;
+        if (checkpoint_every && steps % checkpoint_every == 0) save_checkpoint();
+        if (stop_after && steps == stop_after) {
+          std::printf("stopped after %zu steps (--stop-after); --resume continues from the last checkpoint\n", steps);
+          return 0;
+        }
         // A live bar on a terminal; in a log, one line per epoch.
         if ((tty && Clock::now() - last > std::chrono::milliseconds(200)) || done == loader.size()) {
           last = Clock::now();

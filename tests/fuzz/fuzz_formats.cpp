@@ -1,10 +1,11 @@
 // libFuzzer targets for the loaders' parsers: one binary per format, chosen at compile time
-// (FERRY_FUZZ_IDX, _NPY, _TAR, _IMAGE (full and region decode), _PLAN: GPU decode's worker side, the JPEG header and the
+// (FERRY_FUZZ_IDX, _NPY, _TAR, _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
 // transform plan whose every tap must lie inside the image). Any input must either parse or raise ferry::DataError
 // (a clear error); anything else (a crash, an ASan/UBSan report, another exception) is a finding.
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "ferry/detail/pass_math.h"
@@ -15,6 +16,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   try {
 #if defined(FERRY_FUZZ_IDX)
     (void)ferry::parse_idx(bytes, "fuzz.idx");
+#elif defined(FERRY_FUZZ_STATE)
+    // A loader state's text (ferry/core/state.h): parses, and reads back the same, or is an Error.
+    try {
+      const ferry::LoaderState s = ferry::LoaderState::from_string(std::string_view(reinterpret_cast<const char*>(data), size));
+      if (!(ferry::LoaderState::from_string(s.to_string()) == s)) __builtin_trap();
+    } catch (const ferry::Error&) {
+      // the expected outcome for a damaged state
+    }
 #elif defined(FERRY_FUZZ_NPY)
     (void)ferry::parse_npy(bytes, "fuzz.npy");
 #elif defined(FERRY_FUZZ_TAR)

@@ -1,5 +1,5 @@
 // Writes a small seed corpus per fuzz target (valid files of each format), so the fuzzers start
-// from real structure: make_seeds <dir> creates <dir>/{idx,npy,tar,image}/.
+// from real structure: make_seeds <dir> creates <dir>/{idx,npy,tar,image,state}/.
 #include <filesystem>
 #include <string>
 
@@ -20,5 +20,9 @@ int main(int argc, char** argv) {
   write_file(root + "/image/gray.jpg", encode_jpeg(gradient(8, 8, 1), 8, 8, 1, 80));
   write_file(root + "/image/rgba.png", encode_png(gradient(9, 5, 4), 9, 5, 4));
   write_file(root + "/image/gray.png", encode_png(gradient(4, 4, 1), 4, 4, 1));
+  // A loader state (ferry/core/state.h), in the text format.
+  write_file(root + "/state/mid-epoch", bytes_of("ferry.LoaderState 1\nseed 42\nepoch 3\nbatches 17\nbatches_per_epoch 100\n"
+                                                  "samples_per_epoch 6400\ndataset_size 6400\nplan_hash 00ff00ff00ff00ff\n"
+                                                  "world_size 4\nrank 1\nsegment_start 0\nposition 4352\n"));
   return 0;
 }
