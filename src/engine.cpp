@@ -541,9 +541,8 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
   if (!s.opt.streaming && !plan) throw Error("DataLoader: no batch plan for a map-style epoch");
   s.ep = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
   s.total = s.opt.streaming ? 0 : s.ep->plan->size();
-  if (start > 0 && (s.opt.streaming || start > s.total))
-    throw Error("DataLoader: cannot start the epoch at batch " + std::to_string(start) + " (" +
-                (s.opt.streaming ? std::string("a stream starts at its beginning") : std::to_string(s.total) + " batches in the epoch") + ")");
+  if (start > 0 && !s.opt.streaming && start > s.total)
+    throw Error("DataLoader: cannot start the epoch at batch " + std::to_string(start) + " of " + std::to_string(s.total));
   s.next_key = s.delivered = start;
   s.in_flight = 0;
   s.arrived.clear();
@@ -558,6 +557,14 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
 }
 
 Payload Engine::next() { return state_->next(); }
+
+std::int64_t Engine::next_key() const noexcept {
+  const State& s = *state_;
+  if (!s.live) return 0;
+  if (s.W == 0) return static_cast<std::int64_t>(s.delivered);
+  if (!s.opt.in_order || !s.window) return -1;
+  return static_cast<std::int64_t>(s.window->next());
+}
 
 void Engine::end_epoch() noexcept {
   State& s = *state_;

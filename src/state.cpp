@@ -20,7 +20,7 @@ struct Field {
   std::uint64_t LoaderState::*member;
   bool hex;
 };
-constexpr std::array<Field, 11> kFields{{{"seed", &LoaderState::seed, false},
+constexpr std::array<Field, 13> kFields{{{"seed", &LoaderState::seed, false},
                                          {"epoch", &LoaderState::epoch, false},
                                          {"batches", &LoaderState::batches, false},
                                          {"batches_per_epoch", &LoaderState::batches_per_epoch, false},
@@ -30,7 +30,9 @@ constexpr std::array<Field, 11> kFields{{{"seed", &LoaderState::seed, false},
                                          {"world_size", &LoaderState::world_size, false},
                                          {"rank", &LoaderState::rank, false},
                                          {"segment_start", &LoaderState::segment_start, false},
-                                         {"position", &LoaderState::position, false}}};
+                                         {"position", &LoaderState::position, false},
+                                         {"batch_size", &LoaderState::batch_size, false},
+                                         {"stream_workers", &LoaderState::stream_workers, false}}};
 
 [[noreturn]] void bad(std::size_t line, const std::string& what) {
   throw Error("LoaderState: line " + std::to_string(line) + ": " + what);
@@ -98,7 +100,7 @@ LoaderState LoaderState::from_string(std::string_view text) {
     if (!seen[k]) throw Error(std::string("LoaderState: the field '") + kFields[k].name + "' is missing");
   if (s.world_size && s.rank >= s.world_size)
     throw Error("LoaderState: rank " + std::to_string(s.rank) + " is not in [0, " + std::to_string(s.world_size) + ")");
-  if (s.batches > s.batches_per_epoch)
+  if (s.batches > s.batches_per_epoch && s.stream_workers == 0)
     throw Error("LoaderState: " + std::to_string(s.batches) + " batches received of an epoch of " + std::to_string(s.batches_per_epoch));
   return s;
 }

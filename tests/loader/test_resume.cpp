@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <atomic>
 #include <map>
 
 #include "ferry/ferry.h"
@@ -280,11 +281,97 @@ TEST_CASE("a state that is not the loader's is a clear error", "[resume][errors]
   };
   DataLoaderOptions so;
   so.batch_size = 4;
+  so.on_error = OnError::Skip;
   DataLoader stream(Stream{}, so);
   CHECK(stream.state().epoch == 0);
-  auto it = stream.begin();
+  {
+    auto it = stream.begin();
+    (void)*it;
+    CHECK_THROWS_WITH(stream.state(), Catch::Contains("under on_error = Raise only"));
+  }
+  DataLoaderOptions unordered;
+  unordered.batch_size = 4;
+  unordered.num_workers = 2;
+  unordered.in_order = false;
+  DataLoader loose(Stream{}, unordered);
+  auto it = loose.begin();
   (void)*it;
-  CHECK_THROWS_WITH(stream.state(), Catch::Contains("cannot be resumed mid-epoch"));
+  CHECK_THROWS_WITH(loose.state(), Catch::Contains("out of order"));
+  DataLoader fresh_stream(Stream{}, so);
+  CHECK_THROWS_WITH(fresh_stream.restore(s), Catch::Contains("the state is a map-style loader's"));
+}
+
+namespace {
+// A stream of 0..n-1 split over workers (shard_range), each value mapped with its generator; the
+// transform counts its calls, so a resume that ran it for skipped records would show.
+struct Counting : DatasetBase<Counting> {
+  explicit Counting(std::size_t size) : n(size) {}
+  std::size_t n;
+  struct Stream {
+    std::size_t next_value, end;
+    std::optional<std::int64_t> next() {
+      if (next_value == end) return std::nullopt;
+      return static_cast<std::int64_t>(next_value++);
+    }
+  };
+  Stream open(const WorkerInfo& w) const {
+    auto [b, e] = shard_range(n, w.id, w.num_workers);
+    return Stream{b, e};
+  }
+};
+std::atomic<long> transformed{0};
+auto counted_stream(std::size_t n) {
+  return Counting(n).map([](std::int64_t v, SampleContext& ctx) {
+    transformed.fetch_add(1);
+    return v * 1000 + static_cast<std::int64_t>(ctx.rng().randint(1000));
+  });
+}
+}  // namespace
+
+TEST_CASE("a stream resumes mid-epoch with the same workers: each skips what its batches used, untransformed", "[resume][stream]") {
+  const std::size_t n = 203;
+  for (int workers : {0, 1, 2, 3}) {
+    DataLoaderOptions o;
+    o.batch_size = 7;
+    o.num_workers = workers;
+    o.seed = 9;
+    DataLoader reference(counted_stream(n), o);
+    const Batches all = run_to(reference, 1);
+    const std::size_t per_epoch = all.size() / 2;
+    for (std::size_t k : {std::size_t{1}, per_epoch / 2, per_epoch - 1, per_epoch}) {
+      INFO(workers << " workers, saved after " << k << " of " << per_epoch << " batches");
+      DataLoader first(counted_stream(n), o);
+      const LoaderState saved = LoaderState::from_string(state_after(first, k).to_string());
+      CHECK(saved.stream_workers == static_cast<std::uint64_t>(std::max(workers, 1)));
+      DataLoaderOptions again = o;
+      again.prefetch_factor = 1;
+      DataLoader resumed(counted_stream(n), again);
+      resumed.restore(saved);
+      transformed = 0;
+      const Batches rest = run_to(resumed, 1);
+      REQUIRE(rest.size() == all.size() - k);
+      CHECK(std::equal(rest.begin(), rest.end(), all.begin() + static_cast<std::ptrdiff_t>(k)));
+      std::size_t values = 0;
+      for (const auto& b : rest) values += b.size();
+      CHECK(static_cast<std::size_t>(transformed.load()) == values);  // skipped records were never transformed
+    }
+  }
+  // The number of streams (workers) and the batch size must match: each worker's stream is its shard.
+  DataLoaderOptions o;
+  o.batch_size = 7;
+  o.num_workers = 2;
+  DataLoader first(counted_stream(n), o);
+  const LoaderState s = state_after(first, 3);
+  DataLoaderOptions three = o;
+  three.num_workers = 3;
+  DataLoader other(counted_stream(n), three);
+  CHECK_THROWS_WITH(other.restore(s), Catch::Contains("number of stream workers") && Catch::Contains("is 2, this loader's is 3"));
+  DataLoaderOptions bigger = o;
+  bigger.batch_size = 8;
+  DataLoader big(counted_stream(n), bigger);
+  CHECK_THROWS_WITH(big.restore(s), Catch::Contains("batch size is 7, this loader's is 8"));
+  DataLoader noisy(Noisy{n}, o);
+  CHECK_THROWS_WITH(noisy.restore(s), Catch::Contains("the state is a stream's"));
 }
 
 TEST_CASE("the state's text format: round trip, and damage named", "[resume][errors]") {

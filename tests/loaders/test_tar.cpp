@@ -3,6 +3,7 @@
 // with the shard and offset after which the stream goes on with its next shard.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <set>
 
 #include "ferry/ferry.h"
@@ -152,4 +153,53 @@ TEST_CASE("decode_labeled_image reads the image and class fields", "[unit][tar]"
   CHECK_THROWS_WITH(decode_labeled_image(r, {}, g), Catch::Contains("not a non-negative integer") && Catch::Contains("shard.tar"));
   r.fields.erase("png");
   CHECK_THROWS_WITH(decode_labeled_image(r, {}, g), Catch::Contains("has no 'jpg' field (it has: cls)"));
+}
+
+TEST_CASE("tar shards resume mid-epoch: every worker's shards from the record after its last batch's, none decoded twice",
+          "[loader][tar][resume]") {
+  TempDir dir;
+  const auto paths = write_shards(dir, 5, 9);
+  static std::atomic<long> decoded{0};
+  auto labelled = [&] {
+    TarShardsOptions so;
+    so.shuffle = true;  // the shard order is the epoch's: a resume must follow it
+    return TarShards(paths, so).map([](TarRecord r, SampleContext& ctx) {
+      decoded.fetch_add(1);  // what a decode would cost
+      return static_cast<std::int64_t>(std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 + std::stoi(r.key.substr(r.key.find('/') + 1))) * 10 +
+             static_cast<std::int64_t>(ctx.rng().randint(10));
+    });
+  };
+  auto values = [](const Tensor& t) { return std::vector<std::int64_t>(t.data<std::int64_t>(), t.data<std::int64_t>() + t.numel()); };
+  for (int workers : {0, 2, 3}) {
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = workers;
+    o.seed = 12;
+    std::vector<std::vector<std::int64_t>> all;
+    DataLoader reference(labelled(), o);
+    while (reference.next_epoch() < 2)
+      for (Tensor& b : reference) all.push_back(values(b));
+    for (std::size_t k : {std::size_t{1}, std::size_t{5}, std::size_t{9}}) {
+      INFO(workers << " workers, saved after " << k << " batches");
+      DataLoader first(labelled(), o);
+      LoaderState saved;
+      {
+        auto it = first.begin();
+        for (std::size_t i = 0; i + 1 < k; ++i, ++it) (void)*it;
+        (void)*it;
+        saved = first.state();
+      }
+      DataLoader resumed(labelled(), o);
+      resumed.restore(LoaderState::from_string(saved.to_string()));
+      decoded = 0;
+      std::vector<std::vector<std::int64_t>> rest;
+      while (resumed.next_epoch() < 2)
+        for (Tensor& b : resumed) rest.push_back(values(b));
+      REQUIRE(rest.size() == all.size() - k);
+      CHECK(std::equal(rest.begin(), rest.end(), all.begin() + static_cast<std::ptrdiff_t>(k)));
+      std::size_t n = 0;
+      for (const auto& b : rest) n += b.size();
+      CHECK(static_cast<std::size_t>(decoded.load()) == n);
+    }
+  }
 }

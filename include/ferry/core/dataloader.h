@@ -315,7 +315,12 @@ class DataLoader {
       }
       s.epoch_plan = plan;
       s.epoch_plan_hash.reset();
+    } else {
+      if (s.resume) start = s.resume->batch;  // each worker's stream skips what its batches before used
+      s.resume.reset();
+      s.stream_resume_key = start;
     }
+    s.epoch_exhausted = false;
     if (!s.stats_origin_ns) s.stats_origin_ns = now_ns();  // before any stage starts work
     s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.stream_size());
     s.engine.begin_epoch(s.next_epoch, std::move(plan), start);
@@ -477,8 +482,12 @@ class DataLoader {
       } timer{*this, t0, batch};
       ++epoch_delivered;  // a failed batch takes its position too
       detail::Payload p = last_stage_next();
-      if (p) ++delivered_batches;
-      else last_delivered_ns = 0;
+      if (p) {
+        ++delivered_batches;
+      } else {
+        last_delivered_ns = 0;
+        epoch_exhausted = true;
+      }
       return p;
     }
 
@@ -500,10 +509,22 @@ class DataLoader {
       st.dataset_size = stream_size();
       const bool live = engine.epoch_live();
       if constexpr (kStreaming) {
-        if (live && epoch_delivered > 0)
-          throw Error("DataLoader::state(): a stream (iterable dataset) cannot be resumed mid-epoch, having no position to "
-                      "seek to; save the state between epochs, or use a map-style dataset");
-        st.epoch = live ? live_epoch : next_epoch;
+        st.batch_size = opt.batch_size;
+        st.stream_workers = static_cast<std::uint64_t>(std::max(opt.num_workers, 1));
+        if (live && !epoch_exhausted) {
+          st.epoch = live_epoch;
+          const std::int64_t key = engine.next_key();
+          if (key < 0)
+            throw Error("DataLoader::state(): a stream delivered out of order (in_order = false) has no position to resume "
+                        "from mid-epoch; save the state between epochs, or keep in_order");
+          if (key > 0 && opt.on_error != OnError::Raise)
+            throw Error("DataLoader::state(): a stream resumes mid-epoch under on_error = Raise only (Skip and Replace read a "
+                        "varying number of records per batch); save the state between epochs");
+          st.batches = static_cast<std::uint64_t>(key);
+        } else {
+          st.epoch = live ? live_epoch + 1 : next_epoch;
+          if (!live && resume) st.batches = resume->batch;
+        }
         return st;
       } else {
         std::shared_ptr<const BatchPlan> plan;
@@ -552,12 +573,22 @@ class DataLoader {
         throw Error(std::string("DataLoader::restore(): the state is another loader's: its ") + what + " is " + std::to_string(saved) +
                     ", this loader's is " + std::to_string(here));
       };
+      if (kStreaming && st.stream_workers == 0)
+        throw Error("DataLoader::restore(): the state is a map-style loader's; this loader reads a stream");
+      if (!kStreaming && st.stream_workers != 0) throw Error("DataLoader::restore(): the state is a stream's; this loader is map-style");
       if (st.seed != opt.seed) differs("seed", st.seed, opt.seed);
       if (st.dataset_size != stream_size()) differs("dataset size", st.dataset_size, stream_size());
       if constexpr (kStreaming) {
-        if (st.batches != 0)
-          throw Error("DataLoader::restore(): a stream (iterable dataset) resumes at an epoch's start only; the state stands at "
-                      "batch " + std::to_string(st.batches) + " of epoch " + std::to_string(st.epoch));
+        if (st.batches > 0) {
+          const auto workers = static_cast<std::uint64_t>(std::max(opt.num_workers, 1));
+          if (st.stream_workers != workers) differs("number of stream workers (each reads its own shard of the stream)", st.stream_workers, workers);
+          if (st.batch_size != opt.batch_size) differs("batch size", st.batch_size, opt.batch_size);
+          if (opt.on_error != OnError::Raise)
+            throw Error("DataLoader::restore(): a stream resumes mid-epoch under on_error = Raise only");
+          resume = Resume{nullptr, st.batches, 0};
+        } else {
+          resume.reset();
+        }
         next_epoch = st.epoch;
       } else {
         const auto d = distributed();
@@ -999,7 +1030,17 @@ class DataLoader {
           std::size_t read = 0;
           std::int64_t batch = 0;
         };
-        if (!ctx.stream) ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0, 0});
+        if (!ctx.stream) {
+          ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0, 0});
+          if (const std::uint64_t key = stream_resume_key) {
+            // A resumed epoch (restore()): this worker's batches before `key` each used batch_size records.
+            auto& fresh = *static_cast<StreamState*>(ctx.stream.get());
+            const auto W = static_cast<std::uint64_t>(std::max(opt.num_workers, 1)), w = static_cast<std::uint64_t>(ctx.worker.id);
+            const std::uint64_t batches = key > w ? (key - w + W - 1) / W : 0;
+            fresh.read = detail::skip_stream(fresh.stream, static_cast<std::size_t>(batches * opt.batch_size));
+            fresh.batch = static_cast<std::int64_t>(batches);
+          }
+        }
         auto& st = *static_cast<StreamState*>(ctx.stream.get());
         std::vector<Sample> samples;
         samples.reserve(opt.batch_size);
@@ -1101,6 +1142,8 @@ class DataLoader {
     mutable std::optional<std::uint64_t> epoch_plan_hash;
     std::size_t segment_start = 0;                  // DistributedSampler: see LoaderState
     std::uint64_t live_epoch = 0;                   // the epoch the live iterator runs
+    bool epoch_exhausted = false;                   // the live iterator reached the epoch's end
+    std::uint64_t stream_resume_key = 0;            // streams: the resumed epoch's first key (read by workers)
     detail::Engine engine;  // built after, and shut down before, everything it calls into
     std::unique_ptr<detail::PinStage> pin_stage;  // the engine's consumer when pinning; stops first
     std::unique_ptr<DeviceStage> device_stage;

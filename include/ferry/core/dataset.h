@@ -236,6 +236,22 @@ class MappedDataset : public DatasetBase<MappedDataset<D, F>> {
   F transform_;
 };
 
+namespace detail {
+/// Skips n samples of a stream (a resumed epoch): stream.skip(n) when the stream has one (it
+/// returns how many it skipped), else n calls of next(). Returns the number skipped (fewer at the
+/// stream's end).
+template <class S>
+std::size_t skip_stream(S& stream, std::size_t n) {
+  if constexpr (requires { { stream.skip(n) } -> std::convertible_to<std::size_t>; }) {
+    return stream.skip(n);
+  } else {
+    std::size_t k = 0;
+    while (k < n && stream.next()) ++k;
+    return k;
+  }
+}
+}  // namespace detail
+
 /// An iterable dataset whose samples are transform(sample) or transform(sample, ctx), run in the
 /// worker that reads the stream. ctx.index() is the sample's position in this worker's stream
 /// (offset by worker id << 40), so ctx.rng() is reproducible for a given seed, epoch and worker
@@ -254,6 +270,12 @@ class MappedIterable : public DatasetBase<MappedIterable<D, F>> {
       using Out = std::decay_t<decltype(apply(std::declval<In&&>()))>;
       if (!sample) return std::optional<Out>();
       return std::optional<Out>(apply(std::move(*sample)));
+    }
+    /// Skips n samples of the inner stream without transforming them (a resumed epoch).
+    std::size_t skip(std::size_t n) {
+      const std::size_t k = detail::skip_stream(inner_, n);
+      position_ += k;  // later samples keep their generators
+      return k;
     }
 
    private:

@@ -10,12 +10,18 @@
 // generator keyed by (seed, epoch, index). So the state is a handful of numbers, and a restore
 // costs one epoch plan (what begin() costs anyway): nothing is replayed, no consumed sample is
 // fetched, and the number of workers, prefetch depth, in_order, pinning and device may all change.
-// Batches prefetched but not received are not counted. Streams (iterable datasets) have no
-// position to seek to: their state exists at epoch boundaries only (state() says so mid-epoch).
+// Batches prefetched but not received are not counted.
+//
+// Streams (iterable datasets, tar shards) resume mid-epoch with the same number of workers (each
+// worker's stream is its own shard of the data) and batch size, in order, under on_error = Raise:
+// each worker's stream skips the records its batches before the state had used, through the
+// stream's skip(n) when it has one (a mapped stream skips without running its transform, so tar
+// records skipped are read, not decoded), else by reading them. Anything else is a ferry::Error.
 //
 // Checks: restore() compares the state with the loader (seed, dataset size, and a hash of the
 // epoch's batch plan, which changes with the sampler, shuffle, batch_size, drop_last or a sampler
-// that is not a function of the epoch) and throws ferry::Error naming what differs.
+// that is not a function of the epoch; for streams, the batch size and workers) and throws
+// ferry::Error naming what differs.
 //
 // Elastic data parallelism: a DistributedSampler state restored at another world size continues
 // the epoch from the position the whole group had reached (every rank steps together, so any
@@ -46,6 +52,9 @@ struct LoaderState {
   // ranks from position segment_start (0 unless the epoch was resumed at another world size).
   std::uint64_t world_size = 0, rank = 0, segment_start = 0;
   std::uint64_t position = 0;  ///< where the whole group stands in the epoch's order (elastic restore)
+  // Streams: `batches` counts the stream batches up to the next one (the round-robin key, dead
+  // keys of exhausted workers included), over stream_workers streams of batch_size records.
+  std::uint64_t batch_size = 0, stream_workers = 0;
 
   /// The text format above.
   std::string to_string() const;

@@ -169,6 +169,9 @@ class Engine {
   /// epochs may start at batch `start` of the plan (a resumed epoch: batches before it are never
   /// fetched; batch numbers, sample generators and replacements stay those of the whole epoch).
   void begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan, std::uint64_t start = 0);
+  /// The key of the next batch to deliver (batches are keyed 0, 1, ... in plan or round-robin
+  /// order), or -1 when that is not defined (delivered out of order).
+  std::int64_t next_key() const noexcept;
   /// The next batch, or an empty Payload at the end of the epoch. Throws WorkerError (the batch at
   /// this position failed; the epoch goes on with the next) or TimeoutError.
   Payload next();
