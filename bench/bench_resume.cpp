@@ -75,6 +75,43 @@ void write_shard(const std::string& path, int shard, int records) {
   out.write(std::string(1024, '\0').data(), 1024);
 }
 
+// Median ms, over `trials` new loaders from make(), from restore(*state) (when given) and begin()
+// to the first batch after `skip` received ones.
+template <class Make>
+double to_batch_ms(Make&& make, const LoaderState* state, std::size_t skip, int trials) {
+  std::vector<double> t;
+  for (int r = 0; r < trials; ++r) {
+    auto loader = make();
+    const auto t0 = Clock::now();
+    if (state) loader.restore(*state);
+    auto it = loader.begin();
+    for (std::size_t b = 0; b < skip; ++b, ++it) (void)*it;
+    (void)*it;
+    t.push_back(ms_since(t0));
+  }
+  return median(t);
+}
+
+// The rows for one dataset: a fresh epoch, restores at 1%, 50% and 99% (states from state_at(k)),
+// and replays to those points.
+template <class Make, class StateAt>
+void rows(Make&& make, StateAt&& state_at, std::size_t batches, int runs) {
+  std::printf("| to the first batch | ms | vs. a fresh epoch |\n|---|---:|---:|\n");
+  const double fresh = to_batch_ms(make, nullptr, 0, runs);
+  std::printf("| a fresh epoch | %.2f | 1.00 |\n", fresh);
+  for (double at : {0.01, 0.5, 0.99}) {
+    const auto k = static_cast<std::size_t>(at * static_cast<double>(batches));
+    const LoaderState s = LoaderState::from_string(state_at(k).to_string());
+    const double resume = to_batch_ms(make, &s, 0, runs);
+    std::printf("| restore at %.0f%% (batch %zu) | %.2f | %.2f |\n", 100 * at, k, resume, resume / fresh);
+  }
+  for (double at : {0.01, 0.5, 0.99}) {
+    const auto k = static_cast<std::size_t>(at * static_cast<double>(batches));
+    const double replay = to_batch_ms(make, nullptr, k, std::max(1, runs / 2));
+    std::printf("| replaying %.0f%% (%zu batches) | %.2f | %.1f |\n", 100 * at, k, replay, replay / fresh);
+  }
+}
+
 void tar_rows(int runs, int workers) {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("ferry-bench-resume-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
@@ -83,61 +120,24 @@ void tar_rows(int runs, int workers) {
     paths.push_back((dir / ("shard-" + std::to_string(s) + ".tar")).string());
     write_shard(paths.back(), s, 2000);
   }
-  auto stream = [&] {
-    return TarShards(paths).map([](TarRecord r, SampleContext& ctx) {
-      return static_cast<std::int64_t>(r.field("bin").size()) + static_cast<std::int64_t>(ctx.rng().randint(7));
-    });
-  };
   DataLoaderOptions o;
   o.batch_size = 64;
   o.num_workers = workers;
+  auto make = [&] {
+    return DataLoader(TarShards(paths).map([](TarRecord r, SampleContext& ctx) {
+      return static_cast<std::int64_t>(r.field("bin").size()) + static_cast<std::int64_t>(ctx.rng().randint(7));
+    }), o);
+  };
   const std::size_t batches = 16 * 2000 / 64;  // 500, the shards split evenly
   std::printf("\n## tar shards: 16 shards of 2,000 records (8 KiB + a label), batch 64, %d workers, %zu batches an epoch\n\n", workers,
               batches);
-  std::printf("| to the first batch | ms | vs. a fresh epoch |\n|---|---:|---:|\n");
-  std::vector<double> t;
-  for (int r = 0; r < runs; ++r) {
-    DataLoader loader(stream(), o);
-    const auto t0 = Clock::now();
+  rows(make, [&](std::size_t k) {  // a stream's state: run to batch k
+    auto loader = make();
     auto it = loader.begin();
+    for (std::size_t b = 0; b + 1 < k; ++b, ++it) (void)*it;
     (void)*it;
-    t.push_back(ms_since(t0));
-  }
-  const double fresh = median(t);
-  std::printf("| a fresh epoch | %.2f | 1.00 |\n", fresh);
-  for (double at : {0.01, 0.5, 0.99}) {
-    const auto k = static_cast<std::size_t>(at * static_cast<double>(batches));
-    DataLoader probe(stream(), o);
-    LoaderState s;
-    {
-      auto it = probe.begin();
-      for (std::size_t b = 0; b + 1 < k; ++b, ++it) (void)*it;
-      (void)*it;
-      s = probe.state();
-    }
-    t.clear();
-    for (int r = 0; r < runs; ++r) {
-      DataLoader loader(stream(), o);
-      const auto t0 = Clock::now();
-      loader.restore(s);
-      auto it = loader.begin();
-      (void)*it;
-      t.push_back(ms_since(t0));
-    }
-    const double resume = median(t);
-    t.clear();
-    for (int r = 0; r < std::max(1, runs / 2); ++r) {
-      DataLoader loader(stream(), o);
-      const auto t0 = Clock::now();
-      auto it = loader.begin();
-      for (std::size_t b = 0; b < k; ++b, ++it) (void)*it;
-      (void)*it;
-      t.push_back(ms_since(t0));
-    }
-    const double replay = median(t);
-    std::printf("| restore at %.0f%% (batch %zu) | %.2f | %.2f |\n", 100 * at, k, resume, resume / fresh);
-    std::printf("| replaying %.0f%% | %.2f | %.1f |\n", 100 * at, replay, replay / fresh);
-  }
+    return loader.state();
+  }, batches, runs);
   std::filesystem::remove_all(dir);
 }
 
@@ -158,49 +158,13 @@ int main(int argc, char** argv) {
   o.num_workers = workers;
   std::printf("bench_resume: %zu samples, batch 256, shuffled, %d workers, %u hardware threads; median of %d trials\n\n", n, workers,
               std::thread::hardware_concurrency(), runs);
-  std::printf("| to the first batch | ms | vs. a fresh epoch |\n|---|---:|---:|\n");
-  std::vector<double> t;
-  for (int r = 0; r < runs; ++r) {
-    DataLoader loader(Samples{n}, o);
-    const auto t0 = Clock::now();
-    auto it = loader.begin();
-    (void)*it;
-    t.push_back(ms_since(t0));
-  }
-  const double fresh = median(t);
-  std::printf("| a fresh epoch | %.2f | 1.00 |\n", fresh);
-  LoaderState start = DataLoader(Samples{n}, o).state();
-  for (double at : {0.01, 0.5, 0.99}) {
+  auto make = [&] { return DataLoader(Samples{n}, o); };
+  const LoaderState start = make().state();
+  rows(make, [&](std::size_t k) {  // a map-style state is a position: the epoch's start, k batches on
     LoaderState s = start;
-    s.batches = static_cast<std::uint64_t>(at * static_cast<double>(s.batches_per_epoch));
-    const std::string text = s.to_string();
-    t.clear();
-    for (int r = 0; r < runs; ++r) {
-      DataLoader loader(Samples{n}, o);
-      const auto t0 = Clock::now();
-      loader.restore(LoaderState::from_string(text));
-      auto it = loader.begin();
-      (void)*it;
-      t.push_back(ms_since(t0));
-    }
-    const double resume = median(t);
-    std::printf("| restore at %.0f%% (batch %llu) | %.2f | %.2f |\n", 100 * at, static_cast<unsigned long long>(s.batches), resume,
-                resume / fresh);
-  }
-  for (double at : {0.01, 0.5, 0.99}) {
-    const auto k = static_cast<std::size_t>(at * static_cast<double>(start.batches_per_epoch));
-    t.clear();
-    for (int r = 0; r < std::max(1, runs / 2); ++r) {
-      DataLoader loader(Samples{n}, o);
-      const auto t0 = Clock::now();
-      auto it = loader.begin();
-      for (std::size_t b = 0; b < k; ++b, ++it) (void)*it;
-      (void)*it;
-      t.push_back(ms_since(t0));
-    }
-    const double replay = median(t);
-    std::printf("| replaying %.0f%% (%zu batches) | %.2f | %.1f |\n", 100 * at, k, replay, replay / fresh);
-  }
+    s.batches = k;
+    return s;
+  }, start.batches_per_epoch, runs);
   tar_rows(runs, workers);
   return 0;
 }

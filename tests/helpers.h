@@ -117,4 +117,21 @@ struct RoundRobinInts {
   S open(const WorkerInfo& w) const { return S{static_cast<std::size_t>(w.id), n, static_cast<std::size_t>(w.num_workers)}; }
 };
 
+// A stream of 0..n-1; each worker reads its shard_range.
+struct CountingStream : DatasetBase<CountingStream> {
+  explicit CountingStream(std::size_t size) : n(size) {}
+  std::size_t n;
+  struct Stream {
+    std::size_t next_value, end;
+    std::optional<std::int64_t> next() {
+      if (next_value == end) return std::nullopt;
+      return static_cast<std::int64_t>(next_value++);
+    }
+  };
+  Stream open(const WorkerInfo& w) const {
+    auto [b, e] = shard_range(n, w.id, w.num_workers);
+    return Stream{b, e};
+  }
+};
+
 }  // namespace ferry::test

@@ -6,25 +6,12 @@
 #include <set>
 
 #include "ferry/ferry.h"
+#include "helpers.h"
 
 using namespace ferry;
 
 namespace {
-// A stream of 0..n-1; each worker reads its shard_range.
-struct Counting {
-  std::size_t n;
-  struct Stream {
-    std::size_t next_value, end;
-    std::optional<std::int64_t> next() {
-      if (next_value == end) return std::nullopt;
-      return static_cast<std::int64_t>(next_value++);
-    }
-  };
-  Stream open(const WorkerInfo& w) const {
-    auto [b, e] = shard_range(n, w.id, w.num_workers);
-    return Stream{b, e};
-  }
-};
+using Counting = test::CountingStream;
 }  // namespace
 
 TEST_CASE("iterable datasets are read once, across any number of workers", "[iterable]") {

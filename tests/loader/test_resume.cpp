@@ -14,6 +14,7 @@
 #include <map>
 
 #include "ferry/ferry.h"
+#include "helpers.h"
 #include "resume_common.h"
 
 using namespace ferry;
@@ -304,24 +305,9 @@ TEST_CASE("a state that is not the loader's is a clear error", "[resume][errors]
 namespace {
 // A stream of 0..n-1 split over workers (shard_range), each value mapped with its generator; the
 // transform counts its calls, so a resume that ran it for skipped records would show.
-struct Counting : DatasetBase<Counting> {
-  explicit Counting(std::size_t size) : n(size) {}
-  std::size_t n;
-  struct Stream {
-    std::size_t next_value, end;
-    std::optional<std::int64_t> next() {
-      if (next_value == end) return std::nullopt;
-      return static_cast<std::int64_t>(next_value++);
-    }
-  };
-  Stream open(const WorkerInfo& w) const {
-    auto [b, e] = shard_range(n, w.id, w.num_workers);
-    return Stream{b, e};
-  }
-};
 std::atomic<long> transformed{0};
 auto counted_stream(std::size_t n) {
-  return Counting(n).map([](std::int64_t v, SampleContext& ctx) {
+  return test::CountingStream(n).map([](std::int64_t v, SampleContext& ctx) {
     transformed.fetch_add(1);
     return v * 1000 + static_cast<std::int64_t>(ctx.rng().randint(1000));
   });
