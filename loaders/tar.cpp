@@ -66,12 +66,30 @@ struct TarReader::Impl {
     }
     return got;
   }
+  // Skips n bytes (fewer at the end: lenient about missing padding there). A file skips through
+  // its buffer, and seeks past what would take a whole buffer or more.
   void skip(std::uint64_t n) {
-    std::byte tmp[512];
+    n = std::min(n, remaining());
+    if (fd < 0) {
+      offset += n;
+      return;
+    }
     while (n > 0) {
-      const std::size_t k = read(tmp, static_cast<std::size_t>(std::min<std::uint64_t>(n, sizeof tmp)));
-      if (k == 0) return;  // lenient: missing padding at the very end
+      const std::uint64_t k = std::min<std::uint64_t>(n, buf_len - buf_pos);
+      buf_pos += static_cast<std::size_t>(k);
+      offset += k;
       n -= k;
+      if (n == 0) return;
+      if (n >= buf.size()) {
+        if (::lseek(fd, static_cast<off_t>(n), SEEK_CUR) < 0) fail(offset, std::string("seek failed: ") + std::strerror(errno));
+        offset += n;
+        return;
+      }
+      const ssize_t r = ::read(fd, buf.data(), buf.size());
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) fail(offset, r < 0 ? std::string("read failed: ") + std::strerror(errno) : "file shrank while being read");
+      buf_pos = 0;
+      buf_len = static_cast<std::size_t>(r);
     }
   }
 };
@@ -178,7 +196,9 @@ TarReader& TarReader::operator=(TarReader&&) noexcept = default;
 const std::string& TarReader::name() const noexcept { return impl_->name; }
 const std::string& TarReader::last_path() const noexcept { return impl_->last_path; }
 
-std::optional<TarMember> TarReader::next() {
+std::optional<TarMember> TarReader::next() { return next(true); }
+
+std::optional<TarMember> TarReader::next(bool read_data) {
   Impl& r = *impl_;
   std::string long_name, pax_path;
   std::optional<std::uint64_t> pax_size;
@@ -230,6 +250,10 @@ std::optional<TarMember> TarReader::next() {
     pax_path.clear();
     pax_size.reset();
     if (type == '0' || type == '\0' || type == '7') {
+      if (!read_data) {
+        r.skip(size + padding);
+        return TarMember{path, {}, at};
+      }
       TarMember m{path, std::vector<std::byte>(static_cast<std::size_t>(size)), at};
       r.read(m.data.data(), m.data.size());
       r.skip(padding);
@@ -281,15 +305,25 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
   return s;
 }
 
-std::optional<TarRecord> TarShards::Stream::next() {
+std::optional<TarRecord> TarShards::Stream::next() { return advance(true); }
+
+std::size_t TarShards::Stream::skip(std::size_t n) {
+  // Headers only (the members' data seeked past), except the last record: reading it finds the
+  // next record's first member, which must keep its data.
+  std::size_t k = 0;
+  while (k < n && advance(k + 1 == n)) ++k;
+  return k;
+}
+
+std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
   if (deferred_) std::rethrow_exception(std::exchange(deferred_, nullptr));
   while (current_ < shards_.size()) {
     try {
       if (!reader_) reader_.emplace(shards_[current_]);
-      std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next();
+      std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next(read_data);
       pending_.reset();
       std::optional<std::pair<std::string, std::string>> kf;
-      while (first && !(kf = split_key(first->path))) first = reader_->next();  // skip members without a field
+      while (first && !(kf = split_key(first->path))) first = reader_->next(read_data);  // skip members without a field
       if (!first) {
         reader_.reset();
         ++current_;
@@ -300,7 +334,7 @@ std::optional<TarRecord> TarShards::Stream::next() {
       while (true) {
         std::optional<TarMember> m;
         try {
-          m = reader_->next();
+          m = reader_->next(read_data);
         } catch (...) {
           // A damaged member of another record: the record in hand is complete, so deliver it and
           // raise the error on the next call (a damaged member costs its own record, and the rest

@@ -61,6 +61,8 @@ class TarReader {
   TarReader& operator=(TarReader&&) noexcept;
   /// The next regular file, or nullopt at the end of the archive. DataError on damage.
   std::optional<TarMember> next();
+  /// The same; without read_data the member's data is skipped (seeked past) and left empty.
+  std::optional<TarMember> next(bool read_data);
   /// The path named by the last header read, or empty when next() failed before it could read
   /// one (a damaged header): after a DataError, which member was damaged, if known.
   const std::string& last_path() const noexcept;
@@ -98,9 +100,12 @@ class TarShards : public DatasetBase<TarShards> {
   class Stream {
    public:
     std::optional<TarRecord> next();
+    /// Skips n records reading only their headers (a resumed epoch); returns how many it skipped.
+    std::size_t skip(std::size_t n);
 
    private:
     friend class TarShards;
+    std::optional<TarRecord> advance(bool read_data);
     std::vector<std::string> shards_;  // this reader's shards, in order
     std::size_t current_ = 0;
     std::optional<TarReader> reader_;
