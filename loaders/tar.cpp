@@ -10,6 +10,7 @@
 #include <numeric>
 #include <utility>
 
+#include "ferry/core/distributed.h"
 #include "ferry/loaders/image.h"
 
 namespace ferry {
@@ -297,6 +298,13 @@ std::vector<std::size_t> TarShards::assignment(int worker, int num_workers, std:
   std::vector<std::size_t> mine;
   for (std::size_t k = slot; k < order.size(); k += slots) mine.push_back(order[k]);
   return mine;
+}
+
+TarShardsOptions TarShardsOptions::for_rank(const DistributedEnv& env) {
+  TarShardsOptions o;
+  o.rank = static_cast<int>(env.rank);
+  o.world_size = static_cast<int>(env.world_size);
+  return o;
 }
 
 TarShards::Stream TarShards::open(const WorkerInfo& worker) const {

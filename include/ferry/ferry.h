@@ -6,6 +6,7 @@
 #include "ferry/core/dataloader.h"
 #include "ferry/core/dataset.h"
 #include "ferry/core/diagnostics.h"
+#include "ferry/core/distributed.h"
 #include "ferry/core/dlpack.h"
 #include "ferry/core/error.h"
 #include "ferry/core/faults.h"

@@ -80,14 +80,20 @@ TEST_CASE("damaged archives are DataErrors with the shard and offset", "[errors]
   CHECK_THROWS_WITH(TarReader("/nonexistent/shard.tar"), Catch::Contains("cannot open"));
 }
 
-TEST_CASE("shards split across ranks and workers: every record once", "[unit][tar]") {
+TEST_CASE("shards split across ranks (from the launcher's environment) and workers: every record once", "[unit][tar]") {
   TempDir dir;
   const auto paths = write_shards(dir, 7, 3);
   for (int world : {1, 2, 3})
     for (int workers : {1, 2, 4}) {
       std::multiset<std::string> keys;
       for (int rank = 0; rank < world; ++rank) {
-        TarShards shards(paths, {.rank = rank, .world_size = world});
+        // The split comes from the launcher's environment, as a torchrun rank reads it.
+        const std::string r = std::to_string(rank), ws = std::to_string(world);
+        const DistributedEnv env = DistributedEnv::from([&](const char* name) -> const char* {
+          const std::string n = name;
+          return n == "RANK" ? r.c_str() : n == "WORLD_SIZE" ? ws.c_str() : n == "LOCAL_RANK" ? r.c_str() : nullptr;
+        });
+        TarShards shards(paths, TarShardsOptions::for_rank(env));
         for (int w = 0; w < workers; ++w) {
           auto s = shards.open(WorkerInfo{w, workers, 42, 3});
           while (auto rec = s.next()) {

@@ -83,9 +83,13 @@ struct TarRecord {
   const std::vector<std::byte>& field(const std::string& name) const;
 };
 
+struct DistributedEnv;
+
 struct TarShardsOptions {
   int rank = 0;        ///< this process's rank
   int world_size = 1;  ///< number of ranks
+  /// rank and world_size from the launcher's environment (ferry/core/distributed.h).
+  static TarShardsOptions for_rank(const DistributedEnv& env);
   /// Shuffle the shard order each epoch with (seed, epoch) (records within a shard keep their order).
   bool shuffle = true;
 };
