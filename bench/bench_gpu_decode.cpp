@@ -106,19 +106,7 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
   o.persistent_workers = true;
   DataLoader loader(images(photos, decode), o);
   const double base_ms = test::step_alone_ms(loader.stream()->native(), step_ms, 20);
-  int step = 0;
-  Clock::time_point t0;
-  while (step < steps + 10) {
-    for (LabeledBatch& b : loader) {
-      if (step == 10) t0 = Clock::now();  // 10 warm-up steps
-      if (step == steps + 10) break;
-      (void)b;
-      test::launch_spin(loader.stream()->native(), step_ms * 1000);
-      loader.stream()->synchronize();
-      ++step;
-    }
-  }
-  const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  const double wall = test::training_loop_ms(loader, step_ms, steps);
   std::printf("| ferry, %s decode, %d workers | %.2f ms | %d | %.0f ms | %.2f%% |\n",
               decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, base_ms, steps, wall,
               100.0 * std::max(0.0, 1.0 - steps * base_ms / wall));

@@ -169,17 +169,7 @@ void training_loop(double step_ms, int steps, int workers, int intra) {
   DataLoader loader(TensorDataset({data}), o);
   // Baseline: the identical step with no data loading.
   const double base_ms = test::step_alone_ms(loader.stream()->native(), step_ms, 30);
-  int step = 0;
-  Clock::time_point t0;
-  for (auto& b : loader) {
-    if (step == 10) t0 = Clock::now();  // 10 warm-up steps
-    if (step == steps + 10) break;
-    (void)b;
-    test::launch_spin(loader.stream()->native(), step_ms * 1000);
-    loader.stream()->synchronize();
-    ++step;
-  }
-  const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  const double wall = test::training_loop_ms(loader, step_ms, steps);
   std::printf("| ferry, device=0, direct, %d workers x intra_batch_threads=%d | %.2f ms | %d | %.0f ms | %.2f%% |\n",
               workers, intra, base_ms, steps, wall,
               100.0 * std::max(0.0, 1.0 - steps * base_ms / wall));

@@ -34,6 +34,18 @@ struct TarReader::Impl {
   std::uint64_t remaining() const { return size - offset; }
   [[noreturn]] void fail(std::uint64_t at, const std::string& what) const { throw DataError(name, at, what); }
 
+  // Refills the read buffer from the file (the caller has used it up).
+  void refill() {
+    for (;;) {
+      const ssize_t r = ::read(fd, buf.data(), buf.size());
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0) fail(offset, r < 0 ? std::string("read failed: ") + std::strerror(errno) : "file shrank while being read");
+      buf_pos = 0;
+      buf_len = static_cast<std::size_t>(r);
+      return;
+    }
+  }
+
   // Reads up to n bytes; fewer only at the end of the archive.
   std::size_t read(std::byte* dst, std::size_t n) {
     n = static_cast<std::size_t>(std::min<std::uint64_t>(n, remaining()));
@@ -53,11 +65,7 @@ struct TarReader::Impl {
           offset += static_cast<std::uint64_t>(r);
           continue;
         }
-        const ssize_t r = ::read(fd, buf.data(), buf.size());
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) fail(offset, r < 0 ? std::string("read failed: ") + std::strerror(errno) : "file shrank while being read");
-        buf_pos = 0;
-        buf_len = static_cast<std::size_t>(r);
+        refill();
       }
       const std::size_t k = std::min(n - got, buf_len - buf_pos);
       std::memcpy(dst + got, buf.data() + buf_pos, k);
@@ -86,11 +94,7 @@ struct TarReader::Impl {
         offset += n;
         return;
       }
-      const ssize_t r = ::read(fd, buf.data(), buf.size());
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) fail(offset, r < 0 ? std::string("read failed: ") + std::strerror(errno) : "file shrank while being read");
-      buf_pos = 0;
-      buf_len = static_cast<std::size_t>(r);
+      refill();
     }
   }
 };

@@ -28,6 +28,11 @@ cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_T
 cmake --build build/gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = build ]; then exit 0; fi
+links() {  # links SRC DST N: N symbolic links to each tile of SRC, in DST's class folders
+  [ -d "$2" ] && return
+  for d in "$1"/*/; do c=$(basename "$d"); ls "$d"*.jpg > /dev/null 2>&1 || continue; mkdir -p "$2/$c"
+    for i in $(seq "$3"); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$2/$c/${i}_$(basename "$f")"; done; done; done
+}
 if [ "$what" = test ] || [ "$what" = all ]; then
   (cd build/gpu && FERRY_REQUIRE_GPU=1 ctest --output-on-failure --timeout 240 -j 4 2>&1 | tee "$OUT/ctest.log" | tail -25)
   grep -q "100% tests passed" "$OUT/ctest.log" || rc=1
@@ -57,10 +62,7 @@ if { [ "$what" = bench ] || [ "$what" = all ]; } && [ -d build/bench-data/photos
   timeout 120 build/gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 2>&1 | tee "$OUT/bench_loaders.md"
   # GPU decode and fault handling on 10,260 images: the 171 tiles, 60 links to each.
   P=/tmp/ferry-photos60
-  if [ ! -d $P ]; then
-    for d in build/bench-data/photos/*/; do c=$(basename "$d"); mkdir -p $P/$c
-      for i in $(seq 60); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$P/$c/${i}_$(basename "$f")"; done; done; done
-  fi
+  links build/bench-data/photos $P 60
   timeout 200 build/gpu/bench/bench_gpu_decode --photos $P --runs 3 --step-ms 20 --steps 100 2>&1 | tee "$OUT/bench_gpu_decode.md"
   PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers_gpu_decode.py $P --runs 3 2>&1 | tee "$OUT/peers_gpu_decode.md"
   timeout 110 build/gpu/bench/bench_faults --photos $P --runs 3 --trials 12 2>&1 | grep -v "\[warning\]" | tee "$OUT/bench_faults.md"
@@ -68,11 +70,6 @@ fi
 if [ "$what" = images ]; then
   (FERRY_REQUIRE_GPU=1 timeout 150 build/gpu/tests/test_gpu 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
   grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
-  links() {  # links() SRC DST N: N symbolic links to each tile of SRC, in DST's class folders
-    [ -d "$2" ] && return
-    for d in "$1"/*/; do c=$(basename "$d"); ls "$d"*.jpg > /dev/null 2>&1 || continue; mkdir -p "$2/$c"
-      for i in $(seq "$3"); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$2/$c/${i}_$(basename "$f")"; done; done; done
-  }
   links build/bench-data/photos /tmp/ferry-photos60 60
   timeout 150 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --runs 3 --step-ms 20 --steps 100 2>&1 | tee "$OUT/bench_gpu_decode.md"
   timeout 60 build/gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 --fmnist /none 2>&1 | tee "$OUT/bench_loaders.md"

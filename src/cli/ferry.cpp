@@ -167,19 +167,29 @@ auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
     ferry::DataLoader loader(make_tar(f.config), so);
     return fn(loader);
   }
-  if (f.dataset == "image_folder" && ferry::DatasetConfig("image_folder", f.config).str("decode", "cpu") == "gpu") {
-    // GPU decode runs in the loader's direct mode: the typed dataset, batches as LabeledBatch.
-    if (!o.device) throw ferry::Error("dataset 'image_folder': decode=gpu needs --device N");
-    ferry::DataLoader loader(ferry::make_image_folder(ferry::DatasetConfig("image_folder", f.config)), o);
-    return fn(loader);
+  if (f.dataset == "image_folder") {
+    const ferry::DatasetConfig config("image_folder", f.config);
+    if (config.str("decode", "cpu") == "gpu") {
+      // GPU decode runs in the loader's direct mode: the typed dataset, batches as LabeledBatch.
+      if (!o.device) throw ferry::Error("dataset 'image_folder': decode=gpu needs --device N");
+      ferry::DataLoader loader(ferry::make_image_folder(config), o);
+      return fn(loader);
+    }
   }
   ferry::DataLoader loader(registry.create(f.dataset, f.config), o);
   return fn(loader);
 }
 
-// The tensors of a batch, whichever batch type the loader delivers.
-std::vector<Tensor> fields(const std::vector<Tensor>& b) { return b; }
-std::vector<Tensor> fields(const ferry::LabeledBatch& b) { return {b.image, b.label}; }
+// Calls fn(tensor) for each tensor of a batch, whichever batch type the loader delivers.
+template <class Fn>
+void for_each_field(const std::vector<Tensor>& b, Fn&& fn) {
+  for (const Tensor& t : b) fn(t);
+}
+template <class Fn>
+void for_each_field(const ferry::LabeledBatch& b, Fn&& fn) {
+  fn(b.image);
+  fn(b.label);
+}
 
 // --- running ------------------------------------------------------------------------------------
 
@@ -214,7 +224,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
     for (;;) {
       try {
         if (it == loader.end()) break;
-        const std::vector<Tensor> b = fields(*it);
+        const auto& b = *it;
         any = true;
         if (!warm && ++seen >= warmup) {
           warm = true;
@@ -227,8 +237,12 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
           r = std::move(fresh);
         } else if (warm) {
           ++seen;
-          if (!b.empty() && b[0].dim() > 0) r.samples += static_cast<std::uint64_t>(b[0].size(0));
-          for (const Tensor& t : b) r.bytes += t.nbytes();
+          bool first = true;  // the first field's rows are the batch's samples
+          for_each_field(b, [&](const Tensor& t) {
+            if (first && t.dim() > 0) r.samples += static_cast<std::uint64_t>(t.size(0));
+            first = false;
+            r.bytes += t.nbytes();
+          });
         }
         if (f.consumer_ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(f.consumer_ms));
         ++it;

@@ -1,6 +1,7 @@
 // Test kernels (tests/gpu/kernels.cu), behind a plain C++ interface; streams are cudaStream_t as void*.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 
 namespace ferry::test {
@@ -13,6 +14,25 @@ void launch_spin(void* stream, double microseconds);
 /// A training step's baseline: the mean wall time in ms of `steps` spins of `step_ms` on
 /// `stream`, each followed by a stream synchronize (after 3 unmeasured ones).
 double step_alone_ms(void* stream, double step_ms, int steps);
+/// A training loop's wall time in ms: `steps` steps (after 10 unmeasured ones) of one spin of
+/// `step_ms` on the loader's stream per batch, then a stream synchronize, across as many epochs
+/// as it takes. With step_alone_ms() this gives the GPU's waiting share: 1 - steps x alone / wall.
+template <class Loader>
+double training_loop_ms(Loader& loader, double step_ms, int steps) {
+  int step = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  while (step < steps + 10) {
+    for (auto& b : loader) {
+      if (step == 10) t0 = std::chrono::steady_clock::now();  // 10 warm-up steps
+      if (step == steps + 10) break;
+      (void)b;
+      launch_spin(loader.stream()->native(), step_ms * 1000);
+      loader.stream()->synchronize();
+      ++step;
+    }
+  }
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
 /// Counts words of data[rows][cols] that differ from pattern(index[r], c) into *bad (device memory).
 void launch_check(void* stream, const std::uint32_t* data, const std::int64_t* index, int rows, int cols,
                   unsigned long long* bad);

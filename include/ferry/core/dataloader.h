@@ -34,6 +34,7 @@
 // (and get_batch, get_into, open) and the collate_fn are called from several workers at once.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -318,7 +319,7 @@ class DataLoader {
     } else {
       if (s.resume) start = s.resume->batch;  // each worker's stream skips what its batches before used
       s.resume.reset();
-      s.stream_resume_key = start;
+      s.stream_resume_key.store(start, std::memory_order_relaxed);
     }
     s.epoch_exhausted = false;
     if (!s.stats_origin_ns) s.stats_origin_ns = now_ns();  // before any stage starts work
@@ -597,26 +598,27 @@ class DataLoader {
                       std::to_string(st.world_size) + "); this loader has none (DataLoaderOptions::sampler)");
         if (!st.world_size && d)
           throw Error("DataLoader::restore(): this loader has a DistributedSampler; the state was saved by a loader without one");
-        std::size_t segment = 0;
+        const bool elastic = d && st.world_size != d->world_size();
+        std::size_t segment = static_cast<std::size_t>(st.segment_start);
         std::uint64_t k = st.batches;
-        if (d && st.world_size != d->world_size()) {
-          // Elastic: the group had reached `position` of the epoch's order; the rest is split anew.
+        if (elastic) {
+          // The group had reached `position` of the epoch's order; the rest is split anew.
           if (st.position > st.dataset_size) differs("position in the epoch", st.position, st.dataset_size);
           segment = static_cast<std::size_t>(st.position);
           k = 0;
-        } else {
-          if (d && st.rank != d->rank()) differs("rank", st.rank, d->rank());
-          segment = static_cast<std::size_t>(st.segment_start);
+        } else if (d && st.rank != d->rank()) {
+          differs("rank", st.rank, d->rank());
+        } else if (!d && segment != 0) {
+          differs("segment start (a DistributedSampler's)", st.segment_start, 0);
         }
         auto plan = plan_of(st.epoch, segment);
-        if (segment == static_cast<std::size_t>(st.segment_start) && (!d || st.world_size == d->world_size())) {
-          if (plan->size() != st.batches_per_epoch || plan->indices.size() != st.samples_per_epoch || hash_plan(*plan) != st.plan_hash)
-            throw Error("DataLoader::restore(): epoch " + std::to_string(st.epoch) + "'s batches differ from the saved loader's (" +
-                        std::to_string(plan->size()) + " batches of " + std::to_string(plan->indices.size()) + " samples here, " +
-                        std::to_string(st.batches_per_epoch) + " of " + std::to_string(st.samples_per_epoch) +
-                        " saved, or the same counts in another order): another sampler, shuffle, batch_size or drop_last, or a "
-                        "sampler that is not a function of the epoch");
-        }
+        if (!elastic && (plan->size() != st.batches_per_epoch || plan->indices.size() != st.samples_per_epoch ||
+                         hash_plan(*plan) != st.plan_hash))
+          throw Error("DataLoader::restore(): epoch " + std::to_string(st.epoch) + "'s batches differ from the saved loader's (" +
+                      std::to_string(plan->size()) + " batches of " + std::to_string(plan->indices.size()) + " samples here, " +
+                      std::to_string(st.batches_per_epoch) + " of " + std::to_string(st.samples_per_epoch) +
+                      " saved, or the same counts in another order): another sampler, shuffle, batch_size or drop_last, or a "
+                      "sampler that is not a function of the epoch");
         next_epoch = st.epoch;
         if (k == 0 && segment == 0) resume.reset();
         else resume = Resume{std::move(plan), k, segment};
@@ -1032,7 +1034,7 @@ class DataLoader {
         };
         if (!ctx.stream) {
           ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0, 0});
-          if (const std::uint64_t key = stream_resume_key) {
+          if (const std::uint64_t key = stream_resume_key.load(std::memory_order_relaxed)) {
             // A resumed epoch (restore()): this worker's batches before `key` each used batch_size records.
             auto& fresh = *static_cast<StreamState*>(ctx.stream.get());
             const auto W = static_cast<std::uint64_t>(std::max(opt.num_workers, 1)), w = static_cast<std::uint64_t>(ctx.worker.id);
@@ -1143,7 +1145,9 @@ class DataLoader {
     std::size_t segment_start = 0;                  // DistributedSampler: see LoaderState
     std::uint64_t live_epoch = 0;                   // the epoch the live iterator runs
     bool epoch_exhausted = false;                   // the live iterator reached the epoch's end
-    std::uint64_t stream_resume_key = 0;            // streams: the resumed epoch's first key (read by workers)
+    // Streams: the resumed epoch's first key. Written before the epoch's workers start; atomic
+    // because a worker abandoned in an earlier epoch's open() may still read it.
+    std::atomic<std::uint64_t> stream_resume_key{0};
     detail::Engine engine;  // built after, and shut down before, everything it calls into
     std::unique_ptr<detail::PinStage> pin_stage;  // the engine's consumer when pinning; stops first
     std::unique_ptr<DeviceStage> device_stage;
