@@ -1,6 +1,7 @@
 // CUDA runtime wrappers. Without the toolkit (FERRY_HAVE_CUDA undefined) every entry point reports
 // "built without CUDA" and available() is false.
 #include "ferry/pinning/cuda.h"
+#include "ferry/detail/numa.h"
 
 #include <mutex>
 #include <string>
@@ -58,6 +59,12 @@ const Probe& probe() {
 bool available() noexcept { return probe().count > 0; }
 int device_count() noexcept { return probe().count; }
 std::string unavailable_reason() { return probe().reason; }
+
+std::string pci_bus_id(int device) {
+  char id[64] = {};
+  FERRY_CUDA(cudaDeviceGetPCIBusId(id, static_cast<int>(sizeof id), device));
+  return id;
+}
 
 DeviceGuard::DeviceGuard(int device) {
   FERRY_CUDA(cudaGetDevice(&previous_));
@@ -127,7 +134,8 @@ double Event::elapsed_ms(const Event& start, const Event& end) {
 
 void* host_alloc(std::size_t bytes) {
   void* p = nullptr;
-  FERRY_CUDA(cudaHostAlloc(&p, bytes, cudaHostAllocDefault));
+  // Portable: pinned for every device's context, so one pool may feed loaders on several GPUs.
+  FERRY_CUDA(cudaHostAlloc(&p, bytes, cudaHostAllocPortable));
   return p;
 }
 void host_free(void* p) noexcept { check_noexcept(cudaFreeHost(p), "cudaFreeHost"); }
@@ -148,6 +156,7 @@ void memcpy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, 
 bool available() noexcept { return false; }
 int device_count() noexcept { return 0; }
 std::string unavailable_reason() { return "ferry was built without CUDA"; }
+std::string pci_bus_id(int) { no_cuda("cudaDeviceGetPCIBusId"); }
 DeviceGuard::DeviceGuard(int) { no_cuda("DeviceGuard"); }
 DeviceGuard::~DeviceGuard() = default;
 Stream Stream::create(int) { no_cuda("Stream::create"); }
@@ -195,3 +204,24 @@ Event& Event::operator=(Event&& o) noexcept {
 }
 
 }  // namespace ferry::cuda
+
+namespace ferry::detail {
+Placement placement_for_device(int device) {
+  if (!cuda::available() || device < 0 || device >= cuda::device_count()) {
+    Placement p;
+    p.reason = "not placed: no CUDA device " + std::to_string(device);
+    return p;
+  }
+  std::string id;
+  try {
+    id = cuda::pci_bus_id(device);
+  } catch (const std::exception& e) {
+    Placement p;
+    p.reason = std::string("not placed: ") + e.what();
+    return p;
+  }
+  Placement p = placement_for_pci(id);
+  p.reason = "cuda:" + std::to_string(device) + ": " + p.reason;
+  return p;
+}
+}  // namespace ferry::detail

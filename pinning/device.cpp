@@ -4,6 +4,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "ferry/collate/collate.h"
@@ -38,7 +39,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   }
   ~Impl() {
     // Every device batch is gone (each holds a reference); wait for the streams, then free.
+    std::optional<cuda::DeviceGuard> g;
     try {
+      g.emplace(opt.device);
       copy.synchronize();
       consumer.synchronize();
     } catch (...) {
@@ -129,7 +132,10 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     }
     {
       std::lock_guard l(mu);
-      if (best->has_release) copy.wait(best->released);  // reuse only behind the consumer's release
+      if (best->has_release) {
+        cuda::DeviceGuard g(opt.device);
+        copy.wait(best->released);  // reuse only behind the consumer's release
+      }
     }
     cur = best;
     cur_size = bytes;
@@ -141,6 +147,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   void release(Buffer* b) noexcept {
     std::lock_guard l(mu);
     try {
+      cuda::DeviceGuard g(opt.device);  // the batch may be dropped on any thread, current on any device
       b->released.record(consumer);
       b->has_release = true;
     } catch (const std::exception& e) {
@@ -192,6 +199,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
 
   std::shared_ptr<const EventFence> end() {
     if (!cur) throw Error("DeviceStage::end: no batch begun");
+    cuda::DeviceGuard device_guard(opt.device);  // copies, events and kernels go to this device's streams
     std::lock_guard stats_lock(stats_mu);  // counters and timings: stats() reads them on another thread
     std::exception_ptr decode_error;
     try {
@@ -310,7 +318,10 @@ DeviceStageStats DeviceStage::stats() const {
 void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }
 Tensor DeviceStage::move(const Tensor& host) { return impl_->move(host); }
 std::shared_ptr<const EventFence> DeviceStage::end() { return impl_->end(); }
-void DeviceStage::deliver(const EventFence& copied) { impl_->consumer.wait(copied.event()); }
+void DeviceStage::deliver(const EventFence& copied) {
+  cuda::DeviceGuard g(impl_->opt.device);
+  impl_->consumer.wait(copied.event());
+}
 
 Tensor DeviceStage::to_device(const Tensor& host) {
   begin(align_up(host.nbytes()));

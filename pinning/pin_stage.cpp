@@ -19,13 +19,14 @@ struct Item {
 }  // namespace
 
 struct PinStage::State {
-  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t, TraceRecorder* tr)
-      : engine(e), pin(std::move(p)), depth(d < 1 ? 1 : d), timeout(t), trace(tr) {}
+  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t, TraceRecorder* tr, std::shared_ptr<const Placement> pl)
+      : engine(e), pin(std::move(p)), depth(d < 1 ? 1 : d), timeout(t), trace(tr), placement(std::move(pl)) {}
   Engine& engine;
   PinFn pin;
   const int depth;
   const std::chrono::milliseconds timeout;
   TraceRecorder* const trace;
+  const std::shared_ptr<const Placement> placement;
   std::unique_ptr<StageQueue<Item>> out;
   std::unique_ptr<std::counting_semaphore<>> credits;
   std::atomic<bool> stopping{false};
@@ -34,6 +35,7 @@ struct PinStage::State {
   Thread thread;
 
   void run() {
+    if (placement) apply_placement(*placement);
     StopScope stop_scope(&stopping);  // a pool wait inside pin() gives up on stop()
     for (;;) {
       credits->acquire();
@@ -67,8 +69,9 @@ struct PinStage::State {
   }
 };
 
-PinStage::PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout, TraceRecorder* trace)
-    : state_(std::make_unique<State>(engine, std::move(pin), depth, timeout, trace)) {
+PinStage::PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout, TraceRecorder* trace,
+                   std::shared_ptr<const Placement> placement)
+    : state_(std::make_unique<State>(engine, std::move(pin), depth, timeout, trace, std::move(placement))) {
   if (trace) trace->name_track(TraceRecorder::kPinTrack, "pin thread");
 }
 

@@ -12,6 +12,7 @@
 
 #include "ferry/core/dataloader.h"
 #include "ferry/detail/engine.h"
+#include "ferry/detail/numa.h"
 
 namespace ferry {
 namespace {
@@ -55,8 +56,8 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
     std::vector<std::shared_ptr<Fence>> fences;
   };
 
-  Impl(std::size_t limit, std::shared_ptr<HostBackend> backend, bool ignore_fences, bool hard_limit)
-      : limit(limit), backend(std::move(backend)), ignore_fences(ignore_fences), hard_limit(hard_limit) {}
+  Impl(std::size_t limit, std::shared_ptr<HostBackend> backend, bool ignore_fences, bool hard_limit, int numa_node)
+      : limit(limit), backend(std::move(backend)), ignore_fences(ignore_fences), hard_limit(hard_limit), numa_node(numa_node) {}
   ~Impl() {
     // Every Storage is gone (each holds a reference to Impl), so only fences can still be open.
     for (auto& [ptr, b] : blocks) {
@@ -69,6 +70,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
   const std::shared_ptr<HostBackend> backend;
   const bool ignore_fences;
   const bool hard_limit;
+  const int numa_node;  // preferred for the backend's pages (-1: the calling thread's policy)
   mutable std::mutex mu;
   std::condition_variable returned;            // a lease came back
   std::map<std::byte*, Block> blocks;          // guarded by mu; keyed by address
@@ -141,6 +143,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
         l.unlock();
         void* p = nullptr;
         try {
+          detail::ScopedMemoryNode on_node(numa_node);  // pages placed (and locked) in this call
           p = backend->allocate(want);  // cudaHostAlloc is slow: not under the lock
         } catch (...) {
           l.lock();
@@ -203,7 +206,8 @@ PinnedPool::PinnedPool(PinnedPoolOptions options) {
   if (options.ignore_fences_unsafe)
     detail::warn_once("pool-unsafe", "PinnedPool: ignore_fences_unsafe is set: pinned blocks may be overwritten "
                                      "while the GPU still reads them (test use only)");
-  impl_ = std::make_shared<Impl>(options.limit_bytes, std::move(backend), options.ignore_fences_unsafe, options.hard_limit);
+  impl_ = std::make_shared<Impl>(options.limit_bytes, std::move(backend), options.ignore_fences_unsafe, options.hard_limit,
+                                 options.numa_node);
 }
 
 PinnedPool::~PinnedPool() = default;

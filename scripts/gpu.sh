@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|multi]
 # images: the image path alone, most important first (for short device time): the GPU suite, GPU
 # decode on the 500x375 set (with the training loop), the CPU path (and the CPU path of the source
 # tree in build/old-src, if there, built the same way: before/after in one run), GPU decode on the
 # 1500x1000 tiles (build/bench-data/photos-1500), and `ferry bench image_folder ...,decode=gpu`.
+# multi (a host with 2 GPUs): the host's NUMA and PCIe layout, the GPU suite with both GPUs
+# required, dist_epoch and the data-parallel example under torchrun (and mpirun if there), then
+# bench_multi_gpu (one GPU busy, both busy; one process, and one per GPU) beside PyTorch's
+# DataLoader under torchrun.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -23,7 +27,10 @@ cat "$OUT/machine.txt"
 # The unpacked zlib1g-dev's libz.so points at an absolute path this host lacks: link the host's
 # own libz.so.1 (the headers come from the prefix; zlib keeps its ABI).
 zlib=$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)
+# NCCL (the data-parallel example and test): the toolkit's, else PyPI's nvidia-nccl wheel's.
+nccl_root=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
 cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_TEST_INSTALL=OFF -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+  -DFERRY_NCCL_ROOT="$nccl_root" \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DFERRY_FASHION_MNIST_DIR=$prefix/usr/share/datasets/fashion-mnist -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 cmake --build build/gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
@@ -85,6 +92,34 @@ if [ "$what" = images ]; then
   fi
   timeout 40 build/gpu/ferry bench image_folder -b 256 -w 2 --device 0 -n 30 \
     -c root=/tmp/ferry-photos60,random_crop=1,mean=0.485:0.456:0.406,std=0.229:0.224:0.225,decode=gpu 2>&1 | tee "$OUT/ferry-gpu-decode.txt"
+fi
+if [ "$what" = multi ]; then
+  [ -n "$nccl_root" ] && export LD_LIBRARY_PATH=$nccl_root/lib:$LD_LIBRARY_PATH
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # keep multicast off (KINDS.md)
+  { nvidia-smi -L; nvidia-smi topo -m; echo; numactl -H 2>/dev/null || echo "numactl: none"; lscpu | grep -i -E "numa|socket|^CPU\(s\)";
+    echo "online nodes: $(cat /sys/devices/system/node/online 2>/dev/null)";
+    for g in $(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader); do
+      a=$(echo "$g" | tr 'A-Z' 'a-z' | sed 's/^0000//'); echo "GPU $g: numa_node $(cat /sys/bus/pci/devices/$a/numa_node 2>/dev/null)"; done
+  } 2>&1 | tee "$OUT/topology.txt"
+  (FERRY_REQUIRE_GPU=1 FERRY_REQUIRE_GPUS=2 timeout 200 build/gpu/tests/test_gpu 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
+  grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
+  TR="torchrun --standalone --no-python"
+  { timeout 90 $TR --nproc-per-node 2 build/gpu/tests/dist_epoch || rc=1
+    timeout 60 build/gpu/tests/dist_epoch || rc=1
+    if command -v mpirun > /dev/null; then timeout 90 mpirun --allow-run-as-root -np 2 build/gpu/tests/dist_epoch || rc=1; else echo "mpirun: not on this host"; fi
+  } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/dist_epoch.txt"
+  D=/tmp/ferry-deps/usr/share/datasets/fashion-mnist
+  { timeout 120 $TR --nproc-per-node 2 build/gpu/examples/ddp/train_ddp --data $D --epochs 3 --min-accuracy 0.80 || rc=1
+    timeout 120 $TR --nproc-per-node 1 build/gpu/examples/ddp/train_ddp --data $D --epochs 3 || rc=1
+  } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/train_ddp.txt"
+  links build/bench-data/photos /tmp/ferry-photos60 60
+  B="build/gpu/bench/bench_multi_gpu --photos /tmp/ferry-photos60 ${MULTI_ARGS:-}"
+  { timeout 100 $B --devices 0; timeout 100 $B --devices 0,1
+    timeout 100 $TR --nproc-per-node 1 $B --cpu-slices 2; timeout 100 $TR --nproc-per-node 2 $B --cpu-slices 2
+  } 2>&1 | grep "^|" | tee "$OUT/bench_multi_gpu.md"
+  { PYTHONUNBUFFERED=1 timeout 150 torchrun --standalone --nproc-per-node 1 bench/peers_torch_ddp.py --cpu-slices 2
+    PYTHONUNBUFFERED=1 timeout 150 torchrun --standalone --nproc-per-node 2 bench/peers_torch_ddp.py --cpu-slices 2
+  } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/peers_torch_ddp.md"
 fi
 if [ "$what" = bench ] || [ "$what" = all ] || [ "$what" = libtorch ]; then
   torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')

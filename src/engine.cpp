@@ -1,6 +1,7 @@
 // The DataLoader engine: see Note [Engine design] and Note [Shutdown order] in
 // include/ferry/detail/engine.h.
 #include "ferry/detail/engine.h"
+#include "ferry/detail/numa.h"
 
 #include <algorithm>
 #include <condition_variable>
@@ -248,6 +249,7 @@ struct Engine::State {
   }
 
   void worker_main(int id, WorkerCtl& c, StageQueue<Task>& queue) {
+    if (opt.placement) apply_placement(*opt.placement);
     WorkerInfo info{id, W, opt.seed, 0};
     std::exception_ptr init_error;
     c.stage.enter(Stage::WorkerInit);

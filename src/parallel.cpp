@@ -4,18 +4,51 @@
 #include <tbb/parallel_for.h>
 #include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
+#include <tbb/task_scheduler_observer.h>
 
 #include <cstring>
 
+#include "ferry/detail/numa.h"
+
 namespace ferry {
 
+namespace {
+// TBB's threads serve every arena in the process: each takes the loader's placement on entering
+// this pool's arena and gives it back on leaving.
+class PlacementObserver final : public tbb::task_scheduler_observer {
+ public:
+  PlacementObserver(tbb::task_arena& arena, std::shared_ptr<const detail::Placement> p)
+      : tbb::task_scheduler_observer(arena), placement_(std::move(p)) {
+    observe(true);
+  }
+  ~PlacementObserver() override { observe(false); }
+  void on_scheduler_entry(bool worker) override {
+    if (worker) detail::enter_placement(*placement_);
+  }
+  void on_scheduler_exit(bool worker) override {
+    if (worker) detail::leave_placement();
+  }
+
+ private:
+  std::shared_ptr<const detail::Placement> placement_;
+};
+}  // namespace
+
 struct ParallelFor::Impl {
-  explicit Impl(int threads) : arena(threads) {}
+  Impl(int threads, std::shared_ptr<const detail::Placement> p) : arena(threads) {
+    if (p && p->placed()) {
+      arena.initialize();
+      observer = std::make_unique<PlacementObserver>(arena, std::move(p));
+    }
+  }
   mutable tbb::task_arena arena;
+  std::unique_ptr<PlacementObserver> observer;  // destroyed before the arena
 };
 
-ParallelFor::ParallelFor(int threads) : threads_(threads < 1 ? 1 : threads) {
-  if (threads_ > 1) impl_ = std::make_unique<Impl>(threads_);
+ParallelFor::ParallelFor(int threads) : ParallelFor(threads, nullptr) {}
+
+ParallelFor::ParallelFor(int threads, std::shared_ptr<const detail::Placement> placement) : threads_(threads < 1 ? 1 : threads) {
+  if (threads_ > 1) impl_ = std::make_unique<Impl>(threads_, std::move(placement));
 }
 
 ParallelFor::~ParallelFor() = default;

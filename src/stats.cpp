@@ -62,6 +62,7 @@ std::string LoaderStats::report() const {
            "% of the time; the loader keeps up)\n";
   else
     out += "bottleneck: " + b + "\n";
+  if (numa_node >= 0) out += "numa: threads and pinned pool on node " + std::to_string(numa_node) + "\n";
   if (samples_skipped || samples_replaced || io_retries || timeouts || abandoned_workers) {
     std::snprintf(line, sizeof line,
                   "faults: %llu skipped, %llu replaced (%llu damaged, %llu i/o, %llu stuck); %llu i/o retries; %llu timeouts; "

@@ -59,6 +59,12 @@ Weights initial_weights(const MlpConfig& config);
 std::unique_ptr<Mlp> make_cpu_mlp(const MlpConfig& config, int threads);
 /// Built only with nvcc (FERRY_DEMO_GPU is 1 then; mlp_gpu_adapter.cpp). `stream`: the cudaStream_t
 /// the loader orders device batches on (loader.stream()->native()).
-std::unique_ptr<Mlp> make_gpu_mlp(const MlpConfig& config, int device, void* stream);
+/// Data parallel: `fn` is called in each learning step with the batch's gradients (device arrays of
+/// w1, b1, w2, b2 and their sizes, in the model's stream order) before the update reads them.
+struct GradientReducer {
+  void (*fn)(void* ctx, float* const grads[4], const long long sizes[4]) = nullptr;
+  void* ctx = nullptr;
+};
+std::unique_ptr<Mlp> make_gpu_mlp(const MlpConfig& config, int device, void* stream, GradientReducer reduce = {});
 
 }  // namespace demo

@@ -197,6 +197,11 @@ void step(Model* m, const float* x, const long long* y, int B, bool learn) {
   // dW1 = x^T dh: dW1^T (H x I) = dh^T (H x B) x (B x I).
   check(cublasSgemm(m->blas, CUBLAS_OP_N, CUBLAS_OP_T, H, I, B, &one, m->dh.p, H, x, I, &zero, m->g_w1.p, H), "sgemm dW1");
   column_sums<<<blocks(H), 256, 0, s>>>(m->dh.p, m->g_b1.p, B, H);
+  if (m->c.reduce_gradients) {
+    float* const grads[4] = {m->g_w1.p, m->g_b1.p, m->g_w2.p, m->g_b2.p};
+    const long long sizes[4] = {static_cast<long long>(I) * H, H, static_cast<long long>(H) * K, K};
+    m->c.reduce_gradients(m->c.reduce_ctx, grads, sizes);
+  }
   auto update = [&](Buffer& w, Buffer& v, Buffer& g, std::size_t n) {
     sgd_momentum<<<blocks(static_cast<long long>(n)), 256, 0, s>>>(w.p, v.p, g.p, static_cast<int>(n), m->c.lr, m->c.momentum);
   };

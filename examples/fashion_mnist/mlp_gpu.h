@@ -9,6 +9,11 @@ struct Config {
   float lr, momentum;
   int device;
   void* stream;  ///< cudaStream_t: every kernel and cuBLAS call goes there
+  /// Data parallel: called in each learning step between the gradients (device arrays of w1, b1,
+  /// w2, b2, each `sizes[i]` floats, written in `stream`'s order) and the update, which reads them
+  /// after whatever this queues on `stream` (an all-reduce). Null: none.
+  void (*reduce_gradients)(void* ctx, float* const grads[4], const long long sizes[4]) = nullptr;
+  void* reduce_ctx = nullptr;
 };
 struct Model;
 

@@ -7,10 +7,10 @@ namespace {
 
 class GpuMlp final : public Mlp {
  public:
-  GpuMlp(const MlpConfig& c, int device, void* stream) : c_(c) {
+  GpuMlp(const MlpConfig& c, int device, void* stream, GradientReducer reduce) : c_(c) {
     const Weights w = initial_weights(c);
     try {
-      m_ = gpu::create({c.in, c.hidden, c.classes, c.lr, c.momentum, device, stream}, w.w1.data(), w.b1.data(), w.w2.data(),
+      m_ = gpu::create({c.in, c.hidden, c.classes, c.lr, c.momentum, device, stream, reduce.fn, reduce.ctx}, w.w1.data(), w.b1.data(), w.w2.data(),
                        w.b2.data());
     } catch (const std::exception& e) {
       throw ferry::CudaError(std::string("demo MLP: ") + e.what());
@@ -67,8 +67,8 @@ class GpuMlp final : public Mlp {
 
 }  // namespace
 
-std::unique_ptr<Mlp> make_gpu_mlp(const MlpConfig& config, int device, void* stream) {
-  return std::make_unique<GpuMlp>(config, device, stream);
+std::unique_ptr<Mlp> make_gpu_mlp(const MlpConfig& config, int device, void* stream, GradientReducer reduce) {
+  return std::make_unique<GpuMlp>(config, device, stream, reduce);
 }
 
 }  // namespace demo

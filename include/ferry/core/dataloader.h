@@ -139,6 +139,11 @@ struct DataLoaderOptions {
   int device_prefetch = 2;
   /// One cudaMemcpyAsync per batch when its tensors lie in one pinned slab.
   bool device_pack = true;
+  /// With `device`, on a host of more than one NUMA node: run the workers, pin thread and their
+  /// helper threads on the device's node and allocate the pinned pool there (Note [NUMA
+  /// placement] in ferry/detail/numa.h). Changes nothing on a one-node host. LoaderStats::numa_node
+  /// says where the loader sits.
+  bool numa_placement = true;
   /// The consumer's compute stream (a cudaStream_t, borrowed); null: the loader creates one,
   /// available as loader.stream().
   void* consumer_stream = nullptr;
@@ -389,10 +394,11 @@ class DataLoader {
           opt(std::move(o)),
           collate_fn(std::move(c)),
           batch_sampler(make_batch_sampler()),
-          pool(make_intra_pool(opt)),
+          placement(make_placement(opt)),
+          pool(make_intra_pool(opt, placement)),
           allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
           faults({opt.max_errors, opt.max_error_fraction}, opt.on_sample_error),
-          engine(engine_options(opt), *this) {
+          engine(engine_options(opt, placement), *this) {
       if constexpr (requires(const Dataset& d) { { d.decodes_on_device() } -> std::convertible_to<bool>; })
         issue_on_pin_thread = dataset->decodes_on_device();  // GPU decode: see setup_pinning
       if (issue_on_pin_thread && !opt.device)
@@ -436,8 +442,9 @@ class DataLoader {
       engine.shutdown();
     }
 
-    static detail::EngineOptions engine_options(const DataLoaderOptions& o) {
+    static detail::EngineOptions engine_options(const DataLoaderOptions& o, std::shared_ptr<const detail::Placement> placement) {
       detail::EngineOptions e;
+      e.placement = std::move(placement);
       e.num_workers = o.num_workers;
       e.prefetch_factor = o.prefetch_factor;
       e.in_order = o.in_order;
@@ -641,6 +648,7 @@ class DataLoader {
       s.wall_seconds = stats_origin_ns ? static_cast<double>(now_ns() - stats_origin_ns) / 1e9 : 0.0;
       s.batches = delivered_batches;
       s.workers = std::max(opt.num_workers, 1);
+      s.numa_node = placement ? placement->node : -1;
       auto secs = [&](Stage st) { return static_cast<double>(engine.stage_ns(st) - base.stage_ns[static_cast<std::size_t>(st)]) / 1e9; };
       s.fetch_seconds = secs(Stage::Fetch);
       s.transform_seconds = secs(Stage::Transform);
@@ -758,6 +766,7 @@ class DataLoader {
         }
         PinnedPoolOptions po;
         po.limit_bytes = opt.pinned_memory_limit;
+        po.numa_node = placement ? placement->node : -1;
         pinned_pool = std::make_shared<PinnedPool>(po);
       }
       if constexpr (!kPinnable) {
@@ -766,7 +775,7 @@ class DataLoader {
       } else {
         if (opt.pin_threads < 1) throw Error("DataLoaderOptions: pin_threads must be >= 1");
         if (opt.pin_depth < 1) throw Error("DataLoaderOptions: pin_depth must be >= 1");
-        if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads);
+        if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads, placement);
         const std::size_t behind = static_cast<std::size_t>(opt.pin_depth) +
                                    (opt.device ? static_cast<std::size_t>(opt.device_prefetch) : 0) + 2;
         const std::size_t in_flight =
@@ -800,14 +809,22 @@ class DataLoader {
             walk(p.template get<Batch>(), dctx);
             p = detail::Payload::make(DeviceBatch{std::move(p.template get<Batch>()), dctx.device_copy()});
           }
-        }, opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get());
+        }, opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get(), placement);
       }
     }
 
-    static std::unique_ptr<ParallelFor> make_intra_pool(const DataLoaderOptions& o) {
+    static std::unique_ptr<ParallelFor> make_intra_pool(const DataLoaderOptions& o, std::shared_ptr<const detail::Placement> placement) {
       if (o.intra_batch_threads <= 1) return nullptr;
       const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-      return std::make_unique<ParallelFor>(std::min(o.intra_batch_threads * std::max(o.num_workers, 1), hw));
+      return std::make_unique<ParallelFor>(std::min(o.intra_batch_threads * std::max(o.num_workers, 1), hw), std::move(placement));
+    }
+
+    // Note [NUMA placement]: null unless the loader has a device on a host of several nodes.
+    static std::shared_ptr<const detail::Placement> make_placement(const DataLoaderOptions& o) {
+      if (!o.device || !o.numa_placement || !cuda::available()) return nullptr;
+      auto p = std::make_shared<const detail::Placement>(detail::placement_for_device(*o.device));
+      detail::log_debug("DataLoader: NUMA: " + p->reason);
+      return p->placed() ? p : nullptr;
     }
 
     std::shared_ptr<const BatchSampler> make_batch_sampler() {
@@ -1114,6 +1131,7 @@ class DataLoader {
     DataLoaderOptions opt;
     CollateFn collate_fn;
     std::shared_ptr<const BatchSampler> batch_sampler;
+    std::shared_ptr<const detail::Placement> placement;  // Note [NUMA placement]; null: not placed
     std::unique_ptr<ParallelFor> pool;
     BatchAllocator* allocator;
     detail::FaultLog faults;

@@ -17,11 +17,17 @@
 #include <memory>
 
 namespace ferry {
+namespace detail {
+struct Placement;
+}
 
 class ParallelFor {
  public:
   /// `threads` <= 1 runs everything inline on the caller.
   explicit ParallelFor(int threads);
+  /// The same, its threads running under `placement` while they work for this pool (a loader's
+  /// NUMA placement: ferry/detail/numa.h); null: anywhere.
+  ParallelFor(int threads, std::shared_ptr<const detail::Placement> placement);
   ~ParallelFor();
   ParallelFor(const ParallelFor&) = delete;
   ParallelFor& operator=(const ParallelFor&) = delete;

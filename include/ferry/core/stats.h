@@ -36,6 +36,7 @@ struct LoaderStats {
   double wait_seconds = 0;         ///< the consumer blocked in the loader for its next batch
   bool pinning = false;            ///< whether a pin thread ran
   bool device = false;             ///< whether a device stage ran
+  int numa_node = -1;              ///< the NUMA node the loader's threads and pinned pool sit on; -1: not placed
   // Faults (ferry/core/faults.h), since the loader started (or reset_stats()).
   std::uint64_t samples_skipped = 0;    ///< on_error = Skip
   std::uint64_t samples_replaced = 0;   ///< on_error = Replace

@@ -54,6 +54,7 @@
 #include "ferry/core/dataset.h"
 #include "ferry/core/sampler.h"
 #include "ferry/core/trace.h"
+#include "ferry/detail/numa.h"
 
 namespace ferry::detail {
 
@@ -153,6 +154,8 @@ struct EngineOptions {
   int max_redispatch = 3;
   std::uint64_t seed = 0;
   TraceRecorder* trace = nullptr;  ///< per-batch timelines (may be null)
+  /// Where the workers run (Note [NUMA placement] in ferry/detail/numa.h); null: anywhere.
+  std::shared_ptr<const Placement> placement;
 };
 
 /// The engine of one DataLoader: worker threads, task and result queues, reorder window.

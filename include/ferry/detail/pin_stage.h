@@ -20,7 +20,9 @@ class PinStage {
   /// Pins batch number `batch` (its position in the epoch) in place.
   using PinFn = std::function<void(Payload&, std::int64_t batch)>;
   /// `engine` must outlive the stage; `pin` runs on the pin thread; `trace` may be null.
-  PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout, TraceRecorder* trace = nullptr);
+  /// `placement`: where the pin thread runs (ferry/detail/numa.h); null: anywhere.
+  PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout, TraceRecorder* trace = nullptr,
+           std::shared_ptr<const Placement> placement = nullptr);
   ~PinStage();
   PinStage(const PinStage&) = delete;
   PinStage& operator=(const PinStage&) = delete;

@@ -36,6 +36,8 @@ namespace cuda {
 bool available() noexcept;
 /// Number of usable devices (0 without CUDA).
 int device_count() noexcept;
+/// The PCI address of `device` ("0000:41:00.0"); throws CudaError.
+std::string pci_bus_id(int device);
 /// Why CUDA is unavailable ("built without CUDA", the runtime's error), or "" when available.
 std::string unavailable_reason();
 

@@ -66,6 +66,10 @@ struct PinnedPoolOptions {
   bool ignore_fences_unsafe = false;
   /// True: the budget is a hard cap (allocate() waits). False: a retention cap (see the Note).
   bool hard_limit = true;
+  /// NUMA node the blocks' pages are preferred on (the backend allocates under that memory
+  /// policy); -1: wherever the allocating thread's policy puts them. A loader sets it to its
+  /// device's node (Note [NUMA placement] in ferry/detail/numa.h).
+  int numa_node = -1;
 };
 
 struct PinnedPoolStats {
