@@ -9,6 +9,8 @@
 //   (a) 3x224x224 uint8 rows in memory (38.5 MB batches), --workers-a workers per GPU;
 //   (b) 784 float32 rows (0.8 MB batches), --workers-b;
 //   image: --photos DIR, RandomResizedCrop 224 + flip + normalize, GPU decode, --image-workers;
+//   host: controls without the GPU: (a) collated into pageable memory (no pinning, no copy), and
+//         host memcpy bandwidth with --workers-a threads;
 //   loop: (a) batches into a loop of --step-ms GPU steps that synchronizes each step; GPU wait =
 //         1 - steps x (the step alone) / wall.
 // Every pass starts on all devices together (a barrier: threads, or one TCP round through rank 0
@@ -42,7 +44,7 @@ struct Args {
   int workers_a = 8, workers_b = 6, image_workers = 2, runs = 5, steps = 200, cpu_slices = 0;
   std::size_t batches = 100;
   double step_ms = 10;
-  std::string photos, what = "a,b,image,loop";
+  std::string photos, what = "a,host,b,image,loop";
 };
 
 double median(std::vector<double> v) {
@@ -70,8 +72,29 @@ double rate(L& loader, const Sync& sync, int runs, double per_pass) {
     sync();
     const auto t0 = Clock::now();
     for (auto& b : loader) (void)b;
-    loader.stream()->synchronize();
+    if (loader.stream()) loader.stream()->synchronize();
     if (k > 0) r.push_back(per_pass / std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(r);
+}
+
+// GB/s (bytes read + bytes written) of `threads` threads each copying its own 64 MiB, 8 times.
+double memcpy_rate(int threads, const Sync& sync, int runs) {
+  constexpr std::size_t kBytes = std::size_t{64} << 20;
+  constexpr int kReps = 8;
+  std::vector<std::vector<char>> src(static_cast<std::size_t>(threads), std::vector<char>(kBytes, 1)),
+      dst(static_cast<std::size_t>(threads), std::vector<char>(kBytes, 0));
+  std::vector<double> r;
+  for (int k = 0; k <= runs; ++k) {
+    sync();
+    const auto t0 = Clock::now();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t)
+      pool.emplace_back([&, t] {
+        for (int rep = 0; rep < kReps; ++rep) std::memcpy(dst[static_cast<std::size_t>(t)].data(), src[static_cast<std::size_t>(t)].data(), kBytes);
+      });
+    for (auto& t : pool) t.join();
+    if (k > 0) r.push_back(2.0 * kBytes * kReps * threads / 1e9 / std::chrono::duration<double>(Clock::now() - t0).count());
   }
   return median(r);
 }
@@ -119,6 +142,16 @@ void run_device(const Args& a, int device, const Sync& sync, std::vector<Result>
     out.push_back({"(a) 3x224x224 uint8, " + std::to_string(a.workers_a) + " workers", device,
                    rate(loader, sync, a.runs, static_cast<double>(a.batches)), "batches/s"});
     out.push_back({"(a) NUMA node of the loader", device, static_cast<double>(loader.stats().numa_node), "node"});
+  }
+  if (want("host")) {
+    // Controls, to tell the host's limits from the GPU path's: (a) collated by the same workers
+    // into pageable memory with no GPU at all, and plain memcpy by as many threads.
+    DataLoaderOptions o = base(-1, a.workers_a, 2048, a.batches);
+    o.pin_memory = false;
+    DataLoader loader(TensorDataset({workload_a()}), o);
+    out.push_back({"(a) on the host alone: no pinning, no copy, " + std::to_string(a.workers_a) + " workers", device,
+                   rate(loader, sync, a.runs, static_cast<double>(a.batches)), "batches/s"});
+    out.push_back({"host memcpy, " + std::to_string(a.workers_a) + " threads of 64 MiB", device, memcpy_rate(a.workers_a, sync, a.runs), "GB/s"});
   }
   if (want("b")) {
     const std::size_t nb = a.batches * 20;

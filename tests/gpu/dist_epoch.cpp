@@ -3,7 +3,8 @@
 // DistributedSampler splits it. Each rank loads its share onto GPU local_rank; NCCL all-gathers
 // every sample id delivered; every rank checks the whole: with drop_last each sample at most once
 // and the dropped tail PyTorch's; without, every sample, plus exactly PyTorch's padding repeats.
-// Pinned and device memory are constant after the first epoch. Exit 0 when all holds, 1 when not,
+// Device memory is constant after the first epoch; pinned blocks are recycled, never freed, and
+// never more than the pipeline's depth (pipeline_depth.h). Exit 0 when all holds, 1 when not,
 // 77 without a GPU (CTest's skip; a failure under FERRY_REQUIRE_GPU=1).
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -16,6 +17,7 @@
 #include <vector>
 
 #include "ferry/ferry.h"
+#include "pipeline_depth.h"
 #include "rendezvous.h"
 
 namespace {
@@ -105,7 +107,10 @@ int main() {
           host_allocs = loader.pinned_pool()->stats().allocations;
           device_allocs = loader.device_stage()->stats().device_allocations;
         } else {
-          check(loader.pinned_pool()->stats().allocations == host_allocs, what + ": pinned memory constant");
+          const PinnedPoolStats pool = loader.pinned_pool()->stats();
+          check(pool.allocations >= host_allocs && pool.frees == 0 && pool.blocks <= test::max_batches_alive(o),
+                what + ": pinned blocks recycled, within the pipeline's depth (" + std::to_string(pool.blocks) + " blocks, " +
+                    std::to_string(pool.allocations - host_allocs) + " more than after the first epoch)");
           check(loader.device_stage()->stats().device_allocations == device_allocs, what + ": device memory constant");
         }
         if (rank == 0)
