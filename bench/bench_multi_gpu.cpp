@@ -146,7 +146,8 @@ void run_device(const Args& a, int device, const Sync& sync, std::vector<Result>
   if (want("host")) {
     // Controls, to tell the host's limits from the GPU path's: (a) collated by the same workers
     // into pageable memory with no GPU at all, and plain memcpy by as many threads.
-    DataLoaderOptions o = base(-1, a.workers_a, 2048, a.batches);
+    DataLoaderOptions o = base(device, a.workers_a, 2048, a.batches);
+    o.device.reset();
     o.pin_memory = false;
     DataLoader loader(TensorDataset({workload_a()}), o);
     out.push_back({"(a) on the host alone: no pinning, no copy, " + std::to_string(a.workers_a) + " workers", device,

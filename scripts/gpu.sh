@@ -9,7 +9,7 @@
 # multi (a host with 2 GPUs): the host's NUMA and PCIe layout, the GPU suite with both GPUs
 # required, dist_epoch and the data-parallel example under torchrun (and mpirun if there), then
 # bench_multi_gpu (one GPU busy, both busy; one process, and one per GPU) beside PyTorch's
-# DataLoader under torchrun.
+# DataLoader under torchrun (MULTI_TESTS=0 leaves the tests and the example out).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
@@ -101,22 +101,24 @@ if [ "$what" = multi ]; then
     for g in $(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader); do
       a=$(echo "$g" | tr 'A-Z' 'a-z' | sed 's/^0000//'); echo "GPU $g: numa_node $(cat /sys/bus/pci/devices/$a/numa_node 2>/dev/null)"; done
   } 2>&1 | tee "$OUT/topology.txt"
-  (FERRY_REQUIRE_GPU=1 FERRY_REQUIRE_GPUS=2 timeout 200 build/gpu/tests/test_gpu 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
-  grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
   TR="torchrun --standalone --no-python"
-  { timeout 90 $TR --nproc-per-node 2 build/gpu/tests/dist_epoch || rc=1
-    timeout 60 build/gpu/tests/dist_epoch || rc=1
-    if command -v mpirun > /dev/null; then timeout 90 mpirun --allow-run-as-root -np 2 build/gpu/tests/dist_epoch || rc=1; else echo "mpirun: not on this host"; fi
-  } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/dist_epoch.txt"
-  D=/tmp/ferry-deps/usr/share/datasets/fashion-mnist
-  { timeout 120 $TR --nproc-per-node 2 build/gpu/examples/ddp/train_ddp --data $D --epochs 3 --min-accuracy 0.80 || rc=1
-    timeout 120 $TR --nproc-per-node 1 build/gpu/examples/ddp/train_ddp --data $D --epochs 3 || rc=1
-  } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/train_ddp.txt"
+  if [ "${MULTI_TESTS:-1}" = 1 ]; then  # MULTI_TESTS=0: the layout and the benchmarks only
+    (FERRY_REQUIRE_GPU=1 FERRY_REQUIRE_GPUS=2 timeout 200 build/gpu/tests/test_gpu 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
+    grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
+    { timeout 90 $TR --nproc-per-node 2 build/gpu/tests/dist_epoch || rc=1
+      timeout 60 build/gpu/tests/dist_epoch || rc=1
+      if command -v mpirun > /dev/null; then timeout 90 mpirun --allow-run-as-root -np 2 build/gpu/tests/dist_epoch || rc=1; else echo "mpirun: not on this host"; fi
+    } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/dist_epoch.txt"
+    D=/tmp/ferry-deps/usr/share/datasets/fashion-mnist
+    { timeout 120 $TR --nproc-per-node 2 build/gpu/examples/ddp/train_ddp --data $D --epochs 3 --min-accuracy 0.80 || rc=1
+      timeout 120 $TR --nproc-per-node 1 build/gpu/examples/ddp/train_ddp --data $D --epochs 3 || rc=1
+    } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/train_ddp.txt"
+  fi
   links build/bench-data/photos /tmp/ferry-photos60 60
   B="build/gpu/bench/bench_multi_gpu --photos /tmp/ferry-photos60 ${MULTI_ARGS:-}"
   { timeout 100 $B --devices 0; timeout 100 $B --devices 0,1
     timeout 100 $TR --nproc-per-node 1 $B --cpu-slices 2; timeout 100 $TR --nproc-per-node 2 $B --cpu-slices 2
-  } 2>&1 | grep "^|" | tee "$OUT/bench_multi_gpu.md"
+  } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/bench_multi_gpu.log" | grep "^|" | tee "$OUT/bench_multi_gpu.md"
   { PYTHONUNBUFFERED=1 timeout 150 torchrun --standalone --nproc-per-node 1 bench/peers_torch_ddp.py --cpu-slices 2
     PYTHONUNBUFFERED=1 timeout 150 torchrun --standalone --nproc-per-node 2 bench/peers_torch_ddp.py --cpu-slices 2
   } 2>&1 | grep -v "^W.*OMP_NUM_THREADS\|^\*\*\*\*" | tee "$OUT/peers_torch_ddp.md"

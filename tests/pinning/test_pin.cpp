@@ -245,3 +245,14 @@ TEST_CASE("a loader whose pin thread waits for blocks the consumer holds times o
   kept.clear();
   CHECK(pool->stats().bytes_in_use == 0);
 }
+
+TEST_CASE("a negative device is an error that says how to ask for host batches", "[pin][errors]") {
+  DataLoaderOptions o;
+  o.device = -1;
+  try {
+    DataLoader loader(TensorDataset({Tensor::empty(DType::Int64, {4})}), o);
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK_THAT(e.what(), Catch::Contains("device=-1 is not a CUDA device index") && Catch::Contains("leave device unset"));
+  }
+}

@@ -417,6 +417,9 @@ class DataLoader {
         opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (num_workers = 0)");
       }
       if (opt.device) {
+        if (*opt.device < 0)
+          throw Error("DataLoaderOptions: device=" + std::to_string(*opt.device) +
+                      " is not a CUDA device index; leave device unset for batches on the host");
         if (!cuda::available())
           throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
                           cuda::unavailable_reason() + ")");
