@@ -150,7 +150,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     const ferry::LoaderStats s = loader.stats();
-    std::printf("rank %d: %s, cuda:%d, %.1f batches/s, GPU waiting %.1f%% of the loop, NUMA node %d\n", rank, env.str().c_str(),
+    std::printf("rank %d: %s, cuda:%d, %.1f batches/s, waiting for batches %.1f%% of the loop (next()), NUMA node %d\n", rank, env.str().c_str(),
                 device, s.batches_per_second(), 100.0 * s.wait_seconds / std::max(s.wall_seconds, 1e-9), s.numa_node);
     cudaFree(sums);
     model.reset();
