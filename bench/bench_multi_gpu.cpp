@@ -9,6 +9,7 @@
 //   (a) 3x224x224 uint8 rows in memory (38.5 MB batches), --workers-a workers per GPU;
 //   (b) 784 float32 rows (0.8 MB batches), --workers-b;
 //   image: --photos DIR, RandomResizedCrop 224 + flip + normalize, GPU decode, --image-workers;
+//   gather: (a) and (b) by the device gather (Note [Device gather]), 0 workers;
 //   host: controls without the GPU: (a) collated into pageable memory (no pinning, no copy), and
 //         host memcpy bandwidth with --workers-a threads;
 //   loop: (a) batches into a loop of --step-ms GPU steps that synchronizes each step; GPU wait =
@@ -44,7 +45,7 @@ struct Args {
   int workers_a = 8, workers_b = 6, image_workers = 2, runs = 5, steps = 200, cpu_slices = 0;
   std::size_t batches = 100;
   double step_ms = 10;
-  std::string photos, what = "a,host,b,image,loop";
+  std::string photos, what = "a,gather,host,b,image,loop";
 };
 
 double median(std::vector<double> v) {
@@ -131,6 +132,7 @@ DataLoaderOptions base(int device, int workers, std::size_t samples, std::size_t
   o.persistent_workers = true;
   o.device = device;
   o.pinned_memory_limit = std::size_t{4} << 30;
+  o.gather = Gather::Host;  // the host path; the "gather" rows take the device gather
   return o;
 }
 
@@ -142,6 +144,20 @@ void run_device(const Args& a, int device, const Sync& sync, std::vector<Result>
     out.push_back({"(a) 3x224x224 uint8, " + std::to_string(a.workers_a) + " workers", device,
                    rate(loader, sync, a.runs, static_cast<double>(a.batches)), "batches/s"});
     out.push_back({"(a) NUMA node of the loader", device, static_cast<double>(loader.stats().numa_node), "node"});
+  }
+  if (want("gather")) {
+    // The device gather (Note [Device gather]): no worker copies, rows read by the GPU.
+    DataLoaderOptions o = base(device, 0, 2048, a.batches);
+    o.gather = Gather::Device;
+    o.persistent_workers = false;
+    DataLoader la(TensorDataset({workload_a()}), o);
+    out.push_back({"(a) device gather, 0 workers", device, rate(la, sync, a.runs, static_cast<double>(a.batches)), "batches/s"});
+    const std::size_t nb = a.batches * 20;
+    DataLoaderOptions ob = base(device, 0, 60000, nb);
+    ob.gather = Gather::Device;
+    ob.persistent_workers = false;
+    DataLoader lb(TensorDataset({workload_b()}), ob);
+    out.push_back({"(b) device gather, 0 workers", device, rate(lb, sync, a.runs, static_cast<double>(nb)), "batches/s"});
   }
   if (want("host")) {
     // Controls, to tell the host's limits from the GPU path's: (a) collated by the same workers

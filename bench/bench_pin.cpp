@@ -122,6 +122,7 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
     o.persistent_workers = true;
     o.device = 0;
     o.pinned_memory_limit = std::size_t{4} << 30;
+    o.gather = Gather::Host;  // the host path (workers + pin thread); bench_gather measures the device gather
     configure(o);
     DataLoader loader(TensorDataset({data}), o);
     std::size_t rows = 0;
@@ -166,6 +167,7 @@ void training_loop(double step_ms, int steps, int workers, int intra) {
   o.intra_batch_threads = intra;
   o.device = 0;
   o.pin_mode = DataLoaderOptions::PinMode::Direct;
+  o.gather = Gather::Host;
   DataLoader loader(TensorDataset({data}), o);
   // Baseline: the identical step with no data loading.
   const double base_ms = test::step_alone_ms(loader.stream()->native(), step_ms, 30);

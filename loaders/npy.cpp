@@ -1,5 +1,6 @@
 #include "ferry/loaders/npy.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "io.h"
@@ -165,6 +166,12 @@ Tensor read_npy(const std::string& path) {
   NpyHeader h = parse_header(map->bytes(), path);
   Storage s = Storage::wrap(map->data() + h.data_offset, h.nbytes, Device::host(), std::const_pointer_cast<loaders::MappedFile>(map));
   return Tensor(std::move(s), h.dtype, std::move(h.shape));
+}
+
+std::vector<HostRows> NpyDataset::host_rows(std::string& why) const {
+  (void)why;
+  return {{array_.raw(), array_.size(0), array_.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(array_.size(0), 1)),
+           array_.dtype(), Shape(array_.shape().begin() + 1, array_.shape().end()), name_}};
 }
 
 NpyDataset::NpyDataset(const std::string& path) : NpyDataset(read_npy(path)) { name_ = path; }

@@ -11,6 +11,7 @@
 #include "ferry/detail/engine.h"
 #include "ferry/detail/pass_math.h"
 #include "ferry/pinning/fence.h"
+#include "gather_kernel.h"
 #include "gpu_decode.h"
 
 namespace ferry {
@@ -64,8 +65,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   std::deque<std::pair<std::shared_ptr<EventFence>, std::vector<Storage>>> keepalive;
   // Start events and completion fences of copies whose GPU time is not yet counted.
   struct Timing {
-    cuda::Event started, copied;  // copied: recorded between the copies and a GPU decode (else empty)
+    cuda::Event started, copied;  // copied: recorded between the copies and a GPU decode or gather (else empty)
     std::shared_ptr<EventFence> done;
+    bool gather = false;  // the interval after `copied` is a gather's, not a decode's
   };
   std::deque<Timing> timings;
   std::vector<cuda::Event> spare_starts;  // timing events already counted, reused
@@ -78,6 +80,37 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   };
   std::unique_ptr<detail::GpuJpegDecoder> decoder;
   std::vector<PendingDecode> decodes;
+  // Device gather (gather_rows): the batch's gathers, run after its copies.
+  struct PendingGather {
+    const std::int64_t* index_dev;
+    std::int64_t rows;
+    const void* src;
+    std::size_t row_bytes, out_off;
+  };
+  std::vector<PendingGather> gathers;
+
+  Tensor gather_rows(const Tensor& index_dev, const void* src, std::size_t row_bytes, DType dtype, const Shape& row_shape) {
+    if (!cur) throw Error("DeviceStage::gather_rows: no batch begun");
+    if (!detail::gather_built())
+      throw CudaError("DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
+    if (!index_dev.defined() || index_dev.dtype() != DType::Int64 || index_dev.dim() != 1 ||
+        index_dev.device() != Device::cuda(opt.device))
+      throw Error("DeviceStage::gather_rows: expected an int64 [B] index on cuda:" + std::to_string(opt.device) + ", got " +
+                  index_dev.str());
+    std::int64_t per_row = 1;
+    for (std::int64_t d : row_shape) per_row *= d;
+    if (static_cast<std::size_t>(per_row) * itemsize(dtype) != row_bytes)
+      throw Error("DeviceStage::gather_rows: a row of " + std::to_string(row_bytes) + " bytes does not hold its shape's elements");
+    const std::int64_t rows = index_dev.size(0);
+    const std::size_t bytes = static_cast<std::size_t>(rows) * row_bytes;
+    if (used + align_up(bytes) > cur_size) throw Error("DeviceStage::gather_rows: more than begin() reserved");
+    Shape shape{rows};
+    shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+    Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), dtype, shape, used);
+    gathers.push_back({index_dev.data<std::int64_t>(), rows, src, row_bytes, used});
+    used += align_up(bytes);
+    return out;
+  }
 
   Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_dev) {
     if (!cur) throw Error("DeviceStage::decode_images: no batch begun");
@@ -187,7 +220,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       Timing& t = timings.front();
       if (t.copied.native()) {
         counters.copy_ms += cuda::Event::elapsed_ms(t.started, t.copied);
-        counters.decode_ms += cuda::Event::elapsed_ms(t.copied, t.done->event());
+        (t.gather ? counters.gather_ms : counters.decode_ms) += cuda::Event::elapsed_ms(t.copied, t.done->event());
         spare_starts.push_back(std::move(t.copied));
       } else {
         counters.copy_ms += cuda::Event::elapsed_ms(t.started, t.done->event());
@@ -232,10 +265,21 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       counters.bytes += span;
       i = j;
     }
-    if (!decodes.empty()) {  // the decode's GPU time is counted apart from the copies'
+    if (!decodes.empty() || !gathers.empty()) {  // a decode's or gather's GPU time is counted apart from the copies'
       copied = timing_event();
       copied.record(copy);
     }
+    const bool gathered = !gathers.empty();
+    for (PendingGather& g : gathers) {
+      if (decode_error) break;
+      try {
+        detail::launch_gather(g.index_dev, g.rows, g.src, g.row_bytes, cur->ptr + g.out_off, copy.native());
+        counters.rows_gathered += static_cast<std::uint64_t>(g.rows);
+      } catch (...) {
+        decode_error = std::current_exception();
+      }
+    }
+    gathers.clear();
     for (PendingDecode& d : decodes) {
       if (decode_error) break;
       try {
@@ -252,7 +296,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     cuda::Event done = cuda::Event::create(opt.device, true);
     done.record(copy);
     auto fence = std::make_shared<EventFence>(std::move(done));
-    timings.push_back({std::move(started), std::move(copied), fence});
+    timings.push_back({std::move(started), std::move(copied), fence, gathered});
     poll_timings();
     std::vector<Storage> keep;
     std::set<const void*> seen;
@@ -277,6 +321,7 @@ DeviceStage::DeviceStage(DeviceStageOptions options, std::shared_ptr<PinnedPool>
 void DeviceStage::abort() noexcept {
   impl_->pending.clear();
   impl_->decodes.clear();
+  impl_->gathers.clear();
   impl_->cur_owner.reset();  // the buffer returns (behind a release event: nothing was issued into it)
   impl_->cur = nullptr;
 }
@@ -303,6 +348,13 @@ std::size_t DeviceStage::decoded_bytes(const Tensor& index) {
 }
 
 bool DeviceStage::can_decode_images() noexcept { return detail::gpu_decode_built(); }
+
+Tensor DeviceStage::gather_rows(const Tensor& index_on_device, const void* device_rows, std::size_t row_bytes, DType dtype,
+                                const Shape& row_shape) {
+  return impl_->gather_rows(index_on_device, device_rows, row_bytes, dtype, row_shape);
+}
+
+bool DeviceStage::can_gather() noexcept { return detail::gather_built(); }
 
 std::string DeviceStage::decode_backend() const { return impl_->decoder ? impl_->decoder->backend() : std::string(); }
 

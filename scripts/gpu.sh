@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|multi]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|multi|gather]
+# gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
+# DataLoader on the same workloads.
 # images: the image path alone, most important first (for short device time): the GPU suite, GPU
 # decode on the 500x375 set (with the training loop), the CPU path (and the CPU path of the source
 # tree in build/old-src, if there, built the same way: before/after in one run), GPU decode on the
@@ -40,7 +42,7 @@ links() {  # links SRC DST N: N symbolic links to each tile of SRC, in DST's cla
   for d in "$1"/*/; do c=$(basename "$d"); ls "$d"*.jpg > /dev/null 2>&1 || continue; mkdir -p "$2/$c"
     for i in $(seq "$3"); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$2/$c/${i}_$(basename "$f")"; done; done; done
 }
-if [ "$what" = test ] || [ "$what" = all ]; then
+if [ "$what" = test ] || [ "$what" = all ] || [ "$what" = gather ]; then
   (cd build/gpu && FERRY_REQUIRE_GPU=1 ctest --output-on-failure --timeout 240 -j 4 2>&1 | tee "$OUT/ctest.log" | tail -25)
   grep -q "100% tests passed" "$OUT/ctest.log" || rc=1
 fi
@@ -92,6 +94,11 @@ if [ "$what" = images ]; then
   fi
   timeout 40 build/gpu/ferry bench image_folder -b 256 -w 2 --device 0 -n 30 \
     -c root=/tmp/ferry-photos60,random_crop=1,mean=0.485:0.456:0.406,std=0.229:0.224:0.225,decode=gpu 2>&1 | tee "$OUT/ferry-gpu-decode.txt"
+fi
+if [ "$what" = gather ]; then
+  # The device gather beside the host path and the link, then PyTorch's DataLoader on (a) and (b).
+  timeout 300 build/gpu/bench/bench_gather ${GATHER_ARGS:-} 2>&1 | tee "$OUT/bench_gather.md"
+  PYTHONUNBUFFERED=1 timeout 200 python3 bench/peers_torch.py ${PEERS_ARGS:---workers 8} 2>&1 | tee "$OUT/peers_torch.md"
 fi
 if [ "$what" = multi ]; then
   [ -n "$nccl_root" ] && export LD_LIBRARY_PATH=$nccl_root/lib:$LD_LIBRARY_PATH

@@ -1,5 +1,6 @@
 #include "ferry/core/dataset.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -49,6 +50,17 @@ std::vector<Tensor> TensorDataset::get(std::size_t i) const {
   std::vector<Tensor> out;
   out.reserve(tensors_.size());
   for (const Tensor& t : tensors_) out.push_back(t.select(static_cast<std::int64_t>(i)));
+  return out;
+}
+
+std::vector<HostRows> TensorDataset::host_rows(std::string& why) const {
+  (void)why;
+  std::vector<HostRows> out;
+  for (std::size_t k = 0; k < tensors_.size(); ++k) {
+    const Tensor& t = tensors_[k];
+    out.push_back({t.raw(), t.size(0), t.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(t.size(0), 1)), t.dtype(),
+                   Shape(t.shape().begin() + 1, t.shape().end()), "TensorDataset's tensor " + std::to_string(k)});
+  }
   return out;
 }
 

@@ -19,6 +19,8 @@ void validate_options(const DataLoaderOptions& o, bool streaming) {
   if (o.sampler && o.shuffle) fail("sampler and shuffle=true are mutually exclusive (shuffle inside the sampler)");
   if (o.batch_sampler && (o.batch_size != 1 || o.shuffle || o.sampler || o.drop_last))
     fail("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last");
+  if (streaming && o.gather == Gather::Device)
+    fail("gather=Device needs a map-style dataset of rows (TensorDataset, NpyDataset); an iterable dataset has none");
   if (streaming && (o.sampler || o.batch_sampler || o.shuffle))
     fail("an iterable dataset takes no sampler, batch_sampler or shuffle (it decides its own order)");
 }
@@ -29,8 +31,21 @@ std::string describe_options(const DataLoaderOptions& o, bool streaming) {
      << " num_workers=" << o.num_workers << " prefetch_factor=" << o.prefetch_factor
      << " max_in_flight=" << static_cast<long>(o.prefetch_factor) * o.num_workers << " in_order=" << o.in_order
      << " persistent_workers=" << o.persistent_workers << " timeout_ms=" << o.timeout.count() << " seed=" << o.seed
-     << " intra_batch_threads=" << o.intra_batch_threads;
+     << " intra_batch_threads=" << o.intra_batch_threads
+     << " gather=" << (o.gather == Gather::Auto ? "auto" : o.gather == Gather::Host ? "host" : "device");
   return os.str();
+}
+
+Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator) {
+  Tensor index = empty(DType::Int64, {static_cast<std::int64_t>(indices.size())}, allocator);
+  std::int64_t* out = index.data<std::int64_t>();
+  for (std::size_t k = 0; k < indices.size(); ++k) {
+    if (indices[k] >= n)
+      throw Error("device gather: index " + std::to_string(indices[k]) + " out of range for a dataset of " + std::to_string(n) +
+                  " samples (at position " + std::to_string(k) + " of the batch)");
+    out[k] = static_cast<std::int64_t>(indices[k]);
+  }
+  return index;
 }
 
 }  // namespace ferry::detail

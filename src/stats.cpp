@@ -16,6 +16,7 @@ double LoaderStats::workers_busy() const noexcept {
 double LoaderStats::pin_busy() const noexcept { return fraction(pin_seconds, wall_seconds); }
 double LoaderStats::copy_busy() const noexcept { return fraction(copy_seconds, wall_seconds); }
 double LoaderStats::decode_busy() const noexcept { return fraction(decode_seconds, wall_seconds); }
+double LoaderStats::gather_busy() const noexcept { return fraction(gather_seconds, wall_seconds); }
 double LoaderStats::consumer_busy() const noexcept { return wall_seconds > 0 ? 1.0 - fraction(wait_seconds, wall_seconds) : 0.0; }
 
 std::string LoaderStats::bottleneck() const {
@@ -31,7 +32,11 @@ std::string LoaderStats::bottleneck() const {
     name = "copy";
     busiest = copy_busy();
   }
-  if (device && images_decoded && decode_busy() > busiest) name = "decode";
+  if (device && images_decoded && decode_busy() > busiest) {
+    name = "decode";
+    busiest = decode_busy();
+  }
+  if (device && device_gather && gather_busy() > busiest) name = "gather";
   return name;
 }
 
@@ -55,6 +60,7 @@ std::string LoaderStats::report() const {
   if (pinning) row("pin", pin_seconds, pin_busy(), "the pin thread");
   if (device) row("copy", copy_seconds, copy_busy(), "the GPU copy engine");
   if (device && images_decoded) row("decode", decode_seconds, decode_busy(), "the GPU (JPEG decode + transform, on the copy stream)");
+  if (device && device_gather) row("gather", gather_seconds, gather_busy(), "the GPU (rows read from registered host memory)");
   row("wait", wait_seconds, fraction(wait_seconds, wall_seconds), "the consumer, waiting for data");
   const std::string b = bottleneck();
   if (b == "consumer")

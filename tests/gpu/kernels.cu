@@ -27,7 +27,27 @@ __global__ void verify(const std::uint32_t* data, const std::int64_t* index, int
   }
   if (local) atomicAdd(bad, local);
 }
+__global__ void differ(const std::int64_t* got, const std::int64_t* want, int n, unsigned long long* bad) {
+  unsigned long long local = 0;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) local += got[i] != want[i];
+  if (local) atomicAdd(bad, local);
+}
+// A fixed amount of arithmetic on every SM (a stand-in for a model's step: its time grows when
+// other kernels take SMs from it, unlike spin's clock-based wait).
+__global__ void work(float* out, long long iters) {
+  float a = threadIdx.x * 1e-3f, b = 1.0001f;
+  for (long long i = 0; i < iters; ++i) a = a * b + 1e-7f;
+  if (a == 12345.0f) out[0] = a;  // keeps the loop
+}
 }  // namespace
+
+void launch_work(void* stream, long long iters) {
+  int sms = 0, dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  work<<<sms * 4, 256, 0, static_cast<cudaStream_t>(stream)>>>(nullptr, iters);
+  check(cudaGetLastError(), "work kernel launch");
+}
 
 void launch_spin(void* stream, double microseconds) {
   int khz = 0, dev = 0;
@@ -53,6 +73,11 @@ void launch_check(void* stream, const std::uint32_t* data, const std::int64_t* i
                   unsigned long long* bad) {
   verify<<<64, 256, 0, static_cast<cudaStream_t>(stream)>>>(data, index, rows, cols, bad);
   check(cudaGetLastError(), "verify kernel launch");
+}
+
+void launch_count_differences(void* stream, const std::int64_t* got, const std::int64_t* want, int n, unsigned long long* bad) {
+  differ<<<4, 256, 0, static_cast<cudaStream_t>(stream)>>>(got, want, n, bad);
+  check(cudaGetLastError(), "differ kernel launch");
 }
 
 unsigned long long* alloc_counter() {

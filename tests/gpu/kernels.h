@@ -9,6 +9,9 @@ namespace ferry::test {
 inline std::uint32_t pattern(std::int64_t index, std::int64_t col) {
   return static_cast<std::uint32_t>(index) * 2654435761u ^ (static_cast<std::uint32_t>(col) * 40503u + 0x9E37u);
 }
+/// A fixed amount of arithmetic (`iters` dependent FMAs a thread, 4 blocks of 256 a SM) on every
+/// SM of the current device: a step whose time grows when other kernels share the SMs.
+void launch_work(void* stream, long long iters);
 /// Occupies one SM for about `microseconds` on `stream`.
 void launch_spin(void* stream, double microseconds);
 /// A training step's baseline: the mean wall time in ms of `steps` spins of `step_ms` on
@@ -36,6 +39,8 @@ double training_loop_ms(Loader& loader, double step_ms, int steps) {
 /// Counts words of data[rows][cols] that differ from pattern(index[r], c) into *bad (device memory).
 void launch_check(void* stream, const std::uint32_t* data, const std::int64_t* index, int rows, int cols,
                   unsigned long long* bad);
+/// Counts positions where got[i] != want[i], i < n (both device memory), into *bad.
+void launch_count_differences(void* stream, const std::int64_t* got, const std::int64_t* want, int n, unsigned long long* bad);
 /// Device memory helpers for the counter.
 unsigned long long* alloc_counter();
 unsigned long long read_counter(unsigned long long* counter);  // synchronizes the device

@@ -46,6 +46,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -65,6 +66,7 @@
 #include "ferry/detail/pin_stage.h"
 #include "ferry/pinning/cuda.h"
 #include "ferry/pinning/device.h"
+#include "ferry/pinning/gather.h"
 #include "ferry/pinning/pin.h"
 #include "ferry/pinning/pool.h"
 
@@ -141,6 +143,15 @@ struct DataLoaderOptions {
   int device_prefetch = 2;
   /// One cudaMemcpyAsync per batch when its tensors lie in one pinned slab.
   bool device_pack = true;
+  /// With `device`: how batches of row datasets (TensorDataset, NpyDataset, any RowGatherDataset)
+  /// are made. Auto and Device: the GPU gathers each batch's rows straight from the registered host
+  /// arrays, with no worker copy, pin thread or pinned staging (Note [Device gather] in
+  /// ferry/pinning/gather.h); Auto falls back to the host path where that cannot apply and says
+  /// why once (a warning), Device throws an Error saying why. Host: always the host path.
+  Gather gather = Gather::Auto;
+  /// Host memory the device gather may page-lock for a dataset's arrays; a dataset larger than
+  /// this takes the host path (Auto) or is an Error (Device).
+  std::size_t register_memory_limit = std::size_t{64} << 30;
   /// With `device`, on a host of more than one NUMA node: run the workers, pin thread and their
   /// helper threads on the device's node and allocate the pinned pool there (Note [NUMA
   /// placement] in ferry/detail/numa.h). Changes nothing on a one-node host. LoaderStats::numa_node
@@ -216,6 +227,46 @@ class DepthCheckedAllocator final : public BatchAllocator {
   const char* what_;
 };
 std::string describe_options(const DataLoaderOptions& o, bool streaming);
+
+/// Why the device gather cannot make this loader's batches ("" when it can; then `rows` holds the
+/// dataset's fields). Registration, which may fail too, comes after (RowRegistration).
+template <class Dataset, class Batch>
+std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate, const Dataset& ds, std::vector<HostRows>& rows) {
+  if (o.gather == Gather::Host) return "gather = Host";
+  if (!o.device) return "it needs DataLoaderOptions::device";
+  if constexpr (!RowGatherDataset<Dataset>) {
+    (void)default_collate;
+    (void)ds;
+    (void)rows;
+    return "the dataset's samples are not rows of host arrays (it has no host_rows(); TensorDataset and NpyDataset do)";
+  } else {
+    if (!default_collate) return "a collate_fn runs on the host";
+    if (o.allocator) return "DataLoaderOptions::allocator is set (batches in your memory)";
+    constexpr bool kTensor = std::is_same_v<Batch, Tensor>, kTensors = std::is_same_v<Batch, std::vector<Tensor>>;
+    if constexpr (!kTensor && !kTensors) {
+      return "the dataset's batch type is neither a Tensor nor a std::vector<Tensor>";
+    } else {
+      std::string why;
+      rows = ds.host_rows(why);
+      if (rows.empty()) return why.empty() ? std::string("the dataset has no rows to gather") : why;
+      if (kTensor && rows.size() != 1)
+        return "the dataset's batch is one Tensor but host_rows() gave " + std::to_string(rows.size()) + " fields";
+      for (const HostRows& r : rows)
+        if (r.rows != static_cast<std::int64_t>(ds.size()))
+          return r.name + " has " + std::to_string(r.rows) + " rows for a dataset of " + std::to_string(ds.size()) + " samples";
+      if (!DeviceStage::can_gather()) return "this build of ferry has no gather kernel (CMake found no CUDA compiler)";
+      return "";
+    }
+  }
+}
+
+/// A device-gather batch before the device stage: its sample indices, in a pinned block.
+struct GatherIndex {
+  Tensor index;  ///< int64 [B]
+};
+/// The indices of a batch as an int64 tensor from `allocator`; an Error for an index past `n`
+/// (the same message as the host path's).
+Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator);
 }  // namespace detail
 
 /// The loader. `CollateFn` is DefaultCollate (the rules of ferry/collate/collate.h) or any callable
@@ -428,7 +479,9 @@ class DataLoader {
         if (opt.device_prefetch < 1) throw Error("DataLoaderOptions: device_prefetch must be >= 1");
         opt.pin_memory = true;
       }
-      if (opt.pin_memory) setup_pinning();
+      if constexpr (!kStreaming) choose_gather();
+      if (gathering) setup_gather();
+      else if (opt.pin_memory) setup_pinning();
       if (!opt.allocator && allocator == &pageable_allocator()) {
         // Batches on the host: recycle their buffers too. A fresh buffer over glibc's mmap
         // threshold (32 MiB) is mapped anew, and first-touching its pages cost 3x the collate
@@ -440,7 +493,7 @@ class DataLoader {
         collate_pool = std::make_shared<PinnedPool>(po);
         allocator = collate_pool.get();
       }
-      if (opt.device && pin_stage) {
+      if (opt.device && (pin_stage || gathering)) {
         DeviceStageOptions d;
         d.device = *opt.device;
         d.pack = opt.device_pack;
@@ -449,7 +502,51 @@ class DataLoader {
       }
       detail::log_debug(detail::describe_options(opt, kStreaming));
     }
-    ~State() override { stop(); }
+    ~State() override {
+      stop();
+      if (registration) {
+        // Gathers still running read the registered arrays: finish them before unregistering.
+        try {
+          device_stage->copy_stream().synchronize();
+        } catch (...) {
+        }
+        registration.reset();
+      }
+    }
+
+    // Device gather (Note [Device gather]): whether it makes this loader's batches; registers the
+    // dataset's arrays when it does.
+    void choose_gather() {
+      std::string why = detail::gather_unavailable<Dataset, Batch>(opt, kDefaultCollate, *dataset, gather_fields);
+      if (why.empty()) {
+        try {
+          registration = std::make_unique<RowRegistration>(gather_fields, *opt.device, opt.register_memory_limit);
+          gathering = true;
+          return;
+        } catch (const Error& e) {
+          why = e.what();
+        }
+      }
+      gather_fields.clear();
+      gather_reason = why;
+      if (opt.gather == Gather::Device) throw Error("DataLoader: gather = Device cannot make this loader's batches: " + why);
+      if constexpr (RowGatherDataset<Dataset>)
+        if (opt.device && opt.gather == Gather::Auto)
+          detail::warn_once("gather-fallback", "DataLoader: the device gather is not used (" + why +
+                                                   "); batches take the host path (workers copy rows into pinned blocks)");
+      detail::log_debug("DataLoader: host path: " + why);
+    }
+
+    void setup_gather() {
+      pinned_pool = opt.pinned_pool;
+      if (!pinned_pool) {
+        PinnedPoolOptions po;
+        po.limit_bytes = opt.pinned_memory_limit;
+        po.numa_node = placement ? placement->node : -1;
+        pinned_pool = std::make_shared<PinnedPool>(po);
+      }
+      allocator = pinned_pool.get();  // the index blocks: 8 bytes a sample
+    }
 
     // The pin thread and workers stop before anything they use is destroyed. Idempotent.
     void stop() noexcept {
@@ -677,7 +774,10 @@ class DataLoader {
         s.copy_seconds = (d.copy_ms - base.copy_ms) / 1e3;
         s.decode_seconds = (d.decode_ms - base.decode_ms) / 1e3;
         s.images_decoded = d.images_decoded - base.images_decoded;
+        s.gather_seconds = (d.gather_ms - base.gather_ms) / 1e3;
+        s.rows_gathered = d.rows_gathered - base.rows_gathered;
       }
+      s.device_gather = gathering;
       s.wait_seconds = static_cast<double>(wait_ns - base.wait_ns) / 1e9;
       const detail::FaultCounts f = faults.counts();
       s.samples_skipped = f.skipped - base.faults.skipped;
@@ -700,6 +800,8 @@ class DataLoader {
         base.copy_ms = d.copy_ms;
         base.decode_ms = d.decode_ms;
         base.images_decoded = d.images_decoded;
+        base.gather_ms = d.gather_ms;
+        base.rows_gathered = d.rows_gathered;
       }
       base.wait_ns = wait_ns;
       base.faults = faults.counts();
@@ -711,7 +813,7 @@ class DataLoader {
 
     // The next batch for the consumer, from the last stage there is.
     detail::Payload last_stage_next() {
-      if (!pin_stage) return engine.next();
+      if (!pin_stage && !gathering) return engine.next();
       if (!device_stage) return pin_stage->next();
       if (issue_on_pin_thread) {
         // GPU decode: the pin thread has issued the batch's copies and decode; the consumer's
@@ -727,16 +829,20 @@ class DataLoader {
       while (device_queue.size() < static_cast<std::size_t>(opt.device_prefetch) && !device_end) {
         DeviceItem item;
         try {
-          detail::Payload p = pin_stage->next();
+          detail::Payload p = gathering ? engine.next() : pin_stage->next();
           if (!p) {
             device_end = true;
             break;
           }
-          Batch& b = p.template get<Batch>();
-          PinContext ctx(*device_stage);
-          walk(b, ctx);
-          item.copied = ctx.device_copy();
-          item.batch = std::move(p);
+          if (gathering) {
+            std::tie(item.batch, item.copied) = gather_batch(p.template get<detail::GatherIndex>().index);
+          } else {
+            Batch& b = p.template get<Batch>();
+            PinContext ctx(*device_stage);
+            walk(b, ctx);
+            item.copied = ctx.device_copy();
+            item.batch = std::move(p);
+          }
         } catch (...) {
           item.error = std::current_exception();
         }
@@ -748,6 +854,32 @@ class DataLoader {
       if (item.error) std::rethrow_exception(item.error);
       if (item.copied) device_stage->deliver(*item.copied);  // order the consumer after this copy only
       return std::move(item.batch);
+    }
+
+    // Device gather: the batch of `index` (pinned), made by the GPU: the index's copy, then one
+    // gather kernel a field, on the copy stream (Note [Device gather]).
+    std::pair<detail::Payload, std::shared_ptr<const EventFence>> gather_batch(const Tensor& index) {
+      auto aligned = [](std::size_t b) { return (b + 63) / 64 * 64; };
+      const std::size_t rows = static_cast<std::size_t>(index.size(0));
+      std::size_t bytes = aligned(index.nbytes());
+      for (const HostRows& f : gather_fields) bytes += aligned(rows * f.row_bytes);
+      device_stage->begin(bytes);
+      std::vector<Tensor> fields;
+      std::shared_ptr<const EventFence> copied;
+      try {
+        const Tensor index_dev = device_stage->move(index);
+        for (std::size_t k = 0; k < gather_fields.size(); ++k) {
+          const HostRows& f = gather_fields[k];
+          fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape));
+        }
+        copied = device_stage->end();
+      } catch (...) {
+        device_stage->abort();
+        throw;
+      }
+      if constexpr (std::is_same_v<Batch, Tensor>) return {detail::Payload::make(std::move(fields[0])), std::move(copied)};
+      else if constexpr (std::is_same_v<Batch, std::vector<Tensor>>) return {detail::Payload::make(std::move(fields)), std::move(copied)};
+      else throw Error("DataLoader: the device gather cannot make this batch type");  // gather_unavailable refused it
     }
 
     void end_epoch() noexcept {
@@ -871,6 +1003,10 @@ class DataLoader {
     detail::Payload produce_map(const detail::Job& job, detail::JobContext& ctx) {
       const Dataset& ds = *dataset;
       const std::span<const std::size_t> idx = job.indices;
+      if (gathering) {
+        ctx.stage.enter(Stage::Collate);
+        return detail::Payload::make(detail::GatherIndex{detail::gather_index(idx, ds.size(), *allocator)});
+      }
       if constexpr (kDirect) {
         Batch batch = ds.make_batch(idx.size(), *allocator);
         const Rows rows = for_each_sample(job, ctx, true, [&](std::size_t row, std::size_t i, SampleContext& sc) {
@@ -1160,8 +1296,8 @@ class DataLoader {
     struct {
       std::int64_t stage_ns[kStageCount] = {};
       std::int64_t pin_ns = 0, wait_ns = 0;
-      double copy_ms = 0, decode_ms = 0;
-      std::uint64_t images_decoded = 0;
+      double copy_ms = 0, decode_ms = 0, gather_ms = 0;
+      std::uint64_t images_decoded = 0, rows_gathered = 0;
       detail::FaultCounts faults;
       std::uint64_t timeouts = 0, abandoned = 0;
     } base;
@@ -1185,6 +1321,12 @@ class DataLoader {
     detail::Engine engine;  // built after, and shut down before, everything it calls into
     std::unique_ptr<detail::PinStage> pin_stage;  // the engine's consumer when pinning; stops first
     std::unique_ptr<DeviceStage> device_stage;
+    // Device gather: the dataset's fields and their registration (undone after the copy stream
+    // has finished, in ~State); the reason when it is not used.
+    std::vector<HostRows> gather_fields;
+    std::unique_ptr<RowRegistration> registration;
+    bool gathering = false;
+    std::string gather_reason;
     bool issue_on_pin_thread = false;  // GPU decode: the pin thread issues the device work
     struct DeviceBatch {
       Batch batch;

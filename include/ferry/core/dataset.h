@@ -49,6 +49,7 @@
 #include "ferry/core/allocator.h"
 #include "ferry/core/error.h"
 #include "ferry/core/random.h"
+#include "ferry/core/rows.h"
 #include "ferry/core/tensor.h"
 
 namespace ferry {
@@ -317,6 +318,8 @@ class TensorDataset : public DatasetBase<TensorDataset> {
   std::vector<Tensor> make_batch(std::size_t rows, BatchAllocator& allocator) const;
   void get_into(std::size_t i, std::vector<Tensor>& batch, std::size_t row, SampleContext&) const;
   const std::vector<Tensor>& tensors() const noexcept { return tensors_; }
+  /// Its tensors as rows for the device gather (Note [Device gather], ferry/pinning/gather.h).
+  std::vector<HostRows> host_rows(std::string& why) const;
 
  private:
   std::vector<Tensor> tensors_;

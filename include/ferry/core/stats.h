@@ -33,6 +33,9 @@ struct LoaderStats {
   double copy_seconds = 0;         ///< GPU time of the host-to-device copies
   double decode_seconds = 0;       ///< GPU decode: GPU time of the JPEG decodes and their transform kernel
   std::uint64_t images_decoded = 0;  ///< GPU decode: JPEGs decoded on the device
+  double gather_seconds = 0;       ///< device gather: GPU time of the gather kernels
+  std::uint64_t rows_gathered = 0; ///< device gather: rows the GPU read from registered host memory
+  bool device_gather = false;      ///< whether the device gather makes the batches (Note [Device gather])
   double wait_seconds = 0;         ///< the consumer blocked in the loader for its next batch
   bool pinning = false;            ///< whether a pin thread ran
   bool device = false;             ///< whether a device stage ran
@@ -54,6 +57,7 @@ struct LoaderStats {
   double pin_busy() const noexcept;
   double copy_busy() const noexcept;
   double decode_busy() const noexcept;
+  double gather_busy() const noexcept;
   double consumer_busy() const noexcept;
   /// "consumer" when the consumer waited under 5% of the time (the loader keeps up), else the
   /// busiest of "workers", "pin", "copy" and "decode" (GPU decode).

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "ferry/core/allocator.h"
 #include "ferry/core/dataset.h"
@@ -38,6 +39,8 @@ class NpyDataset : public DatasetBase<NpyDataset> {
   Tensor make_batch(std::size_t rows, BatchAllocator& allocator) const;
   void get_into(std::size_t i, Tensor& batch, std::size_t row, SampleContext&) const;
   const Tensor& array() const noexcept { return array_; }
+  /// Its rows for the device gather (Note [Device gather], ferry/pinning/gather.h).
+  std::vector<HostRows> host_rows(std::string& why) const;
 
  private:
   Tensor array_;

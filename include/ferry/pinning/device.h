@@ -53,6 +53,8 @@ struct DeviceStageStats {
   double decode_ms = 0;                  ///< GPU decode: GPU time of the decodes and their transform kernel
   std::uint64_t images_decoded = 0;      ///< GPU decode: JPEGs decoded on the device
   std::uint64_t decode_allocations = 0;  ///< GPU decode: scratch (re)allocations (constant after warm-up)
+  double gather_ms = 0;                  ///< device gather: GPU time of the gather kernels
+  std::uint64_t rows_gathered = 0;       ///< device gather: rows read from registered host memory
 };
 
 
@@ -92,6 +94,14 @@ class DeviceStage {
   /// `index_on_device` (rows of detail::kEncodedIndexWords, ferry/detail/pass_math.h). Throws
   /// CudaError when ferry was built without nvJPEG; a JPEG nvJPEG refuses is a DataError at end().
   Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_on_device);
+  /// Device gather, within a batch (Note [Device gather], ferry/pinning/gather.h): reserves
+  /// [B, row_shape...] of `dtype` in the batch's device buffer and returns it; at end(), after the
+  /// batch's copies (among them `index_on_device`'s, int64 [B]), one kernel on the copy stream
+  /// copies row index[i] of the host array mapped at `device_rows` (RowRegistration) into row i.
+  /// Throws CudaError when ferry was built without a CUDA compiler (can_gather()).
+  Tensor gather_rows(const Tensor& index_on_device, const void* device_rows, std::size_t row_bytes, DType dtype,
+                     const Shape& row_shape);
+  static bool can_gather() noexcept;
   /// Bytes of decode_images()'s output for an index of B rows.
   static std::size_t decoded_bytes(const Tensor& index);
   /// Whether this build can decode on the device (nvJPEG was found), and the backend in use

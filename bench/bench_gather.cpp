@@ -1,0 +1,204 @@
+// bench_gather: the device gather (Note [Device gather], ferry/pinning/gather.h) beside the host
+// path and the link, in one run, for bench_pin's workloads:
+//   (a) 3x224x224 uint8 rows (38.5 MB batches of 256), 2,048 rows in memory;
+//   (b) 784 float32 rows (0.8 MB batches), 60,000 rows.
+// Rows are drawn with replacement (as in bench_pin). Each row of the table: median of --runs
+// timed passes after a warm-up pass; batches count once the consumer stream has them; busy cores =
+// the process's CPU time (user + system) over the passes' wall time.
+//   link: one pinned batch copied back to back (cudaMemcpyAsync), the ceiling;
+//   host path: gather = Host (workers copy rows into pinned blocks, the copy engine moves them);
+//   device gather: gather = Device, 0 workers.
+// Then a training loop: each step a fixed amount of arithmetic on every SM (about --step-ms alone)
+// on the loader's stream, then a synchronize. GPU waiting = 1 - steps x (step alone) / wall; the
+// step's slowdown = its GPU time (events) in the loop over its GPU time alone, which shows what
+// sharing the SMs with the gather kernel costs.
+// Usage: bench_gather [--batches 200] [--runs 5] [--workers-a 8] [--workers-b 10] [--step-ms 10] [--steps 200]
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/ferry.h"
+#include "kernels.h"
+
+using namespace ferry;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+struct Args {
+  std::size_t batches = 200;
+  int runs = 5, workers_a = 8, workers_b = 10, steps = 200;
+  double step_ms = 10;
+};
+
+double cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
+
+struct Rate {
+  double per_second = 0, cores = 0;
+};
+
+template <class F>
+Rate measure(std::size_t batches, int runs, F&& pass) {
+  pass();
+  std::vector<double> r;
+  const double c0 = cpu_seconds();
+  const auto w0 = Clock::now();
+  for (int k = 0; k < runs; ++k) {
+    const auto t0 = Clock::now();
+    pass();
+    r.push_back(static_cast<double>(batches) / std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - w0).count();
+  std::sort(r.begin(), r.end());
+  return {r[r.size() / 2], (cpu_seconds() - c0) / wall};
+}
+
+Tensor filled(DType dtype, Shape shape) {
+  Tensor t = Tensor::empty(dtype, std::move(shape));
+  for (std::size_t i = 0; i < t.nbytes(); ++i) static_cast<std::uint8_t*>(t.raw())[i] = static_cast<std::uint8_t>(i * 131 + 7);
+  return t;
+}
+
+DataLoaderOptions loader_options(std::size_t rows, std::size_t batches, Gather g, int workers) {
+  DataLoaderOptions o;
+  o.batch_size = 256;
+  o.sampler = std::make_shared<RandomSampler>(rows, 3, true, batches * 256);
+  o.num_workers = workers;
+  o.persistent_workers = workers > 0;
+  o.device = 0;
+  o.gather = g;
+  o.pinned_memory_limit = std::size_t{4} << 30;
+  return o;
+}
+
+void workload(const char* name, const Tensor& data, std::size_t batches, int workers, const Args& a) {
+  const std::size_t rows = static_cast<std::size_t>(data.size(0)), row = data.nbytes() / rows, batch_bytes = row * 256;
+  const double mb = static_cast<double>(batch_bytes) / 1e6;
+  std::printf("\n## %s: batch 256 = %.2f MB, %zu batches a pass\n\n", name, mb, batches);
+  std::printf("| pipeline | workers | batches/s | GB/s | of the link | busy CPU cores |\n|---|---:|---:|---:|---:|---:|\n");
+  // The link: one pinned batch, copied back to back.
+  auto pool = std::make_shared<PinnedPool>(PinnedPoolOptions{});
+  DeviceStage stage({}, pool);
+  Storage pinned = pool->allocate(batch_bytes);
+  std::memcpy(pinned.data(), data.raw(), batch_bytes);
+  void* dev = nullptr;
+  {
+    cuda::DeviceGuard g(0);
+    dev = cuda::device_alloc(batch_bytes);
+  }
+  const Rate link = measure(batches, a.runs, [&] {
+    for (std::size_t b = 0; b < batches; ++b)
+      cuda::memcpy_async(dev, pinned.data(), batch_bytes, cuda::CopyKind::HostToDevice, stage.copy_stream());
+    stage.copy_stream().synchronize();
+  });
+  std::printf("| cudaMemcpyAsync of one pinned batch, back to back (the link) | - | %.0f | %.1f | 1.00 | %.2f |\n", link.per_second,
+              link.per_second * mb / 1e3, link.cores);
+  auto row_of = [&](const char* label, Gather g, int w) {
+    DataLoader loader(TensorDataset({data}), loader_options(rows, batches, g, w));
+    const Rate r = measure(batches, a.runs, [&] {
+      for (auto& b : loader) (void)b;
+      loader.stream()->synchronize();
+    });
+    std::printf("| ferry, %s | %d | %.0f | %.1f | %.2f | %.2f |\n", label, w, r.per_second, r.per_second * mb / 1e3,
+                r.per_second / link.per_second, r.cores);
+    std::fflush(stdout);
+  };
+  row_of("host path (gather = Host)", Gather::Host, workers);
+  row_of("device gather (gather = Device)", Gather::Device, 0);
+  cuda::device_free(dev);
+}
+
+void training_loop(const Tensor& data, Gather g, int workers, const Args& a) {
+  DataLoader loader(TensorDataset({data}), loader_options(static_cast<std::size_t>(data.size(0)), static_cast<std::size_t>(a.steps + 20), g, workers));
+  void* s = loader.stream()->native();
+  cuda::DeviceGuard guard(0);
+  // Calibrate the step's arithmetic to about step_ms alone.
+  long long iters = 100000;
+  cuda::Event e0 = cuda::Event::create(0, true), e1 = cuda::Event::create(0, true);
+  for (int k = 0; k < 3; ++k) {
+    e0.record(*loader.stream());
+    test::launch_work(s, iters);
+    e1.record(*loader.stream());
+    e1.synchronize();
+    iters = static_cast<long long>(iters * a.step_ms / std::max(cuda::Event::elapsed_ms(e0, e1), 1e-3));
+  }
+  // The step alone: GPU time and wall time per step.
+  double alone_gpu = 0;
+  const auto a0 = Clock::now();
+  for (int k = 0; k < 30; ++k) {
+    e0.record(*loader.stream());
+    test::launch_work(s, iters);
+    e1.record(*loader.stream());
+    loader.stream()->synchronize();
+    alone_gpu += cuda::Event::elapsed_ms(e0, e1);
+  }
+  const double alone_wall = std::chrono::duration<double, std::milli>(Clock::now() - a0).count() / 30;
+  alone_gpu /= 30;
+  // The loop.
+  double loop_gpu = 0;
+  int step = 0;
+  auto t0 = Clock::now();
+  for (auto& b : loader) {
+    (void)b;
+    if (step == 10) t0 = Clock::now();
+    if (step == a.steps + 10) break;
+    e0.record(*loader.stream());
+    test::launch_work(s, iters);
+    e1.record(*loader.stream());
+    loader.stream()->synchronize();
+    if (step >= 10) loop_gpu += cuda::Event::elapsed_ms(e0, e1);
+    ++step;
+  }
+  const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  const int steps = step - 10;
+  std::printf("| ferry, %s | %d | %.2f ms | %.2f ms | %d | %.2f%% | %+.2f%% |\n", g == Gather::Host ? "host path" : "device gather", workers,
+              alone_wall, alone_gpu, steps, 100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall),
+              100.0 * (loop_gpu / steps / alone_gpu - 1.0));
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Args a;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i], v = argv[i + 1];
+    if (k == "--batches") a.batches = std::stoul(v);
+    else if (k == "--runs") a.runs = std::stoi(v);
+    else if (k == "--workers-a") a.workers_a = std::stoi(v);
+    else if (k == "--workers-b") a.workers_b = std::stoi(v);
+    else if (k == "--step-ms") a.step_ms = std::stod(v);
+    else if (k == "--steps") a.steps = std::stoi(v);
+    else {
+      std::fprintf(stderr, "bench_gather: unknown option %s\n", k.c_str());
+      return 2;
+    }
+  }
+  if (!cuda::available()) {
+    std::printf("bench_gather: no GPU (%s)\n", cuda::unavailable_reason().c_str());
+    return 0;
+  }
+  std::printf("# bench_gather — %u hardware threads, median of %d passes\n", std::thread::hardware_concurrency(), a.runs);
+  const Tensor wa = filled(DType::UInt8, {2048, 3, 224, 224});
+  const Tensor wb = filled(DType::Float32, {60000, 784});
+  workload("(a) 3x224x224 uint8", wa, a.batches, a.workers_a, a);
+  workload("(b) 784 float32", wb, a.batches * 20, a.workers_b, a);
+  std::printf("\n## training loop: (a) batches, a step of fixed arithmetic on every SM, synchronize each step\n\n");
+  std::printf("| loader | workers | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | step's GPU time vs. alone |\n"
+              "|---|---:|---:|---:|---:|---:|---:|\n");
+  for (int rep = 0; rep < 2; ++rep) {
+    training_loop(wa, Gather::Host, a.workers_a, a);
+    training_loop(wa, Gather::Device, 0, a);
+  }
+  return 0;
+}

@@ -1,0 +1,39 @@
+// ferry/core/rows.h — datasets whose samples are rows of host arrays, for the device gather
+// (Note [Device gather] in ferry/pinning/gather.h).
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ferry/core/tensor.h"
+
+namespace ferry {
+
+/// How the loader makes device batches of row datasets (Note [Device gather]).
+enum class Gather {
+  Auto,    ///< the device gather where it applies (device set, a RowGatherDataset, no collate_fn)
+  Host,    ///< workers copy rows into pinned blocks, the copy engine moves them (the general path)
+  Device,  ///< the device gather, or an Error saying why it cannot apply
+};
+
+/// One field of a dataset as rows of one host array: sample i's field is the `row_bytes` bytes at
+/// `data + i * row_bytes`, of type `dtype` and shape `row_shape`.
+struct HostRows {
+  const void* data = nullptr;
+  std::int64_t rows = 0;
+  std::size_t row_bytes = 0;
+  DType dtype = DType::UInt8;
+  Shape row_shape;
+  std::string name;  ///< for errors: "tensor 1", "features.npy"
+};
+
+/// A dataset whose batch fields are rows of host arrays (see the Note).
+template <class D>
+concept RowGatherDataset = requires(const D& d, std::string& why) {
+  { d.host_rows(why) } -> std::same_as<std::vector<HostRows>>;
+};
+
+}  // namespace ferry

@@ -1,0 +1,70 @@
+// ferry/pinning/gather.h — batches the GPU gathers itself from rows of host arrays.
+//
+// Note [Device gather]
+// When a dataset's samples are rows of host arrays with a fixed row size (TensorDataset's
+// tensors, a mapped .npy) and nothing runs per sample, a batch needs no CPU copy at all. The
+// loader registers each array once with CUDA (RowRegistration: cudaHostRegister, mapped, read-only
+// where the device allows it, within DataLoaderOptions::register_memory_limit), and per batch
+// sends only the sample indices: a worker (or the consumer, with num_workers = 0) writes them into
+// a small pinned block, the device stage copies that block, and one kernel on the copy stream
+// reads each row through the mapped address straight into the batch's device buffer
+// (DeviceStage::gather_rows). Ordering, events, buffer reuse and hand-over are the device stage's
+// (Note [Device stage]); the rows cross host memory once, read by the GPU over the link, where the
+// host path crosses it three times (read and write by a worker, read by the copy engine). The
+// batches are bitwise equal to the host path's. The loader chooses the path with
+// DataLoaderOptions::gather (Auto: the device gather wherever it applies; where it does not, the
+// loader says why once, at info level).
+//
+//   ferry::DataLoaderOptions o;
+//   o.device = 0;
+//   o.num_workers = 0;                     // nothing for workers to do
+//   o.gather = ferry::Gather::Device;      // an Error naming the reason where it cannot apply
+//   ferry::DataLoader loader(ferry::TensorDataset({images, labels}), o);
+//
+// A dataset opts in with a member `std::vector<ferry::HostRows> host_rows(std::string& why) const`
+// (RowGatherDataset): one HostRows per field of its batch, in order, whose row i is sample i's
+// field unchanged; an empty result with `why` set declines (say, a non-contiguous tensor).
+//
+// Thread safety: a RowRegistration is immutable after construction.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "ferry/core/rows.h"
+#include "ferry/core/tensor.h"
+
+namespace ferry {
+
+/// Host arrays registered with CUDA for `device` to read (cudaHostRegister, mapped; read-only
+/// where the device supports it), undone at destruction. Arrays that share pages are registered as
+/// one range; memory CUDA already knows as pinned is used as it is.
+class RowRegistration {
+ public:
+  /// Throws Error when the arrays' pages exceed `limit_bytes` (before any CUDA call), CudaError
+  /// naming the array and the driver's reason when CUDA refuses to register or map one.
+  RowRegistration(const std::vector<HostRows>& arrays, int device, std::size_t limit_bytes);
+  ~RowRegistration();
+  RowRegistration(const RowRegistration&) = delete;
+  RowRegistration& operator=(const RowRegistration&) = delete;
+
+  /// The device's address of array k's first row.
+  const void* device_rows(std::size_t k) const { return device_rows_.at(k); }
+  /// Bytes page-locked by this registration.
+  std::size_t bytes() const noexcept { return bytes_; }
+  /// Bytes registered by all live RowRegistrations of the process (tests check it returns to 0).
+  static std::size_t registered_bytes_now() noexcept;
+  /// Page-aligned bytes `arrays` would register (merged where they share pages).
+  static std::size_t bytes_needed(const std::vector<HostRows>& arrays);
+
+ private:
+  void release() noexcept;
+  std::vector<const void*> device_rows_;
+  std::vector<void*> registered_;  // starts of the ranges this object registered (to unregister)
+  std::size_t bytes_ = 0;
+  int device_ = 0;
+};
+
+}  // namespace ferry

@@ -1,0 +1,244 @@
+// The device gather (Note [Device gather], ferry/pinning/gather.h) on the GPU: batches bitwise
+// equal to the host path's for every row width (16-, 8-, 4- and 1-byte words), any num_workers,
+// TensorDataset and a mapped .npy of 2 GiB; 100,000 batches intact and in order while the copy
+// stream is delayed; registered, pinned and device memory constant after warm-up; every
+// registration undone when the loader goes, mid-epoch too, and kept while another loader uses it.
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "ferry/ferry.h"
+#include "kernels.h"
+#include "loaders/files.h"
+#include "pipeline_depth.h"
+
+using namespace ferry;
+
+namespace {
+
+// Fields of every word width the kernel picks: uint8 [3,16,16] (768 B rows: 16-byte words),
+// int64 labels (8 B), float32 [7] (28 B: 4-byte words), uint8 [3] (3 B: bytes).
+TensorDataset mixed(std::int64_t n) {
+  Tensor img = Tensor::empty(DType::UInt8, {n, 3, 16, 16});
+  Tensor label = Tensor::empty(DType::Int64, {n});
+  Tensor feat = Tensor::empty(DType::Float32, {n, 7});
+  Tensor odd = Tensor::empty(DType::UInt8, {n, 3});
+  for (std::size_t i = 0; i < img.nbytes(); ++i) static_cast<std::uint8_t*>(img.raw())[i] = static_cast<std::uint8_t>(i * 131 + 7);
+  for (std::int64_t i = 0; i < n; ++i) {
+    label.data<std::int64_t>()[i] = i * 1000003;
+    for (int k = 0; k < 7; ++k) feat.data<float>()[i * 7 + k] = static_cast<float>(i) + 0.125f * static_cast<float>(k);
+    for (int k = 0; k < 3; ++k) odd.data<std::uint8_t>()[i * 3 + k] = static_cast<std::uint8_t>(i * 7 + k);
+  }
+  return TensorDataset({img, label, feat, odd});
+}
+
+DataLoaderOptions options(Gather g, int workers) {
+  DataLoaderOptions o;
+  o.batch_size = 64;
+  o.shuffle = true;
+  o.seed = 21;
+  o.num_workers = workers;
+  o.device = 0;
+  o.gather = g;
+  return o;
+}
+
+// Every batch of two epochs, brought back to the host.
+template <class D>
+std::vector<std::vector<Tensor>> epochs(D ds, const DataLoaderOptions& o, bool* gathered = nullptr) {
+  DataLoader loader(std::move(ds), o);
+  std::vector<std::vector<Tensor>> out;
+  for (int e = 0; e < 2; ++e)
+    for (auto& b : loader) {
+      std::vector<Tensor> fields;
+      if constexpr (std::is_same_v<std::decay_t<decltype(b)>, Tensor>) {
+        fields.push_back(to_host(b, *loader.stream()).get());
+      } else {
+        for (const Tensor& t : b) {
+          REQUIRE(t.device() == Device::cuda(0));
+          fields.push_back(to_host(t, *loader.stream()).get());
+        }
+      }
+      out.push_back(std::move(fields));
+    }
+  if (gathered) *gathered = loader.stats().device_gather;
+  return out;
+}
+
+void check_equal(const std::vector<std::vector<Tensor>>& a, const std::vector<std::vector<Tensor>>& b) {
+  REQUIRE(a.size() == b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    REQUIRE(a[i].size() == b[i].size());
+    for (std::size_t k = 0; k < a[i].size(); ++k) {
+      REQUIRE(a[i][k].shape() == b[i][k].shape());
+      REQUIRE(a[i][k].dtype() == b[i][k].dtype());
+      REQUIRE(std::memcmp(a[i][k].raw(), b[i][k].raw(), a[i][k].nbytes()) == 0);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("device gather: batches bitwise equal to the host path's, for any num_workers", "[gpu][gather]") {
+  const TensorDataset ds = mixed(1000);  // 15 full batches and one of 40
+  bool gathered = false, host_gathered = true;
+  const auto host = epochs(ds, options(Gather::Host, 2), &host_gathered);
+  CHECK_FALSE(host_gathered);
+  for (int workers : {0, 3}) {
+    INFO("num_workers " << workers);
+    check_equal(epochs(ds, options(Gather::Device, workers), &gathered), host);
+    CHECK(gathered);
+  }
+  // Auto takes it too; drop_last as well.
+  check_equal(epochs(ds, options(Gather::Auto, 1), &gathered), host);
+  CHECK(gathered);
+  DataLoaderOptions d = options(Gather::Device, 2);
+  d.drop_last = true;
+  DataLoaderOptions h = options(Gather::Host, 2);
+  h.drop_last = true;
+  check_equal(epochs(ds, d), epochs(ds, h));
+}
+
+TEST_CASE("device gather: a mapped .npy of 2 GiB, equal to the host path", "[gpu][gather][npy]") {
+  test::TempDir dir;
+  const std::string path = dir / "big.npy";
+  constexpr std::int64_t kRows = 32768, kCols = 65536;  // uint8 [32768, 65536]: 2 GiB
+  {
+    std::ofstream f(path, std::ios::binary);
+    std::string header = "{'descr': '|u1', 'fortran_order': False, 'shape': (" + std::to_string(kRows) + ", " + std::to_string(kCols) + "), }";
+    while ((10 + header.size() + 1) % 64) header += ' ';
+    header += '\n';
+    const std::uint16_t len = static_cast<std::uint16_t>(header.size());
+    f.write("\x93NUMPY\x01\x00", 8);
+    f.write(reinterpret_cast<const char*>(&len), 2);
+    f << header;
+    std::vector<char> row(kCols);
+    for (std::int64_t i = 0; i < kRows; ++i) {
+      for (std::int64_t c = 0; c < kCols; c += 4096) row[static_cast<std::size_t>(c)] = static_cast<char>(i * 31 + c / 4096);
+      f.write(row.data(), kCols);
+    }
+  }
+  NpyDataset npy(path);
+  auto opts = [](Gather g) {
+    DataLoaderOptions o;
+    o.batch_size = 32;
+    o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(kRows), 9, true, 40 * 32);
+    o.num_workers = 2;
+    o.device = 0;
+    o.gather = g;
+    return o;
+  };
+  bool gathered = false;
+  check_equal(epochs(npy, opts(Gather::Device), &gathered), epochs(npy, opts(Gather::Host)));
+  CHECK(gathered);
+  CHECK(RowRegistration::registered_bytes_now() == 0);
+}
+
+TEST_CASE("device gather: 100,000 batches intact and in order while the copy stream is delayed", "[gpu][gather][corruption]") {
+  constexpr int kCols = 1024;
+  constexpr std::int64_t kN = 4096, kBatch = 16, kBatches = 100000;
+  Tensor data = Tensor::empty(DType::Int32, {kN, kCols});
+  Tensor index = Tensor::empty(DType::Int64, {kN});
+  for (std::int64_t i = 0; i < kN; ++i) {
+    index.data<std::int64_t>()[i] = i;
+    for (int c = 0; c < kCols; ++c) reinterpret_cast<std::uint32_t*>(data.raw())[i * kCols + c] = test::pattern(i, c);
+  }
+  auto sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(kN), 4, true, static_cast<std::size_t>(kBatches * kBatch));
+  // The order the sampler gives, on the device, to check each delivered batch's ids against.
+  const std::vector<std::size_t> order = sampler->indices(0);
+  Tensor want = Tensor::empty(DType::Int64, {static_cast<std::int64_t>(order.size())});
+  for (std::size_t k = 0; k < order.size(); ++k) want.data<std::int64_t>()[k] = static_cast<std::int64_t>(order[k]);
+  DataLoaderOptions o;
+  o.batch_size = kBatch;
+  o.sampler = sampler;
+  o.num_workers = 2;
+  o.device = 0;
+  o.gather = Gather::Device;
+  // As few index blocks as the pipeline's depth allows, so they are reused all the time.
+  PinnedPoolOptions po;
+  po.limit_bytes = test::max_batches_alive(o) * kBatch * 8;
+  o.pinned_pool = std::make_shared<PinnedPool>(po);
+  DataLoader loader(TensorDataset({data, index}), o);
+  auto* want_dev = static_cast<std::int64_t*>(cuda::device_alloc(want.nbytes()));
+  cuda::memcpy_async(want_dev, want.raw(), want.nbytes(), cuda::CopyKind::HostToDevice, *loader.stream());
+  unsigned long long* bad_rows = test::alloc_counter();
+  unsigned long long* bad_order = test::alloc_counter();
+  std::int64_t seen = 0;
+  for (auto& b : loader) {
+    test::launch_check(loader.stream()->native(), reinterpret_cast<const std::uint32_t*>(b[0].raw()),
+                       static_cast<const std::int64_t*>(b[1].raw()), static_cast<int>(b[0].size(0)), kCols, bad_rows);
+    test::launch_count_differences(loader.stream()->native(), static_cast<const std::int64_t*>(b[1].raw()), want_dev + seen * kBatch,
+                                   static_cast<int>(b[1].size(0)), bad_order);
+    test::launch_spin(loader.device_stage()->copy_stream().native(), 20.0);  // the next index copies and gathers wait
+    ++seen;
+  }
+  CHECK(seen == kBatches);
+  CHECK(test::read_counter(bad_rows) == 0);
+  CHECK(test::read_counter(bad_order) == 0);
+  CHECK(loader.stats().rows_gathered == static_cast<std::uint64_t>(2 * kBatches * kBatch));  // two fields a row
+  test::free_counter(bad_rows);
+  test::free_counter(bad_order);
+  cuda::device_free(want_dev);
+}
+
+TEST_CASE("device gather: memory constant after warm-up; registrations undone, mid-epoch too, shared while used",
+          "[gpu][gather][memory]") {
+  const TensorDataset ds = mixed(2000);
+  REQUIRE(RowRegistration::registered_bytes_now() == 0);
+  {
+    DataLoaderOptions o = options(Gather::Device, 2);
+    o.persistent_workers = true;
+    DataLoader loader(ds, o);
+    const std::size_t registered = RowRegistration::registered_bytes_now();
+    std::string why;
+    CHECK(registered >= RowRegistration::bytes_needed(ds.host_rows(why)));
+    std::uint64_t device_allocs = 0, pinned_allocs = 0;
+    for (int epoch = 0; epoch < 5; ++epoch) {
+      for (auto& b : loader) (void)b;
+      if (epoch == 0) {
+        device_allocs = loader.device_stage()->stats().device_allocations;
+        pinned_allocs = loader.pinned_pool()->stats().allocations;
+      }
+    }
+    CHECK(loader.device_stage()->stats().device_allocations == device_allocs);
+    const PinnedPoolStats pool = loader.pinned_pool()->stats();
+    CHECK(pool.allocations >= pinned_allocs);
+    CHECK(pool.frees == 0);
+    CHECK(pool.blocks <= test::max_batches_alive(o));  // one index block a batch
+    CHECK(RowRegistration::registered_bytes_now() == registered);
+    CHECK(loader.stats().device_gather);
+    CHECK_THAT(loader.stats().report(), Catch::Contains("gather"));
+  }
+  CHECK(RowRegistration::registered_bytes_now() == 0);
+
+  // Destroyed mid-epoch with batches held: the held batch stays readable, registrations go.
+  Tensor held;
+  {
+    DataLoader loader(ds, options(Gather::Device, 3));
+    auto it = loader.begin();
+    ++it;
+    held = (*it)[1];
+  }
+  CHECK(RowRegistration::registered_bytes_now() == 0);
+  CHECK(to_host(held, cuda::Stream::create(0)).get().size(0) == 64);
+
+  // Two loaders over the same arrays share one registration; the first one going leaves the
+  // second's intact.
+  auto first = std::make_unique<DataLoader<TensorDataset>>(ds, options(Gather::Device, 1));
+  DataLoader second(ds, options(Gather::Device, 1));
+  const auto host = epochs(ds, options(Gather::Host, 1));
+  for (auto& b : *first) (void)b;
+  first.reset();
+  CHECK(RowRegistration::registered_bytes_now() > 0);
+  std::vector<std::vector<Tensor>> got;
+  for (int e = 0; e < 2; ++e)
+    for (auto& b : second) {
+      std::vector<Tensor> fields;
+      for (const Tensor& t : b) fields.push_back(to_host(t, *second.stream()).get());
+      got.push_back(std::move(fields));
+    }
+  check_equal(got, host);
+}
