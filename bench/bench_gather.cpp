@@ -115,6 +115,7 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
   };
   row_of("host path (gather = Host)", Gather::Host, workers);
   row_of("device gather (gather = Device)", Gather::Device, 0);
+  row_of("device gather (gather = Device)", Gather::Device, 1);
   cuda::device_free(dev);
 }
 
