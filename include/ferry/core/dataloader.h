@@ -46,7 +46,6 @@
 #include <span>
 #include <string>
 #include <thread>
-#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -546,6 +545,13 @@ class DataLoader {
         pinned_pool = std::make_shared<PinnedPool>(po);
       }
       allocator = pinned_pool.get();  // the index blocks: 8 bytes a sample
+      // The pin thread issues each batch's index copy and gathers, so the consumer's thread only
+      // takes finished batches (issuing there left the GPU idle between synchronized steps).
+      issue_on_pin_thread = true;
+      pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p, std::int64_t) {
+        if constexpr (std::is_same_v<Batch, Tensor> || std::is_same_v<Batch, std::vector<Tensor>>)
+          p = detail::Payload::make(gather_batch(p.template get<detail::GatherIndex>().index));
+      }, opt.pin_depth + opt.device_prefetch, opt.timeout, opt.trace.get(), placement);
     }
 
     // The pin thread and workers stop before anything they use is destroyed. Idempotent.
@@ -766,9 +772,9 @@ class DataLoader {
       s.fetch_seconds = secs(Stage::Fetch);
       s.transform_seconds = secs(Stage::Transform);
       s.collate_seconds = secs(Stage::Collate);
-      s.pinning = pin_stage != nullptr;
+      s.pinning = pin_stage != nullptr && !gathering;
       s.device = device_stage != nullptr;
-      if (pin_stage) s.pin_seconds = static_cast<double>(pin_stage->pin_ns() - base.pin_ns) / 1e9;
+      if (pin_stage && !gathering) s.pin_seconds = static_cast<double>(pin_stage->pin_ns() - base.pin_ns) / 1e9;
       if (device_stage) {
         const DeviceStageStats d = device_stage->stats();
         s.copy_seconds = (d.copy_ms - base.copy_ms) / 1e3;
@@ -813,7 +819,7 @@ class DataLoader {
 
     // The next batch for the consumer, from the last stage there is.
     detail::Payload last_stage_next() {
-      if (!pin_stage && !gathering) return engine.next();
+      if (!pin_stage) return engine.next();
       if (!device_stage) return pin_stage->next();
       if (issue_on_pin_thread) {
         // GPU decode: the pin thread has issued the batch's copies and decode; the consumer's
@@ -829,20 +835,16 @@ class DataLoader {
       while (device_queue.size() < static_cast<std::size_t>(opt.device_prefetch) && !device_end) {
         DeviceItem item;
         try {
-          detail::Payload p = gathering ? engine.next() : pin_stage->next();
+          detail::Payload p = pin_stage->next();
           if (!p) {
             device_end = true;
             break;
           }
-          if (gathering) {
-            std::tie(item.batch, item.copied) = gather_batch(p.template get<detail::GatherIndex>().index);
-          } else {
-            Batch& b = p.template get<Batch>();
-            PinContext ctx(*device_stage);
-            walk(b, ctx);
-            item.copied = ctx.device_copy();
-            item.batch = std::move(p);
-          }
+          Batch& b = p.template get<Batch>();
+          PinContext ctx(*device_stage);
+          walk(b, ctx);
+          item.copied = ctx.device_copy();
+          item.batch = std::move(p);
         } catch (...) {
           item.error = std::current_exception();
         }
@@ -857,8 +859,8 @@ class DataLoader {
     }
 
     // Device gather: the batch of `index` (pinned), made by the GPU: the index's copy, then one
-    // gather kernel a field, on the copy stream (Note [Device gather]).
-    std::pair<detail::Payload, std::shared_ptr<const EventFence>> gather_batch(const Tensor& index) {
+    // gather kernel a field, on the copy stream (Note [Device gather]). Runs on the pin thread.
+    auto gather_batch(const Tensor& index) {
       auto aligned = [](std::size_t b) { return (b + 63) / 64 * 64; };
       const std::size_t rows = static_cast<std::size_t>(index.size(0));
       std::size_t bytes = aligned(index.nbytes());
@@ -877,9 +879,8 @@ class DataLoader {
         device_stage->abort();
         throw;
       }
-      if constexpr (std::is_same_v<Batch, Tensor>) return {detail::Payload::make(std::move(fields[0])), std::move(copied)};
-      else if constexpr (std::is_same_v<Batch, std::vector<Tensor>>) return {detail::Payload::make(std::move(fields)), std::move(copied)};
-      else throw Error("DataLoader: the device gather cannot make this batch type");  // gather_unavailable refused it
+      if constexpr (std::is_same_v<Batch, Tensor>) return DeviceBatch{std::move(fields[0]), std::move(copied)};
+      else return DeviceBatch{std::move(fields), std::move(copied)};  // std::vector<Tensor> (gather_unavailable)
     }
 
     void end_epoch() noexcept {

@@ -5,15 +5,16 @@
 // tensors, a mapped .npy) and nothing runs per sample, a batch needs no CPU copy at all. The
 // loader registers each array once with CUDA (RowRegistration: cudaHostRegister, mapped, read-only
 // where the device allows it, within DataLoaderOptions::register_memory_limit), and per batch
-// sends only the sample indices: a worker (or the consumer, with num_workers = 0) writes them into
-// a small pinned block, the device stage copies that block, and one kernel on the copy stream
-// reads each row through the mapped address straight into the batch's device buffer
-// (DeviceStage::gather_rows). Ordering, events, buffer reuse and hand-over are the device stage's
-// (Note [Device stage]); the rows cross host memory once, read by the GPU over the link, where the
-// host path crosses it three times (read and write by a worker, read by the copy engine). The
-// batches are bitwise equal to the host path's. The loader chooses the path with
-// DataLoaderOptions::gather (Auto: the device gather wherever it applies; where it does not, the
-// loader says why once, at info level).
+// sends only the sample indices: a worker (the consumer's thread, with num_workers = 0) writes
+// them into a small pinned block; the pin thread, which copies nothing on this path, issues the
+// block's copy and one kernel a field on the copy stream, which reads each row through the mapped
+// address straight into the batch's device buffer (DeviceStage::gather_rows), and the consumer's
+// thread only takes finished batches. Ordering, events, buffer reuse and hand-over are the device
+// stage's (Note [Device stage]); the rows cross host memory once, read by the GPU over the link,
+// where the host path crosses it three times (read and write by a worker, read by the copy
+// engine). The batches are bitwise equal to the host path's. The loader chooses the path with
+// DataLoaderOptions::gather (Auto: the device gather wherever it applies; where a row dataset
+// cannot take it, the loader says why once, as a warning).
 //
 //   ferry::DataLoaderOptions o;
 //   o.device = 0;
