@@ -18,4 +18,20 @@ inline std::size_t max_batches_alive(const DataLoaderOptions& o) {
   return static_cast<std::size_t>(o.prefetch_factor * o.num_workers + o.pin_depth + o.device_prefetch + 2);
 }
 
+/// The most pinned blocks a loader's pool holds when each batch takes `fields` blocks: the depth's
+/// worth, and one set more for an epoch's last, smaller batch (a block more than twice a request's
+/// size does not serve it).
+inline std::size_t max_pinned_blocks(const DataLoaderOptions& o, std::size_t fields) {
+  return (max_batches_alive(o) + 1) * fields;
+}
+
+/// The most device buffers a loader's device stage allocates: one per batch issued and not yet
+/// dropped by a consumer that holds one batch at a time (with GPU decode or the device gather the
+/// pin thread issues pin_depth + device_prefetch ahead), for each of two batch sizes (the full
+/// one and an epoch's last, smaller one, which a full buffer more than twice its size does not
+/// serve). Like the pinned pool, the stage reaches its number as timing allows, then recycles.
+inline std::size_t max_device_buffers(const DataLoaderOptions& o) {
+  return 2 * static_cast<std::size_t>(o.pin_depth + o.device_prefetch + 2);
+}
+
 }  // namespace ferry::test

@@ -1,7 +1,8 @@
 // The device gather (Note [Device gather], ferry/pinning/gather.h) on the GPU: batches bitwise
 // equal to the host path's for every row width (16-, 8-, 4- and 1-byte words), any num_workers,
 // TensorDataset and a mapped .npy of 2 GiB; 100,000 batches intact and in order while the copy
-// stream is delayed; registered, pinned and device memory constant after warm-up; every
+// stream is delayed; registered memory constant, pinned and device memory recycled within the
+// pipeline's depth; every
 // registration undone when the loader goes, mid-epoch too, and kept while another loader uses it.
 #include <catch2/catch.hpp>
 
@@ -184,7 +185,7 @@ TEST_CASE("device gather: 100,000 batches intact and in order while the copy str
   cuda::device_free(want_dev);
 }
 
-TEST_CASE("device gather: memory constant after warm-up; registrations undone, mid-epoch too, shared while used",
+TEST_CASE("device gather: memory recycled within the pipeline's depth; registrations undone, mid-epoch too, shared while used",
           "[gpu][gather][memory]") {
   const TensorDataset ds = mixed(2000);
   REQUIRE(RowRegistration::registered_bytes_now() == 0);
@@ -203,11 +204,13 @@ TEST_CASE("device gather: memory constant after warm-up; registrations undone, m
         pinned_allocs = loader.pinned_pool()->stats().allocations;
       }
     }
-    CHECK(loader.device_stage()->stats().device_allocations == device_allocs);
+    const std::uint64_t d = loader.device_stage()->stats().device_allocations;
+    CHECK(d >= device_allocs);
+    CHECK(d <= test::max_device_buffers(o));
     const PinnedPoolStats pool = loader.pinned_pool()->stats();
     CHECK(pool.allocations >= pinned_allocs);
     CHECK(pool.frees == 0);
-    CHECK(pool.blocks <= test::max_batches_alive(o));  // one index block a batch
+    CHECK(pool.blocks <= test::max_pinned_blocks(o, 1));  // one index block a batch
     CHECK(RowRegistration::registered_bytes_now() == registered);
     CHECK(loader.stats().device_gather);
     CHECK_THAT(loader.stats().report(), Catch::Contains("gather"));

@@ -1,7 +1,7 @@
 // Several GPUs in one process (issue: one loader per device, each with its own pinned pool,
 // copy stream and threads): two DistributedSampler ranks on cuda:0 and cuda:1 consumed on two
-// threads at once deliver exactly PyTorch's split; device memory is constant after warm-up on both
-// and pinned memory bounded by the pipeline's depth (tests/gpu/pipeline_depth.h); the
+// threads at once deliver exactly PyTorch's split; pinned and device memory are recycled within the
+// pipeline's depth on both (tests/gpu/pipeline_depth.h); the
 // loaders stop in either order, mid-epoch, with batches still held. Needs two devices: on one it
 // says so and passes, unless FERRY_REQUIRE_GPUS=2 (scripts/gpu.sh multi), when it fails.
 #include <catch2/catch.hpp>
@@ -65,7 +65,7 @@ std::vector<std::int64_t> consume(DataLoader<TensorDataset>& loader, int device,
 
 }  // namespace
 
-TEST_CASE("two loaders in one process feed two GPUs with PyTorch's split, memory constant", "[gpu][multi]") {
+TEST_CASE("two loaders in one process feed two GPUs with PyTorch's split, memory recycled", "[gpu][multi]") {
   if (!two_gpus()) return;
   const std::int64_t n = 1001;
   TensorDataset ds = id_dataset(n);
@@ -113,13 +113,15 @@ TEST_CASE("two loaders in one process feed two GPUs with PyTorch's split, memory
           host_allocs[r] = loaders[static_cast<std::size_t>(r)]->pinned_pool()->stats().allocations;
           device_allocs[r] = loaders[static_cast<std::size_t>(r)]->device_stage()->stats().device_allocations;
         } else {
-          // Pinned blocks: recycled, never freed, never more than the pipeline's depth (one block
-          // a field a batch); device buffers: exactly as many as after the first epoch.
+          // Pinned blocks and device buffers: recycled, never freed, never more than the pipeline's
+          // depth allows (one block a field a batch on the host path, one index block on the gather).
           const PinnedPoolStats pool = loaders[static_cast<std::size_t>(r)]->pinned_pool()->stats();
           CHECK(pool.allocations >= host_allocs[r]);
           CHECK(pool.frees == 0);
-          CHECK(pool.blocks <= test::max_batches_alive(o) * 2);
-          CHECK(loaders[static_cast<std::size_t>(r)]->device_stage()->stats().device_allocations == device_allocs[r]);
+          CHECK(pool.blocks <= test::max_pinned_blocks(o, 2));
+          const std::uint64_t d = loaders[static_cast<std::size_t>(r)]->device_stage()->stats().device_allocations;
+          CHECK(d >= device_allocs[r]);
+          CHECK(d <= test::max_device_buffers(o));
         }
         // Where the loader sits: its device's NUMA node, or nowhere on a one-node host.
         const detail::Placement p = detail::placement_for_device(r);
