@@ -45,6 +45,7 @@ struct Flags {
   std::string pin_mode = "direct";
   int pin_threads = 4;
   int device = -1;
+  std::string gather = "auto";
   int intra = 1;
   bool shuffle = true;
   bool drop_last = false;
@@ -69,6 +70,10 @@ struct Flags {
     o.pin_mode = pin_mode == "copy" ? DataLoaderOptions::PinMode::Copy : DataLoaderOptions::PinMode::Direct;
     o.pin_threads = pin_threads;
     if (device >= 0) o.device = device;
+    if (gather == "auto") o.gather = ferry::Gather::Auto;
+    else if (gather == "host") o.gather = ferry::Gather::Host;
+    else if (gather == "device") o.gather = ferry::Gather::Device;
+    else throw ferry::Error("--gather must be auto, host or device, got '" + gather + "'");
     o.intra_batch_threads = intra;
     o.shuffle = shuffle;
     o.drop_last = drop_last;
@@ -97,6 +102,8 @@ void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("--pin-mode", f.pin_mode, "copy or direct")->check(CLI::IsMember({"copy", "direct"}));
   app.add_option("--pin-threads", f.pin_threads, "threads copying one batch into pinned memory")->check(CLI::PositiveNumber);
   app.add_option("--device", f.device, "deliver batches on CUDA device N (implies --pin)");
+  app.add_option("--gather", f.gather, "with --device: auto (the GPU gathers rows of npy datasets from registered host memory where it can), host, device")
+      ->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--intra-threads", f.intra, "intra_batch_threads: threads per batch")->check(CLI::PositiveNumber);
   app.add_option("--shuffle", f.shuffle, "shuffle (map-style datasets)");
   app.add_flag("--drop-last", f.drop_last, "drop a last, smaller batch");
@@ -276,7 +283,7 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
           {"options",
            {{"batch_size", f.batch_size}, {"num_workers", f.workers}, {"prefetch_factor", f.prefetch},
             {"pin_memory", f.pin || f.device >= 0}, {"pin_mode", f.pin_mode}, {"pin_threads", f.pin_threads},
-            {"device", f.device}, {"intra_batch_threads", f.intra}}},
+            {"device", f.device}, {"gather", f.gather}, {"intra_batch_threads", f.intra}}},
           {"batches", s.batches},
           {"samples", r.samples},
           {"bytes", r.bytes},
@@ -293,8 +300,10 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
             {"pin", s.pin_seconds}, {"copy", s.copy_seconds}, {"decode", s.decode_seconds}, {"consumer_wait", s.wait_seconds}}},
           {"busy",
            {{"workers", s.workers_busy()}, {"pin", s.pin_busy()}, {"copy", s.copy_busy()}, {"decode", s.decode_busy()},
-            {"consumer", s.consumer_busy()}}},
+            {"gather", s.gather_busy()}, {"consumer", s.consumer_busy()}}},
           {"images_decoded_on_device", s.images_decoded},
+          {"device_gather", s.device_gather},
+          {"rows_gathered", s.rows_gathered},
           {"bottleneck", s.bottleneck()}};
 }
 

@@ -140,3 +140,19 @@ TEST_CASE("device gather: gather = Device where it cannot apply is an Error nami
     CHECK_FALSE(loader.stats().device_gather);
   }
 }
+
+TEST_CASE("device gather: a type-erased dataset (the registry's) passes its rows on, or says why not", "[unit][gather]") {
+  Tensor a = Tensor::zeros(DType::Float32, {6, 7});
+  const AnyDataset<std::vector<Tensor>> rows_of(TensorDataset({a}));
+  std::string why;
+  const std::vector<HostRows> rows = rows_of.host_rows(why);
+  REQUIRE(rows.size() == 1);
+  CHECK(rows[0].data == a.raw());
+  struct Pairs {
+    std::size_t size() const { return 3; }
+    std::vector<Tensor> get(std::size_t) const { return {Tensor::zeros(DType::Int64, {1})}; }
+  };
+  const AnyDataset<std::vector<Tensor>> computed(Pairs{});
+  CHECK(computed.host_rows(why).empty());
+  CHECK_THAT(why, Catch::Contains("not rows of host arrays"));
+}

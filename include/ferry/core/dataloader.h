@@ -526,13 +526,14 @@ class DataLoader {
           why = e.what();
         }
       }
+      // Rows offered but not gathered (registration refused, no kernel): a surprise worth a warning.
+      const bool offered = !gather_fields.empty();
       gather_fields.clear();
       gather_reason = why;
       if (opt.gather == Gather::Device) throw Error("DataLoader: gather = Device cannot make this loader's batches: " + why);
-      if constexpr (RowGatherDataset<Dataset>)
-        if (opt.device && opt.gather == Gather::Auto)
-          detail::warn_once("gather-fallback", "DataLoader: the device gather is not used (" + why +
-                                                   "); batches take the host path (workers copy rows into pinned blocks)");
+      if (offered && opt.gather == Gather::Auto)
+        detail::warn_once("gather-fallback", "DataLoader: the device gather is not used (" + why +
+                                                 "); batches take the host path (workers copy rows into pinned blocks)");
       detail::log_debug("DataLoader: host path: " + why);
     }
 

@@ -380,18 +380,30 @@ class AnyDataset : public DatasetBase<AnyDataset<Sample>> {
   AnyDataset(D dataset) : impl_(std::make_shared<Impl<D>>(std::move(dataset))) {}  // NOLINT: implicit by design
   std::size_t size() const { return impl_->size(); }
   Sample get(std::size_t i, SampleContext& ctx) const { return impl_->get(i, ctx); }
+  /// The wrapped dataset's rows for the device gather, if it has them (RowGatherDataset); else
+  /// none, and `why` says so.
+  std::vector<HostRows> host_rows(std::string& why) const { return impl_->host_rows(why); }
 
  private:
   struct Concept {
     virtual ~Concept() = default;
     virtual std::size_t size() const = 0;
     virtual Sample get(std::size_t i, SampleContext& ctx) const = 0;
+    virtual std::vector<HostRows> host_rows(std::string& why) const = 0;
   };
   template <class D>
   struct Impl final : Concept {
     explicit Impl(D d) : d(std::move(d)) {}
     std::size_t size() const override { return d.size(); }
     Sample get(std::size_t i, SampleContext& ctx) const override { return fetch(d, i, ctx); }
+    std::vector<HostRows> host_rows(std::string& why) const override {
+      if constexpr (RowGatherDataset<D>) {
+        return d.host_rows(why);
+      } else {
+        why = "the dataset's samples are not rows of host arrays";
+        return {};
+      }
+    }
     D d;
   };
   std::shared_ptr<const Concept> impl_;
