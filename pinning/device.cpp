@@ -80,34 +80,36 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   };
   std::unique_ptr<detail::GpuJpegDecoder> decoder;
   std::vector<PendingDecode> decodes;
-  // Device gather (gather_rows): the batch's gathers, run after its copies.
+  // Device gather (gather_rows): the batch's gathers, run after its copies, one launch for the
+  // fields that share an index.
   struct PendingGather {
-    const std::int64_t* index_dev;
-    std::int64_t rows;
-    const void* src;
-    std::size_t row_bytes, out_off;
+    Tensor index;  // host (read at launch) or device
+    detail::GatherField field;
   };
   std::vector<PendingGather> gathers;
 
-  Tensor gather_rows(const Tensor& index_dev, const void* src, std::size_t row_bytes, DType dtype, const Shape& row_shape) {
+  Tensor gather_rows(const Tensor& index, const void* src, std::size_t row_bytes, DType dtype, const Shape& row_shape) {
     if (!cur) throw Error("DeviceStage::gather_rows: no batch begun");
     if (!detail::gather_built())
       throw CudaError("DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
-    if (!index_dev.defined() || index_dev.dtype() != DType::Int64 || index_dev.dim() != 1 ||
-        index_dev.device() != Device::cuda(opt.device))
-      throw Error("DeviceStage::gather_rows: expected an int64 [B] index on cuda:" + std::to_string(opt.device) + ", got " +
-                  index_dev.str());
+    if (!index.defined() || index.dtype() != DType::Int64 || index.dim() != 1 ||
+        (!index.device().is_host() && index.device() != Device::cuda(opt.device)))
+      throw Error("DeviceStage::gather_rows: expected an int64 [B] index on the host or on cuda:" + std::to_string(opt.device) +
+                  ", got " + index.str());
+    if (index.device().is_host() && index.size(0) > DeviceStage::gather_index_in_launch)
+      throw Error("DeviceStage::gather_rows: a host index of " + std::to_string(index.size(0)) + " rows is more than a launch carries (" +
+                  std::to_string(DeviceStage::gather_index_in_launch) + "); move it to the device first");
     std::int64_t per_row = 1;
     for (std::int64_t d : row_shape) per_row *= d;
     if (static_cast<std::size_t>(per_row) * itemsize(dtype) != row_bytes)
       throw Error("DeviceStage::gather_rows: a row of " + std::to_string(row_bytes) + " bytes does not hold its shape's elements");
-    const std::int64_t rows = index_dev.size(0);
+    const std::int64_t rows = index.size(0);
     const std::size_t bytes = static_cast<std::size_t>(rows) * row_bytes;
     if (used + align_up(bytes) > cur_size) throw Error("DeviceStage::gather_rows: more than begin() reserved");
     Shape shape{rows};
     shape.insert(shape.end(), row_shape.begin(), row_shape.end());
     Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), dtype, shape, used);
-    gathers.push_back({index_dev.data<std::int64_t>(), rows, src, row_bytes, used});
+    gathers.push_back({index, {src, cur->ptr + used, row_bytes}});
     used += align_up(bytes);
     return out;
   }
@@ -270,14 +272,20 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       copied.record(copy);
     }
     const bool gathered = !gathers.empty();
-    for (PendingGather& g : gathers) {
-      if (decode_error) break;
+    for (std::size_t i = 0; i < gathers.size() && !decode_error;) {
+      std::size_t j = i;
+      std::vector<detail::GatherField> fields;
+      while (j < gathers.size() && gathers[j].index.raw() == gathers[i].index.raw() && fields.size() < detail::kMaxGatherFields)
+        fields.push_back(gathers[j++].field);
+      const Tensor& index = gathers[i].index;
       try {
-        detail::launch_gather(g.index_dev, g.rows, g.src, g.row_bytes, cur->ptr + g.out_off, copy.native());
-        counters.rows_gathered += static_cast<std::uint64_t>(g.rows);
+        detail::launch_gather(index.data<std::int64_t>(), index.device().is_host(), index.size(0), fields.data(),
+                              static_cast<int>(fields.size()), copy.native());
+        counters.rows_gathered += static_cast<std::uint64_t>(index.size(0)) * fields.size();
       } catch (...) {
         decode_error = std::current_exception();
       }
+      i = j;
     }
     gathers.clear();
     for (PendingDecode& d : decodes) {
@@ -349,9 +357,10 @@ std::size_t DeviceStage::decoded_bytes(const Tensor& index) {
 
 bool DeviceStage::can_decode_images() noexcept { return detail::gpu_decode_built(); }
 
-Tensor DeviceStage::gather_rows(const Tensor& index_on_device, const void* device_rows, std::size_t row_bytes, DType dtype,
+Tensor DeviceStage::gather_rows(const Tensor& index, const void* device_rows, std::size_t row_bytes, DType dtype,
                                 const Shape& row_shape) {
-  return impl_->gather_rows(index_on_device, device_rows, row_bytes, dtype, row_shape);
+  static_assert(gather_index_in_launch == detail::kGatherIndexInLaunch);
+  return impl_->gather_rows(index, device_rows, row_bytes, dtype, row_shape);
 }
 
 bool DeviceStage::can_gather() noexcept { return detail::gather_built(); }

@@ -1,5 +1,8 @@
 // The device gather's kernel: a batch's rows read from mapped host memory into device memory.
 //
+// One launch gathers every field of a batch, and for batches of up to kGatherIndexInLaunch rows
+// the indices travel in the launch's parameters (no index copy, no pinned block to fence), which
+// is what a small-row batch's host time is made of.
 // Each word (16, 8, 4 or 1 bytes: the widest every row start and both buffers align to) of the
 // batch is one element; consecutive threads take consecutive words of a row, so the link sees
 // long runs. Reads of mapped host memory take a round trip over the link, so what sets the rate is
@@ -21,10 +24,29 @@ namespace {
 
 constexpr int kUnroll = 8;
 
-template <class Word>
-__global__ void gather_rows(const std::int64_t* __restrict__ index, std::int64_t rows, const Word* __restrict__ src,
-                            std::size_t words_per_row, Word* __restrict__ dst) {
-  const std::size_t total = static_cast<std::size_t>(rows) * words_per_row;
+// A launch's arguments: its fields, and the batch's indices in the parameters themselves (N > 0)
+// or in device memory (N == 0).
+template <int N>
+struct Args {
+  std::int64_t rows;
+  int nfields;
+  const std::int64_t* index_dev;
+  GatherField field[kMaxGatherFields];
+  int width[kMaxGatherFields];  // bytes a word: 16, 8, 4 or 1
+  std::int64_t index[N > 0 ? N : 1];
+};
+
+template <int N>
+__device__ __forceinline__ std::int64_t row_index(const Args<N>& a, std::size_t r) {
+  if constexpr (N > 0) return a.index[r];
+  else return a.index_dev[r];
+}
+
+template <class Word, int N>
+__device__ void gather_field(const Args<N>& a, const GatherField& f) {
+  const std::size_t words = f.row_bytes / sizeof(Word), total = static_cast<std::size_t>(a.rows) * words;
+  const Word* __restrict__ src = static_cast<const Word*>(f.src);
+  Word* __restrict__ dst = static_cast<Word*>(f.dst);
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < total; base += stride * kUnroll) {
     Word v[kUnroll];
@@ -32,14 +54,26 @@ __global__ void gather_rows(const std::int64_t* __restrict__ index, std::int64_t
     for (int u = 0; u < kUnroll; ++u) {
       const std::size_t e = base + u * stride;
       if (e < total) {
-        const std::size_t r = e / words_per_row, w = e - r * words_per_row;
-        v[u] = src[static_cast<std::size_t>(index[r]) * words_per_row + w];
+        const std::size_t r = e / words, w = e - r * words;
+        v[u] = src[static_cast<std::size_t>(row_index(a, r)) * words + w];
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const std::size_t e = base + u * stride;
       if (e < total) dst[e] = v[u];
+    }
+  }
+}
+
+template <int N>
+__global__ void gather_fields(const __grid_constant__ Args<N> a) {
+  for (int k = 0; k < a.nfields; ++k) {
+    switch (a.width[k]) {
+      case 16: gather_field<uint4>(a, a.field[k]); break;
+      case 8: gather_field<unsigned long long>(a, a.field[k]); break;
+      case 4: gather_field<unsigned>(a, a.field[k]); break;
+      default: gather_field<unsigned char>(a, a.field[k]); break;
     }
   }
 }
@@ -52,29 +86,40 @@ int sm_count() {
   return sms > 0 ? sms : 16;
 }
 
-template <class Word>
-void launch(const std::int64_t* index, std::int64_t rows, const void* src, std::size_t row_bytes, void* dst,
-            cudaStream_t stream) {
-  const std::size_t words = row_bytes / sizeof(Word), total = static_cast<std::size_t>(rows) * words;
-  if (total == 0) return;
+template <int N>
+void launch(const std::int64_t* index, std::int64_t rows, const GatherField* fields, int nfields, cudaStream_t stream) {
+  static_assert(sizeof(Args<N>) <= 32764, "CUDA's kernel parameter limit");
+  Args<N> a{};
+  a.rows = rows;
+  a.nfields = nfields;
+  std::size_t words = 0;
+  for (int k = 0; k < nfields; ++k) {
+    a.field[k] = fields[k];
+    const std::uintptr_t m = reinterpret_cast<std::uintptr_t>(fields[k].src) | reinterpret_cast<std::uintptr_t>(fields[k].dst) |
+                             fields[k].row_bytes;
+    a.width[k] = m % 16 == 0 ? 16 : m % 8 == 0 ? 8 : m % 4 == 0 ? 4 : 1;
+    words = std::max(words, static_cast<std::size_t>(rows) * fields[k].row_bytes / static_cast<std::size_t>(a.width[k]));
+  }
+  if constexpr (N > 0) std::copy(index, index + rows, a.index);
+  else a.index_dev = index;
+  if (words == 0) return;
   thread_local const int sms = sm_count();
-  const std::size_t blocks = std::min<std::size_t>((total + 256 * kUnroll - 1) / (256 * kUnroll), static_cast<std::size_t>(sms));
-  gather_rows<Word><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(index, rows, static_cast<const Word*>(src), words,
-                                                                        static_cast<Word*>(dst));
+  const std::size_t blocks = std::min<std::size_t>((words + 256 * kUnroll - 1) / (256 * kUnroll), static_cast<std::size_t>(sms));
+  gather_fields<N><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
 }
 
 }  // namespace
 
 bool gather_built() noexcept { return true; }
 
-void launch_gather(const std::int64_t* index, std::int64_t rows, const void* src, std::size_t row_bytes, void* dst,
+void launch_gather(const std::int64_t* index, bool index_on_host, std::int64_t rows, const GatherField* fields, int nfields,
                    void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  const std::uintptr_t a = reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst) | row_bytes;
-  if (a % 16 == 0) launch<uint4>(index, rows, src, row_bytes, dst, s);
-  else if (a % 8 == 0) launch<unsigned long long>(index, rows, src, row_bytes, dst, s);
-  else if (a % 4 == 0) launch<unsigned>(index, rows, src, row_bytes, dst, s);
-  else launch<unsigned char>(index, rows, src, row_bytes, dst, s);
+  if (nfields < 1 || nfields > kMaxGatherFields) throw CudaError("device gather: " + std::to_string(nfields) + " fields in one launch");
+  if (!index_on_host) launch<0>(index, rows, fields, nfields, s);
+  else if (rows <= 256) launch<256>(index, rows, fields, nfields, s);
+  else if (rows <= kGatherIndexInLaunch) launch<kGatherIndexInLaunch>(index, rows, fields, nfields, s);
+  else throw CudaError("device gather: " + std::to_string(rows) + " host indices do not fit a launch's parameters");
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     throw CudaError(std::string("device gather: kernel launch failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");

@@ -101,6 +101,12 @@ TEST_CASE("device gather: batches bitwise equal to the host path's, for any num_
   DataLoaderOptions h = options(Gather::Host, 2);
   h.drop_last = true;
   check_equal(epochs(ds, d), epochs(ds, h));
+  // Batches larger than a launch's indices (DeviceStage::gather_index_in_launch) copy their
+  // index to the device first: 10,000 rows in batches of 4,096 take both ways.
+  const TensorDataset big = mixed(10000);
+  DataLoaderOptions bd = options(Gather::Device, 2), bh = options(Gather::Host, 2);
+  bd.batch_size = bh.batch_size = 4096;
+  check_equal(epochs(big, bd), epochs(big, bh));
 }
 
 TEST_CASE("device gather: a mapped .npy of 2 GiB, equal to the host path", "[gpu][gather][npy]") {
@@ -138,30 +144,35 @@ TEST_CASE("device gather: a mapped .npy of 2 GiB, equal to the host path", "[gpu
   CHECK(RowRegistration::registered_bytes_now() == 0);
 }
 
-TEST_CASE("device gather: 100,000 batches intact and in order while the copy stream is delayed", "[gpu][gather][corruption]") {
-  constexpr int kCols = 1024;
-  constexpr std::int64_t kN = 4096, kBatch = 16, kBatches = 100000;
-  Tensor data = Tensor::empty(DType::Int32, {kN, kCols});
-  Tensor index = Tensor::empty(DType::Int64, {kN});
-  for (std::int64_t i = 0; i < kN; ++i) {
+namespace {
+
+// Streams `batches` gathered batches of `batch` rows while a spin kernel on the copy stream delays
+// every later gather; counts words that differ from the pattern and ids out of the sampler's order
+// (both checked on the GPU, on the consumer's stream). A tight pinned pool makes large batches'
+// index blocks (pinned, copied) come back all the time.
+std::pair<unsigned long long, unsigned long long> delayed_run(int cols, std::int64_t batch, std::int64_t batches, bool tight_pool) {
+  const std::int64_t n = 4096;
+  Tensor data = Tensor::empty(DType::Int32, {n, cols});
+  Tensor index = Tensor::empty(DType::Int64, {n});
+  for (std::int64_t i = 0; i < n; ++i) {
     index.data<std::int64_t>()[i] = i;
-    for (int c = 0; c < kCols; ++c) reinterpret_cast<std::uint32_t*>(data.raw())[i * kCols + c] = test::pattern(i, c);
+    for (int c = 0; c < cols; ++c) reinterpret_cast<std::uint32_t*>(data.raw())[i * cols + c] = test::pattern(i, c);
   }
-  auto sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(kN), 4, true, static_cast<std::size_t>(kBatches * kBatch));
-  // The order the sampler gives, on the device, to check each delivered batch's ids against.
+  auto sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(n), 4, true, static_cast<std::size_t>(batches * batch));
   const std::vector<std::size_t> order = sampler->indices(0);
   Tensor want = Tensor::empty(DType::Int64, {static_cast<std::int64_t>(order.size())});
   for (std::size_t k = 0; k < order.size(); ++k) want.data<std::int64_t>()[k] = static_cast<std::int64_t>(order[k]);
   DataLoaderOptions o;
-  o.batch_size = kBatch;
+  o.batch_size = static_cast<std::size_t>(batch);
   o.sampler = sampler;
   o.num_workers = 2;
   o.device = 0;
   o.gather = Gather::Device;
-  // As few index blocks as the pipeline's depth allows, so they are reused all the time.
-  PinnedPoolOptions po;
-  po.limit_bytes = test::max_batches_alive(o) * kBatch * 8;
-  o.pinned_pool = std::make_shared<PinnedPool>(po);
+  if (tight_pool) {
+    PinnedPoolOptions po;
+    po.limit_bytes = test::max_batches_alive(o) * static_cast<std::size_t>(batch) * 8;
+    o.pinned_pool = std::make_shared<PinnedPool>(po);
+  }
   DataLoader loader(TensorDataset({data, index}), o);
   auto* want_dev = static_cast<std::int64_t*>(cuda::device_alloc(want.nbytes()));
   cuda::memcpy_async(want_dev, want.raw(), want.nbytes(), cuda::CopyKind::HostToDevice, *loader.stream());
@@ -170,19 +181,27 @@ TEST_CASE("device gather: 100,000 batches intact and in order while the copy str
   std::int64_t seen = 0;
   for (auto& b : loader) {
     test::launch_check(loader.stream()->native(), reinterpret_cast<const std::uint32_t*>(b[0].raw()),
-                       static_cast<const std::int64_t*>(b[1].raw()), static_cast<int>(b[0].size(0)), kCols, bad_rows);
-    test::launch_count_differences(loader.stream()->native(), static_cast<const std::int64_t*>(b[1].raw()), want_dev + seen * kBatch,
+                       static_cast<const std::int64_t*>(b[1].raw()), static_cast<int>(b[0].size(0)), cols, bad_rows);
+    test::launch_count_differences(loader.stream()->native(), static_cast<const std::int64_t*>(b[1].raw()), want_dev + seen * batch,
                                    static_cast<int>(b[1].size(0)), bad_order);
-    test::launch_spin(loader.device_stage()->copy_stream().native(), 20.0);  // the next index copies and gathers wait
+    test::launch_spin(loader.device_stage()->copy_stream().native(), 20.0);  // the next gathers wait
     ++seen;
   }
-  CHECK(seen == kBatches);
-  CHECK(test::read_counter(bad_rows) == 0);
-  CHECK(test::read_counter(bad_order) == 0);
-  CHECK(loader.stats().rows_gathered == static_cast<std::uint64_t>(2 * kBatches * kBatch));  // two fields a row
+  CHECK(seen == batches);
+  CHECK(loader.stats().rows_gathered == static_cast<std::uint64_t>(2 * batches * batch));  // two fields a row
+  const std::pair<unsigned long long, unsigned long long> bad{test::read_counter(bad_rows), test::read_counter(bad_order)};
   test::free_counter(bad_rows);
   test::free_counter(bad_order);
   cuda::device_free(want_dev);
+  return bad;
+}
+
+}  // namespace
+
+TEST_CASE("device gather: 100,000 batches intact and in order while the copy stream is delayed", "[gpu][gather][corruption]") {
+  // Indices in the launch (16 rows a batch), and copied from recycled pinned blocks (4,096 rows).
+  CHECK(delayed_run(1024, 16, 100000, false) == std::pair<unsigned long long, unsigned long long>{0, 0});
+  CHECK(delayed_run(16, 4096, 2000, true) == std::pair<unsigned long long, unsigned long long>{0, 0});
 }
 
 TEST_CASE("device gather: memory recycled within the pipeline's depth; registrations undone, mid-epoch too, shared while used",

@@ -545,7 +545,7 @@ class DataLoader {
         po.numa_node = placement ? placement->node : -1;
         pinned_pool = std::make_shared<PinnedPool>(po);
       }
-      allocator = pinned_pool.get();  // the index blocks: 8 bytes a sample
+      allocator = pinned_pool.get();  // index blocks of batches too large for the gather's launch
       // The pin thread issues each batch's index copy and gathers, so the consumer's thread only
       // takes finished batches (issuing there left the GPU idle between synchronized steps).
       issue_on_pin_thread = true;
@@ -864,13 +864,16 @@ class DataLoader {
     auto gather_batch(const Tensor& index) {
       auto aligned = [](std::size_t b) { return (b + 63) / 64 * 64; };
       const std::size_t rows = static_cast<std::size_t>(index.size(0));
-      std::size_t bytes = aligned(index.nbytes());
+      // Up to gather_index_in_launch rows the indices travel in the kernel's launch; a larger
+      // batch's go to the device first (from their pinned block).
+      const bool in_launch = index.size(0) <= DeviceStage::gather_index_in_launch;
+      std::size_t bytes = in_launch ? 0 : aligned(index.nbytes());
       for (const HostRows& f : gather_fields) bytes += aligned(rows * f.row_bytes);
       device_stage->begin(bytes);
       std::vector<Tensor> fields;
       std::shared_ptr<const EventFence> copied;
       try {
-        const Tensor index_dev = device_stage->move(index);
+        const Tensor index_dev = in_launch ? index : device_stage->move(index);
         for (std::size_t k = 0; k < gather_fields.size(); ++k) {
           const HostRows& f = gather_fields[k];
           fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape));
@@ -1007,7 +1010,9 @@ class DataLoader {
       const std::span<const std::size_t> idx = job.indices;
       if (gathering) {
         ctx.stage.enter(Stage::Collate);
-        return detail::Payload::make(detail::GatherIndex{detail::gather_index(idx, ds.size(), *allocator)});
+        // Pinned only when the batch is too large for its indices to travel in the gather's launch.
+        BatchAllocator& a = idx.size() <= static_cast<std::size_t>(DeviceStage::gather_index_in_launch) ? pageable_allocator() : *allocator;
+        return detail::Payload::make(detail::GatherIndex{detail::gather_index(idx, ds.size(), a)});
       }
       if constexpr (kDirect) {
         Batch batch = ds.make_batch(idx.size(), *allocator);

@@ -96,11 +96,14 @@ class DeviceStage {
   Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_on_device);
   /// Device gather, within a batch (Note [Device gather], ferry/pinning/gather.h): reserves
   /// [B, row_shape...] of `dtype` in the batch's device buffer and returns it; at end(), after the
-  /// batch's copies (among them `index_on_device`'s, int64 [B]), one kernel on the copy stream
+  /// batch's copies, one kernel on the copy stream (one for all the fields that share `index`)
   /// copies row index[i] of the host array mapped at `device_rows` (RowRegistration) into row i.
-  /// Throws CudaError when ferry was built without a CUDA compiler (can_gather()).
-  Tensor gather_rows(const Tensor& index_on_device, const void* device_rows, std::size_t row_bytes, DType dtype,
-                     const Shape& row_shape);
+  /// `index` is int64 [B]: on the host (read at end(), B <= gather_index_in_launch: the indices
+  /// travel in the launch itself) or on this device (moved earlier in the batch). Throws CudaError
+  /// when ferry was built without a CUDA compiler (can_gather()).
+  Tensor gather_rows(const Tensor& index, const void* device_rows, std::size_t row_bytes, DType dtype, const Shape& row_shape);
+  /// The most rows a host index of gather_rows may have.
+  static constexpr std::int64_t gather_index_in_launch = 3072;
   static bool can_gather() noexcept;
   /// Bytes of decode_images()'s output for an index of B rows.
   static std::size_t decoded_bytes(const Tensor& index);
