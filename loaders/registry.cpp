@@ -100,9 +100,16 @@ void add_builtins(DatasetRegistry& r) {
   }, "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz), flip=0|1 (random "
      "horizontal flip), float=0|1, mean=, std= (normalize; implies float)");
   r.add("npy", [](const DatasetConfig& c) {
-    NpyDataset d(c.str("path"));
+    // Rows of one field, passed on for the device gather (host_rows).
+    struct NpyRows {
+      NpyDataset d;
+      std::size_t size() const { return d.size(); }
+      std::vector<Tensor> get(std::size_t i) const { return {d.get(i)}; }
+      std::vector<HostRows> host_rows(std::string& why) const { return d.host_rows(why); }
+    };
+    NpyRows rows{NpyDataset(c.str("path"))};
     c.finish();
-    return DynamicDataset(ferry::map(std::move(d), [](Tensor t) { return std::vector<Tensor>{std::move(t)}; }));
+    return DynamicDataset(std::move(rows));
   }, "rows of a .npy array: path=<file>");
   r.add("image_folder", [](const DatasetConfig& c) {
     if (c.str("decode", "cpu") == "gpu")

@@ -115,3 +115,20 @@ TEST_CASE("plugin errors name the file and what is wrong", "[errors][plugin]") {
   write_file(dir / "garbage.so", bytes_of("not an ELF file"));
   CHECK_THROWS_WITH(reg.load_plugin(dir / "garbage.so"), Catch::Contains("cannot load"));
 }
+
+TEST_CASE("the registry's npy passes its rows on for the device gather", "[unit][registry][gather]") {
+  TempDir dir;
+  std::vector<float> f(12);
+  for (std::size_t i = 0; i < f.size(); ++i) f[i] = static_cast<float>(i);
+  Bytes data(f.size() * sizeof(float));
+  std::memcpy(data.data(), f.data(), data.size());
+  write_file(dir / "x.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4, 3), }", data));
+  DynamicDataset ds = DatasetRegistry::global().create("npy", "path=" + (dir / "x.npy"));
+  std::string why;
+  const std::vector<HostRows> rows = ds.host_rows(why);
+  REQUIRE(rows.size() == 1);
+  CHECK(rows[0].rows == 4);
+  CHECK(rows[0].row_bytes == 12);
+  CHECK(rows[0].row_shape == Shape{3});
+  CHECK(static_cast<const float*>(rows[0].data)[4] == 4.f);
+}
