@@ -13,7 +13,6 @@
 // step's slowdown = its GPU time (events) in the loop over its GPU time alone, which shows what
 // sharing the SMs with the gather kernel costs.
 // Usage: bench_gather [--batches 200] [--runs 5] [--workers-a 8] [--workers-b 10] [--step-ms 10] [--steps 200]
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -23,6 +22,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_time.h"
 #include "ferry/ferry.h"
 #include "kernels.h"
 
@@ -37,11 +37,7 @@ struct Args {
   double step_ms = 10;
 };
 
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
-}
+using bench::cpu_seconds;
 
 struct Rate {
   double per_second = 0, cores = 0;

@@ -16,7 +16,6 @@
 // is timed by the GPU's clock, so it cannot show how much the decode slows a real step down.
 //
 // Usage: bench_gpu_decode --photos DIR [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,6 +26,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_time.h"
 #include "ferry/ferry.h"
 
 #ifdef FERRY_BENCH_NVJPEG
@@ -42,11 +42,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
-double cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
-}
+using bench::cpu_seconds;
 
 struct Row {
   double images_per_s = 0, busy_cores = 0;

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "ferry/ferry.h"
+#include "data.h"
 #include "mlp.h"
 #include "rendezvous.h"
 
@@ -92,17 +93,7 @@ int main(int argc, char** argv) {
     ncclComm_t comm = nullptr;
     nccl_check(ncclCommInitRank(&comm, world, id, rank), "ncclCommInitRank");
 
-    namespace fs = std::filesystem;
-    const auto file = [&](const char* name) {
-      const fs::path p = fs::path(data) / name;
-      if (!fs::exists(p)) throw ferry::Error("missing " + p.string() + ": pass --data");
-      return p.string();
-    };
-    ferry::IdxDatasetOptions train_opt, test_opt;
-    train_opt.transform.horizontal_flip().to_float().normalize({0.2860f}, {0.3530f});
-    test_opt.transform.to_float().normalize({0.2860f}, {0.3530f});
-    ferry::IdxDataset train(file("train-images-idx3-ubyte.gz"), file("train-labels-idx1-ubyte.gz"), train_opt);
-    ferry::IdxDataset test(file("t10k-images-idx3-ubyte.gz"), file("t10k-labels-idx1-ubyte.gz"), test_opt);
+    auto [train, test] = demo::load_fashion_mnist(data, "pass --data");
 
     ferry::DataLoaderOptions o;
     o.batch_size = batch_size;

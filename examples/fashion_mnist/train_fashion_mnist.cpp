@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "ferry/ferry.h"
+#include "data.h"
 #include "mlp.h"
 
 namespace {
@@ -76,12 +77,6 @@ int main(int argc, char** argv) {
 
   try {
     namespace fs = std::filesystem;
-    const auto file = [&](const char* name) {
-      const fs::path p = fs::path(data) / name;
-      if (!fs::exists(p))
-        throw ferry::Error("missing " + p.string() + ": install Debian's dataset-fashion-mnist (scripts/install-deps.sh) or pass --data");
-      return p.string();
-    };
     const bool gpu = FERRY_DEMO_GPU && !cpu && ferry::cuda::available();
     const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     // The GPU eats batches faster than 4 workers augment them (the loader report says so): give
@@ -89,11 +84,8 @@ int main(int argc, char** argv) {
     if (workers < 0) workers = gpu ? std::clamp(hw - 2, 1, 8) : (hw > 4 ? 4 : 1);
 
     // Augment (flip) while training; both sets become float32, normalized with the dataset's stats.
-    ferry::IdxDatasetOptions train_opt, test_opt;
-    train_opt.transform.horizontal_flip().to_float().normalize({0.2860f}, {0.3530f});
-    test_opt.transform.to_float().normalize({0.2860f}, {0.3530f});
-    ferry::IdxDataset train(file("train-images-idx3-ubyte.gz"), file("train-labels-idx1-ubyte.gz"), train_opt);
-    ferry::IdxDataset test(file("t10k-images-idx3-ubyte.gz"), file("t10k-labels-idx1-ubyte.gz"), test_opt);
+    auto [train, test] = demo::load_fashion_mnist(
+        data, "install Debian's dataset-fashion-mnist (scripts/install-deps.sh) or pass --data");
 
     ferry::DataLoaderOptions o;
     o.batch_size = batch_size;
