@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <sstream>
 
 #include "ferry/core/faults.h"
@@ -378,6 +379,28 @@ std::vector<std::string> DatasetRegistry::load_plugin(const std::string& path) {
   }
   plugins_.emplace(handle, names);
   return names;
+}
+
+std::vector<std::string> tar_shard_paths(const DatasetConfig& c) {
+  std::vector<std::string> shards;
+  if (c.has("dir")) {
+    const std::string dir = c.str("dir");
+    if (!std::filesystem::is_directory(dir)) throw Error("dataset 'tar': dir '" + dir + "' is not a directory");
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      if (e.path().extension() == ".tar") shards.push_back(e.path().string());
+    std::sort(shards.begin(), shards.end());
+    if (shards.empty()) throw Error("dataset 'tar': no .tar files in '" + dir + "'");
+  } else {
+    const std::string list = c.str("shards");
+    std::size_t start = 0;
+    while (start <= list.size()) {
+      const std::size_t end = std::min(list.find(':', start), list.size());
+      if (end > start) shards.push_back(list.substr(start, end - start));
+      start = end + 1;
+    }
+    if (shards.empty()) throw Error("dataset 'tar': option 'shards' names no file");
+  }
+  return shards;
 }
 
 }  // namespace ferry

@@ -3,7 +3,8 @@
 # when everything is already there. Runs apt-get as root (directly, or through sudo).
 set -euo pipefail
 packages=(g++ cmake ninja-build libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
-          zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist)
+          zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
+          python3-dev python3-venv python3-pip python3-numpy python3-torch)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -21,10 +22,21 @@ if [ -x "$cuda_root/bin/nvcc" ] && [ ! -f "$cuda_root/include/nvjpeg.h" ] && [ !
 fi
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages present"
-  exit 0
+else
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  echo "install-deps: installing ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
-SUDO=""
-[ "$(id -u)" -eq 0 ] || SUDO=sudo
-echo "install-deps: installing ${missing[*]}"
-$SUDO apt-get update -qq
-DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# The Python module's build and tests: a virtual environment over Debian's Python (which has
+# Debian's torch and numpy) with the pinned wheels from PyPI. CMake builds the module with it
+# (scripts/test.sh passes it as Python_EXECUTABLE).
+venv="$(cd "$(dirname "$0")/.." && pwd)/.venv"
+python_wheels=(nanobind==2.9.2 scikit-build-core==0.11.6 pytest==8.4.2)
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import nanobind, pytest" 2>/dev/null; then
+  echo "install-deps: Python environment $venv (${python_wheels[*]})"
+  /usr/bin/python3 -m venv --system-site-packages "$venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${python_wheels[@]}" \
+    || echo "install-deps: the Python wheels did not install; the Python module will not be built"
+fi

@@ -9,7 +9,9 @@ presets=("$@")
 for preset in "${presets[@]}"; do
   echo "=== ferry: build and test, preset '$preset' ==="
   rm -rf "build/$preset"
-  cmake --preset "$preset"
+  python_args=()  # the Python module builds against the environment install-deps.sh made
+  [ -x .venv/bin/python ] && python_args=(-DPython_EXECUTABLE="$PWD/.venv/bin/python")
+  cmake --preset "$preset" "${python_args[@]}"
   cmake --build --preset "$preset"
   ctest --preset "$preset"
 done

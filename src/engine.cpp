@@ -498,12 +498,24 @@ struct Engine::State {
       }
       dispatch();
       if (opt.timeout.count() > 0) {
-        const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+        auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
+        if (opt.wait_poll) left = std::min(left, opt.wait_poll.period);
         auto [r, timed_out] = ep->results.pop_for(std::max(left, std::chrono::microseconds(0)));
+        if (timed_out && opt.wait_poll && Clock::now() < deadline) {
+          opt.wait_poll.check();  // nothing taken: the next call waits for the same batch
+          continue;
+        }
         if (timed_out) {
           const std::optional<Clock::time_point> next_deadline = on_timeout();
           if (!next_deadline) throw_timeout(window ? window->next() : 0);
           deadline = *next_deadline;
+          continue;
+        }
+        if (r) receive(std::move(*r));
+      } else if (opt.wait_poll) {
+        auto [r, timed_out] = ep->results.pop_for(opt.wait_poll.period);
+        if (timed_out) {
+          opt.wait_poll.check();
           continue;
         }
         if (r) receive(std::move(*r));
@@ -587,6 +599,12 @@ void Engine::shutdown() noexcept {
 }
 
 bool Engine::epoch_live() const noexcept { return state_->live; }
+
+const WaitPoll& Engine::wait_poll() const noexcept { return state_->opt.wait_poll; }
+
+void WaitPoll::check() const {
+  if (fn && fn()) throw Interrupted("DataLoader: the wait for the next batch was interrupted (DataLoaderOptions::wait_poll)");
+}
 
 void Engine::interrupt() noexcept {
   State& s = *state_;

@@ -1,6 +1,8 @@
 #include <sstream>
 
-#include "ferry/core/dataloader.h"
+#include "ferry/core/error.h"
+#include "ferry/core/options.h"
+#include "ferry/core/rows.h"
 
 namespace ferry::detail {
 

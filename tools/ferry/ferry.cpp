@@ -124,45 +124,6 @@ void add_loader_flags(CLI::App& app, Flags& f) {
 
 // --- datasets -----------------------------------------------------------------------------------
 
-std::vector<std::string> tar_shards(const ferry::DatasetConfig& c) {
-  std::vector<std::string> shards;
-  if (c.has("dir")) {
-    const std::string dir = c.str("dir");
-    if (!std::filesystem::is_directory(dir)) throw ferry::Error("dataset 'tar': dir '" + dir + "' is not a directory");
-    for (const auto& e : std::filesystem::directory_iterator(dir))
-      if (e.path().extension() == ".tar") shards.push_back(e.path().string());
-    std::sort(shards.begin(), shards.end());
-    if (shards.empty()) throw ferry::Error("dataset 'tar': no .tar files in '" + dir + "'");
-  } else {
-    const std::string list = c.str("shards");
-    std::size_t start = 0;
-    while (start <= list.size()) {
-      const std::size_t end = std::min(list.find(':', start), list.size());
-      if (end > start) shards.push_back(list.substr(start, end - start));
-      start = end + 1;
-    }
-  }
-  return shards;
-}
-
-// A tar-shard stream of {image, label} as std::vector<Tensor>, like the registry's datasets.
-auto make_tar(const std::string& config) {
-  ferry::DatasetConfig c("tar", config);
-  ferry::TarImageOptions o;
-  const auto size = static_cast<int>(c.integer("size", 224));
-  if (c.integer("random_crop", 0)) o.transform.random_resized_crop(size, size).horizontal_flip();
-  else o.transform.resize_shorter(size).center_crop(size, size);
-  o.channels = static_cast<int>(c.integer("channels", 3));
-  ferry::TarShardsOptions so;
-  so.shuffle = c.integer("shuffle", 1) != 0;
-  ferry::TarShards shards(tar_shards(c), so);
-  c.finish();
-  return shards.map([o](const ferry::TarRecord& r, ferry::SampleContext& ctx) {
-    ferry::LabeledSample s = ferry::decode_labeled_image(r, o, ctx.rng());
-    return std::vector<Tensor>{std::move(s.image), Tensor::scalar(s.label)};
-  });
-}
-
 // Calls fn(loader) with a loader over the named dataset.
 template <class Fn>
 auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
@@ -171,7 +132,7 @@ auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
   if (f.dataset == "tar") {
     DataLoaderOptions so = o;
     so.shuffle = false;  // a stream: the shard order is shuffled by the dataset
-    ferry::DataLoader loader(make_tar(f.config), so);
+    ferry::DataLoader loader(ferry::make_tar_images(ferry::DatasetConfig("tar", f.config)), so);
     return fn(loader);
   }
   if (f.dataset == "image_folder") {

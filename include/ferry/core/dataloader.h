@@ -60,6 +60,7 @@
 #include "ferry/core/stats.h"
 #include "ferry/core/trace.h"
 #include "ferry/core/faults.h"
+#include "ferry/core/options.h"
 #include "ferry/detail/engine.h"
 #include "ferry/detail/fault_log.h"
 #include "ferry/detail/pin_stage.h"
@@ -70,107 +71,6 @@
 #include "ferry/pinning/pool.h"
 
 namespace ferry {
-
-/// Loader options, named and defaulted as torch.utils.data.DataLoader's.
-struct DataLoaderOptions {
-  std::size_t batch_size = 1;
-  /// A seeded RandomSampler (seed, epoch); excludes `sampler`.
-  bool shuffle = false;
-  /// Custom index order; excludes shuffle and batch_sampler.
-  std::shared_ptr<const Sampler> sampler;
-  /// Custom batches; excludes batch_size != 1, shuffle, sampler and drop_last.
-  std::shared_ptr<const BatchSampler> batch_sampler;
-  /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning).
-  int num_workers = 0;
-  bool drop_last = false;
-  /// Longest a batch may take in a worker while the consumer waits for data; 0: no limit. Needs
-  /// num_workers > 0. A worker stuck longer is abandoned and replaced (see "Timeouts" above).
-  std::chrono::milliseconds timeout{0};
-  /// What a damaged or stuck sample costs: its batch (Raise), itself (Skip: the batch comes one
-  /// row short) or nothing (Replace: another sample of the epoch takes its row, by a rule of
-  /// (seed, epoch, index)). See ferry/core/faults.h.
-  OnError on_error = OnError::Raise;
-  /// Skip/Replace: more than this many bad samples in one epoch fail the batch at hand and every
-  /// later one that meets another; 0: no count limit.
-  std::size_t max_errors = 0;
-  /// Skip/Replace: the same as a fraction of the epoch's samples (map-style, or a stream with a
-  /// size()); 0: no limit.
-  double max_error_fraction = 0.1;
-  /// Retries of a transient I/O error (IoError::transient()) before it counts, with a backoff of
-  /// io_retry_backoff, doubling each time.
-  int io_retries = 3;
-  std::chrono::milliseconds io_retry_backoff{10};
-  /// Called for every skipped or replaced sample, on the worker thread that met it, one call at a
-  /// time. May throw: that fails the batch.
-  std::function<void(const SampleError&)> on_sample_error;
-  /// Called once on each worker thread as it starts (each epoch, unless persistent_workers).
-  std::function<void(const WorkerInfo&)> worker_init_fn;
-  /// Keys the shuffle order and every sample's Generator; the default 0 is reproducible, not random.
-  std::uint64_t seed = 0;
-  /// Batches in flight per worker.
-  int prefetch_factor = 2;
-  /// Keep the workers (and worker_init_fn's effects) across epochs. Needs num_workers > 0.
-  bool persistent_workers = false;
-  /// Deliver in sampler order (true) or as batches complete (false).
-  bool in_order = true;
-  /// Deliver batches in pinned (page-locked) memory: a pin thread copies each batch, in order,
-  /// into a block of a bounded, recycled pinned pool. Without a CUDA device this logs one warning
-  /// and delivers pageable batches.
-  bool pin_memory = false;
-  /// How batches reach pinned memory: Direct (collate and get_into write straight into pinned
-  /// blocks; the pin thread has nothing to copy) or Copy (workers collate into recycled pageable
-  /// buffers and the pin thread copies each batch with pin_threads threads). A custom collate_fn
-  /// that allocates its own tensors is copied in either mode.
-  enum class PinMode { Copy, Direct };
-  PinMode pin_mode = PinMode::Direct;
-  /// Hard budget of the pinned pool, in bytes; producers wait when it is reached. A loader without
-  /// pinning keeps its batches' host buffers for reuse up to this many bytes (a retention cap:
-  /// past it buffers are freed, never waited for).
-  std::size_t pinned_memory_limit = std::size_t{2} << 30;
-  /// Threads that copy one large batch into pinned memory (one thread's memcpy is ~12 GB/s).
-  int pin_threads = 4;
-  /// Batches the pin thread may run ahead of the consumer.
-  int pin_depth = 2;
-  /// Use this pool instead of creating one (share it across loaders, or inject one in tests).
-  std::shared_ptr<PinnedPool> pinned_pool;
-  /// Deliver batches on CUDA device N: each pinned batch is copied with cudaMemcpyAsync on a side
-  /// stream and the consumer's stream waits on the copy's event (implies pin_memory). Without a
-  /// usable device, constructing the loader throws CudaError.
-  std::optional<int> device;
-  /// Device batches whose copies are issued ahead of the one being consumed (>= 1). With GPU
-  /// decode the pin thread issues them, and runs pin_depth + device_prefetch batches ahead.
-  int device_prefetch = 2;
-  /// One cudaMemcpyAsync per batch when its tensors lie in one pinned slab.
-  bool device_pack = true;
-  /// With `device`: how batches of row datasets (TensorDataset, NpyDataset, any RowGatherDataset)
-  /// are made. Auto and Device: the GPU gathers each batch's rows straight from the registered host
-  /// arrays, with no worker copy, pin thread or pinned staging (Note [Device gather] in
-  /// ferry/pinning/gather.h); Auto falls back to the host path where that cannot apply and says
-  /// why once (a warning), Device throws an Error saying why. Host: always the host path.
-  Gather gather = Gather::Auto;
-  /// Host memory the device gather may page-lock for a dataset's arrays; a dataset larger than
-  /// this takes the host path (Auto) or is an Error (Device).
-  std::size_t register_memory_limit = std::size_t{64} << 30;
-  /// With `device`, on a host of more than one NUMA node: run the workers, pin thread and their
-  /// helper threads on the device's node and allocate the pinned pool there (Note [NUMA
-  /// placement] in ferry/detail/numa.h). Changes nothing on a one-node host. LoaderStats::numa_node
-  /// says where the loader sits.
-  bool numa_placement = true;
-  /// The consumer's compute stream (a cudaStream_t, borrowed); null: the loader creates one,
-  /// available as loader.stream().
-  void* consumer_stream = nullptr;
-  /// Threads that work on one batch: its samples are fetched (get / get_into) in that many
-  /// parallel parts and large collate copies (>= 4 MiB) are split, on one oneTBB arena of
-  /// intra_batch_threads x num_workers threads (at most the hardware's). 1: each worker does its
-  /// batch alone. For few, large batches (38 MB images) few workers with several threads each
-  /// gather faster than many single-threaded ones (bench/RESULTS.md).
-  int intra_batch_threads = 1;
-  /// Where batch buffers come from; null means pageable host memory.
-  std::shared_ptr<BatchAllocator> allocator;
-  /// Records per-batch timelines (which thread, which stage, which pinned block) for a Chrome
-  /// trace; see ferry/core/trace.h. Null: no tracing.
-  std::shared_ptr<TraceRecorder> trace;
-};
 
 namespace detail {
 template <class D, class C, bool Streaming, bool Direct, bool Default>
@@ -190,8 +90,6 @@ template <class D, class C, bool S>
 struct LoaderBatch<D, C, S, false, false> {
   using type = std::decay_t<std::invoke_result_t<C&, std::vector<sample_t<D>>&&>>;
 };
-
-void validate_options(const DataLoaderOptions& o, bool streaming);
 
 /// Direct mode with on_error = Skip: a batch made for n rows keeps its first `rows`.
 template <class B>
@@ -225,7 +123,6 @@ class DepthCheckedAllocator final : public BatchAllocator {
   std::size_t depth_;
   const char* what_;
 };
-std::string describe_options(const DataLoaderOptions& o, bool streaming);
 
 /// Why the device gather cannot make this loader's batches ("" when it can; then `rows` holds the
 /// dataset's fields). Registration, which may fail too, comes after (RowRegistration).
@@ -263,9 +160,6 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
 struct GatherIndex {
   Tensor index;  ///< int64 [B]
 };
-/// The indices of a batch as an int64 tensor from `allocator`; an Error for an index past `n`
-/// (the same message as the host path's).
-Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator);
 }  // namespace detail
 
 /// The loader. `CollateFn` is DefaultCollate (the rules of ferry/collate/collate.h) or any callable
@@ -574,6 +468,8 @@ class DataLoader {
       e.redispatch_stuck = o.on_error != OnError::Raise;
       e.seed = o.seed;
       e.trace = o.trace.get();
+      e.wait_poll.fn = o.wait_poll;
+      e.wait_poll.period = std::max(std::chrono::microseconds(o.wait_poll_period), std::chrono::microseconds(1000));
       return e;
     }
 
@@ -609,7 +505,13 @@ class DataLoader {
         }
       } timer{*this, t0, batch};
       ++epoch_delivered;  // a failed batch takes its position too
-      detail::Payload p = last_stage_next();
+      detail::Payload p;
+      try {
+        p = last_stage_next();
+      } catch (const Interrupted&) {
+        --epoch_delivered;  // no batch taken: the next call waits for the same one
+        throw;
+      }
       if (p) {
         ++delivered_batches;
       } else {
@@ -846,6 +748,9 @@ class DataLoader {
           walk(b, ctx);
           item.copied = ctx.device_copy();
           item.batch = std::move(p);
+        } catch (const Interrupted&) {
+          if (device_queue.empty()) throw;  // nothing to hand over yet; nothing taken
+          break;                            // hand over the batch already issued
         } catch (...) {
           item.error = std::current_exception();
         }

@@ -10,6 +10,8 @@
 //   TimeoutError  no batch arrived within DataLoaderOptions::timeout; names the stage that stalled.
 //   DataError     a file or record is malformed; names the file and the offset or sample. It
 //                 reaches the consumer unwrapped (worker and batch appended to the message).
+//   Interrupted   DataLoaderOptions::wait_poll asked the consumer's wait for a batch to stop (a
+//                 front-end noticed Ctrl-C); nothing is lost, the next call waits again.
 //   IoError       a DataError from the operating system (open, read, map) with its errno; the
 //                 transient ones (EINTR, EAGAIN, EIO, ETIMEDOUT: network file systems) are
 //                 retried by the loader before they count (DataLoaderOptions::io_retries).
@@ -51,6 +53,13 @@ class WorkerError : public Error, public std::nested_exception {
 
 /// A stage produced nothing within the configured timeout.
 class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// DataLoaderOptions::wait_poll returned true while the consumer waited for a batch. No batch is
+/// lost: the loader's next call waits for the same batch again.
+class Interrupted : public Error {
  public:
   using Error::Error;
 };

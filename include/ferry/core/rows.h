@@ -5,9 +5,11 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "ferry/core/allocator.h"
 #include "ferry/core/tensor.h"
 
 namespace ferry {
@@ -35,5 +37,11 @@ template <class D>
 concept RowGatherDataset = requires(const D& d, std::string& why) {
   { d.host_rows(why) } -> std::same_as<std::vector<HostRows>>;
 };
+
+namespace detail {
+/// The indices of a batch as an int64 tensor from `allocator`; an Error for an index past `n`
+/// (the same message as the host path's).
+Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator);
+}  // namespace detail
 
 }  // namespace ferry

@@ -44,6 +44,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -141,6 +142,15 @@ class Producer {
   virtual void sample_abandoned(std::size_t sample) { (void)sample; }
 };
 
+/// DataLoaderOptions::wait_poll, as the engine and the pin stage run it while the consumer waits.
+struct WaitPoll {
+  std::function<bool()> fn;
+  std::chrono::microseconds period{50000};
+  explicit operator bool() const noexcept { return static_cast<bool>(fn); }
+  /// Runs the poll; throws ferry::Interrupted when it asks the wait to stop.
+  void check() const;
+};
+
 struct EngineOptions {
   int num_workers = 0;
   int prefetch_factor = 2;
@@ -156,6 +166,8 @@ struct EngineOptions {
   TraceRecorder* trace = nullptr;  ///< per-batch timelines (may be null)
   /// Where the workers run (Note [NUMA placement] in ferry/detail/numa.h); null: anywhere.
   std::shared_ptr<const Placement> placement;
+  /// Run while the consumer waits in next() (and in the pin stage's next()).
+  WaitPoll wait_poll;
 };
 
 /// The engine of one DataLoader: worker threads, task and result queues, reorder window.
@@ -187,6 +199,7 @@ class Engine {
   /// next() runs; the owner calls end_epoch() after that thread is done with the engine.
   void interrupt() noexcept;
   bool epoch_live() const noexcept;
+  const WaitPoll& wait_poll() const noexcept;
   /// Nanoseconds the workers (or, with no workers, the thread producing inline) have spent in
   /// `stage`, summed over threads, since the engine started.
   std::int64_t stage_ns(Stage stage) const noexcept;

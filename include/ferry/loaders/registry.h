@@ -28,6 +28,7 @@
 #include "ferry/core/dataset.h"
 #include "ferry/core/tensor.h"
 #include "ferry/loaders/image.h"
+#include "ferry/loaders/tar.h"
 
 namespace ferry {
 
@@ -59,6 +60,31 @@ using DynamicDataset = AnyDataset<std::vector<Tensor>>;
 /// the keys), as the typed dataset: GPU decode (decode=gpu) needs the loader's direct mode, which
 /// a DynamicDataset does not have, so the registry refuses decode=gpu and this makes it.
 ImageFolder make_image_folder(const DatasetConfig& config);
+
+/// The shards a "tar" configuration names: dir=<folder> (its .tar files, sorted) or
+/// shards=a.tar:b.tar. ferry::Error for a missing folder or an empty list.
+std::vector<std::string> tar_shard_paths(const DatasetConfig& config);
+
+/// The labeled-image stream "tar" names (the `ferry` tool's and the Python module's): WebDataset
+/// shards (tar_shard_paths), each record's image decoded and transformed (size=224;
+/// random_crop=1: random_resized_crop + flip, else resize_shorter + center_crop; channels=3) and
+/// its label, as {image, int64 label} std::vector<Tensor>; shuffle=1 shuffles the shard order
+/// per epoch. A stream: the loader takes no shuffle or sampler for it.
+inline auto make_tar_images(const DatasetConfig& config) {
+  TarImageOptions o;
+  const auto size = static_cast<int>(config.integer("size", 224));
+  if (config.integer("random_crop", 0)) o.transform.random_resized_crop(size, size).horizontal_flip();
+  else o.transform.resize_shorter(size).center_crop(size, size);
+  o.channels = static_cast<int>(config.integer("channels", 3));
+  TarShardsOptions so;
+  so.shuffle = config.integer("shuffle", 1) != 0;
+  TarShards shards(tar_shard_paths(config), so);
+  config.finish();
+  return shards.map([o](const TarRecord& r, SampleContext& ctx) {
+    LabeledSample s = decode_labeled_image(r, o, ctx.rng());
+    return std::vector<Tensor>{std::move(s.image), Tensor::scalar(s.label)};
+  });
+}
 
 class DatasetRegistry {
  public:

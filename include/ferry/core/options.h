@@ -1,0 +1,139 @@
+// ferry/core/options.h — DataLoaderOptions: the loader's options, named and defaulted as
+// torch.utils.data.DataLoader's (ferry/core/dataloader.h has the loader and what each stage does).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "ferry/core/allocator.h"
+#include "ferry/core/dataset.h"
+#include "ferry/core/faults.h"
+#include "ferry/core/rows.h"
+#include "ferry/core/sampler.h"
+#include "ferry/core/trace.h"
+
+namespace ferry {
+
+class PinnedPool;  // ferry/pinning/pool.h
+
+/// Loader options, named and defaulted as torch.utils.data.DataLoader's.
+struct DataLoaderOptions {
+  std::size_t batch_size = 1;
+  /// A seeded RandomSampler (seed, epoch); excludes `sampler`.
+  bool shuffle = false;
+  /// Custom index order; excludes shuffle and batch_sampler.
+  std::shared_ptr<const Sampler> sampler;
+  /// Custom batches; excludes batch_size != 1, shuffle, sampler and drop_last.
+  std::shared_ptr<const BatchSampler> batch_sampler;
+  /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning).
+  int num_workers = 0;
+  bool drop_last = false;
+  /// Longest a batch may take in a worker while the consumer waits for data; 0: no limit. Needs
+  /// num_workers > 0. A worker stuck longer is abandoned and replaced (see "Timeouts" above).
+  std::chrono::milliseconds timeout{0};
+  /// What a damaged or stuck sample costs: its batch (Raise), itself (Skip: the batch comes one
+  /// row short) or nothing (Replace: another sample of the epoch takes its row, by a rule of
+  /// (seed, epoch, index)). See ferry/core/faults.h.
+  OnError on_error = OnError::Raise;
+  /// Skip/Replace: more than this many bad samples in one epoch fail the batch at hand and every
+  /// later one that meets another; 0: no count limit.
+  std::size_t max_errors = 0;
+  /// Skip/Replace: the same as a fraction of the epoch's samples (map-style, or a stream with a
+  /// size()); 0: no limit.
+  double max_error_fraction = 0.1;
+  /// Retries of a transient I/O error (IoError::transient()) before it counts, with a backoff of
+  /// io_retry_backoff, doubling each time.
+  int io_retries = 3;
+  std::chrono::milliseconds io_retry_backoff{10};
+  /// Called for every skipped or replaced sample, on the worker thread that met it, one call at a
+  /// time. May throw: that fails the batch.
+  std::function<void(const SampleError&)> on_sample_error;
+  /// Called once on each worker thread as it starts (each epoch, unless persistent_workers).
+  std::function<void(const WorkerInfo&)> worker_init_fn;
+  /// Keys the shuffle order and every sample's Generator; the default 0 is reproducible, not random.
+  std::uint64_t seed = 0;
+  /// Batches in flight per worker.
+  int prefetch_factor = 2;
+  /// Keep the workers (and worker_init_fn's effects) across epochs. Needs num_workers > 0.
+  bool persistent_workers = false;
+  /// Deliver in sampler order (true) or as batches complete (false).
+  bool in_order = true;
+  /// Deliver batches in pinned (page-locked) memory: a pin thread copies each batch, in order,
+  /// into a block of a bounded, recycled pinned pool. Without a CUDA device this logs one warning
+  /// and delivers pageable batches.
+  bool pin_memory = false;
+  /// How batches reach pinned memory: Direct (collate and get_into write straight into pinned
+  /// blocks; the pin thread has nothing to copy) or Copy (workers collate into recycled pageable
+  /// buffers and the pin thread copies each batch with pin_threads threads). A custom collate_fn
+  /// that allocates its own tensors is copied in either mode.
+  enum class PinMode { Copy, Direct };
+  PinMode pin_mode = PinMode::Direct;
+  /// Hard budget of the pinned pool, in bytes; producers wait when it is reached. A loader without
+  /// pinning keeps its batches' host buffers for reuse up to this many bytes (a retention cap:
+  /// past it buffers are freed, never waited for).
+  std::size_t pinned_memory_limit = std::size_t{2} << 30;
+  /// Threads that copy one large batch into pinned memory (one thread's memcpy is ~12 GB/s).
+  int pin_threads = 4;
+  /// Batches the pin thread may run ahead of the consumer.
+  int pin_depth = 2;
+  /// Use this pool instead of creating one (share it across loaders, or inject one in tests).
+  std::shared_ptr<PinnedPool> pinned_pool;
+  /// Deliver batches on CUDA device N: each pinned batch is copied with cudaMemcpyAsync on a side
+  /// stream and the consumer's stream waits on the copy's event (implies pin_memory). Without a
+  /// usable device, constructing the loader throws CudaError.
+  std::optional<int> device;
+  /// Device batches whose copies are issued ahead of the one being consumed (>= 1). With GPU
+  /// decode the pin thread issues them, and runs pin_depth + device_prefetch batches ahead.
+  int device_prefetch = 2;
+  /// One cudaMemcpyAsync per batch when its tensors lie in one pinned slab.
+  bool device_pack = true;
+  /// With `device`: how batches of row datasets (TensorDataset, NpyDataset, any RowGatherDataset)
+  /// are made. Auto and Device: the GPU gathers each batch's rows straight from the registered host
+  /// arrays, with no worker copy, pin thread or pinned staging (Note [Device gather] in
+  /// ferry/pinning/gather.h); Auto falls back to the host path where that cannot apply and says
+  /// why once (a warning), Device throws an Error saying why. Host: always the host path.
+  Gather gather = Gather::Auto;
+  /// Host memory the device gather may page-lock for a dataset's arrays; a dataset larger than
+  /// this takes the host path (Auto) or is an Error (Device).
+  std::size_t register_memory_limit = std::size_t{64} << 30;
+  /// With `device`, on a host of more than one NUMA node: run the workers, pin thread and their
+  /// helper threads on the device's node and allocate the pinned pool there (Note [NUMA
+  /// placement] in ferry/detail/numa.h). Changes nothing on a one-node host. LoaderStats::numa_node
+  /// says where the loader sits.
+  bool numa_placement = true;
+  /// The consumer's compute stream (a cudaStream_t, borrowed); null: the loader creates one,
+  /// available as loader.stream().
+  void* consumer_stream = nullptr;
+  /// Called on the consumer thread about every `wait_poll_period` while it waits for a batch;
+  /// returning true (or throwing) ends that wait with ferry::Interrupted (or the exception), and
+  /// no batch is lost: the next call waits for the same batch again. For front-ends that must
+  /// notice a signal while the loader waits (the Python module checks for Ctrl-C). Empty: the
+  /// consumer sleeps until its batch is ready.
+  std::function<bool()> wait_poll;
+  std::chrono::milliseconds wait_poll_period{50};
+  /// Threads that work on one batch: its samples are fetched (get / get_into) in that many
+  /// parallel parts and large collate copies (>= 4 MiB) are split, on one oneTBB arena of
+  /// intra_batch_threads x num_workers threads (at most the hardware's). 1: each worker does its
+  /// batch alone. For few, large batches (38 MB images) few workers with several threads each
+  /// gather faster than many single-threaded ones (bench/RESULTS.md).
+  int intra_batch_threads = 1;
+  /// Where batch buffers come from; null means pageable host memory.
+  std::shared_ptr<BatchAllocator> allocator;
+  /// Records per-batch timelines (which thread, which stage, which pinned block) for a Chrome
+  /// trace; see ferry/core/trace.h. Null: no tracing.
+  std::shared_ptr<TraceRecorder> trace;
+};
+
+namespace detail {
+/// Throws ferry::Error naming the first option that is out of range or conflicts with another.
+void validate_options(const DataLoaderOptions& o, bool streaming);
+/// One line naming the options, for the debug log.
+std::string describe_options(const DataLoaderOptions& o, bool streaming);
+}  // namespace detail
+
+}  // namespace ferry

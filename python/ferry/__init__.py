@@ -1,0 +1,212 @@
+"""ferry: a data loader for training loops that feed GPUs, with PyTorch's DataLoader API.
+
+    import ferry, torch
+
+    train = ferry.datasets.image_folder("photos/train", size=224, random_crop=True, decode="gpu")
+    loader = ferry.DataLoader(train, batch_size=256, shuffle=True, num_workers=2, device=0)
+    for epoch in range(10):
+        loader.set_epoch(epoch)
+        for images, labels in loader:      # torch.Tensors on cuda:0, ordered on the current stream
+            ...
+
+Every sample is read, decoded, transformed and collated by ferry's C++ threads; no Python runs per
+sample, and the GIL is released while the loop waits for a batch. Batches reach torch through
+DLPack without a copy: a tensor keeps ferry's buffer alive until torch frees it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Dict, Iterator, Optional, Tuple
+
+from . import _ferry
+from . import datasets
+from ._ferry import (  # noqa: F401  (re-exported)
+    CudaError,
+    DataError,
+    Error,
+    Interrupted,
+    IoError,
+    TimeoutError,
+    WorkerError,
+)
+from .datasets import Dataset, load_plugin  # noqa: F401
+
+__all__ = [
+    "DataLoader", "LoaderStats", "datasets", "load_plugin", "Dataset",
+    "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted",
+]
+__version__ = "0.1.0"
+
+# PyTorch DataLoader arguments ferry does not take, and why.
+_UNSUPPORTED = {
+    "sampler": "ferry samples by shuffle=/seed=; for several processes use ferry's DistributedEnv (C++)",
+    "batch_sampler": "ferry batches by batch_size=/drop_last=",
+    "collate_fn": "ferry collates in C++ (the dataset's fields, stacked)",
+    "worker_init_fn": "ferry's workers are C++ threads that run no Python",
+    "generator": "ferry's randomness is keyed by seed= (and the epoch and sample index)",
+    "multiprocessing_context": "ferry's workers are threads, not processes",
+    "pin_memory_device": "pass device= to receive batches on a GPU",
+}
+
+
+def _torch():
+    import torch  # imported on first use: `import ferry` works without torch
+    import torch.utils.dlpack
+
+    return torch
+
+
+def _device_index(device: Any) -> Optional[int]:
+    if device is None:
+        return None
+    if isinstance(device, numbers.Integral) and not isinstance(device, bool):
+        return int(device)
+    text = str(device)  # "cuda", "cuda:1", torch.device("cuda", 1)
+    if text == "cuda":
+        return _torch().cuda.current_device()
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    raise ValueError(f"DataLoader: device must be a CUDA device (an index, 'cuda:N' or torch.device), got {device!r}")
+
+
+class LoaderStats(dict):
+    """Where the loader's time went: a dict of per-stage seconds, counts and busy fractions.
+
+    str() (and print) gives ferry's report: batches/s, each stage's time and load, the bottleneck.
+    """
+
+    def __str__(self) -> str:
+        return self["report"]
+
+
+class DataLoader:
+    """torch.utils.data.DataLoader's interface over a ferry dataset, run by ferry's C++ threads.
+
+    Args (PyTorch's names and defaults where PyTorch has them):
+        dataset: a ferry dataset (``ferry.datasets.*``); samples are made in C++ only.
+        batch_size, shuffle, drop_last: as in PyTorch.
+        num_workers: worker threads (0: batches made on the consumer's thread, or the pin thread).
+        pin_memory: deliver CPU batches in page-locked memory (torch ``is_pinned()``).
+        timeout: seconds a batch may take in a worker; a worker stuck longer (even in a read that
+            never returns) is abandoned and the batch fails with ferry.TimeoutError (or, with
+            on_error="skip"/"replace", is made again without the stuck sample). 0: no limit.
+        prefetch_factor: batches in flight per worker (default 2).
+        persistent_workers: keep the worker threads across epochs.
+        seed: keys the shuffle and every sample's random transform with the epoch and index: the
+            same seed gives the same batches for any num_workers.
+        device: deliver batches on this CUDA device (an index, "cuda:N" or a torch.device). They
+            are ordered on ``stream`` (default: torch's current stream on that device when the
+            loader is made): kernels on that stream see the batch, with no host synchronization.
+        in_order: deliver in sampler order (True) or as batches complete.
+        on_error: what a damaged or stuck sample costs: "raise" (its batch fails with an
+            exception at its position; the loop may catch it and go on), "skip" (the batch comes
+            one row short) or "replace" (another sample takes its row).
+        max_errors, max_error_fraction: skip/replace limits per epoch.
+        gather: with device, how batches of in-memory or memory-mapped rows (npy) are made:
+            "auto" (the GPU gathers them from registered host memory where it can), "host",
+            "device".
+        pinned_memory_limit: bytes of page-locked memory the loader may hold (default 2 GiB).
+            Batches are recycled from this pool: holding many batches alive (e.g. list(loader))
+            with pin_memory or device makes the loader wait for one to be freed.
+        trace_batches: record the first N batches' timelines (write_trace(path) saves them).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        batch_size: int = 1,
+        shuffle: bool = False,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        prefetch_factor: Optional[int] = None,
+        persistent_workers: bool = False,
+        seed: int = 0,
+        device: Any = None,
+        in_order: bool = True,
+        on_error: str = "raise",
+        max_errors: int = 0,
+        max_error_fraction: float = 0.1,
+        gather: str = "auto",
+        pinned_memory_limit: Optional[int] = None,
+        stream: Any = None,
+        trace_batches: int = 0,
+        **unsupported: Any,
+    ) -> None:
+        for name in unsupported:
+            why = _UNSUPPORTED.get(name)
+            if why is None:
+                raise TypeError(f"DataLoader() got an unexpected keyword argument {name!r}")
+            raise TypeError(f"DataLoader: {name}= is not supported: {why}")
+        if not isinstance(dataset, _ferry.Dataset):
+            raise TypeError(
+                "DataLoader: dataset must be a ferry dataset (ferry.datasets.image_folder, idx, npy, tar, "
+                f"synthetic, or a plugin's through ferry.datasets.registry), got {type(dataset).__name__}")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.device = _device_index(device)
+        torch = None
+        stream_handle = 0
+        if self.device is not None:
+            torch = _torch()
+            if stream is None:
+                stream = torch.cuda.current_stream(self.device)
+            stream_handle = int(getattr(stream, "cuda_stream", stream))
+        self._stream = stream
+        convert = _torch().utils.dlpack.from_dlpack
+        options = _ferry.make_options(
+            batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, pin_memory=pin_memory,
+            drop_last=drop_last, timeout=float(timeout),
+            prefetch_factor=2 if prefetch_factor is None else prefetch_factor,
+            persistent_workers=persistent_workers, seed=seed, device=self.device, in_order=in_order,
+            on_error=on_error, max_errors=max_errors, max_error_fraction=max_error_fraction, gather=gather,
+            pinned_memory_limit=pinned_memory_limit, stream=stream_handle, trace_batches=trace_batches)
+        self._loader = _ferry.Loader(dataset, options, convert)
+
+    def __iter__(self) -> Iterator[Tuple[Any, ...]]:
+        """Starts the next epoch (ending one still in progress) and yields its batches."""
+        return iter(self._loader)
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self._loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch the next iteration runs (its shuffle and random transforms)."""
+        self._loader.set_epoch(epoch)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next iteration runs."""
+        return self._loader.next_epoch
+
+    def stats(self) -> LoaderStats:
+        """Where the time went since the first epoch began (or reset_stats()); print() shows the report."""
+        return LoaderStats(self._loader.stats())
+
+    def reset_stats(self) -> None:
+        self._loader.reset_stats()
+
+    def state_dict(self) -> Dict[str, str]:
+        """Where the loader stands (after the last batch received), to save with a checkpoint."""
+        return {"ferry_loader_state": self._loader.state()}
+
+    def load_state_dict(self, state: Dict[str, str]) -> None:
+        """The next iteration continues where `state` stood, without fetching a consumed sample again."""
+        if "ferry_loader_state" not in state:
+            raise KeyError("load_state_dict: not a ferry DataLoader state (no 'ferry_loader_state' key)")
+        self._loader.restore(state["ferry_loader_state"])
+
+    def write_trace(self, path: str) -> None:
+        """Writes the first trace_batches batches' timelines as a Chrome trace (chrome://tracing, Perfetto)."""
+        self._loader.write_trace(path)
+
+    def close(self) -> None:
+        """Ends the epoch in progress: its workers stop (also done when the loader is freed)."""
+        self._loader.end()
+
+    def __repr__(self) -> str:
+        dev = "" if self.device is None else f", device={self.device}"
+        return f"ferry.DataLoader({self.dataset!r}, batch_size={self.batch_size}{dev})"

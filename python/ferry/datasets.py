@@ -1,0 +1,100 @@
+"""ferry's datasets: each one read, decoded and transformed by ferry's C++ threads.
+
+Every dataset yields samples as a tuple of fields; the loader stacks them into batches
+(image datasets: ``(images, labels)``, labels as int64).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Sequence, Union
+
+from . import _ferry
+from ._ferry import Dataset
+
+__all__ = ["Dataset", "image_folder", "idx", "npy", "tar", "synthetic", "registry", "load_plugin", "registered"]
+
+Floats = Union[float, Sequence[float]]
+
+
+def _value(key: str, value) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, (list, tuple)):
+        return ":".join(_value(key, v) for v in value)
+    text = str(value)
+    if any(c in text for c in ",="):
+        raise ValueError(f"ferry.datasets: option {key}={text!r} may not contain ',' or '='")
+    return text
+
+
+def _config(**options) -> str:
+    return ",".join(f"{k}={_value(k, v)}" for k, v in options.items() if v is not None)
+
+
+def registry(name: str, **options) -> Dataset:
+    """Any dataset the registry knows (the built-in ones, and those a plugin registered), configured
+    with its keys: ``ferry.datasets.registry("ramp", n=1000, dim=16)``. ferry.Error names an
+    unknown dataset or key."""
+    return _ferry.make_dataset(name, _config(**options))
+
+
+def image_folder(root: str, size: int = 224, random_crop: bool = False, channels: int = 3,
+                 float: Optional[bool] = None, mean: Optional[Floats] = None, std: Optional[Floats] = None,
+                 dct_scaling: bool = False, decode: str = "cpu") -> Dataset:
+    """JPEG/PNG images in ``root/<class>/<image>``, labels by class folder (sorted), as
+    ``(image, label)``: uint8 HWC as decoded, or float32 CHW with ``float=True`` or mean/std
+    (normalize, per channel: one value or one per channel).
+
+    random_crop: RandomResizedCrop(size) + horizontal flip, keyed by (seed, epoch, index); else
+    resize of the shorter side + center crop. decode="gpu" decodes JPEGs with nvJPEG on the
+    loader's device (DataLoader(device=...)), with the same crops as the CPU path."""
+    if decode not in ("cpu", "gpu"):
+        raise ValueError(f"image_folder: decode must be 'cpu' or 'gpu', got {decode!r}")
+    return _ferry.make_dataset("image_folder", _config(
+        root=root, size=size, channels=channels, random_crop=random_crop, float=float, mean=mean, std=std,
+        dct_scaling=dct_scaling, decode=decode))
+
+
+def idx(images: str, labels: str, flip: bool = False, float: Optional[bool] = None,
+        mean: Optional[float] = None, std: Optional[float] = None) -> Dataset:
+    """IDX images and labels (the MNIST / Fashion-MNIST format, raw or .gz) as ``(image, label)``:
+    uint8 1x28x28 images, or float32 with ``float=True`` or mean/std; flip: random horizontal flip."""
+    return _ferry.make_dataset("idx", _config(images=images, labels=labels, flip=flip, float=float, mean=mean, std=std))
+
+
+def npy(path: str) -> Dataset:
+    """The rows of a .npy array (memory-mapped) as ``(row,)``. With DataLoader(device=...) the GPU
+    gathers each batch's rows straight from registered host memory (gather="auto")."""
+    return _ferry.make_dataset("npy", _config(path=path))
+
+
+def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size: int = 224,
+        random_crop: bool = False, channels: int = 3, shuffle: bool = True) -> Dataset:
+    """WebDataset-style tar shards (``<key>.jpg`` + ``<key>.cls``) as a stream of ``(image, label)``:
+    ``dir`` (its .tar files) or a list of ``shards``. A stream has no len() and takes no
+    DataLoader(shuffle=...): ``shuffle`` here shuffles the shard order each epoch."""
+    if (dir is None) == (shards is None):
+        raise ValueError("tar: pass dir= or shards=, not both")
+    shard_list: Optional[List[str]] = None if shards is None else list(shards)
+    return _ferry.make_dataset("tar", _config(dir=dir, shards=shard_list, size=size, random_crop=random_crop,
+                                              channels=channels, shuffle=shuffle))
+
+
+def synthetic(n: int = 10000, shape: Sequence[int] = (3, 224, 224), dtype: str = "uint8",
+              throw_rate: float = 0, delay_rate: float = 0, delay_ms: int = 0, fault_seed: int = 0) -> Dataset:
+    """In-memory patterns as ``(sample, label)``: sample i's bytes are all i % 251, its label i % 10.
+    throw_rate/delay_rate/delay_ms inject failures and delays (to try a pipeline's fault handling)."""
+    return _ferry.make_dataset("synthetic", _config(
+        n=n, shape="x".join(str(int(d)) for d in shape), dtype=dtype, throw_rate=throw_rate or None,
+        delay_rate=delay_rate or None, delay_ms=delay_ms or None, fault_seed=fault_seed or None))
+
+
+def load_plugin(path: str) -> List[str]:
+    """Loads a dataset plugin library (ferry/loaders/plugin_abi.h); returns the names it registered,
+    for ``registry(name, ...)``."""
+    return _ferry.load_plugin(path)
+
+
+def registered() -> List[str]:
+    """The dataset names the registry knows."""
+    return _ferry.registered()

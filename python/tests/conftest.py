@@ -1,0 +1,81 @@
+"""Shared fixtures: small data files written by the tests themselves, and the GPU switch.
+
+Tests that need a GPU skip without one, and fail instead under FERRY_REQUIRE_GPU=1 (as the C++
+suite does).
+"""
+
+import os
+import struct
+import tarfile
+import io
+import zlib
+
+import numpy as np
+import pytest
+
+import ferry
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and ferry._ferry.cuda_available()
+
+
+def require_gpu():
+    if gpu_available():
+        return
+    if os.environ.get("FERRY_REQUIRE_GPU") == "1":
+        pytest.fail("FERRY_REQUIRE_GPU=1 but no usable CUDA device (torch and ferry must both see one)")
+    pytest.skip("needs a CUDA device")
+
+
+def png_bytes(width: int, height: int, seed: int) -> bytes:
+    """An RGB PNG of a smooth pattern (zlib, no imaging library)."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, size=3)
+    y, x = np.mgrid[0:height, 0:width]
+    img = np.stack([(base[c] + x * (c + 1) + y * (3 - c)) % 256 for c in range(3)], axis=-1).astype(np.uint8)
+    raw = b"".join(b"\x00" + img[r].tobytes() for r in range(height))
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+@pytest.fixture(scope="session")
+def rows_npy(tmp_path_factory):
+    """A .npy of 1,000 rows of 3x8x8 uint8, row i filled from a rule of i, and the array."""
+    path = tmp_path_factory.mktemp("npy") / "rows.npy"
+    rng = np.random.default_rng(7)
+    array = rng.integers(0, 256, size=(1000, 3, 8, 8), dtype=np.uint8)
+    np.save(path, array)
+    return str(path), array
+
+
+@pytest.fixture(scope="session")
+def image_root(tmp_path_factory):
+    """An image folder of 3 classes x 8 PNGs (sizes vary), and one damaged file in class 'b'."""
+    root = tmp_path_factory.mktemp("images")
+    for c, name in enumerate(["a", "b", "c"]):
+        (root / name).mkdir()
+        for i in range(8):
+            (root / name / f"{i:02d}.png").write_bytes(png_bytes(40 + 3 * i, 30 + 2 * c, seed=10 * c + i))
+    return root
+
+
+@pytest.fixture(scope="session")
+def tar_dir(tmp_path_factory):
+    """Two WebDataset shards of 6 records each: <key>.png + <key>.cls."""
+    d = tmp_path_factory.mktemp("shards")
+    for s in range(2):
+        with tarfile.open(d / f"shard-{s}.tar", "w") as tar:
+            for r in range(6):
+                key = f"s{s}r{r}"
+                for ext, data in (("png", png_bytes(32, 24, seed=100 * s + r)), ("cls", str(r % 3).encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    return d
