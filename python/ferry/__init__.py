@@ -163,6 +163,7 @@ class DataLoader:
             persistent_workers=persistent_workers, seed=seed, device=self.device, in_order=in_order,
             on_error=on_error, max_errors=max_errors, max_error_fraction=max_error_fraction, gather=gather,
             pinned_memory_limit=pinned_memory_limit, stream=stream_handle, trace_batches=trace_batches)
+        self._options = options
         self._loader = _ferry.Loader(dataset, options, convert)
 
     def __iter__(self) -> Iterator[Tuple[Any, ...]]:

@@ -333,6 +333,32 @@ std::vector<std::vector<nb::bytes>> reference_batches(const PyDataset& dataset, 
   return out;
 }
 
+// Runs a plain C++ loop over the same loader: `warmup` batches, then `batches` timed ones (whole
+// epochs, as many as needed); returns the timed seconds. The C++ side of the benchmark's
+// Python-against-C++ ratio. Device batches are dropped as they come (their buffers are reused
+// behind the consumer stream's events), so the caller synchronizes the device after.
+double cpp_seconds(const PyDataset& dataset, const ferry::DataLoaderOptions& options, std::size_t warmup, std::size_t batches) {
+  nb::gil_scoped_release nogil;
+  auto run = [&](auto&& loader) {
+    auto t0 = std::chrono::steady_clock::now();
+    std::size_t n = 0;
+    const std::size_t total = warmup + batches;
+    while (n < total) {
+      const std::size_t before = n;
+      for (auto& b : loader) {
+        (void)b;
+        if (++n == warmup) t0 = std::chrono::steady_clock::now();
+        if (n == total) break;
+      }
+      if (n == before) throw ferry::Error("cpp_seconds: the loader delivers no batches");
+    }
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  if (dataset.gpu_images) return run(ferry::DataLoader(*dataset.gpu_images, options));
+  if (dataset.dynamic) return run(ferry::DataLoader(*dataset.dynamic, options));
+  throw ferry::Error("cpp_seconds: map-style datasets only");
+}
+
 // --- exceptions -----------------------------------------------------------------------------------
 
 struct Exceptions {
@@ -438,5 +464,7 @@ NB_MODULE(_ferry, m) {
 
   m.def("reference_batches", &reference_batches, "dataset"_a, "options"_a, "epoch"_a,
         "A plain C++ DataLoader's batches as bytes (tests).");
+  m.def("cpp_seconds", &cpp_seconds, "dataset"_a, "options"_a, "warmup"_a, "batches"_a,
+        "Seconds a C++ loop takes for `batches` batches of the same loader (benchmarks).");
   m.def("cuda_available", [] { return ferry::cuda::device_count() > 0; }, "Whether ferry sees a CUDA device.");
 }
