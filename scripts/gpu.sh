@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|multi|gather]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|multi|gather|python]
+# python: the Python package as a user installs it (pip install --no-build-isolation ., into an
+# environment over this host's Python, which has torch, torchvision, nanobind and
+# scikit-build-core), its pytest suite with FERRY_REQUIRE_GPU=1, the demo in Python on the GPU,
+# and bench/python_loop.py (Python against the C++ loop and PyTorch's DataLoader). It builds
+# nothing else (PYTHON_BENCH=0 leaves the benchmark out).
 # gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
 # DataLoader on the same workloads.
 # images: the image path alone, most important first (for short device time): the GPU suite, GPU
@@ -31,17 +36,39 @@ cat "$OUT/machine.txt"
 zlib=$(ls /usr/lib/x86_64-linux-gnu/libz.so.1 /lib/x86_64-linux-gnu/libz.so.1 2>/dev/null | head -1)
 # NCCL (the data-parallel example and test): the toolkit's, else PyPI's nvidia-nccl wheel's.
 nccl_root=$(python3 -c 'import nvidia.nccl as m; print(list(m.__path__)[0])' 2>/dev/null || true)
+links() {  # links SRC DST N: N symbolic links to each tile of SRC, in DST's class folders
+  [ -d "$2" ] && return
+  for d in "$1"/*/; do c=$(basename "$d"); ls "$d"*.jpg > /dev/null 2>&1 || continue; mkdir -p "$2/$c"
+    for i in $(seq "$3"); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$2/$c/${i}_$(basename "$f")"; done; done; done
+}
+if [ "$what" = python ]; then
+  rc=0
+  python3 -m venv --system-site-packages /tmp/ferry-venv
+  PY=/tmp/ferry-venv/bin/python
+  export CMAKE_BUILD_PARALLEL_LEVEL=16
+  $PY -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/python-gpu \
+    -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C cmake.define.CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+    -C cmake.define.ZLIB_LIBRARY="$zlib" -C cmake.define.ZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/pip-install.log" 2>&1 \
+    || { grep -E "error|Error" -A3 "$OUT/pip-install.log" | head -60; exit 1; }
+  $PY -c 'import ferry, torch, nanobind; print("ferry", ferry.__version__, "from", ferry.__file__, "torch", torch.__version__, "nanobind", nanobind.__version__)' | tee "$OUT/python-versions.txt"
+  (cd /tmp && FERRY_REQUIRE_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider -rs "$OLDPWD/python/tests" 2>&1;
+   echo "pytest exit status $?") | tee "$OUT/pytest.txt"
+  grep -q "pytest exit status 0" "$OUT/pytest.txt" || rc=1
+  timeout 120 $PY python/examples/fashion_mnist.py --data $prefix/usr/share/datasets/fashion-mnist --device 0 --epochs 3 \
+    --min-accuracy 0.80 2>&1 | tee "$OUT/demo-python.txt" || rc=1
+  if [ "${PYTHON_BENCH:-1}" = 1 ]; then
+    links build/bench-data/photos /tmp/ferry-photos60 60
+    PYTHONUNBUFFERED=1 timeout 420 $PY bench/python_loop.py --data /tmp/ferry-rows --images /tmp/ferry-photos60 \
+      ${PYTHON_ARGS:-} 2>&1 | tee "$OUT/python_loop.md"
+  fi
+  exit $rc
+fi
 cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_TEST_INSTALL=OFF -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
   -DFERRY_NCCL_ROOT="$nccl_root" \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DFERRY_FASHION_MNIST_DIR=$prefix/usr/share/datasets/fashion-mnist -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
 cmake --build build/gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = build ]; then exit 0; fi
-links() {  # links SRC DST N: N symbolic links to each tile of SRC, in DST's class folders
-  [ -d "$2" ] && return
-  for d in "$1"/*/; do c=$(basename "$d"); ls "$d"*.jpg > /dev/null 2>&1 || continue; mkdir -p "$2/$c"
-    for i in $(seq "$3"); do for f in "$d"*.jpg; do ln -s "$PWD/$f" "$2/$c/${i}_$(basename "$f")"; done; done; done
-}
 if [ "$what" = test ] || [ "$what" = all ] || [ "$what" = gather ]; then
   (cd build/gpu && FERRY_REQUIRE_GPU=1 ctest --output-on-failure --timeout 240 -j 4 2>&1 | tee "$OUT/ctest.log" | tail -25)
   grep -q "100% tests passed" "$OUT/ctest.log" || rc=1

@@ -147,7 +147,6 @@ class DataLoader:
         self.dataset = dataset
         self.batch_size = batch_size
         self.device = _device_index(device)
-        torch = None
         stream_handle = 0
         if self.device is not None:
             torch = _torch()
@@ -155,7 +154,10 @@ class DataLoader:
                 stream = torch.cuda.current_stream(self.device)
             stream_handle = int(getattr(stream, "cuda_stream", stream))
         self._stream = stream
-        convert = _torch().utils.dlpack.from_dlpack
+        torch = _torch()
+        # torch's C importer of DLPack capsules (what torch.utils.dlpack.from_dlpack calls for a
+        # capsule, without its Python-level checks: a few microseconds a tensor).
+        convert = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
         options = _ferry.make_options(
             batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, pin_memory=pin_memory,
             drop_last=drop_last, timeout=float(timeout),
