@@ -2,9 +2,9 @@
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
 # Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|multi|gather|python]
-# python: the Python package as a user installs it (pip install --no-build-isolation ., into an
-# environment over this host's Python, which has torch, torchvision, nanobind and
-# scikit-build-core), its pytest suite with FERRY_REQUIRE_GPU=1, the demo in Python on the GPU,
+# python: the Python package as a user installs it (pip install --no-build-isolation ., into the
+# host's Python environment, which has torch, torchvision, nanobind and scikit-build-core), its
+# pytest suite with FERRY_REQUIRE_GPU=1, the demo in Python on the GPU,
 # and bench/python_loop.py (Python against the C++ loop and PyTorch's DataLoader). It builds
 # nothing else (PYTHON_BENCH=0 leaves the benchmark out).
 # gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
@@ -43,8 +43,7 @@ links() {  # links SRC DST N: N symbolic links to each tile of SRC, in DST's cla
 }
 if [ "$what" = python ]; then
   rc=0
-  python3 -m venv --system-site-packages /tmp/ferry-venv
-  PY=/tmp/ferry-venv/bin/python
+  PY=$(command -v python3)  # the host's torch environment (a venv of its own: install into it)
   export CMAKE_BUILD_PARALLEL_LEVEL=16
   $PY -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/python-gpu \
     -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C cmake.define.CMAKE_POLICY_VERSION_MINIMUM=3.5 \
