@@ -45,6 +45,11 @@ if [ "$what" = python ]; then
   rc=0
   PY=$(command -v python3)  # the host's torch environment (a venv of its own: install into it)
   export CMAKE_BUILD_PARALLEL_LEVEL=16
+  # The system compiler, whose libstdc++ is the one the Python process loads: this host's default
+  # $CXX (/opt/gcc) links parts of its own libstdc++ into each library, and such a copy crashed
+  # on the Python process's locale (in an ostringstream) where a C++ program did not.
+  export CC=/usr/bin/gcc CXX=/usr/bin/g++
+  rm -rf build/python-gpu
   $PY -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/python-gpu \
     -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C cmake.define.CMAKE_POLICY_VERSION_MINIMUM=3.5 \
     -C cmake.define.ZLIB_LIBRARY="$zlib" -C cmake.define.ZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/pip-install.log" 2>&1 \
