@@ -145,6 +145,9 @@ def main():
     ap.add_argument("--batches", type=int, default=400)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--gathers", default="host,device",
+                    help="the row paths to run: host (workers copy rows into pinned blocks), device (the GPU gathers "
+                         "them from the registered .npy mapping)")
     args = ap.parse_args()
     os.makedirs(args.data, exist_ok=True)
     print(f"# python_loop — ferry {ferry.__version__} from Python {'.'.join(map(str, os.sys.version_info[:3]))}, "
@@ -164,12 +167,14 @@ def main():
 
     print("\n## throughput, batches on cuda:0\n")
     print("| workload | pipeline | workers | batches/s | busy cores | Python / C++ |\n|---|---|---:|---:|---:|---:|")
+    gathers = args.gathers.split(",")
     results = {}
     batches = {"(a)": args.batches, "(b)": args.batches * 10, "img": args.batches // 4}
     for name, path, workers in workloads:
+        paths = [(g, workers if g == "host" else 0) for g in gathers]
         key = name[:3]
         n = batches[key]
-        for gather, w in (("host", workers), ("device", 0)):
+        for gather, w in paths:
             loader = ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True, num_workers=w,
                                       device=0, gather=gather)
             py, py_cores = median_rate(py_pass, loader, 20, n, args.runs)
@@ -202,7 +207,8 @@ def main():
     print("| workload | loader | workers | step alone | steps | wall | GPU waiting for data |\n"
           "|---|---|---:|---:|---:|---:|---:|")
     for name, path, workers in workloads:
-        for gather, w in (("host", workers), ("device", 0)):
+        paths = [(g, workers if g == "host" else 0) for g in gathers]
+        for gather, w in paths:
             loader = ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True, num_workers=w,
                                       device=0, gather=gather)
             base, wall, wait = training_loop(loader, False, 10.0, args.steps, cycles)
@@ -227,7 +233,7 @@ def main():
     print("\n## time to first batch ((a), batch 256, on cuda:0)\n")
     print("| loader | workers | first batch |\n|---|---:|---:|")
     path = workloads[0][1]
-    for gather, w in (("host", 12), ("host", 16), ("device", 0)):
+    for gather, w in [("host", 12), ("host", 16)] + [("device", 0)] * ("device" in gathers):
         ms, loader = first_batch_ms(lambda: ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True,
                                                              num_workers=w, device=0, gather=gather))
         print(f"| ferry.DataLoader (Python), gather={gather} | {w} | {ms:.0f} ms |", flush=True)

@@ -38,6 +38,8 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+_CUDA_STREAM_LEGACY = 0x1  # cudaStreamLegacy (driver_types.h)
+
 # PyTorch DataLoader arguments ferry does not take, and why.
 _UNSUPPORTED = {
     "sampler": "ferry samples by shuffle=/seed=; for several processes use ferry's DistributedEnv (C++)",
@@ -153,6 +155,10 @@ class DataLoader:
             if stream is None:
                 stream = torch.cuda.current_stream(self.device)
             stream_handle = int(getattr(stream, "cuda_stream", stream))
+            if stream_handle == 0:
+                # torch's default stream is CUDA's legacy default stream (handle 0); ferry takes a
+                # null consumer stream to mean "make one", so name the legacy stream explicitly.
+                stream_handle = _CUDA_STREAM_LEGACY
         self._stream = stream
         torch = _torch()
         # torch's C importer of DLPack capsules (what torch.utils.dlpack.from_dlpack calls for a
