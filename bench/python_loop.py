@@ -8,7 +8,8 @@ float32, both from a .npy (memory-mapped), and, with --images, JPEGs decoded on 
     loop in the same process (ferry._ferry.cpp_seconds), and torch.utils.data.DataLoader over the
     same rows (pin_memory, .to(cuda, non_blocking=True)); median of --runs passes after a warm-up;
   * training loop: a 10 ms GPU step (torch.cuda._sleep, synchronized each step) per batch; GPU
-    waiting for data = 1 - steps x step alone / wall;
+    waiting for data = 1 - steps x step alone / wall, and the share of the wall spent waiting for
+    epochs' first batches ((a)'s file is 16 batches an epoch; both loaders restart each epoch);
   * time to first batch: DataLoader(...) to the first batch in hand.
 Usage: python_loop.py --data DIR [--images DIR] [--batches 400] [--runs 3]
 """
@@ -31,8 +32,10 @@ def cpu_seconds():
     return r.ru_utime + r.ru_stime
 
 
-def py_pass(loader, warmup, batches):
-    """Seconds and busy cores for `batches` batches after `warmup`, iterating epochs as needed."""
+def py_pass(make, warmup, batches):
+    """Seconds and busy cores for `batches` batches after `warmup`, iterating epochs as needed, from
+    a fresh loader (as cpp_pass's C++ loop makes one)."""
+    loader = make()
     n, t0, c0 = 0, time.perf_counter(), cpu_seconds()
     while n < warmup + batches:
         for _ in loader:
@@ -47,7 +50,8 @@ def py_pass(loader, warmup, batches):
     return wall, (cpu_seconds() - c0) / wall
 
 
-def cpp_pass(loader, warmup, batches):
+def cpp_pass(make, warmup, batches):
+    loader = make()
     c0 = cpu_seconds()
     t0 = time.perf_counter()
     seconds = _ferry.cpp_seconds(loader.dataset, loader._options, warmup, batches)
@@ -70,22 +74,23 @@ class NpyRows(TorchDataset):
 
 
 def torch_loader(path, workers, batches):
+    # Shuffled epochs of the whole file, as ferry's (shuffle=True): both pay each epoch's start.
     ds = NpyRows(path)
-    sampler = RandomSampler(ds, replacement=True, num_samples=10 ** 8)
-    return TorchLoader(ds, batch_size=256, sampler=sampler, num_workers=workers, pin_memory=True,
+    return TorchLoader(ds, batch_size=256, sampler=RandomSampler(ds), num_workers=workers, pin_memory=True,
                        persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
 
 
 def torch_pass(loader, warmup, batches):
     n, t0 = 0, time.perf_counter()
-    for x in loader:
-        x.to("cuda", non_blocking=True)
-        n += 1
-        if n == warmup:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-        if n == warmup + batches:
-            break
+    while n < warmup + batches:
+        for x in loader:
+            x.to("cuda", non_blocking=True)
+            n += 1
+            if n == warmup:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            if n == warmup + batches:
+                break
     torch.cuda.synchronize()
     return time.perf_counter() - t0, float("nan")
 
@@ -106,27 +111,34 @@ def calibrate():
 
 
 def training_loop(loader, to_device, step_ms, steps, cycles_per_ms):
+    """GPU waiting for data over `steps` steps (after 10), and the part of it spent at epochs' starts."""
     cycles = int(step_ms * cycles_per_ms)
     t0 = time.perf_counter()
     for _ in range(30):
         torch.cuda._sleep(cycles)
         torch.cuda.synchronize()
     base_ms = (time.perf_counter() - t0) * 1e3 / 30
-    step, t0 = 0, time.perf_counter()
+    step, t0, starts = 0, time.perf_counter(), 0.0
+    it = iter(loader)
     while step < steps + 10:
-        for batch in loader:
-            if step == 10:
-                t0 = time.perf_counter()
-            if step == steps + 10:
-                break
-            x = batch[0] if isinstance(batch, (tuple, list)) else batch
-            if to_device:
-                x = x.to("cuda", non_blocking=True)
-            torch.cuda._sleep(cycles)
-            torch.cuda.synchronize()
-            step += 1
+        a = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            it = iter(loader)  # a new epoch: its first batch waits for the pipeline to fill
+            batch = next(it)
+            if step >= 10:
+                starts += time.perf_counter() - a
+        if step == 10:
+            t0 = time.perf_counter()
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if to_device:
+            x = x.to("cuda", non_blocking=True)
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+        step += 1
     wall = (time.perf_counter() - t0) * 1e3
-    return base_ms, wall, max(0.0, 1 - steps * base_ms / wall)
+    return base_ms, wall, max(0.0, 1 - steps * base_ms / wall), starts * 1e3 / wall
 
 
 def first_batch_ms(make):
@@ -175,59 +187,55 @@ def main():
         key = name[:3]
         n = batches[key]
         for gather, w in paths:
-            loader = ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True, num_workers=w,
-                                      device=0, gather=gather)
-            py, py_cores = median_rate(py_pass, loader, 20, n, args.runs)
-            cpp, cpp_cores = median_rate(cpp_pass, loader, 20, n, args.runs)
+            def make():
+                return ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True, num_workers=w,
+                                        device=0, gather=gather)
+            py, py_cores = median_rate(py_pass, make, 20, n, args.runs)
+            cpp, cpp_cores = median_rate(cpp_pass, make, 20, n, args.runs)
             results[(key, gather)] = (py, cpp)
             print(f"| {name} | ferry.DataLoader (Python), gather={gather} | {w} | {py:,.0f} | {py_cores:.2f} | "
                   f"{py / cpp:.2f} |")
             print(f"| {name} | ferry C++ loop, the same loader options | {w} | {cpp:,.0f} | {cpp_cores:.2f} | |",
                   flush=True)
-            del loader
         tl = torch_loader(path, workers, n)
         tr, _ = median_rate(torch_pass, tl, 20, n, args.runs)
         print(f"| {name} | torch DataLoader, pin_memory, .to(cuda) | {workers} | {tr:,.0f} | — | |", flush=True)
         del tl
-    if args.images:
-        loader = ferry.DataLoader(
-            ferry.datasets.image_folder(args.images, size=224, random_crop=True, decode="gpu",
-                                        mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
-            batch_size=256, shuffle=True, num_workers=2, device=0)
-        py, py_cores = median_rate(py_pass, loader, 8, batches["img"], args.runs)
-        cpp, cpp_cores = median_rate(cpp_pass, loader, 8, batches["img"], args.runs)
+    images = None if not args.images else ferry.datasets.image_folder(
+        args.images, size=224, random_crop=True, decode="gpu", mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    if images is not None:
+        def make():
+            return ferry.DataLoader(images, batch_size=256, shuffle=True, num_workers=2, device=0)
+        py, py_cores = median_rate(py_pass, make, 8, batches["img"], args.runs)
+        cpp, cpp_cores = median_rate(cpp_pass, make, 8, batches["img"], args.runs)
         print(f"| images, GPU decode | ferry.DataLoader (Python) | 2 | {py:,.1f} ({py * 256:,.0f} images/s) | "
               f"{py_cores:.2f} | {py / cpp:.2f} |")
         print(f"| images, GPU decode | ferry C++ loop, the same loader options | 2 | {cpp:,.1f} ({cpp * 256:,.0f} "
               f"images/s) | {cpp_cores:.2f} | |", flush=True)
-        del loader
 
     cycles = calibrate()
     print("\n## training loop: 10 ms GPU step per batch of 256, synchronized each step\n")
-    print("| workload | loader | workers | step alone | steps | wall | GPU waiting for data |\n"
-          "|---|---|---:|---:|---:|---:|---:|")
+    print("| workload | loader | workers | step alone | steps | wall | GPU waiting for data | of it, at epochs' starts |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|")
     for name, path, workers in workloads:
         paths = [(g, workers if g == "host" else 0) for g in gathers]
         for gather, w in paths:
             loader = ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True, num_workers=w,
                                       device=0, gather=gather)
-            base, wall, wait = training_loop(loader, False, 10.0, args.steps, cycles)
+            base, wall, wait, starts = training_loop(loader, False, 10.0, args.steps, cycles)
             print(f"| {name} | ferry.DataLoader (Python), gather={gather} | {w} | {base:.2f} ms | {args.steps} | "
-                  f"{wall:.0f} ms | {100 * wait:.2f}% |", flush=True)
+                  f"{wall:.0f} ms | {100 * wait:.2f}% | {100 * starts:.2f}% |", flush=True)
             del loader
         tl = torch_loader(path, workers, args.steps)
-        base, wall, wait = training_loop(tl, True, 10.0, args.steps, cycles)
+        base, wall, wait, starts = training_loop(tl, True, 10.0, args.steps, cycles)
         print(f"| {name} | torch DataLoader, pin_memory | {workers} | {base:.2f} ms | {args.steps} | {wall:.0f} ms | "
-              f"{100 * wait:.2f}% |", flush=True)
+              f"{100 * wait:.2f}% | {100 * starts:.2f}% |", flush=True)
         del tl
-    if args.images:
-        loader = ferry.DataLoader(
-            ferry.datasets.image_folder(args.images, size=224, random_crop=True, decode="gpu",
-                                        mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
-            batch_size=256, shuffle=True, num_workers=2, device=0)
-        base, wall, wait = training_loop(loader, False, 10.0, args.steps // 2, cycles)
+    if images is not None:
+        loader = ferry.DataLoader(images, batch_size=256, shuffle=True, num_workers=2, device=0)
+        base, wall, wait, starts = training_loop(loader, False, 10.0, args.steps // 2, cycles)
         print(f"| images, GPU decode | ferry.DataLoader (Python) | 2 | {base:.2f} ms | {args.steps // 2} | "
-              f"{wall:.0f} ms | {100 * wait:.2f}% |", flush=True)
+              f"{wall:.0f} ms | {100 * wait:.2f}% | {100 * starts:.2f}% |", flush=True)
         del loader
 
     print("\n## time to first batch ((a), batch 256, on cuda:0)\n")
