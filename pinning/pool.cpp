@@ -2,6 +2,7 @@
 #include "ferry/pinning/pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -17,10 +18,19 @@
 namespace ferry {
 namespace {
 
+std::atomic<std::size_t> g_process_pinned_bytes{0};  // every CudaHostBackend's live allocations
+
 class CudaHostBackend final : public HostBackend {
  public:
-  void* allocate(std::size_t bytes) override { return cuda::host_alloc(bytes); }
-  void free(void* p, std::size_t) noexcept override { cuda::host_free(p); }
+  void* allocate(std::size_t bytes) override {
+    void* p = cuda::host_alloc(bytes);
+    g_process_pinned_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    return p;
+  }
+  void free(void* p, std::size_t bytes) noexcept override {
+    cuda::host_free(p);
+    g_process_pinned_bytes.fetch_sub(bytes, std::memory_order_relaxed);
+  }
   Device device() const noexcept override { return Device::pinned(); }
 };
 
@@ -263,4 +273,6 @@ Storage DepthCheckedAllocator::allocate(std::size_t nbytes) {
 }
 
 }  // namespace detail
+std::size_t PinnedPool::process_pinned_bytes() noexcept { return g_process_pinned_bytes.load(std::memory_order_relaxed); }
+
 }  // namespace ferry

@@ -4,6 +4,24 @@
 #include "ferry/core/options.h"
 #include "ferry/core/rows.h"
 
+namespace ferry {
+
+OnError parse_on_error(const std::string& text, const std::string& what) {
+  if (text == "raise") return OnError::Raise;
+  if (text == "skip") return OnError::Skip;
+  if (text == "replace") return OnError::Replace;
+  throw Error(what + " must be raise, skip or replace, got '" + text + "'");
+}
+
+Gather parse_gather(const std::string& text, const std::string& what) {
+  if (text == "auto") return Gather::Auto;
+  if (text == "host") return Gather::Host;
+  if (text == "device") return Gather::Device;
+  throw Error(what + " must be auto, host or device, got '" + text + "'");
+}
+
+}  // namespace ferry
+
 namespace ferry::detail {
 
 void validate_options(const DataLoaderOptions& o, bool streaming) {

@@ -261,16 +261,10 @@ ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int 
     o.device = *device;
   }
   o.in_order = in_order;
-  if (on_error == "raise") o.on_error = ferry::OnError::Raise;
-  else if (on_error == "skip") o.on_error = ferry::OnError::Skip;
-  else if (on_error == "replace") o.on_error = ferry::OnError::Replace;
-  else throw ferry::Error("DataLoader: on_error must be 'raise', 'skip' or 'replace', got '" + on_error + "'");
+  o.on_error = ferry::parse_on_error(on_error, "DataLoader: on_error");
   o.max_errors = max_errors;
   o.max_error_fraction = max_error_fraction;
-  if (gather == "auto") o.gather = ferry::Gather::Auto;
-  else if (gather == "host") o.gather = ferry::Gather::Host;
-  else if (gather == "device") o.gather = ferry::Gather::Device;
-  else throw ferry::Error("DataLoader: gather must be 'auto', 'host' or 'device', got '" + gather + "'");
+  o.gather = ferry::parse_gather(gather, "DataLoader: gather");
   if (pinned_memory_limit) o.pinned_memory_limit = *pinned_memory_limit;
   o.consumer_stream = reinterpret_cast<void*>(stream);
   if (trace_batches < 0) throw ferry::Error("DataLoader: trace_batches must be >= 0");
@@ -466,5 +460,7 @@ NB_MODULE(_ferry, m) {
         "A plain C++ DataLoader's batches as bytes (tests).");
   m.def("cpp_seconds", &cpp_seconds, "dataset"_a, "options"_a, "warmup"_a, "batches"_a,
         "Seconds a C++ loop takes for `batches` batches of the same loader (benchmarks).");
+  m.def("pinned_bytes", &ferry::PinnedPool::process_pinned_bytes,
+        "Page-locked bytes ferry's pinned pools hold now, in this process (tests).");
   m.def("cuda_available", [] { return ferry::cuda::device_count() > 0; }, "Whether ferry sees a CUDA device.");
 }

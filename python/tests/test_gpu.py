@@ -67,21 +67,24 @@ def test_ten_thousand_batches_intact_behind_a_slow_consumer_stream():
     assert np.array_equal(labels.cpu().numpy(), (idx % 10).sum(axis=1))
 
 
-def test_a_loader_freed_mid_epoch_returns_its_threads_and_device_memory(rows_npy):
+def test_a_loader_freed_mid_epoch_returns_its_threads_pinned_blocks_and_device_memory(rows_npy):
     path, _ = rows_npy
     torch.cuda.synchronize()
     threads = len(os.listdir("/proc/self/task"))
     free_before = torch.cuda.mem_get_info(0)[0]
+    assert ferry._ferry.pinned_bytes() == 0
     loader = ferry.DataLoader(ferry.datasets.npy(path), batch_size=100, num_workers=4, device=0, gather="host")
     it = iter(loader)
     kept = next(it)[0]
     next(it)
+    assert ferry._ferry.pinned_bytes() > 0
     del it, loader
     gc.collect()
     assert kept.sum().item() >= 0  # a batch still held stays readable
     del kept
     gc.collect()
     torch.cuda.synchronize()
+    assert ferry._ferry.pinned_bytes() == 0  # every pinned block freed
     deadline = time.monotonic() + 10
     while len(os.listdir("/proc/self/task")) > threads and time.monotonic() < deadline:
         time.sleep(0.01)

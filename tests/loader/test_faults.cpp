@@ -472,3 +472,14 @@ TEST_CASE("contradictory fault options are refused", "[faults][errors]") {
   o.io_retries = -1;
   CHECK_THROWS_WITH(DataLoader(Rows{}, o), Catch::Contains("io_retries must be >= 0"));
 }
+
+TEST_CASE("the front-ends' spellings of on_error and gather", "[faults][options]") {
+  CHECK(parse_on_error("raise") == OnError::Raise);
+  CHECK(parse_on_error("skip") == OnError::Skip);
+  CHECK(parse_on_error("replace") == OnError::Replace);
+  CHECK_THROWS_WITH(parse_on_error("ignore", "--on-error"), "--on-error must be raise, skip or replace, got 'ignore'");
+  CHECK(parse_gather("auto") == Gather::Auto);
+  CHECK(parse_gather("host") == Gather::Host);
+  CHECK(parse_gather("device") == Gather::Device);
+  CHECK_THROWS_WITH(parse_gather("Device"), "gather must be auto, host or device, got 'Device'");
+}

@@ -129,6 +129,11 @@ struct DataLoaderOptions {
   std::shared_ptr<TraceRecorder> trace;
 };
 
+/// The front-ends' spellings: "raise" / "skip" / "replace" and "auto" / "host" / "device".
+/// ferry::Error "<what> must be ..., got '<text>'" for anything else.
+OnError parse_on_error(const std::string& text, const std::string& what = "on_error");
+Gather parse_gather(const std::string& text, const std::string& what = "gather");
+
 namespace detail {
 /// Throws ferry::Error naming the first option that is out of range or conflicts with another.
 void validate_options(const DataLoaderOptions& o, bool streaming);

@@ -85,6 +85,9 @@ struct PinnedPoolStats {
 
 class PinnedPool final : public BatchAllocator {
  public:
+  /// Page-locked bytes the pinned pools of this process hold now (cudaHostAlloc'd, not yet
+  /// freed; test backends not counted): 0 once every pool and every batch from one is gone.
+  static std::size_t process_pinned_bytes() noexcept;
   explicit PinnedPool(PinnedPoolOptions options = {});
   ~PinnedPool() override;
   PinnedPool(const PinnedPool&) = delete;
