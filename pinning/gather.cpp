@@ -7,7 +7,6 @@
 // host path).
 #include "ferry/pinning/gather.h"
 
-#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -86,20 +85,6 @@ std::string cuda_message(cudaError_t e) {
   cudaGetLastError();
   return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
 }
-// Maps every page of [begin, end) into the process before cudaHostRegister pins it (Note [Device
-// gather], "registration"): a .npy mapping whose pages were not yet faulted in made the
-// registration spin in the kernel and never return on an H100 VM host.
-void fault_in(std::uintptr_t begin, std::uintptr_t end) {
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22  // Linux 5.14
-#endif
-  if (end <= begin) return;
-  if (madvise(reinterpret_cast<void*>(begin), end - begin, MADV_POPULATE_READ) == 0) return;
-  const auto page = static_cast<std::uintptr_t>(sysconf(_SC_PAGESIZE));
-  unsigned char sum = 0;
-  for (std::uintptr_t a = begin; a < end; a += page) sum ^= *reinterpret_cast<const volatile unsigned char*>(a);
-  (void)sum;
-}
 }  // namespace
 
 RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device, std::size_t limit_bytes) : device_(device) {
@@ -134,7 +119,6 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
       if (it != g.ranges.end() && it->first < r.end)
         throw CudaError("device gather: " + arrays[r.array].name + " shares pages with memory another loader registered differently");
       void* p = reinterpret_cast<void*>(r.begin);
-      fault_in(r.begin, r.end);
       const cudaError_t e = cudaHostRegister(p, r.end - r.begin, flags);
       if (e == cudaErrorHostMemoryAlreadyRegistered) {
         cudaGetLastError();
