@@ -171,10 +171,13 @@ Tensor read_npy(const std::string& path) {
 std::vector<HostRows> NpyDataset::host_rows(std::string& why) const {
   (void)why;
   return {{array_.raw(), array_.size(0), array_.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(array_.size(0), 1)),
-           array_.dtype(), Shape(array_.shape().begin() + 1, array_.shape().end()), name_}};
+           array_.dtype(), Shape(array_.shape().begin() + 1, array_.shape().end()), name_, mapped_}};
 }
 
-NpyDataset::NpyDataset(const std::string& path) : NpyDataset(read_npy(path)) { name_ = path; }
+NpyDataset::NpyDataset(const std::string& path) : NpyDataset(read_npy(path)) {
+  name_ = path;
+  mapped_ = true;
+}
 
 NpyDataset::NpyDataset(Tensor array) : array_(std::move(array)), name_("NpyDataset") {
   if (!array_.defined() || array_.dim() == 0)

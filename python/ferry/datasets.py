@@ -63,8 +63,9 @@ def idx(images: str, labels: str, flip: bool = False, float: Optional[bool] = No
 
 
 def npy(path: str) -> Dataset:
-    """The rows of a .npy array (memory-mapped) as ``(row,)``. With DataLoader(device=...) the GPU
-    gathers each batch's rows straight from registered host memory (gather="auto")."""
+    """The rows of a .npy array (memory-mapped) as ``(row,)``. With DataLoader(device=...,
+    gather="device") the GPU gathers each batch's rows straight from the registered mapping;
+    gather="auto" leaves a mapped file to the workers (see ferry/pinning/gather.h)."""
     return _ferry.make_dataset("npy", _config(path=path))
 
 

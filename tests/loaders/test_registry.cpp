@@ -131,4 +131,14 @@ TEST_CASE("the registry's npy passes its rows on for the device gather", "[unit]
   CHECK(rows[0].row_bytes == 12);
   CHECK(rows[0].row_shape == Shape{3});
   CHECK(static_cast<const float*>(rows[0].data)[4] == 4.f);
+  CHECK(rows[0].mapped_file);
+  // gather = Auto leaves a mapped file to the host path and says why; gather = Device takes it.
+  DataLoaderOptions o;
+  o.device = 0;
+  std::vector<HostRows> fields;
+  CHECK_THAT((detail::gather_unavailable<DynamicDataset, std::vector<Tensor>>(o, true, ds, fields)),
+             Catch::Contains("x.npy is a memory-mapped file, which gather = Auto leaves to the host path"));
+  o.gather = Gather::Device;
+  CHECK_THAT((detail::gather_unavailable<DynamicDataset, std::vector<Tensor>>(o, true, ds, fields)),
+             !Catch::Contains("memory-mapped"));
 }

@@ -76,6 +76,7 @@ TEST_CASE("device gather: an NpyDataset is one field of rows", "[unit][gather]")
   CHECK(rows[0].row_bytes == 28);
   CHECK(rows[0].rows == 6);
   CHECK(rows[0].row_shape == Shape{7});
+  CHECK_FALSE(rows[0].mapped_file);  // an array in memory, not a file's mapping
 }
 
 TEST_CASE("device gather: where it does not apply, the reason says why", "[unit][gather]") {

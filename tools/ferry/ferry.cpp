@@ -96,7 +96,7 @@ void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("--pin-mode", f.pin_mode, "copy or direct")->check(CLI::IsMember({"copy", "direct"}));
   app.add_option("--pin-threads", f.pin_threads, "threads copying one batch into pinned memory")->check(CLI::PositiveNumber);
   app.add_option("--device", f.device, "deliver batches on CUDA device N (implies --pin)");
-  app.add_option("--gather", f.gather, "with --device: auto (the GPU gathers rows of npy datasets from registered host memory where it can), host, device")
+  app.add_option("--gather", f.gather, "with --device: how an npy dataset's rows reach the GPU: host (workers copy them; also what auto does for a mapped file) or device (the GPU gathers them from the registered mapping)")
       ->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--intra-threads", f.intra, "intra_batch_threads: threads per batch")->check(CLI::PositiveNumber);
   app.add_option("--shuffle", f.shuffle, "shuffle (map-style datasets)");

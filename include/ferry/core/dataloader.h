@@ -150,6 +150,11 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
       for (const HostRows& r : rows)
         if (r.rows != static_cast<std::int64_t>(ds.size()))
           return r.name + " has " + std::to_string(r.rows) + " rows for a dataset of " + std::to_string(ds.size()) + " samples";
+      if (o.gather == Gather::Auto)
+        for (const HostRows& r : rows)
+          if (r.mapped_file)
+            return r.name + " is a memory-mapped file, which gather = Auto leaves to the host path (registering a "
+                            "file's mapping did not return on one host; gather = Device gathers it)";
       if (!DeviceStage::can_gather()) return "this build of ferry has no gather kernel (CMake found no CUDA compiler)";
       return "";
     }
@@ -420,8 +425,11 @@ class DataLoader {
           why = e.what();
         }
       }
-      // Rows offered but not gathered (registration refused, no kernel): a surprise worth a warning.
-      const bool offered = !gather_fields.empty();
+      // Rows offered but not gathered (registration refused, no kernel): a surprise worth a warning;
+      // a mapped file under Auto is the documented choice, said at debug level only.
+      bool mapped = false;
+      for (const HostRows& r : gather_fields) mapped = mapped || r.mapped_file;
+      const bool offered = !gather_fields.empty() && !(mapped && opt.gather == Gather::Auto);
       gather_fields.clear();
       gather_reason = why;
       if (opt.gather == Gather::Device) throw Error("DataLoader: gather = Device cannot make this loader's batches: " + why);

@@ -30,6 +30,9 @@ struct HostRows {
   DType dtype = DType::UInt8;
   Shape row_shape;
   std::string name;  ///< for errors: "tensor 1", "features.npy"
+  /// The rows are a memory-mapped file (a .npy). Gather::Auto leaves such rows to the host path
+  /// (Note [Device gather], "mapped files"); Gather::Device gathers them.
+  bool mapped_file = false;
 };
 
 /// A dataset whose batch fields are rows of host arrays (see the Note).

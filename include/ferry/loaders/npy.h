@@ -45,6 +45,7 @@ class NpyDataset : public DatasetBase<NpyDataset> {
  private:
   Tensor array_;
   std::string name_;
+  bool mapped_ = false;  // the array is the mapping of a file (HostRows::mapped_file)
 };
 
 }  // namespace ferry
