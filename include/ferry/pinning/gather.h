@@ -27,7 +27,9 @@
 // .npy mapping (74 MB and 589 MB, written by another process) did not return: the thread ran in
 // the kernel, killable only by SIGKILL (scripts/npy-register-probe.sh; faulting the pages in
 // first changed nothing), while the suite's 2 GiB file, written by the test itself, registered.
-// Until that is understood, the default does not risk it.
+// That host is a Firecracker VM on Linux 6.18 with a ZONE_MOVABLE (memory hot-plug); a long-term
+// pin must first move each page out of that zone, and page-cache pages that cannot be moved are a
+// plausible cause, not a confirmed one. Until it is understood, the default does not risk it.
 //
 // A dataset opts in with a member `std::vector<ferry::HostRows> host_rows(std::string& why) const`
 // (RowGatherDataset): one HostRows per field of its batch, in order, whose row i is sample i's
