@@ -73,7 +73,7 @@ class NpyRows(TorchDataset):
         return torch.from_numpy(np.array(self.rows[i]))
 
 
-def torch_loader(path, workers, batches):
+def torch_loader(path, workers):
     # Shuffled epochs of the whole file, as ferry's (shuffle=True): both pay each epoch's start.
     ds = NpyRows(path)
     return TorchLoader(ds, batch_size=256, sampler=RandomSampler(ds), num_workers=workers, pin_memory=True,
@@ -180,7 +180,6 @@ def main():
     print("\n## throughput, batches on cuda:0\n")
     print("| workload | pipeline | workers | batches/s | busy cores | Python / C++ |\n|---|---|---:|---:|---:|---:|")
     gathers = args.gathers.split(",")
-    results = {}
     batches = {"(a)": args.batches, "(b)": args.batches * 10, "img": args.batches // 4}
     for name, path, workers in workloads:
         paths = [(g, workers if g == "host" else 0) for g in gathers]
@@ -192,12 +191,11 @@ def main():
                                         device=0, gather=gather)
             py, py_cores = median_rate(py_pass, make, 20, n, args.runs)
             cpp, cpp_cores = median_rate(cpp_pass, make, 20, n, args.runs)
-            results[(key, gather)] = (py, cpp)
             print(f"| {name} | ferry.DataLoader (Python), gather={gather} | {w} | {py:,.0f} | {py_cores:.2f} | "
                   f"{py / cpp:.2f} |")
             print(f"| {name} | ferry C++ loop, the same loader options | {w} | {cpp:,.0f} | {cpp_cores:.2f} | |",
                   flush=True)
-        tl = torch_loader(path, workers, n)
+        tl = torch_loader(path, workers)
         tr, _ = median_rate(torch_pass, tl, 20, n, args.runs)
         print(f"| {name} | torch DataLoader, pin_memory, .to(cuda) | {workers} | {tr:,.0f} | — | |", flush=True)
         del tl
@@ -226,7 +224,7 @@ def main():
             print(f"| {name} | ferry.DataLoader (Python), gather={gather} | {w} | {base:.2f} ms | {args.steps} | "
                   f"{wall:.0f} ms | {100 * wait:.2f}% | {100 * starts:.2f}% |", flush=True)
             del loader
-        tl = torch_loader(path, workers, args.steps)
+        tl = torch_loader(path, workers)
         base, wall, wait, starts = training_loop(tl, True, 10.0, args.steps, cycles)
         print(f"| {name} | torch DataLoader, pin_memory | {workers} | {base:.2f} ms | {args.steps} | {wall:.0f} ms | "
               f"{100 * wait:.2f}% | {100 * starts:.2f}% |", flush=True)
@@ -247,7 +245,7 @@ def main():
         print(f"| ferry.DataLoader (Python), gather={gather} | {w} | {ms:.0f} ms |", flush=True)
         del loader
     for w in (12, 16):
-        ms, tl = first_batch_ms(lambda: torch_loader(path, w, 1))
+        ms, tl = first_batch_ms(lambda: torch_loader(path, w))
         print(f"| torch DataLoader, pin_memory | {w} | {ms:.0f} ms |", flush=True)
         del tl
 

@@ -28,6 +28,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/ferry.h"
@@ -39,14 +40,18 @@ namespace {
 
 // --- datasets -------------------------------------------------------------------------------------
 
+// The labeled-image stream of tar shards (ferry::make_tar_images); each loader takes a copy.
+using TarImages = decltype(ferry::make_tar_images(std::declval<const ferry::DatasetConfig&>()));
+
 // A dataset as the module holds it. Registry datasets are type-erased (std::vector<Tensor>
 // samples); GPU decode needs the typed ImageFolder (the loader's direct mode); tar shards are a
-// stream, made afresh for each loader from their configuration.
+// stream.
+
 struct PyDataset {
   std::string name, config;
   std::optional<ferry::DynamicDataset> dynamic;
   std::optional<ferry::ImageFolder> gpu_images;
-  bool tar = false;
+  std::optional<TarImages> tar;
 
   bool has_size() const { return !tar; }
   std::size_t size() const {
@@ -62,9 +67,7 @@ PyDataset make_dataset(const std::string& name, const std::string& config) {
   d.name = name;
   d.config = config;
   if (name == "tar") {
-    // Checked now (shards exist, options known), made per loader.
-    (void)ferry::make_tar_images(ferry::DatasetConfig("tar", config));
-    d.tar = true;
+    d.tar.emplace(ferry::make_tar_images(ferry::DatasetConfig("tar", config)));
   } else if (name == "image_folder" && ferry::DatasetConfig("image_folder", config).str("decode", "cpu") == "gpu") {
     d.gpu_images.emplace(ferry::make_image_folder(ferry::DatasetConfig("image_folder", config)));
   } else {
@@ -171,7 +174,7 @@ class PyLoader {
     options.wait_poll_period = std::chrono::milliseconds(50);
     if (dataset.tar) {
       options.shuffle = false;  // a stream decides its own order (shuffle=1 in its configuration)
-      impl_ = make(ferry::make_tar_images(ferry::DatasetConfig("tar", dataset.config)), options);
+      impl_ = make(*dataset.tar, options);
     } else if (dataset.gpu_images) {
       if (!options.device)
         throw ferry::Error("dataset 'image_folder': decode=gpu needs DataLoader(device=...): the GPU decodes on the device stage");
