@@ -14,6 +14,7 @@
 #include <system_error>
 
 #include "ferry/detail/pass_math.h"
+#include "image_rows.h"
 #include "io.h"
 
 namespace ferry {
@@ -469,11 +470,7 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
       files_.push_back({(fs::path(folder) / name).string(), static_cast<std::int64_t>(label)});
   }
   if (decodes_on_device()) {
-    if (options_.channels != 3) throw Error("ImageFolder: decode=gpu produces RGB: channels must be 3, got " + std::to_string(options_.channels));
-    Generator probe(0);
-    if (!options_.transform.fixed_output_shape(3) || !options_.transform.plan(256, 256, 3, probe))
-      throw Error("ImageFolder: decode=gpu needs a transform that runs as one pass and ends in a fixed size (crops, "
-                  "flips, one resize, to_float, normalize), got " + options_.transform.str());
+    loaders::check_gpu_decode("ImageFolder", options_.channels, options_.transform);
     std::size_t largest = 0;
     for (const File& f : files_) {
       std::error_code fec;
@@ -481,43 +478,71 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
       if (fec) fs_fail(f.path, "cannot read the size of", fec);
       largest = std::max<std::size_t>(largest, static_cast<std::size_t>(n));
     }
-    slot_ = (largest + 63) / 64 * 64;
+    slot_ = loaders::encoded_slot(largest);
   }
+}
+
+namespace loaders {
+
+std::vector<std::byte>& file_scratch() { return scratch().file; }
+
+void check_gpu_decode(const std::string& who, int channels, const ImageTransform& transform) {
+  if (channels != 3) throw Error(who + ": decode=gpu produces RGB: channels must be 3, got " + std::to_string(channels));
+  Generator probe(0);
+  if (!transform.fixed_output_shape(3) || !transform.plan(256, 256, 3, probe))
+    throw Error(who + ": decode=gpu needs a transform that runs as one pass and ends in a fixed size (crops, "
+                "flips, one resize, to_float, normalize), got " + transform.str());
+}
+
+LabeledSample image_sample(const ImageRows& rows, std::span<const std::byte> bytes, const std::string& name, std::int64_t label,
+                           SampleContext& ctx) {
+  const DecodeOptions decode{rows.channels, rows.max_pixels, rows.dct_scaling};
+  if (std::optional<Shape> shape = rows.transform.fixed_output_shape(rows.channels)) {
+    Tensor out = Tensor::empty(rows.transform.output_dtype(DType::UInt8), std::move(*shape));
+    decode_transformed(bytes, name, rows.transform, ctx, out, decode);
+    return {std::move(out), label};
+  }
+  Tensor img = decode_image(bytes, name, decode);
+  if (rows.transform.empty()) return {std::move(img), label};
+  Stage prev = ctx.enter(Stage::Transform);
+  Tensor out = rows.transform(img, ctx.rng());
+  ctx.enter(prev);
+  return {std::move(out), label};
+}
+
+LabeledBatch image_batch(const ImageRows& rows, std::size_t n, BatchAllocator& allocator, const std::string& who) {
+  if (rows.gpu) {
+    LabeledBatch b;
+    b.label = empty(DType::Int64, {static_cast<std::int64_t>(n)}, allocator);
+    b.encoded = empty(DType::UInt8, {static_cast<std::int64_t>(std::max<std::size_t>(n * rows.slot, 1))}, allocator);
+    b.encoded_index = empty(DType::Int64, {static_cast<std::int64_t>(n), detail::kEncodedIndexWords}, allocator);
+    return b;
+  }
+  std::optional<Shape> shape = rows.transform.fixed_output_shape(rows.channels);
+  if (!shape)
+    throw Error(who + ": batching needs a transform that ends in a fixed size (resize(h, w), center_crop or "
+                "random_resized_crop), so every image fits one batch shape; the transform is " + rows.transform.str());
+  shape->insert(shape->begin(), static_cast<std::int64_t>(n));
+  return {empty(rows.transform.output_dtype(DType::UInt8), std::move(*shape), allocator),
+          empty(DType::Int64, {static_cast<std::int64_t>(n)}, allocator)};
+}
+
+}  // namespace loaders
+
+struct ImageFolder::Rows : loaders::ImageRows {};
+ImageFolder::Rows ImageFolder::rows() const {
+  return {{options_.transform, options_.channels, options_.max_pixels, options_.dct_scaling, decodes_on_device(), slot_}};
 }
 
 LabeledSample ImageFolder::get(std::size_t i, SampleContext& ctx) const {
   const File& f = files_.at(i);
-  Scratch& s = scratch();
-  loaders::read_file(f.path, s.file);
-  const DecodeOptions decode{options_.channels, options_.max_pixels, options_.dct_scaling};
-  if (std::optional<Shape> shape = options_.transform.fixed_output_shape(options_.channels)) {
-    Tensor out = Tensor::empty(options_.transform.output_dtype(DType::UInt8), std::move(*shape));
-    decode_transformed(s.file, f.path, options_.transform, ctx, out, decode);
-    return {std::move(out), f.label};
-  }
-  Tensor img = decode_image(s.file, f.path, decode);
-  if (options_.transform.empty()) return {std::move(img), f.label};
-  Stage prev = ctx.enter(Stage::Transform);
-  Tensor out = options_.transform(img, ctx.rng());
-  ctx.enter(prev);
-  return {std::move(out), f.label};
+  std::vector<std::byte>& bytes = loaders::file_scratch();
+  loaders::read_file(f.path, bytes);
+  return loaders::image_sample(rows(), bytes, f.path, f.label, ctx);
 }
 
-LabeledBatch ImageFolder::make_batch(std::size_t rows, BatchAllocator& allocator) const {
-  if (decodes_on_device()) {
-    LabeledBatch b;
-    b.label = empty(DType::Int64, {static_cast<std::int64_t>(rows)}, allocator);
-    b.encoded = empty(DType::UInt8, {static_cast<std::int64_t>(std::max<std::size_t>(rows * slot_, 1))}, allocator);
-    b.encoded_index = empty(DType::Int64, {static_cast<std::int64_t>(rows), detail::kEncodedIndexWords}, allocator);
-    return b;
-  }
-  std::optional<Shape> shape = options_.transform.fixed_output_shape(options_.channels);
-  if (!shape)
-    throw Error("ImageFolder: batching needs a transform that ends in a fixed size (resize(h, w), center_crop or "
-                "random_resized_crop), so every image fits one batch shape; the transform is " + options_.transform.str());
-  shape->insert(shape->begin(), static_cast<std::int64_t>(rows));
-  return {empty(options_.transform.output_dtype(DType::UInt8), std::move(*shape), allocator),
-          empty(DType::Int64, {static_cast<std::int64_t>(rows)}, allocator)};
+LabeledBatch ImageFolder::make_batch(std::size_t n, BatchAllocator& allocator) const {
+  return loaders::image_batch(rows(), n, allocator, "ImageFolder");
 }
 
 JpegPlan plan_jpeg(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform, Generator& rng,
@@ -541,15 +566,18 @@ JpegPlan plan_jpeg(std::span<const std::byte> bytes, const std::string& name, co
   return {h, w, *plan};
 }
 
-void ImageFolder::get_encoded(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const {
-  const File& f = files_.at(i);
-  Scratch& s = scratch();
-  loaders::read_file(f.path, s.file);
+namespace {
+// GPU decode's row: the compressed bytes at row * slot of the encoded block, and the index row
+// the device stage reads (where the bytes are, the image's size and its transform's plan).
+void encoded_row_into(const loaders::ImageRows& rows, std::span<const std::byte> bytes, const std::string& name, std::int64_t label,
+                      LabeledBatch& batch, std::size_t row, SampleContext& ctx) {
   const Stage prev = ctx.enter(Stage::Transform);
-  const JpegPlan jp = plan_jpeg(s.file, f.path, options_.transform, ctx.rng(), options_.max_pixels);
+  const JpegPlan jp = plan_jpeg(bytes, name, rows.transform, ctx.rng(), rows.max_pixels);
   ctx.enter(prev);
-  if (s.file.size() > slot_) throw DataError(f.path, DataError::kNoOffset, "the file grew after the folder was scanned");
-  std::memcpy(batch.encoded.data<std::uint8_t>() + row * slot_, s.file.data(), s.file.size());
+  if (bytes.size() > rows.slot)
+    throw DataError(name, DataError::kNoOffset, "the file grew after the dataset was indexed (" + std::to_string(bytes.size()) +
+                                                    " bytes, at most " + std::to_string(rows.slot) + " when indexed)");
+  std::memcpy(batch.encoded.data<std::uint8_t>() + row * rows.slot, bytes.data(), bytes.size());
   const ImagePassPlan* plan = &jp.plan;
   const int h = jp.height, w = jp.width;
   std::int64_t* r = batch.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(row) * detail::kEncodedIndexWords;
@@ -562,8 +590,8 @@ void ImageFolder::get_encoded(std::size_t i, LabeledBatch& batch, std::size_t ro
     std::memcpy(&b, &v, sizeof b);
     return static_cast<std::int64_t>(b);
   };
-  r[0] = static_cast<std::int64_t>(row * slot_);
-  r[1] = static_cast<std::int64_t>(s.file.size());
+  r[0] = static_cast<std::int64_t>(row * rows.slot);
+  r[1] = static_cast<std::int64_t>(bytes.size());
   r[2] = h;
   r[3] = w;
   axis(r + 4, plan->y);
@@ -579,17 +607,23 @@ void ImageFolder::get_encoded(std::size_t i, LabeledBatch& batch, std::size_t ro
     r[21 + c] = bits(plan->a[c]);
     r[25 + c] = bits(plan->b[c]);
   }
-  batch.label.data<std::int64_t>()[row] = f.label;
+  batch.label.data<std::int64_t>()[row] = label;
+}
+}  // namespace
+
+void loaders::image_row_into(const ImageRows& rows, std::span<const std::byte> bytes, const std::string& name, std::int64_t label,
+                             LabeledBatch& batch, std::size_t row, SampleContext& ctx) {
+  if (rows.gpu) return encoded_row_into(rows, bytes, name, label, batch, row, ctx);
+  decode_transformed(bytes, name, rows.transform, ctx, batch.image.select(static_cast<std::int64_t>(row)),
+                     {rows.channels, rows.max_pixels, rows.dct_scaling});
+  batch.label.data<std::int64_t>()[row] = label;
 }
 
 void ImageFolder::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const {
-  if (decodes_on_device()) return get_encoded(i, batch, row, ctx);
   const File& f = files_.at(i);
-  Scratch& s = scratch();
-  loaders::read_file(f.path, s.file);
-  decode_transformed(s.file, f.path, options_.transform, ctx, batch.image.select(static_cast<std::int64_t>(row)),
-                     {options_.channels, options_.max_pixels, options_.dct_scaling});
-  batch.label.data<std::int64_t>()[row] = f.label;
+  std::vector<std::byte>& bytes = loaders::file_scratch();
+  loaders::read_file(f.path, bytes);
+  loaders::image_row_into(rows(), bytes, f.path, f.label, batch, row, ctx);
 }
 
 }  // namespace ferry

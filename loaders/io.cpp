@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 namespace ferry::loaders {
 namespace {
@@ -64,6 +65,30 @@ void read_file(const std::string& path, std::vector<std::byte>& out) {
   }
   if (got != size)
     throw DataError(path, got, "file shrank while being read (" + std::to_string(size) + " bytes expected)");
+}
+
+RangeReader::RangeReader(const std::string& path) : path_(path) {
+  Fd f;
+  open_regular(path, f);
+  fd_ = std::exchange(f.fd, -1);
+}
+
+RangeReader::~RangeReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void RangeReader::read(std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) const {
+  out.resize(size);
+  std::size_t got = 0;
+  while (got < size) {
+    const ssize_t n = ::pread(fd_, out.data() + got, size - got, static_cast<off_t>(offset + got));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw_errno(path_, "read failed");
+    if (n == 0) break;
+    got += static_cast<std::size_t>(n);
+  }
+  if (got != size)
+    throw DataError(path_, offset, "file ends before the " + std::to_string(size) + " bytes indexed here (it changed after it was indexed?)");
 }
 
 bool is_gzip(std::span<const std::byte> b) noexcept {

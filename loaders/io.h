@@ -42,6 +42,23 @@ class MappedFile {
 /// empty.
 void read_file(const std::string& path, std::vector<std::byte>& out);
 
+/// Reads ranges of one file with pread (the file stays open while the object lives).
+class RangeReader {
+ public:
+  /// Opens `path`; DataError (IoError) when it cannot be opened or is not a regular file.
+  explicit RangeReader(const std::string& path);
+  ~RangeReader();
+  RangeReader(const RangeReader&) = delete;
+  RangeReader& operator=(const RangeReader&) = delete;
+  /// Reads `size` bytes at `offset` into `out` (resized to fit); DataError naming the file and the
+  /// offset when the file ends before them.
+  void read(std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) const;
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
+
 /// True when `bytes` start with the gzip magic number.
 bool is_gzip(std::span<const std::byte> bytes) noexcept;
 

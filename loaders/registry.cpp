@@ -76,6 +76,11 @@ constexpr const char* kImageFolderHelp =
     "resize_shorter + center_crop), float=0|1, mean=, std= (normalize; implies float; one value, or one per channel "
     "as 0.485:0.456:0.406), dct_scaling=0|1, decode=cpu|gpu (gpu: direct mode only, see ferry::make_image_folder)";
 
+constexpr const char* kTarIndexHelp =
+    "WebDataset shards (<key>.jpg + <key>.cls) indexed once, as a map-style dataset (shuffled across shards, "
+    "resumable, GPU decode): dir=<folder of .tar> or shards=a.tar:b.tar, and image_folder's size=, channels=, "
+    "random_crop=, float=, mean=, std=, dct_scaling=, decode=cpu|gpu (gpu: see ferry::make_tar_index)";
+
 std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) {
   std::vector<float> out;
   const std::string text = c.str(key);
@@ -120,6 +125,14 @@ void add_builtins(DatasetRegistry& r) {
     ImageFolder d = make_image_folder(c);
     return DynamicDataset(ferry::map(std::move(d), labeled));
   }, kImageFolderHelp);
+  r.add("tar_index", [](const DatasetConfig& c) {
+    if (c.str("decode", "cpu") == "gpu")
+      throw Error("dataset 'tar_index': decode=gpu needs the loader's direct mode, which a registry dataset "
+                  "(std::vector<Tensor> samples) does not have: use ferry::make_tar_index(config) and "
+                  "DataLoader(TarImages) with a device (ferry bench does)");
+    TarImages d = make_tar_index(c);
+    return DynamicDataset(ferry::map(std::move(d), labeled));
+  }, kTarIndexHelp);
   r.add("synthetic", [](const DatasetConfig& c) {
     const std::int64_t n = c.integer("n", 10000);
     if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
@@ -221,7 +234,9 @@ DynamicDataset create_plugin_dataset(const std::string& plugin, const std::strin
 
 }  // namespace
 
-ImageFolder make_image_folder(const DatasetConfig& c) {
+namespace {
+// image_folder's and tar_index's image options (all but root= / dir= / shards=).
+ImageFolderOptions image_options(const DatasetConfig& c) {
   ImageFolderOptions o;
   o.channels = static_cast<int>(c.integer("channels", 3));
   const std::int64_t size = c.integer("size", 224);
@@ -245,9 +260,27 @@ ImageFolder make_image_folder(const DatasetConfig& c) {
   if (decode != "cpu" && decode != "gpu")
     throw Error("dataset '" + c.dataset() + "': option 'decode' must be cpu or gpu, got '" + decode + "'");
   o.decode = decode == "gpu" ? ImageFolderOptions::Decode::Gpu : ImageFolderOptions::Decode::Cpu;
+  return o;
+}
+}  // namespace
+
+ImageFolder make_image_folder(const DatasetConfig& c) {
+  ImageFolderOptions o = image_options(c);
   const std::string root = c.str("root");
   c.finish();
   return ImageFolder(root, std::move(o));
+}
+
+TarImages make_tar_index(const DatasetConfig& c) {
+  ImageFolderOptions f = image_options(c);
+  TarImagesOptions o;
+  o.channels = f.channels;
+  o.transform = std::move(f.transform);
+  o.dct_scaling = f.dct_scaling;
+  o.decode = f.decode;
+  std::vector<std::string> shards = tar_shard_paths(c);
+  c.finish();
+  return TarImages(std::move(shards), std::move(o));
 }
 
 DatasetConfig::DatasetConfig(std::string dataset, const std::string& text) : dataset_(std::move(dataset)) {
@@ -385,11 +418,11 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& c) {
   std::vector<std::string> shards;
   if (c.has("dir")) {
     const std::string dir = c.str("dir");
-    if (!std::filesystem::is_directory(dir)) throw Error("dataset 'tar': dir '" + dir + "' is not a directory");
+    if (!std::filesystem::is_directory(dir)) throw Error("dataset '" + c.dataset() + "': dir '" + dir + "' is not a directory");
     for (const auto& e : std::filesystem::directory_iterator(dir))
       if (e.path().extension() == ".tar") shards.push_back(e.path().string());
     std::sort(shards.begin(), shards.end());
-    if (shards.empty()) throw Error("dataset 'tar': no .tar files in '" + dir + "'");
+    if (shards.empty()) throw Error("dataset '" + c.dataset() + "': no .tar files in '" + dir + "'");
   } else {
     const std::string list = c.str("shards");
     std::size_t start = 0;
@@ -398,7 +431,7 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& c) {
       if (end > start) shards.push_back(list.substr(start, end - start));
       start = end + 1;
     }
-    if (shards.empty()) throw Error("dataset 'tar': option 'shards' names no file");
+    if (shards.empty()) throw Error("dataset '" + c.dataset() + "': option 'shards' names no file");
   }
   return shards;
 }

@@ -7,11 +7,14 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <utility>
 
 #include "ferry/core/distributed.h"
 #include "ferry/loaders/image.h"
+#include "image_rows.h"
+#include "io.h"
 
 namespace ferry {
 
@@ -255,11 +258,12 @@ std::optional<TarMember> TarReader::next(bool read_data) {
     pax_path.clear();
     pax_size.reset();
     if (type == '0' || type == '\0' || type == '7') {
+      const std::uint64_t data_at = r.offset;
       if (!read_data) {
         r.skip(size + padding);
-        return TarMember{path, {}, at};
+        return TarMember{path, {}, at, data_at, size};
       }
-      TarMember m{path, std::vector<std::byte>(static_cast<std::size_t>(size)), at};
+      TarMember m{path, std::vector<std::byte>(static_cast<std::size_t>(size)), at, data_at, size};
       r.read(m.data.data(), m.data.size());
       r.skip(padding);
       return m;
@@ -384,6 +388,20 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
   return std::nullopt;
 }
 
+namespace {
+// A label field's text as a class index; DataError naming the shard and the record otherwise.
+std::int64_t parse_label(std::span<const std::byte> bytes, const std::string& shard, std::uint64_t offset, const std::string& key,
+                         const std::string& field) {
+  std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.erase(0, 1);
+  if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos)
+    throw DataError(shard, offset, "record '" + key + "': the '" + field + "' field is not a non-negative integer: '" +
+                                       text.substr(0, 40) + "'");
+  return std::stoll(text);
+}
+}  // namespace
+
 LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOptions& options, Generator& rng) {
   const std::vector<std::byte>* image = nullptr;
   std::string field;
@@ -396,23 +414,106 @@ LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOption
     }
   }
   if (!image) record.field(options.image_fields.empty() ? std::string("image") : options.image_fields.front());  // throws, naming the fields
-  const std::vector<std::byte>& cls = record.field(options.label_field);
-  std::string text(reinterpret_cast<const char*>(cls.data()), cls.size());
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
-  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.erase(0, 1);
-  if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos)
-    throw DataError(record.shard, record.offset, "record '" + record.key + "': the '" + options.label_field +
-                                                     "' field is not a non-negative integer: '" + text.substr(0, 40) + "'");
+  const std::int64_t label = parse_label(record.field(options.label_field), record.shard, record.offset, record.key, options.label_field);
   const std::string name = record.shard + ": " + record.key + "." + field;
   const DecodeOptions decode{options.channels, std::int64_t{1} << 28, options.dct_scaling};
   if (std::optional<Shape> shape = options.transform.empty() ? std::nullopt : options.transform.fixed_output_shape(options.channels)) {
     Tensor out = Tensor::empty(options.transform.output_dtype(DType::UInt8), std::move(*shape));
     decode_transformed_into(*image, name, options.transform, rng, out, decode);  // only the crop is decoded
-    return {std::move(out), std::stoll(text)};
+    return {std::move(out), label};
   }
   Tensor img = decode_image(*image, name, decode);
   if (!options.transform.empty()) img = options.transform(img, rng);
-  return {std::move(img), std::stoll(text)};
+  return {std::move(img), label};
+}
+
+// --- indexed shards -------------------------------------------------------------------------------
+
+TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) : shards_(std::move(shards)), options_(std::move(options)) {
+  if (shards_.empty()) throw Error("TarImages: the shard list is empty");
+  if (shards_.size() > std::numeric_limits<std::uint32_t>::max()) throw Error("TarImages: too many shards");
+  if (options_.image_fields.empty()) throw Error("TarImages: image_fields is empty");
+  if (decodes_on_device()) loaders::check_gpu_decode("TarImages", options_.channels, options_.transform);
+  std::size_t largest = 0;
+  for (std::size_t s = 0; s < shards_.size(); ++s) {
+    TarReader reader(shards_[s]);
+    Record* rec = nullptr;
+    while (std::optional<TarMember> m = reader.next(false)) {  // headers only: the data is seeked past
+      const auto kf = split_key(m->path);
+      if (!kf) continue;
+      if (!rec || rec->key != kf->first) {
+        records_.push_back(Record{kf->first, static_cast<std::uint32_t>(s), -1, m->offset, 0, 0, 0, 0, false});
+        rec = &records_.back();
+      }
+      const auto field = std::find(options_.image_fields.begin(), options_.image_fields.end(), kf->second);
+      if (field != options_.image_fields.end()) {
+        const auto k = static_cast<std::int32_t>(field - options_.image_fields.begin());
+        if (rec->image_field < 0 || k < rec->image_field) {  // the first listed field present wins
+          rec->image_field = k;
+          rec->image_offset = m->data_offset;
+          rec->image_size = m->size;
+        }
+      } else if (kf->second == options_.label_field) {
+        rec->label_offset = m->data_offset;
+        rec->label_size = m->size;
+        rec->has_label = true;
+      }
+    }
+  }
+  if (records_.empty()) throw DataError(shards_.front(), DataError::kNoOffset, "TarImages: the shards hold no records");
+  for (const Record& r : records_) {
+    if (r.image_field >= 0) largest = std::max<std::size_t>(largest, static_cast<std::size_t>(r.image_size));
+    if (r.image_size > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
+      throw DataError(shards_[r.shard], r.image_offset, "record '" + r.key + "': an image of " + std::to_string(r.image_size) + " bytes");
+  }
+  slot_ = loaders::encoded_slot(largest);
+}
+
+struct TarImages::Rows : loaders::ImageRows {};
+TarImages::Rows TarImages::rows() const {
+  return {{options_.transform, options_.channels, options_.max_pixels, options_.dct_scaling, decodes_on_device(), slot_}};
+}
+
+// Sample i's image bytes (in the thread's scratch), name for errors and label.
+struct TarImages::Read {
+  std::span<const std::byte> bytes;
+  std::string name;
+  std::int64_t label = 0;
+};
+
+TarImages::Read TarImages::read(std::size_t i) const {
+  const Record& r = records_.at(i);
+  const std::string& shard = shards_[r.shard];
+  if (r.image_field < 0) {
+    std::string wanted;
+    for (const std::string& f : options_.image_fields) wanted += (wanted.empty() ? "" : ", ") + f;
+    throw DataError(shard, r.offset, "record '" + r.key + "' has no image field (looked for: " + wanted + ")");
+  }
+  if (!r.has_label) throw DataError(shard, r.offset, "record '" + r.key + "' has no '" + options_.label_field + "' field");
+  if (r.label_size > 64)
+    throw DataError(shard, r.label_offset, "record '" + r.key + "': the '" + options_.label_field + "' field has " +
+                                               std::to_string(r.label_size) + " bytes; a class index has at most 18 digits");
+  const loaders::RangeReader file(shard);
+  thread_local std::vector<std::byte> label_bytes;
+  file.read(r.label_offset, static_cast<std::size_t>(r.label_size), label_bytes);
+  const std::int64_t label = parse_label(label_bytes, shard, r.offset, r.key, options_.label_field);
+  std::vector<std::byte>& bytes = loaders::file_scratch();
+  file.read(r.image_offset, static_cast<std::size_t>(r.image_size), bytes);
+  return {bytes, shard + ": " + r.key + "." + options_.image_fields[static_cast<std::size_t>(r.image_field)], label};
+}
+
+LabeledSample TarImages::get(std::size_t i, SampleContext& ctx) const {
+  const Read r = read(i);
+  return loaders::image_sample(rows(), r.bytes, r.name, r.label, ctx);
+}
+
+LabeledBatch TarImages::make_batch(std::size_t n, BatchAllocator& allocator) const {
+  return loaders::image_batch(rows(), n, allocator, "TarImages");
+}
+
+void TarImages::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const {
+  const Read r = read(i);
+  loaders::image_row_into(rows(), r.bytes, r.name, r.label, batch, row, ctx);
 }
 
 }  // namespace ferry

@@ -70,13 +70,31 @@ def npy(path: str) -> Dataset:
 
 
 def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size: int = 224,
-        random_crop: bool = False, channels: int = 3, shuffle: bool = True) -> Dataset:
-    """WebDataset-style tar shards (``<key>.jpg`` + ``<key>.cls``) as a stream of ``(image, label)``:
-    ``dir`` (its .tar files) or a list of ``shards``. A stream has no len() and takes no
-    DataLoader(shuffle=...): ``shuffle`` here shuffles the shard order each epoch."""
+        random_crop: bool = False, channels: int = 3, shuffle: bool = True, index: bool = False,
+        float: Optional[bool] = None, mean: Optional[Floats] = None, std: Optional[Floats] = None,
+        dct_scaling: bool = False, decode: str = "cpu") -> Dataset:
+    """WebDataset-style tar shards (``<key>.jpg`` + ``<key>.cls``) as ``(image, label)``: ``dir``
+    (its .tar files) or a list of ``shards``.
+
+    By default a stream, read front to back: it has no len() and takes no DataLoader(shuffle=...);
+    ``shuffle`` here shuffles the shard order each epoch. ``index=True`` (or ``decode="gpu"``)
+    reads every member's header once and makes a map-style dataset instead (C++ ``TarImages``):
+    len(), DataLoader(shuffle=True) across all shards, resume, GPU decode, and image_folder's
+    options (float, mean, std, dct_scaling, decode). It reads records at random offsets: on
+    storage that wants files read front to back, keep the stream."""
     if (dir is None) == (shards is None):
         raise ValueError("tar: pass dir= or shards=, not both")
+    if decode not in ("cpu", "gpu"):
+        raise ValueError(f"tar: decode must be 'cpu' or 'gpu', got {decode!r}")
     shard_list: Optional[List[str]] = None if shards is None else list(shards)
+    if index or decode == "gpu":
+        if not shuffle:
+            raise ValueError("tar: shuffle= is the stream's shard order; an indexed tar is shuffled by DataLoader(shuffle=...)")
+        return _ferry.make_dataset("tar_index", _config(
+            dir=dir, shards=shard_list, size=size, random_crop=random_crop, channels=channels, float=float,
+            mean=mean, std=std, dct_scaling=dct_scaling, decode=decode))
+    if float is not None or mean is not None or std is not None or dct_scaling:
+        raise ValueError("tar: float, mean, std and dct_scaling need index=True")
     return _ferry.make_dataset("tar", _config(dir=dir, shards=shard_list, size=size, random_crop=random_crop,
                                               channels=channels, shuffle=shuffle))
 

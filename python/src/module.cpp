@@ -41,22 +41,24 @@ namespace {
 // --- datasets -------------------------------------------------------------------------------------
 
 // The labeled-image stream of tar shards (ferry::make_tar_images); each loader takes a copy.
-using TarImages = decltype(ferry::make_tar_images(std::declval<const ferry::DatasetConfig&>()));
+using TarStream = decltype(ferry::make_tar_images(std::declval<const ferry::DatasetConfig&>()));
 
 // A dataset as the module holds it. Registry datasets are type-erased (std::vector<Tensor>
-// samples); GPU decode needs the typed ImageFolder (the loader's direct mode); tar shards are a
-// stream.
+// samples); GPU decode needs the typed ImageFolder or TarImages (the loader's direct mode); tar
+// shards read as a stream are their own kind.
 
 struct PyDataset {
   std::string name, config;
   std::optional<ferry::DynamicDataset> dynamic;
   std::optional<ferry::ImageFolder> gpu_images;
-  std::optional<TarImages> tar;
+  std::optional<ferry::TarImages> gpu_tar;
+  std::optional<TarStream> tar;
 
   bool has_size() const { return !tar; }
   std::size_t size() const {
     if (dynamic) return dynamic->size();
     if (gpu_images) return gpu_images->size();
+    if (gpu_tar) return gpu_tar->size();
     throw nb::type_error(("dataset '" + name + "' is a stream (tar shards): it has no len()").c_str());
   }
   std::string repr() const { return "ferry.datasets." + name + "(\"" + config + "\")"; }
@@ -70,6 +72,8 @@ PyDataset make_dataset(const std::string& name, const std::string& config) {
     d.tar.emplace(ferry::make_tar_images(ferry::DatasetConfig("tar", config)));
   } else if (name == "image_folder" && ferry::DatasetConfig("image_folder", config).str("decode", "cpu") == "gpu") {
     d.gpu_images.emplace(ferry::make_image_folder(ferry::DatasetConfig("image_folder", config)));
+  } else if (name == "tar_index" && ferry::DatasetConfig("tar_index", config).str("decode", "cpu") == "gpu") {
+    d.gpu_tar.emplace(ferry::make_tar_index(ferry::DatasetConfig("tar_index", config)));
   } else {
     d.dynamic.emplace(ferry::DatasetRegistry::global().create(name, config));
   }
@@ -175,10 +179,11 @@ class PyLoader {
     if (dataset.tar) {
       options.shuffle = false;  // a stream decides its own order (shuffle=1 in its configuration)
       impl_ = make(*dataset.tar, options);
-    } else if (dataset.gpu_images) {
+    } else if (dataset.gpu_images || dataset.gpu_tar) {
       if (!options.device)
-        throw ferry::Error("dataset 'image_folder': decode=gpu needs DataLoader(device=...): the GPU decodes on the device stage");
-      impl_ = make(*dataset.gpu_images, options);
+        throw ferry::Error("dataset '" + dataset.name + "': decode=gpu needs DataLoader(device=...): the GPU decodes on the device stage");
+      if (dataset.gpu_tar) impl_ = make(*dataset.gpu_tar, options);
+      else impl_ = make(*dataset.gpu_images, options);
     } else {
       impl_ = make(*dataset.dynamic, options);
     }
@@ -352,6 +357,7 @@ double cpp_seconds(const PyDataset& dataset, const ferry::DataLoaderOptions& opt
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   if (dataset.gpu_images) return run(ferry::DataLoader(*dataset.gpu_images, options));
+  if (dataset.gpu_tar) return run(ferry::DataLoader(*dataset.gpu_tar, options));
   if (dataset.dynamic) return run(ferry::DataLoader(*dataset.dynamic, options));
   throw ferry::Error("cpp_seconds: map-style datasets only");
 }

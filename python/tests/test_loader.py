@@ -84,6 +84,22 @@ def test_tar_stream(tar_dir):
         len(loader)
 
 
+def test_tar_indexed(tar_dir):
+    # The same shards indexed: a map-style dataset, shuffled across shards by the loader.
+    ds = ferry.datasets.tar(dir=str(tar_dir), size=16, index=True, float=True)
+    loader = ferry.DataLoader(ds, batch_size=4, num_workers=2, shuffle=True, seed=3)
+    assert len(ds) == 12 and len(loader) == 3
+    batches = list(loader)
+    assert batches[0][0].dtype == torch.float32 and batches[0][0].shape == (4, 3, 16, 16)
+    assert sorted(torch.cat([y for _, y in batches]).tolist()) == sorted([r % 3 for r in range(6)] * 2)
+    again = [y.tolist() for _, y in ferry.DataLoader(ds, batch_size=4, num_workers=0, shuffle=True, seed=3)]
+    assert again == [y.tolist() for _, y in batches]  # the same order with any number of workers
+    with pytest.raises(ValueError, match="index=True"):
+        ferry.datasets.tar(dir=str(tar_dir), mean=0.5)
+    with pytest.raises(ferry.Error, match="needs DataLoader\\(device"):
+        ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), size=16, random_crop=True, decode="gpu"), batch_size=4)
+
+
 def test_plugin_dataset():
     plugin = os.path.join(os.environ.get("FERRY_PLUGIN_DIR", ""), "libferry_ramp_plugin.so")
     if not os.path.exists(plugin):

@@ -1,7 +1,10 @@
 // libFuzzer targets for the loaders' parsers: one binary per format, chosen at compile time
-// (FERRY_FUZZ_IDX, _NPY, _TAR, _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
+// (FERRY_FUZZ_IDX, _NPY, _TAR (the reader, and TarImages' index over the same bytes), _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
 // transform plan whose every tap must lie inside the image). Any input must either parse or raise ferry::DataError
 // (a clear error); anything else (a crash, an ASan/UBSan report, another exception) is a finding.
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -27,8 +30,25 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
 #elif defined(FERRY_FUZZ_NPY)
     (void)ferry::parse_npy(bytes, "fuzz.npy");
 #elif defined(FERRY_FUZZ_TAR)
-    ferry::TarReader reader(bytes, "fuzz.tar");
-    while (reader.next()) {
+    {
+      ferry::TarReader reader(bytes, "fuzz.tar");
+      while (reader.next()) {
+      }
+    }
+    // The same bytes as a file, indexed by TarImages (headers read, data seeked past), and each
+    // record's image and label read back at the indexed offsets.
+    static const int fd = memfd_create("fuzz.tar", 0);
+    if (fd < 0 || ftruncate(fd, 0) != 0 || pwrite(fd, data, size, 0) != static_cast<ssize_t>(size)) __builtin_trap();
+    ferry::TarImagesOptions o;
+    o.transform = ferry::ImageTransform().resize(4, 4);
+    o.max_pixels = 1 << 16;
+    const ferry::TarImages images({"/proc/self/fd/" + std::to_string(fd)}, o);
+    for (std::size_t i = 0; i < images.size() && i < 16; ++i) {
+      ferry::SampleContext ctx(0, 1, i, ferry::WorkerInfo{});
+      try {
+        (void)images.get(i, ctx);
+      } catch (const ferry::DataError&) {
+      }
     }
 #elif defined(FERRY_FUZZ_IMAGE)
     // Small pixel limit: the fuzzer looks for crashes, not for large images.

@@ -16,6 +16,10 @@ int main(int argc, char** argv) {
   write_file(root + "/npy/v2", npy_bytes("{'descr': '|u1', 'fortran_order': False, 'shape': (3,), }", Bytes(3), 2));
   write_file(root + "/tar/shard", TarBuilder().dir("d/").file("d/a.jpg", "abc").file("d/a.cls", "1").finish());
   write_file(root + "/tar/long", TarBuilder().long_file(std::string(120, 'x') + ".txt", bytes_of("y")).pax_file("p.cls", bytes_of("2")).finish());
+  write_file(root + "/tar/images", TarBuilder()
+                                      .file("k/0.jpg", encode_jpeg(gradient(12, 8, 3), 12, 8, 3, 80)).file("k/0.cls", "3")
+                                      .file("k/1.png", encode_png(gradient(5, 4, 1), 5, 4, 1)).file("k/1.cls", "4\n")
+                                      .finish());
   write_file(root + "/image/rgb.jpg", encode_jpeg(gradient(24, 16, 3), 24, 16, 3, 80));
   write_file(root + "/image/gray.jpg", encode_jpeg(gradient(8, 8, 1), 8, 8, 1, 80));
   write_file(root + "/image/rgba.png", encode_png(gradient(9, 5, 4), 9, 5, 4));

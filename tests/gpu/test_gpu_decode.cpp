@@ -232,3 +232,42 @@ TEST_CASE("GPU decode: 100,000 images with no device or pinned allocation after 
   CHECK(pool.blocks <= test::max_batches_alive(o) * 3);
   CHECK(pool.frees == 0);
 }
+
+TEST_CASE("GPU decode of indexed tar shards equals the image folder's, bit for bit", "[gpu][decode][tar]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 12);
+  ImageFolderOptions fo = train_options(ImageFolderOptions::Decode::Gpu);
+  ImageFolder folder(dir / "root", fo);
+  // The folder's files as two shards, in the folder's order, labels in .cls members.
+  TarBuilder a, b;
+  for (std::size_t i = 0; i < folder.size(); ++i) {
+    const std::string key = "r" + std::to_string(1000 + i);
+    const Bytes jpg = read_bytes(folder.path(i));
+    (i < folder.size() / 2 ? a : b).file(key + ".jpg", jpg).file(key + ".cls", std::to_string(folder.label(i)));
+  }
+  write_file(dir / "a.tar", a.finish());
+  write_file(dir / "b.tar", b.finish());
+  TarImagesOptions to;
+  to.transform = fo.transform;
+  to.decode = ImageFolderOptions::Decode::Gpu;
+  TarImages tar({dir / "a.tar", dir / "b.tar"}, to);
+  REQUIRE(tar.size() == folder.size());
+  DataLoader x(folder, loader_options(2));
+  DataLoader y(tar, loader_options(3));
+  auto p = x.begin();
+  auto q = y.begin();
+  std::size_t images = 0;
+  for (; p != x.end(); ++p, ++q) {
+    const bool more = q != y.end();
+    REQUIRE(more);
+    const Tensor xi = host_copy(p->image, *x.stream()), yi = host_copy(q->image, *y.stream());
+    const Tensor xl = host_copy(p->label, *x.stream()), yl = host_copy(q->label, *y.stream());
+    REQUIRE(xi.nbytes() == yi.nbytes());
+    CHECK(std::memcmp(xi.raw(), yi.raw(), xi.nbytes()) == 0);
+    CHECK(std::memcmp(xl.raw(), yl.raw(), xl.nbytes()) == 0);
+    images += static_cast<std::size_t>(xl.numel());
+  }
+  CHECK(images == folder.size());
+  CHECK(y.device_stage()->stats().images_decoded >= folder.size());
+}

@@ -50,6 +50,12 @@ inline void write_file(const std::string& path, const Bytes& data) {
   f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size()));
 }
 
+inline Bytes read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  return bytes_of(text);
+}
+
 inline Bytes gzip(const Bytes& in) {
   z_stream z{};
   deflateInit2(&z, 6, Z_DEFLATED, 16 + MAX_WBITS, 8, Z_DEFAULT_STRATEGY);

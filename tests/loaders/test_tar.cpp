@@ -6,6 +6,7 @@
 #include <atomic>
 #include <set>
 
+#include "ferry/detail/pass_math.h"
 #include "ferry/ferry.h"
 #include "files.h"
 #include "helpers.h"
@@ -208,4 +209,192 @@ TEST_CASE("tar shards resume mid-epoch: every worker's shards from the record af
       CHECK(static_cast<std::size_t>(decoded.load()) == n);
     }
   }
+}
+
+// --- TarImages: shards indexed as a map-style dataset -----------------------------------------
+
+namespace {
+// The same 3 classes x 5 images as a folder tree and as 2 shards (records in the folder's order,
+// split 8 + 7), so both datasets index the same images the same way.
+struct SameImages {
+  TempDir dir;
+  std::vector<std::string> shards;
+  std::string root;
+  SameImages() {
+    root = dir / "root";
+    TarBuilder a, b;
+    int n = 0;
+    for (int label = 0; label < 3; ++label)
+      for (int k = 0; k < 5; ++k, ++n) {
+        const int w = 40 + 9 * ((k + label) % 4), h = 30 + 7 * ((2 * k + label) % 3);
+        const Bytes jpg = encode_jpeg(textured(w, h, 3, static_cast<std::uint32_t>(n + 1)), w, h, 3, 90, k % 2 ? TJSAMP_420 : TJSAMP_444);
+        const std::string name = "c" + std::to_string(label) + "/" + std::to_string(k);
+        write_file(root + "/" + name + ".jpg", jpg);
+        (n < 8 ? a : b).file(name + ".jpg", jpg).file(name + ".cls", std::to_string(label) + "\n");
+      }
+    shards = {dir / "a.tar", dir / "b.tar"};
+    write_file(shards[0], a.finish());
+    write_file(shards[1], b.finish());
+  }
+};
+ImageTransform train_transform() {
+  return ImageTransform().random_resized_crop(24, 24).horizontal_flip().to_float().normalize({0.5f, 0.4f, 0.3f}, {0.2f, 0.2f, 0.2f});
+}
+}  // namespace
+
+TEST_CASE("TarImages indexes shards into a map-style dataset whose batches equal ImageFolder's", "[loader][tar]") {
+  SameImages same;
+  TarImagesOptions to;
+  to.transform = train_transform();
+  TarImages tar(same.shards, to);
+  REQUIRE(tar.size() == 15);
+  CHECK(tar.key(0) == "c0/0");
+  CHECK(tar.key(14) == "c2/4");
+  CHECK(tar.shard(7) == same.shards[0]);
+  CHECK(tar.shard(8) == same.shards[1]);
+  ImageFolderOptions fo;
+  fo.transform = train_transform();
+  ImageFolder folder(same.root, fo);
+  REQUIRE(folder.size() == tar.size());
+  for (int workers : {0, 3}) {
+    INFO(workers << " workers");
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.shuffle = true;  // across both shards
+    o.seed = 9;
+    o.num_workers = workers;
+    DataLoader a(folder, o);
+    DataLoader b(tar, o);
+    auto x = a.begin();
+    auto y = b.begin();
+    std::size_t batches = 0;
+    for (; x != a.end(); ++x, ++y, ++batches) {
+      const bool more = y != b.end();
+      REQUIRE(more);
+      REQUIRE(x->image.shape() == y->image.shape());
+      CHECK(std::memcmp(x->image.raw(), y->image.raw(), x->image.nbytes()) == 0);
+      CHECK(std::memcmp(x->label.raw(), y->label.raw(), x->label.nbytes()) == 0);
+    }
+    const bool done = y == b.end();
+    CHECK(done);
+    CHECK(batches == 4);
+  }
+  // The comparison can fail: another epoch's crops are not the first's.
+  DataLoaderOptions o;
+  o.batch_size = 15;
+  DataLoader a(folder, o);
+  DataLoader b(tar, o);
+  b.set_epoch(1);
+  auto x = a.begin();
+  auto y = b.begin();
+  CHECK(std::memcmp(x->image.raw(), y->image.raw(), x->image.nbytes()) != 0);
+}
+
+TEST_CASE("TarImages with decode=gpu fills the same encoded rows as ImageFolder", "[unit][tar][decode]") {
+  // The ragged batch the device stage decodes: each image's compressed bytes and its plan.
+  SameImages same;
+  TarImagesOptions to;
+  to.transform = train_transform();
+  to.decode = ImageFolderOptions::Decode::Gpu;
+  ImageFolderOptions fo;
+  fo.transform = train_transform();
+  fo.decode = ImageFolderOptions::Decode::Gpu;
+  TarImages tar(same.shards, to);
+  ImageFolder folder(same.root, fo);
+  REQUIRE(tar.decodes_on_device());
+  LabeledBatch x = folder.make_batch(15, pageable_allocator());
+  LabeledBatch y = tar.make_batch(15, pageable_allocator());
+  REQUIRE(x.encoded.nbytes() == y.encoded.nbytes());  // the same largest file, so the same slots
+  CHECK_FALSE(y.image.defined());
+  for (std::size_t i = 0; i < 15; ++i) {
+    SampleContext cx(3, 7, i, WorkerInfo{}), cy(3, 7, i, WorkerInfo{});
+    folder.get_into(i, x, 14 - i, cx);
+    tar.get_into(i, y, 14 - i, cy);
+  }
+  CHECK(std::memcmp(x.encoded_index.raw(), y.encoded_index.raw(), x.encoded_index.nbytes()) == 0);
+  CHECK(std::memcmp(x.label.raw(), y.label.raw(), x.label.nbytes()) == 0);
+  const auto* idx = y.encoded_index.data<std::int64_t>();
+  for (std::int64_t r = 0; r < 15; ++r) {
+    const std::int64_t at = idx[r * detail::kEncodedIndexWords], n = idx[r * detail::kEncodedIndexWords + 1];
+    CHECK(std::memcmp(x.encoded.data<std::uint8_t>() + at, y.encoded.data<std::uint8_t>() + at, static_cast<std::size_t>(n)) == 0);
+  }
+  // A PNG record is refused with its name, as in ImageFolder; the registry takes the typed path.
+  TempDir dir;
+  write_file(dir / "p.tar", TarBuilder().file("k.png", encode_png(gradient(8, 8, 3), 8, 8, 3)).file("k.cls", "1").finish());
+  TarImages png({dir / "p.tar"}, to);
+  LabeledBatch z = png.make_batch(1, pageable_allocator());
+  SampleContext ctx(0, 1, 0, WorkerInfo{});
+  CHECK_THROWS_WITH(png.get_into(0, z, 0, ctx), Catch::Contains("p.tar: k.png") && Catch::Contains("JPEG files only"));
+  TarImagesOptions gray = to;
+  gray.channels = 1;
+  CHECK_THROWS_WITH(TarImages(same.shards, gray), Catch::Contains("TarImages: decode=gpu produces RGB"));
+}
+
+TEST_CASE("TarImages: a damaged shard fails at construction, a bad record at its sample", "[errors][tar]") {
+  TempDir dir;
+  const Bytes jpg = encode_jpeg(textured(16, 12, 3), 16, 12, 3);
+  const Bytes good = TarBuilder()
+                         .file("a.jpg", jpg).file("a.cls", "1")
+                         .file("b.jpg", jpg)                       // no label
+                         .file("c.png", jpg).file("c.cls", "x2")   // not a class index
+                         .file("d.txt", "no image").file("d.cls", "3")
+                         .file("e.jpg", jpg).file("e.cls", "4")
+                         .finish();
+  write_file(dir / "good.tar", good);
+  TarImagesOptions o;
+  o.transform = ImageTransform().resize(8, 8);
+  TarImages ds({dir / "good.tar"}, o);
+  REQUIRE(ds.size() == 5);
+  SampleContext ctx(0, 1, 0, WorkerInfo{});
+  CHECK(ds.get(0, ctx).label == 1);
+  CHECK(ds.get(4, ctx).label == 4);
+  CHECK_THROWS_WITH(ds.get(1, ctx), Catch::Contains("good.tar") && Catch::Contains("record 'b' has no 'cls' field"));
+  CHECK_THROWS_WITH(ds.get(2, ctx), Catch::Contains("record 'c'") && Catch::Contains("not a non-negative integer"));
+  CHECK_THROWS_WITH(ds.get(3, ctx), Catch::Contains("record 'd' has no image field (looked for: jpg, jpeg, png)"));
+  // Through the loader: the bad records are errors at their batches; skip keeps the rest.
+  DataLoaderOptions lo;
+  lo.batch_size = 5;
+  lo.on_error = OnError::Skip;
+  lo.max_error_fraction = 1.0;
+  std::vector<std::int64_t> labels;
+  DataLoader loader(ds, lo);
+  for (LabeledBatch& b : loader)
+    for (std::int64_t r = 0; r < b.label.numel(); ++r) labels.push_back(b.label.data<std::int64_t>()[r]);
+  CHECK(labels == std::vector<std::int64_t>{1, 4});
+  // Damage that hides the records after it: an error at construction, naming the shard and offset.
+  std::size_t b_header = 0;  // b.jpg's header: records b.. cannot be found past it
+  while (std::memcmp(good.data() + b_header, "b.jpg", 6) != 0) b_header += 512;
+  Bytes bad = good;
+  bad[b_header + 3] ^= std::byte{1};
+  write_file(dir / "bad.tar", bad);
+  try {
+    TarImages({dir / "good.tar", dir / "bad.tar"}, o);
+    FAIL("no error");
+  } catch (const DataError& e) {
+    CHECK_THAT(e.what(), Catch::Contains("bad.tar") && Catch::Contains("bad tar header checksum"));
+    CHECK(e.offset() == b_header);
+  }
+  CHECK_THROWS_WITH(TarImages({}, o), Catch::Contains("the shard list is empty"));
+  CHECK_THROWS_WITH(TarImages({dir / "missing.tar"}, o), Catch::Contains("missing.tar") && Catch::Contains("cannot open"));
+  write_file(dir / "empty.tar", TarBuilder().dir("d/").finish());
+  CHECK_THROWS_WITH(TarImages({dir / "empty.tar"}, o), Catch::Contains("the shards hold no records"));
+  // A shard cut after it was indexed: the sample's read says so.
+  TarImages later({dir / "good.tar"}, o);
+  write_file(dir / "good.tar", Bytes(good.begin(), good.begin() + 1024 + 100));
+  CHECK_THROWS_WITH(later.get(0, ctx), Catch::Contains("good.tar") && Catch::Contains("changed after it was indexed"));
+}
+
+TEST_CASE("tar_index in the registry and make_tar_index", "[unit][registry][tar]") {
+  SameImages same;
+  const std::string shards = "shards=" + same.shards[0] + ":" + same.shards[1];
+  auto& reg = DatasetRegistry::global();
+  DynamicDataset ds = reg.create("tar_index", shards + ",size=8,random_crop=1,float=1");
+  CHECK(ds.size() == 15);
+  SampleContext ctx(0, 1, 0, WorkerInfo{});
+  const std::vector<Tensor> s = ds.get(9, ctx);
+  CHECK(s[0].shape() == Shape{3, 8, 8});
+  CHECK(s[1].item<std::int64_t>() == 1);
+  CHECK_THROWS_WITH(reg.create("tar_index", shards + ",decode=gpu"), Catch::Contains("make_tar_index"));
+  CHECK_THROWS_WITH(reg.create("tar_index", "dir=/nonexistent"), Catch::Contains("dataset 'tar_index': dir '/nonexistent' is not a directory"));
+  CHECK(make_tar_index(DatasetConfig("tar_index", shards + ",decode=gpu,random_crop=1")).decodes_on_device());
 }

@@ -4,11 +4,12 @@
 //   ferry bench idx -c images=/usr/share/.../train-images-idx3-ubyte.gz,labels=... --json
 //   ferry bench ramp --plugin build/examples/plugin/libferry_ramp_plugin.so -c n=100000
 //   ferry bench tar -c dir=shards/,size=224 --workers 8
+//   ferry bench tar_index -c dir=shards/,random_crop=1,decode=gpu --workers 2 --device 0
 //   ferry tune synthetic -c n=20000 --batch-size 256 --pin --cpus 8
 //   ferry trace image_folder -c root=photos --workers 4 --pin --batches 20 -o trace.json
 //
-// Datasets come from the registry (ferry/loaders/registry.h: idx, npy, image_folder, synthetic,
-// and whatever --plugin libraries register), plus "tar" (WebDataset shards read as a stream:
+// Datasets come from the registry (ferry/loaders/registry.h: idx, npy, image_folder, tar_index,
+// synthetic, and whatever --plugin libraries register), plus "tar" (WebDataset shards read as a stream:
 // dir=<folder of .tar> or shards=a.tar:b.tar, size=224, random_crop=0|1). Every batch is a
 // std::vector<Tensor>; its first tensor's first dimension counts the samples.
 #include <CLI/CLI.hpp>
@@ -129,11 +130,15 @@ auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
     ferry::DataLoader loader(ferry::make_tar_images(ferry::DatasetConfig("tar", f.config)), so);
     return fn(loader);
   }
-  if (f.dataset == "image_folder") {
-    const ferry::DatasetConfig config("image_folder", f.config);
+  if (f.dataset == "image_folder" || f.dataset == "tar_index") {
+    const ferry::DatasetConfig config(f.dataset, f.config);
     if (config.str("decode", "cpu") == "gpu") {
       // GPU decode runs in the loader's direct mode: the typed dataset, batches as LabeledBatch.
-      if (!o.device) throw ferry::Error("dataset 'image_folder': decode=gpu needs --device N");
+      if (!o.device) throw ferry::Error("dataset '" + f.dataset + "': decode=gpu needs --device N");
+      if (f.dataset == "tar_index") {
+        ferry::DataLoader loader(ferry::make_tar_index(config), o);
+        return fn(loader);
+      }
       ferry::DataLoader loader(ferry::make_image_folder(config), o);
       return fn(loader);
     }

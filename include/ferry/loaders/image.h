@@ -130,7 +130,8 @@ class ImageFolder : public DatasetBase<ImageFolder> {
   std::vector<File> files_;
   ImageFolderOptions options_;
   std::size_t slot_ = 0;  // Decode::Gpu: bytes per image in a batch's encoded block (the largest file)
-  void get_encoded(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const;
+  struct Rows;
+  Rows rows() const;
 };
 
 }  // namespace ferry

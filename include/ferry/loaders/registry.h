@@ -7,8 +7,8 @@
 //   ferry::DataLoader loader(ds, {.batch_size = 64});                    // batches: std::vector<Tensor>
 //
 // Built in: "idx" (images=, labels=), "npy" (path=), "image_folder" (root=, size=, channels=,
-// random_crop=0|1, float=, mean=, std=, dct_scaling=, decode=cpu|gpu), "synthetic" (n=,
-// shape=3x224x224, dtype=uint8). Every dataset made here yields
+// random_crop=0|1, float=, mean=, std=, dct_scaling=, decode=cpu|gpu), "tar_index" (dir= or
+// shards=, and image_folder's image keys), "synthetic" (n=, shape=3x224x224, dtype=uint8). Every dataset made here yields
 // samples as std::vector<Tensor> (one tensor per field; labels as int64 scalars). An unknown name,
 // an unknown or malformed option, a plugin file that cannot be loaded, a library without the
 // entry point, or a plugin built for another ABI version is a ferry::Error saying which.
@@ -61,7 +61,12 @@ using DynamicDataset = AnyDataset<std::vector<Tensor>>;
 /// a DynamicDataset does not have, so the registry refuses decode=gpu and this makes it.
 ImageFolder make_image_folder(const DatasetConfig& config);
 
-/// The shards a "tar" configuration names: dir=<folder> (its .tar files, sorted) or
+/// The TarImages that "tar_index" makes from `config` (WebDataset shards indexed as a map-style
+/// dataset; registry().help("tar_index") lists the keys), as the typed dataset, for decode=gpu as
+/// make_image_folder.
+TarImages make_tar_index(const DatasetConfig& config);
+
+/// The shards a "tar" or "tar_index" configuration names: dir=<folder> (its .tar files, sorted) or
 /// shards=a.tar:b.tar. ferry::Error for a missing folder or an empty list.
 std::vector<std::string> tar_shard_paths(const DatasetConfig& config);
 

@@ -35,8 +35,10 @@
 #include <string>
 #include <vector>
 
+#include "ferry/core/allocator.h"
 #include "ferry/core/dataset.h"
 #include "ferry/core/random.h"
+#include "ferry/loaders/image.h"
 #include "ferry/loaders/sample.h"
 #include "ferry/loaders/transforms.h"
 
@@ -47,6 +49,8 @@ struct TarMember {
   std::string path;
   std::vector<std::byte> data;
   std::uint64_t offset = 0;  ///< byte offset of the member's header in the archive
+  std::uint64_t data_offset = 0;  ///< byte offset of its data
+  std::uint64_t size = 0;         ///< bytes of data (also when next(false) left `data` empty)
 };
 
 /// Reads the members of a tar archive one at a time (from a file, buffered, or from memory).
@@ -138,5 +142,71 @@ struct TarImageOptions {
 /// Decodes a record's image (and transform) and its integer label. DataError names the shard and
 /// the record when a field is missing or malformed.
 LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOptions& options, Generator& rng);
+
+struct TarImagesOptions {
+  std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded
+  std::string label_field = "cls";                                ///< decimal class index
+  int channels = 3;
+  ImageTransform transform;
+  std::int64_t max_pixels = std::int64_t{1} << 28;
+  bool dct_scaling = false;  ///< DecodeOptions::dct_scaling
+  /// As ImageFolderOptions::decode: Gpu leaves each record's JPEG compressed for the device stage.
+  ImageFolderOptions::Decode decode = ImageFolderOptions::Decode::Cpu;
+};
+
+/// Tar shards as a map-style dataset of labeled images: the records of every shard, indexed once.
+///
+///   ferry::TarImages train(ferry::tar_shard_paths(...), {.transform = ..., .decode = ferry::ImageFolderOptions::Decode::Gpu});
+///   ferry::DataLoader loader(train, {.batch_size = 256, .shuffle = true, .num_workers = 2, .device = 0});
+///
+/// The constructor reads every member's header (not its data) and records where each record's
+/// image and label are; a sample is then two reads at known offsets. So the loader shuffles
+/// records across all shards, resumes mid-epoch at once, splits them over ranks with a
+/// DistributedSampler, and runs in direct mode, including GPU decode (decode = Gpu), none of which
+/// a stream (TarShards) can. The price is random reads: on storage that wants shards read front to
+/// back (object stores, network file systems), stream them with TarShards instead.
+///
+/// Records are indexed as TarShards groups them (adjacent members sharing a key; members without
+/// a field are ignored). A damaged archive (a bad header, a truncated member) is a DataError at
+/// construction naming the shard and the offset: the records after it cannot be found. A record
+/// without an image or a label field, or with a label that is not a non-negative integer, is a
+/// DataError for that sample, at its batch's position. Indices follow the shard list's order,
+/// then the order within each shard.
+class TarImages : public DatasetBase<TarImages> {
+ public:
+  explicit TarImages(std::vector<std::string> shards, TarImagesOptions options = {});
+
+  std::size_t size() const noexcept { return records_.size(); }
+  LabeledSample get(std::size_t i, SampleContext& ctx) const;
+  /// Direct mode; ferry::Error unless the transform fixes the output size.
+  LabeledBatch make_batch(std::size_t rows, BatchAllocator& allocator) const;
+  void get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const;
+  /// Whether batches hold compressed JPEGs that the device stage decodes (decode = Gpu).
+  bool decodes_on_device() const noexcept { return options_.decode == ImageFolderOptions::Decode::Gpu; }
+
+  /// Record i's shard and key ("dir/0001").
+  const std::string& shard(std::size_t i) const { return shards_.at(records_.at(i).shard); }
+  const std::string& key(std::size_t i) const { return records_.at(i).key; }
+  const std::vector<std::string>& shards() const noexcept { return shards_; }
+
+ private:
+  struct Record {
+    std::string key;
+    std::uint32_t shard = 0;
+    std::int32_t image_field = -1;  // index into options_.image_fields; -1: none
+    std::uint64_t offset = 0;       // the record's first header
+    std::uint64_t image_offset = 0, image_size = 0;
+    std::uint64_t label_offset = 0, label_size = 0;
+    bool has_label = false;
+  };
+  std::vector<std::string> shards_;
+  std::vector<Record> records_;
+  TarImagesOptions options_;
+  std::size_t slot_ = 0;  // decode = Gpu: bytes per image in a batch's encoded block
+  struct Rows;
+  Rows rows() const;
+  struct Read;
+  Read read(std::size_t i) const;
+};
 
 }  // namespace ferry
