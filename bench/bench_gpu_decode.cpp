@@ -11,13 +11,19 @@
 // Each row: images/s (median of --runs epochs after a warm-up epoch) and the CPU cores the
 // process kept busy (CPU time / wall time), and images/s per busy core.
 //
-// Then a training loop: each step runs --step-ms of GPU work (a spin kernel) on the batch's
-// stream and synchronizes; GPU waiting for data = 1 - steps x (the step alone) / wall. The spin
-// is timed by the GPU's clock, so it cannot show how much the decode slows a real step down.
+// With --tar DIR: the same files written as WebDataset shards (DIR/shard-NNN.tar, 1,000 records
+// each, made once) and the row of TarImages (indexed shards) with GPU decode.
 //
-// Usage: bench_gpu_decode --photos DIR [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
+// Then a training loop (persistent workers): each step is a fixed amount of arithmetic on every
+// SM, calibrated to about --step-ms alone, on the batch's stream, then a synchronize. GPU waiting
+// for data = 1 - steps x (the step alone, wall) / wall, and the part of it spent waiting for an
+// epoch's first batch; the step's slowdown = its GPU time (events) in the loop over its GPU time
+// alone: what sharing the GPU with the decode costs the step.
+//
+// Usage: bench_gpu_decode --photos DIR [--tar DIR] [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
 
 #include <algorithm>
+#include <cstring>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -61,12 +67,71 @@ void print(const char* name, Row r, double ceiling) {
 
 // The workload: the folder with RandomResizedCrop 224 + flip + to_float + normalize, and the
 // loader options every row shares.
+ImageTransform train_transform() {
+  return ImageTransform().random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
+                                                                                              {0.229f, 0.224f, 0.225f});
+}
+
 ImageFolder images(const std::string& photos, ImageFolderOptions::Decode decode) {
   ImageFolderOptions io;
-  io.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
-                                                                                   {0.229f, 0.224f, 0.225f});
+  io.transform = train_transform();
   io.decode = decode;
   return ImageFolder(photos, io);
+}
+
+// The folder's files as ustar shards of 1,000 records (<key>.jpg + <key>.cls), in the folder's
+// order; made once (kept when dir already holds shards).
+std::vector<std::string> write_shards(const ImageFolder& folder, const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> shards;
+  fs::create_directories(dir);
+  const bool made = fs::exists(fs::path(dir) / "shard-000.tar");
+  std::ofstream out;
+  auto member = [&](const std::string& name, const std::string& data) {
+    char h[512] = {};
+    std::snprintf(h, 100, "%s", name.c_str());
+    std::snprintf(h + 100, 8, "%07o", 0644);
+    std::snprintf(h + 108, 8, "%07o", 0);
+    std::snprintf(h + 116, 8, "%07o", 0);
+    std::snprintf(h + 124, 12, "%011llo", static_cast<unsigned long long>(data.size()));
+    std::snprintf(h + 136, 12, "%011o", 0);
+    h[156] = '0';
+    std::memcpy(h + 257, "ustar\0" "00", 8);
+    std::memset(h + 148, ' ', 8);
+    unsigned sum = 0;
+    for (unsigned char c : h) sum += c;
+    std::snprintf(h + 148, 8, "%06o", sum);
+    out.write(h, 512);
+    out.write(data.data(), static_cast<std::streamsize>(data.size()));
+    static const char zeros[512] = {};
+    out.write(zeros, static_cast<std::streamsize>((512 - data.size() % 512) % 512));
+  };
+  for (std::size_t i = 0; i < folder.size(); ++i) {
+    if (i % 1000 == 0) {
+      char name[32];
+      std::snprintf(name, sizeof name, "shard-%03zu.tar", i / 1000);
+      shards.push_back((fs::path(dir) / name).string());
+      if (!made) {
+        if (out.is_open()) out.close();
+        out.open(shards.back(), std::ios::binary);
+      }
+    }
+    if (made) continue;
+    std::ifstream f(folder.path(i), std::ios::binary);
+    const std::string jpg((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    char key[32];
+    std::snprintf(key, sizeof key, "%08zu", i);
+    member(std::string(key) + ".jpg", jpg);
+    member(std::string(key) + ".cls", std::to_string(folder.label(i)));
+  }
+  return shards;
+}
+
+TarImages tar_images(const std::vector<std::string>& shards) {
+  TarImagesOptions o;
+  o.transform = train_transform();
+  o.decode = ImageFolderOptions::Decode::Gpu;
+  return TarImages(shards, o);
 }
 
 DataLoaderOptions options(int workers) {
@@ -79,8 +144,9 @@ DataLoaderOptions options(int workers) {
   return o;
 }
 
-Row loader_row(const std::string& photos, ImageFolderOptions::Decode decode, int workers, int runs) {
-  DataLoader loader(images(photos, decode), options(workers));
+template <class Dataset>
+Row loader_row(Dataset dataset, int workers, int runs) {
+  DataLoader loader(std::move(dataset), options(workers));
   std::vector<Row> rows;
   for (int r = 0; r < runs + 1; ++r) {
     std::size_t n = 0;
@@ -91,7 +157,7 @@ Row loader_row(const std::string& photos, ImageFolderOptions::Decode decode, int
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
     if (r > 0) rows.push_back({static_cast<double>(n) / wall, (cpu_seconds() - c0) / wall});
   }
-  if (decode == ImageFolderOptions::Decode::Gpu)
+  if (loader.dataset().decodes_on_device())
     std::fprintf(stderr, "  (GPU decode backend: %s)\n", loader.device_stage()->decode_backend().c_str());
   return median_row(rows);
 }
@@ -101,11 +167,60 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
   DataLoaderOptions o = options(workers);
   o.persistent_workers = true;
   DataLoader loader(images(photos, decode), o);
-  const double base_ms = test::step_alone_ms(loader.stream()->native(), step_ms, 20);
-  const double wall = test::training_loop_ms(loader, step_ms, steps);
-  std::printf("| ferry, %s decode, %d workers | %.2f ms | %d | %.0f ms | %.2f%% |\n",
-              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, base_ms, steps, wall,
-              100.0 * std::max(0.0, 1.0 - steps * base_ms / wall));
+  void* s = loader.stream()->native();
+  cuda::DeviceGuard guard(0);
+  // Calibrate the step's arithmetic to about step_ms alone.
+  long long iters = 100000;
+  cuda::Event e0 = cuda::Event::create(0, true), e1 = cuda::Event::create(0, true);
+  for (int k = 0; k < 3; ++k) {
+    e0.record(*loader.stream());
+    test::launch_work(s, iters);
+    e1.record(*loader.stream());
+    e1.synchronize();
+    iters = static_cast<long long>(static_cast<double>(iters) * step_ms / std::max(cuda::Event::elapsed_ms(e0, e1), 1e-3));
+  }
+  double alone_gpu = 0;
+  const auto a0 = Clock::now();
+  for (int k = 0; k < 30; ++k) {
+    e0.record(*loader.stream());
+    test::launch_work(s, iters);
+    e1.record(*loader.stream());
+    loader.stream()->synchronize();
+    alone_gpu += cuda::Event::elapsed_ms(e0, e1);
+  }
+  const double alone_wall = std::chrono::duration<double, std::milli>(Clock::now() - a0).count() / 30;
+  alone_gpu /= 30;
+  // The loop: 10 unmeasured steps, then `steps`, across epochs; the wait for each batch is timed
+  // on the host (from the end of the last step to the batch in hand).
+  double loop_gpu = 0, epoch_start_wait = 0;
+  int step = 0, epochs_started = 0;
+  Clock::time_point t0 = Clock::now(), last = t0;
+  while (step < steps + 10) {
+    bool first = true;
+    for (LabeledBatch& b : loader) {
+      (void)b;
+      const auto now = Clock::now();
+      if (step == 10) t0 = now;
+      if (step == steps + 10) break;
+      if (step > 10 && first) {
+        epoch_start_wait += std::chrono::duration<double, std::milli>(now - last).count();
+        ++epochs_started;
+      }
+      first = false;
+      e0.record(*loader.stream());
+      test::launch_work(s, iters);
+      e1.record(*loader.stream());
+      loader.stream()->synchronize();
+      if (step >= 10) loop_gpu += cuda::Event::elapsed_ms(e0, e1);
+      last = Clock::now();
+      ++step;
+    }
+  }
+  const double wall = std::chrono::duration<double, std::milli>(last - t0).count();
+  std::printf("| ferry, %s decode, %d workers | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% |\n",
+              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, alone_wall, alone_gpu, steps,
+              100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall), 100.0 * epoch_start_wait / wall, epochs_started,
+              100.0 * (loop_gpu / steps / alone_gpu - 1.0));
   std::fflush(stdout);
 }
 #endif
@@ -180,12 +295,13 @@ Row nvjpeg_ceiling(const std::string& photos, int runs) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string photos;
+  std::string photos, tar;
   int runs = 3, steps = 100;
   double step_ms = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--photos" && i + 1 < argc) photos = argv[++i];
+    else if (a == "--tar" && i + 1 < argc) tar = argv[++i];
     else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
     else if (a == "--step-ms" && i + 1 < argc) step_ms = std::atof(argv[++i]);
     else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
@@ -208,14 +324,23 @@ int main(int argc, char** argv) {
 #endif
   for (int w : {1, 2, 4}) {
     const std::string name = "ferry, GPU decode, " + std::to_string(w) + " worker" + (w > 1 ? "s" : "");
-    print(name.c_str(), loader_row(photos, ImageFolderOptions::Decode::Gpu, w, runs), ceiling);
+    print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Gpu), w, runs), ceiling);
+  }
+  if (!tar.empty()) {
+    const std::vector<std::string> shards = write_shards(images(photos, ImageFolderOptions::Decode::Cpu), tar);
+    const auto t0 = Clock::now();
+    TarImages indexed = tar_images(shards);
+    std::fprintf(stderr, "  (%zu shards, %zu records indexed in %.0f ms)\n", shards.size(), indexed.size(),
+                 std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+    print("ferry, GPU decode, indexed tar shards (TarImages), 2 workers", loader_row(std::move(indexed), 2, runs), ceiling);
   }
   const std::string name = "ferry, CPU decode, " + std::to_string(cores) + " workers";
-  print(name.c_str(), loader_row(photos, ImageFolderOptions::Decode::Cpu, cores, runs), ceiling);
+  print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Cpu), cores, runs), ceiling);
 #ifdef FERRY_BENCH_TRAINING_LOOP
   if (steps > 0) std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
   if (steps > 0) {
-    std::printf("| loader | step alone | steps | wall | GPU waiting for data |\n|---|---:|---:|---:|---:|\n");
+    std::printf("| loader | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | of it, for an epoch's first batch | step's GPU time vs. alone |\n"
+                "|---|---:|---:|---:|---:|---:|---:|\n");
     training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps);
     training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps);
   }

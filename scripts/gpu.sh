@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|multi|gather|python]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-peers|multi|gather|python]
 # python: the Python package as a user installs it (pip install --no-build-isolation ., into the
 # host's Python environment, which has torch, torchvision, nanobind and scikit-build-core), its
 # pytest suite with FERRY_REQUIRE_GPU=1, the demo in Python on the GPU,
@@ -10,9 +10,11 @@
 # gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
 # DataLoader on the same workloads.
 # images: the image path alone, most important first (for short device time): the GPU suite, GPU
-# decode on the 500x375 set (with the training loop), the CPU path (and the CPU path of the source
-# tree in build/old-src, if there, built the same way: before/after in one run), GPU decode on the
-# 1500x1000 tiles (build/bench-data/photos-1500), and `ferry bench image_folder ...,decode=gpu`.
+# decode on the 500x375 set (image folder and indexed tar shards, with the training loop),
+# `ferry bench image_folder|tar_index ...,decode=gpu`, and where build/old-src holds an older source
+# tree, the CPU path before and after, built the same way, in one run.
+# images-peers: torchvision's GPU decode and PyTorch's DataLoader on the 500x375 set, then ferry
+# and both peers on the 1500x1000 tiles (build/bench-data/photos-1500).
 # multi (a host with 2 GPUs): the host's NUMA and PCIe layout, the GPU suite with both GPUs
 # required, dist_epoch and the data-parallel example under torchrun (and mpirun if there), then
 # bench_multi_gpu (one GPU busy, both busy; one process, and one per GPU) beside PyTorch's
@@ -113,20 +115,28 @@ if [ "$what" = images ]; then
   (FERRY_REQUIRE_GPU=1 timeout 150 build/gpu/tests/test_gpu 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
   grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
   links build/bench-data/photos /tmp/ferry-photos60 60
-  timeout 150 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --runs 3 --step-ms 20 --steps 100 2>&1 | tee "$OUT/bench_gpu_decode.md"
-  timeout 60 build/gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 --fmnist /none 2>&1 | tee "$OUT/bench_loaders.md"
+  timeout 200 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --tar /tmp/ferry-shards60 --runs 3 --step-ms 20 --steps 200 \
+    2>&1 | tee "$OUT/bench_gpu_decode.md"
+  M=random_crop=1,mean=0.485:0.456:0.406,std=0.229:0.224:0.225,decode=gpu
+  { timeout 40 build/gpu/ferry bench image_folder -b 256 -w 2 --device 0 -n 30 -c root=/tmp/ferry-photos60,$M; echo
+    timeout 40 build/gpu/ferry bench tar_index -b 256 -w 2 --device 0 -n 30 -c dir=/tmp/ferry-shards60,$M; } 2>&1 | tee "$OUT/ferry-gpu-decode.txt"
   if [ -d build/old-src ]; then
+    timeout 60 build/gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 --fmnist /none 2>&1 | tee "$OUT/bench_loaders.md"
     cmake -S build/old-src -B build/old-gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_WITH_CUDA=OFF -DFERRY_TEST_INSTALL=OFF \
       -DCMAKE_POLICY_VERSION_MINIMUM=3.5 -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/old-configure.log" 2>&1 &&
       cmake --build build/old-gpu -j 16 --target bench_loaders > "$OUT/old-build.log" 2>&1 &&
       timeout 60 build/old-gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 --fmnist /none 2>&1 | tee "$OUT/bench_loaders-old.md"
   fi
+fi
+if [ "$what" = images-peers ]; then
+  # The peers on the 500x375 set, then ferry and the peers on the 1500x1000 tiles (build/bench-data/photos-1500).
+  links build/bench-data/photos /tmp/ferry-photos60 60
+  PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers_gpu_decode.py /tmp/ferry-photos60 --runs 3 2>&1 | tee "$OUT/peers_gpu_decode.md"
   if [ -d build/bench-data/photos-1500 ]; then
     links build/bench-data/photos-1500 /tmp/ferry-photos1500 40
-    timeout 90 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos1500 --runs 3 --steps 0 2>&1 | tee "$OUT/bench_gpu_decode-1500.md"
+    timeout 120 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos1500 --runs 3 --steps 0 2>&1 | tee "$OUT/bench_gpu_decode-1500.md"
+    PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers_gpu_decode.py /tmp/ferry-photos1500 --runs 3 2>&1 | tee "$OUT/peers_gpu_decode-1500.md"
   fi
-  timeout 40 build/gpu/ferry bench image_folder -b 256 -w 2 --device 0 -n 30 \
-    -c root=/tmp/ferry-photos60,random_crop=1,mean=0.485:0.456:0.406,std=0.229:0.224:0.225,decode=gpu 2>&1 | tee "$OUT/ferry-gpu-decode.txt"
 fi
 if [ "$what" = gather ]; then
   # The device gather beside the host path and the link, then PyTorch's DataLoader on (a) and (b).
