@@ -20,7 +20,7 @@
 // epoch's first batch; the step's slowdown = its GPU time (events) in the loop over its GPU time
 // alone: what sharing the GPU with the decode costs the step.
 //
-// Usage: bench_gpu_decode --photos DIR [--tar DIR] [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
+// Usage: bench_gpu_decode --photos DIR [--tar DIR] [--loop-only] [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
 
 #include <algorithm>
 #include <cstring>
@@ -163,9 +163,13 @@ Row loader_row(Dataset dataset, int workers, int runs) {
 }
 
 #ifdef FERRY_BENCH_TRAINING_LOOP
-void training_loop(const std::string& photos, ImageFolderOptions::Decode decode, int workers, double step_ms, int steps) {
+// A step is `kernels` launches of the same arithmetic (one long kernel holds every SM until it
+// ends; a real step is many short kernels, between which the loader's kernels can be scheduled).
+void training_loop(const std::string& photos, ImageFolderOptions::Decode decode, int workers, double step_ms, int steps, int kernels,
+                   bool high_priority) {
   DataLoaderOptions o = options(workers);
   o.persistent_workers = true;
+  o.high_priority_copies = high_priority;
   DataLoader loader(images(photos, decode), o);
   void* s = loader.stream()->native();
   cuda::DeviceGuard guard(0);
@@ -177,13 +181,16 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
     test::launch_work(s, iters);
     e1.record(*loader.stream());
     e1.synchronize();
-    iters = static_cast<long long>(static_cast<double>(iters) * step_ms / std::max(cuda::Event::elapsed_ms(e0, e1), 1e-3));
+    iters = static_cast<long long>(static_cast<double>(iters) * step_ms / kernels / std::max(cuda::Event::elapsed_ms(e0, e1), 1e-3));
   }
+  auto step_work = [&] {
+    for (int k = 0; k < kernels; ++k) test::launch_work(s, iters);
+  };
   double alone_gpu = 0;
   const auto a0 = Clock::now();
   for (int k = 0; k < 30; ++k) {
     e0.record(*loader.stream());
-    test::launch_work(s, iters);
+    step_work();
     e1.record(*loader.stream());
     loader.stream()->synchronize();
     alone_gpu += cuda::Event::elapsed_ms(e0, e1);
@@ -208,7 +215,7 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
       }
       first = false;
       e0.record(*loader.stream());
-      test::launch_work(s, iters);
+      step_work();
       e1.record(*loader.stream());
       loader.stream()->synchronize();
       if (step >= 10) loop_gpu += cuda::Event::elapsed_ms(e0, e1);
@@ -217,8 +224,8 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
     }
   }
   const double wall = std::chrono::duration<double, std::milli>(last - t0).count();
-  std::printf("| ferry, %s decode, %d workers | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% |\n",
-              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, alone_wall, alone_gpu, steps,
+  std::printf("| ferry, %s decode, %d workers | %d | %s | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% |\n",
+              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, kernels, high_priority ? "high" : "default", alone_wall, alone_gpu, steps,
               100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall), 100.0 * epoch_start_wait / wall, epochs_started,
               100.0 * (loop_gpu / steps / alone_gpu - 1.0));
   std::fflush(stdout);
@@ -296,12 +303,14 @@ Row nvjpeg_ceiling(const std::string& photos, int runs) {
 
 int main(int argc, char** argv) {
   std::string photos, tar;
+  bool loop_only = false;
   int runs = 3, steps = 100;
   double step_ms = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--photos" && i + 1 < argc) photos = argv[++i];
     else if (a == "--tar" && i + 1 < argc) tar = argv[++i];
+    else if (a == "--loop-only") loop_only = true;
     else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
     else if (a == "--step-ms" && i + 1 < argc) step_ms = std::atof(argv[++i]);
     else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
@@ -315,34 +324,37 @@ int main(int argc, char** argv) {
               photos.c_str(), cores);
   double ceiling = 0;
 #ifdef FERRY_BENCH_NVJPEG
-  const Row c = nvjpeg_ceiling(photos, runs);
+  const Row c = loop_only ? Row{} : nvjpeg_ceiling(photos, runs);
   ceiling = c.images_per_s;
 #endif
-  std::printf("| pipeline | images/s | busy cores | images/s per busy core | of the ceiling |\n|---|---:|---:|---:|---:|\n");
+  if (!loop_only) {
+    std::printf("| pipeline | images/s | busy cores | images/s per busy core | of the ceiling |\n|---|---:|---:|---:|---:|\n");
 #ifdef FERRY_BENCH_NVJPEG
-  print("nvJPEG batched decode alone (the ceiling), 1 thread", c, ceiling);
+    print("nvJPEG batched decode alone (the ceiling), 1 thread", c, ceiling);
 #endif
-  for (int w : {1, 2, 4}) {
-    const std::string name = "ferry, GPU decode, " + std::to_string(w) + " worker" + (w > 1 ? "s" : "");
-    print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Gpu), w, runs), ceiling);
+    for (int w : {1, 2, 4}) {
+      const std::string name = "ferry, GPU decode, " + std::to_string(w) + " worker" + (w > 1 ? "s" : "");
+      print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Gpu), w, runs), ceiling);
+    }
+    if (!tar.empty()) {
+      const std::vector<std::string> shards = write_shards(images(photos, ImageFolderOptions::Decode::Cpu), tar);
+      const auto t0 = Clock::now();
+      TarImages indexed = tar_images(shards);
+      std::fprintf(stderr, "  (%zu shards, %zu records indexed in %.0f ms)\n", shards.size(), indexed.size(),
+                   std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      print("ferry, GPU decode, indexed tar shards (TarImages), 2 workers", loader_row(std::move(indexed), 2, runs), ceiling);
+    }
+    const std::string name = "ferry, CPU decode, " + std::to_string(cores) + " workers";
+    print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Cpu), cores, runs), ceiling);
   }
-  if (!tar.empty()) {
-    const std::vector<std::string> shards = write_shards(images(photos, ImageFolderOptions::Decode::Cpu), tar);
-    const auto t0 = Clock::now();
-    TarImages indexed = tar_images(shards);
-    std::fprintf(stderr, "  (%zu shards, %zu records indexed in %.0f ms)\n", shards.size(), indexed.size(),
-                 std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
-    print("ferry, GPU decode, indexed tar shards (TarImages), 2 workers", loader_row(std::move(indexed), 2, runs), ceiling);
-  }
-  const std::string name = "ferry, CPU decode, " + std::to_string(cores) + " workers";
-  print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Cpu), cores, runs), ceiling);
 #ifdef FERRY_BENCH_TRAINING_LOOP
   if (steps > 0) std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
   if (steps > 0) {
-    std::printf("| loader | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | of it, for an epoch's first batch | step's GPU time vs. alone |\n"
-                "|---|---:|---:|---:|---:|---:|---:|\n");
-    training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps);
-    training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps);
+    std::printf("| loader | kernels a step | copy stream priority | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | "
+                "of it, for an epoch's first batch | step's GPU time vs. alone |\n|---|---:|---|---:|---:|---:|---:|---:|---:|\n");
+    for (int kernels : {1, 40})
+      for (bool high : {false, true}) training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, kernels, high);
+    if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 40, true);
   }
 #endif
   (void)step_ms;

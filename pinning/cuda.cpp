@@ -76,11 +76,13 @@ DeviceGuard::~DeviceGuard() {
     check_noexcept(cudaSetDevice(previous_), "cudaSetDevice");
 }
 
-Stream Stream::create(int device) {
+Stream Stream::create(int device, bool high_priority) {
   DeviceGuard g(device);
   Stream s;
   cudaStream_t h = nullptr;
-  FERRY_CUDA(cudaStreamCreateWithFlags(&h, cudaStreamNonBlocking));
+  int least = 0, greatest = 0;
+  if (high_priority) FERRY_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  FERRY_CUDA(cudaStreamCreateWithPriority(&h, cudaStreamNonBlocking, high_priority ? greatest : 0));
   s.handle_ = h;
   s.device_ = device;
   s.owned_ = true;
@@ -159,7 +161,7 @@ std::string unavailable_reason() { return "ferry was built without CUDA"; }
 std::string pci_bus_id(int) { no_cuda("cudaDeviceGetPCIBusId"); }
 DeviceGuard::DeviceGuard(int) { no_cuda("DeviceGuard"); }
 DeviceGuard::~DeviceGuard() = default;
-Stream Stream::create(int) { no_cuda("Stream::create"); }
+Stream Stream::create(int, bool) { no_cuda("Stream::create"); }
 Stream Stream::borrow(void* native, int device) {
   Stream s;
   s.handle_ = native;

@@ -35,7 +35,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     if (opt.device < 0 || opt.device >= cuda::device_count())
       throw Error("DeviceStage: device " + std::to_string(opt.device) + " does not exist (" +
                   std::to_string(cuda::device_count()) + " devices)");
-    copy = cuda::Stream::create(opt.device);
+    copy = cuda::Stream::create(opt.device, opt.high_priority);
     consumer = opt.consumer_stream ? cuda::Stream::borrow(opt.consumer_stream, opt.device) : cuda::Stream::create(opt.device);
   }
   ~Impl() {

@@ -396,6 +396,7 @@ class DataLoader {
         d.device = *opt.device;
         d.pack = opt.device_pack;
         d.consumer_stream = opt.consumer_stream;
+        d.high_priority = opt.high_priority_copies;
         device_stage = std::make_unique<DeviceStage>(d, pinned_pool);
       }
       detail::log_debug(detail::describe_options(opt, kStreaming));

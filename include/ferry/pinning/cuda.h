@@ -59,8 +59,10 @@ class Event;
 class Stream {
  public:
   Stream() = default;
-  /// A new stream on `device` that does not synchronize with the legacy default stream.
-  static Stream create(int device);
+  /// A new stream on `device` that does not synchronize with the legacy default stream. With
+  /// `high_priority`, at the device's greatest stream priority: the GPU schedules its kernels'
+  /// blocks ahead of waiting blocks of lower-priority streams (it does not preempt running ones).
+  static Stream create(int device, bool high_priority = false);
   /// Wraps a stream owned elsewhere (e.g. the framework's current stream); not destroyed by ferry.
   static Stream borrow(void* native, int device);
   Stream(Stream&&) noexcept;

@@ -42,6 +42,9 @@ struct DeviceStageOptions {
   bool pack = true;
   /// The stream the consumer computes on (a cudaStream_t, borrowed); null: the stage creates one.
   void* consumer_stream = nullptr;
+  /// Create the copy stream (copies, GPU decode, the device gather) at the device's highest
+  /// priority (DataLoaderOptions::high_priority_copies).
+  bool high_priority = true;
 };
 
 struct DeviceStageStats {
