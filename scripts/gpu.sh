@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-peers|multi|gather|python]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-loop|images-peers|multi|gather|python]
 # python: the Python package as a user installs it (pip install --no-build-isolation ., into the
 # host's Python environment, which has torch, torchvision, nanobind and scikit-build-core), its
 # pytest suite with FERRY_REQUIRE_GPU=1, the demo in Python on the GPU,
@@ -13,6 +13,7 @@
 # decode on the 500x375 set (image folder and indexed tar shards, with the training loop),
 # `ferry bench image_folder|tar_index ...,decode=gpu`, and where build/old-src holds an older source
 # tree, the CPU path before and after, built the same way, in one run.
+# images-loop: bench_gpu_decode's training loop alone. BUILD_TARGETS (any mode): build only these.
 # images-peers: torchvision's GPU decode and PyTorch's DataLoader on the 500x375 set, then ferry
 # and both peers on the 1500x1000 tiles (build/bench-data/photos-1500).
 # multi (a host with 2 GPUs): the host's NUMA and PCIe layout, the GPU suite with both GPUs
@@ -74,7 +75,7 @@ cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_T
   -DFERRY_BUILD_PYTHON=OFF \
   -DFERRY_NCCL_ROOT="$nccl_root" \
   -DCMAKE_CUDA_ARCHITECTURES=90 -DFERRY_FASHION_MNIST_DIR=$prefix/usr/share/datasets/fashion-mnist -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build/gpu -j 16 > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
+cmake --build build/gpu -j 16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = build ]; then exit 0; fi
 if [ "$what" = test ] || [ "$what" = all ] || [ "$what" = gather ]; then
@@ -128,6 +129,10 @@ if [ "$what" = images ]; then
       cmake --build build/old-gpu -j 16 --target bench_loaders > "$OUT/old-build.log" 2>&1 &&
       timeout 60 build/old-gpu/bench/bench_loaders --photos build/bench-data/photos --runs 3 --fmnist /none 2>&1 | tee "$OUT/bench_loaders-old.md"
   fi
+fi
+if [ "$what" = images-loop ]; then  # the training loop alone (steps of 1 and 40 kernels, priority off and on)
+  links build/bench-data/photos /tmp/ferry-photos60 60
+  timeout 200 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --loop-only --step-ms 20 --steps 200 2>&1 | tee "$OUT/bench_gpu_decode-loop.md"
 fi
 if [ "$what" = images-peers ]; then
   # The peers on the 500x375 set, then ferry and the peers on the 1500x1000 tiles (build/bench-data/photos-1500).
