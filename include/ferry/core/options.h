@@ -109,10 +109,11 @@ struct DataLoaderOptions {
   /// The consumer's compute stream (a cudaStream_t, borrowed); null: the loader creates one,
   /// available as loader.stream().
   void* consumer_stream = nullptr;
-  /// With `device`: the device stage's stream (copies, GPU decode, the device gather) runs at the
-  /// device's highest stream priority, so when it shares the GPU with a training step its small
-  /// kernels are scheduled ahead of the step's waiting blocks, not after the step's kernels end.
-  bool high_priority_copies = true;
+  /// With `device`: run the device stage's stream (copies, GPU decode, the device gather) at the
+  /// device's highest stream priority, so that when it shares the GPU with a training step its
+  /// kernels are scheduled ahead of the step's waiting blocks rather than after the step's kernels
+  /// end. Off by default until measured (bench_gpu_decode --loop-only compares both).
+  bool high_priority_copies = false;
   /// Called on the consumer thread about every `wait_poll_period` while it waits for a batch;
   /// returning true (or throwing) ends that wait with ferry::Interrupted (or the exception), and
   /// no batch is lost: the next call waits for the same batch again. For front-ends that must

@@ -44,7 +44,7 @@ struct DeviceStageOptions {
   void* consumer_stream = nullptr;
   /// Create the copy stream (copies, GPU decode, the device gather) at the device's highest
   /// priority (DataLoaderOptions::high_priority_copies).
-  bool high_priority = true;
+  bool high_priority = false;
 };
 
 struct DeviceStageStats {
