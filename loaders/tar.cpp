@@ -429,21 +429,24 @@ LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOption
 
 // --- indexed shards -------------------------------------------------------------------------------
 
-TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) : shards_(std::move(shards)), options_(std::move(options)) {
-  if (shards_.empty()) throw Error("TarImages: the shard list is empty");
-  if (shards_.size() > std::numeric_limits<std::uint32_t>::max()) throw Error("TarImages: too many shards");
+TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) : options_(std::move(options)) {
+  auto index = std::make_shared<Index>();
+  index->shards = std::move(shards);
+  const std::vector<std::string>& paths = index->shards;
+  std::vector<Record>& records = index->records;
+  if (paths.empty()) throw Error("TarImages: the shard list is empty");
+  if (paths.size() > std::numeric_limits<std::uint32_t>::max()) throw Error("TarImages: too many shards");
   if (options_.image_fields.empty()) throw Error("TarImages: image_fields is empty");
   if (decodes_on_device()) loaders::check_gpu_decode("TarImages", options_.channels, options_.transform);
-  std::size_t largest = 0;
-  for (std::size_t s = 0; s < shards_.size(); ++s) {
-    TarReader reader(shards_[s]);
+  for (std::size_t s = 0; s < paths.size(); ++s) {
+    TarReader reader(paths[s]);
     Record* rec = nullptr;
     while (std::optional<TarMember> m = reader.next(false)) {  // headers only: the data is seeked past
       const auto kf = split_key(m->path);
       if (!kf) continue;
       if (!rec || rec->key != kf->first) {
-        records_.push_back(Record{kf->first, static_cast<std::uint32_t>(s), -1, m->offset, 0, 0, 0, 0, false});
-        rec = &records_.back();
+        records.push_back(Record{kf->first, static_cast<std::uint32_t>(s), -1, m->offset, 0, 0, 0, 0, false});
+        rec = &records.back();
       }
       const auto field = std::find(options_.image_fields.begin(), options_.image_fields.end(), kf->second);
       if (field != options_.image_fields.end()) {
@@ -460,13 +463,16 @@ TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) 
       }
     }
   }
-  if (records_.empty()) throw DataError(shards_.front(), DataError::kNoOffset, "TarImages: the shards hold no records");
-  for (const Record& r : records_) {
-    if (r.image_field >= 0) largest = std::max<std::size_t>(largest, static_cast<std::size_t>(r.image_size));
+  if (records.empty()) throw DataError(paths.front(), DataError::kNoOffset, "TarImages: the shards hold no records");
+  std::size_t largest = 0;
+  for (const Record& r : records) {
     if (r.image_size > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
-      throw DataError(shards_[r.shard], r.image_offset, "record '" + r.key + "': an image of " + std::to_string(r.image_size) + " bytes");
+      throw DataError(paths[r.shard], r.image_offset, "record '" + r.key + "': an image of " + std::to_string(r.image_size) + " bytes");
+    if (r.image_field >= 0) largest = std::max<std::size_t>(largest, static_cast<std::size_t>(r.image_size));
   }
   slot_ = loaders::encoded_slot(largest);
+  records.shrink_to_fit();
+  index_ = std::move(index);
 }
 
 struct TarImages::Rows : loaders::ImageRows {};
@@ -482,8 +488,8 @@ struct TarImages::Read {
 };
 
 TarImages::Read TarImages::read(std::size_t i) const {
-  const Record& r = records_.at(i);
-  const std::string& shard = shards_[r.shard];
+  const Record& r = index_->records.at(i);
+  const std::string& shard = index_->shards[r.shard];
   if (r.image_field < 0) {
     std::string wanted;
     for (const std::string& f : options_.image_fields) wanted += (wanted.empty() ? "" : ", ") + f;

@@ -176,7 +176,7 @@ class TarImages : public DatasetBase<TarImages> {
  public:
   explicit TarImages(std::vector<std::string> shards, TarImagesOptions options = {});
 
-  std::size_t size() const noexcept { return records_.size(); }
+  std::size_t size() const noexcept { return index_->records.size(); }
   LabeledSample get(std::size_t i, SampleContext& ctx) const;
   /// Direct mode; ferry::Error unless the transform fixes the output size.
   LabeledBatch make_batch(std::size_t rows, BatchAllocator& allocator) const;
@@ -185,9 +185,9 @@ class TarImages : public DatasetBase<TarImages> {
   bool decodes_on_device() const noexcept { return options_.decode == ImageFolderOptions::Decode::Gpu; }
 
   /// Record i's shard and key ("dir/0001").
-  const std::string& shard(std::size_t i) const { return shards_.at(records_.at(i).shard); }
-  const std::string& key(std::size_t i) const { return records_.at(i).key; }
-  const std::vector<std::string>& shards() const noexcept { return shards_; }
+  const std::string& shard(std::size_t i) const { return index_->shards.at(index_->records.at(i).shard); }
+  const std::string& key(std::size_t i) const { return index_->records.at(i).key; }
+  const std::vector<std::string>& shards() const noexcept { return index_->shards; }
 
  private:
   struct Record {
@@ -199,8 +199,11 @@ class TarImages : public DatasetBase<TarImages> {
     std::uint64_t label_offset = 0, label_size = 0;
     bool has_label = false;
   };
-  std::vector<std::string> shards_;
-  std::vector<Record> records_;
+  struct Index {
+    std::vector<std::string> shards;
+    std::vector<Record> records;
+  };
+  std::shared_ptr<const Index> index_;  // shared by copies (a loader takes one): built once, never copied
   TarImagesOptions options_;
   std::size_t slot_ = 0;  // decode = Gpu: bytes per image in a batch's encoded block
   struct Rows;
