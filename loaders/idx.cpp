@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 
 #include "io.h"
@@ -113,6 +114,13 @@ Tensor read_idx(const std::string& path) {
 
 IdxDataset::IdxDataset(const std::string& images_path, const std::string& labels_path, IdxDatasetOptions options)
     : images_(read_idx(images_path)), labels_(read_idx(labels_path)), options_(std::move(options)) {
+  // Raw uint8/int8 files are used in place, from the file's mapping (read_idx).
+  if (images_.dtype() == DType::UInt8 || images_.dtype() == DType::Int8) {
+    std::byte head[2] = {};
+    std::ifstream f(images_path, std::ios::binary);
+    f.read(reinterpret_cast<char*>(head), 2);
+    mapped_ = !loaders::is_gzip(std::span<const std::byte>(head, static_cast<std::size_t>(f.gcount())));
+  }
   if (labels_.dim() != 1)
     throw DataError(labels_path, DataError::kNoOffset, "labels must be 1-D, the file holds " + shape_str(labels_.shape()));
   if (labels_.size(0) != images_.size(0))
@@ -129,6 +137,19 @@ IdxDataset::IdxDataset(Tensor images, Tensor labels, IdxDatasetOptions options)
     throw Error("IdxDataset: " + images_.str() + " and " + labels_.str() + " differ in their first dimension");
   init();
 }
+
+namespace {
+std::int64_t label_at(const Tensor& labels, std::size_t i) {
+  const auto k = static_cast<std::int64_t>(i);
+  switch (labels.dtype()) {
+    case DType::UInt8: return labels.item<std::uint8_t>(k);
+    case DType::Int8: return labels.item<std::int8_t>(k);
+    case DType::Int16: return labels.item<std::int16_t>(k);
+    case DType::Int32: return labels.item<std::int32_t>(k);
+    default: return labels.item<std::int64_t>(k);
+  }
+}
+}  // namespace
 
 void IdxDataset::init() {
   switch (labels_.dtype()) {
@@ -147,20 +168,20 @@ void IdxDataset::init() {
     sample_dtype_ = options_.transform.output_dtype(images_.dtype());
   }
   sample_shape_ = std::move(one);
+  labels64_ = Tensor::empty(DType::Int64, {static_cast<std::int64_t>(size_)});
+  for (std::size_t i = 0; i < size_; ++i) labels64_.data<std::int64_t>()[i] = label_at(labels_, i);
 }
 
-namespace {
-std::int64_t label_at(const Tensor& labels, std::size_t i) {
-  const auto k = static_cast<std::int64_t>(i);
-  switch (labels.dtype()) {
-    case DType::UInt8: return labels.item<std::uint8_t>(k);
-    case DType::Int8: return labels.item<std::int8_t>(k);
-    case DType::Int16: return labels.item<std::int16_t>(k);
-    case DType::Int32: return labels.item<std::int32_t>(k);
-    default: return labels.item<std::int64_t>(k);
+std::vector<HostRows> IdxDataset::host_rows(std::string& why) const {
+  if (!options_.transform.empty()) {
+    why = "IdxDataset's transform (" + options_.transform.str() + ") runs on the CPU";
+    return {};
   }
+  const std::size_t row_bytes = size_ ? images_.nbytes() / size_ : 0;
+  return {{images_.raw(), images_.size(0), row_bytes, images_.dtype(), sample_shape_, "IdxDataset images", mapped_},
+          {labels64_.raw(), labels64_.size(0), sizeof(std::int64_t), DType::Int64, Shape{}, "IdxDataset labels", false}};
 }
-}  // namespace
+
 
 LabeledSample IdxDataset::get(std::size_t i, SampleContext& ctx) const {
   if (i >= size_) throw Error("IdxDataset: index " + std::to_string(i) + " out of range for size " + std::to_string(size_));

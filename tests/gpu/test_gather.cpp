@@ -57,6 +57,11 @@ std::vector<std::vector<Tensor>> epochs(D ds, const DataLoaderOptions& o, bool* 
       std::vector<Tensor> fields;
       if constexpr (std::is_same_v<std::decay_t<decltype(b)>, Tensor>) {
         fields.push_back(to_host(b, *loader.stream()).get());
+      } else if constexpr (std::is_same_v<std::decay_t<decltype(b)>, LabeledBatch>) {
+        for (const Tensor& t : {b.image, b.label}) {
+          REQUIRE(t.device() == Device::cuda(0));
+          fields.push_back(to_host(t, *loader.stream()).get());
+        }
       } else {
         for (const Tensor& t : b) {
           REQUIRE(t.device() == Device::cuda(0));
@@ -107,6 +112,23 @@ TEST_CASE("device gather: batches bitwise equal to the host path's, for any num_
   DataLoaderOptions bd = options(Gather::Device, 2), bh = options(Gather::Host, 2);
   bd.batch_size = bh.batch_size = 4096;
   check_equal(epochs(big, bd), epochs(big, bh));
+}
+
+TEST_CASE("device gather: IdxDataset's images and labels, equal to the host path", "[gpu][gather][idx]") {
+  test::TempDir dir;
+  const std::uint32_t n = 1000;
+  test::Bytes pixels(n * 28 * 28), labels(n);
+  for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = std::byte(static_cast<unsigned char>(i * 37 + i / 784));
+  for (std::size_t i = 0; i < n; ++i) labels[i] = std::byte(static_cast<unsigned char>(i % 10));
+  test::write_file(dir / "img.gz", test::gzip(test::idx_bytes(0x08, {n, 28, 28}, pixels)));
+  test::write_file(dir / "lbl", test::idx_bytes(0x08, {n}, labels));
+  const IdxDataset ds(dir / "img.gz", dir / "lbl");
+  bool gathered = false, hosted = true;
+  const auto device = epochs(ds, options(Gather::Auto, 0), &gathered);
+  const auto host = epochs(ds, options(Gather::Host, 3), &hosted);
+  CHECK(gathered);
+  CHECK_FALSE(hosted);
+  check_equal(device, host);
 }
 
 TEST_CASE("device gather: a mapped .npy of 2 GiB, equal to the host path", "[gpu][gather][npy]") {

@@ -182,3 +182,52 @@ TEST_CASE("the real Fashion-MNIST files read as 60,000 + 10,000 labelled 28x28 i
   CHECK(sum == 76247);  // checked with Python's gzip module
   CHECK(test.get(1, ctx).label == 2);
 }
+
+TEST_CASE("IdxDataset offers its images and labels as rows for the device gather", "[unit][idx][gather]") {
+  TempDir dir;
+  const std::uint32_t n = 12;
+  write_file(dir / "img", idx_bytes(0x08, {n, 3, 5}, u8_images(n, 3, 5)));
+  write_file(dir / "img.gz", gzip(idx_bytes(0x08, {n, 3, 5}, u8_images(n, 3, 5))));
+  write_file(dir / "lbl", idx_bytes(0x08, {n}, u8_labels(n)));
+  DataLoaderOptions o;
+  o.device = 0;
+  for (bool raw : {true, false}) {
+    INFO((raw ? "raw" : "gzip") << " images");
+    IdxDataset ds(dir / (raw ? "img" : "img.gz"), dir / "lbl");
+    std::vector<HostRows> rows;
+    const std::string why = detail::gather_unavailable<IdxDataset, LabeledBatch>(o, true, ds, rows);
+    if (raw) {
+      // A file's mapping, which gather = Auto leaves to the host path; gather = Device takes it.
+      CHECK_THAT(why, Catch::Contains("IdxDataset images is a memory-mapped file"));
+      DataLoaderOptions d = o;
+      d.gather = Gather::Device;
+      rows.clear();
+      const std::string device_why = detail::gather_unavailable<IdxDataset, LabeledBatch>(d, true, ds, rows);
+      if (DeviceStage::can_gather()) CHECK(device_why.empty());
+    } else if (DeviceStage::can_gather()) {
+      CHECK(why.empty());
+    }
+    std::string unused;
+    rows = ds.host_rows(unused);
+    REQUIRE(rows.size() == 2);
+    CHECK(rows[0].mapped_file == raw);
+    CHECK(rows[0].rows == n);
+    CHECK(rows[0].row_bytes == 15);
+    CHECK(rows[0].row_shape == Shape{3, 5});
+    CHECK(rows[0].dtype == DType::UInt8);
+    CHECK(rows[0].data == ds.images().raw());
+    CHECK(rows[1].dtype == DType::Int64);
+    CHECK(rows[1].row_bytes == 8);
+    // The label rows hold what the host path's batches hold.
+    SampleContext ctx(0, 1, 0, WorkerInfo{});
+    for (std::uint32_t i = 0; i < n; ++i) CHECK(static_cast<const std::int64_t*>(rows[1].data)[i] == ds.get(i, ctx).label);
+  }
+  // A transform runs on the CPU: no rows, and the loader says why.
+  IdxDatasetOptions flip;
+  flip.transform.horizontal_flip();
+  IdxDataset flipped(dir / "img.gz", dir / "lbl", flip);
+  std::vector<HostRows> rows;
+  CHECK_THAT((detail::gather_unavailable<IdxDataset, LabeledBatch>(o, true, flipped, rows)),
+             Catch::Contains("IdxDataset's transform") && Catch::Contains("runs on the CPU"));
+  CHECK(rows.empty());
+}

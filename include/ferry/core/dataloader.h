@@ -134,19 +134,23 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
     (void)default_collate;
     (void)ds;
     (void)rows;
-    return "the dataset's samples are not rows of host arrays (it has no host_rows(); TensorDataset and NpyDataset do)";
+    return "the dataset's samples are not rows of host arrays (it has no host_rows(); TensorDataset, NpyDataset and IdxDataset do)";
   } else {
     if (!default_collate) return "a collate_fn runs on the host";
     if (o.allocator) return "DataLoaderOptions::allocator is set (batches in your memory)";
     constexpr bool kTensor = std::is_same_v<Batch, Tensor>, kTensors = std::is_same_v<Batch, std::vector<Tensor>>;
-    if constexpr (!kTensor && !kTensors) {
-      return "the dataset's batch type is neither a Tensor nor a std::vector<Tensor>";
+    if constexpr (!kTensor && !kTensors && !FieldsBatch<Batch>) {
+      return "the dataset's batch type is neither a Tensor, a std::vector<Tensor> nor a FieldsBatch";
     } else {
       std::string why;
       rows = ds.host_rows(why);
       if (rows.empty()) return why.empty() ? std::string("the dataset has no rows to gather") : why;
       if (kTensor && rows.size() != 1)
         return "the dataset's batch is one Tensor but host_rows() gave " + std::to_string(rows.size()) + " fields";
+      if constexpr (FieldsBatch<Batch>)
+        if (rows.size() != Batch::kGatheredFields)
+          return "the dataset's batch has " + std::to_string(Batch::kGatheredFields) + " fields but host_rows() gave " +
+                 std::to_string(rows.size());
       for (const HostRows& r : rows)
         if (r.rows != static_cast<std::int64_t>(ds.size()))
           return r.name + " has " + std::to_string(r.rows) + " rows for a dataset of " + std::to_string(ds.size()) + " samples";
@@ -798,6 +802,7 @@ class DataLoader {
         throw;
       }
       if constexpr (std::is_same_v<Batch, Tensor>) return DeviceBatch{std::move(fields[0]), std::move(copied)};
+      else if constexpr (FieldsBatch<Batch>) return DeviceBatch{Batch::from_fields(std::move(fields)), std::move(copied)};
       else return DeviceBatch{std::move(fields), std::move(copied)};  // std::vector<Tensor> (gather_unavailable)
     }
 

@@ -92,7 +92,7 @@ struct DataLoaderOptions {
   int device_prefetch = 2;
   /// One cudaMemcpyAsync per batch when its tensors lie in one pinned slab.
   bool device_pack = true;
-  /// With `device`: how batches of row datasets (TensorDataset, NpyDataset, any RowGatherDataset)
+  /// With `device`: how batches of row datasets (TensorDataset, NpyDataset, IdxDataset without a transform, any RowGatherDataset)
   /// are made. Auto and Device: the GPU gathers each batch's rows straight from the registered host
   /// arrays, with no worker copy, pin thread or pinned staging (Note [Device gather] in
   /// ferry/pinning/gather.h); Auto falls back to the host path where that cannot apply and says

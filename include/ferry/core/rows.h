@@ -35,10 +35,20 @@ struct HostRows {
   bool mapped_file = false;
 };
 
-/// A dataset whose batch fields are rows of host arrays (see the Note).
+/// A dataset whose batch fields are rows of host arrays (see the Note). host_rows() gives one
+/// HostRows per field of the batch, in order (or none, with `why` set, to decline). The batch is a
+/// Tensor (one field), a std::vector<Tensor>, or a FieldsBatch.
 template <class D>
 concept RowGatherDataset = requires(const D& d, std::string& why) {
   { d.host_rows(why) } -> std::same_as<std::vector<HostRows>>;
+};
+
+/// A batch type the device gather can assemble from its fields' device tensors, in host_rows()
+/// order (LabeledBatch: image, label).
+template <class B>
+concept FieldsBatch = requires(std::vector<Tensor>&& fields) {
+  { B::from_fields(std::move(fields)) } -> std::same_as<B>;
+  { B::kGatheredFields } -> std::convertible_to<std::size_t>;
 };
 
 namespace detail {

@@ -23,9 +23,11 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "ferry/core/allocator.h"
 #include "ferry/core/dataset.h"
+#include "ferry/core/rows.h"
 #include "ferry/core/tensor.h"
 #include "ferry/loaders/sample.h"
 #include "ferry/loaders/transforms.h"
@@ -58,6 +60,10 @@ class IdxDataset : public DatasetBase<IdxDataset> {
   LabeledBatch make_batch(std::size_t rows, BatchAllocator& allocator) const;
   void get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const;
 
+  /// The device gather (ferry/core/rows.h): images and labels as rows (labels as int64, as the
+  /// batch holds them). None, with `why`, when a transform runs on the CPU.
+  std::vector<HostRows> host_rows(std::string& why) const;
+
   const Tensor& images() const noexcept { return images_; }
   const Tensor& labels() const noexcept { return labels_; }
   /// The shape of one (transformed) sample image.
@@ -66,6 +72,8 @@ class IdxDataset : public DatasetBase<IdxDataset> {
  private:
   void init();
   Tensor images_, labels_;
+  Tensor labels64_;  // labels as int64 [N], the rows the device gather reads
+  bool mapped_ = false;  // images_ is a file's mapping (raw IDX)
   IdxDatasetOptions options_;
   std::size_t size_ = 0;
   Shape sample_shape_;

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "ferry/collate/collate.h"
 #include "ferry/core/tensor.h"
@@ -55,6 +56,14 @@ struct LabeledBatch {
     label = ctx.pin(label);
     encoded = ctx.pin(encoded);
     encoded_index = ctx.pin(encoded_index);
+  }
+  /// The device gather's batch (ferry/core/rows.h, FieldsBatch): image and label, in that order.
+  static constexpr std::size_t kGatheredFields = 2;
+  static LabeledBatch from_fields(std::vector<Tensor>&& fields) {
+    LabeledBatch b;
+    b.image = std::move(fields.at(0));
+    b.label = std::move(fields.at(1));
+    return b;
   }
   /// Keeps the first `rows` rows (views of the same buffers); used by on_error = Skip.
   void truncate_rows(std::size_t rows) {

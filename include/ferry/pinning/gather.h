@@ -2,7 +2,8 @@
 //
 // Note [Device gather]
 // When a dataset's samples are rows of host arrays with a fixed row size (TensorDataset's
-// tensors, a mapped .npy) and nothing runs per sample, a batch needs no CPU copy at all. The
+// tensors, a mapped .npy, IdxDataset's images and labels without a transform) and nothing runs
+// per sample, a batch needs no CPU copy at all. The
 // loader registers each array once with CUDA (RowRegistration: cudaHostRegister, mapped, read-only
 // where the device allows it, within DataLoaderOptions::register_memory_limit), and per batch
 // sends only the sample indices: a worker (the consumer's thread, with num_workers = 0) writes
