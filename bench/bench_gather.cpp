@@ -25,6 +25,7 @@
 #include "cpu_time.h"
 #include "ferry/ferry.h"
 #include "kernels.h"
+#include "work_step.h"
 
 using namespace ferry;
 using Clock = std::chrono::steady_clock;
@@ -117,30 +118,10 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
 
 void training_loop(const Tensor& data, Gather g, int workers, const Args& a) {
   DataLoader loader(TensorDataset({data}), loader_options(static_cast<std::size_t>(data.size(0)), static_cast<std::size_t>(a.steps + 20), g, workers));
-  void* s = loader.stream()->native();
   cuda::DeviceGuard guard(0);
-  // Calibrate the step's arithmetic to about step_ms alone.
-  long long iters = 100000;
+  const bench::WorkStep work = bench::WorkStep::calibrate(*loader.stream(), a.step_ms);
+  const double alone_wall = work.alone_wall_ms, alone_gpu = work.alone_gpu_ms;
   cuda::Event e0 = cuda::Event::create(0, true), e1 = cuda::Event::create(0, true);
-  for (int k = 0; k < 3; ++k) {
-    e0.record(*loader.stream());
-    test::launch_work(s, iters);
-    e1.record(*loader.stream());
-    e1.synchronize();
-    iters = static_cast<long long>(iters * a.step_ms / std::max(cuda::Event::elapsed_ms(e0, e1), 1e-3));
-  }
-  // The step alone: GPU time and wall time per step.
-  double alone_gpu = 0;
-  const auto a0 = Clock::now();
-  for (int k = 0; k < 30; ++k) {
-    e0.record(*loader.stream());
-    test::launch_work(s, iters);
-    e1.record(*loader.stream());
-    loader.stream()->synchronize();
-    alone_gpu += cuda::Event::elapsed_ms(e0, e1);
-  }
-  const double alone_wall = std::chrono::duration<double, std::milli>(Clock::now() - a0).count() / 30;
-  alone_gpu /= 30;
   // The loop.
   double loop_gpu = 0;
   int step = 0;
@@ -150,7 +131,7 @@ void training_loop(const Tensor& data, Gather g, int workers, const Args& a) {
     if (step == 10) t0 = Clock::now();
     if (step == a.steps + 10) break;
     e0.record(*loader.stream());
-    test::launch_work(s, iters);
+    work.launch(*loader.stream());
     e1.record(*loader.stream());
     loader.stream()->synchronize();
     if (step >= 10) loop_gpu += cuda::Event::elapsed_ms(e0, e1);

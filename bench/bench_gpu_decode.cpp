@@ -28,11 +28,13 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cpu_time.h"
+#include "tar_writer.h"
 #include "ferry/ferry.h"
 
 #ifdef FERRY_BENCH_NVJPEG
@@ -40,7 +42,7 @@
 #include <nvjpeg.h>
 #endif
 #ifdef FERRY_BENCH_TRAINING_LOOP
-#include "kernels.h"
+#include "work_step.h"
 #endif
 
 using namespace ferry;
@@ -86,43 +88,21 @@ std::vector<std::string> write_shards(const ImageFolder& folder, const std::stri
   std::vector<std::string> shards;
   fs::create_directories(dir);
   const bool made = fs::exists(fs::path(dir) / "shard-000.tar");
-  std::ofstream out;
-  auto member = [&](const std::string& name, const std::string& data) {
-    char h[512] = {};
-    std::snprintf(h, 100, "%s", name.c_str());
-    std::snprintf(h + 100, 8, "%07o", 0644);
-    std::snprintf(h + 108, 8, "%07o", 0);
-    std::snprintf(h + 116, 8, "%07o", 0);
-    std::snprintf(h + 124, 12, "%011llo", static_cast<unsigned long long>(data.size()));
-    std::snprintf(h + 136, 12, "%011o", 0);
-    h[156] = '0';
-    std::memcpy(h + 257, "ustar\0" "00", 8);
-    std::memset(h + 148, ' ', 8);
-    unsigned sum = 0;
-    for (unsigned char c : h) sum += c;
-    std::snprintf(h + 148, 8, "%06o", sum);
-    out.write(h, 512);
-    out.write(data.data(), static_cast<std::streamsize>(data.size()));
-    static const char zeros[512] = {};
-    out.write(zeros, static_cast<std::streamsize>((512 - data.size() % 512) % 512));
-  };
+  std::optional<bench::TarWriter> out;
   for (std::size_t i = 0; i < folder.size(); ++i) {
     if (i % 1000 == 0) {
       char name[32];
       std::snprintf(name, sizeof name, "shard-%03zu.tar", i / 1000);
       shards.push_back((fs::path(dir) / name).string());
-      if (!made) {
-        if (out.is_open()) out.close();
-        out.open(shards.back(), std::ios::binary);
-      }
+      if (!made) out.emplace(shards.back());
     }
     if (made) continue;
     std::ifstream f(folder.path(i), std::ios::binary);
     const std::string jpg((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
     char key[32];
     std::snprintf(key, sizeof key, "%08zu", i);
-    member(std::string(key) + ".jpg", jpg);
-    member(std::string(key) + ".cls", std::to_string(folder.label(i)));
+    out->member(std::string(key) + ".jpg", jpg);
+    out->member(std::string(key) + ".cls", std::to_string(folder.label(i)));
   }
   return shards;
 }
@@ -171,32 +151,10 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
   o.persistent_workers = true;
   o.high_priority_copies = high_priority;
   DataLoader loader(images(photos, decode), o);
-  void* s = loader.stream()->native();
   cuda::DeviceGuard guard(0);
-  // Calibrate the step's arithmetic to about step_ms alone.
-  long long iters = 100000;
+  const bench::WorkStep work = bench::WorkStep::calibrate(*loader.stream(), step_ms, kernels);
+  const double alone_wall = work.alone_wall_ms, alone_gpu = work.alone_gpu_ms;
   cuda::Event e0 = cuda::Event::create(0, true), e1 = cuda::Event::create(0, true);
-  for (int k = 0; k < 3; ++k) {
-    e0.record(*loader.stream());
-    test::launch_work(s, iters);
-    e1.record(*loader.stream());
-    e1.synchronize();
-    iters = static_cast<long long>(static_cast<double>(iters) * step_ms / kernels / std::max(cuda::Event::elapsed_ms(e0, e1), 1e-3));
-  }
-  auto step_work = [&] {
-    for (int k = 0; k < kernels; ++k) test::launch_work(s, iters);
-  };
-  double alone_gpu = 0;
-  const auto a0 = Clock::now();
-  for (int k = 0; k < 30; ++k) {
-    e0.record(*loader.stream());
-    step_work();
-    e1.record(*loader.stream());
-    loader.stream()->synchronize();
-    alone_gpu += cuda::Event::elapsed_ms(e0, e1);
-  }
-  const double alone_wall = std::chrono::duration<double, std::milli>(Clock::now() - a0).count() / 30;
-  alone_gpu /= 30;
   // The loop: 10 unmeasured steps, then `steps`, across epochs; the wait for each batch is timed
   // on the host (from the end of the last step to the batch in hand).
   double loop_gpu = 0, epoch_start_wait = 0;
@@ -215,7 +173,7 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
       }
       first = false;
       e0.record(*loader.stream());
-      step_work();
+      work.launch(*loader.stream());
       e1.record(*loader.stream());
       loader.stream()->synchronize();
       if (step >= 10) loop_gpu += cuda::Event::elapsed_ms(e0, e1);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ferry/ferry.h"
+#include "tar_writer.h"
 
 using namespace ferry;
 using Clock = std::chrono::steady_clock;
@@ -45,34 +46,13 @@ double median(std::vector<double> v) {
 
 // A ustar archive of `records` records "k.bin" (8 KiB) + "k.cls".
 void write_shard(const std::string& path, int shard, int records) {
-  std::ofstream out(path, std::ios::binary);
-  auto member = [&](const std::string& name, const std::string& data) {
-    char h[512] = {};
-    std::snprintf(h, 100, "%s", name.c_str());
-    std::snprintf(h + 100, 8, "%07o", 0644);
-    std::snprintf(h + 108, 8, "%07o", 0);
-    std::snprintf(h + 116, 8, "%07o", 0);
-    std::snprintf(h + 124, 12, "%011lo", static_cast<unsigned long>(data.size()));
-    std::snprintf(h + 136, 12, "%011o", 0);
-    h[156] = '0';
-    std::memcpy(h + 257, "ustar", 6);
-    std::memcpy(h + 263, "00", 2);
-    std::memset(h + 148, ' ', 8);
-    unsigned sum = 0;
-    for (unsigned char c : h) sum += c;
-    std::snprintf(h + 148, 8, "%06o", sum);
-    out.write(h, 512);
-    out.write(data.data(), static_cast<std::streamsize>(data.size()));
-    const std::size_t pad = (512 - data.size() % 512) % 512;
-    out.write(std::string(pad, '\0').data(), static_cast<std::streamsize>(pad));
-  };
+  bench::TarWriter out(path);
   const std::string payload(8192, 'x');
   for (int k = 0; k < records; ++k) {
     const std::string key = std::to_string(shard) + "_" + std::to_string(k);
-    member(key + ".bin", payload);
-    member(key + ".cls", std::to_string(k % 10));
+    out.member(key + ".bin", payload);
+    out.member(key + ".cls", std::to_string(k % 10));
   }
-  out.write(std::string(1024, '\0').data(), 1024);
 }
 
 // Median ms, over `trials` new loaders from make(), from restore(*state) (when given) and begin()
