@@ -117,22 +117,18 @@ void add_builtins(DatasetRegistry& r) {
     c.finish();
     return DynamicDataset(std::move(rows));
   }, "rows of a .npy array: path=<file>");
-  r.add("image_folder", [](const DatasetConfig& c) {
-    if (c.str("decode", "cpu") == "gpu")
-      throw Error("dataset 'image_folder': decode=gpu needs the loader's direct mode, which a registry dataset "
-                  "(std::vector<Tensor> samples) does not have: use ferry::make_image_folder(config) and "
-                  "DataLoader(ImageFolder) with a device (ferry bench does)");
-    ImageFolder d = make_image_folder(c);
-    return DynamicDataset(ferry::map(std::move(d), labeled));
-  }, kImageFolderHelp);
-  r.add("tar_index", [](const DatasetConfig& c) {
-    if (c.str("decode", "cpu") == "gpu")
-      throw Error("dataset 'tar_index': decode=gpu needs the loader's direct mode, which a registry dataset "
-                  "(std::vector<Tensor> samples) does not have: use ferry::make_tar_index(config) and "
-                  "DataLoader(TarImages) with a device (ferry bench does)");
-    TarImages d = make_tar_index(c);
-    return DynamicDataset(ferry::map(std::move(d), labeled));
-  }, kTarIndexHelp);
+  // Image datasets with CPU decode; decode=gpu needs the typed dataset (the loader's direct mode).
+  auto images = [](const char* typed, auto make) {
+    return [typed, make](const DatasetConfig& c) {
+      if (c.str("decode", "cpu") == "gpu")
+        throw Error("dataset '" + c.dataset() + "': decode=gpu needs the loader's direct mode, which a registry dataset "
+                    "(std::vector<Tensor> samples) does not have: use ferry::" + typed + "(config) and a DataLoader "
+                    "of the dataset it returns, with a device (ferry bench does)");
+      return DynamicDataset(ferry::map(make(c), labeled));
+    };
+  };
+  r.add("image_folder", images("make_image_folder", make_image_folder), kImageFolderHelp);
+  r.add("tar_index", images("make_tar_index", make_tar_index), kTarIndexHelp);
   r.add("synthetic", [](const DatasetConfig& c) {
     const std::int64_t n = c.integer("n", 10000);
     if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
