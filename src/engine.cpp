@@ -141,6 +141,10 @@ struct Engine::State {
   std::uint64_t delivered = 0;
   std::uint64_t in_flight = 0;
   std::unique_ptr<ReorderWindow<Result>> window;
+  // The next epoch, made ahead (prefetch_next): its jobs go out once the live epoch's are all out,
+  // keyed after them (total + j) in the live window, so batches alive stay within limit().
+  std::shared_ptr<EpochState> ahead;
+  std::uint64_t ahead_total = 0, ahead_dispatched = 0;
   std::deque<Result> arrived;                       // in_order == false
   std::vector<std::int64_t> ended_at;               // streams: first exhausted j per worker, -1 if live
   int ended = 0;
@@ -313,7 +317,7 @@ struct Engine::State {
     bool bursting = false;
     for (;;) {
       if (!opt.streaming) {
-        if (next_key >= total) return;
+        if (next_key >= total) return dispatch_ahead();
       } else {
         if (ended == W) return;
         while (dead(next_key)) ++next_key;
@@ -341,6 +345,28 @@ struct Engine::State {
   }
 
 
+
+  void dispatch_ahead() {
+    if (!ahead || !window) return;
+    const std::size_t k = limit();
+    while (ahead_dispatched < ahead_total && total + ahead_dispatched < window->next() + k) {
+      Job job;
+      job.key = ahead_dispatched;
+      job.batch = static_cast<std::int64_t>(ahead_dispatched);
+      job.indices = ahead->plan->batch(ahead_dispatched);
+      job.epoch_indices = ahead->plan->indices;
+      queues[0]->push(Task{ahead, job});
+      ++ahead_dispatched;
+    }
+  }
+
+  void drop_ahead() noexcept {
+    if (!ahead) return;
+    ahead->cancelled.store(true);
+    ahead->results.close();
+    ahead.reset();
+    ahead_total = ahead_dispatched = 0;
+  }
 
   void receive(Result r) {
     --in_flight;
@@ -553,12 +579,23 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
         "DataLoader: begin() was called while an iterator of this loader is still live; finish or destroy "
         "the first iterator before starting another epoch");
   if (!s.opt.streaming && !plan) throw Error("DataLoader: no batch plan for a map-style epoch");
-  s.ep = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
+  // The epoch made ahead is this one (the same plan, from its start): its jobs out so far, done or
+  // not, count as in flight; their results wait in its queue. Any other is dropped.
+  const bool adopt = s.ahead && s.ahead->epoch == epoch && s.ahead->plan == plan && start == 0;
+  const std::uint64_t ahead_out = adopt ? s.ahead_dispatched : 0;
+  if (adopt) {
+    s.ep = std::move(s.ahead);
+    s.ahead_total = s.ahead_dispatched = 0;
+  } else {
+    s.drop_ahead();
+    s.ep = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
+  }
   s.total = s.opt.streaming ? 0 : s.ep->plan->size();
   if (start > 0 && !s.opt.streaming && start > s.total)
     throw Error("DataLoader: cannot start the epoch at batch " + std::to_string(start) + " of " + std::to_string(s.total));
   s.next_key = s.delivered = start;
-  s.in_flight = 0;
+  s.next_key += ahead_out;
+  s.in_flight = ahead_out;
   s.arrived.clear();
   s.ended_at.assign(static_cast<std::size_t>(std::max(s.W, 1)), -1);
   s.ended = 0;
@@ -568,6 +605,16 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
   s.live = true;
   s.start_workers();
   if (s.W > 0) s.dispatch();
+}
+
+void Engine::prefetch_next(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan) {
+  State& s = *state_;
+  s.drop_ahead();
+  if (!s.live || s.opt.streaming || !s.opt.in_order || !s.opt.persistent_workers || s.W == 0 || s.opt.timeout.count() > 0 || !plan)
+    return;
+  s.ahead_total = plan->size();
+  s.ahead = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
+  s.dispatch();
 }
 
 Payload Engine::next() { return state_->next(); }
@@ -595,6 +642,7 @@ void Engine::end_epoch() noexcept {
 
 void Engine::shutdown() noexcept {
   end_epoch();
+  state_->drop_ahead();
   state_->stop_workers();
 }
 

@@ -105,13 +105,13 @@ void FaultLog::begin_epoch(std::uint64_t epoch, std::size_t samples) {
   std::lock_guard lock(mu_);
   epoch_ = epoch;
   epoch_samples_ = samples;
-  epoch_errors_ = 0;
-  reported_.clear();
+  for (auto it = tallies_.begin(); it != tallies_.end();) it = it->first == epoch ? std::next(it) : tallies_.erase(it);
 }
 
 void FaultLog::report(const SampleError& e) {
   std::lock_guard lock(mu_);
-  if (!e.stream && !reported_.emplace(e.batch, e.index).second) return;
+  Tally& tally = tallies_[e.epoch];
+  if (!e.stream && !tally.reported.emplace(e.batch, e.index).second) return;
   (e.action == SampleError::Action::Replaced ? counts_.replaced : counts_.skipped) += 1;
   switch (e.kind) {
     case SampleError::Kind::Data: ++counts_.data; break;
@@ -119,13 +119,13 @@ void FaultLog::report(const SampleError& e) {
     case SampleError::Kind::Timeout: ++counts_.timeout; break;
   }
   if (first_.size() < kFirst) first_.push_back(e.describe());
-  ++epoch_errors_;
+  const std::size_t errors = ++tally.errors;
   if (callback_) callback_(e);
-  const bool over_count = limits_.max_errors > 0 && epoch_errors_ > limits_.max_errors;
+  const bool over_count = limits_.max_errors > 0 && errors > limits_.max_errors;
   const bool over_fraction = limits_.max_error_fraction > 0 && epoch_samples_ > 0 &&
-                             static_cast<double>(epoch_errors_) > limits_.max_error_fraction * static_cast<double>(epoch_samples_);
+                             static_cast<double>(errors) > limits_.max_error_fraction * static_cast<double>(epoch_samples_);
   if (over_count || over_fraction) {
-    std::string m = "DataLoader: " + std::to_string(epoch_errors_) + " bad samples in epoch " + std::to_string(epoch_) +
+    std::string m = "DataLoader: " + std::to_string(errors) + " bad samples in epoch " + std::to_string(e.epoch) +
                     " exceed ";
     if (over_count) m += "max_errors=" + std::to_string(limits_.max_errors);
     else

@@ -184,6 +184,12 @@ class Engine {
   /// epochs may start at batch `start` of the plan (a resumed epoch: batches before it are never
   /// fetched; batch numbers, sample generators and replacements stay those of the whole epoch).
   void begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan, std::uint64_t start = 0);
+  /// Makes the first batches of the epoch after the live one while the live one's last batches
+  /// are consumed: once all the live epoch's jobs are out, `plan`'s jobs follow, as many as the
+  /// prefetch window has room for. begin_epoch(epoch, plan) with the same plan (the same pointer)
+  /// from batch 0 then takes them over; any other begin_epoch drops them. Map-style, in order,
+  /// persistent workers, no timeout; otherwise it does nothing.
+  void prefetch_next(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan);
   /// The key of the next batch to deliver (batches are keyed 0, 1, ... in plan or round-robin
   /// order), or -1 when that is not defined (delivered out of order).
   std::int64_t next_key() const noexcept;

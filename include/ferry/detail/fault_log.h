@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -39,6 +40,7 @@ class FaultLog {
       : limits_(limits), callback_(std::move(callback)) {}
 
   /// Starts counting a new epoch of `samples` samples (0: unknown, e.g. a stream without size()).
+  /// Errors already reported for this epoch (its batches made ahead) are kept; other epochs' go.
   void begin_epoch(std::uint64_t epoch, std::size_t samples);
   /// Records one skipped or replaced sample: counts it, keeps its message if among the first
   /// kFirst, calls the callback (one call at a time), then throws ferry::Error when the epoch's
@@ -60,10 +62,16 @@ class FaultLog {
   std::atomic<std::uint64_t> retries_{0};
   std::vector<std::string> first_;
   std::uint64_t epoch_ = 0;
-  std::size_t epoch_samples_ = 0, epoch_errors_ = 0;
+  std::size_t epoch_samples_ = 0;
   std::atomic<bool> any_stuck_{false};
   std::unordered_set<std::size_t> stuck_;
-  std::set<std::pair<std::int64_t, std::size_t>> reported_;  // this epoch's (batch, index), map-style
+  // Per epoch: the live one's, and the next one's while its first batches are made ahead
+  // (DataLoaderOptions::prefetch_next_epoch); errors count toward their own epoch's limits.
+  struct Tally {
+    std::size_t errors = 0;
+    std::set<std::pair<std::int64_t, std::size_t>> reported;  // (batch, index), map-style
+  };
+  std::map<std::uint64_t, Tally> tallies_;
 };
 
 /// Whether `e` is a transient I/O error worth retrying (IoError::transient(), or a std::system_error

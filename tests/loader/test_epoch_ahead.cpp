@@ -1,0 +1,136 @@
+// Tests DataLoaderOptions::prefetch_next_epoch: with persistent workers the next epoch's first
+// batches are made while the current epoch's last ones are consumed, and the batches are exactly
+// those made without it; another epoch (set_epoch, restore) drops them; a sample error made ahead
+// counts toward its own epoch.
+#include <catch2/catch.hpp>
+
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+
+#include "ferry/ferry.h"
+#include "helpers.h"
+
+using namespace ferry;
+using test::eventually;
+
+namespace {
+// Sample i of epoch e: i * 1000 + a draw of its generator (keyed by seed, epoch and index), so an
+// epoch's batches differ from another's. Records (epoch, index) of every fetch.
+struct Recorded {
+  struct Log {
+    std::mutex mu;
+    std::set<std::pair<std::uint64_t, std::size_t>> fetched;
+    std::size_t count(std::uint64_t epoch) {
+      std::lock_guard lock(mu);
+      std::size_t n = 0;
+      for (const auto& f : fetched) n += f.first == epoch;
+      return n;
+    }
+  };
+  std::size_t n = 64;
+  std::shared_ptr<Log> log = std::make_shared<Log>();
+  std::set<std::pair<std::uint64_t, std::size_t>> bad;  // (epoch, index) that throw
+  std::size_t size() const { return n; }
+  std::int64_t get(std::size_t i, SampleContext& ctx) const {
+    {
+      std::lock_guard lock(log->mu);
+      log->fetched.emplace(ctx.worker().epoch, i);
+    }
+    if (bad.count({ctx.worker().epoch, i})) throw DataError("recorded", i, "bad sample");
+    return static_cast<std::int64_t>(i * 1000 + ctx.rng().randint(1000));
+  }
+};
+
+DataLoaderOptions ahead_options(bool ahead) {
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  o.shuffle = true;
+  o.seed = 5;
+  o.num_workers = 3;
+  o.persistent_workers = true;
+  o.prefetch_next_epoch = ahead;
+  return o;
+}
+
+std::vector<std::int64_t> epoch_values(DataLoader<Recorded>& loader) {
+  std::vector<std::int64_t> out;
+  for (Tensor& b : loader)
+    for (std::int64_t r = 0; r < b.numel(); ++r) out.push_back(b.data<std::int64_t>()[r]);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("persistent workers make the next epoch's first batches ahead; the batches are the same", "[loader][ahead]") {
+  Recorded ds;
+  DataLoader ahead(ds, ahead_options(true));
+  DataLoader plain(Recorded{}, ahead_options(false));
+  for (std::uint64_t e = 0; e < 3; ++e) {
+    INFO("epoch " << e);
+    const std::vector<std::int64_t> a = epoch_values(ahead), b = epoch_values(plain);
+    CHECK(a.size() == 64);
+    CHECK(a == b);
+    // Between epochs, the next epoch's first batches are being made (or are made): at most the
+    // prefetch window's (prefetch_factor x num_workers batches).
+    CHECK(eventually([&] { return ds.log->count(e + 1) > 0; }));
+    CHECK(ds.log->count(e + 1) <= 2 * 3 * 4);
+  }
+  // The comparison can fail: epochs differ from each other.
+  DataLoader again(Recorded{}, ahead_options(false));
+  const std::vector<std::int64_t> first = epoch_values(again), second = epoch_values(again);
+  CHECK(first != second);
+}
+
+TEST_CASE("work made ahead for an epoch that does not follow is dropped", "[loader][ahead]") {
+  Recorded ds;
+  DataLoader loader(ds, ahead_options(true));
+  (void)epoch_values(loader);
+  CHECK(eventually([&] { return ds.log->count(1) > 0; }));
+  loader.set_epoch(7);
+  const std::vector<std::int64_t> seventh = epoch_values(loader);
+  DataLoader fresh(Recorded{}, ahead_options(false));
+  fresh.set_epoch(7);
+  CHECK(seventh == epoch_values(fresh));
+  // Restoring a checkpoint taken mid-epoch 7 drops what was made ahead for epoch 8.
+  CHECK(eventually([&] { return ds.log->count(8) > 0; }));
+  DataLoader reference(Recorded{}, ahead_options(false));
+  reference.set_epoch(7);
+  LoaderState mid;
+  std::vector<std::int64_t> rest;
+  {
+    auto it = reference.begin();
+    for (int k = 0; k < 5; ++k, ++it) (void)*it;
+    mid = reference.state();
+    for (; it != reference.end(); ++it)
+      for (std::int64_t r = 0; r < it->numel(); ++r) rest.push_back(it->data<std::int64_t>()[r]);
+  }
+  loader.restore(mid);
+  CHECK(epoch_values(loader) == rest);
+}
+
+TEST_CASE("a sample error met ahead counts toward its own epoch", "[loader][ahead][errors]") {
+  // One bad sample in epoch 0 (its last batch) and one in epoch 1 (its first batch, met while
+  // epoch 0 is consumed), max_errors = 1 an epoch: neither epoch is over its limit.
+  Recorded ds;
+  ds.bad = {{0, 62}, {1, 2}};
+  DataLoaderOptions o = ahead_options(true);
+  o.shuffle = false;
+  o.on_error = OnError::Skip;
+  o.max_errors = 1;
+  std::vector<SampleError> seen;
+  std::mutex mu;
+  o.on_sample_error = [&](const SampleError& e) {
+    std::lock_guard lock(mu);
+    seen.push_back(e);
+  };
+  DataLoader loader(ds, o);
+  std::size_t rows = 0;
+  for (int e = 0; e < 2; ++e)
+    for (Tensor& b : loader) rows += static_cast<std::size_t>(b.numel());
+  CHECK(rows == 2 * 64 - 2);
+  std::lock_guard lock(mu);
+  REQUIRE(seen.size() == 2);
+  for (const SampleError& e : seen) CHECK(ds.bad.count({e.epoch, e.index}) == 1);
+  CHECK(seen[0].epoch != seen[1].epoch);
+}
