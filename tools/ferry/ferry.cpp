@@ -59,6 +59,7 @@ struct Flags {
   double max_error_fraction = 0.1;
   int timeout_ms = 0;
   bool persistent = false;
+  bool ahead = true;
 
   DataLoaderOptions options() const {
     DataLoaderOptions o;
@@ -81,6 +82,7 @@ struct Flags {
     o.max_error_fraction = max_error_fraction;
     o.timeout = std::chrono::milliseconds(timeout_ms);
     o.persistent_workers = persistent && workers > 0;
+    o.prefetch_next_epoch = ahead;
     return o;
   }
 };
@@ -111,6 +113,8 @@ void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("--timeout-ms", f.timeout_ms, "timeout: a batch stuck this long fails (or, with skip/replace, is made again without its stuck sample)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--persistent-workers", f.persistent, "keep the workers across epochs");
+  app.add_option("--prefetch-next-epoch", f.ahead,
+                 "with persistent workers: make the next epoch's first batches while the current epoch ends (default 1)");
   app.add_option("-n,--batches", f.batches, "stop after this many batches (0: whole epochs)");
   app.add_option("--epochs", f.epochs, "epochs to run when --batches is 0")->check(CLI::PositiveNumber);
   app.add_option("--consumer-ms", f.consumer_ms, "simulated work per batch on the consumer, in ms (a training step)")
