@@ -94,7 +94,9 @@ class DataLoader:
             never returns) is abandoned and the batch fails with ferry.TimeoutError (or, with
             on_error="skip"/"replace", is made again without the stuck sample). 0: no limit.
         prefetch_factor: batches in flight per worker (default 2).
-        persistent_workers: keep the worker threads across epochs.
+        persistent_workers: keep the worker threads across epochs; they then also make the next
+            epoch's first batches while the current epoch ends (C++ prefetch_next_epoch), so an
+            epoch does not start by waiting.
         seed: keys the shuffle and every sample's random transform with the epoch and index: the
             same seed gives the same batches for any num_workers.
         device: deliver batches on this CUDA device (an index, "cuda:N" or a torch.device). They
