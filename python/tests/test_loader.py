@@ -53,6 +53,17 @@ def test_batches_equal_the_cpp_loaders(rows_npy, workers, epoch):
     assert [as_bytes(b) for b in loader] != got
 
 
+def test_persistent_workers_make_the_next_epoch_ahead_with_the_same_batches(image_root):
+    # With persistent workers the next epoch's first batches are made while an epoch ends; the
+    # batches of three epochs are those of a loader without persistent workers.
+    ds = ferry.datasets.image_folder(str(image_root), size=16, random_crop=True, float=True)
+    kept = ferry.DataLoader(ds, batch_size=2, shuffle=True, num_workers=2, seed=8, persistent_workers=True)
+    fresh = ferry.DataLoader(ds, batch_size=2, shuffle=True, num_workers=2, seed=8)
+    epochs = [[as_bytes(b) for b in kept] for _ in range(3)]
+    assert epochs == [[as_bytes(b) for b in fresh] for _ in range(3)]
+    assert epochs[0] != epochs[1]
+
+
 def test_image_batches_equal_the_cpp_loaders(image_root):
     ds = ferry.datasets.image_folder(str(image_root), size=16, random_crop=True, mean=[0.5, 0.4, 0.3], std=0.2)
     loader = ferry.DataLoader(ds, batch_size=5, shuffle=True, num_workers=2, seed=4)

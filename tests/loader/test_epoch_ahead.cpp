@@ -134,3 +134,29 @@ TEST_CASE("a sample error met ahead counts toward its own epoch", "[loader][ahea
   for (const SampleError& e : seen) CHECK(ds.bad.count({e.epoch, e.index}) == 1);
   CHECK(seen[0].epoch != seen[1].epoch);
 }
+
+TEST_CASE("the next epoch made ahead through the pin thread and direct-mode batches", "[loader][ahead][pin]") {
+  // Direct mode (a dataset writing rows into pinned blocks) with the pin stage: the same batches
+  // with and without the next epoch made ahead, over three epochs.
+  Recorded ds;
+  auto run = [&](bool ahead) {
+    DataLoaderOptions o = ahead_options(ahead);
+    o.pin_memory = true;
+    PinnedPoolOptions po;
+    po.backend = pageable_backend_for_tests();
+    o.pinned_pool = std::make_shared<PinnedPool>(po);
+    DataLoader loader(Recorded{}, o);
+    std::vector<std::vector<std::int64_t>> epochs;
+    for (int e = 0; e < 3; ++e) {
+      epochs.emplace_back();
+      for (Tensor& b : loader) {
+        CHECK(b.is_pinned());
+        for (std::int64_t r = 0; r < b.numel(); ++r) epochs.back().push_back(b.data<std::int64_t>()[r]);
+      }
+    }
+    return epochs;
+  };
+  const auto with = run(true), without = run(false);
+  CHECK(with == without);
+  CHECK(with[0] != with[1]);
+}
