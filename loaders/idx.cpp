@@ -2,7 +2,6 @@
 
 #include <bit>
 #include <cstring>
-#include <fstream>
 #include <sstream>
 
 #include "io.h"
@@ -76,7 +75,9 @@ std::string size_mismatch(const Header& h, std::uint64_t have) {
          " bytes of data, the file has " + std::to_string(have) + (have > h.nbytes ? " (trailing bytes)" : " (truncated)");
 }
 
-Tensor parse(std::span<const std::byte> bytes, const std::string& name, const std::shared_ptr<const loaders::MappedFile>& map) {
+// `mapped` (if given) is set when the tensor is the file's mapping, used in place.
+Tensor parse(std::span<const std::byte> bytes, const std::string& name, const std::shared_ptr<const loaders::MappedFile>& map,
+             bool* mapped = nullptr) {
   ByteSource src(bytes, name);
   Header h = read_header(src, bytes.size());
   const std::uint64_t data_at = src.offset();
@@ -86,6 +87,7 @@ Tensor parse(std::span<const std::byte> bytes, const std::string& name, const st
     if (map && itemsize(h.dtype) == 1) {
       // In place: the tensor keeps the mapping alive.
       Storage s = Storage::wrap(map->data() + data_at, h.nbytes, Device::host(), std::const_pointer_cast<loaders::MappedFile>(map));
+      if (mapped) *mapped = true;
       return Tensor(std::move(s), h.dtype, std::move(h.shape));
     }
     Tensor t = Tensor::empty(h.dtype, std::move(h.shape));
@@ -98,6 +100,11 @@ Tensor parse(std::span<const std::byte> bytes, const std::string& name, const st
   if (!src.at_end()) throw DataError(name, src.offset(), "trailing data after the " + std::to_string(h.nbytes) + " bytes the IDX dimensions " + shape_str(h.shape) + " describe");
   to_host_order(t);
   return t;
+}
+
+Tensor read_idx(const std::string& path, bool& mapped) {
+  auto map = loaders::MappedFile::open(path);
+  return parse(map->bytes(), path, map, &mapped);
 }
 
 }  // namespace
@@ -113,14 +120,7 @@ Tensor read_idx(const std::string& path) {
 }
 
 IdxDataset::IdxDataset(const std::string& images_path, const std::string& labels_path, IdxDatasetOptions options)
-    : images_(read_idx(images_path)), labels_(read_idx(labels_path)), options_(std::move(options)) {
-  // Raw uint8/int8 files are used in place, from the file's mapping (read_idx).
-  if (images_.dtype() == DType::UInt8 || images_.dtype() == DType::Int8) {
-    std::byte head[2] = {};
-    std::ifstream f(images_path, std::ios::binary);
-    f.read(reinterpret_cast<char*>(head), 2);
-    mapped_ = !loaders::is_gzip(std::span<const std::byte>(head, static_cast<std::size_t>(f.gcount())));
-  }
+    : images_(read_idx(images_path, mapped_)), labels_(read_idx(labels_path)), options_(std::move(options)) {
   if (labels_.dim() != 1)
     throw DataError(labels_path, DataError::kNoOffset, "labels must be 1-D, the file holds " + shape_str(labels_.shape()));
   if (labels_.size(0) != images_.size(0))

@@ -10,6 +10,7 @@
 #include <limits>
 #include <numeric>
 #include <utility>
+#include <variant>
 
 #include "ferry/core/distributed.h"
 #include "ferry/loaders/image.h"
@@ -389,16 +390,22 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
 }
 
 namespace {
-// A label field's text as a class index; DataError naming the shard and the record otherwise.
-std::int64_t parse_label(std::span<const std::byte> bytes, const std::string& shard, std::uint64_t offset, const std::string& key,
-                         const std::string& field) {
+// A label field's text as a class index, or what is wrong with it (the message of the DataError
+// that names the shard and the record).
+std::variant<std::int64_t, std::string> class_index(std::span<const std::byte> bytes, const std::string& key, const std::string& field) {
   std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.erase(0, 1);
   if (text.empty() || text.size() > 18 || text.find_first_not_of("0123456789") != std::string::npos)
-    throw DataError(shard, offset, "record '" + key + "': the '" + field + "' field is not a non-negative integer: '" +
-                                       text.substr(0, 40) + "'");
+    return "record '" + key + "': the '" + field + "' field is not a non-negative integer: '" + text.substr(0, 40) + "'";
   return std::stoll(text);
+}
+
+std::int64_t parse_label(std::span<const std::byte> bytes, const std::string& shard, std::uint64_t offset, const std::string& key,
+                         const std::string& field) {
+  auto label = class_index(bytes, key, field);
+  if (const std::string* why = std::get_if<std::string>(&label)) throw DataError(shard, offset, *why);
+  return std::get<std::int64_t>(label);
 }
 }  // namespace
 
@@ -438,14 +445,16 @@ TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) 
   if (paths.size() > std::numeric_limits<std::uint32_t>::max()) throw Error("TarImages: too many shards");
   if (options_.image_fields.empty()) throw Error("TarImages: image_fields is empty");
   if (decodes_on_device()) loaders::check_gpu_decode("TarImages", options_.channels, options_.transform);
+  std::vector<std::byte> label;
   for (std::size_t s = 0; s < paths.size(); ++s) {
     TarReader reader(paths[s]);
+    const loaders::RangeReader file(paths[s]);  // the labels: read and parsed here, once
     Record* rec = nullptr;
     while (std::optional<TarMember> m = reader.next(false)) {  // headers only: the data is seeked past
       const auto kf = split_key(m->path);
       if (!kf) continue;
       if (!rec || rec->key != kf->first) {
-        records.push_back(Record{kf->first, static_cast<std::uint32_t>(s), -1, m->offset, 0, 0, 0, 0, false});
+        records.push_back(Record{kf->first, static_cast<std::uint32_t>(s), -1, m->offset, 0, 0, Record::kNoLabel});
         rec = &records.back();
       }
       const auto field = std::find(options_.image_fields.begin(), options_.image_fields.end(), kf->second);
@@ -457,9 +466,19 @@ TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) 
           rec->image_size = m->size;
         }
       } else if (kf->second == options_.label_field) {
-        rec->label_offset = m->data_offset;
-        rec->label_size = m->size;
-        rec->has_label = true;
+        // A bad label is the DataError of its own sample, not of the dataset: kept for then.
+        const std::size_t at = records.size() - 1;
+        index->label_errors.erase(at);
+        rec->label = Record::kBadLabel;
+        if (m->size > 64) {
+          index->label_errors[at] = "record '" + rec->key + "': the '" + options_.label_field + "' field has " +
+                                    std::to_string(m->size) + " bytes; a class index has at most 18 digits";
+          continue;
+        }
+        file.read(m->data_offset, static_cast<std::size_t>(m->size), label);
+        auto value = class_index(label, rec->key, options_.label_field);
+        if (std::string* why = std::get_if<std::string>(&value)) index->label_errors[at] = std::move(*why);
+        else rec->label = std::get<std::int64_t>(value);
       }
     }
   }
@@ -495,17 +514,11 @@ TarImages::Read TarImages::read(std::size_t i) const {
     for (const std::string& f : options_.image_fields) wanted += (wanted.empty() ? "" : ", ") + f;
     throw DataError(shard, r.offset, "record '" + r.key + "' has no image field (looked for: " + wanted + ")");
   }
-  if (!r.has_label) throw DataError(shard, r.offset, "record '" + r.key + "' has no '" + options_.label_field + "' field");
-  if (r.label_size > 64)
-    throw DataError(shard, r.label_offset, "record '" + r.key + "': the '" + options_.label_field + "' field has " +
-                                               std::to_string(r.label_size) + " bytes; a class index has at most 18 digits");
-  const loaders::RangeReader file(shard);
-  thread_local std::vector<std::byte> label_bytes;
-  file.read(r.label_offset, static_cast<std::size_t>(r.label_size), label_bytes);
-  const std::int64_t label = parse_label(label_bytes, shard, r.offset, r.key, options_.label_field);
+  if (r.label == Record::kNoLabel) throw DataError(shard, r.offset, "record '" + r.key + "' has no '" + options_.label_field + "' field");
+  if (r.label == Record::kBadLabel) throw DataError(shard, r.offset, index_->label_errors.at(i));
   std::vector<std::byte>& bytes = loaders::file_scratch();
-  file.read(r.image_offset, static_cast<std::size_t>(r.image_size), bytes);
-  return {bytes, shard + ": " + r.key + "." + options_.image_fields[static_cast<std::size_t>(r.image_field)], label};
+  loaders::RangeReader(shard).read(r.image_offset, static_cast<std::size_t>(r.image_size), bytes);
+  return {bytes, shard + ": " + r.key + "." + options_.image_fields[static_cast<std::size_t>(r.image_field)], r.label};
 }
 
 LabeledSample TarImages::get(std::size_t i, SampleContext& ctx) const {

@@ -144,7 +144,10 @@ struct Engine::State {
   // The next epoch, made ahead (prefetch_next): its jobs go out once the live epoch's are all out,
   // keyed after them (total + j) in the live window, so batches alive stay within limit().
   std::shared_ptr<EpochState> ahead;
-  std::uint64_t ahead_total = 0, ahead_dispatched = 0;
+  std::uint64_t ahead_dispatched = 0;
+  bool can_prefetch_next() const {
+    return !opt.streaming && opt.in_order && opt.persistent_workers && W > 0 && opt.timeout.count() == 0;
+  }
   std::deque<Result> arrived;                       // in_order == false
   std::vector<std::int64_t> ended_at;               // streams: first exhausted j per worker, -1 if live
   int ended = 0;
@@ -349,7 +352,7 @@ struct Engine::State {
   void dispatch_ahead() {
     if (!ahead || !window) return;
     const std::size_t k = limit();
-    while (ahead_dispatched < ahead_total && total + ahead_dispatched < window->next() + k) {
+    while (ahead_dispatched < ahead->plan->size() && total + ahead_dispatched < window->next() + k) {
       Job job;
       job.key = ahead_dispatched;
       job.batch = static_cast<std::int64_t>(ahead_dispatched);
@@ -365,7 +368,7 @@ struct Engine::State {
     ahead->cancelled.store(true);
     ahead->results.close();
     ahead.reset();
-    ahead_total = ahead_dispatched = 0;
+    ahead_dispatched = 0;
   }
 
   void receive(Result r) {
@@ -585,7 +588,7 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
   const std::uint64_t ahead_out = adopt ? s.ahead_dispatched : 0;
   if (adopt) {
     s.ep = std::move(s.ahead);
-    s.ahead_total = s.ahead_dispatched = 0;
+    s.ahead_dispatched = 0;
   } else {
     s.drop_ahead();
     s.ep = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
@@ -593,8 +596,8 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
   s.total = s.opt.streaming ? 0 : s.ep->plan->size();
   if (start > 0 && !s.opt.streaming && start > s.total)
     throw Error("DataLoader: cannot start the epoch at batch " + std::to_string(start) + " of " + std::to_string(s.total));
-  s.next_key = s.delivered = start;
-  s.next_key += ahead_out;
+  s.delivered = start;
+  s.next_key = start + ahead_out;
   s.in_flight = ahead_out;
   s.arrived.clear();
   s.ended_at.assign(static_cast<std::size_t>(std::max(s.W, 1)), -1);
@@ -610,11 +613,16 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
 void Engine::prefetch_next(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan) {
   State& s = *state_;
   s.drop_ahead();
-  if (!s.live || s.opt.streaming || !s.opt.in_order || !s.opt.persistent_workers || s.W == 0 || s.opt.timeout.count() > 0 || !plan)
-    return;
-  s.ahead_total = plan->size();
+  if (!s.live || !s.can_prefetch_next() || !plan) return;
   s.ahead = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
   s.dispatch();
+}
+
+bool Engine::prefetches_next() const noexcept { return state_->can_prefetch_next(); }
+
+std::shared_ptr<const BatchPlan> Engine::plan_made_ahead(std::uint64_t epoch) const noexcept {
+  const State& s = *state_;
+  return s.ahead && s.ahead->epoch == epoch ? s.ahead->plan : nullptr;
 }
 
 Payload Engine::next() { return state_->next(); }

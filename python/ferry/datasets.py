@@ -78,7 +78,7 @@ def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size:
 
     By default a stream, read front to back: it has no len() and takes no DataLoader(shuffle=...);
     ``shuffle`` here shuffles the shard order each epoch. ``index=True`` (or ``decode="gpu"``)
-    reads every member's header once and makes a map-style dataset instead (C++ ``TarImages``):
+    reads every member's header and every label once and makes a map-style dataset instead (C++ ``TarImages``):
     len(), DataLoader(shuffle=True) across all shards, resume, GPU decode, and image_folder's
     options (float, mean, std, dct_scaling, decode). It reads records at random offsets: on
     storage that wants files read front to back, keep the stream."""

@@ -274,10 +274,9 @@ class DataLoader {
         s.segment_start = 0;
         // The plan the epoch's first batches were made ahead with (prefetch_next_epoch), if this
         // is that epoch; the engine then takes those batches over.
-        if (s.ahead_plan && s.ahead_epoch == s.next_epoch) plan = s.ahead_plan;
-        else plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
+        plan = s.engine.plan_made_ahead(s.next_epoch);
+        if (!plan) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
       }
-      s.ahead_plan.reset();
       s.epoch_plan = plan;
       s.epoch_plan_hash.reset();
     } else {
@@ -292,12 +291,8 @@ class DataLoader {
     s.epoch_delivered = static_cast<std::int64_t>(start);
     s.live_epoch = s.next_epoch;
     if constexpr (!kStreaming) {
-      if (s.opt.prefetch_next_epoch && s.opt.persistent_workers && s.opt.num_workers > 0 && s.opt.in_order &&
-          s.opt.timeout.count() == 0) {
-        s.ahead_epoch = s.next_epoch + 1;
-        s.ahead_plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.ahead_epoch));
-        s.engine.prefetch_next(s.ahead_epoch, s.ahead_plan);
-      }
+      if (s.opt.prefetch_next_epoch && s.engine.prefetches_next())
+        s.engine.prefetch_next(s.next_epoch + 1, std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch + 1)));
     }
     if (s.pin_stage) s.pin_stage->start();
     s.device_queue.clear();
@@ -1249,8 +1244,6 @@ class DataLoader {
     };
     std::optional<Resume> resume;                   // set by restore(), taken by the next begin()
     std::shared_ptr<const BatchPlan> epoch_plan;    // the live (or last) epoch's plan
-    std::shared_ptr<const BatchPlan> ahead_plan;    // prefetch_next_epoch: the plan of epoch ahead_epoch, made ahead
-    std::uint64_t ahead_epoch = 0;
     mutable std::optional<std::uint64_t> epoch_plan_hash;
     std::size_t segment_start = 0;                  // DistributedSampler: see LoaderState
     std::uint64_t live_epoch = 0;                   // the epoch the live iterator runs

@@ -190,6 +190,10 @@ class Engine {
   /// from batch 0 then takes them over; any other begin_epoch drops them. Map-style, in order,
   /// persistent workers, no timeout; otherwise it does nothing.
   void prefetch_next(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan);
+  /// Whether prefetch_next can apply to this engine's options.
+  bool prefetches_next() const noexcept;
+  /// The plan of `epoch` if its batches are being made ahead, else null.
+  std::shared_ptr<const BatchPlan> plan_made_ahead(std::uint64_t epoch) const noexcept;
   /// The key of the next batch to deliver (batches are keyed 0, 1, ... in plan or round-robin
   /// order), or -1 when that is not defined (delivered out of order).
   std::int64_t next_key() const noexcept;

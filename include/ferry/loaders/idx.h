@@ -71,9 +71,9 @@ class IdxDataset : public DatasetBase<IdxDataset> {
 
  private:
   void init();
+  bool mapped_ = false;  // images_ is a file's mapping (raw IDX); set while images_ is read, so declared first
   Tensor images_, labels_;
   Tensor labels64_;  // labels as int64 [N], the rows the device gather reads
-  bool mapped_ = false;  // images_ is a file's mapping (raw IDX)
   IdxDatasetOptions options_;
   std::size_t size_ = 0;
   Shape sample_shape_;

@@ -33,6 +33,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "ferry/core/allocator.h"
@@ -159,8 +160,8 @@ struct TarImagesOptions {
 ///   ferry::TarImages train(ferry::tar_shard_paths(...), {.transform = ..., .decode = ferry::ImageFolderOptions::Decode::Gpu});
 ///   ferry::DataLoader loader(train, {.batch_size = 256, .shuffle = true, .num_workers = 2, .device = 0});
 ///
-/// The constructor reads every member's header (not its data) and records where each record's
-/// image and label are; a sample is then two reads at known offsets. So the loader shuffles
+/// The constructor reads every member's header (not its data) and every record's label, and records
+/// where each record's image is; a sample is then one read at a known offset. So the loader shuffles
 /// records across all shards, resumes mid-epoch at once, splits them over ranks with a
 /// DistributedSampler, and runs in direct mode, including GPU decode (decode = Gpu), none of which
 /// a stream (TarShards) can. The price is random reads: on storage that wants shards read front to
@@ -191,17 +192,18 @@ class TarImages : public DatasetBase<TarImages> {
 
  private:
   struct Record {
+    static constexpr std::int64_t kNoLabel = -1, kBadLabel = -2;
     std::string key;
     std::uint32_t shard = 0;
     std::int32_t image_field = -1;  // index into options_.image_fields; -1: none
     std::uint64_t offset = 0;       // the record's first header
     std::uint64_t image_offset = 0, image_size = 0;
-    std::uint64_t label_offset = 0, label_size = 0;
-    bool has_label = false;
+    std::int64_t label = kNoLabel;  // the class index, read at indexing; kBadLabel: see label_errors
   };
   struct Index {
     std::vector<std::string> shards;
     std::vector<Record> records;
+    std::unordered_map<std::size_t, std::string> label_errors;  // record -> why its label is not a class index
   };
   std::shared_ptr<const Index> index_;  // shared by copies (a loader takes one): built once, never copied
   TarImagesOptions options_;
