@@ -51,18 +51,25 @@ std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
 
 MappedFile::~MappedFile() { ::munmap(const_cast<std::byte*>(data_), size_); }
 
-void read_file(const std::string& path, std::vector<std::byte>& out) {
-  Fd f;
-  const std::size_t size = open_regular(path, f);
-  out.resize(size);
+// Reads up to `size` bytes at `offset` (pread, retried on EINTR and short reads); returns how many
+// it got (fewer only at the end of the file). IoError naming `path` on a failed read.
+static std::size_t read_at(int fd, const std::string& path, std::uint64_t offset, std::byte* dst, std::size_t size) {
   std::size_t got = 0;
   while (got < size) {
-    const ssize_t n = ::read(f.fd, out.data() + got, size - got);
+    const ssize_t n = ::pread(fd, dst + got, size - got, static_cast<off_t>(offset + got));
     if (n < 0 && errno == EINTR) continue;
     if (n < 0) throw_errno(path, "read failed");
     if (n == 0) break;
     got += static_cast<std::size_t>(n);
   }
+  return got;
+}
+
+void read_file(const std::string& path, std::vector<std::byte>& out) {
+  Fd f;
+  const std::size_t size = open_regular(path, f);
+  out.resize(size);
+  const std::size_t got = read_at(f.fd, path, 0, out.data(), size);
   if (got != size)
     throw DataError(path, got, "file shrank while being read (" + std::to_string(size) + " bytes expected)");
 }
@@ -79,15 +86,7 @@ RangeReader::~RangeReader() {
 
 void RangeReader::read(std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) const {
   out.resize(size);
-  std::size_t got = 0;
-  while (got < size) {
-    const ssize_t n = ::pread(fd_, out.data() + got, size - got, static_cast<off_t>(offset + got));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw_errno(path_, "read failed");
-    if (n == 0) break;
-    got += static_cast<std::size_t>(n);
-  }
-  if (got != size)
+  if (read_at(fd_, path_, offset, out.data(), size) != size)
     throw DataError(path_, offset, "file ends before the " + std::to_string(size) + " bytes indexed here (it changed after it was indexed?)");
 }
 
