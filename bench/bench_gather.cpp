@@ -1,7 +1,11 @@
 // bench_gather: the device gather (Note [Device gather], ferry/pinning/gather.h) beside the host
 // path and the link, in one run, for bench_pin's workloads:
 //   (a) 3x224x224 uint8 rows (38.5 MB batches of 256), 2,048 rows in memory;
-//   (b) 784 float32 rows (0.8 MB batches), 60,000 rows.
+//   (b) 784 float32 rows (0.8 MB batches), 60,000 rows;
+//   (a) with the transforms image rows usually need: 224x224x3 uint8 HWC images (IdxDataset over
+//   tensors) flipped at random, to float32 CHW, normalized; the device gather runs them in its
+//   kernel (RowTransform) and reads 38.5 MB a batch, where the host path's workers transform
+//   and the link carries the 154 MB of floats.
 // Rows are drawn with replacement (as in bench_pin). Each row of the table: median of --runs
 // timed passes after a warm-up pass; batches count once the consumer stream has them; busy cores =
 // the process's CPU time (user + system) over the passes' wall time.
@@ -12,7 +16,8 @@
 // on the loader's stream, then a synchronize. GPU waiting = 1 - steps x (step alone) / wall; the
 // step's slowdown = its GPU time (events) in the loop over its GPU time alone, which shows what
 // sharing the SMs with the gather kernel costs.
-// Usage: bench_gather [--batches 200] [--runs 5] [--workers-a 8] [--workers-b 10] [--step-ms 10] [--steps 200]
+// Usage: bench_gather [--batches 200] [--runs 5] [--workers-a 8] [--workers-b 10] [--workers-t 14] [--step-ms 10]
+//                     [--steps 200]
 
 #include <algorithm>
 #include <chrono>
@@ -34,7 +39,7 @@ namespace {
 
 struct Args {
   std::size_t batches = 200;
-  int runs = 5, workers_a = 8, workers_b = 10, steps = 200;
+  int runs = 5, workers_a = 8, workers_b = 10, workers_t = 14, steps = 200;
   double step_ms = 10;
 };
 
@@ -116,6 +121,31 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
   cuda::device_free(dev);
 }
 
+// (a) with flip + to_float + normalize: the host path's workers against the gather kernel.
+void transformed(const Tensor& hwc, std::size_t batches, const Args& a) {
+  const std::size_t rows = static_cast<std::size_t>(hwc.size(0)), row = hwc.nbytes() / rows;
+  IdxDatasetOptions t;
+  t.transform.horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  const IdxDataset ds(hwc, Tensor::zeros(DType::Int64, {hwc.size(0)}), t);
+  const double read_mb = static_cast<double>(row) * 256 / 1e6, out_mb = read_mb * 4;
+  std::printf("\n## (a) with flip + to_float + normalize: %.1f MB of uint8 read, %.1f MB of float32 delivered a batch, %zu batches a "
+              "pass\n\n| pipeline | workers | batches/s | images/s | busy CPU cores |\n|---|---:|---:|---:|---:|\n",
+              read_mb, out_mb, batches);
+  auto row_of = [&](const char* label, Gather g, int w) {
+    DataLoaderOptions o = loader_options(rows, batches, g, w);
+    o.pinned_memory_limit = std::size_t{8} << 30;
+    DataLoader loader(ds, o);
+    const Rate r = measure(batches, a.runs, [&] {
+      for (auto& b : loader) (void)b;
+      loader.stream()->synchronize();
+    });
+    std::printf("| ferry, %s | %d | %.0f | %.0f | %.2f |\n", label, w, r.per_second, r.per_second * 256, r.cores);
+    std::fflush(stdout);
+  };
+  row_of("host path: workers flip and normalize (gather = Host)", Gather::Host, a.workers_t);
+  row_of("device gather, transforms in its kernel (gather = Device)", Gather::Device, 0);
+}
+
 void training_loop(const Tensor& data, Gather g, int workers, const Args& a) {
   DataLoader loader(TensorDataset({data}), loader_options(static_cast<std::size_t>(data.size(0)), static_cast<std::size_t>(a.steps + 20), g, workers));
   cuda::DeviceGuard guard(0);
@@ -155,6 +185,7 @@ int main(int argc, char** argv) {
     else if (k == "--runs") a.runs = std::stoi(v);
     else if (k == "--workers-a") a.workers_a = std::stoi(v);
     else if (k == "--workers-b") a.workers_b = std::stoi(v);
+    else if (k == "--workers-t") a.workers_t = std::stoi(v);
     else if (k == "--step-ms") a.step_ms = std::stod(v);
     else if (k == "--steps") a.steps = std::stoi(v);
     else {
@@ -171,6 +202,7 @@ int main(int argc, char** argv) {
   const Tensor wb = filled(DType::Float32, {60000, 784});
   workload("(a) 3x224x224 uint8", wa, a.batches, a.workers_a, a);
   workload("(b) 784 float32", wb, a.batches * 20, a.workers_b, a);
+  transformed(filled(DType::UInt8, {2048, 224, 224, 3}), a.batches / 4, a);
   std::printf("\n## training loop: (a) batches, a step of fixed arithmetic on every SM, synchronize each step\n\n");
   std::printf("| loader | workers | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | step's GPU time vs. alone |\n"
               "|---|---:|---:|---:|---:|---:|---:|\n");

@@ -173,13 +173,23 @@ void IdxDataset::init() {
 }
 
 std::vector<HostRows> IdxDataset::host_rows(std::string& why) const {
-  if (!options_.transform.empty()) {
-    why = "IdxDataset's transform (" + options_.transform.str() + ") runs on the CPU";
-    return {};
-  }
   const std::size_t row_bytes = size_ ? images_.nbytes() / size_ : 0;
-  return {{images_.raw(), images_.size(0), row_bytes, images_.dtype(), sample_shape_, "IdxDataset images", mapped_},
-          {labels64_.raw(), labels64_.size(0), sizeof(std::int64_t), DType::Int64, Shape{}, "IdxDataset labels", false}};
+  const Shape one(images_.shape().begin() + 1, images_.shape().end());
+  HostRows images{images_.raw(), images_.size(0), row_bytes, images_.dtype(), one, "IdxDataset images", mapped_, std::nullopt};
+  if (!options_.transform.empty()) {
+    // Flips, to_float and normalize run in the gather kernel (RowTransform); anything else on the CPU.
+    std::string no;
+    if (images_.dtype() == DType::UInt8)
+      images.transform = options_.transform.row_transform(one[0], one[1], one.size() == 3 ? one[2] : 0, no);
+    else
+      no = "the images are " + std::string(dtype_name(images_.dtype())) + ", not uint8";
+    if (!images.transform) {
+      why = "IdxDataset's transform (" + options_.transform.str() + ") runs on the CPU: " + no;
+      return {};
+    }
+  }
+  return {std::move(images),
+          {labels64_.raw(), labels64_.size(0), sizeof(std::int64_t), DType::Int64, Shape{}, "IdxDataset labels", false, std::nullopt}};
 }
 
 

@@ -506,6 +506,49 @@ std::optional<ImagePassPlan> ImageTransform::plan(std::int64_t height, std::int6
   return p;
 }
 
+std::optional<RowTransform> ImageTransform::row_transform(std::int64_t height, std::int64_t width, std::int64_t channels,
+                                                         std::string& why) const {
+  const std::int64_t C = std::max<std::int64_t>(channels, 1);
+  if (height <= 0 || width <= 0 || C > RowTransform::kMaxChannels) {
+    why = "images of " + std::to_string(height) + "x" + std::to_string(width) + "x" + std::to_string(channels) +
+          " are not rows the device gather transforms";
+    return std::nullopt;
+  }
+  RowTransform t;
+  int flips = 0;
+  for (const Step& s : steps_) {
+    if (s.kind == Step::Kind::Flip) {
+      ++flips;
+      t.flip_p = s.p;
+    } else if (s.kind != Step::Kind::ToFloat && s.kind != Step::Kind::Normalize) {
+      why = "the transform (" + str() + ") crops or resizes, which the device gather does not";
+      return std::nullopt;
+    }
+  }
+  if (flips > 1) {
+    why = "the transform (" + str() + ") flips more than once";
+    return std::nullopt;
+  }
+  // The pass's own plan gives the write's a and b; the geometry is the identity (no crop or resize).
+  Generator any;
+  const std::optional<ImagePassPlan> p = plan(height, width, C, any);
+  if (!p) {
+    why = "the transform (" + str() + ") is not one pass";
+    return std::nullopt;
+  }
+  t.height = height;
+  t.width = width;
+  t.channels = C;
+  t.dtype = p->out_dtype;
+  t.channels_last = p->channels_last;
+  for (std::int64_t c = 0; c < C; ++c) {
+    t.a[c] = p->a[c];
+    t.b[c] = p->b[c];
+  }
+  t.shape = output_shape(height, width, channels);
+  return t;
+}
+
 std::array<std::int64_t, 2> ImagePassPlan::Axis::source() const noexcept {
   const std::int64_t first = std::max<std::int64_t>(c1, 0), last = std::min(c1 + N, R) - 1;  // output-side j
   if (first > last) return {0, 0};

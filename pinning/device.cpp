@@ -16,6 +16,25 @@
 
 namespace ferry {
 
+namespace {
+// The kernel's output kind for a row transform, or an Error saying why the rows do not take it.
+int gather_output_kind(const RowTransform& t, DType dtype, std::size_t row_bytes) {
+  HostRows r;
+  r.row_bytes = row_bytes;
+  r.dtype = dtype;
+  r.name = "DeviceStage::gather_rows";
+  r.transform = t;
+  const std::string why = detail::row_transform_problem(r);
+  if (!why.empty()) throw Error(why);
+  switch (t.dtype) {
+    case DType::Float32: return detail::kPassFloat32;
+    case DType::Float16: return detail::kPassFloat16;
+    case DType::BFloat16: return detail::kPassBFloat16;
+    default: return detail::kPassUInt8;
+  }
+}
+}  // namespace
+
 struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   struct Buffer {
     std::byte* ptr = nullptr;
@@ -88,7 +107,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   };
   std::vector<PendingGather> gathers;
 
-  Tensor gather_rows(const Tensor& index, const void* src, std::size_t row_bytes, DType dtype, const Shape& row_shape) {
+  Tensor gather_rows(const Tensor& index, const void* src, std::size_t row_bytes, DType dtype, const Shape& row_shape,
+                     const RowTransform* t) {
     if (!cur) throw Error("DeviceStage::gather_rows: no batch begun");
     if (!detail::gather_built())
       throw CudaError("DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
@@ -104,12 +124,34 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     if (static_cast<std::size_t>(per_row) * itemsize(dtype) != row_bytes)
       throw Error("DeviceStage::gather_rows: a row of " + std::to_string(row_bytes) + " bytes does not hold its shape's elements");
     const std::int64_t rows = index.size(0);
-    const std::size_t bytes = static_cast<std::size_t>(rows) * row_bytes;
-    if (used + align_up(bytes) > cur_size) throw Error("DeviceStage::gather_rows: more than begin() reserved");
+    detail::GatherField field;
+    field.src = src;
+    field.dst = cur->ptr + used;
+    field.row_bytes = row_bytes;
     Shape shape{rows};
-    shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+    std::size_t out_row_bytes = row_bytes;
+    if (t) {
+      field.out_kind = gather_output_kind(*t, dtype, row_bytes);
+      field.chw = t->dtype != DType::UInt8 && !t->channels_last;
+      field.flip = t->flip_p > 0;
+      field.height = t->height;
+      field.width = t->width;
+      field.channels = t->channels;
+      for (int c = 0; c < RowTransform::kMaxChannels; ++c) {
+        field.a[c] = t->a[c];
+        field.b[c] = t->b[c];
+      }
+      out_row_bytes = row_bytes * itemsize(t->dtype);
+      field.out_row_bytes = out_row_bytes;
+      shape.insert(shape.end(), t->shape.begin(), t->shape.end());
+      dtype = t->dtype;
+    } else {
+      shape.insert(shape.end(), row_shape.begin(), row_shape.end());
+    }
+    const std::size_t bytes = static_cast<std::size_t>(rows) * out_row_bytes;
+    if (used + align_up(bytes) > cur_size) throw Error("DeviceStage::gather_rows: more than begin() reserved");
     Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), dtype, shape, used);
-    gathers.push_back({index, {src, cur->ptr + used, row_bytes}});
+    gathers.push_back({index, field});
     used += align_up(bytes);
     return out;
   }
@@ -358,9 +400,11 @@ std::size_t DeviceStage::decoded_bytes(const Tensor& index) {
 bool DeviceStage::can_decode_images() noexcept { return detail::gpu_decode_built(); }
 
 Tensor DeviceStage::gather_rows(const Tensor& index, const void* device_rows, std::size_t row_bytes, DType dtype,
-                                const Shape& row_shape) {
+                                const Shape& row_shape, const RowTransform* transform) {
   static_assert(gather_index_in_launch == detail::kGatherIndexInLaunch);
-  return impl_->gather_rows(index, device_rows, row_bytes, dtype, row_shape);
+  static_assert(gather_flip_bit == detail::kGatherFlipBit && gather_flip_bit == detail::kRowFlipBit);
+  static_assert(RowTransform::kMaxChannels == 4);  // GatherField's a and b
+  return impl_->gather_rows(index, device_rows, row_bytes, dtype, row_shape, transform);
 }
 
 bool DeviceStage::can_gather() noexcept { return detail::gather_built(); }

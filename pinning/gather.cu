@@ -10,12 +10,17 @@
 // independent loads before it stores any, and the grid is one block of 256 threads a SM. That
 // leaves the SMs to the training step running beside it on another stream (a grid of a block
 // every 256 words filled every SM with stalled warps and slowed a 10 ms step by 80%, bench_gather).
+// A field with a row transform (ferry::RowTransform) is read the same way, word by word; each
+// byte of a word is then written where the transform puts it (mirrored when the row's index
+// carries kGatherFlipBit, CHW or HWC) as a * v + b in the output's type (pass_math.h, compiled
+// without contraction like the CPU pass, so the values are its bits).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 
 #include <string>
 
+#include "ferry/detail/pass_math.h"
 #include "ferry/pinning/cuda.h"
 #include "gather_kernel.h"
 
@@ -36,8 +41,9 @@ struct Args {
   std::int64_t index[N > 0 ? N : 1];
 };
 
+// A row's index word: the row, and kGatherFlipBit.
 template <int N>
-__device__ __forceinline__ std::int64_t row_index(const Args<N>& a, std::size_t r) {
+__device__ __forceinline__ std::int64_t row_word(const Args<N>& a, std::size_t r) {
   if constexpr (N > 0) return a.index[r];
   else return a.index_dev[r];
 }
@@ -55,7 +61,7 @@ __device__ void gather_field(const Args<N>& a, const GatherField& f) {
       const std::size_t e = base + u * stride;
       if (e < total) {
         const std::size_t r = e / words, w = e - r * words;
-        v[u] = src[static_cast<std::size_t>(row_index(a, r)) * words + w];
+        v[u] = src[static_cast<std::size_t>(row_word(a, r) & ~kGatherFlipBit) * words + w];
       }
     }
 #pragma unroll
@@ -66,9 +72,55 @@ __device__ void gather_field(const Args<N>& a, const GatherField& f) {
   }
 }
 
+template <class Word, int N>
+__device__ void gather_transformed(const Args<N>& a, const GatherField& f) {
+  constexpr int kBytes = sizeof(Word);
+  const std::size_t words = f.row_bytes / kBytes, total = static_cast<std::size_t>(a.rows) * words;
+  const Word* __restrict__ src = static_cast<const Word*>(f.src);
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const int H = static_cast<int>(f.height), W = static_cast<int>(f.width), C = static_cast<int>(f.channels);
+  for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < total; base += stride * kUnroll) {
+    Word v[kUnroll];
+    bool flip[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::size_t e = base + u * stride;
+      if (e < total) {
+        const std::size_t r = e / words, w = e - r * words;
+        const std::int64_t word = row_word(a, r);
+        flip[u] = f.flip && (word & kGatherFlipBit);
+        v[u] = src[static_cast<std::size_t>(word & ~kGatherFlipBit) * words + w];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const std::size_t e = base + u * stride;
+      if (e >= total) continue;
+      const std::size_t r = e / words, w = e - r * words;
+      char* out = static_cast<char*>(f.dst) + r * f.out_row_bytes;
+      const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v[u]);
+      RowCursor at(static_cast<int>(w * kBytes), H, W, C);
+#pragma unroll
+      for (int k = 0; k < kBytes; ++k) {
+        pass_store(out, at.out(flip[u], f.chw), f.out_kind, static_cast<float>(bytes[k]), f.a[at.c], f.b[at.c]);
+        at.next();
+      }
+    }
+  }
+}
+
 template <int N>
 __global__ void gather_fields(const __grid_constant__ Args<N> a) {
   for (int k = 0; k < a.nfields; ++k) {
+    if (a.field[k].out_kind >= 0) {
+      switch (a.width[k]) {
+        case 16: gather_transformed<uint4>(a, a.field[k]); break;
+        case 8: gather_transformed<unsigned long long>(a, a.field[k]); break;
+        case 4: gather_transformed<unsigned>(a, a.field[k]); break;
+        default: gather_transformed<unsigned char>(a, a.field[k]); break;
+      }
+      continue;
+    }
     switch (a.width[k]) {
       case 16: gather_field<uint4>(a, a.field[k]); break;
       case 8: gather_field<unsigned long long>(a, a.field[k]); break;
@@ -95,8 +147,9 @@ void launch(const std::int64_t* index, std::int64_t rows, const GatherField* fie
   std::size_t words = 0;
   for (int k = 0; k < nfields; ++k) {
     a.field[k] = fields[k];
-    const std::uintptr_t m = reinterpret_cast<std::uintptr_t>(fields[k].src) | reinterpret_cast<std::uintptr_t>(fields[k].dst) |
-                             fields[k].row_bytes;
+    // A transformed field writes element by element: only its source's alignment counts.
+    const std::uintptr_t dst = fields[k].out_kind >= 0 ? 0 : reinterpret_cast<std::uintptr_t>(fields[k].dst);
+    const std::uintptr_t m = reinterpret_cast<std::uintptr_t>(fields[k].src) | dst | fields[k].row_bytes;
     a.width[k] = m % 16 == 0 ? 16 : m % 8 == 0 ? 8 : m % 4 == 0 ? 4 : 1;
     words = std::max(words, static_cast<std::size_t>(rows) * fields[k].row_bytes / static_cast<std::size_t>(a.width[k]));
   }

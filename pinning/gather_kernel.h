@@ -13,15 +13,28 @@ constexpr int kMaxGatherFields = 8;
 /// and later): no copy of the index, no pinned block to fence.
 constexpr std::int64_t kGatherIndexInLaunch = 3072;
 
+/// Set in a row's index: the sample draws a flip (fields with `flip` mirror that row). The rest
+/// of the word is the row.
+constexpr std::int64_t kGatherFlipBit = std::int64_t{1} << 62;
+
 struct GatherField {
-  const void* src;  ///< a device-mapped host address: row 0 of the array
-  void* dst;        ///< device memory: row 0 of the batch's field
-  std::size_t row_bytes;
+  const void* src = nullptr;  ///< a device-mapped host address: row 0 of the array
+  void* dst = nullptr;        ///< device memory: row 0 of the batch's field
+  std::size_t row_bytes = 0;  ///< a source row's bytes
+  /// The row transform (ferry::RowTransform, pass_math.h's row_out_index and pass_store): source
+  /// rows are uint8 HWC images of height x width x channels, written as `out_kind` (PassOutput)
+  /// into rows of `out_row_bytes`. out_kind < 0: rows are copied as they are.
+  int out_kind = -1;
+  int chw = 0, flip = 0;
+  std::int64_t height = 0, width = 0, channels = 1;
+  std::size_t out_row_bytes = 0;
+  float a[4] = {1, 1, 1, 1}, b[4] = {0, 0, 0, 0};
 };
 
 /// Whether this build has the gather kernel.
 bool gather_built() noexcept;
-/// On `stream` (a cudaStream_t): for each field, dst row i = src row index[i], i < rows. `index`
+/// On `stream` (a cudaStream_t): for each field, dst row i = src row index[i] & ~kGatherFlipBit,
+/// i < rows (transformed where the field says so). `index`
 /// is host memory read at the call (rows <= kGatherIndexInLaunch) when `index_on_host`, else
 /// device memory. Throws CudaError on a failed launch.
 void launch_gather(const std::int64_t* index, bool index_on_host, std::int64_t rows, const GatherField* fields, int nfields,

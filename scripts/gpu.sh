@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-loop|images-peers|multi|gather|python]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-loop|images-peers|multi|gather|rows|python]
 # python: the Python package as a user installs it (pip install --no-build-isolation ., into the
 # host's Python environment, which has torch, torchvision, nanobind and scikit-build-core), its
 # pytest suite with FERRY_REQUIRE_GPU=1, the demo in Python on the GPU,
@@ -9,6 +9,8 @@
 # nothing else (PYTHON_BENCH=0 leaves the benchmark out).
 # gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
 # DataLoader on the same workloads.
+# rows: the device gather's GPU tests, the Fashion-MNIST demo and `ferry bench idx` with the
+# gather (flip + normalize in its kernel, no workers) and with the host path, then bench_gather.
 # images: the image path alone, most important first (for short device time): the GPU suite, GPU
 # decode on the 500x375 set (image folder and indexed tar shards, with the training loop),
 # `ferry bench image_folder|tar_index ...,decode=gpu`, and where build/old-src holds an older source
@@ -148,6 +150,19 @@ if [ "$what" = gather ]; then
   # The device gather beside the host path and the link, then PyTorch's DataLoader on (a) and (b).
   timeout 300 build/gpu/bench/bench_gather ${GATHER_ARGS:-} 2>&1 | tee "$OUT/bench_gather.md"
   PYTHONUNBUFFERED=1 timeout 200 python3 bench/peers_torch.py ${PEERS_ARGS:---workers 8} 2>&1 | tee "$OUT/peers_torch.md"
+fi
+if [ "$what" = rows ]; then
+  (FERRY_REQUIRE_GPU=1 timeout 200 build/gpu/tests/test_gpu "[gather]" 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
+  grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
+  D=/tmp/ferry-deps/usr/share/datasets/fashion-mnist
+  for g in host device host device; do
+    timeout 120 build/gpu/examples/fashion_mnist/train_fashion_mnist --data "$D" --epochs 3 --gather $g 2>&1
+  done | tee "$OUT/demo.txt"
+  I="images=$D/train-images-idx3-ubyte.gz,labels=$D/train-labels-idx1-ubyte.gz,flip=1,mean=0.286,std=0.353"
+  for w in "-w 8 --gather host" "-w 14 --gather host" "-w 0 --gather device" "-w 1 --gather device"; do
+    timeout 60 build/gpu/ferry bench idx -c "$I" -b 256 $w --device 0 --epochs 10 2>/dev/null; echo
+  done | tee "$OUT/ferry-idx.txt"
+  timeout 300 build/gpu/bench/bench_gather ${GATHER_ARGS:-} 2>&1 | tee "$OUT/bench_gather.md"
 fi
 if [ "$what" = multi ]; then
   [ -n "$nccl_root" ] && export LD_LIBRARY_PATH=$nccl_root/lib:$LD_LIBRARY_PATH

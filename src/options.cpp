@@ -2,6 +2,7 @@
 
 #include "ferry/core/error.h"
 #include "ferry/core/options.h"
+#include "ferry/core/random.h"
 #include "ferry/core/rows.h"
 
 namespace ferry {
@@ -56,7 +57,7 @@ std::string describe_options(const DataLoaderOptions& o, bool streaming) {
   return os.str();
 }
 
-Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator) {
+Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator, const RowFlips& flips) {
   Tensor index = empty(DType::Int64, {static_cast<std::int64_t>(indices.size())}, allocator);
   std::int64_t* out = index.data<std::int64_t>();
   for (std::size_t k = 0; k < indices.size(); ++k) {
@@ -64,8 +65,30 @@ Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAl
       throw Error("device gather: index " + std::to_string(indices[k]) + " out of range for a dataset of " + std::to_string(n) +
                   " samples (at position " + std::to_string(k) + " of the batch)");
     out[k] = static_cast<std::int64_t>(indices[k]);
+    if (flips.p > 0 && Generator(flips.seed, flips.epoch, indices[k]).bernoulli(flips.p)) out[k] |= kRowFlipBit;
   }
   return index;
+}
+
+std::string row_transform_problem(const HostRows& r) {
+  if (!r.transform) return "";
+  const RowTransform& t = *r.transform;
+  const std::string where = r.name + "'s row transform: ";
+  if (r.dtype != DType::UInt8) return where + "its rows are " + std::string(dtype_name(r.dtype)) + ", not uint8 images";
+  if (t.channels < 1 || t.channels > RowTransform::kMaxChannels || t.height < 1 || t.width < 1)
+    return where + "an image of " + std::to_string(t.height) + "x" + std::to_string(t.width) + "x" + std::to_string(t.channels) +
+           " (1 to " + std::to_string(RowTransform::kMaxChannels) + " channels)";
+  const std::int64_t elements = t.height * t.width * t.channels;
+  if (static_cast<std::size_t>(elements) != r.row_bytes)
+    return where + "an image of " + std::to_string(elements) + " bytes in rows of " + std::to_string(r.row_bytes);
+  if (elements >= (std::int64_t{1} << 31)) return where + "an image of 2^31 bytes or more";
+  if (t.dtype != DType::UInt8 && t.dtype != DType::Float32 && t.dtype != DType::Float16 && t.dtype != DType::BFloat16)
+    return where + "it writes " + std::string(dtype_name(t.dtype)) + " (uint8, float32, float16 or bfloat16)";
+  std::int64_t shaped = 1;
+  for (std::int64_t d : t.shape) shaped *= d;
+  if (shaped != elements) return where + "its shape does not hold the image's " + std::to_string(elements) + " values";
+  if (!(t.flip_p >= 0 && t.flip_p <= 1)) return where + "a flip probability outside [0, 1]";
+  return "";
 }
 
 }  // namespace ferry::detail

@@ -60,7 +60,13 @@ int main(int argc, char** argv) {
   app.add_option("--data", data, "folder with the four IDX files (Debian's dataset-fashion-mnist)");
   app.add_option("--epochs", epochs)->check(CLI::PositiveNumber);
   app.add_option("--batch-size", batch_size)->check(CLI::PositiveNumber);
-  app.add_option("--workers", workers, "loader workers (default: up to 8 with a GPU; 4, or 1 on a small CPU-only machine)");
+  app.add_option("--workers", workers,
+                 "loader workers (default: none with a GPU, which gathers and transforms the rows itself; up to 8 with "
+                 "--gather host; 4, or 1 on a small CPU-only machine)");
+  std::string gather = "auto";
+  app.add_option("--gather", gather, "with a GPU: auto or device (the GPU gathers, flips and normalizes the images from "
+                                     "registered host memory), or host (workers do it on the CPU)")
+      ->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--hidden", hidden, "hidden units")->check(CLI::PositiveNumber);
   app.add_option("--lr", lr, "learning rate (SGD, momentum 0.9)")->check(CLI::PositiveNumber);
   app.add_option("--seed", seed);
@@ -81,7 +87,10 @@ int main(int argc, char** argv) {
     const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
     // The GPU eats batches faster than 4 workers augment them (the loader report says so): give
     // the loader most of a large host; on a small CPU-only machine the model needs the cores.
-    if (workers < 0) workers = gpu ? std::clamp(hw - 2, 1, 8) : (hw > 4 ? 4 : 1);
+    const ferry::Gather how = ferry::parse_gather(gather, "--gather");
+    // With a GPU the loader gathers each batch's rows on the device (flip and normalize included,
+    // Note [Device gather]): workers would only write the batch's indices.
+    if (workers < 0) workers = gpu ? (how == ferry::Gather::Host ? std::clamp(hw - 2, 1, 8) : 0) : (hw > 4 ? 4 : 1);
 
     // Augment (flip) while training; both sets become float32, normalized with the dataset's stats.
     auto [train, test] = demo::load_fashion_mnist(
@@ -93,7 +102,8 @@ int main(int argc, char** argv) {
     o.num_workers = workers;
     o.seed = seed;
     o.persistent_workers = workers > 0;
-    if (gpu) o.device = 0;  // pinned batches, copied on a side stream, ordered before the model's work
+    if (gpu) o.device = 0;  // batches made on a side stream, ordered before the model's work
+    if (gpu) o.gather = how;
     ferry::DataLoader loader(train, o);
     ferry::DataLoaderOptions eo = o;
     eo.shuffle = false;
@@ -113,7 +123,9 @@ int main(int argc, char** argv) {
     if (!model) model = demo::make_cpu_mlp(mc, hw);  // the loader's workers are mostly idle: all cores
     std::printf("ferry demo: MLP %d-%d-10 on Fashion-MNIST (%zu train, %zu test images), %s, batch %zu, %d worker%s%s\n",
                 mc.in, mc.hidden, train.size(), test.size(), model->where(), batch_size, workers, workers == 1 ? "" : "s",
-                gpu ? ", pinned + device stage" : (ferry::cuda::available() ? "" : " (no CUDA device: CPU)"));
+                !gpu                          ? (ferry::cuda::available() ? "" : " (no CUDA device: CPU)")
+                : loader.stats().device_gather ? ", device gather (flip + normalize on the GPU)"
+                                               : ", pinned + device stage");
 
     if ((checkpoint_every || resume) && checkpoint_dir.empty()) throw ferry::Error("--checkpoint-every and --resume need --checkpoint-dir");
     const std::string model_file = checkpoint_dir + "/model.bin", state_file = checkpoint_dir + "/loader.state";

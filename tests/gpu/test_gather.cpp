@@ -131,6 +131,48 @@ TEST_CASE("device gather: IdxDataset's images and labels, equal to the host path
   check_equal(device, host);
 }
 
+TEST_CASE("device gather: flips, to_float and normalize in the kernel, equal to the CPU transform", "[gpu][gather][idx]") {
+  // Gray 28x28 (784 B rows: 16-byte words) and RGB 5x7 (105 B rows: bytes), every output type,
+  // CHW and HWC; the flips drawn per (seed, epoch, index) as the CPU transform draws them.
+  const std::int64_t n = 1000;
+  auto images = [&](std::int64_t h, std::int64_t w, std::int64_t c) {
+    Tensor t = Tensor::empty(DType::UInt8, c ? Shape{n, h, w, c} : Shape{n, h, w});
+    for (std::size_t i = 0; i < t.nbytes(); ++i) static_cast<std::uint8_t*>(t.raw())[i] = static_cast<std::uint8_t>(i * 37 + i / 97);
+    return t;
+  };
+  Tensor labels = Tensor::empty(DType::Int64, {n});
+  for (std::int64_t i = 0; i < n; ++i) labels.data<std::int64_t>()[i] = i % 10;
+  struct Case {
+    const char* name;
+    Tensor img;
+    ImageTransform t;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"gray, flip + float + normalize (the demo)", images(28, 28, 0), ImageTransform().horizontal_flip().to_float().normalize({0.286f}, {0.353f})});
+  cases.push_back({"gray, flip only (uint8)", images(28, 28, 0), ImageTransform().horizontal_flip(0.3)});
+  cases.push_back({"rgb, bfloat16", images(5, 7, 3), ImageTransform().horizontal_flip().to_float(DType::BFloat16).normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
+  cases.push_back({"rgb, float16 channels_last", images(5, 7, 3), ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()});
+  cases.push_back({"rgb, float32, no flip", images(5, 7, 3), ImageTransform().to_float().normalize({0.5f}, {0.25f})});
+  for (const Case& c : cases) {
+    INFO(c.name);
+    const IdxDataset ds(c.img, labels, {c.t});
+    for (int workers : {0, 2}) {
+      INFO(workers << " workers");
+      bool gathered = false, hosted = true;
+      const auto device = epochs(ds, options(Gather::Device, workers), &gathered);
+      const auto host = epochs(ds, options(Gather::Host, 3), &hosted);
+      CHECK(gathered);
+      CHECK_FALSE(hosted);
+      check_equal(device, host);
+    }
+  }
+  // Batches larger than a launch's indices: the flips travel in the index copied to the device.
+  const IdxDataset demo(cases[0].img, labels, {cases[0].t});
+  DataLoaderOptions bd = options(Gather::Device, 2), bh = options(Gather::Host, 2);
+  bd.batch_size = bh.batch_size = 4000;
+  check_equal(epochs(demo, bd), epochs(demo, bh));
+}
+
 TEST_CASE("device gather: a mapped .npy of 2 GiB, equal to the host path", "[gpu][gather][npy]") {
   test::TempDir dir;
   const std::string path = dir / "big.npy";

@@ -3,9 +3,11 @@
 // the loader (including the real Fashion-MNIST files when Debian's package is installed).
 #include <catch2/catch.hpp>
 
+#include <cstring>
 #include <filesystem>
 #include <map>
 
+#include "ferry/detail/pass_math.h"
 #include "ferry/ferry.h"
 #include "files.h"
 
@@ -222,12 +224,141 @@ TEST_CASE("IdxDataset offers its images and labels as rows for the device gather
     SampleContext ctx(0, 1, 0, WorkerInfo{});
     for (std::uint32_t i = 0; i < n; ++i) CHECK(static_cast<const std::int64_t*>(rows[1].data)[i] == ds.get(i, ctx).label);
   }
-  // A transform runs on the CPU: no rows, and the loader says why.
-  IdxDatasetOptions flip;
-  flip.transform.horizontal_flip();
-  IdxDataset flipped(dir / "img.gz", dir / "lbl", flip);
+  // A transform that crops runs on the CPU: no rows, and the loader says why.
+  IdxDatasetOptions crop;
+  crop.transform.center_crop(2, 2).horizontal_flip();
+  IdxDataset cropped(dir / "img.gz", dir / "lbl", crop);
   std::vector<HostRows> rows;
-  CHECK_THAT((detail::gather_unavailable<IdxDataset, LabeledBatch>(o, true, flipped, rows)),
-             Catch::Contains("IdxDataset's transform") && Catch::Contains("runs on the CPU"));
+  CHECK_THAT((detail::gather_unavailable<IdxDataset, LabeledBatch>(o, true, cropped, rows)),
+             Catch::Contains("IdxDataset's transform") && Catch::Contains("runs on the CPU") && Catch::Contains("crops or resizes"));
   CHECK(rows.empty());
+  // Flips, to_float and normalize go to the gather kernel as the image field's RowTransform.
+  IdxDatasetOptions demo;
+  demo.transform.horizontal_flip(0.25).to_float(DType::BFloat16).normalize({0.5f}, {0.25f});
+  IdxDataset flipped(dir / "img.gz", dir / "lbl", demo);
+  rows.clear();
+  const std::string why = detail::gather_unavailable<IdxDataset, LabeledBatch>(o, true, flipped, rows);
+  if (DeviceStage::can_gather()) CHECK(why.empty());
+  std::string unused;
+  rows = flipped.host_rows(unused);
+  REQUIRE(rows.size() == 2);
+  REQUIRE(rows[0].transform);
+  const RowTransform& t = *rows[0].transform;
+  CHECK(t.height == 3);
+  CHECK(t.width == 5);
+  CHECK(t.channels == 1);
+  CHECK(t.flip_p == 0.25);
+  CHECK(t.dtype == DType::BFloat16);
+  CHECK(t.shape == Shape{1, 3, 5});
+  CHECK(t.shape == flipped.sample_shape());
+  CHECK(t.a[0] == 1.f / 255.f / 0.25f);
+  CHECK(t.b[0] == (0.f - 0.5f) / 0.25f);
+  CHECK(rows[0].row_shape == Shape{3, 5});
+  CHECK_FALSE(rows[1].transform);
+  // Two flips in one transform draw twice: the CPU's.
+  IdxDatasetOptions twice;
+  twice.transform.horizontal_flip().horizontal_flip();
+  CHECK(IdxDataset(dir / "img.gz", dir / "lbl", twice).host_rows(unused).empty());
+  CHECK_THAT(unused, Catch::Contains("flips more than once"));
+}
+
+namespace {
+// What the gather kernel writes for a batch (the same per-element functions, run on the host):
+// row k of `index` (with its flip bit) through `rows`' transform.
+Tensor gather_on_host(const HostRows& rows, const Tensor& index) {
+  const RowTransform& t = *rows.transform;
+  Shape shape{index.size(0)};
+  shape.insert(shape.end(), t.shape.begin(), t.shape.end());
+  Tensor out = Tensor::empty(t.dtype, shape);
+  const int kind = t.dtype == DType::Float32 ? detail::kPassFloat32
+                   : t.dtype == DType::Float16 ? detail::kPassFloat16
+                   : t.dtype == DType::BFloat16 ? detail::kPassBFloat16
+                                                 : detail::kPassUInt8;
+  const bool chw = t.dtype != DType::UInt8 && !t.channels_last;
+  for (std::int64_t k = 0; k < index.size(0); ++k) {
+    const std::int64_t word = index.data<std::int64_t>()[k];
+    const bool flip = (word & detail::kRowFlipBit) != 0;
+    const auto* src = static_cast<const std::uint8_t*>(rows.data) + (word & ~detail::kRowFlipBit) * static_cast<std::int64_t>(rows.row_bytes);
+    std::byte* dst = static_cast<std::byte*>(out.raw()) + k * static_cast<std::int64_t>(rows.row_bytes * itemsize(t.dtype));
+    detail::RowCursor at(0, static_cast<int>(t.height), static_cast<int>(t.width), static_cast<int>(t.channels));
+    for (std::size_t p = 0; p < rows.row_bytes; ++p, at.next())
+      detail::pass_store(dst, at.out(flip, chw), kind, static_cast<float>(src[p]), t.a[at.c], t.b[at.c]);
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("device gather: the row transform's flips and values equal the CPU transform's", "[idx][gather]") {
+  // The kernel's arithmetic and the flips the index carries, checked without a GPU: every output
+  // type and layout, gray and RGB, against IdxDataset's CPU path (ImageTransform) bit for bit.
+  const std::int64_t n = 64;
+  auto images = [&](std::int64_t h, std::int64_t w, std::int64_t c) {
+    Tensor img = Tensor::empty(DType::UInt8, c ? Shape{n, h, w, c} : Shape{n, h, w});
+    for (std::size_t i = 0; i < img.nbytes(); ++i) static_cast<std::uint8_t*>(img.raw())[i] = static_cast<std::uint8_t>(i * 37 + i / 97);
+    return img;
+  };
+  Tensor labels = Tensor::zeros(DType::Int64, {n});
+  const std::vector<std::pair<Tensor, ImageTransform>> cases{
+      {images(28, 28, 0), ImageTransform().horizontal_flip().to_float().normalize({0.286f}, {0.353f})},
+      {images(28, 28, 0), ImageTransform().horizontal_flip(0.3)},
+      {images(5, 7, 3), ImageTransform().horizontal_flip().to_float(DType::BFloat16).normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})},
+      {images(5, 7, 3), ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()},
+      {images(3, 4, 4), ImageTransform().to_float().normalize({-300.f}, {0.001f}).horizontal_flip(1.0)},
+  };
+  std::vector<std::size_t> idx(n);
+  for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = (i * 29 + 5) % static_cast<std::size_t>(n);
+  for (std::size_t c = 0; c < cases.size(); ++c) {
+    INFO("case " << c << ": " << cases[c].second.str());
+    const IdxDataset ds(cases[c].first, labels, {cases[c].second});
+    std::string why;
+    const std::vector<HostRows> rows = ds.host_rows(why);
+    REQUIRE(rows.size() == 2);
+    REQUIRE(rows[0].transform);
+    CHECK(detail::row_transform_problem(rows[0]).empty());
+    for (std::uint64_t epoch : {0u, 3u}) {
+      const std::uint64_t seed = 77;
+      const Tensor index = detail::gather_index(idx, ds.size(), pageable_allocator(), {rows[0].transform->flip_p, seed, epoch});
+      std::size_t flips = 0;
+      for (std::int64_t k = 0; k < index.size(0); ++k) flips += (index.data<std::int64_t>()[k] & detail::kRowFlipBit) != 0;
+      if (rows[0].transform->flip_p == 1.0) CHECK(flips == idx.size());
+      else if (rows[0].transform->flip_p > 0) CHECK((flips > 0 && flips < idx.size()));
+      const Tensor got = gather_on_host(rows[0], index);
+      LabeledBatch want = ds.make_batch(idx.size(), pageable_allocator());
+      WorkerInfo worker;
+      for (std::size_t row = 0; row < idx.size(); ++row) {
+        SampleContext ctx(idx[row], seed, epoch, worker);
+        ds.get_into(idx[row], want, row, ctx);
+      }
+      REQUIRE(got.shape() == want.image.shape());
+      REQUIRE(got.dtype() == want.image.dtype());
+      CHECK(std::memcmp(got.raw(), want.image.raw(), got.nbytes()) == 0);
+    }
+  }
+}
+
+TEST_CASE("device gather: row transforms the kernel cannot run are named", "[idx][gather]") {
+  HostRows r{nullptr, 10, 12, DType::UInt8, {3, 4}, "images", false, RowTransform{}};
+  r.transform->height = 3;
+  r.transform->width = 4;
+  r.transform->shape = {3, 4};
+  CHECK(detail::row_transform_problem(r).empty());
+  HostRows bad = r;
+  bad.row_bytes = 13;
+  CHECK_THAT(detail::row_transform_problem(bad), Catch::Contains("images's row transform") && Catch::Contains("12 bytes in rows of 13"));
+  bad = r;
+  bad.dtype = DType::Float32;
+  bad.row_bytes = 48;
+  CHECK_THAT(detail::row_transform_problem(bad), Catch::Contains("not uint8 images"));
+  bad = r;
+  bad.transform->channels = 5;
+  CHECK_THAT(detail::row_transform_problem(bad), Catch::Contains("1 to 4 channels"));
+  bad = r;
+  bad.transform->dtype = DType::Int32;
+  CHECK_THAT(detail::row_transform_problem(bad), Catch::Contains("writes int32"));
+  bad = r;
+  bad.transform->shape = {3, 5};
+  CHECK_THAT(detail::row_transform_problem(bad), Catch::Contains("shape does not hold"));
+  bad = r;
+  bad.transform->flip_p = 1.5;
+  CHECK_THAT(detail::row_transform_problem(bad), Catch::Contains("flip probability"));
 }

@@ -99,7 +99,7 @@ void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("--pin-mode", f.pin_mode, "copy or direct")->check(CLI::IsMember({"copy", "direct"}));
   app.add_option("--pin-threads", f.pin_threads, "threads copying one batch into pinned memory")->check(CLI::PositiveNumber);
   app.add_option("--device", f.device, "deliver batches on CUDA device N (implies --pin)");
-  app.add_option("--gather", f.gather, "with --device: how an npy dataset's rows reach the GPU: host (workers copy them; also what auto does for a mapped file) or device (the GPU gathers them from the registered mapping)")
+  app.add_option("--gather", f.gather, "with --device: how the rows of npy and idx datasets reach the GPU: host (workers copy and transform them; also what auto does for a mapped file) or device (the GPU gathers them from registered memory, idx's flip and normalize included)")
       ->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--intra-threads", f.intra, "intra_batch_threads: threads per batch")->check(CLI::PositiveNumber);
   app.add_option("--shuffle", f.shuffle, "shuffle (map-style datasets)");

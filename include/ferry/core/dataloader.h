@@ -151,9 +151,14 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
         if (rows.size() != Batch::kGatheredFields)
           return "the dataset's batch has " + std::to_string(Batch::kGatheredFields) + " fields but host_rows() gave " +
                  std::to_string(rows.size());
-      for (const HostRows& r : rows)
+      int flipping = 0;
+      for (const HostRows& r : rows) {
         if (r.rows != static_cast<std::int64_t>(ds.size()))
           return r.name + " has " + std::to_string(r.rows) + " rows for a dataset of " + std::to_string(ds.size()) + " samples";
+        if (std::string bad = row_transform_problem(r); !bad.empty()) return bad;
+        flipping += r.transform && r.transform->flip_p > 0;
+      }
+      if (flipping > 1) return "more than one field's row transform flips (a sample draws one flip)";
       if (o.gather == Gather::Auto)
         for (const HostRows& r : rows)
           if (r.mapped_file)
@@ -432,6 +437,8 @@ class DataLoader {
         try {
           registration = std::make_unique<RowRegistration>(gather_fields, *opt.device, opt.register_memory_limit);
           gathering = true;
+          for (const HostRows& r : gather_fields)
+            if (r.transform && r.transform->flip_p > 0) gather_flip_p = r.transform->flip_p;
           return;
         } catch (const Error& e) {
           why = e.what();
@@ -793,7 +800,7 @@ class DataLoader {
       // batch's go to the device first (from their pinned block).
       const bool in_launch = index.size(0) <= DeviceStage::gather_index_in_launch;
       std::size_t bytes = in_launch ? 0 : aligned(index.nbytes());
-      for (const HostRows& f : gather_fields) bytes += aligned(rows * f.row_bytes);
+      for (const HostRows& f : gather_fields) bytes += aligned(rows * f.row_bytes * (f.transform ? itemsize(f.transform->dtype) : 1));
       device_stage->begin(bytes);
       std::vector<Tensor> fields;
       std::shared_ptr<const EventFence> copied;
@@ -801,7 +808,8 @@ class DataLoader {
         const Tensor index_dev = in_launch ? index : device_stage->move(index);
         for (std::size_t k = 0; k < gather_fields.size(); ++k) {
           const HostRows& f = gather_fields[k];
-          fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape));
+          fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape,
+                                                     f.transform ? &*f.transform : nullptr));
         }
         copied = device_stage->end();
       } catch (...) {
@@ -938,7 +946,8 @@ class DataLoader {
         ctx.stage.enter(Stage::Collate);
         // Pinned only when the batch is too large for its indices to travel in the gather's launch.
         BatchAllocator& a = idx.size() <= static_cast<std::size_t>(DeviceStage::gather_index_in_launch) ? pageable_allocator() : *allocator;
-        return detail::Payload::make(detail::GatherIndex{detail::gather_index(idx, ds.size(), a)});
+        const detail::RowFlips flips{gather_flip_p, opt.seed, ctx.worker.epoch};
+        return detail::Payload::make(detail::GatherIndex{detail::gather_index(idx, ds.size(), a, flips)});
       }
       if constexpr (kDirect) {
         Batch batch = ds.make_batch(idx.size(), *allocator);
@@ -1257,6 +1266,7 @@ class DataLoader {
     // Device gather: the dataset's fields and their registration (undone after the copy stream
     // has finished, in ~State); the reason when it is not used.
     std::vector<HostRows> gather_fields;
+    double gather_flip_p = 0;  // the flip a sample draws for the fields' row transforms (RowTransform::flip_p)
     std::unique_ptr<RowRegistration> registration;
     bool gathering = false;
     std::string gather_reason;

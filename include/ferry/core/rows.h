@@ -5,6 +5,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -21,8 +22,28 @@ enum class Gather {
   Device,  ///< the device gather, or an Error saying why it cannot apply
 };
 
+/// What the device gather does to each row of a field on its way into the batch: the transforms
+/// image rows usually need, run inside the gather kernel (Note [Device gather], "row transforms").
+/// The rows are uint8 images, height x width x channels (HWC). A row is mirrored left-right when
+/// the sample draws a flip: Generator(seed, epoch, index).bernoulli(flip_p), the draw
+/// ImageTransform::horizontal_flip makes from SampleContext::rng(). Each value v is then written
+/// as a[c] * v + b[c] in `dtype` (uint8 values are clamped to [0, 255]), CHW for float outputs
+/// unless `channels_last`, HWC for uint8: the values and layout ImageTransform's pass writes.
+/// ImageTransform::row_transform() makes one from a transform that only flips, converts and
+/// normalizes.
+struct RowTransform {
+  static constexpr int kMaxChannels = 4;
+  std::int64_t height = 0, width = 0, channels = 1;
+  double flip_p = 0;             ///< 0: never mirrored
+  DType dtype = DType::UInt8;    ///< UInt8, Float32, Float16 or BFloat16
+  bool channels_last = false;    ///< float outputs as HWC
+  float a[kMaxChannels] = {1, 1, 1, 1}, b[kMaxChannels] = {0, 0, 0, 0};
+  Shape shape;                   ///< a sample's field in the batch (the host path's shape)
+};
+
 /// One field of a dataset as rows of one host array: sample i's field is the `row_bytes` bytes at
-/// `data + i * row_bytes`, of type `dtype` and shape `row_shape`.
+/// `data + i * row_bytes`, of type `dtype` and shape `row_shape` (with a `transform`, the batch's
+/// field is transform->shape of transform->dtype instead).
 struct HostRows {
   const void* data = nullptr;
   std::int64_t rows = 0;
@@ -33,6 +54,8 @@ struct HostRows {
   /// The rows are a memory-mapped file (a .npy). Gather::Auto leaves such rows to the host path
   /// (Note [Device gather], "mapped files"); Gather::Device gathers them.
   bool mapped_file = false;
+  /// Run on each row by the gather kernel (uint8 rows of height * width * channels bytes), or none.
+  std::optional<RowTransform> transform;
 };
 
 /// A dataset whose batch fields are rows of host arrays (see the Note). host_rows() gives one
@@ -52,9 +75,19 @@ concept FieldsBatch = requires(std::vector<Tensor>&& fields) {
 };
 
 namespace detail {
-/// The indices of a batch as an int64 tensor from `allocator`; an Error for an index past `n`
-/// (the same message as the host path's).
-Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator);
+/// Set in a row's index word when its sample draws a flip (RowTransform::flip_p).
+inline constexpr std::int64_t kRowFlipBit = std::int64_t{1} << 62;
+/// The flip each sample of a batch draws for the row transforms: Generator(seed, epoch,
+/// index).bernoulli(p), as SampleContext::rng() would give it; p = 0 draws nothing.
+struct RowFlips {
+  double p = 0;
+  std::uint64_t seed = 0, epoch = 0;
+};
+/// The indices of a batch as an int64 tensor from `allocator`, with kRowFlipBit set where the
+/// sample draws a flip; an Error for an index past `n` (the same message as the host path's).
+Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator, const RowFlips& flips = {});
+/// Why `rows`' transform cannot run in the gather kernel ("" when it can, or has none).
+std::string row_transform_problem(const HostRows& rows);
 }  // namespace detail
 
 }  // namespace ferry

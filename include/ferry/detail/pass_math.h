@@ -111,8 +111,39 @@ FERRY_HD inline std::uint16_t pass_bf16_bits(float f) {
   return static_cast<std::uint16_t>(x >> 16);
 }
 
+/// The device gather's row transform (ferry::RowTransform): walks the elements of a uint8 HWC row
+/// of H x W x C (H * W * C < 2^31) in order and says where each lands in the output row, mirrored
+/// left-right when `flip`, CHW when `chw`. Increments, so the kernel divides once a word.
+struct RowCursor {
+  int H, W, C, c, x, y;
+  FERRY_HD RowCursor(int p, int h, int w, int ch) : H(h), W(w), C(ch), c(p % ch), x((p / ch) % w), y(p / ch / w) {}
+  FERRY_HD int out(bool flip, bool chw) const {
+    const int xx = flip ? W - 1 - x : x;
+    return chw ? (c * H + y) * W + xx : (y * W + xx) * C + c;
+  }
+  FERRY_HD void next() {
+    if (++c < C) return;
+    c = 0;
+    if (++x < W) return;
+    x = 0;
+    ++y;
+  }
+};
+
 /// Output kinds of an ImagePassPlan (ImagePassPlan::out_dtype), as the encoded index stores them.
 enum PassOutput : int { kPassUInt8 = 0, kPassFloat32 = 1, kPassFloat16 = 2, kPassBFloat16 = 3 };
+
+/// Writes a * v + b as output kind `kind` (PassOutput) at element o of `out`: the value the CPU
+/// pass stores (uint8 clamped to [0, 255] and truncated; 16-bit floats rounded to nearest even).
+FERRY_HD inline void pass_store(void* out, std::int64_t o, int kind, float v, float a, float b) {
+  v = a * v + b;
+  switch (kind) {
+    case kPassFloat32: static_cast<float*>(out)[o] = v; break;
+    case kPassFloat16: static_cast<std::uint16_t*>(out)[o] = pass_f16_bits(v); break;
+    case kPassBFloat16: static_cast<std::uint16_t*>(out)[o] = pass_bf16_bits(v); break;
+    default: static_cast<std::uint8_t*>(out)[o] = static_cast<std::uint8_t>(v < 0.f ? 0.f : (v > 255.f ? 255.f : v)); break;
+  }
+}
 
 /// Words (int64) per image in an encoded batch's index (LabeledBatch::encoded_index): [0] byte
 /// offset, [1] size, [2] height, [3] width, [4..10] y axis (c0, L0, R, c1, N, resized, flip),

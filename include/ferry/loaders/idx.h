@@ -61,7 +61,8 @@ class IdxDataset : public DatasetBase<IdxDataset> {
   void get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const;
 
   /// The device gather (ferry/core/rows.h): images and labels as rows (labels as int64, as the
-  /// batch holds them). None, with `why`, when a transform runs on the CPU.
+  /// batch holds them). A transform that only flips, converts and normalizes uint8 images runs in
+  /// the gather kernel (ImageTransform::row_transform); with any other, none, with `why`.
   std::vector<HostRows> host_rows(std::string& why) const;
 
   const Tensor& images() const noexcept { return images_; }

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "ferry/core/random.h"
+#include "ferry/core/rows.h"
 #include "ferry/core/tensor.h"
 
 namespace ferry {
@@ -109,6 +110,12 @@ class ImageTransform {
   /// choices (crop box, flip) from `rng` exactly as apply_into() does; nullopt when the steps need
   /// more than one pass (two resizes, or a resize after a padding crop).
   std::optional<ImagePassPlan> plan(std::int64_t height, std::int64_t width, std::int64_t channels, Generator& rng) const;
+  /// The same steps as the device gather's RowTransform (ferry/core/rows.h) for uint8 images of
+  /// height x width x channels (channels 0: [H, W] grayscale, as output_shape() takes it), or
+  /// nullopt, with `why` set, when the steps do more than one horizontal flip, to_float,
+  /// channels_last and normalize (crops and resizes run on the CPU).
+  std::optional<RowTransform> row_transform(std::int64_t height, std::int64_t width, std::int64_t channels,
+                                            std::string& why) const;
   /// Applies the steps to `image` ([H, W, C] or [H, W], uint8 or float32, host memory).
   Tensor operator()(const Tensor& image, Generator& rng) const;
   /// The same, written into `out` (host memory, output_shape() and output_dtype() of the input;

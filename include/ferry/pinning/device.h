@@ -29,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/core/rows.h"
 #include "ferry/core/tensor.h"
 #include "ferry/pinning/cuda.h"
 #include "ferry/pinning/fence.h"
@@ -103,8 +104,14 @@ class DeviceStage {
   /// copies row index[i] of the host array mapped at `device_rows` (RowRegistration) into row i.
   /// `index` is int64 [B]: on the host (read at end(), B <= gather_index_in_launch: the indices
   /// travel in the launch itself) or on this device (moved earlier in the batch). Throws CudaError
-  /// when ferry was built without a CUDA compiler (can_gather()).
-  Tensor gather_rows(const Tensor& index, const void* device_rows, std::size_t row_bytes, DType dtype, const Shape& row_shape);
+  /// when ferry was built without a CUDA compiler (can_gather()). With a `transform`, the rows are
+  /// uint8 images the kernel transforms on the way (ferry/core/rows.h): the result is
+  /// [B, transform->shape...] of transform->dtype, row i mirrored when index[i] carries
+  /// `gather_flip_bit`; an Error names what does not fit (a row that is not the image's bytes).
+  Tensor gather_rows(const Tensor& index, const void* device_rows, std::size_t row_bytes, DType dtype, const Shape& row_shape,
+                     const RowTransform* transform = nullptr);
+  /// Set in an index word of gather_rows: that sample's row is mirrored (the rest is the row).
+  static constexpr std::int64_t gather_flip_bit = detail::kRowFlipBit;
   /// The most rows a host index of gather_rows may have.
   static constexpr std::int64_t gather_index_in_launch = 3072;
   static bool can_gather() noexcept;
