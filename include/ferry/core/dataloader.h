@@ -471,7 +471,8 @@ class DataLoader {
       // takes finished batches (issuing there left the GPU idle between synchronized steps).
       issue_on_pin_thread = true;
       pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p, std::int64_t) {
-        if constexpr (std::is_same_v<Batch, Tensor> || std::is_same_v<Batch, std::vector<Tensor>>)
+        // The batch types gather_unavailable admits (it refuses any other before this is made).
+        if constexpr (std::is_same_v<Batch, Tensor> || std::is_same_v<Batch, std::vector<Tensor>> || FieldsBatch<Batch>)
           p = detail::Payload::make(gather_batch(p.template get<detail::GatherIndex>().index));
       }, opt.pin_depth + opt.device_prefetch, opt.timeout, opt.trace.get(), placement);
     }
