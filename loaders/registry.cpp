@@ -100,9 +100,17 @@ void add_builtins(DatasetRegistry& r) {
     if (c.integer("float", 0) || c.has("mean") || c.has("std")) o.transform.to_float();
     if (c.has("mean") || c.has("std"))
       o.transform.normalize({parse_float(c, "mean", c.str("mean", "0"))}, {parse_float(c, "std", c.str("std", "1"))});
-    IdxDataset d(c.str("images"), c.str("labels"), std::move(o));
+    // Images and labels as two fields, passed on for the device gather (host_rows: the flip and
+    // normalize run in its kernel).
+    struct IdxRows {
+      IdxDataset d;
+      std::size_t size() const { return d.size(); }
+      std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const { return labeled(d.get(i, ctx)); }
+      std::vector<HostRows> host_rows(std::string& why) const { return d.host_rows(why); }
+    };
+    IdxRows rows{IdxDataset(c.str("images"), c.str("labels"), std::move(o))};
     c.finish();
-    return DynamicDataset(ferry::map(std::move(d), labeled));
+    return DynamicDataset(std::move(rows));
   }, "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz), flip=0|1 (random "
      "horizontal flip), float=0|1, mean=, std= (normalize; implies float)");
   r.add("npy", [](const DatasetConfig& c) {

@@ -4,6 +4,9 @@
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
 
+#include <atomic>
+#include <cstdint>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -87,17 +90,111 @@ __global__ void fused_transform(const std::uint8_t* scratch, const std::int64_t*
   }
 }
 
+// Note [Decode memory]
+// Nothing the decode does per batch may synchronize the device: a cudaMalloc, cudaFree or
+// cudaFreeHost there would wait for the training step running on another stream (and a step
+// that fills the GPU would hold each batch's decode until it ends). So nvJPEG gets stream-ordered
+// allocators (nvjpegCreateExV2): device memory from a pool of the decoder's own
+// (cudaMallocFromPoolAsync / cudaFreeAsync on the stream nvJPEG names; the pool keeps what it
+// frees), pinned memory from a cache whose blocks are reused once an event recorded at their free
+// has passed; the decode scratch grows the same way. Pinned blocks are freed, and the pool
+// destroyed, only with the decoder.
+class DecodeMemory {
+ public:
+  explicit DecodeMemory(int device) {
+    cuda::DeviceGuard guard(device);
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = device;
+    check_cuda(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
+    std::uint64_t keep = UINT64_MAX;  // never hand memory back at a synchronization
+    cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep);
+  }
+  ~DecodeMemory() {
+    for (Block& b : pinned_) {
+      if (b.freed) cudaEventSynchronize(b.freed), cudaEventDestroy(b.freed);
+      cudaFreeHost(b.ptr);
+    }
+    cudaMemPoolDestroy(pool_);  // its memory goes once nothing from it is outstanding
+  }
+  DecodeMemory(const DecodeMemory&) = delete;
+  DecodeMemory& operator=(const DecodeMemory&) = delete;
+
+  nvjpegDevAllocatorV2_t device_allocator() { return {&dev_malloc, &dev_free, this}; }
+  nvjpegPinnedAllocatorV2_t pinned_allocator() { return {&pinned_malloc, &pinned_free, this}; }
+  /// Device memory on `stream`'s order.
+  void* device(std::size_t size, cudaStream_t stream) {
+    void* p = nullptr;
+    check_cuda(cudaMallocFromPoolAsync(&p, size, pool_, stream), "cudaMallocFromPoolAsync of the decode scratch");
+    return p;
+  }
+  /// Pinned blocks allocated (not reused) so far: constant after warm-up.
+  std::uint64_t pinned_allocations() const { return pinned_allocations_.load(); }
+
+ private:
+  struct Block {
+    void* ptr;
+    std::size_t size;
+    cudaEvent_t freed;  // recorded at the free on nvJPEG's stream; null while in use
+    bool in_use;
+  };
+  static int dev_malloc(void* ctx, void** p, std::size_t size, cudaStream_t s) {
+    return cudaMallocFromPoolAsync(p, size, static_cast<DecodeMemory*>(ctx)->pool_, s) == cudaSuccess ? 0 : 1;
+  }
+  static int dev_free(void*, void* p, std::size_t, cudaStream_t s) { return cudaFreeAsync(p, s) == cudaSuccess ? 0 : 1; }
+  static int pinned_malloc(void* ctx, void** p, std::size_t size, cudaStream_t) {
+    auto* m = static_cast<DecodeMemory*>(ctx);
+    std::lock_guard l(m->mu_);
+    Block* best = nullptr;
+    for (Block& b : m->pinned_)
+      if (!b.in_use && b.size >= size && b.size <= 2 * size + 4096 && (!best || b.size < best->size) &&
+          (!b.freed || cudaEventQuery(b.freed) == cudaSuccess))
+        best = &b;
+    cudaGetLastError();
+    if (!best) {
+      void* q = nullptr;
+      if (cudaHostAlloc(&q, size, cudaHostAllocPortable) != cudaSuccess) return 1;
+      m->pinned_.push_back({q, size, nullptr, false});
+      ++m->pinned_allocations_;
+      best = &m->pinned_.back();
+    }
+    best->in_use = true;
+    *p = best->ptr;
+    return 0;
+  }
+  static int pinned_free(void* ctx, void* p, std::size_t, cudaStream_t s) {
+    auto* m = static_cast<DecodeMemory*>(ctx);
+    std::lock_guard l(m->mu_);
+    for (Block& b : m->pinned_) {
+      if (b.ptr != p) continue;
+      if (!b.freed && cudaEventCreateWithFlags(&b.freed, cudaEventDisableTiming) != cudaSuccess) return 1;
+      if (cudaEventRecord(b.freed, s) != cudaSuccess) return 1;
+      b.in_use = false;
+      return 0;
+    }
+    return 1;
+  }
+
+  cudaMemPool_t pool_ = nullptr;
+  std::mutex mu_;
+  std::vector<Block> pinned_;  // pointers into it are used only under mu_
+  std::atomic<std::uint64_t> pinned_allocations_{0};
+};
+
 class NvJpegDecoder final : public GpuJpegDecoder {
  public:
-  explicit NvJpegDecoder(int device) : device_(device) {
+  explicit NvJpegDecoder(int device) : device_(device), mem_(device) {
     cuda::DeviceGuard guard(device_);
+    nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
+    nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
     // The hardware backend where the GPU has JPEG engines (A100, H100, ...), else the GPU hybrid.
     const std::pair<nvjpegBackend_t, const char*> backends[] = {{NVJPEG_BACKEND_HARDWARE, "hardware"},
                                                                 {NVJPEG_BACKEND_GPU_HYBRID, "GPU hybrid"},
                                                                 {NVJPEG_BACKEND_DEFAULT, "default"}};
     nvjpegStatus_t last = NVJPEG_STATUS_NOT_INITIALIZED;
     for (auto [b, name] : backends) {
-      last = nvjpegCreateEx(b, nullptr, nullptr, NVJPEG_FLAGS_DEFAULT, &handle_);
+      last = nvjpegCreateExV2(b, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &handle_);
       if (last == NVJPEG_STATUS_SUCCESS) {
         backend_ = name;
         break;
@@ -109,7 +206,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   }
   ~NvJpegDecoder() override {
     cuda::DeviceGuard guard(device_);
-    if (scratch_) cudaFree(scratch_);
+    if (scratch_) cudaFree(scratch_);  // synchronizes: the last kernel is done with it
     if (fallback_state_) nvjpegJpegStateDestroy(fallback_state_);
     if (fallback_) nvjpegDestroy(fallback_);
     if (state_) nvjpegJpegStateDestroy(state_);
@@ -123,21 +220,21 @@ class NvJpegDecoder final : public GpuJpegDecoder {
       row[29] = static_cast<std::int64_t>(total);
       total += (static_cast<std::size_t>(row[2]) * static_cast<std::size_t>(row[3]) * 3 + 255) / 256 * 256;
     }
-    if (total > scratch_size_) {
-      cuda::DeviceGuard guard(device_);
-      if (scratch_) check_cuda(cudaFree(scratch_), "cudaFree");  // synchronizes: the last kernel is done with it
-      scratch_ = nullptr;
-      const std::size_t size = total + total / 4;  // headroom: batches vary in size
-      check_cuda(cudaMalloc(&scratch_, size), "cudaMalloc of the decode scratch");
-      scratch_size_ = size;
-      ++allocations_;
-    }
+    scratch_needed_ = total;  // run() grows the scratch, in the stream's order
   }
 
   void run(const std::byte* base, const std::int64_t* index, const std::int64_t* index_dev, int rows, void* out,
            void* stream) override {
     cuda::DeviceGuard guard(device_);
     auto s = static_cast<cudaStream_t>(stream);
+    if (scratch_needed_ > scratch_size_) {  // Note [Decode memory]: no device synchronization
+      if (scratch_) check_cuda(cudaFreeAsync(scratch_, s), "cudaFreeAsync of the decode scratch");
+      scratch_ = nullptr;
+      const std::size_t size = scratch_needed_ + scratch_needed_ / 4;  // headroom: batches vary in size
+      scratch_ = mem_.device(size, s);
+      scratch_size_ = size;
+      ++allocations_;
+    }
     data_.resize(static_cast<std::size_t>(rows));
     lengths_.resize(static_cast<std::size_t>(rows));
     images_.assign(static_cast<std::size_t>(rows), nvjpegImage_t{});
@@ -169,12 +266,14 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   }
 
   std::string backend() const override { return backend_; }
-  std::uint64_t allocations() const override { return allocations_; }
+  std::uint64_t allocations() const override { return allocations_ + mem_.pinned_allocations(); }
 
  private:
   void decode_one_by_one(int rows, cudaStream_t s, nvjpegStatus_t batched_status) {
     if (!fallback_) {
-      if (nvjpegCreateEx(NVJPEG_BACKEND_DEFAULT, nullptr, nullptr, NVJPEG_FLAGS_DEFAULT, &fallback_) != NVJPEG_STATUS_SUCCESS ||
+      nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
+      nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
+      if (nvjpegCreateExV2(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &fallback_) != NVJPEG_STATUS_SUCCESS ||
           nvjpegJpegStateCreate(fallback_, &fallback_state_) != NVJPEG_STATUS_SUCCESS)
         throw CudaError(std::string("GPU decode: the batched decode failed (") + nvjpeg_status(batched_status) +
                         ") and no fallback decoder could start");
@@ -191,12 +290,13 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   }
 
   int device_;
+  DecodeMemory mem_;  // outlives the handles, which free into it
   nvjpegHandle_t handle_ = nullptr, fallback_ = nullptr;
   nvjpegJpegState_t state_ = nullptr, fallback_state_ = nullptr;
   std::string backend_;
   int initialized_rows_ = -1;
   void* scratch_ = nullptr;
-  std::size_t scratch_size_ = 0;
+  std::size_t scratch_size_ = 0, scratch_needed_ = 0;
   std::uint64_t allocations_ = 0;
   std::vector<const unsigned char*> data_;
   std::vector<std::size_t> lengths_;

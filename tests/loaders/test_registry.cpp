@@ -116,6 +116,39 @@ TEST_CASE("plugin errors name the file and what is wrong", "[errors][plugin]") {
   CHECK_THROWS_WITH(reg.load_plugin(dir / "garbage.so"), Catch::Contains("cannot load"));
 }
 
+TEST_CASE("the registry's idx passes its rows and its transform on for the device gather", "[unit][registry][gather]") {
+  TempDir dir;
+  const std::uint32_t n = 6;
+  Bytes pixels(n * 4 * 5), labels(n);
+  for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = std::byte(static_cast<unsigned char>(i * 7));
+  for (std::size_t i = 0; i < n; ++i) labels[i] = std::byte(static_cast<unsigned char>(i % 3));
+  write_file(dir / "img", idx_bytes(0x08, {n, 4, 5}, pixels));
+  write_file(dir / "lbl", idx_bytes(0x08, {n}, labels));
+  DynamicDataset ds = DatasetRegistry::global().create(
+      "idx", "images=" + (dir / "img") + ",labels=" + (dir / "lbl") + ",flip=1,mean=0.5,std=0.25");
+  std::string why;
+  const std::vector<HostRows> rows = ds.host_rows(why);
+  REQUIRE(rows.size() == 2);
+  REQUIRE(rows[0].transform);
+  CHECK(rows[0].transform->flip_p == 0.5);
+  CHECK(rows[0].transform->dtype == DType::Float32);
+  CHECK(rows[0].transform->shape == Shape{1, 4, 5});
+  CHECK(rows[1].dtype == DType::Int64);
+  // The host path's sample has the same fields: the image as the transform makes it, the label.
+  WorkerInfo worker;
+  SampleContext ctx(2, 0, 0, worker);
+  const std::vector<Tensor> s = ds.get(2, ctx);
+  REQUIRE(s.size() == 2);
+  CHECK(s[0].shape() == Shape{1, 4, 5});
+  CHECK(s[1].item<std::int64_t>() == 2);
+  DataLoaderOptions o;
+  o.device = 0;
+  o.gather = Gather::Device;
+  std::vector<HostRows> fields;
+  const std::string unavailable = detail::gather_unavailable<DynamicDataset, std::vector<Tensor>>(o, true, ds, fields);
+  if (DeviceStage::can_gather()) CHECK(unavailable.empty());
+}
+
 TEST_CASE("the registry's npy passes its rows on for the device gather", "[unit][registry][gather]") {
   TempDir dir;
   std::vector<float> f(12);
