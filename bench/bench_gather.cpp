@@ -122,11 +122,13 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
 }
 
 // (a) with flip + to_float + normalize: the host path's workers against the gather kernel.
+ImageTransform imagenet() {
+  return ImageTransform().horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+}
+
 void transformed(const Tensor& hwc, std::size_t batches, const Args& a) {
   const std::size_t rows = static_cast<std::size_t>(hwc.size(0)), row = hwc.nbytes() / rows;
-  IdxDatasetOptions t;
-  t.transform.horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
-  const IdxDataset ds(hwc, Tensor::zeros(DType::Int64, {hwc.size(0)}), t);
+  const IdxDataset ds(hwc, Tensor::zeros(DType::Int64, {hwc.size(0)}), {imagenet()});
   const double read_mb = static_cast<double>(row) * 256 / 1e6, out_mb = read_mb * 4;
   std::printf("\n## (a) with flip + to_float + normalize: %.1f MB of uint8 read, %.1f MB of float32 delivered a batch, %zu batches a "
               "pass\n\n| pipeline | workers | batches/s | images/s | busy CPU cores |\n|---|---:|---:|---:|---:|\n",
@@ -146,8 +148,11 @@ void transformed(const Tensor& hwc, std::size_t batches, const Args& a) {
   row_of("device gather, transforms in its kernel (gather = Device)", Gather::Device, 0);
 }
 
-void training_loop(const Tensor& data, Gather g, int workers, const Args& a) {
-  DataLoader loader(TensorDataset({data}), loader_options(static_cast<std::size_t>(data.size(0)), static_cast<std::size_t>(a.steps + 20), g, workers));
+template <class Dataset>
+void training_loop(const Dataset& ds, const char* what, Gather g, int workers, const Args& a) {
+  DataLoaderOptions o = loader_options(ds.size(), static_cast<std::size_t>(a.steps + 20), g, workers);
+  o.pinned_memory_limit = std::size_t{8} << 30;
+  DataLoader loader(ds, o);
   cuda::DeviceGuard guard(0);
   const bench::WorkStep work = bench::WorkStep::calibrate(*loader.stream(), a.step_ms);
   const double alone_wall = work.alone_wall_ms, alone_gpu = work.alone_gpu_ms;
@@ -169,7 +174,7 @@ void training_loop(const Tensor& data, Gather g, int workers, const Args& a) {
   }
   const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const int steps = step - 10;
-  std::printf("| ferry, %s | %d | %.2f ms | %.2f ms | %d | %.2f%% | %+.2f%% |\n", g == Gather::Host ? "host path" : "device gather", workers,
+  std::printf("| %s, ferry, %s | %d | %.2f ms | %.2f ms | %d | %.2f%% | %+.2f%% |\n", what, g == Gather::Host ? "host path" : "device gather", workers,
               alone_wall, alone_gpu, steps, 100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall),
               100.0 * (loop_gpu / steps / alone_gpu - 1.0));
   std::fflush(stdout);
@@ -202,13 +207,18 @@ int main(int argc, char** argv) {
   const Tensor wb = filled(DType::Float32, {60000, 784});
   workload("(a) 3x224x224 uint8", wa, a.batches, a.workers_a, a);
   workload("(b) 784 float32", wb, a.batches * 20, a.workers_b, a);
-  transformed(filled(DType::UInt8, {2048, 224, 224, 3}), a.batches / 4, a);
-  std::printf("\n## training loop: (a) batches, a step of fixed arithmetic on every SM, synchronize each step\n\n");
+  const Tensor hwc = filled(DType::UInt8, {2048, 224, 224, 3});
+  transformed(hwc, a.batches / 4, a);
+  std::printf("\n## training loop: (a) batches, plain and flipped + normalized to float32, a step of fixed arithmetic on every SM, synchronize each step\n\n");
   std::printf("| loader | workers | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | step's GPU time vs. alone |\n"
               "|---|---:|---:|---:|---:|---:|---:|\n");
+  const TensorDataset rows({wa});
+  const IdxDataset images(hwc, Tensor::zeros(DType::Int64, {hwc.size(0)}), {imagenet()});
   for (int rep = 0; rep < 2; ++rep) {
-    training_loop(wa, Gather::Host, a.workers_a, a);
-    training_loop(wa, Gather::Device, 0, a);
+    training_loop(rows, "(a)", Gather::Host, a.workers_a, a);
+    training_loop(rows, "(a)", Gather::Device, 0, a);
+    training_loop(images, "(a) + flip + normalize", Gather::Host, a.workers_t, a);
+    training_loop(images, "(a) + flip + normalize", Gather::Device, 0, a);
   }
   return 0;
 }
