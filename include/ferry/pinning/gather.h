@@ -2,8 +2,8 @@
 //
 // Note [Device gather]
 // When a dataset's samples are rows of host arrays with a fixed row size (TensorDataset's
-// tensors, a mapped .npy, IdxDataset's images and labels without a transform) and nothing runs
-// per sample, a batch needs no CPU copy at all. The
+// tensors, a mapped .npy, IdxDataset's images and labels) and nothing but the row transforms below
+// runs per sample, a batch needs no CPU copy at all. The
 // loader registers each array once with CUDA (RowRegistration: cudaHostRegister, mapped, read-only
 // where the device allows it, within DataLoaderOptions::register_memory_limit), and per batch
 // sends only the sample indices: a worker (the consumer's thread, with num_workers = 0) writes
@@ -32,9 +32,25 @@
 // pin must first move each page out of that zone, and page-cache pages that cannot be moved are a
 // plausible cause, not a confirmed one. Until it is understood, the default does not risk it.
 //
+// Row transforms: a field's HostRows may carry a RowTransform (ferry/core/rows.h), the transforms
+// image rows usually need: a random horizontal flip, uint8 to float32 / float16 / bfloat16 (CHW,
+// or HWC with channels_last) and a per-channel a * v + b (to_float's 1/255 and normalize, folded).
+// The kernel applies it to each byte it reads, with the arithmetic of the CPU pass
+// (ferry/detail/pass_math.h), so the batch equals ImageTransform's bit for bit. Each sample's flip
+// is drawn where its index is written, Generator(seed, epoch, index).bernoulli(p) as the CPU
+// transform draws it, and travels as kRowFlipBit in the index word. IdxDataset offers its
+// transform this way when ImageTransform::row_transform accepts it (no crop, no resize, at most
+// one flip); one field a batch may flip.
+//
+// Larger than register_memory_limit: the host path (with a warning), not registration in windows.
+// A shuffled batch's rows fall anywhere in the array, so each batch would register and unregister
+// every window it touches, on the pin thread, and a file larger than RAM would pin what the page
+// cache needs; the host path reads it through the page cache.
+//
 // A dataset opts in with a member `std::vector<ferry::HostRows> host_rows(std::string& why) const`
 // (RowGatherDataset): one HostRows per field of its batch, in order, whose row i is sample i's
-// field unchanged; an empty result with `why` set declines (say, a non-contiguous tensor).
+// field unchanged (or its RowTransform's input); an empty result with `why` set declines (say, a
+// non-contiguous tensor).
 //
 // Thread safety: a RowRegistration is immutable after construction.
 #pragma once
