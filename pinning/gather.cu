@@ -50,37 +50,14 @@ __device__ __forceinline__ std::int64_t row_word(const Args<N>& a, std::size_t r
   else return a.index_dev[r];
 }
 
-template <class Word, int N>
-__device__ void gather_field(const Args<N>& a, const GatherField& f) {
+// Reads field f's words kUnroll at a time, every load in flight before any store, and hands each
+// to store(e, r, w, v, flip): word e of the batch, word w of row r, its value, and whether the
+// row's index carries kGatherFlipBit.
+template <class Word, int N, class Store>
+__device__ __forceinline__ void for_each_word(const Args<N>& a, const GatherField& f, Store&& store) {
   const std::size_t words = f.row_bytes / sizeof(Word), total = static_cast<std::size_t>(a.rows) * words;
   const Word* __restrict__ src = static_cast<const Word*>(f.src);
-  Word* __restrict__ dst = static_cast<Word*>(f.dst);
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < total; base += stride * kUnroll) {
-    Word v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::size_t e = base + u * stride;
-      if (e < total) {
-        const std::size_t r = e / words, w = e - r * words;
-        v[u] = src[static_cast<std::size_t>(row_word(a, r) & ~kGatherFlipBit) * words + w];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::size_t e = base + u * stride;
-      if (e < total) dst[e] = v[u];
-    }
-  }
-}
-
-template <class Word, int N>
-__device__ void gather_transformed(const Args<N>& a, const GatherField& f) {
-  constexpr int kBytes = sizeof(Word);
-  const std::size_t words = f.row_bytes / kBytes, total = static_cast<std::size_t>(a.rows) * words;
-  const Word* __restrict__ src = static_cast<const Word*>(f.src);
-  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  const int H = static_cast<int>(f.height), W = static_cast<int>(f.width), C = static_cast<int>(f.channels);
   for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < total; base += stride * kUnroll) {
     Word v[kUnroll];
     bool flip[kUnroll];
@@ -90,25 +67,42 @@ __device__ void gather_transformed(const Args<N>& a, const GatherField& f) {
       if (e < total) {
         const std::size_t r = e / words, w = e - r * words;
         const std::int64_t word = row_word(a, r);
-        flip[u] = f.flip && (word & kGatherFlipBit);
+        flip[u] = (word & kGatherFlipBit) != 0;
         v[u] = src[static_cast<std::size_t>(word & ~kGatherFlipBit) * words + w];
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const std::size_t e = base + u * stride;
-      if (e >= total) continue;
-      const std::size_t r = e / words, w = e - r * words;
-      char* out = static_cast<char*>(f.dst) + r * f.out_row_bytes;
-      const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v[u]);
-      RowCursor at(static_cast<int>(w * kBytes), H, W, C);
-#pragma unroll
-      for (int k = 0; k < kBytes; ++k) {
-        pass_store(out, at.out(flip[u], f.chw), f.out_kind, static_cast<float>(bytes[k]), f.a[at.c], f.b[at.c]);
-        at.next();
+      if (e < total) {
+        const std::size_t r = e / words;
+        store(e, r, e - r * words, v[u], flip[u]);
       }
     }
   }
+}
+
+template <class Word, int N>
+__device__ void gather_field(const Args<N>& a, const GatherField& f) {
+  Word* __restrict__ dst = static_cast<Word*>(f.dst);
+  for_each_word<Word>(a, f, [&](std::size_t e, std::size_t, std::size_t, const Word& v, bool) { dst[e] = v; });
+}
+
+template <class Word, int N>
+__device__ void gather_transformed(const Args<N>& a, const GatherField& f) {
+  constexpr int kBytes = sizeof(Word);
+  const int H = static_cast<int>(f.height), W = static_cast<int>(f.width), C = static_cast<int>(f.channels);
+  for_each_word<Word>(a, f, [&](std::size_t, std::size_t r, std::size_t w, const Word& v, bool flipped) {
+    char* out = static_cast<char*>(f.dst) + r * f.out_row_bytes;
+    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v);
+    const bool flip = f.flip && flipped;
+    RowCursor at(static_cast<int>(w * kBytes), H, W, C);
+#pragma unroll
+    for (int k = 0; k < kBytes; ++k) {
+      pass_store(out, at.out(flip, f.chw), f.out_kind, static_cast<float>(bytes[k]), f.a[at.c], f.b[at.c]);
+      at.next();
+    }
+  });
 }
 
 template <int N>

@@ -135,11 +135,7 @@ TEST_CASE("device gather: flips, to_float and normalize in the kernel, equal to 
   // Gray 28x28 (784 B rows: 16-byte words) and RGB 5x7 (105 B rows: bytes), every output type,
   // CHW and HWC; the flips drawn per (seed, epoch, index) as the CPU transform draws them.
   const std::int64_t n = 1000;
-  auto images = [&](std::int64_t h, std::int64_t w, std::int64_t c) {
-    Tensor t = Tensor::empty(DType::UInt8, c ? Shape{n, h, w, c} : Shape{n, h, w});
-    for (std::size_t i = 0; i < t.nbytes(); ++i) static_cast<std::uint8_t*>(t.raw())[i] = static_cast<std::uint8_t>(i * 37 + i / 97);
-    return t;
-  };
+  auto images = [&](std::int64_t h, std::int64_t w, std::int64_t c) { return test::pattern_images(n, h, w, c); };
   Tensor labels = Tensor::empty(DType::Int64, {n});
   for (std::int64_t i = 0; i < n; ++i) labels.data<std::int64_t>()[i] = i % 10;
   struct Case {

@@ -292,11 +292,7 @@ TEST_CASE("device gather: the row transform's flips and values equal the CPU tra
   // The kernel's arithmetic and the flips the index carries, checked without a GPU: every output
   // type and layout, gray and RGB, against IdxDataset's CPU path (ImageTransform) bit for bit.
   const std::int64_t n = 64;
-  auto images = [&](std::int64_t h, std::int64_t w, std::int64_t c) {
-    Tensor img = Tensor::empty(DType::UInt8, c ? Shape{n, h, w, c} : Shape{n, h, w});
-    for (std::size_t i = 0; i < img.nbytes(); ++i) static_cast<std::uint8_t*>(img.raw())[i] = static_cast<std::uint8_t>(i * 37 + i / 97);
-    return img;
-  };
+  auto images = [&](std::int64_t h, std::int64_t w, std::int64_t c) { return test::pattern_images(n, h, w, c); };
   Tensor labels = Tensor::zeros(DType::Int64, {n});
   const std::vector<std::pair<Tensor, ImageTransform>> cases{
       {images(28, 28, 0), ImageTransform().horizontal_flip().to_float().normalize({0.286f}, {0.353f})},
