@@ -107,9 +107,10 @@ class DataLoader:
             exception at its position; the loop may catch it and go on), "skip" (the batch comes
             one row short) or "replace" (another sample takes its row).
         max_errors, max_error_fraction: skip/replace limits per epoch.
-        gather: with device, how batches of rows are made: "auto" (the host path for a
-            memory-mapped .npy), "host" (workers copy rows into pinned blocks), "device" (the GPU
-            gathers them from the registered mapping).
+        gather: with device, how batches of rows (idx, npy) are made: "auto" (the GPU gathers
+            them where it can; the host path for a memory-mapped .npy), "host" (workers copy rows
+            into pinned blocks), "device" (the GPU gathers them from registered memory, idx's flip
+            and normalize included, or an error saying why it cannot).
         pinned_memory_limit: bytes of page-locked memory the loader may hold (default 2 GiB).
             Batches are recycled from this pool: holding many batches alive (e.g. list(loader))
             with pin_memory or device makes the loader wait for one to be freed.
