@@ -20,7 +20,11 @@
 // epoch's first batch; the step's slowdown = its GPU time (events) in the loop over its GPU time
 // alone: what sharing the GPU with the decode costs the step.
 //
+// With --trace-dir DIR, each training loop writes its loader's Chrome trace there
+// (loop-<gpu|cpu>-<kernels>-<priority>.json), and each loop says the decode's GPU time a batch.
+//
 // Usage: bench_gpu_decode --photos DIR [--tar DIR] [--loop-only] [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
+//                         [--trace-dir DIR]
 
 #include <algorithm>
 #include <cstring>
@@ -146,10 +150,11 @@ Row loader_row(Dataset dataset, int workers, int runs) {
 // A step is `kernels` launches of the same arithmetic (one long kernel holds every SM until it
 // ends; a real step is many short kernels, between which the loader's kernels can be scheduled).
 void training_loop(const std::string& photos, ImageFolderOptions::Decode decode, int workers, double step_ms, int steps, int kernels,
-                   bool high_priority) {
+                   bool high_priority, const std::string& trace_dir) {
   DataLoaderOptions o = options(workers);
   o.persistent_workers = true;
   o.high_priority_copies = high_priority;
+  if (!trace_dir.empty()) o.trace = std::make_shared<TraceRecorder>(1 << 20);
   DataLoader loader(images(photos, decode), o);
   cuda::DeviceGuard guard(0);
   const bench::WorkStep work = bench::WorkStep::calibrate(*loader.stream(), step_ms, kernels);
@@ -187,6 +192,15 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
               100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall), 100.0 * epoch_start_wait / wall, epochs_started,
               100.0 * (loop_gpu / steps / alone_gpu - 1.0));
   std::fflush(stdout);
+  const LoaderStats st = loader.stats();
+  if (st.batches > 0 && st.decode_seconds > 0)
+    std::fprintf(stderr, "  (the copy stream's decode, GPU time: %.2f ms a batch)\n", 1e3 * st.decode_seconds / static_cast<double>(st.batches));
+  if (o.trace) {
+    const std::string path = trace_dir + "/loop-" + (decode == ImageFolderOptions::Decode::Gpu ? "gpu" : "cpu") + "-" +
+                             std::to_string(kernels) + (high_priority ? "-high" : "-default") + ".json";
+    std::ofstream f(path);
+    o.trace->write_chrome_json(f);
+  }
 }
 #endif
 
@@ -260,7 +274,7 @@ Row nvjpeg_ceiling(const std::string& photos, int runs) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string photos, tar;
+  std::string photos, tar, trace_dir;
   bool loop_only = false;
   int runs = 3, steps = 100;
   double step_ms = 20;
@@ -269,6 +283,7 @@ int main(int argc, char** argv) {
     if (a == "--photos" && i + 1 < argc) photos = argv[++i];
     else if (a == "--tar" && i + 1 < argc) tar = argv[++i];
     else if (a == "--loop-only") loop_only = true;
+    else if (a == "--trace-dir" && i + 1 < argc) trace_dir = argv[++i];
     else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
     else if (a == "--step-ms" && i + 1 < argc) step_ms = std::atof(argv[++i]);
     else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
@@ -311,8 +326,8 @@ int main(int argc, char** argv) {
     std::printf("| loader | kernels a step | copy stream priority | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | "
                 "of it, for an epoch's first batch | step's GPU time vs. alone |\n|---|---:|---|---:|---:|---:|---:|---:|---:|\n");
     for (int kernels : {1, 40})
-      for (bool high : {false, true}) training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, kernels, high);
-    if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 40, true);
+      for (bool high : {false, true}) training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, kernels, high, trace_dir);
+    if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 40, true, trace_dir);
   }
 #endif
   (void)step_ms;

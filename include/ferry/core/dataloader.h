@@ -470,10 +470,13 @@ class DataLoader {
       // The pin thread issues each batch's index copy and gathers, so the consumer's thread only
       // takes finished batches (issuing there left the GPU idle between synchronized steps).
       issue_on_pin_thread = true;
-      pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p, std::int64_t) {
+      pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p, std::int64_t batch) {
         // The batch types gather_unavailable admits (it refuses any other before this is made).
-        if constexpr (std::is_same_v<Batch, Tensor> || std::is_same_v<Batch, std::vector<Tensor>> || FieldsBatch<Batch>)
+        if constexpr (std::is_same_v<Batch, Tensor> || std::is_same_v<Batch, std::vector<Tensor>> || FieldsBatch<Batch>) {
+          const std::int64_t t0 = opt.trace ? now_ns() : 0;
           p = detail::Payload::make(gather_batch(p.template get<detail::GatherIndex>().index));
+          if (opt.trace && opt.trace->wants(batch)) opt.trace->span(TraceRecorder::kPinTrack, "issue the gather", batch, t0, now_ns());
+        }
       }, opt.pin_depth + opt.device_prefetch, opt.timeout, opt.trace.get(), placement);
     }
 
@@ -893,9 +896,12 @@ class DataLoader {
           if (device_stage && issue_on_pin_thread) {
             // GPU decode: nvJPEG's hardware backend blocks the thread that calls it for much of a
             // batch's decode, so the copies and decode are issued here, never on the consumer's.
+            const std::int64_t t1 = opt.trace ? now_ns() : 0;
             PinContext dctx(*device_stage);
             walk(p.template get<Batch>(), dctx);
             p = detail::Payload::make(DeviceBatch{std::move(p.template get<Batch>()), dctx.device_copy()});
+            if (opt.trace && opt.trace->wants(batch))
+              opt.trace->span(TraceRecorder::kPinTrack, "issue the copies and GPU decode", batch, t1, now_ns());
           }
         }, opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get(), placement);
       }
