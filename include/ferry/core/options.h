@@ -120,7 +120,9 @@ struct DataLoaderOptions {
   /// With `device`: run the device stage's stream (copies, GPU decode, the device gather) at the
   /// device's highest stream priority, so that when it shares the GPU with a training step its
   /// kernels are scheduled ahead of the step's waiting blocks rather than after the step's kernels
-  /// end. Off by default until measured (bench_gpu_decode --loop-only compares both).
+  /// end. Off by default: measured with GPU decode beside a step that fills the GPU (one kernel or
+  /// 40 short ones), it changed nothing (bench/RESULTS.md "Images: decode memory in the stream's
+  /// order"; bench_gpu_decode --loop-only compares both).
   bool high_priority_copies = false;
   /// Called on the consumer thread about every `wait_poll_period` while it waits for a batch;
   /// returning true (or throwing) ends that wait with ferry::Interrupted (or the exception), and
