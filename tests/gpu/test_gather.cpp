@@ -14,6 +14,7 @@
 #include "ferry/ferry.h"
 #include "kernels.h"
 #include "loaders/files.h"
+#include "loaders/pattern_images.h"
 #include "pipeline_depth.h"
 
 using namespace ferry;

@@ -15,8 +15,6 @@
 #include <string>
 #include <vector>
 
-#include "ferry/core/tensor.h"
-
 namespace ferry::test {
 
 using Bytes = std::vector<std::byte>;
@@ -211,14 +209,6 @@ inline std::vector<std::uint8_t> gradient(int w, int h, int channels, int offset
       for (int c = 0; c < channels; ++c)
         p[static_cast<std::size_t>((y * w + x) * channels + c)] = static_cast<std::uint8_t>((offset + x * 2 + y * 3 + c * 40) % 200);
   return p;
-}
-
-/// n uint8 images of h x w (x c when c > 0: HWC), a pattern that differs between rows, columns
-/// and images (the device gather's transform tests).
-inline Tensor pattern_images(std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c) {
-  Tensor t = Tensor::empty(DType::UInt8, c ? Shape{n, h, w, c} : Shape{n, h, w});
-  for (std::size_t i = 0; i < t.nbytes(); ++i) static_cast<std::uint8_t*>(t.raw())[i] = static_cast<std::uint8_t>(i * 37 + i / 97);
-  return t;
 }
 
 }  // namespace ferry::test

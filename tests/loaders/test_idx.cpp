@@ -10,6 +10,7 @@
 #include "ferry/detail/pass_math.h"
 #include "ferry/ferry.h"
 #include "files.h"
+#include "pattern_images.h"
 
 using namespace ferry;
 using namespace ferry::test;
