@@ -598,10 +598,7 @@ void encoded_row_into(const loaders::ImageRows& rows, std::span<const std::byte>
   axis(r + 11, plan->x);
   r[18] = plan->channels;
   r[19] = plan->round;
-  r[20] = !plan->to_float                         ? detail::kPassUInt8
-          : plan->out_dtype == DType::Float16  ? detail::kPassFloat16
-          : plan->out_dtype == DType::BFloat16 ? detail::kPassBFloat16
-                                               : detail::kPassFloat32;
+  r[20] = detail::pass_output_of(plan->out_dtype);  // UInt8 unless to_float
   r[30] = plan->channels_last;
   for (int c = 0; c < 4; ++c) {
     r[21 + c] = bits(plan->a[c]);

@@ -16,25 +16,6 @@
 
 namespace ferry {
 
-namespace {
-// The kernel's output kind for a row transform, or an Error saying why the rows do not take it.
-int gather_output_kind(const RowTransform& t, DType dtype, std::size_t row_bytes) {
-  HostRows r;
-  r.row_bytes = row_bytes;
-  r.dtype = dtype;
-  r.name = "DeviceStage::gather_rows";
-  r.transform = t;
-  const std::string why = detail::row_transform_problem(r);
-  if (!why.empty()) throw Error(why);
-  switch (t.dtype) {
-    case DType::Float32: return detail::kPassFloat32;
-    case DType::Float16: return detail::kPassFloat16;
-    case DType::BFloat16: return detail::kPassBFloat16;
-    default: return detail::kPassUInt8;
-  }
-}
-}  // namespace
-
 struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   struct Buffer {
     std::byte* ptr = nullptr;
@@ -131,7 +112,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     Shape shape{rows};
     std::size_t out_row_bytes = row_bytes;
     if (t) {
-      field.out_kind = gather_output_kind(*t, dtype, row_bytes);
+      if (std::string why = detail::row_transform_problem(*t, dtype, row_bytes, "DeviceStage::gather_rows"); !why.empty())
+        throw Error(why);
+      field.out_kind = detail::pass_output_of(t->dtype);
       field.chw = t->dtype != DType::UInt8 && !t->channels_last;
       field.flip = t->flip_p > 0;
       field.height = t->height;

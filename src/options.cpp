@@ -4,6 +4,7 @@
 #include "ferry/core/options.h"
 #include "ferry/core/random.h"
 #include "ferry/core/rows.h"
+#include "ferry/detail/pass_math.h"
 
 namespace ferry {
 
@@ -71,24 +72,35 @@ Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAl
 }
 
 std::string row_transform_problem(const HostRows& r) {
-  if (!r.transform) return "";
-  const RowTransform& t = *r.transform;
-  const std::string where = r.name + "'s row transform: ";
-  if (r.dtype != DType::UInt8) return where + "its rows are " + std::string(dtype_name(r.dtype)) + ", not uint8 images";
+  return r.transform ? row_transform_problem(*r.transform, r.dtype, r.row_bytes, r.name) : std::string();
+}
+
+std::string row_transform_problem(const RowTransform& t, DType dtype, std::size_t row_bytes, const std::string& name) {
+  auto problem = [&](const std::string& what) { return name + "'s row transform: " + what; };
+  if (dtype != DType::UInt8) return problem("its rows are " + std::string(dtype_name(dtype)) + ", not uint8 images");
   if (t.channels < 1 || t.channels > RowTransform::kMaxChannels || t.height < 1 || t.width < 1)
-    return where + "an image of " + std::to_string(t.height) + "x" + std::to_string(t.width) + "x" + std::to_string(t.channels) +
-           " (1 to " + std::to_string(RowTransform::kMaxChannels) + " channels)";
+    return problem("an image of " + std::to_string(t.height) + "x" + std::to_string(t.width) + "x" + std::to_string(t.channels) +
+                   " (1 to " + std::to_string(RowTransform::kMaxChannels) + " channels)");
   const std::int64_t elements = t.height * t.width * t.channels;
-  if (static_cast<std::size_t>(elements) != r.row_bytes)
-    return where + "an image of " + std::to_string(elements) + " bytes in rows of " + std::to_string(r.row_bytes);
-  if (elements >= (std::int64_t{1} << 31)) return where + "an image of 2^31 bytes or more";
+  if (static_cast<std::size_t>(elements) != row_bytes)
+    return problem("an image of " + std::to_string(elements) + " bytes in rows of " + std::to_string(row_bytes));
+  if (elements >= (std::int64_t{1} << 31)) return problem("an image of 2^31 bytes or more");
   if (t.dtype != DType::UInt8 && t.dtype != DType::Float32 && t.dtype != DType::Float16 && t.dtype != DType::BFloat16)
-    return where + "it writes " + std::string(dtype_name(t.dtype)) + " (uint8, float32, float16 or bfloat16)";
+    return problem("it writes " + std::string(dtype_name(t.dtype)) + " (uint8, float32, float16 or bfloat16)");
   std::int64_t shaped = 1;
   for (std::int64_t d : t.shape) shaped *= d;
-  if (shaped != elements) return where + "its shape does not hold the image's " + std::to_string(elements) + " values";
-  if (!(t.flip_p >= 0 && t.flip_p <= 1)) return where + "a flip probability outside [0, 1]";
+  if (shaped != elements) return problem("its shape does not hold the image's " + std::to_string(elements) + " values");
+  if (!(t.flip_p >= 0 && t.flip_p <= 1)) return problem("a flip probability outside [0, 1]");
   return "";
+}
+
+int pass_output_of(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::Float32: return kPassFloat32;
+    case DType::Float16: return kPassFloat16;
+    case DType::BFloat16: return kPassBFloat16;
+    default: return kPassUInt8;
+  }
 }
 
 }  // namespace ferry::detail

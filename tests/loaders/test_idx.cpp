@@ -271,10 +271,7 @@ Tensor gather_on_host(const HostRows& rows, const Tensor& index) {
   Shape shape{index.size(0)};
   shape.insert(shape.end(), t.shape.begin(), t.shape.end());
   Tensor out = Tensor::empty(t.dtype, shape);
-  const int kind = t.dtype == DType::Float32 ? detail::kPassFloat32
-                   : t.dtype == DType::Float16 ? detail::kPassFloat16
-                   : t.dtype == DType::BFloat16 ? detail::kPassBFloat16
-                                                 : detail::kPassUInt8;
+  const int kind = detail::pass_output_of(t.dtype);
   const bool chw = t.dtype != DType::UInt8 && !t.channels_last;
   for (std::int64_t k = 0; k < index.size(0); ++k) {
     const std::int64_t word = index.data<std::int64_t>()[k];

@@ -138,8 +138,8 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
   } else {
     if (!default_collate) return "a collate_fn runs on the host";
     if (o.allocator) return "DataLoaderOptions::allocator is set (batches in your memory)";
-    constexpr bool kTensor = std::is_same_v<Batch, Tensor>, kTensors = std::is_same_v<Batch, std::vector<Tensor>>;
-    if constexpr (!kTensor && !kTensors && !FieldsBatch<Batch>) {
+    constexpr bool kTensor = std::is_same_v<Batch, Tensor>;
+    if constexpr (!GatheredBatch<Batch>) {
       return "the dataset's batch type is neither a Tensor, a std::vector<Tensor> nor a FieldsBatch";
     } else {
       std::string why;
@@ -471,8 +471,7 @@ class DataLoader {
       // takes finished batches (issuing there left the GPU idle between synchronized steps).
       issue_on_pin_thread = true;
       pin_stage = std::make_unique<detail::PinStage>(engine, [this](detail::Payload& p, std::int64_t batch) {
-        // The batch types gather_unavailable admits (it refuses any other before this is made).
-        if constexpr (std::is_same_v<Batch, Tensor> || std::is_same_v<Batch, std::vector<Tensor>> || FieldsBatch<Batch>) {
+        if constexpr (GatheredBatch<Batch>) {  // gather_unavailable refused any other before this is made
           const std::int64_t t0 = opt.trace ? now_ns() : 0;
           p = detail::Payload::make(gather_batch(p.template get<detail::GatherIndex>().index));
           if (opt.trace && opt.trace->wants(batch)) opt.trace->span(TraceRecorder::kPinTrack, "issue the gather", batch, t0, now_ns());

@@ -74,6 +74,11 @@ concept FieldsBatch = requires(std::vector<Tensor>&& fields) {
   { B::kGatheredFields } -> std::convertible_to<std::size_t>;
 };
 
+/// The batch types the device gather makes: a Tensor (one field), a std::vector<Tensor>, or a
+/// FieldsBatch.
+template <class B>
+concept GatheredBatch = std::same_as<B, Tensor> || std::same_as<B, std::vector<Tensor>> || FieldsBatch<B>;
+
 namespace detail {
 /// Set in a row's index word when its sample draws a flip (RowTransform::flip_p).
 inline constexpr std::int64_t kRowFlipBit = std::int64_t{1} << 62;
@@ -88,6 +93,12 @@ struct RowFlips {
 Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator, const RowFlips& flips = {});
 /// Why `rows`' transform cannot run in the gather kernel ("" when it can, or has none).
 std::string row_transform_problem(const HostRows& rows);
+/// The same for transform `t` over rows of `row_bytes` bytes of `dtype`, named `name` in the answer
+/// (which is built only when there is a problem: DeviceStage checks every batch).
+std::string row_transform_problem(const RowTransform& t, DType dtype, std::size_t row_bytes, const std::string& name);
+/// The kernels' output kind (ferry/detail/pass_math.h's PassOutput) of a uint8, float32, float16 or
+/// bfloat16 output: what the gather kernel and the GPU decode's encoded index carry.
+int pass_output_of(DType dtype) noexcept;
 }  // namespace detail
 
 }  // namespace ferry
