@@ -3,11 +3,12 @@
 // Workload: an image folder of JPEG photographs (scripts/gpu.sh bench makes 10,260 from the 171
 // tiles of scripts/bench-loaders.sh), RandomResizedCrop 224 + flip + to_float + normalize, batch
 // 256, batches delivered on cuda:0, in order. Rows, one run:
-//   ferry, CPU decode (TurboJPEG in the workers), all cores;
-//   ferry, GPU decode (workers read bytes and draw crops; nvJPEG + one fused kernel on the device
-//   stage), 1, 2 and 4 workers;
 //   the ceiling: nvJPEG's batched decode alone (the same files in memory, batch 256, the backend
-//   the decoder picks: hardware where the GPU has JPEG engines), one CPU thread.
+//   the decoder picks: hardware where the GPU has JPEG engines), one CPU thread; and with two
+//   threads, each its own decoder (as ferry's two decode threads);
+//   ferry, GPU decode (workers read bytes and draw crops; nvJPEG + one fused kernel issued by the
+//   device stage's decode threads), 2 workers with 1 decode thread, and 1, 2 and 4 workers with 2;
+//   ferry, CPU decode (TurboJPEG in the workers), all cores.
 // Each row: images/s (median of --runs epochs after a warm-up epoch) and the CPU cores the
 // process kept busy (CPU time / wall time), and images/s per busy core.
 //
@@ -15,18 +16,20 @@
 // each, made once) and the row of TarImages (indexed shards) with GPU decode.
 //
 // Then a training loop (persistent workers): each step is a fixed amount of arithmetic on every
-// SM, calibrated to about --step-ms alone, on the batch's stream, then a synchronize. GPU waiting
+// SM (4 or 2 blocks of 256 threads a SM, one kernel or 40), calibrated to about --step-ms alone,
+// on the batch's stream, then a synchronize. GPU waiting
 // for data = 1 - steps x (the step alone, wall) / wall, and the part of it spent waiting for an
 // epoch's first batch; the step's slowdown = its GPU time (events) in the loop over its GPU time
 // alone: what sharing the GPU with the decode costs the step.
 //
 // With --trace-dir DIR, each training loop writes its loader's Chrome trace there
-// (loop-<gpu|cpu>-<kernels>-<priority>.json), and each loop says the decode's GPU time a batch.
+// (loop-<gpu|cpu>-<kernels>-b<blocks>-t<decode threads>.json), and each loop says the decode's GPU time a batch.
 //
 // Usage: bench_gpu_decode --photos DIR [--tar DIR] [--loop-only] [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
 //                         [--trace-dir DIR]
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <chrono>
 #include <cstdio>
@@ -118,8 +121,9 @@ TarImages tar_images(const std::vector<std::string>& shards) {
   return TarImages(shards, o);
 }
 
-DataLoaderOptions options(int workers) {
+DataLoaderOptions options(int workers, int decode_threads = 2) {
   DataLoaderOptions o;
+  o.gpu_decode_threads = decode_threads;
   o.batch_size = 256;
   o.shuffle = true;
   o.num_workers = workers;
@@ -129,8 +133,8 @@ DataLoaderOptions options(int workers) {
 }
 
 template <class Dataset>
-Row loader_row(Dataset dataset, int workers, int runs) {
-  DataLoader loader(std::move(dataset), options(workers));
+Row loader_row(Dataset dataset, int workers, int runs, int decode_threads = 2) {
+  DataLoader loader(std::move(dataset), options(workers, decode_threads));
   std::vector<Row> rows;
   for (int r = 0; r < runs + 1; ++r) {
     std::size_t n = 0;
@@ -150,14 +154,13 @@ Row loader_row(Dataset dataset, int workers, int runs) {
 // A step is `kernels` launches of the same arithmetic (one long kernel holds every SM until it
 // ends; a real step is many short kernels, between which the loader's kernels can be scheduled).
 void training_loop(const std::string& photos, ImageFolderOptions::Decode decode, int workers, double step_ms, int steps, int kernels,
-                   bool high_priority, const std::string& trace_dir) {
-  DataLoaderOptions o = options(workers);
+                   int blocks_per_sm, int decode_threads, const std::string& trace_dir) {
+  DataLoaderOptions o = options(workers, decode_threads);
   o.persistent_workers = true;
-  o.high_priority_copies = high_priority;
   if (!trace_dir.empty()) o.trace = std::make_shared<TraceRecorder>(1 << 20);
   DataLoader loader(images(photos, decode), o);
   cuda::DeviceGuard guard(0);
-  const bench::WorkStep work = bench::WorkStep::calibrate(*loader.stream(), step_ms, kernels);
+  const bench::WorkStep work = bench::WorkStep::calibrate(*loader.stream(), step_ms, kernels, blocks_per_sm);
   const double alone_wall = work.alone_wall_ms, alone_gpu = work.alone_gpu_ms;
   cuda::Event e0 = cuda::Event::create(0, true), e1 = cuda::Event::create(0, true);
   // The loop: 10 unmeasured steps, then `steps`, across epochs; the wait for each batch is timed
@@ -187,17 +190,19 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
     }
   }
   const double wall = std::chrono::duration<double, std::milli>(last - t0).count();
-  std::printf("| ferry, %s decode, %d workers | %d | %s | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% |\n",
-              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, kernels, high_priority ? "high" : "default", alone_wall, alone_gpu, steps,
+  const std::string threads = decode == ImageFolderOptions::Decode::Gpu ? std::to_string(decode_threads) : "-";
+  std::printf("| ferry, %s decode, %d workers | %s | %d | %d | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% |\n",
+              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, threads.c_str(), kernels, blocks_per_sm, alone_wall, alone_gpu, steps,
               100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall), 100.0 * epoch_start_wait / wall, epochs_started,
               100.0 * (loop_gpu / steps / alone_gpu - 1.0));
   std::fflush(stdout);
   const LoaderStats st = loader.stats();
   if (st.batches > 0 && st.decode_seconds > 0)
-    std::fprintf(stderr, "  (the copy stream's decode, GPU time: %.2f ms a batch)\n", 1e3 * st.decode_seconds / static_cast<double>(st.batches));
+    std::fprintf(stderr, "  (a batch's decode, GPU time from its copies to its fused kernel's end: %.2f ms)\n",
+                 1e3 * st.decode_seconds / static_cast<double>(st.batches));
   if (o.trace) {
     const std::string path = trace_dir + "/loop-" + (decode == ImageFolderOptions::Decode::Gpu ? "gpu" : "cpu") + "-" +
-                             std::to_string(kernels) + (high_priority ? "-high" : "-default") + ".json";
+                             std::to_string(kernels) + "-b" + std::to_string(blocks_per_sm) + "-t" + threads + ".json";
     std::ofstream f(path);
     o.trace->write_chrome_json(f);
   }
@@ -205,68 +210,92 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
 #endif
 
 #ifdef FERRY_BENCH_NVJPEG
-Row nvjpeg_ceiling(const std::string& photos, int runs) {
+// nvJPEG's batched decode alone: the same files in memory, batches of 256, the hardware backend
+// where there is one; `threads` threads, each with its own handle, state and stream, take the
+// batches in turn (nvjpegDecodeBatched holds its thread for the whole decode).
+Row nvjpeg_ceiling(const std::string& photos, int runs, int threads) {
   std::vector<std::vector<unsigned char>> files;
   for (auto& e : std::filesystem::recursive_directory_iterator(photos)) {
     if (!e.is_regular_file()) continue;
     std::ifstream f(e.path(), std::ios::binary);
     files.emplace_back((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   }
-  nvjpegHandle_t h = nullptr;
+  const int B = 256;
+  struct Decoder {
+    nvjpegHandle_t h = nullptr;
+    nvjpegJpegState_t st = nullptr;
+    cudaStream_t s = nullptr;
+    std::vector<unsigned char*> outs;
+  };
+  std::vector<Decoder> decoders(static_cast<std::size_t>(threads));
   const char* backend = "hardware";
-  if (nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &h) != NVJPEG_STATUS_SUCCESS) {
-    backend = "GPU hybrid";
-    if (nvjpegCreateEx(NVJPEG_BACKEND_GPU_HYBRID, nullptr, nullptr, 0, &h) != NVJPEG_STATUS_SUCCESS) return {};
+  for (Decoder& d : decoders) {
+    if (nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &d.h) != NVJPEG_STATUS_SUCCESS) {
+      backend = "GPU hybrid";
+      if (nvjpegCreateEx(NVJPEG_BACKEND_GPU_HYBRID, nullptr, nullptr, 0, &d.h) != NVJPEG_STATUS_SUCCESS) return {};
+    }
+    nvjpegJpegStateCreate(d.h, &d.st);
+    cudaStreamCreateWithFlags(&d.s, cudaStreamNonBlocking);
   }
   std::fprintf(stderr, "  (nvJPEG ceiling backend: %s)\n", backend);
-  nvjpegJpegState_t st = nullptr;
-  nvjpegJpegStateCreate(h, &st);
-  const int B = 256;
-  cudaStream_t s;
-  cudaStreamCreate(&s);
-  std::vector<unsigned char*> outs(B);
   std::size_t max_image = 0;  // the largest decoded image: every output buffer holds it
   for (const auto& f : files) {
     int nc = 0, w[NVJPEG_MAX_COMPONENT], hh[NVJPEG_MAX_COMPONENT];
     nvjpegChromaSubsampling_t sub;
-    if (nvjpegGetImageInfo(h, f.data(), f.size(), &nc, &sub, w, hh) == NVJPEG_STATUS_SUCCESS)
+    if (nvjpegGetImageInfo(decoders[0].h, f.data(), f.size(), &nc, &sub, w, hh) == NVJPEG_STATUS_SUCCESS)
       max_image = std::max(max_image, static_cast<std::size_t>(w[0]) * static_cast<std::size_t>(hh[0]) * 3);
   }
-  for (auto& p : outs) cudaMalloc(&p, max_image);
-  std::vector<Row> rows;
-  for (int r = 0; r < runs + 1; ++r) {
-    const double c0 = cpu_seconds();
-    const auto t0 = Clock::now();
-    std::size_t n = 0;
-    for (std::size_t i = 0; i + B <= files.size(); i += B) {
-      std::vector<const unsigned char*> data(B);
-      std::vector<std::size_t> len(B);
-      std::vector<nvjpegImage_t> img(B);
+  for (Decoder& d : decoders) {
+    d.outs.resize(B);
+    for (auto& p : d.outs) cudaMalloc(&p, max_image);
+  }
+  std::atomic<bool> failed{false};
+  auto decode_batches = [&](Decoder& d, std::size_t first) {  // batches first, first + threads, ...
+    std::vector<const unsigned char*> data(B);
+    std::vector<std::size_t> len(B);
+    std::vector<nvjpegImage_t> img(B);
+    for (std::size_t i = first * B; i + B <= files.size(); i += static_cast<std::size_t>(threads) * B) {
       for (int k = 0; k < B; ++k) {
         data[k] = files[i + k].data();
         len[k] = files[i + k].size();
         int nc = 0, w[NVJPEG_MAX_COMPONENT], hh[NVJPEG_MAX_COMPONENT];
         nvjpegChromaSubsampling_t sub;
-        nvjpegGetImageInfo(h, data[k], len[k], &nc, &sub, w, hh);
+        nvjpegGetImageInfo(d.h, data[k], len[k], &nc, &sub, w, hh);
         img[k] = {};
-        img[k].channel[0] = outs[k];
+        img[k].channel[0] = d.outs[k];
         img[k].pitch[0] = static_cast<unsigned>(w[0] * 3);
       }
-      if (nvjpegDecodeBatchedInitialize(h, st, B, 1, NVJPEG_OUTPUT_RGBI) != NVJPEG_STATUS_SUCCESS ||
-          nvjpegDecodeBatched(h, st, data.data(), len.data(), img.data(), s) != NVJPEG_STATUS_SUCCESS) {
-        std::fprintf(stderr, "nvjpegDecodeBatched failed\n");
-        return {};
-      }
-      n += B;
+      if (nvjpegDecodeBatchedInitialize(d.h, d.st, B, 1, NVJPEG_OUTPUT_RGBI) != NVJPEG_STATUS_SUCCESS ||
+          nvjpegDecodeBatched(d.h, d.st, data.data(), len.data(), img.data(), d.s) != NVJPEG_STATUS_SUCCESS)
+        failed = true;
     }
-    cudaStreamSynchronize(s);
+    cudaStreamSynchronize(d.s);
+  };
+  std::vector<Row> rows;
+  const std::size_t n = files.size() / B * B;
+  for (int r = 0; r < runs + 1; ++r) {
+    const double c0 = cpu_seconds();
+    const auto t0 = Clock::now();
+    std::vector<std::thread> ts;
+    for (int t = 0; t < threads; ++t)
+      ts.emplace_back([&, t] {
+        cudaSetDevice(0);
+        decode_batches(decoders[static_cast<std::size_t>(t)], static_cast<std::size_t>(t));
+      });
+    for (auto& t : ts) t.join();
     const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
     if (r > 0) rows.push_back({static_cast<double>(n) / wall, (cpu_seconds() - c0) / wall});
   }
-  for (auto& p : outs) cudaFree(p);
-  nvjpegJpegStateDestroy(st);
-  nvjpegDestroy(h);
-  cudaStreamDestroy(s);
+  for (Decoder& d : decoders) {
+    for (auto& p : d.outs) cudaFree(p);
+    nvjpegJpegStateDestroy(d.st);
+    nvjpegDestroy(d.h);
+    cudaStreamDestroy(d.s);
+  }
+  if (failed) {
+    std::fprintf(stderr, "nvjpegDecodeBatched failed\n");
+    return {};
+  }
   return median_row(rows);
 }
 #endif
@@ -297,16 +326,20 @@ int main(int argc, char** argv) {
               photos.c_str(), cores);
   double ceiling = 0;
 #ifdef FERRY_BENCH_NVJPEG
-  const Row c = loop_only ? Row{} : nvjpeg_ceiling(photos, runs);
+  const Row c = loop_only ? Row{} : nvjpeg_ceiling(photos, runs, 1);
+  const Row c2 = loop_only ? Row{} : nvjpeg_ceiling(photos, runs, 2);
   ceiling = c.images_per_s;
 #endif
   if (!loop_only) {
     std::printf("| pipeline | images/s | busy cores | images/s per busy core | of the ceiling |\n|---|---:|---:|---:|---:|\n");
 #ifdef FERRY_BENCH_NVJPEG
     print("nvJPEG batched decode alone (the ceiling), 1 thread", c, ceiling);
+    print("nvJPEG batched decode alone, 2 threads", c2, ceiling);
 #endif
+    print("ferry, GPU decode, 2 workers, 1 decode thread", loader_row(images(photos, ImageFolderOptions::Decode::Gpu), 2, runs, 1),
+          ceiling);
     for (int w : {1, 2, 4}) {
-      const std::string name = "ferry, GPU decode, " + std::to_string(w) + " worker" + (w > 1 ? "s" : "");
+      const std::string name = "ferry, GPU decode, " + std::to_string(w) + " worker" + (w > 1 ? "s" : "") + ", 2 decode threads";
       print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Gpu), w, runs), ceiling);
     }
     if (!tar.empty()) {
@@ -323,11 +356,15 @@ int main(int argc, char** argv) {
 #ifdef FERRY_BENCH_TRAINING_LOOP
   if (steps > 0) std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
   if (steps > 0) {
-    std::printf("| loader | kernels a step | copy stream priority | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | "
-                "of it, for an epoch's first batch | step's GPU time vs. alone |\n|---|---:|---|---:|---:|---:|---:|---:|---:|\n");
-    for (int kernels : {1, 40})
-      for (bool high : {false, true}) training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, kernels, high, trace_dir);
-    if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 40, true, trace_dir);
+    std::printf("| loader | decode threads | kernels a step | step's blocks of 256 a SM | step alone (wall) | step alone (GPU) | steps | "
+                "GPU waiting for data | of it, for an epoch's first batch | step's GPU time vs. alone |\n"
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    // The step's footprint decides what nvJPEG gets of the GPU (Note [Decode threads]): 4 blocks
+    // of 256 a SM (half an SM's threads) and 2; one long kernel, and 40 short ones.
+    for (int blocks : {4, 2})
+      for (int threads : {1, 2}) training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, 1, blocks, threads, trace_dir);
+    training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, 40, 4, 2, trace_dir);
+    if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 40, 4, 2, trace_dir);
   }
 #endif
   (void)step_ms;

@@ -35,11 +35,15 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     if (opt.device < 0 || opt.device >= cuda::device_count())
       throw Error("DeviceStage: device " + std::to_string(opt.device) + " does not exist (" +
                   std::to_string(cuda::device_count()) + " devices)");
+    if (opt.decode_threads < 1)
+      throw Error("DeviceStage: decode_threads must be at least 1, got " + std::to_string(opt.decode_threads));
     copy = cuda::Stream::create(opt.device, opt.high_priority);
     consumer = opt.consumer_stream ? cuda::Stream::borrow(opt.consumer_stream, opt.device) : cuda::Stream::create(opt.device);
   }
   ~Impl() {
-    // Every device batch is gone (each holds a reference); wait for the streams, then free.
+    // Every device batch is gone (each holds a reference); the decode threads finish the decodes
+    // queued (into these buffers), then wait for the streams, then free.
+    decoder.reset();
     std::optional<cuda::DeviceGuard> g;
     try {
       g.emplace(opt.device);
@@ -78,7 +82,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     const std::int64_t* index_dev;
     std::size_t out_off;
   };
-  std::unique_ptr<detail::GpuJpegDecoder> decoder;
+  std::unique_ptr<detail::GpuJpegDecoder> decoder;  // its threads issue the decodes (Note [Decode threads])
   std::vector<PendingDecode> decodes;
   // Device gather (gather_rows): the batch's gathers, run after its copies, one launch for the
   // fields that share an index.
@@ -150,7 +154,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       throw Error("DeviceStage::decode_images: expected pinned uint8 bytes, a pinned int64 [B, " +
                   std::to_string(detail::kEncodedIndexWords) + "] index and its device copy; got " + bytes.str() + ", " +
                   index.str() + ", " + index_dev.str());
-    if (!decoder) decoder = detail::make_gpu_jpeg_decoder(opt.device);
+    if (!decoder) decoder = detail::make_gpu_jpeg_decoder(opt.device, opt.decode_threads, opt.high_priority);
     const std::size_t bytes_out = DeviceStage::decoded_bytes(index);
     if (used + align_up(bytes_out) > cur_size) throw Error("DeviceStage::decode_images: more than begin() reserved");
     const std::int64_t* row = index.data<std::int64_t>();
@@ -262,12 +266,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     cuda::DeviceGuard device_guard(opt.device);  // copies, events and kernels go to this device's streams
     std::lock_guard stats_lock(stats_mu);  // counters and timings: stats() reads them on another thread
     std::exception_ptr decode_error;
-    try {
-      // Each image's place in the decode scratch goes into the host index before it is copied.
-      for (PendingDecode& d : decodes) decoder->prepare(d.index.data<std::int64_t>(), static_cast<int>(d.index.size(0)));
-    } catch (...) {
-      decode_error = std::current_exception();
-    }
+    // Each image's place in the decode scratch goes into the host index before it is copied.
+    for (PendingDecode& d : decodes) detail::lay_out_decode_scratch(d.index.data<std::int64_t>(), static_cast<int>(d.index.size(0)));
     auto timing_event = [&] {
       if (spare_starts.empty()) return cuda::Event::create(opt.device, true);
       cuda::Event e = std::move(spare_starts.back());
@@ -313,22 +313,43 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       i = j;
     }
     gathers.clear();
-    for (PendingDecode& d : decodes) {
-      if (decode_error) break;
+    cuda::Event done = cuda::Event::create(opt.device, true);
+    std::shared_ptr<EventFence> fence;
+    if (!decodes.empty() && !decode_error) {
+      // A decode thread issues the batch's decodes and records `done` after them (Note [Decode
+      // threads]); their kernels wait on the device for what was queued on the copy stream so far.
+      detail::DecodeJob job;
       try {
-        decoder->run(static_cast<const std::byte*>(d.bytes.raw()), d.index.data<std::int64_t>(), d.index_dev,
-                     static_cast<int>(d.index.size(0)), cur->ptr + d.out_off, copy.native());
-        counters.images_decoded += static_cast<std::uint64_t>(d.index.size(0));
+        job.inputs = cuda::Event::create(opt.device);
+        job.inputs.record(copy);
+        for (PendingDecode& d : decodes) {
+          job.work.push_back({std::make_shared<const std::pair<Tensor, Tensor>>(d.bytes, d.index),
+                              static_cast<const std::byte*>(d.bytes.raw()), d.index.data<std::int64_t>(),
+                              static_cast<int>(d.index.size(0)), d.index_dev, cur->ptr + d.out_off});
+          counters.images_decoded += static_cast<std::uint64_t>(d.index.size(0));
+          pending.push_back({nullptr, 0, 0, d.bytes.storage()});  // fenced below: nvJPEG reads the block in place
+        }
+        job.done = done.native();
+        fence = EventFence::deferred(std::move(done));
+        job.fence = fence;
+        decoder->submit(std::move(job));
       } catch (...) {
         decode_error = std::current_exception();
+        if (fence) {  // not queued: its event stays unrecorded (complete at once), so the copies must be done
+          try {
+            copy.synchronize();
+          } catch (...) {
+          }
+          fence->recorded(decode_error);
+        }
       }
-      pending.push_back({nullptr, 0, 0, d.bytes.storage()});  // fenced below: nvJPEG reads the block in place
     }
     decodes.clear();
     if (decoder) counters.decode_allocations = decoder->allocations();
-    cuda::Event done = cuda::Event::create(opt.device, true);
-    done.record(copy);
-    auto fence = std::make_shared<EventFence>(std::move(done));
+    if (!fence) {
+      done.record(copy);
+      fence = std::make_shared<EventFence>(std::move(done));
+    }
     timings.push_back({std::move(started), std::move(copied), fence, gathered});
     poll_timings();
     std::vector<Storage> keep;
@@ -408,7 +429,8 @@ Tensor DeviceStage::move(const Tensor& host) { return impl_->move(host); }
 std::shared_ptr<const EventFence> DeviceStage::end() { return impl_->end(); }
 void DeviceStage::deliver(const EventFence& copied) {
   cuda::DeviceGuard g(impl_->opt.device);
-  impl_->consumer.wait(copied.event());
+  impl_->consumer.wait(copied.event());  // a GPU decode's fence: waits for its thread to issue the decode first
+  if (std::exception_ptr error = copied.error()) std::rethrow_exception(error);
 }
 
 Tensor DeviceStage::to_device(const Tensor& host) {

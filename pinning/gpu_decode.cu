@@ -5,7 +5,9 @@
 #include <nvjpeg.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "ferry/detail/pass_math.h"
 #include "ferry/pinning/cuda.h"
 #include "gpu_decode.h"
+#include "thread.h"
 
 namespace ferry::detail {
 namespace {
@@ -110,6 +113,11 @@ class DecodeMemory {
     check_cuda(cudaMemPoolCreate(&pool_, &props), "cudaMemPoolCreate");
     std::uint64_t keep = UINT64_MAX;  // never hand memory back at a synchronization
     cudaMemPoolSetAttribute(pool_, cudaMemPoolAttrReleaseThreshold, &keep);
+    // Memory freed on one decode thread's stream is not reused on another's behind a device-side
+    // dependency: nvJPEG's hardware writes do not wait for one (Note [Decode threads]).
+    int no = 0;
+    cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseAllowOpportunistic, &no);
+    cudaMemPoolSetAttribute(pool_, cudaMemPoolReuseAllowInternalDependencies, &no);
   }
   ~DecodeMemory() {
     for (Block& b : pinned_) {
@@ -182,10 +190,78 @@ class DecodeMemory {
   std::atomic<std::uint64_t> pinned_allocations_{0};
 };
 
+// Note [Decode threads]
+// nvJPEG's hardware backend (A100, H100) departs from CUDA's stream model in two ways, measured on
+// an H100 with nvJPEG 13.0.1 (bench/probe_nvjpeg.cu; the second was reported first in
+// torchcodec's pull request 1634, for nvJPEG 12.3 to 13.2):
+//  * nvjpegDecodeBatched returns when the batch is decoded: the thread that calls it waits out
+//    the whole decode (about 8 ms a batch of 256 500x375 images alone, 40 ms and more beside a
+//    step that fills the SMs). One thread issuing every decode delivers one batch a decode.
+//  * Its writes are not ordered after work queued before it on its stream: they happen during the
+//    call, while kernels queued earlier may still read the buffer. A cudaStreamWaitEvent does not
+//    hold them back either; only a host wait does.
+// So the decoder has threads (DataLoaderOptions::gpu_decode_threads, 2 by default), each with its
+// own nvJPEG handle and state, stream and scratch, which take the batches' decodes in turn from
+// a queue; the pin thread only queues them (DeviceStage::end). Two decodes run at once: 46,959
+// images/s against 30,366 for one, alone (probe_nvjpeg, H100). Before a thread's decode writes its
+// scratch, it waits on the host for the event recorded after the fused kernel that last read that
+// scratch; a scratch that grows is replaced only once the thread's stream has drained. The
+// fused kernel waits on the device for the batch's copies (its index, its output buffer's
+// release), and the batch's fence is a deferred EventFence recorded after it: the consumer's
+// hand-over (DeviceStage::deliver) waits for the record, then for the event on the device, and
+// rethrows a decode's error there, at the batch's position.
 class NvJpegDecoder final : public GpuJpegDecoder {
  public:
-  explicit NvJpegDecoder(int device) : device_(device), mem_(device) {
+  NvJpegDecoder(int device, int threads, bool high_priority) : device_(device), mem_(device) {
     cuda::DeviceGuard guard(device_);
+    contexts_.resize(static_cast<std::size_t>(threads));
+    try {
+      for (Context& c : contexts_) open(c, high_priority);
+    } catch (...) {
+      for (Context& c : contexts_) close(c);
+      throw;
+    }
+    for (std::size_t i = 0; i < contexts_.size(); ++i)
+      threads_.emplace_back("ferry-decode-" + std::to_string(i), [this, i] { serve(contexts_[i]); });
+  }
+  ~NvJpegDecoder() override {
+    {
+      std::lock_guard l(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    for (Thread& t : threads_) t.join();  // each finishes the jobs queued
+    cuda::DeviceGuard guard(device_);
+    for (Context& c : contexts_) close(c);
+  }
+
+  void submit(DecodeJob job) override {
+    {
+      std::lock_guard l(mu_);
+      jobs_.push_back(std::move(job));
+    }
+    cv_.notify_one();
+  }
+
+  std::string backend() const override { return backend_; }
+  std::uint64_t allocations() const override { return allocations_.load() + mem_.pinned_allocations(); }
+
+ private:
+  struct Context {
+    nvjpegHandle_t handle = nullptr, fallback = nullptr;
+    nvjpegJpegState_t state = nullptr, fallback_state = nullptr;
+    cudaStream_t stream = nullptr;
+    cudaEvent_t scratch_read = nullptr;  // recorded after the last kernel that read the scratch
+    bool scratch_pending = false;        // scratch_read was recorded
+    void* scratch = nullptr;
+    std::size_t scratch_size = 0;
+    int initialized_rows = -1;
+    std::vector<const unsigned char*> data;
+    std::vector<std::size_t> lengths;
+    std::vector<nvjpegImage_t> images;
+  };
+
+  void open(Context& c, bool high_priority) {
     nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
     nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
     // The hardware backend where the GPU has JPEG engines (A100, H100, ...), else the GPU hybrid.
@@ -194,119 +270,176 @@ class NvJpegDecoder final : public GpuJpegDecoder {
                                                                 {NVJPEG_BACKEND_DEFAULT, "default"}};
     nvjpegStatus_t last = NVJPEG_STATUS_NOT_INITIALIZED;
     for (auto [b, name] : backends) {
-      last = nvjpegCreateExV2(b, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &handle_);
+      last = nvjpegCreateExV2(b, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &c.handle);
       if (last == NVJPEG_STATUS_SUCCESS) {
         backend_ = name;
         break;
       }
-      handle_ = nullptr;
+      c.handle = nullptr;
     }
-    if (!handle_) throw CudaError(std::string("GPU decode: nvjpegCreateEx failed for every backend: ") + nvjpeg_status(last));
-    if (nvjpegJpegStateCreate(handle_, &state_) != NVJPEG_STATUS_SUCCESS) throw CudaError("GPU decode: nvjpegJpegStateCreate failed");
-  }
-  ~NvJpegDecoder() override {
-    cuda::DeviceGuard guard(device_);
-    if (scratch_) cudaFree(scratch_);  // synchronizes: the last kernel is done with it
-    if (fallback_state_) nvjpegJpegStateDestroy(fallback_state_);
-    if (fallback_) nvjpegDestroy(fallback_);
-    if (state_) nvjpegJpegStateDestroy(state_);
-    if (handle_) nvjpegDestroy(handle_);
+    if (!c.handle) throw CudaError(std::string("GPU decode: nvjpegCreateEx failed for every backend: ") + nvjpeg_status(last));
+    if (nvjpegJpegStateCreate(c.handle, &c.state) != NVJPEG_STATUS_SUCCESS) throw CudaError("GPU decode: nvjpegJpegStateCreate failed");
+    int lowest = 0, highest = 0;
+    check_cuda(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "cudaDeviceGetStreamPriorityRange");
+    check_cuda(cudaStreamCreateWithPriority(&c.stream, cudaStreamNonBlocking, high_priority ? highest : lowest), "cudaStreamCreate");
+    check_cuda(cudaEventCreateWithFlags(&c.scratch_read, cudaEventDisableTiming), "cudaEventCreate");
   }
 
-  void prepare(std::int64_t* index, int rows) override {
-    std::size_t total = 0;
-    for (int r = 0; r < rows; ++r) {
-      std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
-      row[29] = static_cast<std::int64_t>(total);
-      total += (static_cast<std::size_t>(row[2]) * static_cast<std::size_t>(row[3]) * 3 + 255) / 256 * 256;
-    }
-    scratch_needed_ = total;  // run() grows the scratch, in the stream's order
+  static void close(Context& c) noexcept {
+    if (c.stream) cudaStreamSynchronize(c.stream);
+    if (c.scratch) cudaFree(c.scratch);
+    if (c.scratch_read) cudaEventDestroy(c.scratch_read);
+    if (c.stream) cudaStreamDestroy(c.stream);
+    if (c.fallback_state) nvjpegJpegStateDestroy(c.fallback_state);
+    if (c.fallback) nvjpegDestroy(c.fallback);
+    if (c.state) nvjpegJpegStateDestroy(c.state);
+    if (c.handle) nvjpegDestroy(c.handle);
+    c = Context{};
   }
 
-  void run(const std::byte* base, const std::int64_t* index, const std::int64_t* index_dev, int rows, void* out,
-           void* stream) override {
-    cuda::DeviceGuard guard(device_);
-    auto s = static_cast<cudaStream_t>(stream);
-    if (scratch_needed_ > scratch_size_) {  // Note [Decode memory]: no device synchronization
-      if (scratch_) check_cuda(cudaFreeAsync(scratch_, s), "cudaFreeAsync of the decode scratch");
-      scratch_ = nullptr;
-      const std::size_t size = scratch_needed_ + scratch_needed_ / 4;  // headroom: batches vary in size
-      scratch_ = mem_.device(size, s);
-      scratch_size_ = size;
-      ++allocations_;
+  void serve(Context& c) {
+    cudaSetDevice(device_);  // this thread's device, for good
+    for (;;) {
+      DecodeJob job;
+      {
+        std::unique_lock l(mu_);
+        cv_.wait(l, [&] { return stop_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;  // stopping, and nothing is left
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      run(c, job);
     }
-    data_.resize(static_cast<std::size_t>(rows));
-    lengths_.resize(static_cast<std::size_t>(rows));
-    images_.assign(static_cast<std::size_t>(rows), nvjpegImage_t{});
+  }
+
+  // Issues a batch's decodes on c's stream and records its fence; never throws (a failure goes
+  // to the fence, and so to the consumer at the batch's position).
+  void run(Context& c, DecodeJob& job) noexcept {
+    std::exception_ptr error;
+    bool inputs_waited = false;
+    try {
+      cuda::DeviceGuard guard(device_);
+      for (DecodeWork& w : job.work) {
+        const int rows = w.rows;
+        const std::int64_t* index = w.index;
+        decode(c, w.bytes, index, rows);
+        if (!inputs_waited) check_cuda(cudaStreamWaitEvent(c.stream, static_cast<cudaEvent_t>(job.inputs.native()), 0), "cudaStreamWaitEvent");
+        inputs_waited = true;
+        const int OH = static_cast<int>(index[8]), OW = static_cast<int>(index[15]), C = static_cast<int>(index[18]);
+        const std::int64_t threads = static_cast<std::int64_t>(rows) * OH * OW;
+        const int block = 256;
+        fused_transform<<<static_cast<unsigned>((threads + block - 1) / block), block, 0, c.stream>>>(
+            static_cast<const std::uint8_t*>(c.scratch), w.index_dev, rows, OH, OW, C, static_cast<int>(index[20]),
+            static_cast<int>(index[30]), w.out);
+        check_cuda(cudaGetLastError(), "the fused transform kernel");
+        check_cuda(cudaEventRecord(c.scratch_read, c.stream), "cudaEventRecord");
+        c.scratch_pending = true;
+      }
+    } catch (...) {
+      error = std::current_exception();
+    }
+    // The fence covers the batch's copies even when a decode failed before waiting for them.
+    cudaError_t e = inputs_waited ? cudaSuccess : cudaStreamWaitEvent(c.stream, static_cast<cudaEvent_t>(job.inputs.native()), 0);
+    if (e == cudaSuccess) e = cudaEventRecord(static_cast<cudaEvent_t>(job.done), c.stream);
+    if (e != cudaSuccess) {
+      // The fence's event may then be unrecorded (complete at once): wait here instead.
+      cudaStreamSynchronize(c.stream);
+      if (!error) error = std::make_exception_ptr(CudaError(std::string("GPU decode: recording the batch's event: ") + cudaGetErrorString(e)));
+    }
+    job.fence->recorded(error);
+    job.work.clear();  // the batch's host tensors go now, not with the next job
+  }
+
+  // Decodes a batch's images into c's scratch (Note [Decode threads]: a host wait first).
+  void decode(Context& c, const std::byte* base, const std::int64_t* index, int rows) {
+    if (c.scratch_pending) check_cuda(cudaEventSynchronize(c.scratch_read), "waiting for the scratch's last reader");
+    c.scratch_pending = false;
+    std::size_t needed = 0;
     for (int r = 0; r < rows; ++r) {
       const std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
-      data_[static_cast<std::size_t>(r)] = reinterpret_cast<const unsigned char*>(base + row[0]);
-      lengths_[static_cast<std::size_t>(r)] = static_cast<std::size_t>(row[1]);
-      images_[static_cast<std::size_t>(r)].channel[0] = static_cast<unsigned char*>(scratch_) + row[29];
-      images_[static_cast<std::size_t>(r)].pitch[0] = static_cast<unsigned int>(row[3] * 3);
+      needed = std::max(needed, static_cast<std::size_t>(row[29]) + static_cast<std::size_t>(row[2] * row[3] * 3));
+    }
+    if (needed > c.scratch_size) {  // Note [Decode memory]: no device synchronization
+      check_cuda(cudaStreamSynchronize(c.stream), "draining the decode stream before its scratch grows");
+      if (c.scratch) check_cuda(cudaFreeAsync(c.scratch, c.stream), "cudaFreeAsync of the decode scratch");
+      c.scratch = nullptr;
+      c.scratch_size = 0;
+      const std::size_t size = needed + needed / 4;  // headroom: batches vary in size
+      c.scratch = mem_.device(size, c.stream);
+      check_cuda(cudaStreamSynchronize(c.stream), "the decode scratch's allocation");  // made before nvJPEG writes
+      c.scratch_size = size;
+      ++allocations_;
+    }
+    c.data.resize(static_cast<std::size_t>(rows));
+    c.lengths.resize(static_cast<std::size_t>(rows));
+    c.images.assign(static_cast<std::size_t>(rows), nvjpegImage_t{});
+    for (int r = 0; r < rows; ++r) {
+      const std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
+      const auto i = static_cast<std::size_t>(r);
+      c.data[i] = reinterpret_cast<const unsigned char*>(base + row[0]);
+      c.lengths[i] = static_cast<std::size_t>(row[1]);
+      c.images[i].channel[0] = static_cast<unsigned char*>(c.scratch) + row[29];
+      c.images[i].pitch[0] = static_cast<unsigned int>(row[3] * 3);
     }
     nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
-    if (rows != initialized_rows_) {
-      st = nvjpegDecodeBatchedInitialize(handle_, state_, rows, 1, NVJPEG_OUTPUT_RGBI);
-      if (st == NVJPEG_STATUS_SUCCESS) initialized_rows_ = rows;
+    if (rows != c.initialized_rows) {
+      st = nvjpegDecodeBatchedInitialize(c.handle, c.state, rows, 1, NVJPEG_OUTPUT_RGBI);
+      if (st == NVJPEG_STATUS_SUCCESS) c.initialized_rows = rows;
     }
-    if (st == NVJPEG_STATUS_SUCCESS) st = nvjpegDecodeBatched(handle_, state_, data_.data(), lengths_.data(), images_.data(), s);
+    if (st == NVJPEG_STATUS_SUCCESS) st = nvjpegDecodeBatched(c.handle, c.state, c.data.data(), c.lengths.data(), c.images.data(), c.stream);
     if (st != NVJPEG_STATUS_SUCCESS) {
-      initialized_rows_ = -1;
-      decode_one_by_one(rows, s, st);  // progressive, CMYK, ... : what the batched backend refuses
+      c.initialized_rows = -1;
+      decode_one_by_one(c, rows, st);  // progressive, CMYK, ... : what the batched backend refuses
     }
-    const std::int64_t* first = index;
-    const int OH = static_cast<int>(first[8]), OW = static_cast<int>(first[15]), C = static_cast<int>(first[18]);
-    const std::int64_t threads = static_cast<std::int64_t>(rows) * OH * OW;
-    const int block = 256;
-    fused_transform<<<static_cast<unsigned>((threads + block - 1) / block), block, 0, s>>>(
-        static_cast<const std::uint8_t*>(scratch_), index_dev, rows, OH, OW, C, static_cast<int>(first[20]), static_cast<int>(first[30]),
-        out);
-    check_cuda(cudaGetLastError(), "the fused transform kernel");
   }
 
-  std::string backend() const override { return backend_; }
-  std::uint64_t allocations() const override { return allocations_ + mem_.pinned_allocations(); }
-
- private:
-  void decode_one_by_one(int rows, cudaStream_t s, nvjpegStatus_t batched_status) {
-    if (!fallback_) {
+  void decode_one_by_one(Context& c, int rows, nvjpegStatus_t batched_status) {
+    if (!c.fallback) {
       nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
       nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
-      if (nvjpegCreateExV2(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &fallback_) != NVJPEG_STATUS_SUCCESS ||
-          nvjpegJpegStateCreate(fallback_, &fallback_state_) != NVJPEG_STATUS_SUCCESS)
+      if (nvjpegCreateExV2(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &c.fallback) != NVJPEG_STATUS_SUCCESS ||
+          nvjpegJpegStateCreate(c.fallback, &c.fallback_state) != NVJPEG_STATUS_SUCCESS)
         throw CudaError(std::string("GPU decode: the batched decode failed (") + nvjpeg_status(batched_status) +
                         ") and no fallback decoder could start");
     }
     for (int r = 0; r < rows; ++r) {
-      const nvjpegStatus_t st = nvjpegDecode(fallback_, fallback_state_, data_[static_cast<std::size_t>(r)],
-                                             lengths_[static_cast<std::size_t>(r)], NVJPEG_OUTPUT_RGBI,
-                                             &images_[static_cast<std::size_t>(r)], s);
+      const auto i = static_cast<std::size_t>(r);
+      const nvjpegStatus_t st = nvjpegDecode(c.fallback, c.fallback_state, c.data[i], c.lengths[i], NVJPEG_OUTPUT_RGBI, &c.images[i], c.stream);
       if (st != NVJPEG_STATUS_SUCCESS)
         throw DataError("GPU decode", DataError::kNoOffset,
-                        "image " + std::to_string(r) + " of the batch (" + std::to_string(lengths_[static_cast<std::size_t>(r)]) +
+                        "image " + std::to_string(r) + " of the batch (" + std::to_string(c.lengths[i]) +
                             " bytes) is a JPEG nvJPEG cannot decode: " + nvjpeg_status(st));
     }
   }
 
   int device_;
   DecodeMemory mem_;  // outlives the handles, which free into it
-  nvjpegHandle_t handle_ = nullptr, fallback_ = nullptr;
-  nvjpegJpegState_t state_ = nullptr, fallback_state_ = nullptr;
   std::string backend_;
-  int initialized_rows_ = -1;
-  void* scratch_ = nullptr;
-  std::size_t scratch_size_ = 0, scratch_needed_ = 0;
-  std::uint64_t allocations_ = 0;
-  std::vector<const unsigned char*> data_;
-  std::vector<std::size_t> lengths_;
-  std::vector<nvjpegImage_t> images_;
+  std::vector<Context> contexts_;  // sized once, before the threads start
+  std::vector<Thread> threads_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<DecodeJob> jobs_;  // guarded by mu_
+  bool stop_ = false;           // guarded by mu_
+  std::atomic<std::uint64_t> allocations_{0};
 };
 
 }  // namespace
 
 bool gpu_decode_built() noexcept { return true; }
 
-std::unique_ptr<GpuJpegDecoder> make_gpu_jpeg_decoder(int device) { return std::make_unique<NvJpegDecoder>(device); }
+std::size_t lay_out_decode_scratch(std::int64_t* index, int rows) {
+  std::size_t total = 0;
+  for (int r = 0; r < rows; ++r) {
+    std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
+    row[29] = static_cast<std::int64_t>(total);
+    total += (static_cast<std::size_t>(row[2]) * static_cast<std::size_t>(row[3]) * 3 + 255) / 256 * 256;
+  }
+  return total;
+}
+
+std::unique_ptr<GpuJpegDecoder> make_gpu_jpeg_decoder(int device, int threads, bool high_priority) {
+  return std::make_unique<NvJpegDecoder>(device, threads, high_priority);
+}
 
 }  // namespace ferry::detail

@@ -6,27 +6,54 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "ferry/pinning/cuda.h"
+#include "ferry/pinning/fence.h"
 
 namespace ferry::detail {
+
+/// Host side, before the index is copied to the device: gives each image its place in a decode
+/// scratch (index word 29); returns the scratch's bytes for the batch.
+std::size_t lay_out_decode_scratch(std::int64_t* index, int rows);
+
+/// One decode_images call of a batch: the images of `bytes` (pinned host bytes, read in place by
+/// nvJPEG) decoded and transformed by the `rows` plans of `index` (pinned host; `index_dev` its
+/// device copy) into `out` (device). `keep` holds the host memory until the decode is issued.
+/// (Plain pointers: this header is compiled as CUDA C++17, without ferry's C++20 tensor header.)
+struct DecodeWork {
+  std::shared_ptr<const void> keep;
+  const std::byte* bytes = nullptr;
+  const std::int64_t* index = nullptr;
+  int rows = 0;
+  const std::int64_t* index_dev = nullptr;
+  void* out = nullptr;
+};
+
+/// A batch's decodes, as DeviceStage::end() hands them over.
+struct DecodeJob {
+  std::vector<DecodeWork> work;
+  cuda::Event inputs;                  ///< on the copy stream: the indexes are copied and `out` is free
+  void* done = nullptr;                ///< the cudaEvent_t inside `fence`, recorded after the last kernel
+  std::shared_ptr<EventFence> fence;   ///< deferred; recorded() once issued, with the error if one failed
+};
 
 class GpuJpegDecoder {
  public:
   virtual ~GpuJpegDecoder() = default;
-  /// Host side, before the index is copied to the device: gives each image its place in the
-  /// decoded scratch (index word 29), growing the scratch if needed (constant after warm-up).
-  virtual void prepare(std::int64_t* index, int rows) = 0;
-  /// On `stream` (a cudaStream_t): decodes the images of `base` (pinned host bytes) into the
-  /// scratch, then runs the fused kernel from `index_dev` into `out`. Throws DataError for a JPEG
-  /// no backend decodes, CudaError for CUDA failures.
-  virtual void run(const std::byte* base, const std::int64_t* index, const std::int64_t* index_dev, int rows, void* out,
-                   void* stream) = 0;
+  /// Queues a batch's decodes and returns at once; one of the decoder's threads issues them
+  /// (Note [Decode threads]). Jobs run in the order given, several at once.
+  virtual void submit(DecodeJob job) = 0;
   virtual std::string backend() const = 0;
+  /// Scratch and pinned allocations so far (constant after warm-up).
   virtual std::uint64_t allocations() const = 0;
 };
 
 /// Whether this build has nvJPEG.
 bool gpu_decode_built() noexcept;
-/// A decoder on `device`; CudaError without nvJPEG or when nvJPEG cannot start.
-std::unique_ptr<GpuJpegDecoder> make_gpu_jpeg_decoder(int device);
+/// A decoder on `device` with `threads` decode threads (each with its own nvJPEG state, stream
+/// and scratch), its streams at the device's highest priority with `high_priority`; CudaError
+/// without nvJPEG or when nvJPEG cannot start. Destroying it waits for the jobs queued.
+std::unique_ptr<GpuJpegDecoder> make_gpu_jpeg_decoder(int device, int threads, bool high_priority);
 
 }  // namespace ferry::detail

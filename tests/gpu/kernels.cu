@@ -41,11 +41,11 @@ __global__ void work(float* out, long long iters) {
 }
 }  // namespace
 
-void launch_work(void* stream, long long iters) {
+void launch_work(void* stream, long long iters, int blocks_per_sm) {
   int sms = 0, dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  work<<<sms * 4, 256, 0, static_cast<cudaStream_t>(stream)>>>(nullptr, iters);
+  work<<<sms * blocks_per_sm, 256, 0, static_cast<cudaStream_t>(stream)>>>(nullptr, iters);
   check(cudaGetLastError(), "work kernel launch");
 }
 

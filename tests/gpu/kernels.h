@@ -9,9 +9,10 @@ namespace ferry::test {
 inline std::uint32_t pattern(std::int64_t index, std::int64_t col) {
   return static_cast<std::uint32_t>(index) * 2654435761u ^ (static_cast<std::uint32_t>(col) * 40503u + 0x9E37u);
 }
-/// A fixed amount of arithmetic (`iters` dependent FMAs a thread, 4 blocks of 256 a SM) on every
-/// SM of the current device: a step whose time grows when other kernels share the SMs.
-void launch_work(void* stream, long long iters);
+/// A fixed amount of arithmetic (`iters` dependent FMAs a thread, `blocks_per_sm` blocks of 256 a
+/// SM; 8 fill an SM's threads) on every SM of the current device: a step whose time grows when
+/// other kernels share the SMs.
+void launch_work(void* stream, long long iters, int blocks_per_sm = 4);
 /// Occupies one SM for about `microseconds` on `stream`.
 void launch_spin(void* stream, double microseconds);
 /// A training step's baseline: the mean wall time in ms of `steps` spins of `step_ms` on

@@ -184,3 +184,29 @@ TEST_CASE("a pool without a hard limit allocates past its budget and trims back 
   big = Storage();
   CHECK(pool.stats().bytes_pinned <= 1000);
 }
+
+// GPU decode's fences are deferred (Note [Decode threads] in pinning/gpu_decode.cu): the thread
+// that ends a batch hands out the fence before a decode thread has recorded its event.
+TEST_CASE("a deferred event fence is not ready, and its error waits, until the recording thread says so", "[unit][fence]") {
+  auto f = EventFence::deferred(cuda::Event{});
+  CHECK_FALSE(f->ready());  // never asks CUDA before the record: no device needed here
+  std::atomic<bool> got{false};
+  std::string what;
+  std::thread waiter([&] {
+    try {
+      if (std::exception_ptr e = f->error()) std::rethrow_exception(e);
+    } catch (const DataError& e) {
+      what = e.what();
+    }
+    got = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  CHECK_FALSE(got.load());  // error() blocks until recorded()
+  f->recorded(std::make_exception_ptr(DataError("GPU decode", DataError::kNoOffset, "image 3 of the batch is a JPEG nvJPEG cannot decode")));
+  waiter.join();
+  CHECK(got.load());
+  CHECK_THAT(what, Catch::Contains("image 3 of the batch"));
+  // A fence recorded at construction has no error and does not wait.
+  EventFence plain{cuda::Event{}};
+  CHECK_FALSE(plain.error());
+}

@@ -391,6 +391,8 @@ class DataLoader {
           throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
                           cuda::unavailable_reason() + ")");
         if (opt.device_prefetch < 1) throw Error("DataLoaderOptions: device_prefetch must be >= 1");
+        if (opt.gpu_decode_threads < 1)
+          throw Error("DataLoaderOptions: gpu_decode_threads must be >= 1, got " + std::to_string(opt.gpu_decode_threads));
         opt.pin_memory = true;
       }
       if constexpr (!kStreaming) choose_gather();
@@ -413,6 +415,7 @@ class DataLoader {
         d.pack = opt.device_pack;
         d.consumer_stream = opt.consumer_stream;
         d.high_priority = opt.high_priority_copies;
+        d.decode_threads = opt.gpu_decode_threads;
         device_stage = std::make_unique<DeviceStage>(d, pinned_pool);
       }
       detail::log_debug(detail::describe_options(opt, kStreaming));
@@ -893,14 +896,15 @@ class DataLoader {
                             now_ns(), args);
           }
           if (device_stage && issue_on_pin_thread) {
-            // GPU decode: nvJPEG's hardware backend blocks the thread that calls it for much of a
-            // batch's decode, so the copies and decode are issued here, never on the consumer's.
+            // GPU decode: the copies are issued here and the decode queued to the decoder's
+            // threads (nvJPEG's hardware backend holds the thread that calls it for the whole
+            // decode: Note [Decode threads]), never on the consumer's thread.
             const std::int64_t t1 = opt.trace ? now_ns() : 0;
             PinContext dctx(*device_stage);
             walk(p.template get<Batch>(), dctx);
             p = detail::Payload::make(DeviceBatch{std::move(p.template get<Batch>()), dctx.device_copy()});
             if (opt.trace && opt.trace->wants(batch))
-              opt.trace->span(TraceRecorder::kPinTrack, "issue the copies and GPU decode", batch, t1, now_ns());
+              opt.trace->span(TraceRecorder::kPinTrack, "issue the copies, queue the GPU decode", batch, t1, now_ns());
           }
         }, opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get(), placement);
       }

@@ -124,6 +124,12 @@ struct DataLoaderOptions {
   /// 40 short ones), it changed nothing (bench/RESULTS.md "Images: decode memory in the stream's
   /// order"; bench_gpu_decode --loop-only compares both).
   bool high_priority_copies = false;
+  /// With `device` and GPU decode (ImageFolderOptions::decode = Gpu, TarImages): threads that
+  /// issue the batches' decodes, each with its own nvJPEG state, stream and decode scratch (GPU
+  /// memory for one batch's decoded images), so that this many batches decode at once. nvJPEG's
+  /// hardware backend holds the thread that calls it for the whole decode (Note [Decode threads]
+  /// in pinning/gpu_decode.cu).
+  int gpu_decode_threads = 2;
   /// Called on the consumer thread about every `wait_poll_period` while it waits for a batch;
   /// returning true (or throwing) ends that wait with ferry::Interrupted (or the exception), and
   /// no batch is lost: the next call waits for the same batch again. For front-ends that must

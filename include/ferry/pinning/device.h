@@ -46,6 +46,9 @@ struct DeviceStageOptions {
   /// Create the copy stream (copies, GPU decode, the device gather) at the device's highest
   /// priority (DataLoaderOptions::high_priority_copies).
   bool high_priority = false;
+  /// GPU decode: threads that issue the batches' decodes, each with its own nvJPEG state, stream
+  /// and decode scratch (a batch's decoded images); DataLoaderOptions::gpu_decode_threads.
+  int decode_threads = 2;
 };
 
 struct DeviceStageStats {

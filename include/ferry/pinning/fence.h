@@ -8,6 +8,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <exception>
 #include <memory>
 #include <mutex>
 
@@ -55,15 +56,63 @@ class ManualFence final : public Fence {
 };
 
 /// A CUDA event recorded on a stream: complete when the stream has passed it.
+///
+/// A deferred fence's event is recorded later, by another thread: GPU decode's threads issue a
+/// batch's decode after the thread that ended the batch has moved on (Note [Decode threads] in
+/// pinning/gpu_decode.cu). Until that thread calls recorded(), ready() is false and wait(),
+/// event() and error() block.
 class EventFence final : public Fence {
  public:
   EventFence(cuda::Event event) : event_(std::move(event)) {}  // NOLINT
-  bool ready() const override { return event_.ready(); }
-  void wait() const override { event_.synchronize(); }
-  const cuda::Event& event() const noexcept { return event_; }
+  /// A fence whose event another thread records, then says so with recorded().
+  static std::shared_ptr<EventFence> deferred(cuda::Event event) {
+    auto f = std::make_shared<EventFence>(std::move(event));
+    f->pending_ = std::make_shared<Pending>();
+    return f;
+  }
+  /// The recording thread: the event now covers the guarded work; `error`, if any, is why that
+  /// work failed (the event then covers what was issued before the failure).
+  void recorded(std::exception_ptr error = nullptr) const {
+    if (!pending_) return;
+    std::lock_guard l(pending_->mu);
+    pending_->error = std::move(error);
+    pending_->recorded = true;
+    pending_->cv.notify_all();
+  }
+  bool ready() const override {
+    if (pending_) {
+      std::lock_guard l(pending_->mu);
+      if (!pending_->recorded) return false;
+    }
+    return event_.ready();
+  }
+  void wait() const override { event().synchronize(); }
+  const cuda::Event& event() const {
+    await_record();
+    return event_;
+  }
+  /// Why the guarded work failed, or null.
+  std::exception_ptr error() const {
+    if (!pending_) return nullptr;
+    await_record();
+    std::lock_guard l(pending_->mu);
+    return pending_->error;
+  }
 
  private:
+  struct Pending {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool recorded = false;       // guarded by mu
+    std::exception_ptr error;    // guarded by mu
+  };
+  void await_record() const {
+    if (!pending_) return;
+    std::unique_lock l(pending_->mu);
+    pending_->cv.wait(l, [&] { return pending_->recorded; });
+  }
   cuda::Event event_;
+  std::shared_ptr<Pending> pending_;  // deferred fences only
 };
 
 }  // namespace ferry
