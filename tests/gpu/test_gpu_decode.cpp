@@ -131,7 +131,7 @@ TEST_CASE("GPU decode beside a step that fills every SM: every batch still equal
   DataLoaderOptions o = loader_options(2);
   o.batch_size = 8;
   o.persistent_workers = true;
-  DataLoader cpu_loader(cpu, loader_options(2));
+  DataLoader cpu_loader(cpu, o);
   DataLoader gpu_loader(gpu, o);
   // The step: full blocks of arithmetic on every SM, about 15 ms.
   const cuda::Stream& s = *gpu_loader.stream();
