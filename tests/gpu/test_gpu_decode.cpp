@@ -169,6 +169,7 @@ TEST_CASE("GPU decode beside a step that fills every SM: every batch still equal
     batches += i;
   }
   CHECK(batches == 24);
+  CHECK(gpu_loader.device_stage()->stats().images_decoded >= 192);  // decoded on the GPU
   std::printf("GPU decode beside a full-SM step, %zu batches: mean |diff| %.3f, max %.2f (pixel units)\n", batches,
               sum / static_cast<double>(values), worst);
   CHECK(sum / static_cast<double>(values) < 1.5);  // as in the first test: nvJPEG's IDCT differs a little
