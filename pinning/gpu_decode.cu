@@ -7,7 +7,6 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -250,7 +249,6 @@ class NvJpegDecoder final : public GpuJpegDecoder {
  private:
   struct Context {
     nvjpegHandle_t handle = nullptr, fallback = nullptr;
-    bool owns_handle = true;
     nvjpegJpegState_t state = nullptr, fallback_state = nullptr;
     cudaStream_t stream = nullptr;
     cudaEvent_t scratch_read = nullptr;  // recorded after the last kernel that read the scratch
@@ -264,16 +262,6 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   };
 
   void open(Context& c, bool high_priority) {
-    if (std::getenv("FERRY_EXPERIMENT_SHARED_HANDLE") && &c != &contexts_[0]) {
-      c.handle = contexts_[0].handle;
-      c.owns_handle = false;
-      if (nvjpegJpegStateCreate(c.handle, &c.state) != NVJPEG_STATUS_SUCCESS) throw CudaError("GPU decode: nvjpegJpegStateCreate failed");
-      int lowest = 0, highest = 0;
-      check_cuda(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "cudaDeviceGetStreamPriorityRange");
-      check_cuda(cudaStreamCreateWithPriority(&c.stream, cudaStreamNonBlocking, high_priority ? highest : lowest), "cudaStreamCreate");
-      check_cuda(cudaEventCreateWithFlags(&c.scratch_read, cudaEventDisableTiming), "cudaEventCreate");
-      return;
-    }
     nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
     nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
     // The hardware backend where the GPU has JPEG engines (A100, H100, ...), else the GPU hybrid.
@@ -305,7 +293,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     if (c.fallback_state) nvjpegJpegStateDestroy(c.fallback_state);
     if (c.fallback) nvjpegDestroy(c.fallback);
     if (c.state) nvjpegJpegStateDestroy(c.state);
-    if (c.handle && c.owns_handle) nvjpegDestroy(c.handle);
+    if (c.handle) nvjpegDestroy(c.handle);
     c = Context{};
   }
 

@@ -1,0 +1,199 @@
+// probe_nvjpeg — what nvJPEG's batched decode (hardware backend) does to the thread that calls it
+// and to its stream's order, alone and beside a training step that fills the SMs; the facts
+// behind Note [Decode threads] in pinning/gpu_decode.cu. Prints, for batches of the JPEGs in DIR:
+//   1. alone, one thread: the call's time on the host, and what a stream synchronize adds after it;
+//   2. ordering: ~25 ms of work and a memset of the output queued on the stream, then the decode:
+//      whose bytes the output holds (the memset's: the decode wrote before work queued ahead of it);
+//   3. beside a step (a thread keeps a stream busy with 20 ms launches of --blocks-per-sm blocks
+//      of 256 threads a SM; 0 kernels: no step) with 1 to 3 threads decoding, each its own
+//      handle, state and stream: images/s, the call's time, and the step's time meanwhile.
+// Usage: probe_nvjpeg DIR [--batch 256] [--blocks-per-sm 4] [--no-ordering]
+#include <cuda_runtime.h>
+#include <nvjpeg.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels.h"
+
+using Clock = std::chrono::steady_clock;
+static double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
+#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { std::printf("CUDA %s: %s\n", #x, cudaGetErrorString(e_)); std::exit(1); } } while (0)
+#define NJ(x) do { nvjpegStatus_t s_ = (x); if (s_ != NVJPEG_STATUS_SUCCESS) { std::printf("nvJPEG %s: %d\n", #x, (int)s_); std::exit(1); } } while (0)
+
+static void launch_work(cudaStream_t s, long long iters, int blocks_per_sm) { ferry::test::launch_work(s, iters, blocks_per_sm); }
+
+struct Image { std::vector<unsigned char> bytes; int w = 0, h = 0; };
+
+struct Decoder {
+  nvjpegHandle_t h{};
+  nvjpegJpegState_t st{};
+  cudaStream_t s{};
+  unsigned char* out = nullptr;
+  std::vector<nvjpegImage_t> imgs;
+  nvjpegOutputFormat_t fmt;
+  ~Decoder() { cudaStreamSynchronize(s); cudaFree(out); nvjpegJpegStateDestroy(st); }
+  Decoder(const std::vector<Image>& batch, bool own_handle, nvjpegHandle_t shared, nvjpegOutputFormat_t f = NVJPEG_OUTPUT_RGBI, bool high = false) : fmt(f) {
+    if (own_handle) NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &h)); else h = shared;
+    NJ(nvjpegJpegStateCreate(h, &st));
+    int lo = 0, hi = 0; cudaDeviceGetStreamPriorityRange(&lo, &hi);
+    CK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high ? hi : lo));
+    size_t total = 0;
+    for (auto& im : batch) total += (size_t)im.w * im.h * 3;
+    CK(cudaMalloc(&out, total));
+    imgs.resize(batch.size());
+    size_t off = 0;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      imgs[i] = {};
+      imgs[i].channel[0] = out + off;
+      imgs[i].pitch[0] = batch[i].w * 3;
+      if (fmt == NVJPEG_OUTPUT_YUV) {
+        for (int c = 0; c < 3; ++c) { imgs[i].channel[c] = out + off + (size_t)c * batch[i].w * batch[i].h; imgs[i].pitch[c] = batch[i].w; }
+      }
+      off += (size_t)batch[i].w * batch[i].h * 3;
+    }
+    NJ(nvjpegDecodeBatchedInitialize(h, st, (int)batch.size(), 1, fmt));
+  }
+  double decode(const std::vector<const unsigned char*>& data, const std::vector<size_t>& len) {  // call time, ms
+    auto t = Clock::now();
+    NJ(nvjpegDecodeBatched(h, st, data.data(), len.data(), imgs.data(), s));
+    return ms_since(t);
+  }
+};
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: probe_nvjpeg DIR [--batch 256] [--blocks-per-sm 4] [--no-ordering]\n");
+    return 2;
+  }
+  int B = 256, bps = 4;
+  bool ordering = true;
+  for (int i = 2; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--batch" && i + 1 < argc) B = std::atoi(argv[++i]);
+    else if (a == "--blocks-per-sm" && i + 1 < argc) bps = std::atoi(argv[++i]);
+    else if (a == "--no-ordering") ordering = false;
+  }
+  CK(cudaSetDevice(0));
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  nvjpegHandle_t shared;
+  NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &shared));
+  std::vector<Image> files;
+  for (auto& e : std::filesystem::recursive_directory_iterator(argv[1])) {
+    if (e.path().extension() != ".jpg") continue;
+    std::ifstream f(e.path(), std::ios::binary);
+    Image im;
+    im.bytes.assign(std::istreambuf_iterator<char>(f), {});
+    int n = 0; nvjpegChromaSubsampling_t sub; int w[4], h[4];
+    if (nvjpegGetImageInfo(shared, im.bytes.data(), im.bytes.size(), &n, &sub, w, h) != NVJPEG_STATUS_SUCCESS) continue;
+    im.w = w[0]; im.h = h[0];
+    files.push_back(std::move(im));
+  }
+  std::vector<Image> batch;
+  for (int i = 0; i < B; ++i) batch.push_back(files[i % files.size()]);
+  // pinned copies of the bytes, as ferry's workers give them
+  size_t bytes = 0;
+  for (auto& im : batch) bytes += im.bytes.size();
+  unsigned char* pinned;
+  CK(cudaHostAlloc(&pinned, bytes, 0));
+  std::vector<const unsigned char*> data;
+  std::vector<size_t> len;
+  size_t off = 0;
+  for (auto& im : batch) { std::memcpy(pinned + off, im.bytes.data(), im.bytes.size()); data.push_back(pinned + off); len.push_back(im.bytes.size()); off += im.bytes.size(); }
+  std::printf("# probe_nvjpeg: %zu files, batch %d, %.1f KB an image, %d SMs\n", files.size(), B, bytes / 1024.0 / B, sms);
+
+  // 1. Alone: the call's time on the host, and what is left for a stream synchronize.
+  Decoder d0(batch, false, shared);
+  for (int i = 0; i < 3; ++i) { d0.decode(data, len); CK(cudaStreamSynchronize(d0.s)); }
+  {
+    double call = 0, sync = 0; const int n = 10;
+    auto t0 = Clock::now();
+    for (int i = 0; i < n; ++i) { call += d0.decode(data, len); auto t = Clock::now(); CK(cudaStreamSynchronize(d0.s)); sync += ms_since(t); }
+    double wall = ms_since(t0);
+    std::printf("alone, 1 thread: call %.2f ms, then sync %.2f ms a batch; %.0f images/s\n", call / n, sync / n, n * B * 1000.0 / wall);
+  }
+  // 2. Ordering: 60 ms of work, then a memset of the output to 0xAB on the stream, then the decode.
+  if (ordering) {
+    int out_of_order = 0;
+    for (int k = 0; k < 5; ++k) {
+      CK(cudaMemset(d0.out, 0, 16)); CK(cudaDeviceSynchronize());
+      cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+      cudaEventRecord(e0, d0.s);
+      launch_work(d0.s, 3000000, 4);
+      CK(cudaMemsetAsync(d0.out, 0xAB, 16, d0.s));
+      auto t = Clock::now();
+      double call = d0.decode(data, len);
+      double after = ms_since(t);
+      CK(cudaStreamSynchronize(d0.s));
+      cudaEventRecord(e1, d0.s); cudaEventSynchronize(e1);
+      float gpu = 0; cudaEventElapsedTime(&gpu, e0, e1);
+      unsigned char first[16]; CK(cudaMemcpy(first, d0.out, 16, cudaMemcpyDeviceToHost));
+      bool memset_last = true;
+      for (int i = 0; i < 16; ++i) memset_last &= first[i] == 0xAB;
+      out_of_order += memset_last;
+      std::printf("ordering %d: work+memset queued (%.1f ms GPU in all); decode call %.2f ms (%.2f); output %s\n", k, gpu, call, after,
+                  memset_last ? "is the memset's (decode wrote BEFORE the queued memset)" : "is the decode's");
+      cudaEventDestroy(e0); cudaEventDestroy(e1);
+    }
+    std::printf("ordering: decode's write overtaken by work queued before it: %d of 5\n", out_of_order);
+  }
+  // 3. Beside a step: a thread keeps a stream full of work kernels (kernels of `step_ms / kernels`).
+  cudaStream_t step_s; CK(cudaStreamCreateWithFlags(&step_s, cudaStreamNonBlocking));
+  long long iters = 100000;
+  for (int k = 0; k < 3; ++k) {
+    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+    cudaEventRecord(e0, step_s); launch_work(step_s, iters, bps); cudaEventRecord(e1, step_s); cudaEventSynchronize(e1);
+    float ms; cudaEventElapsedTime(&ms, e0, e1); iters = (long long)(iters * 20.0 / ms);
+  }
+  struct Variant { const char* name; nvjpegOutputFormat_t fmt; bool high; };
+  for (Variant v : {Variant{"RGBI", NVJPEG_OUTPUT_RGBI, false}, Variant{"YUV", NVJPEG_OUTPUT_YUV, false},
+                    Variant{"RGBI, high-priority stream", NVJPEG_OUTPUT_RGBI, true}}) {
+    std::vector<Decoder*> decs;
+    for (int t = 0; t < 3; ++t) decs.push_back(new Decoder(batch, true, nullptr, v.fmt, v.high));
+    for (auto* d : decs) { d->decode(data, len); CK(cudaStreamSynchronize(d->s)); }
+    for (int kernels : {0, 1, 40}) {
+      for (int threads : {1, 2, 3}) {
+        if (kernels == 0 && threads > 2) continue;
+        std::atomic<bool> stop{false};
+        std::atomic<long> steps{0};
+        std::thread stepper([&] {
+          cudaSetDevice(0);
+          while (kernels > 0 && !stop) {
+            for (int k = 0; k < kernels; ++k) launch_work(step_s, iters / kernels, bps);
+            cudaStreamSynchronize(step_s);
+            ++steps;
+          }
+        });
+        std::this_thread::sleep_for(std::chrono::milliseconds(30));
+        const int per = 8;
+        long s0 = steps;
+        auto t0 = Clock::now();
+        std::vector<std::thread> ts;
+        std::vector<double> calls(threads, 0);
+        for (int t = 0; t < threads; ++t)
+          ts.emplace_back([&, t] {
+            cudaSetDevice(0);
+            for (int i = 0; i < per; ++i) { calls[t] += decs[t]->decode(data, len); cudaStreamSynchronize(decs[t]->s); }
+          });
+        for (auto& t : ts) t.join();
+        double wall = ms_since(t0);
+        long s1 = steps;
+        stop = true; stepper.join();
+        double call = 0; for (double c : calls) call += c;
+        std::printf("blocks/SM %d, %s: step of %d kernels (20 ms alone), %d threads: %.0f images/s, call %.2f ms; steps done meanwhile %.1f ms each\n",
+                    bps, v.name, kernels, threads, threads * per * B * 1000.0 / wall, call / (threads * per), s1 > s0 ? wall / (s1 - s0) : 0.0);
+      }
+    }
+    for (auto* d : decs) delete d;
+  }
+  return 0;
+}
