@@ -6,9 +6,7 @@
 
 #include <atomic>
 #include <condition_variable>
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <string>
@@ -383,26 +381,19 @@ class NvJpegDecoder final : public GpuJpegDecoder {
       c.images[i].channel[0] = static_cast<unsigned char*>(c.scratch) + row[29];
       c.images[i].pitch[0] = static_cast<unsigned int>(row[3] * 3);
     }
-    // In calls of at most kDecodeChunk images (equal parts): see kDecodeChunk.
-    const int parts = (rows + chunk_ - 1) / chunk_, per = (rows + parts - 1) / parts;
-    for (int first = 0; first < rows; first += per) {
-      const int n = std::min(per, rows - first);
-      const auto f = static_cast<std::size_t>(first);
-      nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
-      if (n != c.initialized_rows) {
-        st = nvjpegDecodeBatchedInitialize(c.handle, c.state, n, 1, NVJPEG_OUTPUT_RGBI);
-        if (st == NVJPEG_STATUS_SUCCESS) c.initialized_rows = n;
-      }
-      if (st == NVJPEG_STATUS_SUCCESS)
-        st = nvjpegDecodeBatched(c.handle, c.state, c.data.data() + f, c.lengths.data() + f, c.images.data() + f, c.stream);
-      if (st != NVJPEG_STATUS_SUCCESS) {
-        c.initialized_rows = -1;
-        decode_one_by_one(c, first, n, st);  // progressive, CMYK, ... : what the batched backend refuses
-      }
+    nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
+    if (rows != c.initialized_rows) {
+      st = nvjpegDecodeBatchedInitialize(c.handle, c.state, rows, 1, NVJPEG_OUTPUT_RGBI);
+      if (st == NVJPEG_STATUS_SUCCESS) c.initialized_rows = rows;
+    }
+    if (st == NVJPEG_STATUS_SUCCESS) st = nvjpegDecodeBatched(c.handle, c.state, c.data.data(), c.lengths.data(), c.images.data(), c.stream);
+    if (st != NVJPEG_STATUS_SUCCESS) {
+      c.initialized_rows = -1;
+      decode_one_by_one(c, rows, st);  // progressive, CMYK, ... : what the batched backend refuses
     }
   }
 
-  void decode_one_by_one(Context& c, int first, int rows, nvjpegStatus_t batched_status) {
+  void decode_one_by_one(Context& c, int rows, nvjpegStatus_t batched_status) {
     if (!c.fallback) {
       nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
       nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
@@ -411,7 +402,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
         throw CudaError(std::string("GPU decode: the batched decode failed (") + nvjpeg_status(batched_status) +
                         ") and no fallback decoder could start");
     }
-    for (int r = first; r < first + rows; ++r) {
+    for (int r = 0; r < rows; ++r) {
       const auto i = static_cast<std::size_t>(r);
       const nvjpegStatus_t st = nvjpegDecode(c.fallback, c.fallback_state, c.data[i], c.lengths[i], NVJPEG_OUTPUT_RGBI, &c.images[i], c.stream);
       if (st != NVJPEG_STATUS_SUCCESS)
@@ -422,7 +413,6 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   }
 
   int device_;
-  int chunk_ = std::getenv("FERRY_EXPERIMENT_DECODE_CHUNK") ? std::max(1, std::atoi(std::getenv("FERRY_EXPERIMENT_DECODE_CHUNK"))) : 1 << 20;
   DecodeMemory mem_;  // outlives the handles, which free into it
   std::string backend_;
   std::vector<Context> contexts_;  // sized once, before the threads start
