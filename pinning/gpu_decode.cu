@@ -202,8 +202,10 @@ class DecodeMemory {
 //    hold them back either; only a host wait does.
 // So the decoder has threads (DataLoaderOptions::gpu_decode_threads, 2 by default), each with its
 // own nvJPEG handle and state, stream and scratch, which take the batches' decodes in turn from
-// a queue; the pin thread only queues them (DeviceStage::end). Two decodes run at once: 46,959
-// images/s against 30,366 for one, alone (probe_nvjpeg, H100). Before a thread's decode writes its
+// a queue; the pin thread only queues them (DeviceStage::end). Two decodes run at once: 41,673
+// images/s against 26,708 for one, alone (bench_gpu_decode's ceiling rows, H100). Beside a
+// training step the gain depends on the room the step leaves on the SMs for nvJPEG's own kernels
+// (bench/RESULTS.md "Images: decode threads"). Before a thread's decode writes its
 // scratch, it waits on the host for the event recorded after the fused kernel that last read that
 // scratch; a scratch that grows is replaced only once the thread's stream has drained. The
 // fused kernel waits on the device for the batch's copies (its index, its output buffer's
