@@ -198,7 +198,7 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
   std::fflush(stdout);
   const LoaderStats st = loader.stats();
   if (st.batches > 0 && st.decode_seconds > 0)
-    std::fprintf(stderr, "  (a batch's decode, from its copies' end to its fused kernel's end, queueing included: %.2f ms)\n",
+    std::fprintf(stderr, "  (the decode threads' time a batch, nvJPEG's call and the kernel's launch: %.2f ms)\n",
                  1e3 * st.decode_seconds / static_cast<double>(st.batches));
   if (o.trace) {
     const std::string path = trace_dir + "/loop-" + (decode == ImageFolderOptions::Decode::Gpu ? "gpu" : "cpu") + "-" +

@@ -251,7 +251,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       Timing& t = timings.front();
       if (t.copied.native()) {
         counters.copy_ms += cuda::Event::elapsed_ms(t.started, t.copied);
-        (t.gather ? counters.gather_ms : counters.decode_ms) += cuda::Event::elapsed_ms(t.copied, t.done->event());
+        if (t.gather) counters.gather_ms += cuda::Event::elapsed_ms(t.copied, t.done->event());  // a decode's: decoder->busy_ms()
         spare_starts.push_back(std::move(t.copied));
       } else {
         counters.copy_ms += cuda::Event::elapsed_ms(t.started, t.done->event());
@@ -422,7 +422,10 @@ DeviceStageStats DeviceStage::stats() const {
   std::lock_guard stats_lock(impl_->stats_mu);
   impl_->poll_timings();
   std::lock_guard lock(impl_->mu);  // device_allocations is counted under mu
-  return impl_->counters;
+  DeviceStageStats s = impl_->counters;
+  if (impl_->decoder) s.decode_ms = impl_->decoder->busy_ms();
+  s.decode_threads = impl_->opt.decode_threads;
+  return s;
 }
 void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }
 Tensor DeviceStage::move(const Tensor& host) { return impl_->move(host); }

@@ -5,6 +5,7 @@
 #include <nvjpeg.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -246,6 +247,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   }
 
   std::string backend() const override { return backend_; }
+  double busy_ms() const override { return static_cast<double>(busy_ns_.load()) / 1e6; }
   std::uint64_t allocations() const override { return allocations_.load() + mem_.pinned_allocations(); }
 
  private:
@@ -317,6 +319,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   // Issues a batch's decodes on c's stream and records its fence; never throws (a failure goes
   // to the fence, and so to the consumer at the batch's position).
   void run(Context& c, DecodeJob& job) noexcept {
+    const auto t0 = std::chrono::steady_clock::now();
     std::exception_ptr error;
     bool inputs_waited = false;
     try {
@@ -348,6 +351,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
       cudaStreamSynchronize(c.stream);
       if (!error) error = std::make_exception_ptr(CudaError(std::string("GPU decode: recording the batch's event: ") + cudaGetErrorString(e)));
     }
+    busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     job.fence->recorded(error);
     job.work.clear();  // the batch's host tensors go now, not with the next job
   }
@@ -424,6 +428,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   std::deque<DecodeJob> jobs_;  // guarded by mu_
   bool stop_ = false;           // guarded by mu_
   std::atomic<std::uint64_t> allocations_{0};
+  std::atomic<std::int64_t> busy_ns_{0};
 };
 
 }  // namespace

@@ -45,6 +45,9 @@ class GpuJpegDecoder {
   /// (Note [Decode threads]). Jobs run in the order given, several at once.
   virtual void submit(DecodeJob job) = 0;
   virtual std::string backend() const = 0;
+  /// Milliseconds the decode threads spent issuing decodes so far, summed over the threads
+  /// (nvJPEG's hardware backend holds its thread for the whole decode).
+  virtual double busy_ms() const = 0;
   /// Scratch and pinned allocations so far (constant after warm-up).
   virtual std::uint64_t allocations() const = 0;
 };

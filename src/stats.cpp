@@ -15,7 +15,7 @@ double LoaderStats::workers_busy() const noexcept {
 }
 double LoaderStats::pin_busy() const noexcept { return fraction(pin_seconds, wall_seconds); }
 double LoaderStats::copy_busy() const noexcept { return fraction(copy_seconds, wall_seconds); }
-double LoaderStats::decode_busy() const noexcept { return fraction(decode_seconds, wall_seconds); }
+double LoaderStats::decode_busy() const noexcept { return fraction(decode_seconds, wall_seconds * std::max(decode_threads, 1)); }
 double LoaderStats::gather_busy() const noexcept { return fraction(gather_seconds, wall_seconds); }
 double LoaderStats::consumer_busy() const noexcept { return wall_seconds > 0 ? 1.0 - fraction(wait_seconds, wall_seconds) : 0.0; }
 
@@ -59,7 +59,10 @@ std::string LoaderStats::report() const {
   row("collate", collate_seconds, fraction(collate_seconds, wcap), workers_cap);
   if (pinning) row("pin", pin_seconds, pin_busy(), "the pin thread");
   if (device) row("copy", copy_seconds, copy_busy(), "the GPU copy engine");
-  if (device && images_decoded) row("decode", decode_seconds, decode_busy(), "the GPU (JPEG decode + transform, on the copy stream)");
+  char decode_cap[64];
+  std::snprintf(decode_cap, sizeof decode_cap, "%d decode thread%s (nvJPEG + the transform kernel)", std::max(decode_threads, 1),
+                decode_threads == 1 ? "" : "s");
+  if (device && images_decoded) row("decode", decode_seconds, decode_busy(), decode_cap);
   if (device && device_gather) row("gather", gather_seconds, gather_busy(), "the GPU (rows read from registered host memory)");
   row("wait", wait_seconds, fraction(wait_seconds, wall_seconds), "the consumer, waiting for data");
   const std::string b = bottleneck();

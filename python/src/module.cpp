@@ -292,6 +292,7 @@ nb::dict stats_dict(const ferry::LoaderStats& s) {
   d["pin_seconds"] = s.pin_seconds;
   d["copy_seconds"] = s.copy_seconds;
   d["decode_seconds"] = s.decode_seconds;
+  d["decode_threads"] = s.decode_threads;
   d["images_decoded"] = s.images_decoded;
   d["gather_seconds"] = s.gather_seconds;
   d["rows_gathered"] = s.rows_gathered;

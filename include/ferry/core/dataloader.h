@@ -715,6 +715,7 @@ class DataLoader {
         const DeviceStageStats d = device_stage->stats();
         s.copy_seconds = (d.copy_ms - base.copy_ms) / 1e3;
         s.decode_seconds = (d.decode_ms - base.decode_ms) / 1e3;
+        s.decode_threads = d.decode_threads;
         s.images_decoded = d.images_decoded - base.images_decoded;
         s.gather_seconds = (d.gather_ms - base.gather_ms) / 1e3;
         s.rows_gathered = d.rows_gathered - base.rows_gathered;

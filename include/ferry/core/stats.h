@@ -31,7 +31,8 @@ struct LoaderStats {
   double collate_seconds = 0;      ///< summed over worker threads
   double pin_seconds = 0;          ///< the pin thread copying batches into pinned memory
   double copy_seconds = 0;         ///< GPU time of the host-to-device copies
-  double decode_seconds = 0;       ///< GPU decode: GPU time of the JPEG decodes and their transform kernel
+  double decode_seconds = 0;       ///< GPU decode: the decode threads' time decoding (nvJPEG holds its thread throughout), summed over them
+  int decode_threads = 0;          ///< GPU decode: threads decoding (DataLoaderOptions::gpu_decode_threads)
   std::uint64_t images_decoded = 0;  ///< GPU decode: JPEGs decoded on the device
   double gather_seconds = 0;       ///< device gather: GPU time of the gather kernels
   std::uint64_t rows_gathered = 0; ///< device gather: rows the GPU read from registered host memory

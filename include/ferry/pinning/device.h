@@ -21,7 +21,8 @@
 //
 // Thread safety: batches are begun, moved and ended by one thread (the loader's consumer, or its
 // pin thread for GPU decode); deliver() and stats() may run on another (the consumer); device
-// batches may be dropped on any thread.
+// batches may be dropped on any thread. GPU decode's own threads issue the decodes that end()
+// queues, and record the fence end() returned (deferred: deliver() waits for the record).
 #pragma once
 
 #include <cstddef>
@@ -57,7 +58,8 @@ struct DeviceStageStats {
   std::uint64_t bytes = 0;
   std::uint64_t device_allocations = 0;  ///< cudaMalloc calls (constant after warm-up)
   double copy_ms = 0;                    ///< GPU time of the copies completed so far (timing events)
-  double decode_ms = 0;                  ///< GPU decode: GPU time of the decodes and their transform kernel
+  double decode_ms = 0;                  ///< GPU decode: the decode threads' time decoding (nvJPEG holds its thread for the whole decode) and launching the transform kernel, summed over the threads
+  int decode_threads = 0;                ///< GPU decode: DeviceStageOptions::decode_threads
   std::uint64_t images_decoded = 0;      ///< GPU decode: JPEGs decoded on the device
   std::uint64_t decode_allocations = 0;  ///< GPU decode: scratch (re)allocations (constant after warm-up)
   double gather_ms = 0;                  ///< device gather: GPU time of the gather kernels
@@ -94,12 +96,14 @@ class DeviceStage {
 
   /// GPU decode, within a batch (between begin and end): reserves the decoded images' place in
   /// the batch's device buffer and returns them ([B, C, H, W] float32 after to_float, else
-  /// [B, H, W, C] uint8). At end(), after the batch's copies, nvJPEG decodes the JPEGs of `bytes`
-  /// (a pinned host block, read by nvJPEG in place: the batch's fence covers it) on the copy
-  /// stream, with the hardware backend where the GPU has JPEG engines (else the GPU hybrid one),
-  /// and one fused kernel applies each image's crop, bilinear resize, flip and normalize from
-  /// `index_on_device` (rows of detail::kEncodedIndexWords, ferry/detail/pass_math.h). Throws
-  /// CudaError when ferry was built without nvJPEG; a JPEG nvJPEG refuses is a DataError at end().
+  /// [B, H, W, C] uint8). end() queues the decode to one of the stage's decode threads
+  /// (DeviceStageOptions::decode_threads), which has nvJPEG decode the JPEGs of `bytes` (a pinned
+  /// host block, read by nvJPEG in place: the batch's fence covers it) with the hardware backend
+  /// where the GPU has JPEG engines (else the GPU hybrid one), then, on its own stream and after
+  /// the batch's copies, runs one fused kernel that applies each image's crop, bilinear resize,
+  /// flip and normalize from `index_on_device` (rows of detail::kEncodedIndexWords,
+  /// ferry/detail/pass_math.h). Throws CudaError when ferry was built without nvJPEG; a JPEG
+  /// nvJPEG refuses is a DataError from deliver(), the batch's hand-over.
   Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_on_device);
   /// Device gather, within a batch (Note [Device gather], ferry/pinning/gather.h): reserves
   /// [B, row_shape...] of `dtype` in the batch's device buffer and returns it; at end(), after the
