@@ -285,10 +285,17 @@ TEST_CASE("GPU decode: 100,000 images, device and pinned memory recycled within 
   CHECK(images == 100000);
   CHECK(end.images_decoded >= 100000);
   // Device buffers: within the pipeline's depth, reached as timing allows (like the pinned blocks
-  // below); the decoder's own memory (its scratch, nvJPEG's pinned blocks) settles in warm-up.
+  // below). The decoder's own memory (a scratch a decode thread, nvJPEG's pinned blocks) grows
+  // only to the largest batch a thread has met, with headroom: a few allocations in all, not one a
+  // batch. (Which thread meets which batch is timing, so a thread's scratch may still grow once
+  // after warm-up: seen with two threads.)
   CHECK(end.device_allocations >= warm.device_allocations);
   CHECK(end.device_allocations <= test::max_device_buffers(o));
-  CHECK(end.decode_allocations == warm.decode_allocations);
+  std::printf("GPU decode, 1,000 batches: %llu decode allocations after 2 epochs, %llu after 100 (%d decode threads)\n",
+              static_cast<unsigned long long>(warm.decode_allocations), static_cast<unsigned long long>(end.decode_allocations),
+              end.decode_threads);
+  CHECK(end.decode_allocations <= warm.decode_allocations + static_cast<std::uint64_t>(end.decode_threads));
+  CHECK(end.decode_allocations <= 16);
   // Pinned blocks: as many as the pipeline's depth lets live at once (their number settles as
   // timing varies), never more: (prefetch 2 x 4 workers + pin_depth 2 + device_prefetch 2 + 2)
   // batches of 3 blocks (labels, bytes, index).
