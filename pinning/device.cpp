@@ -154,7 +154,11 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       throw Error("DeviceStage::decode_images: expected pinned uint8 bytes, a pinned int64 [B, " +
                   std::to_string(detail::kEncodedIndexWords) + "] index and its device copy; got " + bytes.str() + ", " +
                   index.str() + ", " + index_dev.str());
-    if (!decoder) decoder = detail::make_gpu_jpeg_decoder(opt.device, opt.decode_threads, opt.high_priority);
+    if (!decoder) {
+      auto made = detail::make_gpu_jpeg_decoder(opt.device, opt.decode_threads, opt.high_priority);
+      std::lock_guard l(stats_mu);  // stats() and decode_backend() read it on the consumer's thread
+      decoder = std::move(made);
+    }
     const std::size_t bytes_out = DeviceStage::decoded_bytes(index);
     if (used + align_up(bytes_out) > cur_size) throw Error("DeviceStage::decode_images: more than begin() reserved");
     const std::int64_t* row = index.data<std::int64_t>();
@@ -413,7 +417,10 @@ Tensor DeviceStage::gather_rows(const Tensor& index, const void* device_rows, st
 
 bool DeviceStage::can_gather() noexcept { return detail::gather_built(); }
 
-std::string DeviceStage::decode_backend() const { return impl_->decoder ? impl_->decoder->backend() : std::string(); }
+std::string DeviceStage::decode_backend() const {
+  std::lock_guard l(impl_->stats_mu);
+  return impl_->decoder ? impl_->decoder->backend() : std::string();
+}
 
 const cuda::Stream& DeviceStage::copy_stream() const noexcept { return impl_->copy; }
 const cuda::Stream& DeviceStage::consumer_stream() const noexcept { return impl_->consumer; }
