@@ -193,7 +193,7 @@ class DecodeMemory {
 
 // Note [Decode threads]
 // nvJPEG's hardware backend (A100, H100) departs from CUDA's stream model in two ways, measured on
-// an H100 with nvJPEG 13.0.1 (bench/probe_nvjpeg.cu; the second was reported first in
+// an H100 with nvJPEG 13.0.1 (bench/probe_nvjpeg.cpp; the second was reported first in
 // torchcodec's pull request 1634, for nvJPEG 12.3 to 13.2):
 //  * nvjpegDecodeBatched returns when the batch is decoded: the thread that calls it waits out
 //    the whole decode (about 8 ms a batch of 256 500x375 images alone, 40 ms and more beside a
