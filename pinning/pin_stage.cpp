@@ -37,6 +37,7 @@ struct PinStage::State {
   void run() {
     if (placement) apply_placement(*placement);
     StopScope stop_scope(&stopping);  // a pool wait inside pin() gives up on stop()
+    NoWaitPoll no_poll;               // engine.next() here never runs the consumer's poll
     for (;;) {
       credits->acquire();
       if (stopping.load()) return;

@@ -658,7 +658,15 @@ bool Engine::epoch_live() const noexcept { return state_->live; }
 
 const WaitPoll& Engine::wait_poll() const noexcept { return state_->opt.wait_poll; }
 
+namespace {
+thread_local bool t_no_wait_poll = false;
+}  // namespace
+
+NoWaitPoll::NoWaitPoll() noexcept : previous_(t_no_wait_poll) { t_no_wait_poll = true; }
+NoWaitPoll::~NoWaitPoll() { t_no_wait_poll = previous_; }
+
 void WaitPoll::check() const {
+  if (t_no_wait_poll) return;
   if (fn && fn()) throw Interrupted("DataLoader: the wait for the next batch was interrupted (DataLoaderOptions::wait_poll)");
 }
 

@@ -25,6 +25,21 @@ class StopScope {
   const std::atomic<bool>* previous_;
 };
 
+/// DataLoaderOptions::wait_poll is the consumer's: a thread of the loader's own that waits on the
+/// engine (the pin thread) holds this for its lifetime, so WaitPoll::check() does nothing there and
+/// the poll never turns into a batch's error (an Interrupted stored at that batch's position would
+/// lose it).
+class NoWaitPoll {
+ public:
+  NoWaitPoll() noexcept;
+  ~NoWaitPoll();
+  NoWaitPoll(const NoWaitPoll&) = delete;
+  NoWaitPoll& operator=(const NoWaitPoll&) = delete;
+
+ private:
+  bool previous_;
+};
+
 class Thread {
  public:
   Thread() = default;
