@@ -254,7 +254,8 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   struct Context {
     nvjpegHandle_t handle = nullptr, fallback = nullptr;
     nvjpegJpegState_t state = nullptr, fallback_state = nullptr;
-    cudaStream_t stream = nullptr;
+    cuda::Stream owned_stream;           // the thread's stream (destroyed with the context)
+    cudaStream_t stream = nullptr;       // owned_stream's handle
     cudaEvent_t scratch_read = nullptr;  // recorded after the last kernel that read the scratch
     bool scratch_pending = false;        // scratch_read was recorded
     void* scratch = nullptr;
@@ -283,9 +284,8 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     }
     if (!c.handle) throw CudaError(std::string("GPU decode: nvjpegCreateEx failed for every backend: ") + nvjpeg_status(last));
     if (nvjpegJpegStateCreate(c.handle, &c.state) != NVJPEG_STATUS_SUCCESS) throw CudaError("GPU decode: nvjpegJpegStateCreate failed");
-    int lowest = 0, highest = 0;
-    check_cuda(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "cudaDeviceGetStreamPriorityRange");
-    check_cuda(cudaStreamCreateWithPriority(&c.stream, cudaStreamNonBlocking, high_priority ? highest : lowest), "cudaStreamCreate");
+    c.owned_stream = cuda::Stream::create(device_, high_priority);
+    c.stream = static_cast<cudaStream_t>(c.owned_stream.native());
     check_cuda(cudaEventCreateWithFlags(&c.scratch_read, cudaEventDisableTiming), "cudaEventCreate");
   }
 
@@ -293,7 +293,6 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     if (c.stream) cudaStreamSynchronize(c.stream);
     if (c.scratch) cudaFree(c.scratch);
     if (c.scratch_read) cudaEventDestroy(c.scratch_read);
-    if (c.stream) cudaStreamDestroy(c.stream);
     if (c.fallback_state) nvjpegJpegStateDestroy(c.fallback_state);
     if (c.fallback) nvjpegDestroy(c.fallback);
     if (c.state) nvjpegJpegStateDestroy(c.state);
