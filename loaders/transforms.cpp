@@ -17,6 +17,11 @@
 #include <sstream>
 #include <type_traits>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#define FERRY_PASS_SSE2 1
+#endif
+
 #include "ferry/core/error.h"
 #include "ferry/detail/pass_math.h"
 
@@ -146,6 +151,9 @@ void run_pass_c(const Image& in, const std::vector<Tap>& ty, const std::vector<T
 // The same pass for uint8 sources of 1 or 3 channels (decoded images), separated: each source row
 // the output needs is interpolated along x once, into a planar float row (two rows cached, so
 // an upscale reuses them), then each output row is one vectorizable lerp between two such rows.
+// The horizontal step converts the columns the pass reads to float first (one vectorized loop),
+// then runs one flat loop over the planar row, reading through precomputed offsets: no byte
+// loads or integer conversions in it, and a padded tap reads a zero kept past the row's end.
 // The float operations are the ones run_pass_c does, in the same order, so the values are the
 // same bit for bit (tests/loaders/test_transforms.cpp checks against pass_math.h).
 template <class Out, int kC, bool kRound>
@@ -153,23 +161,47 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
                    const float* b) {
   const auto* src = static_cast<const std::uint8_t*>(in.data);
   const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
-  thread_local std::vector<float> cache;
-  cache.resize(static_cast<std::size_t>(2 * kC * W));
-  float* slot[2] = {cache.data(), cache.data() + kC * W};
-  std::int64_t held[2] = {-1, -1};  // the source row in each slot
-  auto horizontal = [&](std::int64_t r, float* dst) {
-    const std::uint8_t* row = src + r * in.w * kC;
+  // The source columns [xa, xb) the taps read.
+  std::int64_t xa = in.w, xb = 0;
+  for (const Tap& t : tx)
+    if (t.i0 >= 0) {
+      xa = std::min({xa, t.i0, t.i1});
+      xb = std::max({xb, t.i0 + 1, t.i1 + 1});
+    }
+  if (xb <= xa) xa = xb = 0;
+  const std::int64_t span = (xb - xa) * kC;  // floats of a converted row; index `span` holds 0
+  struct Scratch {
+    std::vector<float> cache, row, w;
+    std::vector<std::int32_t> o0, o1;
+  };
+  thread_local Scratch sc;
+  sc.cache.resize(static_cast<std::size_t>(2 * kC * W));
+  sc.row.resize(static_cast<std::size_t>(span + 1));
+  sc.w.resize(static_cast<std::size_t>(kC * W));
+  sc.o0.resize(static_cast<std::size_t>(kC * W));
+  sc.o1.resize(static_cast<std::size_t>(kC * W));
+  for (int c = 0; c < kC; ++c)
     for (std::int64_t x = 0; x < W; ++x) {
       const Tap& t = tx[static_cast<std::size_t>(x)];
-      if (t.i0 < 0) {
-        for (int c = 0; c < kC; ++c) dst[c * W + x] = 0.f;
-        continue;
-      }
-      const std::uint8_t *p0 = row + t.i0 * kC, *p1 = row + t.i1 * kC;
-      for (int c = 0; c < kC; ++c) {
-        const float v0 = static_cast<float>(p0[c]), v1 = static_cast<float>(p1[c]);
-        dst[c * W + x] = v0 + (v1 - v0) * t.w;
-      }
+      const auto j = static_cast<std::size_t>(c * W + x);
+      const bool pad = t.i0 < 0;
+      sc.o0[j] = static_cast<std::int32_t>(pad ? span : (t.i0 - xa) * kC + c);
+      sc.o1[j] = static_cast<std::int32_t>(pad ? span : (t.i1 - xa) * kC + c);
+      sc.w[j] = pad ? 0.f : t.w;
+    }
+  sc.row[static_cast<std::size_t>(span)] = 0.f;
+  float* slot[2] = {sc.cache.data(), sc.cache.data() + kC * W};
+  std::int64_t held[2] = {-1, -1};  // the source row in each slot
+  auto horizontal = [&](std::int64_t r, float* __restrict dst) {
+    const std::uint8_t* __restrict row = src + (r * in.w + xa) * kC;
+    float* __restrict f = sc.row.data();
+    for (std::int64_t k = 0; k < span; ++k) f[k] = static_cast<float>(row[k]);
+    const std::int32_t* __restrict o0 = sc.o0.data();
+    const std::int32_t* __restrict o1 = sc.o1.data();
+    const float* __restrict w = sc.w.data();
+    for (std::int64_t j = 0; j < kC * W; ++j) {
+      const float v0 = f[o0[j]], v1 = f[o1[j]];
+      dst[j] = v0 + (v1 - v0) * w[j];
     }
   };
   auto fetch = [&](std::int64_t r, int avoid) {  // the slot holding row r, filling one not `avoid`
@@ -223,6 +255,147 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
   }
 }
 
+#ifdef FERRY_PASS_SSE2
+// Four floats to Out: one store for float, else each value through store_as.
+template <class Out>
+inline void store4(Out* p, __m128 v) {
+  if constexpr (std::is_same_v<Out, float>) {
+    _mm_storeu_ps(p, v);
+  } else {
+    alignas(16) float t[4];
+    _mm_store_ps(t, v);
+    for (int i = 0; i < 4; ++i) p[i] = store_as<Out>(t[i]);
+  }
+}
+
+// As round_even, four lanes.
+inline __m128 round_even4(__m128 v) {
+  const __m128 magic = _mm_set1_ps(12582912.0f);
+  return _mm_sub_ps(_mm_add_ps(v, magic), magic);
+}
+
+// run_pass_rows for 3-channel images on SSE2 (every x86-64), a pixel a vector: rows stay
+// interleaved (RGB RGB ...) as floats, a horizontal tap is two unaligned 4-float loads (the pixel
+// and the next one's first channel, which is ignored: a row keeps one float of slack, and a
+// padded tap reads four zeros past the converted row), and the vertical lerp and multiply-add
+// run on 12 floats (4 pixels) at a time, then are split into planes for CHW output. Each value
+// goes through the same float operations as run_pass_c, in the same order.
+template <class Out, bool kRound>
+void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector<Tap>& tx, Out* out, bool chw, const float* a,
+                  const float* b) {
+  constexpr int kC = 3;
+  const auto* src = static_cast<const std::uint8_t*>(in.data);
+  const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
+  std::int64_t xa = in.w, xb = 0;  // the source columns [xa, xb) the taps read
+  for (const Tap& t : tx)
+    if (t.i0 >= 0) {
+      xa = std::min({xa, t.i0, t.i1});
+      xb = std::max({xb, t.i0 + 1, t.i1 + 1});
+    }
+  if (xb <= xa) xa = xb = 0;
+  const std::int64_t span = (xb - xa) * kC;
+  struct Scratch {
+    std::vector<float> cache, row, w;
+    std::vector<std::int32_t> o0, o1;
+  };
+  thread_local Scratch sc;
+  const std::int64_t pitch = kC * W + 4;  // a cached row, with slack for the last pixel's 4-float store
+  sc.cache.resize(static_cast<std::size_t>(2 * pitch));
+  sc.row.assign(static_cast<std::size_t>(span + 4), 0.f);
+  sc.w.resize(static_cast<std::size_t>(W));
+  sc.o0.resize(static_cast<std::size_t>(W));
+  sc.o1.resize(static_cast<std::size_t>(W));
+  for (std::int64_t x = 0; x < W; ++x) {
+    const Tap& t = tx[static_cast<std::size_t>(x)];
+    const bool pad = t.i0 < 0;
+    sc.o0[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i0 - xa) * kC);
+    sc.o1[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i1 - xa) * kC);
+    sc.w[static_cast<std::size_t>(x)] = pad ? 0.f : t.w;
+  }
+  float* slot[2] = {sc.cache.data(), sc.cache.data() + pitch};
+  std::int64_t held[2] = {-1, -1};
+  auto horizontal = [&](std::int64_t r, float* __restrict dst) {
+    const std::uint8_t* __restrict row = src + (r * in.w + xa) * kC;
+    float* __restrict f = sc.row.data();
+    for (std::int64_t k = 0; k < span; ++k) f[k] = static_cast<float>(row[k]);
+    const std::int32_t* o0 = sc.o0.data();
+    const std::int32_t* o1 = sc.o1.data();
+    const float* w = sc.w.data();
+    for (std::int64_t x = 0; x < W; ++x) {
+      const __m128 v0 = _mm_loadu_ps(f + o0[x]), v1 = _mm_loadu_ps(f + o1[x]);
+      _mm_storeu_ps(dst + kC * x, _mm_add_ps(v0, _mm_mul_ps(_mm_sub_ps(v1, v0), _mm_set1_ps(w[x]))));
+    }
+  };
+  auto fetch = [&](std::int64_t r, int avoid) {
+    if (held[0] == r) return 0;
+    if (held[1] == r) return 1;
+    const int s = avoid == 0 ? 1 : 0;
+    horizontal(r, slot[s]);
+    held[s] = r;
+    return s;
+  };
+  // a and b over 4 pixels' 12 lanes: channel (i + lane) % 3 in vector i.
+  __m128 A[3], B[3];
+  for (int i = 0; i < 3; ++i) {
+    A[i] = _mm_setr_ps(a[(4 * i) % 3], a[(4 * i + 1) % 3], a[(4 * i + 2) % 3], a[(4 * i + 3) % 3]);
+    B[i] = _mm_setr_ps(b[(4 * i) % 3], b[(4 * i + 1) % 3], b[(4 * i + 2) % 3], b[(4 * i + 3) % 3]);
+  }
+  const std::int64_t W4 = W / 4 * 4;
+  for (std::int64_t y = 0; y < H; ++y) {
+    const Tap& r = ty[static_cast<std::size_t>(y)];
+    Out* planes[3] = {out + y * W, out + (H + y) * W, out + (2 * H + y) * W};  // chw
+    Out* hwc = out + y * W * kC;
+    auto put = [&](std::int64_t x, int c, float v) {  // one value, as run_pass_c writes it
+      const float o = a[c] * v + b[c];
+      if (chw) planes[c][x] = store_as<Out>(o);
+      else hwc[x * kC + c] = store_as<Out>(o);
+    };
+    if (r.i0 < 0) {  // a padded row
+      for (std::int64_t x = 0; x < W; ++x)
+        for (int c = 0; c < kC; ++c) put(x, c, 0.f);
+      continue;
+    }
+    const int s0 = fetch(r.i0, -1);
+    const int s1 = fetch(r.i1, s0);
+    const float* t = slot[s0];
+    const float* u = slot[s1];
+    const __m128 wy = _mm_set1_ps(r.w);
+    for (std::int64_t x = 0; x < W4; x += 4) {
+      __m128 v[3];
+      for (int i = 0; i < 3; ++i) {
+        const __m128 t4 = _mm_loadu_ps(t + kC * x + 4 * i), u4 = _mm_loadu_ps(u + kC * x + 4 * i);
+        __m128 e = _mm_add_ps(t4, _mm_mul_ps(_mm_sub_ps(u4, t4), wy));
+        if constexpr (kRound) e = round_even4(e);
+        v[i] = _mm_add_ps(_mm_mul_ps(A[i], e), B[i]);
+      }
+      if (!chw) {
+        for (int i = 0; i < 3; ++i) store4(hwc + kC * x + 4 * i, v[i]);
+        continue;
+      }
+      // v: r0 g0 b0 r1 | g1 b1 r2 g2 | b2 r3 g3 b3  ->  r0 r1 r2 r3 | g0 g1 g2 g3 | b0 b1 b2 b3
+      const __m128 p = _mm_shuffle_ps(v[0], v[0], _MM_SHUFFLE(2, 1, 3, 0));  // r0 r1 g0 b0
+      const __m128 q = _mm_shuffle_ps(v[1], v[2], _MM_SHUFFLE(0, 1, 3, 2));  // r2 g2 r3 b2
+      const __m128 R = _mm_shuffle_ps(p, q, _MM_SHUFFLE(2, 0, 1, 0));        // r0 r1 r2 r3
+      const __m128 g01 = _mm_shuffle_ps(v[0], v[1], _MM_SHUFFLE(0, 0, 1, 1));  // g0 g0 g1 g1
+      const __m128 g23 = _mm_shuffle_ps(v[1], v[2], _MM_SHUFFLE(2, 2, 3, 3));  // g2 g2 g3 g3
+      const __m128 G = _mm_shuffle_ps(g01, g23, _MM_SHUFFLE(2, 0, 2, 0));      // g0 g1 g2 g3
+      const __m128 b01 = _mm_shuffle_ps(v[0], v[1], _MM_SHUFFLE(1, 1, 2, 2));  // b0 b0 b1 b1
+      const __m128 b23 = _mm_shuffle_ps(v[2], v[2], _MM_SHUFFLE(3, 3, 0, 0));  // b2 b2 b3 b3
+      const __m128 Bv = _mm_shuffle_ps(b01, b23, _MM_SHUFFLE(2, 0, 2, 0));     // b0 b1 b2 b3
+      store4(planes[0] + x, R);
+      store4(planes[1] + x, G);
+      store4(planes[2] + x, Bv);
+    }
+    for (std::int64_t x = W4; x < W; ++x)
+      for (int c = 0; c < kC; ++c) {
+        float e = t[kC * x + c] + (u[kC * x + c] - t[kC * x + c]) * r.w;
+        if constexpr (kRound) e = round_even(e);
+        put(x, c, e);
+      }
+  }
+}
+#endif
+
 // One bilinear pass from `in` into `out`. Output is HWC, or CHW when `chw`; `round` rounds the
 // interpolated value (uint8 semantics); the value written is a[c] * v + b[c].
 template <class In, class Out>
@@ -231,7 +404,11 @@ void run_pass(const Image& in, const Axis& ay, const Axis& ax, Out* out, bool ch
   const std::vector<Tap> ty = taps(ay), tx = taps(ax);
   auto with = [&]<bool kRound>() {
     if constexpr (std::is_same_v<In, std::uint8_t>) {
+#ifdef FERRY_PASS_SSE2
+      if (in.c == 3) return run_pass_rgb<Out, kRound>(in, ty, tx, out, chw, a, b);
+#else
       if (in.c == 3) return run_pass_rows<Out, 3, kRound>(in, ty, tx, out, chw, a, b);
+#endif
       if (in.c == 1) return run_pass_rows<Out, 1, kRound>(in, ty, tx, out, chw, a, b);
     }
     switch (in.c) {

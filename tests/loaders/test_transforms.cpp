@@ -173,8 +173,21 @@ TEST_CASE("a transform's single-pass plan, evaluated per pixel, equals apply_int
   transforms.emplace_back("train uint8", ImageTransform().random_resized_crop(16, 16).horizontal_flip());
   transforms.emplace_back("eval", ImageTransform().resize_shorter(18).center_crop(16, 16).to_float());
   transforms.emplace_back("upscale + pad", ImageTransform().center_crop(40, 44).horizontal_flip(1.0).to_float());
+  // Every output the 3-channel fast path writes: HWC floats, 16-bit floats, widths that are not
+  // a multiple of its 4 pixels, padding on both axes.
+  transforms.emplace_back("train channels_last", ImageTransform().random_resized_crop(23, 21).horizontal_flip().to_float().channels_last().normalize(
+                                                     {0.485f}, {0.229f}));
+  transforms.emplace_back("train bfloat16", ImageTransform().random_resized_crop(22, 19).horizontal_flip().to_float(DType::BFloat16).normalize(
+                                                {0.5f}, {0.25f}));
+  transforms.emplace_back("eval float16 + pad", ImageTransform().resize_shorter(17).center_crop(21, 27).to_float(DType::Float16));
+  // Per-channel means and stds (3 channels only): each channel's own multiply-add.
+  transforms.emplace_back("train rgb", ImageTransform().random_resized_crop(25, 22).horizontal_flip().to_float().normalize(
+                                           {0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f}));
+  transforms.emplace_back("train rgb channels_last", ImageTransform().random_resized_crop(21, 26).horizontal_flip().to_float().channels_last().normalize(
+                                                         {0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f}));
   for (auto& [name, t] : transforms) {
     for (int channels : {1, 3}) {
+      if (channels == 1 && name.starts_with("train rgb")) continue;
       for (std::uint64_t seed = 0; seed < 40; ++seed) {
         INFO(name << ", channels " << channels << ", seed " << seed);
         Generator shape_rng(seed, 99);
@@ -196,7 +209,10 @@ TEST_CASE("a transform's single-pass plan, evaluated per pixel, equals apply_int
                                                  detail::pass_tap(ax, x), c, plan->round);
               if (plan->to_float) {
                 const float got = plan->a[c] * v + plan->b[c];
-                mismatches += got != want.data<float>()[(c * OH + y) * OW + x];
+                const std::int64_t at = plan->channels_last ? (y * OW + x) * channels + c : (c * OH + y) * OW + x;
+                if (plan->out_dtype == DType::Float16) mismatches += detail::pass_f16_bits(got) != want.data<Half>()[at].bits;
+                else if (plan->out_dtype == DType::BFloat16) mismatches += detail::pass_bf16_bits(got) != want.data<BFloat16>()[at].bits;
+                else mismatches += got != want.data<float>()[at];
               } else {
                 mismatches += detail::pass_store_u8(v, plan->a[c], plan->b[c]) != want.data<std::uint8_t>()[(y * OW + x) * channels + c];
               }
