@@ -15,26 +15,37 @@
 // With --tar DIR: the same files written as WebDataset shards (DIR/shard-NNN.tar, 1,000 records
 // each, made once) and the row of TarImages (indexed shards) with GPU decode.
 //
-// Then a training loop (persistent workers): each step is a fixed amount of arithmetic on every
-// SM (4 or 2 blocks of 256 threads a SM, one kernel or 40), calibrated to about --step-ms alone,
-// on the batch's stream, then a synchronize. GPU waiting
-// for data = 1 - steps x (the step alone, wall) / wall, and the part of it spent waiting for an
-// epoch's first batch; the step's slowdown = its GPU time (events) in the loop over its GPU time
-// alone: what sharing the GPU with the decode costs the step.
+// Then a training loop (persistent workers): each step is either cuBLAS bfloat16 products of
+// 4096 x 4096 matrices (bench/matmul_step.h; built where CMake finds cuBLAS) or a fixed amount of
+// arithmetic on every SM (4 or 2 blocks of 256 threads a SM, one kernel or 40), calibrated to
+// about --step-ms alone, on the batch's stream, then a synchronize, so the GPU is idle from the
+// end of a step until the next batch is in hand. GPU waiting for data = the sum of those waits
+// (timed on the host) over the wall time, and the part of it spent waiting for an epoch's first
+// batch; the step's slowdown = its GPU time (events) in the loop over its GPU time alone: what
+// sharing the GPU with the decode costs the step; wall lost = 1 - steps x (the step alone, wall)
+// / wall: the two together.
+//
+// nvJPEG launches its kernels on streams of its own (Note [Decode threads]); with CUDA's default of
+// 8 hardware queues they share the step's and wait behind its kernels. Unless the environment
+// says otherwise, this program sets CUDA_DEVICE_MAX_CONNECTIONS=32 before its first CUDA call.
 //
 // With --trace-dir DIR, each training loop writes its loader's Chrome trace there
-// (loop-<gpu|cpu>-<kernels>-b<blocks>-t<decode threads>.json), and each loop says the decode's GPU time a batch.
+// (loop-<gpu|cpu>-<matmul | kernels-b<blocks>>-t<decode threads>.json), and each loop says the decode's GPU time a batch.
 //
 // Usage: bench_gpu_decode --photos DIR [--tar DIR] [--loop-only] [--runs N] [--step-ms 20] [--steps 100 (0: no training loop)]
+//                         [--step all|matmul|arith] [--decode-threads 1,2] [--step-kernels 1,40] [--step-blocks 4,2]
 //                         [--trace-dir DIR]
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <thread>
@@ -50,6 +61,9 @@
 #endif
 #ifdef FERRY_BENCH_TRAINING_LOOP
 #include "work_step.h"
+#ifdef FERRY_BENCH_CUBLAS
+#include "matmul_step.h"
+#endif
 #endif
 
 using namespace ferry;
@@ -160,12 +174,32 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
   if (!trace_dir.empty()) o.trace = std::make_shared<TraceRecorder>(1 << 20);
   DataLoader loader(images(photos, decode), o);
   cuda::DeviceGuard guard(0);
-  const bench::WorkStep work = bench::WorkStep::calibrate(*loader.stream(), step_ms, kernels, blocks_per_sm);
-  const double alone_wall = work.alone_wall_ms, alone_gpu = work.alone_gpu_ms;
+  // blocks_per_sm 0: the step is cuBLAS matrix products (bench/matmul_step.h), `kernels` of them
+  std::function<void(const cuda::Stream&)> launch;
+  double alone_wall = 0, alone_gpu = 0;
+  std::string footprint = std::to_string(blocks_per_sm);
+  std::shared_ptr<bench::MatmulStep> mm;
+  if (blocks_per_sm == 0) {
+#ifdef FERRY_BENCH_CUBLAS
+    mm = bench::MatmulStep::calibrate(*loader.stream(), step_ms);
+    kernels = mm->count;
+    alone_wall = mm->alone_wall_ms;
+    alone_gpu = mm->alone_gpu_ms;
+    footprint = "cuBLAS " + std::to_string(mm->n) + "³ bf16";
+    launch = [mm](const cuda::Stream& s) { mm->launch(s); };
+#else
+    return;
+#endif
+  } else {
+    const bench::WorkStep work = bench::WorkStep::calibrate(*loader.stream(), step_ms, kernels, blocks_per_sm);
+    alone_wall = work.alone_wall_ms;
+    alone_gpu = work.alone_gpu_ms;
+    launch = [work](const cuda::Stream& s) { work.launch(s); };
+  }
   cuda::Event e0 = cuda::Event::create(0, true), e1 = cuda::Event::create(0, true);
   // The loop: 10 unmeasured steps, then `steps`, across epochs; the wait for each batch is timed
   // on the host (from the end of the last step to the batch in hand).
-  double loop_gpu = 0, epoch_start_wait = 0;
+  double loop_gpu = 0, epoch_start_wait = 0, wait = 0;
   int step = 0, epochs_started = 0;
   Clock::time_point t0 = Clock::now(), last = t0;
   while (step < steps + 10) {
@@ -175,13 +209,17 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
       const auto now = Clock::now();
       if (step == 10) t0 = now;
       if (step == steps + 10) break;
-      if (step > 10 && first) {
-        epoch_start_wait += std::chrono::duration<double, std::milli>(now - last).count();
-        ++epochs_started;
+      if (step > 10) {
+        const double waited = std::chrono::duration<double, std::milli>(now - last).count();
+        wait += waited;
+        if (first) {
+          epoch_start_wait += waited;
+          ++epochs_started;
+        }
       }
       first = false;
       e0.record(*loader.stream());
-      work.launch(*loader.stream());
+      launch(*loader.stream());
       e1.record(*loader.stream());
       loader.stream()->synchronize();
       if (step >= 10) loop_gpu += cuda::Event::elapsed_ms(e0, e1);
@@ -191,10 +229,10 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
   }
   const double wall = std::chrono::duration<double, std::milli>(last - t0).count();
   const std::string threads = decode == ImageFolderOptions::Decode::Gpu ? std::to_string(decode_threads) : "-";
-  std::printf("| ferry, %s decode, %d workers | %s | %d | %d | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% |\n",
-              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, threads.c_str(), kernels, blocks_per_sm, alone_wall, alone_gpu, steps,
-              100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall), 100.0 * epoch_start_wait / wall, epochs_started,
-              100.0 * (loop_gpu / steps / alone_gpu - 1.0));
+  std::printf("| ferry, %s decode, %d workers | %s | %d | %s | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% | %.2f%% |\n",
+              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, threads.c_str(), kernels, footprint.c_str(), alone_wall, alone_gpu, steps,
+              100.0 * wait / wall, 100.0 * epoch_start_wait / wall, epochs_started, 100.0 * (loop_gpu / steps / alone_gpu - 1.0),
+              100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall));
   std::fflush(stdout);
   const LoaderStats st = loader.stats();
   if (st.batches > 0 && st.decode_seconds > 0)
@@ -202,7 +240,7 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
                  1e3 * st.decode_seconds / static_cast<double>(st.batches));
   if (o.trace) {
     const std::string path = trace_dir + "/loop-" + (decode == ImageFolderOptions::Decode::Gpu ? "gpu" : "cpu") + "-" +
-                             std::to_string(kernels) + "-b" + std::to_string(blocks_per_sm) + "-t" + threads + ".json";
+                             (mm ? "matmul" : std::to_string(kernels) + "-b" + std::to_string(blocks_per_sm)) + "-t" + threads + ".json";
     std::ofstream f(path);
     o.trace->write_chrome_json(f);
   }
@@ -300,10 +338,23 @@ Row nvjpeg_ceiling(const std::string& photos, int runs, int threads) {
 }
 #endif
 
+// "1,2,4" -> {1, 2, 4}
+std::vector<int> int_list(const std::string& s) {
+  std::vector<int> v;
+  for (std::size_t k = 0; k < s.size();) {
+    const std::size_t e = std::min(s.find(',', k), s.size());
+    v.push_back(std::atoi(s.substr(k, e - k).c_str()));
+    k = e + 1;
+  }
+  return v;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string photos, tar, trace_dir;
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);  // before any CUDA call; an explicit value stays
+  std::string photos, tar, trace_dir, step_kind = "all";
+  std::vector<int> decode_threads = {1, 2}, step_kernels = {1, 40}, step_blocks = {4, 2};
   bool loop_only = false;
   int runs = 3, steps = 100;
   double step_ms = 20;
@@ -312,6 +363,10 @@ int main(int argc, char** argv) {
     if (a == "--photos" && i + 1 < argc) photos = argv[++i];
     else if (a == "--tar" && i + 1 < argc) tar = argv[++i];
     else if (a == "--loop-only") loop_only = true;
+    else if (a == "--step" && i + 1 < argc) step_kind = argv[++i];
+    else if (a == "--decode-threads" && i + 1 < argc) decode_threads = int_list(argv[++i]);
+    else if (a == "--step-kernels" && i + 1 < argc) step_kernels = int_list(argv[++i]);
+    else if (a == "--step-blocks" && i + 1 < argc) step_blocks = int_list(argv[++i]);
     else if (a == "--trace-dir" && i + 1 < argc) trace_dir = argv[++i];
     else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
     else if (a == "--step-ms" && i + 1 < argc) step_ms = std::atof(argv[++i]);
@@ -322,8 +377,9 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  std::printf("bench_gpu_decode: %s, %d hardware threads; RandomResizedCrop 224 + flip + to_float + normalize, batch 256, on cuda:0\n\n",
-              photos.c_str(), cores);
+  std::printf("bench_gpu_decode: %s, %d hardware threads; RandomResizedCrop 224 + flip + to_float + normalize, batch 256, on cuda:0; "
+              "CUDA_DEVICE_MAX_CONNECTIONS=%s\n\n",
+              photos.c_str(), cores, std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"));
   double ceiling = 0;
 #ifdef FERRY_BENCH_NVJPEG
   const Row c = loop_only ? Row{} : nvjpeg_ceiling(photos, runs, 1);
@@ -356,16 +412,23 @@ int main(int argc, char** argv) {
 #ifdef FERRY_BENCH_TRAINING_LOOP
   if (steps > 0) std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
   if (steps > 0) {
-    std::printf("| loader | decode threads | kernels a step | step's blocks of 256 a SM | step alone (wall) | step alone (GPU) | steps | "
-                "GPU waiting for data | of it, for an epoch's first batch | step's GPU time vs. alone |\n"
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
-    // The step's footprint decides what nvJPEG gets of the GPU (Note [Decode threads]): 4 blocks
-    // of 256 a SM (half an SM's threads) and 2; one long kernel, and 40 short ones.
-    for (int kernels : {1, 40})
-      for (int blocks : {4, 2})
-        for (int threads : {1, 2})
-          training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, kernels, blocks, threads, trace_dir);
-    if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 40, 4, 2, trace_dir);
+    std::printf("| loader | decode threads | kernels a step | step's blocks of 256 a SM, or its products | step alone (wall) | step alone (GPU) | steps | "
+                "GPU waiting for data | of it, for an epoch's first batch | step's GPU time vs. alone | wall lost vs. steps alone |\n"
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    // The step's footprint decides what nvJPEG gets of the GPU (Note [Decode threads]). Matrix
+    // products (a model's step: short blocks that fill an SM); then the arithmetic kernel, whose
+    // blocks hold 4 or 2 of 8 blocks of 256 a SM for the whole kernel, as one long kernel and as 40.
+    if (step_kind != "arith") {
+      for (int threads : decode_threads) training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, 0, 0, threads, trace_dir);
+      if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 0, 0, 2, trace_dir);
+    }
+    if (step_kind != "matmul") {
+      for (int kernels : step_kernels)
+        for (int blocks : step_blocks)
+          for (int threads : decode_threads)
+            training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, kernels, blocks, threads, trace_dir);
+      if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 40, 4, 2, trace_dir);
+    }
   }
 #endif
   (void)step_ms;

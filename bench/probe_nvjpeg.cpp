@@ -7,7 +7,9 @@
 //   3. beside a step (a thread keeps a stream busy with 20 ms launches of --blocks-per-sm blocks
 //      of 256 threads a SM; 0 kernels: no step) with 1 to 3 threads decoding, each its own
 //      handle, state and stream: images/s, the call's time, and the step's time meanwhile.
-// Usage: probe_nvjpeg DIR [--batch 256] [--blocks-per-sm 4] [--no-ordering]
+// With --alone-only it stops after 1 and prints the stream IDs (cudaStreamGetId) of the decode's
+// stream and the legacy default stream, to read beside a profiler's kernel list.
+// Usage: probe_nvjpeg DIR [--batch 256] [--blocks-per-sm 4] [--no-ordering] [--alone-only]
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
 
@@ -75,12 +77,13 @@ int main(int argc, char** argv) {
     return 2;
   }
   int B = 256, bps = 4;
-  bool ordering = true;
+  bool ordering = true, alone_only = false;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--batch" && i + 1 < argc) B = std::atoi(argv[++i]);
     else if (a == "--blocks-per-sm" && i + 1 < argc) bps = std::atoi(argv[++i]);
     else if (a == "--no-ordering") ordering = false;
+    else if (a == "--alone-only") alone_only = true;
   }
   CK(cudaSetDevice(0));
   int sms = 0;
@@ -120,6 +123,13 @@ int main(int argc, char** argv) {
     for (int i = 0; i < n; ++i) { call += d0.decode(data, len); auto t = Clock::now(); CK(cudaStreamSynchronize(d0.s)); sync += ms_since(t); }
     double wall = ms_since(t0);
     std::printf("alone, 1 thread: call %.2f ms, then sync %.2f ms a batch; %.0f images/s\n", call / n, sync / n, n * B * 1000.0 / wall);
+  }
+  if (alone_only) {
+    unsigned long long id = 0, legacy = 0;
+    CK(cudaStreamGetId(d0.s, &id));
+    CK(cudaStreamGetId(cudaStreamLegacy, &legacy));
+    std::printf("stream IDs: the decode's %llu, the legacy default stream %llu\n", id, legacy);
+    return 0;
   }
   // 2. Ordering: 60 ms of work, then a memset of the output to 0xAB on the stream, then the decode.
   if (ordering) {

@@ -1,6 +1,7 @@
 // The device stage: see Note [Device stage] in include/ferry/pinning/device.h.
 #include "ferry/pinning/device.h"
 
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -15,6 +16,21 @@
 #include "gpu_decode.h"
 
 namespace ferry {
+namespace {
+// nvJPEG's hardware decode runs a kernel an image on streams of its own (14 a decoder thread on
+// an H100), and CUDA maps every stream onto one of CUDA_DEVICE_MAX_CONNECTIONS hardware queues, 8
+// by default: those kernels then share the consumer stream's queue and wait behind its kernels
+// (Note [Decode threads]). The variable counts only when set before the process's first CUDA call.
+void warn_if_few_hardware_queues() {
+  const char* v = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  if (v && std::atoi(v) >= 32) return;
+  detail::warn_once("gpu-decode-connections",
+                    std::string("GPU decode: CUDA_DEVICE_MAX_CONNECTIONS is ") + (v ? v : "unset (8 hardware queues)") +
+                        ". nvJPEG's kernels run on streams of their own that then share the training stream's hardware "
+                        "queues and wait behind its kernels, and the GPU waits for data (bench/RESULTS.md). Set "
+                        "CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before the process's first CUDA call.");
+}
+}  // namespace
 
 struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   struct Buffer {
@@ -155,6 +171,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
                   std::to_string(detail::kEncodedIndexWords) + "] index and its device copy; got " + bytes.str() + ", " +
                   index.str() + ", " + index_dev.str());
     if (!decoder) {
+      warn_if_few_hardware_queues();
       auto made = detail::make_gpu_jpeg_decoder(opt.device, opt.decode_threads, opt.high_priority);
       std::lock_guard l(stats_mu);  // stats() and decode_backend() read it on the consumer's thread
       decoder = std::move(made);

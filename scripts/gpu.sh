@@ -15,7 +15,8 @@
 # decode on the 500x375 set (image folder and indexed tar shards, with the training loop),
 # `ferry bench image_folder|tar_index ...,decode=gpu`, and where build/old-src holds an older source
 # tree, the CPU path before and after, built the same way, in one run.
-# images-loop: bench_gpu_decode's training loop alone. BUILD_TARGETS (any mode): build only these.
+# images-loop: bench_gpu_decode's training loop alone (LOOP_ARGS: more arguments, e.g. --step matmul).
+# BUILD_TARGETS (any mode): build only these.
 # images-peers: torchvision's GPU decode and PyTorch's DataLoader on the 500x375 set, then ferry
 # and both peers on the 1500x1000 tiles (build/bench-data/photos-1500).
 # multi (a host with 2 GPUs): the host's NUMA and PCIe layout, the GPU suite with both GPUs
@@ -134,7 +135,7 @@ if [ "$what" = images ]; then
 fi
 if [ "$what" = images-loop ]; then  # the training loop alone (steps of 1 and 40 kernels, priority off and on)
   links build/bench-data/photos /tmp/ferry-photos60 60
-  timeout 200 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --loop-only --step-ms 20 --steps 200 2>&1 | tee "$OUT/bench_gpu_decode-loop.md"
+  timeout 200 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --loop-only --step-ms 20 --steps 200 ${LOOP_ARGS:-} 2>&1 | tee "$OUT/bench_gpu_decode-loop.md"
 fi
 if [ "$what" = images-peers ]; then
   # The peers on the 500x375 set, then ferry and the peers on the 1500x1000 tiles (build/bench-data/photos-1500).

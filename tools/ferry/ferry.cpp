@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -367,6 +368,9 @@ int tune(Flags base, int cpus, double seconds_per_trial) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // nvJPEG's kernels run on streams of its own, which with CUDA's default of 8 hardware queues wait
+  // behind the consumer's work (Note [Decode threads]); an explicit value in the environment stays.
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   CLI::App app{"ferry: benchmark, tune and trace ferry data loaders"};
   app.require_subcommand(1);
 
