@@ -14,7 +14,8 @@
 # images: the image path alone, most important first (for short device time): the GPU suite, GPU
 # decode on the 500x375 set (image folder and indexed tar shards, with the training loop),
 # `ferry bench image_folder|tar_index ...,decode=gpu`, and where build/old-src holds an older source
-# tree, the CPU path before and after, built the same way, in one run.
+# tree, the CPU path before and after, built the same way, in one run. IMAGES_ARGS: more arguments
+# for bench_gpu_decode (e.g. --step-kernels 40 --step-blocks 4 for fewer training-loop rows).
 # images-loop: bench_gpu_decode's training loop alone (LOOP_ARGS: more arguments, e.g. --step matmul).
 # BUILD_TARGETS (any mode): build only these.
 # images-peers: torchvision's GPU decode and PyTorch's DataLoader on the 500x375 set, then ferry
@@ -120,8 +121,8 @@ if [ "$what" = images ]; then
   (FERRY_REQUIRE_GPU=1 timeout 150 build/gpu/tests/test_gpu ${GPU_TESTS:-} 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
   grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
   links build/bench-data/photos /tmp/ferry-photos60 60
-  timeout 200 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --tar /tmp/ferry-shards60 --runs 3 --step-ms 20 --steps 200 \
-    2>&1 | tee "$OUT/bench_gpu_decode.md"
+  timeout 300 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --tar /tmp/ferry-shards60 --runs 3 --step-ms 20 --steps 200 \
+    ${IMAGES_ARGS:-} 2>&1 | tee "$OUT/bench_gpu_decode.md"
   M=random_crop=1,mean=0.485:0.456:0.406,std=0.229:0.224:0.225,decode=gpu
   { timeout 40 build/gpu/ferry bench image_folder -b 256 -w 2 --device 0 -n 30 -c root=/tmp/ferry-photos60,$M; echo
     timeout 40 build/gpu/ferry bench tar_index -b 256 -w 2 --device 0 -n 30 -c dir=/tmp/ferry-shards60,$M; } 2>&1 | tee "$OUT/ferry-gpu-decode.txt"
