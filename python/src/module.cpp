@@ -251,7 +251,7 @@ ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int 
                                       std::uint64_t seed, std::optional<int> device, bool in_order,
                                       const std::string& on_error, std::size_t max_errors, double max_error_fraction,
                                       const std::string& gather, std::optional<std::size_t> pinned_memory_limit,
-                                      std::uintptr_t stream, std::int64_t trace_batches) {
+                                      std::uintptr_t stream, std::int64_t trace_batches, int gpu_decode_threads) {
   ferry::DataLoaderOptions o;
   if (batch_size == 0) throw ferry::Error("DataLoader: batch_size must be >= 1");
   o.batch_size = batch_size;
@@ -264,6 +264,9 @@ ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int 
   o.prefetch_factor = prefetch_factor;
   o.persistent_workers = persistent_workers;
   o.seed = seed;
+  if (gpu_decode_threads < 1)
+    throw ferry::Error("DataLoader: gpu_decode_threads must be >= 1, got " + std::to_string(gpu_decode_threads));
+  o.gpu_decode_threads = gpu_decode_threads;
   if (device) {
     if (*device < 0) throw ferry::Error("DataLoader: device must be a CUDA device index >= 0, got " + std::to_string(*device));
     o.device = *device;
@@ -448,7 +451,7 @@ NB_MODULE(_ferry, m) {
   m.def("make_options", &make_options, "batch_size"_a, "shuffle"_a, "num_workers"_a, "pin_memory"_a, "drop_last"_a,
         "timeout"_a, "prefetch_factor"_a, "persistent_workers"_a, "seed"_a, "device"_a.none(), "in_order"_a,
         "on_error"_a, "max_errors"_a, "max_error_fraction"_a, "gather"_a, "pinned_memory_limit"_a.none(),
-        "stream"_a, "trace_batches"_a);
+        "stream"_a, "trace_batches"_a, "gpu_decode_threads"_a = 2);
 
   nb::class_<PyLoader>(m, "Loader")
       .def(nb::init<const PyDataset&, ferry::DataLoaderOptions, nb::object>(), "dataset"_a, "options"_a, "convert"_a.none())

@@ -103,7 +103,7 @@ def test_gpu_decode_from_python(tmp_path):
             (tmp_path / c / f"{i}.jpg").write_bytes(tv.encode_jpeg(torch.from_numpy(img), quality=90).numpy().tobytes())
     kw = dict(size=64, random_crop=True, mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25])
     gpu = ferry.DataLoader(ferry.datasets.image_folder(str(tmp_path), decode="gpu", **kw), batch_size=8, shuffle=True,
-                           seed=9, num_workers=2, device=0)
+                           seed=9, num_workers=2, device=0, gpu_decode_threads=1)
     cpu = ferry.DataLoader(ferry.datasets.image_folder(str(tmp_path), **kw), batch_size=8, shuffle=True, seed=9)
     n = 0
     for (gi, gl), (ci, cl) in zip(gpu, cpu):
@@ -114,3 +114,4 @@ def test_gpu_decode_from_python(tmp_path):
         n += 1
     assert n == 5
     assert gpu.stats()["images_decoded"] == 40
+    assert gpu.stats()["decode_threads"] == 1
