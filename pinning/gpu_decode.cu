@@ -204,11 +204,18 @@ class DecodeMemory {
 // So the decoder has threads (DataLoaderOptions::gpu_decode_threads, 2 by default), each with its
 // own nvJPEG handle and state, stream and scratch, which take the batches' decodes in turn from
 // a queue; the pin thread only queues them (DeviceStage::end). Two decodes run at once: 41,673
-// images/s against 26,708 for one, alone (bench_gpu_decode's ceiling rows, H100). Beside a
-// training step the gain depends on the room the step leaves on the SMs for nvJPEG's own kernels
-// (bench/RESULTS.md "Images: decode threads"). Before a thread's decode writes its
-// scratch, it waits on the host for the event recorded after the fused kernel that last read that
-// scratch; a scratch that grows is replaced only once the thread's stream has drained. The
+// images/s against 26,708 for one, alone (bench_gpu_decode's ceiling rows, H100).
+// Beside a training step, what the decode gets is decided by where its kernels queue: nvJPEG runs
+// a kernel an image (rgba2rgb) on 14 streams of its own a handle, not on the stream it is given
+// (Nsight Compute over bench/probe_nvjpeg --alone-only), so that stream's priority never applies to
+// them. CUDA maps streams onto CUDA_DEVICE_MAX_CONNECTIONS hardware queues, 8 by default; there
+// nvJPEG's streams share the step's queue and each kernel waits behind the step's kernels queued
+// before it (15-22% of a loop of 20 ms steps waiting for data; 1-2% at 32 queues, bench/RESULTS.md
+// "Images: nvJPEG's kernels and the hardware queues"). The variable counts only before CUDA
+// starts, so DeviceStage warns when it is lower than 32 rather than setting it.
+// Before a thread's decode writes its scratch, it waits on the host for the event recorded after
+// the fused kernel that last read that scratch; a scratch that grows is replaced only once the
+// thread's stream has drained. The
 // fused kernel waits on the device for the batch's copies (its index, its output buffer's
 // release), and the batch's fence is a deferred EventFence recorded after it: the consumer's
 // hand-over (DeviceStage::deliver) waits for the record, then for the event on the device, and

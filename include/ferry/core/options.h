@@ -122,13 +122,17 @@ struct DataLoaderOptions {
   /// kernels are scheduled ahead of the step's waiting blocks rather than after the step's kernels
   /// end. Off by default: measured with GPU decode beside a step that fills the GPU (one kernel or
   /// 40 short ones), it changed nothing (bench/RESULTS.md "Images: decode memory in the stream's
-  /// order"; bench_gpu_decode --loop-only compares both).
+  /// order"; bench_gpu_decode --loop-only compares both): nvJPEG runs its kernels on streams of
+  /// its own, which this priority does not reach (see gpu_decode_threads).
   bool high_priority_copies = false;
   /// With `device` and GPU decode (ImageFolderOptions::decode = Gpu, TarImages): threads that
   /// issue the batches' decodes, each with its own nvJPEG state, stream and decode scratch (GPU
   /// memory for one batch's decoded images), so that this many batches decode at once. nvJPEG's
   /// hardware backend holds the thread that calls it for the whole decode (Note [Decode threads]
-  /// in pinning/gpu_decode.cu).
+  /// in pinning/gpu_decode.cu). 2 deliver about 1.5x what 1 does; 1 keeps about one CPU core
+  /// less busy and, beside a training step, usually leaves the GPU waiting less. Beside a step, set
+  /// CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts: at CUDA's default of 8,
+  /// nvJPEG's kernels wait behind the step's (a warning says so once).
   int gpu_decode_threads = 2;
   /// Called on the consumer thread about every `wait_poll_period` while it waits for a batch;
   /// returning true (or throwing) ends that wait with ferry::Interrupted (or the exception), and
