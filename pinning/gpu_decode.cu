@@ -201,7 +201,7 @@ class DecodeMemory {
 //  * Its writes are not ordered after work queued before it on its stream: they happen during the
 //    call, while kernels queued earlier may still read the buffer. A cudaStreamWaitEvent does not
 //    hold them back either; only a host wait does.
-// So the decoder has threads (DataLoaderOptions::gpu_decode_threads, 2 by default), each with its
+// So the decoder has threads (DataLoaderOptions::gpu_decode_threads, 1 by default), each with its
 // own nvJPEG handle and state, stream and scratch, which take the batches' decodes in turn from
 // a queue; the pin thread only queues them (DeviceStage::end). Two decodes run at once: 41,673
 // images/s against 26,708 for one, alone (bench_gpu_decode's ceiling rows, H100).

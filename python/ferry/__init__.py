@@ -118,8 +118,8 @@ class DataLoader:
         gpu_decode_threads: with device and a dataset that decodes on the GPU
             (``image_folder(..., decode="gpu")``, ``tar_index``), how many batches nvJPEG decodes at
             once, each on a thread of its own that is busy for the whole decode (C++
-            DataLoaderOptions::gpu_decode_threads). 2 delivers about 1.5x what 1 does; 1 takes about
-            one CPU core less and shares the GPU with a training step more gently. Set
+            DataLoaderOptions::gpu_decode_threads). 1 (the default) shares the GPU with a training
+            step most gently; 2 deliver about 1.5x as many images on about one CPU core more. Set
             CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts: nvJPEG's kernels
             otherwise wait behind the step's (ferry logs a warning).
     """
@@ -145,7 +145,7 @@ class DataLoader:
         pinned_memory_limit: Optional[int] = None,
         stream: Any = None,
         trace_batches: int = 0,
-        gpu_decode_threads: int = 2,
+        gpu_decode_threads: int = 1,
         **unsupported: Any,
     ) -> None:
         for name in unsupported:

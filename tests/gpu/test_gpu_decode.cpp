@@ -71,7 +71,9 @@ TEST_CASE("GPU-decoded batches match the CPU path for every image", "[gpu][decod
   ImageFolder cpu(dir / "root", train_options(ImageFolderOptions::Decode::Cpu));
   ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
   DataLoader cpu_loader(cpu, loader_options(2));
-  DataLoader gpu_loader(gpu, loader_options(3));
+  DataLoaderOptions two = loader_options(3);
+  two.gpu_decode_threads = 2;  // more than the default: batches decoded at once still land in order
+  DataLoader gpu_loader(gpu, two);
   auto a = cpu_loader.begin();
   auto b = gpu_loader.begin();
   double sum = 0, worst = 0;
@@ -98,6 +100,7 @@ TEST_CASE("GPU-decoded batches match the CPU path for every image", "[gpu][decod
   const bool done = b == gpu_loader.end();
   CHECK(done);
   CHECK(images == 120);
+  CHECK(gpu_loader.stats().decode_threads == 2);
   const double mean = sum / static_cast<double>(values);
   std::printf("GPU decode vs CPU path over %zu images (backend %s): mean |diff| %.3f, max %.2f (pixel units)\n", images,
               gpu_loader.device_stage()->decode_backend().c_str(), mean, worst);
@@ -128,9 +131,12 @@ TEST_CASE("GPU decode beside a step that fills every SM: every batch still equal
   make_folder(dir, 24);
   ImageFolder cpu(dir / "root", train_options(ImageFolderOptions::Decode::Cpu));
   ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
+  const int threads = GENERATE(1, 2);  // decode threads: one scratch reused, and two in turn
+  INFO("decode threads: " << threads);
   DataLoaderOptions o = loader_options(2);
   o.batch_size = 8;
   o.persistent_workers = true;
+  o.gpu_decode_threads = threads;
   DataLoader cpu_loader(cpu, o);
   DataLoader gpu_loader(gpu, o);
   // The step: full blocks of arithmetic on every SM, about 15 ms.
@@ -170,8 +176,8 @@ TEST_CASE("GPU decode beside a step that fills every SM: every batch still equal
   }
   CHECK(batches == 24);
   CHECK(gpu_loader.device_stage()->stats().images_decoded >= 192);  // decoded on the GPU
-  std::printf("GPU decode beside a full-SM step, %zu batches: mean |diff| %.3f, max %.2f (pixel units)\n", batches,
-              sum / static_cast<double>(values), worst);
+  std::printf("GPU decode beside a full-SM step, %d decode thread(s), %zu batches: mean |diff| %.3f, max %.2f (pixel units)\n",
+              threads, batches, sum / static_cast<double>(values), worst);
   CHECK(sum / static_cast<double>(values) < 1.5);  // as in the first test: nvJPEG's IDCT differs a little
   CHECK(worst < 48);
 }

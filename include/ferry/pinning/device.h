@@ -49,7 +49,7 @@ struct DeviceStageOptions {
   bool high_priority = false;
   /// GPU decode: threads that issue the batches' decodes, each with its own nvJPEG state, stream
   /// and decode scratch (a batch's decoded images); DataLoaderOptions::gpu_decode_threads.
-  int decode_threads = 2;
+  int decode_threads = 1;
 };
 
 struct DeviceStageStats {
