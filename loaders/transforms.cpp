@@ -148,6 +148,33 @@ void run_pass_c(const Image& in, const std::vector<Tap>& ty, const std::vector<T
   }
 }
 
+// The source columns [first, end) the taps read; {0, 0} when every tap is padding.
+std::pair<std::int64_t, std::int64_t> tap_span(const std::vector<Tap>& taps, std::int64_t width) {
+  std::int64_t first = width, end = 0;
+  for (const Tap& t : taps)
+    if (t.i0 >= 0) {
+      first = std::min({first, t.i0, t.i1});
+      end = std::max({end, t.i0 + 1, t.i1 + 1});
+    }
+  return end <= first ? std::pair<std::int64_t, std::int64_t>{0, 0} : std::pair{first, end};
+}
+
+// The two source rows a separable pass keeps interpolated along x (an upscale reuses them).
+struct TwoRows {
+  float* slot[2];
+  std::int64_t held[2] = {-1, -1};  // the source row in each slot
+  // The slot holding row r, filling (fill(r, slot)) one that is not `avoid` when neither does.
+  template <class Fill>
+  int fetch(std::int64_t r, int avoid, Fill&& fill) {
+    if (held[0] == r) return 0;
+    if (held[1] == r) return 1;
+    const int s = avoid == 0 ? 1 : 0;
+    fill(r, slot[s]);
+    held[s] = r;
+    return s;
+  }
+};
+
 // The same pass for uint8 sources of 1 or 3 channels (decoded images), separated: each source row
 // the output needs is interpolated along x once, into a planar float row (two rows cached, so
 // an upscale reuses them), then each output row is one vectorizable lerp between two such rows.
@@ -161,15 +188,8 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
                    const float* b) {
   const auto* src = static_cast<const std::uint8_t*>(in.data);
   const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
-  // The source columns [xa, xb) the taps read.
-  std::int64_t xa = in.w, xb = 0;
-  for (const Tap& t : tx)
-    if (t.i0 >= 0) {
-      xa = std::min({xa, t.i0, t.i1});
-      xb = std::max({xb, t.i0 + 1, t.i1 + 1});
-    }
-  if (xb <= xa) xa = xb = 0;
-  const std::int64_t span = (xb - xa) * kC;  // floats of a converted row; index `span` holds 0
+  const auto [xa, xb] = tap_span(tx, in.w);  // the source columns the taps read
+  const std::int64_t span = (xb - xa) * kC;   // floats of a converted row; index `span` holds 0
   struct Scratch {
     std::vector<float> cache, row, w;
     std::vector<std::int32_t> o0, o1;
@@ -190,8 +210,7 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
       sc.w[j] = pad ? 0.f : t.w;
     }
   sc.row[static_cast<std::size_t>(span)] = 0.f;
-  float* slot[2] = {sc.cache.data(), sc.cache.data() + kC * W};
-  std::int64_t held[2] = {-1, -1};  // the source row in each slot
+  TwoRows rows{{sc.cache.data(), sc.cache.data() + kC * W}};
   auto horizontal = [&](std::int64_t r, float* __restrict dst) {
     const std::uint8_t* __restrict row = src + (r * in.w + xa) * kC;
     float* __restrict f = sc.row.data();
@@ -204,23 +223,15 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
       dst[j] = v0 + (v1 - v0) * w[j];
     }
   };
-  auto fetch = [&](std::int64_t r, int avoid) {  // the slot holding row r, filling one not `avoid`
-    if (held[0] == r) return 0;
-    if (held[1] == r) return 1;
-    const int s = avoid == 0 ? 1 : 0;
-    horizontal(r, slot[s]);
-    held[s] = r;
-    return s;
-  };
   for (std::int64_t y = 0; y < H; ++y) {
     const Tap& r = ty[static_cast<std::size_t>(y)];
     const float* top = nullptr;
     const float* bottom = nullptr;
     if (r.i0 >= 0) {
-      const int s0 = fetch(r.i0, -1);
-      const int s1 = fetch(r.i1, s0);
-      top = slot[s0];
-      bottom = slot[s1];
+      const int s0 = rows.fetch(r.i0, -1, horizontal);
+      const int s1 = rows.fetch(r.i1, s0, horizontal);
+      top = rows.slot[s0];
+      bottom = rows.slot[s1];
     }
     const float wy = r.w;
     for (int c = 0; c < kC; ++c) {
@@ -286,13 +297,7 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
   constexpr int kC = 3;
   const auto* src = static_cast<const std::uint8_t*>(in.data);
   const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
-  std::int64_t xa = in.w, xb = 0;  // the source columns [xa, xb) the taps read
-  for (const Tap& t : tx)
-    if (t.i0 >= 0) {
-      xa = std::min({xa, t.i0, t.i1});
-      xb = std::max({xb, t.i0 + 1, t.i1 + 1});
-    }
-  if (xb <= xa) xa = xb = 0;
+  const auto [xa, xb] = tap_span(tx, in.w);  // the source columns the taps read
   const std::int64_t span = (xb - xa) * kC;
   struct Scratch {
     std::vector<float> cache, row, w;
@@ -312,8 +317,7 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
     sc.o1[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i1 - xa) * kC);
     sc.w[static_cast<std::size_t>(x)] = pad ? 0.f : t.w;
   }
-  float* slot[2] = {sc.cache.data(), sc.cache.data() + pitch};
-  std::int64_t held[2] = {-1, -1};
+  TwoRows rows{{sc.cache.data(), sc.cache.data() + pitch}};
   auto horizontal = [&](std::int64_t r, float* __restrict dst) {
     const std::uint8_t* __restrict row = src + (r * in.w + xa) * kC;
     float* __restrict f = sc.row.data();
@@ -325,14 +329,6 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
       const __m128 v0 = _mm_loadu_ps(f + o0[x]), v1 = _mm_loadu_ps(f + o1[x]);
       _mm_storeu_ps(dst + kC * x, _mm_add_ps(v0, _mm_mul_ps(_mm_sub_ps(v1, v0), _mm_set1_ps(w[x]))));
     }
-  };
-  auto fetch = [&](std::int64_t r, int avoid) {
-    if (held[0] == r) return 0;
-    if (held[1] == r) return 1;
-    const int s = avoid == 0 ? 1 : 0;
-    horizontal(r, slot[s]);
-    held[s] = r;
-    return s;
   };
   // a and b over 4 pixels' 12 lanes: channel (i + lane) % 3 in vector i.
   __m128 A[3], B[3];
@@ -355,10 +351,10 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
         for (int c = 0; c < kC; ++c) put(x, c, 0.f);
       continue;
     }
-    const int s0 = fetch(r.i0, -1);
-    const int s1 = fetch(r.i1, s0);
-    const float* t = slot[s0];
-    const float* u = slot[s1];
+    const int s0 = rows.fetch(r.i0, -1, horizontal);
+    const int s1 = rows.fetch(r.i1, s0, horizontal);
+    const float* t = rows.slot[s0];
+    const float* u = rows.slot[s1];
     const __m128 wy = _mm_set1_ps(r.w);
     for (std::int64_t x = 0; x < W4; x += 4) {
       __m128 v[3];
