@@ -188,7 +188,8 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
                    const float* b) {
   const auto* src = static_cast<const std::uint8_t*>(in.data);
   const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
-  const auto [xa, xb] = tap_span(tx, in.w);  // the source columns the taps read
+  const std::pair<std::int64_t, std::int64_t> cols = tap_span(tx, in.w);  // the source columns the taps read
+  const std::int64_t xa = cols.first, xb = cols.second;  // plain variables: lambdas capture them
   const std::int64_t span = (xb - xa) * kC;   // floats of a converted row; index `span` holds 0
   struct Scratch {
     std::vector<float> cache, row, w;
@@ -297,7 +298,8 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
   constexpr int kC = 3;
   const auto* src = static_cast<const std::uint8_t*>(in.data);
   const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
-  const auto [xa, xb] = tap_span(tx, in.w);  // the source columns the taps read
+  const std::pair<std::int64_t, std::int64_t> cols = tap_span(tx, in.w);  // the source columns the taps read
+  const std::int64_t xa = cols.first, xb = cols.second;  // plain variables: lambdas capture them
   const std::int64_t span = (xb - xa) * kC;
   struct Scratch {
     std::vector<float> cache, row, w;
