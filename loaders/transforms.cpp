@@ -159,6 +159,13 @@ std::pair<std::int64_t, std::int64_t> tap_span(const std::vector<Tap>& taps, std
   return end <= first ? std::pair<std::int64_t, std::int64_t>{0, 0} : std::pair{first, end};
 }
 
+// A row pass's buffers, kept per thread: the two cached rows, one source row as floats, and each
+// output column's taps as offsets into it and a weight.
+struct RowScratch {
+  std::vector<float> cache, row, w;
+  std::vector<std::int32_t> o0, o1;
+};
+
 // The two source rows a separable pass keeps interpolated along x (an upscale reuses them).
 struct TwoRows {
   float* slot[2];
@@ -191,11 +198,7 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
   const std::pair<std::int64_t, std::int64_t> cols = tap_span(tx, in.w);  // the source columns the taps read
   const std::int64_t xa = cols.first, xb = cols.second;  // plain variables: lambdas capture them
   const std::int64_t span = (xb - xa) * kC;   // floats of a converted row; index `span` holds 0
-  struct Scratch {
-    std::vector<float> cache, row, w;
-    std::vector<std::int32_t> o0, o1;
-  };
-  thread_local Scratch sc;
+  thread_local RowScratch sc;
   sc.cache.resize(static_cast<std::size_t>(2 * kC * W));
   sc.row.resize(static_cast<std::size_t>(span + 1));
   sc.w.resize(static_cast<std::size_t>(kC * W));
@@ -301,14 +304,11 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
   const std::pair<std::int64_t, std::int64_t> cols = tap_span(tx, in.w);  // the source columns the taps read
   const std::int64_t xa = cols.first, xb = cols.second;  // plain variables: lambdas capture them
   const std::int64_t span = (xb - xa) * kC;
-  struct Scratch {
-    std::vector<float> cache, row, w;
-    std::vector<std::int32_t> o0, o1;
-  };
-  thread_local Scratch sc;
+  thread_local RowScratch sc;
   const std::int64_t pitch = kC * W + 4;  // a cached row, with slack for the last pixel's 4-float store
   sc.cache.resize(static_cast<std::size_t>(2 * pitch));
-  sc.row.assign(static_cast<std::size_t>(span + 4), 0.f);
+  sc.row.resize(static_cast<std::size_t>(span + 4));
+  std::fill(sc.row.begin() + span, sc.row.end(), 0.f);  // what a padded tap and the last pixel's 4th lane read
   sc.w.resize(static_cast<std::size_t>(W));
   sc.o0.resize(static_cast<std::size_t>(W));
   sc.o1.resize(static_cast<std::size_t>(W));
