@@ -10,7 +10,7 @@ set(_nccl_hints ${FERRY_NCCL_ROOT} ${CUDAToolkit_LIBRARY_ROOT} ${CUDAToolkit_TAR
 find_path(FERRY_NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS} PATH_SUFFIXES include)
 find_library(FERRY_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR} PATH_SUFFIXES lib lib64)
 if(FERRY_NCCL_INCLUDE_DIR AND FERRY_NCCL_LIBRARY)
-  add_library(ferry_nccl INTERFACE IMPORTED)
+  add_library(ferry_nccl INTERFACE IMPORTED GLOBAL)  # one search, one message
   target_include_directories(ferry_nccl INTERFACE ${FERRY_NCCL_INCLUDE_DIR})
   target_link_libraries(ferry_nccl INTERFACE ${FERRY_NCCL_LIBRARY})
   message(STATUS "ferry: NCCL found (${FERRY_NCCL_LIBRARY}): building the data-parallel example and test")

@@ -1,6 +1,8 @@
 // CUDA runtime wrappers. Without the toolkit (FERRY_HAVE_CUDA undefined) every entry point reports
 // "built without CUDA" and available() is false.
 #include "ferry/pinning/cuda.h"
+
+#include <unistd.h>
 #include "ferry/detail/numa.h"
 
 #include <mutex>
@@ -41,7 +43,11 @@ const Probe& probe() {
     if (e != cudaSuccess) {
       cudaGetLastError();
       r.count = 0;
-      r.reason = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+      const std::string what = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
+      // Without any NVIDIA driver the runtime says the driver is "insufficient", which sends people
+      // to upgrade a driver they do not have: say what is missing first.
+      const bool no_driver = (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice) && access("/proc/driver/nvidia/version", F_OK) != 0;
+      r.reason = no_driver ? "no NVIDIA GPU driver on this machine (no /proc/driver/nvidia; " + what + ")" : what;
     } else if (r.count == 0) {
       r.reason = "no CUDA device";
     }

@@ -11,6 +11,8 @@
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
 #include "ferry/core/dataloader.h"
 #include "ferry/detail/engine.h"
 #include "ferry/detail/numa.h"
@@ -76,7 +78,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
     }
   }
 
-  const std::size_t limit;
+  std::atomic<std::size_t> limit;  // written under mu (raise_limit), read anywhere
   const std::shared_ptr<HostBackend> backend;
   const bool ignore_fences;
   const bool hard_limit;
@@ -258,17 +260,52 @@ PinnedPoolStats PinnedPool::stats() const {
   return s;
 }
 
-std::size_t PinnedPool::limit_bytes() const noexcept { return impl_->limit; }
+std::size_t PinnedPool::limit_bytes() const noexcept { return impl_->limit.load(); }
+
+void PinnedPool::raise_limit(std::size_t bytes) {
+  std::lock_guard l(impl_->mu);
+  if (bytes > impl_->limit.load()) impl_->limit.store(bytes);
+  impl_->returned.notify_all();
+}
 
 namespace detail {
 
+std::size_t pinned_growth_cap() {
+  // Half the machine's memory, and no more than three quarters of what is free now.
+  const long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return 0;
+  std::size_t cap = static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 2;
+  if (avail > 0) cap = std::min(cap, static_cast<std::size_t>(avail) * static_cast<std::size_t>(page) / 4 * 3);
+  return cap;
+}
+
 Storage DepthCheckedAllocator::allocate(std::size_t nbytes) {
   const std::size_t limit = pool_.limit_bytes();
-  if (nbytes > 0 && nbytes * depth_ > limit)
-    throw Error("pinned_memory_limit is " + std::to_string(limit) + " bytes, but " + what_ + " may hold up to " +
-                std::to_string(depth_) + " batches of " + std::to_string(nbytes) + " bytes at once (" +
-                std::to_string(nbytes * depth_) + " bytes: prefetch_factor x num_workers, pin_depth, device_prefetch "
-                "and the consumer's); raise pinned_memory_limit, lower the prefetch, or use pin_mode Copy");
+  const std::size_t need = nbytes * depth_;
+  if (nbytes > 0 && need > limit) {
+    const std::size_t cap = may_grow_ ? pinned_growth_cap() : 0;
+    if (may_grow_ && need <= cap) {
+      pool_.raise_limit(need);
+      std::lock_guard l(mu_);
+      if (!told_) {
+        told_ = true;
+        log_info("DataLoader: the pinned budget grows from " + mib(limit) + " to " + mib(need) + ": " + what_ + " may hold up to " +
+                 std::to_string(depth_) + " batches of " + mib(nbytes) + " at once (pinned_memory_limit is unset; set it to "
+                 "bound the budget, and an error names what does not fit)");
+      }
+    } else if (may_grow_) {
+      throw Error("pinned memory: " + std::string(what_) + " may hold up to " + std::to_string(depth_) + " batches of " +
+                  std::to_string(nbytes) + " bytes at once (" + std::to_string(need) + " bytes: prefetch_factor x "
+                  "num_workers, pin_depth, device_prefetch and the consumer's), more than the unset pinned_memory_limit "
+                  "may grow to on this machine (" + std::to_string(cap) + " bytes: half its memory, at most three "
+                  "quarters of what is free); lower prefetch_factor or num_workers, use pin_mode Copy, or make batches smaller");
+    } else {
+      throw Error("pinned_memory_limit is " + std::to_string(limit) + " bytes, but " + what_ + " may hold up to " +
+                  std::to_string(depth_) + " batches of " + std::to_string(nbytes) + " bytes at once (" +
+                  std::to_string(need) + " bytes: prefetch_factor x num_workers, pin_depth, device_prefetch "
+                  "and the consumer's); raise pinned_memory_limit, lower the prefetch, or use pin_mode Copy");
+    }
+  }
   return pool_.allocate(nbytes);
 }
 

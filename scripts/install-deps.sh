@@ -17,8 +17,15 @@ if [ -x "$cuda_root/bin/nvcc" ] && [ ! -f "$cuda_root/include/nvjpeg.h" ] && [ !
    && command -v python3 >/dev/null; then
   echo "install-deps: nvidia-nvjpeg==$nvjpeg_version (PyPI) into /opt/ferry-nvjpeg"
   SUDO_PIP=""; [ "$(id -u)" -eq 0 ] || SUDO_PIP=sudo
-  $SUDO_PIP python3 -m pip install --quiet --disable-pip-version-check --target /opt/ferry-nvjpeg "nvidia-nvjpeg==$nvjpeg_version" \
-    || echo "install-deps: nvJPEG not installed; GPU decode will not be built"
+  $SUDO_PIP python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target /opt/ferry-nvjpeg \
+    "nvidia-nvjpeg==$nvjpeg_version" || echo "install-deps: nvJPEG not installed; GPU decode will not be built"
+fi
+# The wheel's libnvjpeg on the system's library path, as a Debian package's would be: an installed
+# ferry finds it without a RUNPATH outside its prefix.
+nvjpeg_lib=/opt/ferry-nvjpeg/nvidia/cu13/lib
+if [ -d "$nvjpeg_lib" ] && [ "$(cat /etc/ld.so.conf.d/ferry-nvjpeg.conf 2>/dev/null)" != "$nvjpeg_lib" ]; then
+  SUDO_LD=""; [ "$(id -u)" -eq 0 ] || SUDO_LD=sudo
+  echo "$nvjpeg_lib" | $SUDO_LD tee /etc/ld.so.conf.d/ferry-nvjpeg.conf > /dev/null && $SUDO_LD ldconfig
 fi
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#packages[@]} packages present"
@@ -37,6 +44,6 @@ python_wheels=(nanobind==2.9.2 scikit-build-core==0.11.6 pytest==8.4.2)
 if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import nanobind, pytest" 2>/dev/null; then
   echo "install-deps: Python environment $venv (${python_wheels[*]})"
   /usr/bin/python3 -m venv --system-site-packages "$venv"
-  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check "${python_wheels[@]}" \
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${python_wheels[@]}" \
     || echo "install-deps: the Python wheels did not install; the Python module will not be built"
 fi

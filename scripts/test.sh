@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The README's test command: installs what is missing, builds from scratch and runs every test.
-# With arguments, runs the named presets instead of "default": scripts/test.sh tsan asan.
+# The README's test command: installs what is missing, builds (incrementally: what the demo or an
+# earlier run built is reused; a fresh clone builds everything) and runs every test. With
+# arguments, runs the named presets instead of "default": scripts/test.sh tsan asan.
+# FERRY_CLEAN=1 deletes each preset's build folder first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
@@ -8,7 +10,7 @@ presets=("$@")
 [ ${#presets[@]} -gt 0 ] || presets=(default)
 for preset in "${presets[@]}"; do
   echo "=== ferry: build and test, preset '$preset' ==="
-  rm -rf "build/$preset"
+  [ "${FERRY_CLEAN:-0}" = 1 ] && rm -rf "build/$preset"
   python_args=()  # the Python module builds against the environment install-deps.sh made
   [ -x .venv/bin/python ] && python_args=(-DPython_EXECUTABLE="$PWD/.venv/bin/python")
   cmake --preset "$preset" "${python_args[@]}"

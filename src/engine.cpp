@@ -153,6 +153,21 @@ struct Engine::State {
   int ended = 0;
   bool inline_done = false;
   StageMeter inline_stage;
+  // num_workers = 0 while a wait_poll can interrupt the consumer's wait: the batch is made on a
+  // helper thread and the consumer polls, so Ctrl-C ends the wait within a poll period even while
+  // one sample takes 30 s. A batch still in the making when an interrupted epoch ends is abandoned
+  // like a stuck worker (Note [Abandoned workers]); otherwise the end waits for it.
+  struct InlineRun {
+    StageMeter stage;
+    Payload payload;
+    std::exception_ptr error;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;  // guarded by mu
+    bool keepable = false;
+  };
+  std::shared_ptr<InlineRun> inline_run;  // the batch in the making; survives an Interrupted
+  Thread inline_thread;
   std::uint64_t refill_burst = 1;  // dispatch only when this many slots are free (or none in flight)
 
   std::size_t limit() const { return static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(W); }
@@ -197,7 +212,10 @@ struct Engine::State {
     for (std::size_t k = 0; k < kStageCount; ++k) retired_ns[k] += c.stage.total_ns(static_cast<Stage>(k));
   }
 
-  bool can_abandon() const { return opt.timeout.count() > 0 && keepable; }
+  // After an interruption (Ctrl-C) the epoch's end abandons what is still being made rather than
+  // wait for it: a 30 s sample must not hold the interrupted program for 30 s.
+  bool interrupted() const { return opt.wait_poll.interrupted && opt.wait_poll.interrupted->load(); }
+  bool can_abandon() const { return (opt.timeout.count() > 0 || interrupted()) && keepable; }
 
   // Abandons slot w's worker if it is still in a job; returns whether it did. Consumer thread.
   bool abandon(int w) {
@@ -220,10 +238,17 @@ struct Engine::State {
     const std::shared_ptr<WorkerCtl> c = ctl[static_cast<std::size_t>(w)];
     if (c && can_abandon()) {
       std::unique_lock lock(c->mu);
+      const std::int64_t grace = opt.timeout.count() > 0 ? opt.timeout.count() * 1000000 : std::int64_t{50} * 1000000;
       for (;;) {
         if (c->exited) break;
-        const std::int64_t limit = c->state.load() == kBusy ? c->since_ns.load() + opt.timeout.count() * 1000000
-                                                             : now_ns() + opt.timeout.count() * 1000000;
+        const bool busy = c->state.load() == kBusy;
+        if (!busy && opt.timeout.count() == 0) {  // interrupted: an idle worker leaves at once
+          c->cv.wait_for(lock, std::chrono::milliseconds(50));
+          continue;
+        }
+        const std::int64_t limit = interrupted() && busy ? now_ns()
+                                   : busy                ? c->since_ns.load() + grace
+                                                         : now_ns() + grace;
         const std::int64_t left = limit - now_ns();
         if (left <= 0) {
           lock.unlock();
@@ -249,9 +274,10 @@ struct Engine::State {
   void replace_stuck_workers() {
     if (!can_abandon()) return;
     const std::int64_t now = now_ns();
+    const bool all = interrupted();
     for (int w = 0; w < static_cast<int>(threads.size()); ++w) {
       WorkerCtl& c = *ctl[static_cast<std::size_t>(w)];
-      if (c.state.load() == kBusy && now - c.since_ns.load() >= opt.timeout.count() * 1000000 && abandon(w)) spawn(w);
+      if (c.state.load() == kBusy && (all || now - c.since_ns.load() >= opt.timeout.count() * 1000000) && abandon(w)) spawn(w);
     }
   }
 
@@ -475,33 +501,94 @@ struct Engine::State {
     return std::nullopt;
   }
 
-  Payload next_inline() {
-    if (inline_done) return {};
-    Job job;
-    job.key = delivered;
-    job.batch = static_cast<std::int64_t>(delivered);
-    if (!opt.streaming) {
-      if (delivered >= total) return {};
-      job.indices = ep->plan->batch(delivered);
-      job.epoch_indices = ep->plan->indices;
-    }
-    WorkerInfo info{0, 1, opt.seed, ep->epoch};
-    JobContext ctx(info, inline_stage, ep->cancelled, ep->streams[0]);
-    inline_stage.trace(opt.trace, job.batch, TraceRecorder::kInlineTrack);
-    inline_stage.enter(Stage::Fetch);
-    ++delivered;
+  // Makes one batch of a num_workers = 0 epoch on the calling thread; throws the wrapped error.
+  Payload make_inline(const Job& job, EpochState& epoch, StageMeter& stage) {
+    WorkerInfo info{0, 1, opt.seed, epoch.epoch};
+    JobContext ctx(info, stage, epoch.cancelled, epoch.streams[0]);
+    stage.trace(opt.trace, job.batch, TraceRecorder::kInlineTrack);
+    stage.enter(Stage::Fetch);
     Payload p;
     try {
       p = producer.produce(job, ctx);
     } catch (...) {
-      const Stage st = inline_stage.enter(Stage::Idle);
+      const Stage st = stage.enter(Stage::Idle);
       std::rethrow_exception(wrap_current_exception(-1, job.batch, opt.streaming ? ctx.stream_indices : job.indices,
                                                     st, ctx.current_sample, opt.streaming));
     }
-    inline_stage.enter(Stage::Idle);
-    inline_stage.trace(nullptr, -1, TraceRecorder::kInlineTrack);
-    if (!p) inline_done = true;
+    stage.enter(Stage::Idle);
+    stage.trace(nullptr, -1, TraceRecorder::kInlineTrack);
     return p;
+  }
+
+  Payload next_inline() {
+    if (inline_done) return {};
+    if (!inline_run) {
+      Job job;
+      job.key = delivered;
+      job.batch = static_cast<std::int64_t>(delivered);
+      if (!opt.streaming) {
+        if (delivered >= total) return {};
+        job.indices = ep->plan->batch(delivered);
+        job.epoch_indices = ep->plan->indices;
+      }
+      if (!opt.wait_poll.active()) {
+        ++delivered;
+        Payload p = make_inline(job, *ep, inline_stage);
+        if (!p) inline_done = true;
+        return p;
+      }
+      auto run = std::make_shared<InlineRun>();
+      std::shared_ptr<void> keep = producer.keep_alive();
+      run->keepable = keep != nullptr;
+      inline_thread = Thread("ferry-inline", [this, run, job = std::move(job), epoch = ep, keep = std::move(keep)] {
+        StopScope stop_scope(&epoch->cancelled);  // a blocked allocation gives up when the epoch ends
+        try {
+          run->payload = make_inline(job, *epoch, run->stage);
+        } catch (...) {
+          run->error = std::current_exception();
+        }
+        std::lock_guard lock(run->mu);
+        run->done = true;
+        run->cv.notify_all();
+      });
+      inline_run = std::move(run);
+    }
+    {
+      InlineRun& run = *inline_run;
+      std::unique_lock lock(run.mu);
+      while (!run.cv.wait_for(lock, opt.wait_poll.period, [&run] { return run.done; })) {
+        lock.unlock();
+        opt.wait_poll.check();  // Interrupted: the batch goes on being made; the next call takes it
+        lock.lock();
+      }
+    }
+    inline_thread.join();
+    const std::shared_ptr<InlineRun> run = std::move(inline_run);
+    for (std::size_t k = 0; k < kStageCount; ++k) retired_ns[k] += run->stage.total_ns(static_cast<Stage>(k));
+    ++delivered;
+    if (run->error) std::rethrow_exception(run->error);
+    if (!run->payload) inline_done = true;
+    return std::move(run->payload);
+  }
+
+  // The epoch ends with a batch still in the making on the inline helper: abandoned after an
+  // interruption (when it may be), else waited for.
+  void settle_inline() noexcept {
+    if (!inline_run) return;
+    bool finished;
+    {
+      std::lock_guard lock(inline_run->mu);
+      finished = inline_run->done;
+    }
+    if (!finished && interrupted() && inline_run->keepable) {
+      abandoned.fetch_add(1);
+      inline_thread.detach();
+      logger().warn("DataLoader: abandoned the batch in the making on the consumer's helper (num_workers=0) after an interruption");
+    } else {
+      inline_thread.join();
+      for (std::size_t k = 0; k < kStageCount; ++k) retired_ns[k] += inline_run->stage.total_ns(static_cast<Stage>(k));
+    }
+    inline_run.reset();
   }
 
   Payload next() {
@@ -556,7 +643,15 @@ struct Engine::State {
   }
 };
 
-Engine::Engine(EngineOptions options, Producer& producer) : state_(std::make_unique<State>(options, producer)) {
+namespace {
+EngineOptions with_interrupt_flag(EngineOptions o) {
+  o.wait_poll.interrupted = std::make_shared<std::atomic<bool>>(false);
+  return o;
+}
+}  // namespace
+
+Engine::Engine(EngineOptions options, Producer& producer)
+    : state_(std::make_unique<State>(with_interrupt_flag(std::move(options)), producer)) {
   if (options.num_workers < 0) throw Error("DataLoader: num_workers must be >= 0, got " + std::to_string(options.num_workers));
   if (options.prefetch_factor < 1)
     throw Error("DataLoader: prefetch_factor must be >= 1, got " + std::to_string(options.prefetch_factor));
@@ -640,8 +735,10 @@ void Engine::end_epoch() noexcept {
   if (!s.live) return;
   s.ep->cancelled.store(true);
   s.ep->results.close();
+  s.settle_inline();
   if (!s.opt.persistent_workers) s.stop_workers();
   else s.replace_stuck_workers();
+  if (s.opt.wait_poll.interrupted) s.opt.wait_poll.interrupted->store(false);
   s.window.reset();
   s.arrived.clear();
   s.ep.reset();
@@ -665,9 +762,22 @@ thread_local bool t_no_wait_poll = false;
 NoWaitPoll::NoWaitPoll() noexcept : previous_(t_no_wait_poll) { t_no_wait_poll = true; }
 NoWaitPoll::~NoWaitPoll() { t_no_wait_poll = previous_; }
 
+bool WaitPoll::active() const noexcept { return fn && !t_no_wait_poll; }
+
 void WaitPoll::check() const {
   if (t_no_wait_poll) return;
-  if (fn && fn()) throw Interrupted("DataLoader: the wait for the next batch was interrupted (DataLoaderOptions::wait_poll)");
+  if (!fn) return;
+  bool stop = false;
+  try {
+    stop = fn();
+  } catch (...) {
+    if (interrupted) interrupted->store(true);
+    throw;
+  }
+  if (stop) {
+    if (interrupted) interrupted->store(true);
+    throw Interrupted("DataLoader: the wait for the next batch was interrupted (DataLoaderOptions::wait_poll)");
+  }
 }
 
 void Engine::interrupt() noexcept {

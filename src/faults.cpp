@@ -1,3 +1,4 @@
+#include <cstdio>
 // Fault policies and the fault injector: see ferry/core/faults.h.
 #include "ferry/core/faults.h"
 
@@ -5,6 +6,15 @@
 #include <thread>
 
 namespace ferry {
+
+namespace {
+// A double as written by a person (0.1, not std::to_string's 0.100000).
+std::string shortest(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
+}
+}  // namespace
 
 bool IoError::transient() const noexcept {
   return errno_ == EINTR || errno_ == EAGAIN || errno_ == EWOULDBLOCK || errno_ == EIO || errno_ == ETIMEDOUT;
@@ -129,7 +139,7 @@ void FaultLog::report(const SampleError& e) {
                     " exceed ";
     if (over_count) m += "max_errors=" + std::to_string(limits_.max_errors);
     else
-      m += "max_error_fraction=" + std::to_string(limits_.max_error_fraction) + " of its " + std::to_string(epoch_samples_) +
+      m += "max_error_fraction=" + shortest(limits_.max_error_fraction) + " of its " + std::to_string(epoch_samples_) +
            " samples";
     throw Error(m + "; the last: " + e.describe());
   }

@@ -43,6 +43,7 @@ void warn_once(const char* key, const std::string& message) {
 }
 
 void log_debug(const std::string& message) { logger().debug("{}", message); }
+void log_info(const std::string& message) { logger().info("{}", message); }
 
 }  // namespace detail
 

@@ -1,3 +1,4 @@
+#include <cstdio>
 #include <sstream>
 
 #include "ferry/core/error.h"
@@ -7,6 +8,15 @@
 #include "ferry/detail/pass_math.h"
 
 namespace ferry {
+
+namespace {
+// A double as written by a person (0.1, not std::to_string's 0.100000).
+std::string shortest(double v) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%g", v);
+  return text;
+}
+}  // namespace
 
 OnError parse_on_error(const std::string& text, const std::string& what) {
   if (text == "raise") return OnError::Raise;
@@ -33,7 +43,7 @@ void validate_options(const DataLoaderOptions& o, bool streaming) {
   if (o.prefetch_factor < 1) fail("prefetch_factor must be >= 1, got " + std::to_string(o.prefetch_factor));
   if (o.timeout.count() < 0) fail("timeout must be >= 0 ms");
   if (!(o.max_error_fraction >= 0 && o.max_error_fraction <= 1))
-    fail("max_error_fraction must be in [0, 1], got " + std::to_string(o.max_error_fraction));
+    fail("max_error_fraction must be in [0, 1], got " + shortest(o.max_error_fraction));
   if (o.io_retries < 0) fail("io_retries must be >= 0, got " + std::to_string(o.io_retries));
   if (o.io_retry_backoff.count() < 0) fail("io_retry_backoff must be >= 0 ms");
   if (o.persistent_workers && o.num_workers == 0) fail("persistent_workers=true needs num_workers > 0");

@@ -28,7 +28,11 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The progress bar is for a terminal: into a log it would be one long line of carriage returns.
+const bool kProgress = isatty(STDERR_FILENO) != 0;
+
 void progress(int epoch, int epochs, std::size_t done, std::size_t total, const demo::Metrics& m, double seconds) {
+  if (!kProgress) return;
   constexpr int kWidth = 30;
   const int filled = total ? static_cast<int>(kWidth * done / total) : kWidth;
   std::string bar(static_cast<std::size_t>(filled), '=');
@@ -49,6 +53,7 @@ demo::Metrics& operator+=(demo::Metrics& a, const demo::Metrics& b) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each line in order with stderr's, also into a file
   CLI::App app{"Train an MLP on Fashion-MNIST through ferry"};
   std::string data = "/usr/share/datasets/fashion-mnist";
   int epochs = 3, workers = -1, hidden = 256;
@@ -179,7 +184,7 @@ int main(int argc, char** argv) {
       for (ferry::LabeledBatch& b : test_loader) model->evaluate(b.image, b.label);
       const demo::Metrics t = model->take();
       accuracy = static_cast<double>(t.correct) / static_cast<double>(t.samples);
-      std::fprintf(stderr, "\n");
+      if (kProgress) std::fprintf(stderr, "\n");
       std::printf("epoch %d: train loss %.4f, train accuracy %.1f%%, test loss %.4f, test accuracy %.1f%% (%.2f s, %.0f images/s)\n",
                   epoch, seen.loss / seen.samples, 100.0 * seen.correct / seen.samples, t.loss / t.samples, 100 * accuracy,
                   seconds, seen.samples / seconds);

@@ -66,7 +66,8 @@ def _device_index(device: Any) -> Optional[int]:
         return int(device)
     text = str(device)  # "cuda", "cuda:1", torch.device("cuda", 1)
     if text == "cuda":
-        return _torch().cuda.current_device()
+        cuda = _torch().cuda
+        return cuda.current_device() if cuda.is_available() else 0  # no CUDA: the caller raises CudaError
     if text.startswith("cuda:") and text[5:].isdigit():
         return int(text[5:])
     raise ValueError(f"DataLoader: device must be a CUDA device (an index, 'cuda:N' or torch.device), got {device!r}")
@@ -92,13 +93,18 @@ class DataLoader:
         pin_memory: deliver CPU batches in page-locked memory (torch ``is_pinned()``).
         timeout: seconds a batch may take in a worker; a worker stuck longer (even in a read that
             never returns) is abandoned and the batch fails with ferry.TimeoutError (or, with
-            on_error="skip"/"replace", is made again without the stuck sample). 0: no limit.
+            on_error="skip"/"replace", is made again without the stuck sample). 0: no limit. With
+            num_workers=0 there is no worker to abandon and it does not apply (as in PyTorch).
         prefetch_factor: batches in flight per worker (default 2).
         persistent_workers: keep the worker threads across epochs; they then also make the next
             epoch's first batches while the current epoch ends (C++ prefetch_next_epoch), so an
             epoch does not start by waiting.
         seed: keys the shuffle and every sample's random transform with the epoch and index: the
-            same seed gives the same batches for any num_workers.
+            same seed gives the same batches for any num_workers. The default, 0, is fixed, so
+            every run shuffles the same way (PyTorch draws a fresh seed each run): ferry picks
+            reproducible runs, and a checkpoint's state_dict() names its seed, which
+            load_state_dict() checks. For another order each run pass e.g.
+            seed=random.randrange(2**63). ``loader.seed`` reads it back.
         device: deliver batches on this CUDA device (an index, "cuda:N" or a torch.device). They
             are ordered on ``stream`` (default: torch's current stream on that device when the
             loader is made): kernels on that stream see the batch, with no host synchronization.
@@ -111,7 +117,11 @@ class DataLoader:
             them where it can; the host path for a memory-mapped .npy), "host" (workers copy rows
             into pinned blocks), "device" (the GPU gathers them from registered memory, idx's flip
             and normalize included, or an error saying why it cannot).
-        pinned_memory_limit: bytes of page-locked memory the loader may hold (default 2 GiB).
+        pinned_memory_limit: bytes of page-locked memory the loader may hold. Unset (None), the
+            budget starts at 2 GiB and grows once, at the first batch, to hold every batch the
+            pipeline may keep alive (prefetch_factor x num_workers and the stages behind them),
+            within half the machine's memory, and says so at info level; set, it is never
+            exceeded and a pipeline that cannot fit is an error naming the numbers.
             Batches are recycled from this pool: holding many batches alive (e.g. list(loader))
             with pin_memory or device makes the loader wait for one to be freed.
         trace_batches: record the first N batches' timelines (write_trace(path) saves them).
@@ -153,16 +163,28 @@ class DataLoader:
             if why is None:
                 raise TypeError(f"DataLoader() got an unexpected keyword argument {name!r}")
             raise TypeError(f"DataLoader: {name}= is not supported: {why}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+            raise ValueError(f"DataLoader: batch_size must be an int >= 1, got {batch_size!r}"
+                             + (" (PyTorch's batch_size=None, samples without batching, is not supported)"
+                                if batch_size is None else ""))
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
+            raise ValueError(f"DataLoader: seed must be an int in [0, 2**64), got {seed!r}")
         if not isinstance(dataset, _ferry.Dataset):
             raise TypeError(
                 "DataLoader: dataset must be a ferry dataset (ferry.datasets.image_folder, idx, npy, tar, "
                 f"synthetic, or a plugin's through ferry.datasets.registry), got {type(dataset).__name__}")
         self.dataset = dataset
         self.batch_size = batch_size
+        self.seed = int(seed)
         self.device = _device_index(device)
         stream_handle = 0
         if self.device is not None:
             torch = _torch()
+            if not torch.cuda.is_available():
+                raise CudaError(
+                    f"DataLoader: device=cuda:{self.device} needs CUDA, and this torch has none "
+                    f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}): leave device unset "
+                    "for batches on the host, or install a CUDA build of torch")
             if stream is None:
                 stream = torch.cuda.current_stream(self.device)
             stream_handle = int(getattr(stream, "cuda_stream", stream))

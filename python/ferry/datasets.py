@@ -58,7 +58,9 @@ def image_folder(root: str, size: int = 224, random_crop: bool = False, channels
 def idx(images: str, labels: str, flip: bool = False, float: Optional[bool] = None,
         mean: Optional[float] = None, std: Optional[float] = None) -> Dataset:
     """IDX images and labels (the MNIST / Fashion-MNIST format, raw or .gz) as ``(image, label)``:
-    uint8 1x28x28 images, or float32 with ``float=True`` or mean/std; flip: random horizontal flip.
+    uint8 28x28 images as the file stores them (batches ``[B, 28, 28]``), or float32 1x28x28 with
+    ``float=True`` or mean/std (batches ``[B, 1, 28, 28]``, as torchvision's ToTensor gives);
+    flip: random horizontal flip.
     With DataLoader(device=...) the GPU gathers each batch's images and labels itself, the flip and
     normalize included, with no worker (gather="host" has workers do it); the batches are the same."""
     return _ferry.make_dataset("idx", _config(images=images, labels=labels, flip=flip, float=float, mean=mean, std=std))

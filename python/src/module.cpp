@@ -149,8 +149,11 @@ class LoaderOf final : public Loader {
 
 // The DLPack capsule of one tensor: torch.from_dlpack renames it "used_dltensor" and owns it
 // from then on; a capsule nobody consumed frees its export here.
-nb::object capsule_of(const ferry::Tensor& t) {
+// as_uint8: a bool tensor goes as uint8 (the caller views it as torch.bool): torch before 2.1
+// refuses DLPack's kDLBool ("Unsupported code 6").
+nb::object capsule_of(const ferry::Tensor& t, bool as_uint8 = false) {
   DLManagedTensor* m = ferry::to_dlpack(t);
+  if (as_uint8) m->dl_tensor.dtype = {kDLUInt, 8, 1};
   if (m->dl_tensor.device.device_type == kDLCUDAHost) m->dl_tensor.device = {kDLCPU, 0};  // see the Note
   // A batch's fields share one buffer at offsets; torch 1.13's import ignores byte_offset.
   m->dl_tensor.data = static_cast<char*>(m->dl_tensor.data) + m->dl_tensor.byte_offset;
@@ -177,7 +180,9 @@ class PyLoader {
     };
     options.wait_poll_period = std::chrono::milliseconds(50);
     if (dataset.tar) {
-      options.shuffle = false;  // a stream decides its own order (shuffle=1 in its configuration)
+      if (options.shuffle)  // as PyTorch refuses shuffle for an IterableDataset
+        throw nb::value_error("DataLoader: shuffle=True is not for a stream of tar shards, which decides its own order: "
+                              "ferry.datasets.tar(..., shuffle=True) (the default) shuffles the shards and within a buffer");
       impl_ = make(*dataset.tar, options);
     } else if (dataset.gpu_images || dataset.gpu_tar) {
       if (!options.device)
@@ -211,8 +216,11 @@ class PyLoader {
     nb::list out;
     for (const ferry::Tensor& t : batch) {
       last_pointers_.push_back(reinterpret_cast<std::uintptr_t>(t.defined() ? t.raw() : nullptr));
-      nb::object cap = capsule_of(t);
-      out.append(convert_.is_none() ? cap : convert_(cap));
+      const bool as_bool = t.defined() && t.dtype() == ferry::DType::Bool && !convert_.is_none();
+      nb::object cap = capsule_of(t, as_bool);
+      if (convert_.is_none()) out.append(cap);
+      else if (as_bool) out.append(convert_(cap).attr("view")(torch_bool()));  // see capsule_of
+      else out.append(convert_(cap));
     }
     return nb::tuple(out);
   }
@@ -238,6 +246,10 @@ class PyLoader {
   }
 
   std::unique_ptr<Loader> impl_;
+  static nb::object torch_bool() {
+    static nb::object* b = new nb::object(nb::module_::import_("torch").attr("bool"));  // never freed: outlives finalization
+    return *b;
+  }
   nb::object convert_;
   bool has_size_;
   std::shared_ptr<ferry::TraceRecorder> trace_;

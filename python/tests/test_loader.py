@@ -309,3 +309,113 @@ def test_keyboard_interrupt_ends_iteration_promptly(tmp_path):
     assert proc.returncode == 0, out
     assert out.startswith("interrupted"), out
     assert float(out.split()[1]) - sent < 1.0  # the issue's bound: the loop ends within 1 s
+
+
+def _interrupt_after(script: str, wait: float = 0.7):
+    """Runs `script` (which prints "ready" then iterates), sends SIGINT after `wait` seconds, and
+    returns (seconds from SIGINT to the KeyboardInterrupt, seconds to the process's exit, output)."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
+                            env=os.environ.copy())
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(wait)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+        exited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    assert out.startswith("interrupted"), out
+    return float(out.split()[1]) - sent, exited, out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_ctrl_c_during_a_30_second_sample_ends_the_loop_within_1_s(workers):
+    # Every sample takes 30 s: the loop waits in ferry for a batch that is still being made. The
+    # KeyboardInterrupt arrives within a poll period; the sample in the making is abandoned (it
+    # holds nothing of the program's) instead of being waited for, and the program exits at once.
+    waited, exited, out = _interrupt_after(f"""
+        import sys, time, ferry
+        ds = ferry.datasets.synthetic(n=100, shape=(2,), delay_rate=1.0, delay_ms=30000)
+        loader = ferry.DataLoader(ds, batch_size=2, num_workers={workers})
+        print("ready", flush=True)
+        try:
+            for batch in loader:
+                pass
+        except KeyboardInterrupt:
+            print("interrupted %.3f" % time.monotonic(), flush=True)
+            sys.exit(0)
+        print("finished", flush=True)
+    """)
+    assert waited < 1.0, out
+    assert exited < 5.0, out
+
+
+def _write_idx(path, array: np.ndarray) -> None:
+    codes = {np.dtype(np.uint8): 0x08}
+    with open(path, "wb") as f:
+        f.write(bytes([0, 0, codes[array.dtype], array.ndim]))
+        for d in array.shape:
+            f.write(int(d).to_bytes(4, "big"))
+        f.write(array.tobytes())
+
+
+def test_idx_shapes_are_the_ones_its_help_names(tmp_path):
+    images = np.arange(8 * 28 * 28, dtype=np.uint64).astype(np.uint8).reshape(8, 28, 28)
+    _write_idx(tmp_path / "images", images)
+    _write_idx(tmp_path / "labels", np.arange(8, dtype=np.uint8))
+    doc = ferry.datasets.idx.__doc__
+    raw = ferry.datasets.idx(str(tmp_path / "images"), str(tmp_path / "labels"))
+    x, y = next(iter(ferry.DataLoader(raw, batch_size=4)))
+    assert "[B, 28, 28]" in doc and tuple(x.shape) == (4, 28, 28) and x.dtype == torch.uint8
+    assert np.array_equal(x.numpy(), images[:4])
+    floats = ferry.datasets.idx(str(tmp_path / "images"), str(tmp_path / "labels"), float=True)
+    x, _ = next(iter(ferry.DataLoader(floats, batch_size=4)))
+    assert "[B, 1, 28, 28]" in doc and tuple(x.shape) == (4, 1, 28, 28) and x.dtype == torch.float32
+
+
+def test_shuffle_with_a_stream_is_a_value_error(tar_dir):
+    # PyTorch refuses shuffle=True for an IterableDataset; accepting and ignoring it hid the mistake.
+    with pytest.raises(ValueError, match="shuffle=True is not for a stream"):
+        ferry.DataLoader(ferry.datasets.tar(tar_dir), batch_size=2, shuffle=True)
+
+
+def test_bad_batch_size_and_seed_are_one_line_value_errors():
+    ds = ferry.datasets.synthetic(n=10, shape=(2,))
+    for bad in (None, 0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="batch_size must be an int >= 1") as info:
+            ferry.DataLoader(ds, batch_size=bad)
+        assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="batch_size=None, samples without batching, is not supported"):
+        ferry.DataLoader(ds, batch_size=None)
+    with pytest.raises(ValueError, match="seed must be an int"):
+        ferry.DataLoader(ds, seed=-1)
+
+
+def test_the_seed_is_visible_and_fixed_by_default(rows_npy):
+    path, _ = rows_npy
+    ds = ferry.datasets.npy(path)
+    a, b = ferry.DataLoader(ds, batch_size=64, shuffle=True), ferry.DataLoader(ds, batch_size=64, shuffle=True)
+    assert a.seed == 0 and ferry.DataLoader(ds, seed=7).seed == 7
+    assert [as_bytes(x) for x in a] == [as_bytes(x) for x in b]  # reproducible unless seeded otherwise
+    assert "\nseed 0\n" in a.state_dict()["ferry_loader_state"]  # a checkpoint names its seed
+
+
+def test_a_bool_npy_gives_torch_bool_batches(tmp_path):
+    flags = (np.arange(40) % 3 == 0).reshape(10, 4)
+    np.save(tmp_path / "flags.npy", flags)
+    batches = list(ferry.DataLoader(ferry.datasets.npy(str(tmp_path / "flags.npy")), batch_size=5))
+    assert batches[0][0].dtype == torch.bool
+    assert np.array_equal(torch.cat([b[0] for b in batches]).numpy(), flags)
+
+
+def test_a_device_without_cuda_in_torch_is_a_cuda_error():
+    if torch.cuda.is_available():
+        pytest.skip("torch has CUDA here")
+    ds = ferry.datasets.synthetic(n=10, shape=(2,))
+    for device in (0, "cuda", "cuda:1"):
+        with pytest.raises(ferry.CudaError, match="needs CUDA, and this torch has none"):
+            ferry.DataLoader(ds, device=device)

@@ -2,6 +2,7 @@
 // and destruction mid-epoch that waits only for user code already running.
 #include <catch2/catch.hpp>
 
+#include <optional>
 #include <thread>
 
 #include "ferry/ferry.h"
@@ -146,7 +147,7 @@ TEST_CASE("wait_poll interrupts a wait for a batch and loses nothing", "[lifecyc
     int timeout_ms;
     bool pin;
   };
-  for (const Case c : {Case{"workers", 2, 0, false}, Case{"workers, timeout", 2, 10000, false},
+  for (const Case c : {Case{"workers", 2, 0, false}, Case{"workers, timeout", 2, 10000, false}, Case{"no workers", 0, 0, false},
                        Case{"pin thread", 2, 0, true}, Case{"pin thread, no workers", 0, 0, true},
                        Case{"pin thread, timeout", 2, 10000, true}}) {
     DYNAMIC_SECTION(c.name) {
@@ -183,6 +184,45 @@ TEST_CASE("wait_poll interrupts a wait for a batch and loses nothing", "[lifecyc
       std::vector<std::int64_t> firsts;
       for (; it != loader.end(); ++it) firsts.push_back(it->item<std::int64_t>(0));
       CHECK(firsts == std::vector<std::int64_t>{4, 8, 12, 16});  // nothing lost, in order
+    }
+  }
+}
+
+TEST_CASE("an interrupted epoch ends without waiting for the samples in the making", "[lifecycle][interrupt]") {
+  // Ctrl-C in Python: the wait ends with Interrupted, then the iterator goes. Ending the epoch used
+  // to wait for the sample in the making (28.5 s for a 30 s sample); now it abandons it (Note
+  // [Abandoned workers]), and the sample's thread leaves when the sample returns.
+  for (int workers : {0, 2}) {
+    for (bool persistent : {false, true}) {
+      if (persistent && workers == 0) continue;
+      DYNAMIC_SECTION("num_workers " << workers << (persistent ? ", persistent" : "")) {
+        Gated ds;  // batch 1 waits for the gate, which opens only at the end of the test
+        DataLoaderOptions o;
+        o.batch_size = 4;
+        o.num_workers = workers;
+        o.persistent_workers = persistent;
+        std::atomic<bool> interrupt{false};
+        o.wait_poll = [&] { return interrupt.load(); };
+        o.wait_poll_period = std::chrono::milliseconds(5);
+        std::chrono::steady_clock::duration ended{};
+        {
+          DataLoader loader(ds, o);
+          std::optional<decltype(loader.begin())> it;
+          it.emplace(loader.begin());
+          CHECK((*it)->item<std::int64_t>(0) == 0);
+          ++*it;
+          interrupt = true;
+          CHECK_THROWS_AS(**it, Interrupted);
+          const auto t0 = std::chrono::steady_clock::now();
+          it.reset();  // the iterator goes: the epoch ends
+          ended = std::chrono::steady_clock::now() - t0;
+          CHECK(loader.state().batches == 1);  // where it stopped: batch 1 was never taken
+          interrupt = false;
+        }
+        CHECK(ended < std::chrono::seconds(10));  // the gate stays shut: waiting would never end
+        ds.open->store(true);
+        CHECK(eventually([] { return live_threads() == 0; }));
+      }
     }
   }
 }

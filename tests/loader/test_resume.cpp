@@ -427,3 +427,61 @@ TEST_CASE("a process killed mid-epoch resumes from its last checkpoint and logs 
   std::filesystem::remove_all(dir);
 }
 #endif
+
+TEST_CASE("after a break, state() is where the epoch stopped until the next begin()", "[resume]") {
+  // A training loop that breaks at batch 5 and checkpoints: the state used to say "epoch 1, batch
+  // 0" once the iterator was gone, so a resume skipped the rest of epoch 0.
+  const std::size_t n = 157;
+  for (int workers : {0, 2}) {
+    INFO(workers << " workers");
+    DataLoaderOptions o;
+    o.batch_size = 8;
+    o.shuffle = true;
+    o.seed = 5;
+    o.num_workers = workers;
+    DataLoader reference(Noisy{n}, o);
+    const Batches all = run_to(reference, 0);
+    DataLoader loader(Noisy{n}, o);
+    LoaderState live;
+    std::size_t taken = 0;
+    for (auto& b : loader) {
+      (void)b;
+      if (++taken == 5) {
+        live = loader.state();
+        break;
+      }
+    }
+    const LoaderState after = loader.state();
+    CHECK(after == live);
+    CHECK(after.epoch == 0);
+    CHECK(after.batches == 5);
+    DataLoader resumed(Noisy{n}, o);
+    resumed.restore(after);
+    const Batches rest = run_to(resumed, 0);
+    REQUIRE(rest.size() == all.size() - 5);
+    CHECK(std::equal(rest.begin(), rest.end(), all.begin() + 5));
+    // The next begin() starts the next epoch, as before; set_epoch() moves the state too.
+    { auto it = loader.begin(); }
+    CHECK(loader.state().epoch == 1);  // epoch 1 was begun and left before its first batch was taken
+    CHECK(loader.state().batches == 0);
+    loader.set_epoch(4);
+    CHECK(loader.state().epoch == 4);
+    CHECK(loader.state().batches == 0);
+  }
+  // A stream keeps its position the same way.
+  DataLoaderOptions o;
+  o.batch_size = 7;
+  o.num_workers = 2;
+  DataLoader stream(counted_stream(n), o);
+  LoaderState live;
+  std::size_t taken = 0;
+  for (auto& b : stream) {
+    (void)b;
+    if (++taken == 3) {
+      live = stream.state();
+      break;
+    }
+  }
+  CHECK(stream.state() == live);
+  CHECK(stream.state().batches == 3);
+}

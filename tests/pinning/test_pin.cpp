@@ -180,6 +180,27 @@ TEST_CASE("a pinned budget too small for the pipeline's depth is an error, not a
   }
 }
 
+TEST_CASE("an unset pinned budget grows to the pipeline's depth; a set one is an error naming it", "[pin][errors]") {
+  // The ImageNet recipe on 15 workers: 36 float batches of 154 MB alive at once passed the 2 GiB
+  // default and stopped at batch 0. Unset, the budget now grows to fit (here 8 x 2560 bytes).
+  auto pool = test_pool(5 * 2560);
+  detail::DepthCheckedAllocator grows(*pool, 8, "direct pin_mode", /*may_grow=*/true);
+  Storage s = grows.allocate(2560);
+  CHECK(s.nbytes() == 2560);
+  CHECK(pool->limit_bytes() == 8 * 2560);
+  // Past what the machine allows (half its memory), even an unset budget is an error that says so.
+  auto small = test_pool(4096);
+  detail::DepthCheckedAllocator huge(*small, std::size_t{1} << 20, "direct pin_mode", true);
+  CHECK_THROWS_WITH(huge.allocate(std::size_t{1} << 30),
+                    Catch::Contains("more than the unset pinned_memory_limit may grow to") && Catch::Contains("lower prefetch_factor"));
+  // A budget the user set never grows.
+  auto fixed = test_pool(5 * 2560);
+  detail::DepthCheckedAllocator refuses(*fixed, 8, "direct pin_mode", /*may_grow=*/false);
+  CHECK_THROWS_WITH(refuses.allocate(2560), Catch::Contains("pinned_memory_limit is 12800 bytes") &&
+                                                Catch::Contains("may hold up to 8 batches of 2560 bytes"));
+  CHECK(fixed->limit_bytes() == 5 * 2560);
+}
+
 namespace {
 // Sample 0 is slow, so batches 1.. finish first and wait in the reorder buffer for batch 0.
 struct SlowFirst {

@@ -27,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+#include <unistd.h>
+
 #include "ferry/ferry.h"
 
 namespace {
@@ -183,9 +185,13 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
   auto last_print = t0;
   std::size_t seen = 0;
   bool warm = warmup == 0;
+  // A progress line rewritten in place on a terminal; into a log or pipe, only the final line
+  // (carriage returns there make one unreadable line).
+  const bool tty = isatty(STDERR_FILENO) != 0;
   auto print = [&](bool final) {
+    if (!tty && !final) return;
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    std::fprintf(stderr, "\r%8llu batches  %9.1f batches/s  %11.0f samples/s  %9.1f MB/s%s",
+    std::fprintf(stderr, "%s%8llu batches  %9.1f batches/s  %11.0f samples/s  %9.1f MB/s%s", tty ? "\r" : "",
                  static_cast<unsigned long long>(seen), seen / std::max(s, 1e-9),
                  r.samples / std::max(s, 1e-9), r.bytes / std::max(s, 1e-9) / 1e6, final ? "\n" : "");
     std::fflush(stderr);
@@ -230,10 +236,18 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
       if (f.batches > 0 && warm && seen >= f.batches) break;
     }
     if (f.batches > 0 && warm && seen >= f.batches) break;
-    if (!any && r.errors > 0)
-      throw ferry::Error("every batch failed (" + std::to_string(r.errors) + " data error" + (r.errors == 1 ? "" : "s") +
-                         "; --on-error skip or replace costs a bad sample only itself); the first: " + r.first_error);
-    if (!any) throw ferry::Error("the dataset produced no batches (is it empty, or smaller than one batch with --drop-last?)");
+    if (!any) {
+      const ferry::LoaderStats s = loader.stats();
+      const std::string first = !s.first_errors.empty() ? s.first_errors.front() : r.first_error;
+      if (s.samples_skipped > 0)
+        throw ferry::Error("no batch was left: " + std::to_string(s.samples_skipped) + " record" +
+                           (s.samples_skipped == 1 ? " was" : "s were") + " skipped as damaged (--on-error " + f.on_error +
+                           "); the first: " + first);
+      if (r.errors > 0)
+        throw ferry::Error("every batch failed (" + std::to_string(r.errors) + " data error" + (r.errors == 1 ? "" : "s") +
+                           "; --on-error skip or replace costs a bad sample only itself); the first: " + r.first_error);
+      throw ferry::Error("the dataset produced no batches (is it empty, or smaller than one batch with --drop-last?)");
+    }
   }
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   r.stats = loader.stats();
@@ -350,13 +364,23 @@ int tune(Flags base, int cpus, double seconds_per_trial) {
     for (int pt : {1, 4, 8}) try_change([&](Flags& f) { f.pin_mode = "copy", f.pin_threads = pt; });
   }
   if (best_rate <= 0) throw ferry::Error("tune: no setting fits in --cpus " + std::to_string(cpus));
-  std::printf("\nbest: %.1f batches/s (%d trials). Paste:\n\n", best_rate, static_cast<int>(trials.size()));
+  double fastest = 0;
+  for (const Trial& t : trials) fastest = std::max(fastest, t.batches_per_second);
+  std::printf("\nbest: %.1f batches/s (%d trials). A change is kept only when it is over 3%% faster than the setting\n"
+              "kept before it (trials differ by a few percent run to run), so the fewest threads that reach the\n"
+              "rate win%s. Paste:\n\n",
+              best_rate, static_cast<int>(trials.size()),
+              fastest > best_rate ? (" (the fastest trial, " + std::to_string(static_cast<long>(fastest)) +
+                                     " batches/s, was within 3% of a simpler setting)").c_str() : "");
   std::printf("  ferry::DataLoaderOptions options;\n");
   std::printf("  options.batch_size = %zu;\n", best.batch_size);
   std::printf("  options.num_workers = %d;\n", best.workers);
   std::printf("  options.prefetch_factor = %d;\n", best.prefetch);
   if (best.intra > 1) std::printf("  options.intra_batch_threads = %d;\n", best.intra);
-  if (best.pin || best.device >= 0) {
+  if (best.pin && best.device < 0 && !ferry::cuda::available()) {
+    std::printf("  // pin_memory left out: no CUDA device here (%s), so pinning would deliver pageable batches\n",
+                ferry::cuda::unavailable_reason().c_str());
+  } else if (best.pin || best.device >= 0) {
     std::printf("  options.pin_memory = true;\n");
     std::printf("  options.pin_mode = ferry::DataLoaderOptions::PinMode::%s;\n", best.pin_mode == "copy" ? "Copy" : "Direct");
     if (best.pin_mode == "copy") std::printf("  options.pin_threads = %d;\n", best.pin_threads);

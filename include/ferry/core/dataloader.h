@@ -112,16 +112,22 @@ void truncate_rows(B& b, std::size_t rows) {
 /// Leases from a pinned pool, refusing a batch whose size times the pipeline's depth exceeds the
 /// pool's budget: that many batches can be alive at once (in flight, in the reorder window, queued
 /// for the pin thread and the device), and a budget below it would stall the in-order batch
-/// behind later ones forever. Refusing names the numbers instead of hanging.
+/// behind later ones forever. Refusing names the numbers instead of hanging. With `may_grow` (the
+/// user left pinned_memory_limit unset and the pool is the loader's own) the budget grows to fit
+/// instead, once, within half the machine's memory, and says so at info level.
 class DepthCheckedAllocator final : public BatchAllocator {
  public:
-  DepthCheckedAllocator(PinnedPool& pool, std::size_t depth, const char* what) : pool_(pool), depth_(depth), what_(what) {}
+  DepthCheckedAllocator(PinnedPool& pool, std::size_t depth, const char* what, bool may_grow)
+      : pool_(pool), depth_(depth), what_(what), may_grow_(may_grow) {}
   Storage allocate(std::size_t nbytes) override;
 
  private:
   PinnedPool& pool_;
   std::size_t depth_;
   const char* what_;
+  bool may_grow_;
+  std::mutex mu_;
+  bool told_ = false;  // guarded by mu_
 };
 
 /// Why the device gather cannot make this loader's batches ("" when it can; then `rows` holds the
@@ -290,6 +296,7 @@ class DataLoader {
       s.stream_resume_key.store(start, std::memory_order_relaxed);
     }
     s.epoch_exhausted = false;
+    s.stopped_mid_epoch = false;
     if (!s.stats_origin_ns) s.stats_origin_ns = now_ns();  // before any stage starts work
     s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.stream_size());
     s.engine.begin_epoch(s.next_epoch, std::move(plan), start);
@@ -320,10 +327,12 @@ class DataLoader {
       return state_->batch_sampler->size();
     }
   }
-  /// Where the loader stands, to save with a checkpoint (ferry/core/state.h): during an epoch,
-  /// just after the last batch the consumer received (prefetched batches do not count); between
-  /// epochs, the start of the epoch the next begin() runs. Costs one epoch plan between epochs.
-  /// Streams have a state at epoch boundaries only: mid-epoch this throws ferry::Error.
+  /// Where the loader stands, to save with a checkpoint (ferry/core/state.h): during an epoch, and
+  /// after an epoch left early (its iterator destroyed mid-epoch, as by `break`) until the next
+  /// begin(), set_epoch() or restore(), just after the last batch the consumer received
+  /// (prefetched batches do not count); between epochs, the start of the epoch the next begin()
+  /// runs. Costs one epoch plan between epochs. A stream's mid-epoch state needs in_order and
+  /// on_error = Raise (ferry::Error otherwise: its position is not a function of the batch count).
   LoaderState state() const { return state_->save_state(); }
   /// The next begin() continues where `state` stood: its epoch, from the batch after the last one
   /// received, with no consumed sample fetched again. Any num_workers, prefetch, pinning or device.
@@ -333,7 +342,10 @@ class DataLoader {
   /// The epoch the next begin() starts (0, 1, 2, ... by default).
   std::uint64_t next_epoch() const noexcept { return state_->next_epoch; }
   /// Sets the epoch the next begin() starts: resume or replay an epoch exactly.
-  void set_epoch(std::uint64_t epoch) noexcept { state_->next_epoch = epoch; }
+  void set_epoch(std::uint64_t epoch) noexcept {
+    state_->next_epoch = epoch;
+    state_->stopped_mid_epoch = false;
+  }
   const Dataset& dataset() const noexcept { return *state_->dataset; }
   const DataLoaderOptions& options() const noexcept { return state_->opt; }
   /// Whether batches are written by the dataset's get_into (no collate copy).
@@ -381,7 +393,7 @@ class DataLoader {
       }
       if (opt.trace) {
         opt.trace->name_track(TraceRecorder::kConsumerTrack, "consumer");
-        opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (num_workers = 0)");
+        if (opt.num_workers == 0) opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (num_workers = 0)");
       }
       if (opt.device) {
         if (*opt.device < 0)
@@ -403,7 +415,7 @@ class DataLoader {
         // threshold (32 MiB) is mapped anew, and first-touching its pages cost 3x the collate
         // itself on 38.5 MB batches (one minor fault a 4 KiB page; bench_multi_gpu's host row).
         PinnedPoolOptions po;
-        po.limit_bytes = opt.pinned_memory_limit;
+        po.limit_bytes = opt.pinned_memory_limit.value_or(DataLoaderOptions::kDefaultPinnedMemoryLimit);
         po.backend = pageable_backend();
         po.hard_limit = false;
         collate_pool = std::make_shared<PinnedPool>(po);
@@ -465,7 +477,7 @@ class DataLoader {
       pinned_pool = opt.pinned_pool;
       if (!pinned_pool) {
         PinnedPoolOptions po;
-        po.limit_bytes = opt.pinned_memory_limit;
+        po.limit_bytes = opt.pinned_memory_limit.value_or(DataLoaderOptions::kDefaultPinnedMemoryLimit);
         po.numa_node = placement ? placement->node : -1;
         pinned_pool = std::make_shared<PinnedPool>(po);
       }
@@ -574,9 +586,9 @@ class DataLoader {
       if constexpr (kStreaming) {
         st.batch_size = opt.batch_size;
         st.stream_workers = static_cast<std::uint64_t>(std::max(opt.num_workers, 1));
-        if (live && !epoch_exhausted) {
+        if ((live && !epoch_exhausted) || stopped_mid_epoch) {
           st.epoch = live_epoch;
-          const std::int64_t key = engine.next_key();
+          const std::int64_t key = live ? engine.next_key() : stopped_key;
           if (key < 0)
             throw Error("DataLoader::state(): a stream delivered out of order (in_order = false) has no position to resume "
                         "from mid-epoch; save the state between epochs, or keep in_order");
@@ -593,7 +605,7 @@ class DataLoader {
         std::shared_ptr<const BatchPlan> plan;
         std::uint64_t k = 0;
         std::size_t segment = 0;
-        if (live && epoch_plan) {
+        if ((live || stopped_mid_epoch) && epoch_plan) {
           st.epoch = live_epoch;
           k = std::min<std::uint64_t>(static_cast<std::uint64_t>(epoch_delivered), epoch_plan->size());
           plan = epoch_plan;
@@ -632,6 +644,7 @@ class DataLoader {
     void restore_state(const LoaderState& st) {
       if (engine.epoch_live())
         throw Error("DataLoader::restore(): an iterator of this loader is live; restore before begin() or after the epoch");
+      stopped_mid_epoch = false;
       auto differs = [](const char* what, auto saved, auto here) {
         throw Error(std::string("DataLoader::restore(): the state is another loader's: its ") + what + " is " + std::to_string(saved) +
                     ", this loader's is " + std::to_string(here));
@@ -829,7 +842,10 @@ class DataLoader {
     }
 
     void end_epoch() noexcept {
-      epoch_delivered = 0;
+      // An epoch left early (break): state() keeps its position until begin(), set_epoch() or
+      // restore(), as it did while the iterator lived.
+      stopped_mid_epoch = engine.epoch_live() && !epoch_exhausted;
+      if (stopped_mid_epoch) stopped_key = engine.next_key();
       last_delivered_ns = 0;
       device_queue.clear();
       if (pin_stage) pin_stage->stop();
@@ -859,7 +875,7 @@ class DataLoader {
           return;
         }
         PinnedPoolOptions po;
-        po.limit_bytes = opt.pinned_memory_limit;
+        po.limit_bytes = opt.pinned_memory_limit.value_or(DataLoaderOptions::kDefaultPinnedMemoryLimit);
         po.numa_node = placement ? placement->node : -1;
         pinned_pool = std::make_shared<PinnedPool>(po);
       }
@@ -874,9 +890,11 @@ class DataLoader {
                                    (opt.device ? static_cast<std::size_t>(opt.device_prefetch) : 0) + 2;
         const std::size_t in_flight =
             static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(std::max(opt.num_workers, 1));
-        pin_blocks = std::make_unique<detail::DepthCheckedAllocator>(*pinned_pool, behind, "the pin thread");
+        const bool may_grow = !opt.pinned_pool && !opt.pinned_memory_limit;
+        pin_blocks = std::make_unique<detail::DepthCheckedAllocator>(*pinned_pool, behind, "the pin thread", may_grow);
         if (opt.pin_mode == DataLoaderOptions::PinMode::Direct) {
-          direct_blocks = std::make_unique<detail::DepthCheckedAllocator>(*pinned_pool, behind + in_flight, "direct pin_mode");
+          direct_blocks =
+              std::make_unique<detail::DepthCheckedAllocator>(*pinned_pool, behind + in_flight, "direct pin_mode", may_grow);
           allocator = direct_blocks.get();
         } else if (!opt.allocator) {
           PinnedPoolOptions po;  // recycled pageable collate buffers: a cache that never waits
@@ -1139,9 +1157,12 @@ class DataLoader {
     }
 
     static Rows check_not_empty(const detail::Job& job, Rows rows) {
+      // Bad data, not a broken loader: a DataError, which a loop (and the tool) catches and goes on
+      // from; the batch keeps its position, so resume and batch numbers stay the epoch's.
       if (rows.complete && rows.kept == 0 && !job.indices.empty())
-        throw Error("every sample of batch " + std::to_string(job.batch) +
-                    " failed and was skipped: there is nothing to deliver (see stats().first_errors)");
+        throw DataError("batch " + std::to_string(job.batch), DataError::kNoOffset,
+                        "every sample of the batch failed and was skipped: there is nothing to deliver (see "
+                        "stats().first_errors); the next batch follows");
       return rows;
     }
 
@@ -1268,6 +1289,8 @@ class DataLoader {
     std::size_t segment_start = 0;                  // DistributedSampler: see LoaderState
     std::uint64_t live_epoch = 0;                   // the epoch the live iterator runs
     bool epoch_exhausted = false;                   // the live iterator reached the epoch's end
+    bool stopped_mid_epoch = false;                 // the last epoch ended early: state() is its position
+    std::int64_t stopped_key = 0;                   // streams: the engine's next key when it did
     // Streams: the resumed epoch's first key. Written before the epoch's workers start; atomic
     // because a worker abandoned in an earlier epoch's open() may still read it.
     std::atomic<std::uint64_t> stream_resume_key{0};

@@ -30,11 +30,13 @@ struct DataLoaderOptions {
   std::shared_ptr<const Sampler> sampler;
   /// Custom batches; excludes batch_size != 1, shuffle, sampler and drop_last.
   std::shared_ptr<const BatchSampler> batch_sampler;
-  /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning).
+  /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning;
+  /// on a helper thread while the consumer runs `wait_poll`, so an interruption ends its wait).
   int num_workers = 0;
   bool drop_last = false;
-  /// Longest a batch may take in a worker while the consumer waits for data; 0: no limit. Needs
-  /// num_workers > 0. A worker stuck longer is abandoned and replaced (see "Timeouts" above).
+  /// Longest a batch may take in a worker while the consumer waits for data; 0: no limit. A worker
+  /// stuck longer is abandoned and replaced (see "Timeouts" in ferry/core/dataloader.h). With
+  /// num_workers = 0 there is no worker to abandon and it does not apply (as in PyTorch).
   std::chrono::milliseconds timeout{0};
   /// What a damaged or stuck sample costs: its batch (Raise), itself (Skip: the batch comes one
   /// row short) or nothing (Replace: another sample of the epoch takes its row, by a rule of
@@ -81,10 +83,15 @@ struct DataLoaderOptions {
   /// that allocates its own tensors is copied in either mode.
   enum class PinMode { Copy, Direct };
   PinMode pin_mode = PinMode::Direct;
-  /// Hard budget of the pinned pool, in bytes; producers wait when it is reached. A loader without
-  /// pinning keeps its batches' host buffers for reuse up to this many bytes (a retention cap:
-  /// past it buffers are freed, never waited for).
-  std::size_t pinned_memory_limit = std::size_t{2} << 30;
+  /// Hard budget of the pinned pool, in bytes; producers wait when it is reached. Unset, the budget
+  /// starts at kDefaultPinnedMemoryLimit and grows once, at the first batch, to hold every batch
+  /// the pipeline may keep alive at once (prefetch_factor x num_workers, pin_depth,
+  /// device_prefetch and the consumer's), within half the machine's memory; the growth is logged
+  /// at info level. Set, it is never exceeded: a pipeline that cannot fit is an Error naming the
+  /// numbers. A loader without pinning keeps its batches' host buffers for reuse up to this many
+  /// bytes (a retention cap: past it buffers are freed, never waited for).
+  std::optional<std::size_t> pinned_memory_limit;
+  static constexpr std::size_t kDefaultPinnedMemoryLimit = std::size_t{2} << 30;
   /// Threads that copy one large batch into pinned memory (one thread's memcpy is ~12 GB/s).
   int pin_threads = 4;
   /// Batches the pin thread may run ahead of the consumer.
@@ -138,7 +145,10 @@ struct DataLoaderOptions {
   /// Called on the consumer thread about every `wait_poll_period` while it waits for a batch;
   /// returning true (or throwing) ends that wait with ferry::Interrupted (or the exception), and
   /// no batch is lost: the next call waits for the same batch again. For front-ends that must
-  /// notice a signal while the loader waits (the Python module checks for Ctrl-C). Empty: the
+  /// notice a signal while the loader waits (the Python module checks for Ctrl-C). After an
+  /// interruption, ending the epoch abandons the batches still being made instead of waiting for
+  /// them (Note [Abandoned workers]): a 30 s sample does not hold the interrupted program. With
+  /// num_workers = 0 the batch is then made on a helper thread the consumer polls. Empty: the
   /// consumer sleeps until its batch is ready.
   std::function<bool()> wait_poll;
   std::chrono::milliseconds wait_poll_period{50};

@@ -146,7 +146,13 @@ class Producer {
 struct WaitPoll {
   std::function<bool()> fn;
   std::chrono::microseconds period{50000};
+  /// Set by check() when it throws Interrupted, until the epoch ends: the engine then abandons the
+  /// batches still being made instead of waiting for them (Note [Abandoned workers]). The Engine
+  /// makes it.
+  std::shared_ptr<std::atomic<bool>> interrupted;
   explicit operator bool() const noexcept { return static_cast<bool>(fn); }
+  /// Whether check() may throw on this thread (false on a thread under NoWaitPoll).
+  bool active() const noexcept;
   /// Runs the poll; throws ferry::Interrupted when it asks the wait to stop.
   void check() const;
 };
@@ -231,5 +237,7 @@ std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::s
 void warn_once(const char* key, const std::string& message);
 /// Logs at debug level.
 void log_debug(const std::string& message);
+/// Logs at info level.
+void log_info(const std::string& message);
 
 }  // namespace ferry::detail

@@ -103,6 +103,8 @@ class PinnedPool final : public BatchAllocator {
   bool owns(const Storage& storage) const;
   PinnedPoolStats stats() const;
   std::size_t limit_bytes() const noexcept;
+  /// Raises the budget to `bytes` (never lowers it); waiters see the new budget at once.
+  void raise_limit(std::size_t bytes);
 
   struct Impl;
 

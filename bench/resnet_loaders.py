@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""ResNet-50 training fed by ferry and by PyTorch's DataLoader, side by side in one run.
+
+The standard ImageNet recipe on a folder of JPEGs: RandomResizedCrop 224 + horizontal flip,
+batch 256, ResNet-50 in bfloat16 autocast, channels_last, SGD. Rows (each a fresh loader, the
+median of --runs passes of --steps steps after --warmup steps):
+  * the GPU alone: the same steps on one batch already on the GPU (the rate no loader can pass);
+  * ferry image_folder with mean/std (float32 batches), --workers workers, device=0, every other
+    option left at its default (the configuration that used to stop at batch 0 on the pinned
+    budget);
+  * ferry image_folder, uint8 batches, normalized on the GPU in the step;
+  * torch.utils.data.DataLoader + torchvision's ImageFolder with torchvision's recipe
+    (RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize), the same workers,
+    pin_memory=True, .to(cuda, non_blocking=True).
+Busy host cores: every process's CPU time (/proc/stat, all cores) over the measured wall time.
+Usage: resnet_loaders.py --images DIR [--workers 15] [--steps 40] [--warmup 15] [--runs 3]
+"""
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torchvision
+
+import ferry
+
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+
+
+def busy_jiffies():
+    with open("/proc/stat") as f:
+        fields = f.readline().split()[1:]
+    values = [int(v) for v in fields]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values[:8]) - idle
+
+
+def make_model():
+    model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    return model, opt
+
+
+def step(model, opt, images, labels):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def run(batches, model, opt, prepare, warmup, steps):
+    """Images/s and busy cores over `steps` steps after `warmup`, re-iterating epochs as needed."""
+    n, t0, j0 = 0, None, None
+    hz = os.sysconf("SC_CLK_TCK")
+    while True:
+        for images, labels in batches():
+            images, labels = prepare(images, labels)
+            step(model, opt, images, labels)
+            n += 1
+            if n == warmup:
+                torch.cuda.synchronize()
+                t0, j0 = time.perf_counter(), busy_jiffies()
+            if n == warmup + steps:
+                torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
+                return steps * images.shape[0] / wall, (busy_jiffies() - j0) / hz / wall
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--images", required=True)
+    ap.add_argument("--workers", type=int, default=15)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=15)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rows", default="gpu,ferry-float,ferry-uint8,torch")
+    args = ap.parse_args()
+    torch.backends.cudnn.benchmark = True
+    model, opt = make_model()
+    mean = torch.tensor(MEAN, device="cuda").view(1, 3, 1, 1) * 255
+    std = torch.tensor(STD, device="cuda").view(1, 3, 1, 1) * 255
+
+    def as_is(x, y):
+        return x.contiguous(memory_format=torch.channels_last), y
+
+    def normalize_uint8(x, y):  # uint8 HWC batches: NHWC is channels_last memory already
+        x = x.permute(0, 3, 1, 2).float().sub_(mean).div_(std)
+        return x, y
+
+    def to_cuda(x, y):
+        return x.cuda(non_blocking=True).contiguous(memory_format=torch.channels_last), y.cuda(non_blocking=True)
+
+    fixed_x = torch.randn(args.batch, 3, 224, 224, device="cuda").contiguous(memory_format=torch.channels_last)
+    fixed_y = torch.randint(0, 1000, (args.batch,), device="cuda")
+
+    def gpu_alone():
+        def forever():
+            while True:
+                yield fixed_x, fixed_y
+        return forever
+
+    def ferry_rows(normalized):
+        ds = (ferry.datasets.image_folder(args.images, size=224, random_crop=True, mean=MEAN, std=STD) if normalized
+              else ferry.datasets.image_folder(args.images, size=224, random_crop=True))
+        loader = ferry.DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers, device=0,
+                                  drop_last=True)  # every other option at its default
+        return lambda: loader
+
+    def torch_rows():
+        t = torchvision.transforms
+        recipe = t.Compose([t.RandomResizedCrop(224), t.RandomHorizontalFlip(), t.ToTensor(), t.Normalize(MEAN, STD)])
+        ds = torchvision.datasets.ImageFolder(args.images, transform=recipe)
+        loader = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers,
+                                             pin_memory=True, drop_last=True, persistent_workers=True)
+        return lambda: loader
+
+    rows = {
+        "gpu": ("the GPU alone (a batch already on the GPU)", gpu_alone, as_is),
+        "ferry-float": (f"ferry image_folder, mean/std (float32), {args.workers} workers, defaults", lambda: ferry_rows(True), as_is),
+        "ferry-uint8": (f"ferry image_folder, uint8, {args.workers} workers", lambda: ferry_rows(False), normalize_uint8),
+        "torch": (f"torch DataLoader + torchvision ImageFolder recipe, {args.workers} workers", torch_rows, to_cuda),
+    }
+    print(f"# ResNet-50 bf16 channels_last, batch {args.batch}, {args.steps} steps after {args.warmup}, "
+          f"median of {args.runs}; {torch.cuda.get_device_name(0)}, {os.cpu_count()} vCPUs, torch {torch.__version__}, "
+          f"torchvision {torchvision.__version__}, images {args.images}\n")
+    print("| loader | images/s (median) | runs | / GPU alone | busy host cores |")
+    print("|---|---:|---|---:|---:|")
+    alone = None
+    for key in args.rows.split(","):
+        name, make, prepare = rows[key]
+        rates, cores = [], []
+        for _ in range(args.runs):
+            batches = make()
+            r, c = run(batches, model, opt, prepare, args.warmup, args.steps)
+            rates.append(r)
+            cores.append(c)
+            del batches
+        med = statistics.median(rates)
+        if key == "gpu":
+            alone = med
+        ratio = f"{med / alone:.3f}" if alone else "-"
+        print(f"| {name} | {med:,.0f} | {', '.join(f'{r:,.0f}' for r in rates)} | {ratio} | {statistics.median(cores):.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
