@@ -5,6 +5,8 @@
 
 #include <thread>
 
+#include <unistd.h>
+
 #include "ferry/ferry.h"
 #include "helpers.h"
 
@@ -209,4 +211,11 @@ TEST_CASE("a deferred event fence is not ready, and its error waits, until the r
   // A fence recorded at construction has no error and does not wait.
   EventFence plain{cuda::Event{}};
   CHECK_FALSE(plain.error());
+}
+
+TEST_CASE("without a GPU driver, CUDA's unavailability says so, not that a driver is too old", "[unit][cuda]") {
+  if (cuda::available() || access("/proc/driver/nvidia/version", F_OK) == 0) return;  // a driver is here
+  const std::string why = cuda::unavailable_reason();
+  INFO(why);
+  CHECK((why.find("no NVIDIA GPU driver on this machine") != std::string::npos || why == "ferry was built without CUDA"));
 }
