@@ -154,20 +154,26 @@ struct Engine::State {
   bool inline_done = false;
   StageMeter inline_stage;
   // num_workers = 0 while a wait_poll can interrupt the consumer's wait: the batch is made on a
-  // helper thread and the consumer polls, so Ctrl-C ends the wait within a poll period even while
-  // one sample takes 30 s. A batch still in the making when an interrupted epoch ends is abandoned
-  // like a stuck worker (Note [Abandoned workers]); otherwise the end waits for it.
-  struct InlineRun {
-    StageMeter stage;
-    Payload payload;
-    std::exception_ptr error;
+  // helper thread of the engine's (one, kept across batches and epochs) and the consumer polls,
+  // so Ctrl-C ends the wait within a poll period even while one sample takes 30 s. A batch still
+  // in the making when an interrupted epoch ends is abandoned like a stuck worker (Note
+  // [Abandoned workers]): the helper is detached, finishes that one call and leaves, and a fresh
+  // one serves the next epoch. Otherwise the epoch's end waits for it.
+  struct InlineHelper {
     std::mutex mu;
     std::condition_variable cv;
-    bool done = false;  // guarded by mu
-    bool keepable = false;
+    bool posted = false, done = false, exit = false, abandoned = false;  // guarded by mu
+    Job job;                             // guarded by mu until taken
+    std::shared_ptr<EpochState> epoch;   // guarded by mu until taken
+    std::shared_ptr<void> keep;          // the producer, kept alive while a job runs
+    Payload payload;                     // guarded by mu
+    std::exception_ptr error;            // guarded by mu
+    StageMeter stage;                    // the helper's
   };
-  std::shared_ptr<InlineRun> inline_run;  // the batch in the making; survives an Interrupted
-  Thread inline_thread;
+  std::shared_ptr<InlineHelper> helper;
+  Thread helper_thread;
+  bool inline_pending = false;  // a batch posted to the helper and not yet taken
+  bool helper_keepable = false; // that batch's job holds a keep-alive: it may be abandoned
   std::uint64_t refill_burst = 1;  // dispatch only when this many slots are free (or none in flight)
 
   std::size_t limit() const { return static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(W); }
@@ -520,9 +526,66 @@ struct Engine::State {
     return p;
   }
 
+  void start_helper() {
+    auto h = std::make_shared<InlineHelper>();
+    helper = h;
+    helper_thread = Thread("ferry-inline", [this, h] {
+      std::unique_lock lock(h->mu);
+      for (;;) {
+        h->cv.wait(lock, [&h] { return h->posted || h->exit; });
+        if (!h->posted) return;
+        h->posted = false;
+        const Job job = std::move(h->job);
+        const std::shared_ptr<EpochState> epoch = std::move(h->epoch);
+        std::shared_ptr<void> keep = std::move(h->keep);
+        lock.unlock();
+        Payload p;
+        std::exception_ptr error;
+        {
+          StopScope stop_scope(&epoch->cancelled);  // a blocked allocation gives up when the epoch ends
+          try {
+            p = make_inline(job, *epoch, h->stage);
+          } catch (...) {
+            error = std::current_exception();
+          }
+        }
+        lock.lock();
+        if (h->abandoned) {  // the engine settled the epoch without us: drop the batch and leave
+          lock.unlock();
+          return;
+        }
+        h->payload = std::move(p);
+        h->error = std::move(error);
+        h->done = true;
+        h->cv.notify_all();
+        lock.unlock();
+        keep.reset();  // outside the lock: it may be the loader's last reference
+        lock.lock();
+      }
+    });
+  }
+
+  void retire_helper_stage(const InlineHelper& h) {
+    for (std::size_t k = 0; k < kStageCount; ++k) retired_ns[k] += h.stage.total_ns(static_cast<Stage>(k));
+  }
+
+  // Ends the helper thread (waiting for a batch it is making). Consumer thread.
+  void stop_helper() noexcept {
+    if (!helper) return;
+    {
+      std::lock_guard lock(helper->mu);
+      helper->exit = true;
+    }
+    helper->cv.notify_all();
+    helper_thread.join();
+    retire_helper_stage(*helper);
+    helper.reset();
+    inline_pending = false;
+  }
+
   Payload next_inline() {
     if (inline_done) return {};
-    if (!inline_run) {
+    if (!inline_pending) {
       Job job;
       job.key = delivered;
       job.batch = static_cast<std::int64_t>(delivered);
@@ -537,58 +600,60 @@ struct Engine::State {
         if (!p) inline_done = true;
         return p;
       }
-      auto run = std::make_shared<InlineRun>();
+      if (!helper) start_helper();
       std::shared_ptr<void> keep = producer.keep_alive();
-      run->keepable = keep != nullptr;
-      inline_thread = Thread("ferry-inline", [this, run, job = std::move(job), epoch = ep, keep = std::move(keep)] {
-        StopScope stop_scope(&epoch->cancelled);  // a blocked allocation gives up when the epoch ends
-        try {
-          run->payload = make_inline(job, *epoch, run->stage);
-        } catch (...) {
-          run->error = std::current_exception();
-        }
-        std::lock_guard lock(run->mu);
-        run->done = true;
-        run->cv.notify_all();
-      });
-      inline_run = std::move(run);
-    }
-    {
-      InlineRun& run = *inline_run;
-      std::unique_lock lock(run.mu);
-      while (!run.cv.wait_for(lock, opt.wait_poll.period, [&run] { return run.done; })) {
-        lock.unlock();
-        opt.wait_poll.check();  // Interrupted: the batch goes on being made; the next call takes it
-        lock.lock();
+      helper_keepable = keep != nullptr;
+      {
+        std::lock_guard lock(helper->mu);
+        helper->job = std::move(job);
+        helper->epoch = ep;
+        helper->keep = std::move(keep);
+        helper->done = false;
+        helper->posted = true;
       }
+      helper->cv.notify_all();
+      inline_pending = true;
     }
-    inline_thread.join();
-    const std::shared_ptr<InlineRun> run = std::move(inline_run);
-    for (std::size_t k = 0; k < kStageCount; ++k) retired_ns[k] += run->stage.total_ns(static_cast<Stage>(k));
+    InlineHelper& h = *helper;
+    std::unique_lock lock(h.mu);
+    while (!h.cv.wait_for(lock, opt.wait_poll.period, [&h] { return h.done; })) {
+      lock.unlock();
+      opt.wait_poll.check();  // Interrupted: the batch goes on being made; the next call takes it
+      lock.lock();
+    }
+    h.done = false;
+    inline_pending = false;
+    Payload p = std::move(h.payload);
+    const std::exception_ptr error = std::move(h.error);
+    h.error = nullptr;
+    lock.unlock();
     ++delivered;
-    if (run->error) std::rethrow_exception(run->error);
-    if (!run->payload) inline_done = true;
-    return std::move(run->payload);
+    if (error) std::rethrow_exception(error);
+    if (!p) inline_done = true;
+    return p;
   }
 
-  // The epoch ends with a batch still in the making on the inline helper: abandoned after an
-  // interruption (when it may be), else waited for.
+  // The epoch ends with a batch still posted to the helper: abandoned after an interruption (when
+  // its job holds a keep-alive), else waited for and dropped.
   void settle_inline() noexcept {
-    if (!inline_run) return;
-    bool finished;
-    {
-      std::lock_guard lock(inline_run->mu);
-      finished = inline_run->done;
-    }
-    if (!finished && interrupted() && inline_run->keepable) {
+    if (!inline_pending) return;
+    inline_pending = false;
+    InlineHelper& h = *helper;
+    std::unique_lock lock(h.mu);
+    if (!h.done && interrupted() && helper_keepable) {
+      h.abandoned = true;
+      lock.unlock();
       abandoned.fetch_add(1);
-      inline_thread.detach();
-      logger().warn("DataLoader: abandoned the batch in the making on the consumer's helper (num_workers=0) after an interruption");
-    } else {
-      inline_thread.join();
-      for (std::size_t k = 0; k < kStageCount; ++k) retired_ns[k] += inline_run->stage.total_ns(static_cast<Stage>(k));
+      retire_helper_stage(h);
+      helper_thread.detach();
+      helper.reset();  // a fresh helper serves the next batch
+      logger().warn("DataLoader: abandoned the batch in the making (num_workers=0) after an interruption");
+      return;
     }
-    inline_run.reset();
+    h.cv.wait(lock, [&h] { return h.done; });
+    h.done = false;
+    h.payload = Payload{};
+    h.error = nullptr;
   }
 
   Payload next() {
@@ -662,6 +727,7 @@ Engine::~Engine() { shutdown(); }
 std::int64_t Engine::stage_ns(Stage stage) const noexcept {
   const State& s = *state_;
   std::int64_t total = s.inline_stage.total_ns(stage) + s.retired_ns[static_cast<std::size_t>(stage)];
+  if (s.helper) total += s.helper->stage.total_ns(stage);
   for (const auto& c : s.ctl)
     if (c) total += c->stage.total_ns(stage);
   return total;
@@ -749,6 +815,7 @@ void Engine::shutdown() noexcept {
   end_epoch();
   state_->drop_ahead();
   state_->stop_workers();
+  state_->stop_helper();
 }
 
 bool Engine::epoch_live() const noexcept { return state_->live; }
