@@ -9,10 +9,15 @@
 //      handle, state and stream: images/s, the call's time, and the step's time meanwhile.
 // With --alone-only it stops after 1 and prints the stream IDs (cudaStreamGetId) of the decode's
 // stream and the legacy default stream, to read beside a profiler's kernel list.
+// With --ceiling it prints only the JPEG engines' ceiling: 1 to 8 host threads, each with its own
+// handle, state, stream and output, decoding batches of 64 to 512 back to back (decode only, no
+// step): images/s and busy cores (the process's CPU time over the wall time) for each.
 // Usage: probe_nvjpeg DIR [--batch 256] [--blocks-per-sm 4] [--no-ordering] [--alone-only]
+//                         [--ceiling [--seconds 1.5]]
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -24,6 +29,8 @@
 #include <thread>
 #include <vector>
 
+#include <sys/resource.h>
+
 #include "kernels.h"
 
 using Clock = std::chrono::steady_clock;
@@ -32,6 +39,11 @@ static double ms_since(Clock::time_point t) { return std::chrono::duration<doubl
 #define NJ(x) do { nvjpegStatus_t s_ = (x); if (s_ != NVJPEG_STATUS_SUCCESS) { std::printf("nvJPEG %s: %d\n", #x, (int)s_); std::exit(1); } } while (0)
 
 static void launch_work(cudaStream_t s, long long iters, int blocks_per_sm) { ferry::test::launch_work(s, iters, blocks_per_sm); }
+static double cpu_seconds() {
+  rusage r{};
+  getrusage(RUSAGE_SELF, &r);
+  return r.ru_utime.tv_sec + r.ru_stime.tv_sec + (r.ru_utime.tv_usec + r.ru_stime.tv_usec) * 1e-6;
+}
 
 struct Image { std::vector<unsigned char> bytes; int w = 0, h = 0; };
 
@@ -77,13 +89,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   int B = 256, bps = 4;
-  bool ordering = true, alone_only = false;
+  bool ordering = true, alone_only = false, ceiling = false;
+  double seconds = 1.5;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--batch" && i + 1 < argc) B = std::atoi(argv[++i]);
     else if (a == "--blocks-per-sm" && i + 1 < argc) bps = std::atoi(argv[++i]);
     else if (a == "--no-ordering") ordering = false;
     else if (a == "--alone-only") alone_only = true;
+    else if (a == "--ceiling") ceiling = true;
+    else if (a == "--seconds" && i + 1 < argc) seconds = std::atof(argv[++i]);
   }
   CK(cudaSetDevice(0));
   int sms = 0;
@@ -101,6 +116,11 @@ int main(int argc, char** argv) {
     im.w = w[0]; im.h = h[0];
     files.push_back(std::move(im));
   }
+  if (files.empty()) {
+    std::fprintf(stderr, "probe_nvjpeg: no JPEG nvJPEG can read under %s\n", argv[1]);
+    return 1;
+  }
+  if (ceiling) B = 512;  // the largest batch; smaller ones take its first images
   std::vector<Image> batch;
   for (int i = 0; i < B; ++i) batch.push_back(files[i % files.size()]);
   // pinned copies of the bytes, as ferry's workers give them
@@ -113,6 +133,44 @@ int main(int argc, char** argv) {
   size_t off = 0;
   for (auto& im : batch) { std::memcpy(pinned + off, im.bytes.data(), im.bytes.size()); data.push_back(pinned + off); len.push_back(im.bytes.size()); off += im.bytes.size(); }
   std::printf("# probe_nvjpeg: %zu files, batch %d, %.1f KB an image, %d SMs\n", files.size(), B, bytes / 1024.0 / B, sms);
+  if (ceiling) {
+    // The engines' ceiling: T threads, each its own handle, state, stream and output, decoding
+    // back to back for `seconds`; nothing else on the GPU.
+    std::printf("\n| batch | host threads | images/s | busy cores | images/s a busy core |\n|---:|---:|---:|---:|---:|\n");
+    for (int b : {64, 128, 256, 512}) {
+      const std::vector<Image> sub(batch.begin(), batch.begin() + b);
+      const std::vector<const unsigned char*> sub_data(data.begin(), data.begin() + b);
+      const std::vector<size_t> sub_len(len.begin(), len.begin() + b);
+      for (int threads : {1, 2, 3, 4, 6, 8}) {
+        std::vector<Decoder*> decs;
+        for (int t = 0; t < threads; ++t) decs.push_back(new Decoder(sub, true, nullptr));
+        for (auto* d : decs) { d->decode(sub_data, sub_len); CK(cudaStreamSynchronize(d->s)); }
+        std::atomic<bool> stop{false};
+        std::atomic<long> images{0};
+        const double c0 = cpu_seconds();
+        const auto t0 = Clock::now();
+        std::vector<std::thread> ts;
+        for (int t = 0; t < threads; ++t)
+          ts.emplace_back([&, t] {
+            cudaSetDevice(0);
+            while (!stop.load()) {
+              decs[t]->decode(sub_data, sub_len);
+              CK(cudaStreamSynchronize(decs[t]->s));
+              images += b;
+            }
+          });
+        std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+        stop = true;
+        for (auto& t : ts) t.join();
+        const double wall = ms_since(t0) / 1000.0, cores = (cpu_seconds() - c0) / wall;
+        const double rate = images.load() / wall;
+        std::printf("| %d | %d | %.0f | %.2f | %.0f |\n", b, threads, rate, cores, rate / std::max(cores, 1e-9));
+        std::fflush(stdout);
+        for (auto* d : decs) delete d;
+      }
+    }
+    return 0;
+  }
 
   // 1. Alone: the call's time on the host, and what is left for a stream synchronize.
   Decoder d0(batch, false, shared);

@@ -63,6 +63,7 @@ struct Flags {
   int timeout_ms = 0;
   bool persistent = false;
   bool ahead = true;
+  int gpu_decode_threads = DataLoaderOptions{}.gpu_decode_threads;
 
   DataLoaderOptions options() const {
     DataLoaderOptions o;
@@ -86,6 +87,7 @@ struct Flags {
     o.timeout = std::chrono::milliseconds(timeout_ms);
     o.persistent_workers = persistent && workers > 0;
     o.prefetch_next_epoch = ahead;
+    o.gpu_decode_threads = gpu_decode_threads;
     return o;
   }
 };
@@ -104,6 +106,9 @@ void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("--device", f.device, "deliver batches on CUDA device N (implies --pin)");
   app.add_option("--gather", f.gather, "with --device: how the rows of npy and idx datasets reach the GPU: host (workers copy and transform them; also what auto does for a mapped file) or device (the GPU gathers them from registered memory, idx's flip and normalize included)")
       ->check(CLI::IsMember({"auto", "host", "device"}));
+  app.add_option("--gpu-decode-threads", f.gpu_decode_threads,
+                 "with --device and decode=gpu: batches nvJPEG decodes at once, each on a host thread of its own")
+      ->check(CLI::PositiveNumber);
   app.add_option("--intra-threads", f.intra, "intra_batch_threads: threads per batch")->check(CLI::PositiveNumber);
   app.add_option("--shuffle", f.shuffle, "shuffle (map-style datasets)");
   app.add_flag("--drop-last", f.drop_last, "drop a last, smaller batch");
