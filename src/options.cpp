@@ -55,6 +55,21 @@ void validate_options(const DataLoaderOptions& o, bool streaming) {
     fail("gather=Device needs a map-style dataset of rows (TensorDataset, NpyDataset); an iterable dataset has none");
   if (streaming && (o.sampler || o.batch_sampler || o.shuffle))
     fail("an iterable dataset takes no sampler, batch_sampler or shuffle (it decides its own order)");
+  if (o.pin_threads < 1) fail("pin_threads must be >= 1, got " + std::to_string(o.pin_threads));
+  if (o.pin_depth < 1) fail("pin_depth must be >= 1, got " + std::to_string(o.pin_depth));
+  if (o.pinned_memory_limit && *o.pinned_memory_limit == 0)
+    fail("pinned_memory_limit must be > 0 bytes (leave it unset for a budget that fits the pipeline)");
+  if (o.device && *o.device < 0)
+    fail("device=" + std::to_string(*o.device) + " is not a CUDA device index; leave device unset for batches on the host");
+  if (o.device_prefetch < 1) fail("device_prefetch must be >= 1, got " + std::to_string(o.device_prefetch));
+  if (o.gpu_decode_threads < 1) fail("gpu_decode_threads must be >= 1, got " + std::to_string(o.gpu_decode_threads));
+  if (o.wait_poll_period.count() < 0) fail("wait_poll_period must be >= 0 ms");
+}
+
+DataLoaderOptions normalize_options(DataLoaderOptions o, bool streaming) {
+  validate_options(o, streaming);
+  if (o.device) o.pin_memory = true;  // a device batch is copied from pinned memory
+  return o;
 }
 
 std::string describe_options(const DataLoaderOptions& o, bool streaming) {

@@ -264,25 +264,20 @@ ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int 
                                       const std::string& on_error, std::size_t max_errors, double max_error_fraction,
                                       const std::string& gather, std::optional<std::size_t> pinned_memory_limit,
                                       std::uintptr_t stream, std::int64_t trace_batches, int gpu_decode_threads) {
+  // Conversions only: every rule is the library's (ferry::detail::normalize_options).
   ferry::DataLoaderOptions o;
-  if (batch_size == 0) throw ferry::Error("DataLoader: batch_size must be >= 1");
   o.batch_size = batch_size;
   o.shuffle = shuffle;
   o.num_workers = num_workers;
-  o.pin_memory = pin_memory || device.has_value();
+  o.pin_memory = pin_memory;
   o.drop_last = drop_last;
   if (!(timeout >= 0)) throw ferry::Error("DataLoader: timeout must be >= 0 seconds");
   o.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout * 1000.0 + 0.5));
   o.prefetch_factor = prefetch_factor;
   o.persistent_workers = persistent_workers;
   o.seed = seed;
-  if (gpu_decode_threads < 1)
-    throw ferry::Error("DataLoader: gpu_decode_threads must be >= 1, got " + std::to_string(gpu_decode_threads));
   o.gpu_decode_threads = gpu_decode_threads;
-  if (device) {
-    if (*device < 0) throw ferry::Error("DataLoader: device must be a CUDA device index >= 0, got " + std::to_string(*device));
-    o.device = *device;
-  }
+  o.device = device;
   o.in_order = in_order;
   o.on_error = ferry::parse_on_error(on_error, "DataLoader: on_error");
   o.max_errors = max_errors;

@@ -70,7 +70,7 @@ struct Flags {
     o.batch_size = batch_size;
     o.num_workers = workers;
     o.prefetch_factor = prefetch;
-    o.pin_memory = pin || device >= 0;
+    o.pin_memory = pin;  // a device implies it (ferry::detail::normalize_options)
     if (pin_mode != "copy" && pin_mode != "direct")
       throw ferry::Error("--pin-mode must be 'copy' or 'direct', got '" + pin_mode + "'");
     o.pin_mode = pin_mode == "copy" ? DataLoaderOptions::PinMode::Copy : DataLoaderOptions::PinMode::Direct;
@@ -91,6 +91,13 @@ struct Flags {
     return o;
   }
 };
+
+// Whether a loader with these flags pins its batches: the library's rule (a device implies it).
+bool pins(const Flags& f) {
+  DataLoaderOptions o = f.options();
+  o.shuffle = false;  // irrelevant here, and refused for a stream
+  return ferry::detail::normalize_options(o, false).pin_memory;
+}
 
 void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("dataset", f.dataset, "dataset name: idx, npy, image_folder, synthetic, tar, or one a plugin registers")
@@ -266,7 +273,7 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
           {"config", f.config},
           {"options",
            {{"batch_size", f.batch_size}, {"num_workers", f.workers}, {"prefetch_factor", f.prefetch},
-            {"pin_memory", f.pin || f.device >= 0}, {"pin_mode", f.pin_mode}, {"pin_threads", f.pin_threads},
+            {"pin_memory", pins(f)}, {"pin_mode", f.pin_mode}, {"pin_threads", f.pin_threads},
             {"device", f.device}, {"gather", f.gather}, {"intra_batch_threads", f.intra}}},
           {"batches", s.batches},
           {"samples", r.samples},
@@ -318,7 +325,7 @@ int tune(Flags base, int cpus, double seconds_per_trial) {
   if (cpus <= 0) cpus = hw;
   // Threads a setting keeps busy: workers x intra-batch threads, plus the pin thread's copiers.
   auto threads = [](const Flags& f) {
-    return std::max(f.workers, 1) * f.intra + ((f.pin || f.device >= 0) && f.pin_mode == "copy" ? f.pin_threads : 0);
+    return std::max(f.workers, 1) * f.intra + (pins(f) && f.pin_mode == "copy" ? f.pin_threads : 0);
   };
   std::vector<Trial> trials;
   auto measure = [&](Flags f) -> double {
@@ -335,7 +342,7 @@ int tune(Flags base, int cpus, double seconds_per_trial) {
     const Run r = with_loader(f, f.options(), [&](auto& loader) { return run_loader(loader, f, false, 4); });
     Trial t{f, r.stats.batches / std::max(r.seconds, 1e-9), r.stats.bottleneck()};
     std::printf("  workers %2d  intra %d  prefetch %d  %-22s %9.1f batches/s  bottleneck %s\n", f.workers, f.intra, f.prefetch,
-                f.pin || f.device >= 0 ? ("pin " + f.pin_mode + (f.pin_mode == "copy" ? " x" + std::to_string(f.pin_threads) : "")).c_str() : "",
+                pins(f) ? ("pin " + f.pin_mode + (f.pin_mode == "copy" ? " x" + std::to_string(f.pin_threads) : "")).c_str() : "",
                 t.batches_per_second, t.bottleneck.c_str());
     std::fflush(stdout);
     trials.push_back(t);
@@ -364,7 +371,7 @@ int tune(Flags base, int cpus, double seconds_per_trial) {
   // 3. prefetch depth.
   for (int p : {4, 8}) try_change([&](Flags& f) { f.prefetch = p; });
   // 4. pin mode, and pin threads for copy mode.
-  if (base.pin || base.device >= 0) {
+  if (pins(base)) {
     try_change([](Flags& f) { f.pin_mode = "direct", f.pin_threads = 1; });
     for (int pt : {1, 4, 8}) try_change([&](Flags& f) { f.pin_mode = "copy", f.pin_threads = pt; });
   }
@@ -385,7 +392,7 @@ int tune(Flags base, int cpus, double seconds_per_trial) {
   if (best.pin && best.device < 0 && !ferry::cuda::available()) {
     std::printf("  // pin_memory left out: no CUDA device here (%s), so pinning would deliver pageable batches\n",
                 ferry::cuda::unavailable_reason().c_str());
-  } else if (best.pin || best.device >= 0) {
+  } else if (pins(best)) {
     std::printf("  options.pin_memory = true;\n");
     std::printf("  options.pin_mode = ferry::DataLoaderOptions::PinMode::%s;\n", best.pin_mode == "copy" ? "Copy" : "Direct");
     if (best.pin_mode == "copy") std::printf("  options.pin_threads = %d;\n", best.pin_threads);

@@ -370,7 +370,7 @@ class DataLoader {
   struct State final : detail::Producer, std::enable_shared_from_this<State> {
     State(Dataset d, DataLoaderOptions o, CollateFn c)
         : dataset(std::make_shared<const Dataset>(std::move(d))),
-          opt(std::move(o)),
+          opt(detail::normalize_options(std::move(o), kStreaming)),
           collate_fn(std::move(c)),
           batch_sampler(make_batch_sampler()),
           placement(make_placement(opt)),
@@ -395,18 +395,9 @@ class DataLoader {
         opt.trace->name_track(TraceRecorder::kConsumerTrack, "consumer");
         if (opt.num_workers == 0) opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (num_workers = 0)");
       }
-      if (opt.device) {
-        if (*opt.device < 0)
-          throw Error("DataLoaderOptions: device=" + std::to_string(*opt.device) +
-                      " is not a CUDA device index; leave device unset for batches on the host");
-        if (!cuda::available())
-          throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
-                          cuda::unavailable_reason() + ")");
-        if (opt.device_prefetch < 1) throw Error("DataLoaderOptions: device_prefetch must be >= 1");
-        if (opt.gpu_decode_threads < 1)
-          throw Error("DataLoaderOptions: gpu_decode_threads must be >= 1, got " + std::to_string(opt.gpu_decode_threads));
-        opt.pin_memory = true;
-      }
+      if (opt.device && !cuda::available())  // the options' own rules: detail::normalize_options
+        throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
+                        cuda::unavailable_reason() + ")");
       if constexpr (!kStreaming) choose_gather();
       if (gathering) setup_gather();
       else if (opt.pin_memory) setup_pinning();
@@ -883,8 +874,6 @@ class DataLoader {
         throw Error("DataLoader: pin_memory=true, but the batch type has no pin_memory: give it a member "
                     "`void pin_memory(ferry::PinContext&)` or specialize ferry::PinMemory");
       } else {
-        if (opt.pin_threads < 1) throw Error("DataLoaderOptions: pin_threads must be >= 1");
-        if (opt.pin_depth < 1) throw Error("DataLoaderOptions: pin_depth must be >= 1");
         if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads, placement);
         const std::size_t behind = static_cast<std::size_t>(opt.pin_depth) +
                                    (opt.device ? static_cast<std::size_t>(opt.device_prefetch) : 0) + 2;
@@ -944,7 +933,6 @@ class DataLoader {
     }
 
     std::shared_ptr<const BatchSampler> make_batch_sampler() {
-      detail::validate_options(opt, kStreaming);
       if constexpr (kStreaming) {
         return nullptr;
       } else {

@@ -171,8 +171,13 @@ OnError parse_on_error(const std::string& text, const std::string& what = "on_er
 Gather parse_gather(const std::string& text, const std::string& what = "gather");
 
 namespace detail {
-/// Throws ferry::Error naming the first option that is out of range or conflicts with another.
+/// The one place the options' rules live (front-ends pass options through and check none of
+/// them): throws ferry::Error naming the first option that is out of range or conflicts with
+/// another, whether or not the option is in use (pin_threads = 0 without pinning is an error too).
 void validate_options(const DataLoaderOptions& o, bool streaming);
+/// validate_options, then the rules that derive one option from another: a `device` implies
+/// pin_memory. The loader keeps what this returns.
+DataLoaderOptions normalize_options(DataLoaderOptions o, bool streaming);
 /// One line naming the options, for the debug log.
 std::string describe_options(const DataLoaderOptions& o, bool streaming);
 }  // namespace detail
