@@ -231,8 +231,9 @@ struct Engine::State {
     abandoned.fetch_add(1);
     retire_ctl(c);
     threads[static_cast<std::size_t>(w)].detach();
-    logger().warn("DataLoader: abandoned worker {} stuck in stage '{}' of batch {} for {} ms", w,
-                  stage_name(c.stage.current()), c.batch.load(), (now_ns() - c.since_ns.load()) / 1000000);
+    logger().warn("DataLoader: abandoned worker {} {} in stage '{}' of batch {} for {} ms", w,
+                  interrupted() ? "(after an interruption)" : "stuck", stage_name(c.stage.current()), c.batch.load(),
+                  (now_ns() - c.since_ns.load()) / 1000000);
     return true;
   }
 
