@@ -1,4 +1,3 @@
-#include <cstdio>
 // Fault policies and the fault injector: see ferry/core/faults.h.
 #include "ferry/core/faults.h"
 
@@ -6,15 +5,6 @@
 #include <thread>
 
 namespace ferry {
-
-namespace {
-// A double as written by a person (0.1, not std::to_string's 0.100000).
-std::string shortest(double v) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", v);
-  return text;
-}
-}  // namespace
 
 bool IoError::transient() const noexcept {
   return errno_ == EINTR || errno_ == EAGAIN || errno_ == EWOULDBLOCK || errno_ == EIO || errno_ == ETIMEDOUT;
@@ -108,6 +98,7 @@ std::size_t FaultState::hanging() const {
 #include <system_error>
 
 #include "ferry/detail/fault_log.h"
+#include "text.h"
 
 namespace ferry::detail {
 

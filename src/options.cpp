@@ -1,4 +1,3 @@
-#include <cstdio>
 #include <sstream>
 
 #include "ferry/core/error.h"
@@ -6,17 +5,9 @@
 #include "ferry/core/random.h"
 #include "ferry/core/rows.h"
 #include "ferry/detail/pass_math.h"
+#include "text.h"
 
 namespace ferry {
-
-namespace {
-// A double as written by a person (0.1, not std::to_string's 0.100000).
-std::string shortest(double v) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%g", v);
-  return text;
-}
-}  // namespace
 
 OnError parse_on_error(const std::string& text, const std::string& what) {
   if (text == "raise") return OnError::Raise;
