@@ -836,10 +836,10 @@ class DataLoader {
       // An epoch left early (break): state() keeps its position until begin(), set_epoch() or
       // restore(), as it did while the iterator lived.
       stopped_mid_epoch = engine.epoch_live() && !epoch_exhausted;
-      if (stopped_mid_epoch) stopped_key = engine.next_key();
       last_delivered_ns = 0;
       device_queue.clear();
-      if (pin_stage) pin_stage->stop();
+      if (pin_stage) pin_stage->stop();  // the pin thread, which also calls the engine, is gone after this
+      if (stopped_mid_epoch) stopped_key = engine.next_key();
       engine.end_epoch();
     }
 
