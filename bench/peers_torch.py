@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch's DataLoader on bench_pin's workloads, for the side-by-side table (run on the GPU machine).
+"""PyTorch's DataLoader on bench_pin's workloads, for the side-by-side table (run on a GPU host).
 
 Same data shape, batch 256, samples drawn with replacement as bench_pin does; each batch is moved
 with .to('cuda', non_blocking=True) and the stream is synchronized at the end of each pass.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch's DataLoader per GPU under torchrun: the peer of bench_multi_gpu's ranks (GPU machine).
+"""PyTorch's DataLoader per GPU under torchrun: the peer of bench_multi_gpu's ranks (a GPU host).
 
   torchrun --standalone --nproc-per-node 2 bench/peers_torch_ddp.py [--cpu-slices 2] [--workers-a 8] [--workers-b 6]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""ferry from Python against ferry's C++ loop and PyTorch's DataLoader, on the GPU machine.
+"""ferry from Python against ferry's C++ loop and PyTorch's DataLoader, on a GPU host.
 
 Workloads (batch 256, delivered on cuda:0): (a) rows of 3x224x224 uint8 and (b) rows of 784
 float32, both from a .npy (memory-mapped), and, with --images, JPEGs decoded on the GPU

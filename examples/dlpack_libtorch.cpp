@@ -1,6 +1,6 @@
 // Hands ferry batches to libtorch without a copy, through DLPack: the at::Tensor shares ferry's
 // bytes and keeps them alive until libtorch lets go. Built only when libtorch is found
-// (Debian: libtorch-dev; the GPU machine: the one bundled with PyTorch).
+// (Debian: libtorch-dev; a GPU host: the one bundled with PyTorch).
 //
 //   build/default/examples/dlpack_libtorch
 #include <ATen/DLConvertor.h>

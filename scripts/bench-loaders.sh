@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The loaders benchmark (bench/RESULTS.md): installs Debian's mate-backgrounds photographs if
 # missing, cuts them into 500x375 JPEG tiles (and 1500x1000 ones, build/bench-data/photos-1500, for
-# the GPU machine's images-peers), builds the release preset and runs bench_loaders.
+# a GPU host's images-peers), builds the release preset and runs bench_loaders.
 # Usage: scripts/bench-loaders.sh [--runs N]
 set -euo pipefail
 cd "$(dirname "$0")/.."

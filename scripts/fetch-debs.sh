@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Downloads the Debian 12 packages ferry builds against into .debs/ (git-ignored), for machines
-# with no package registry (the GPU machine): scripts/gpu.sh unpacks them there with dpkg -x.
+# with no package registry (a GPU host): scripts/gpu.sh unpacks them there with dpkg -x.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .debs

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine: unpack the carried .debs into a prefix, build ferry (Release), run the whole
+# On a GPU host: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
 # Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-loop|images-peers|multi|gather|rows|python]
 # python: the Python package as a user installs it (pip install --no-build-isolation ., into the

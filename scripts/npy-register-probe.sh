@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine, after scripts/gpu.sh build: the device gather over .npy files of (a)'s rows
+# On a GPU host, after scripts/gpu.sh build: the device gather over .npy files of (a)'s rows
 # (3x224x224 uint8) of 512 and 4096 rows, each run in the background under a time limit; after
 # 15 s, where each thread of a run still going is (state, kernel wait channel, and the main
 # thread's user stack through a SIGUSR1 handler preloaded from bench/backtrace_preload.c).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The GPU machine's side-by-side ratio table, from one run's outputs of bench_pin, peers_torch
+"""A GPU host's side-by-side ratio table (the host named by machine.txt), from one run's outputs of bench_pin, peers_torch
 and peers_libtorch (scripts/gpu.sh bench writes them to $OUT). Usage:
     gpu_table.py bench_pin.md peers_torch.md peers_libtorch.md [machine.txt]
 Best of each peer's settings (workers, pin mode) per workload; ratios are ferry's best over it."""
@@ -33,7 +33,7 @@ def best(rows, pred):
 def main():
     pin, torch, libtorch = (sections(p) for p in sys.argv[1:4])
     machine = open(sys.argv[4]).read().strip().splitlines() if len(sys.argv) > 4 else []
-    print("# Side by side on the GPU machine (one run)\n")
+    print("# Side by side on one GPU host (one run)\n")
     if machine:
         print("Machine: " + "; ".join(l for l in machine if l and not l.startswith("name,")) + "\n")
     print("| workload | ferry (best) | bare probe | PyTorch pinned | PyTorch not pinned | libtorch | ferry / probe | ferry / PyTorch | ferry / libtorch |")
