@@ -428,6 +428,24 @@ TEST_CASE("a process killed mid-epoch resumes from its last checkpoint and logs 
 }
 #endif
 
+namespace {
+// A training loop that takes k batches and breaks: the state just before the break (the iterator
+// still live); the loop's end then destroys the iterator.
+template <class Loader>
+LoaderState state_at_break(Loader& loader, std::size_t k) {
+  LoaderState live;
+  std::size_t taken = 0;
+  for (auto& b : loader) {
+    (void)b;
+    if (++taken == k) {
+      live = loader.state();
+      break;
+    }
+  }
+  return live;
+}
+}  // namespace
+
 TEST_CASE("after a break, state() is where the epoch stopped until the next begin()", "[resume]") {
   // A training loop that breaks at batch 5 and checkpoints: the state used to say "epoch 1, batch
   // 0" once the iterator was gone, so a resume skipped the rest of epoch 0.
@@ -442,15 +460,7 @@ TEST_CASE("after a break, state() is where the epoch stopped until the next begi
     DataLoader reference(Noisy{n}, o);
     const Batches all = run_to(reference, 0);
     DataLoader loader(Noisy{n}, o);
-    LoaderState live;
-    std::size_t taken = 0;
-    for (auto& b : loader) {
-      (void)b;
-      if (++taken == 5) {
-        live = loader.state();
-        break;
-      }
-    }
+    const LoaderState live = state_at_break(loader, 5);
     const LoaderState after = loader.state();
     CHECK(after == live);
     CHECK(after.epoch == 0);
@@ -473,15 +483,7 @@ TEST_CASE("after a break, state() is where the epoch stopped until the next begi
   o.batch_size = 7;
   o.num_workers = 2;
   DataLoader stream(counted_stream(n), o);
-  LoaderState live;
-  std::size_t taken = 0;
-  for (auto& b : stream) {
-    (void)b;
-    if (++taken == 3) {
-      live = stream.state();
-      break;
-    }
-  }
+  const LoaderState live = state_at_break(stream, 3);
   CHECK(stream.state() == live);
   CHECK(stream.state().batches == 3);
 }
