@@ -11,7 +11,11 @@ median of --runs passes of --steps steps after --warmup steps):
   * ferry image_folder, uint8 batches, normalized on the GPU in the step;
   * torch.utils.data.DataLoader + torchvision's ImageFolder with torchvision's recipe
     (RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize), the same workers,
-    pin_memory=True, .to(cuda, non_blocking=True).
+    pin_memory=True, .to(cuda, non_blocking=True);
+  * the same torchvision dataset, unchanged, through ferry.DataLoader (worker threads, device=0:
+    pinned on the worker, copied on torch's stream), the same workers;
+  * the uint8 recipe (PILToTensor instead of ToTensor + Normalize, normalized on the GPU in the
+    step) through each of the two.
 Busy host cores: every process's CPU time (/proc/stat, all cores) over the measured wall time.
 With the defaults (8 + 30 steps of 256 of a 10,260-image folder) the measured steps lie inside
 the first epoch; more steps cross epochs, where a loader without persistent workers starts its
@@ -94,6 +98,10 @@ def main():
         x = x.permute(0, 3, 1, 2).float().sub_(mean).div_(std)
         return x, y
 
+    def normalize_chw_uint8(x, y):
+        x = x.cuda(non_blocking=True).float().sub_(mean).div_(std).contiguous(memory_format=torch.channels_last)
+        return x, y.cuda(non_blocking=True)
+
     def to_cuda(x, y):
         return x.cuda(non_blocking=True).contiguous(memory_format=torch.channels_last), y.cuda(non_blocking=True)
 
@@ -113,12 +121,22 @@ def main():
                                   drop_last=True, persistent_workers=persistent)  # every other option at its default
         return lambda: loader
 
-    def torch_rows():
+    def torchvision_folder(uint8):
         t = torchvision.transforms
-        recipe = t.Compose([t.RandomResizedCrop(224), t.RandomHorizontalFlip(), t.ToTensor(), t.Normalize(MEAN, STD)])
-        ds = torchvision.datasets.ImageFolder(args.images, transform=recipe)
-        loader = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers,
-                                             pin_memory=True, drop_last=True, persistent_workers=True)
+        tail = [t.PILToTensor()] if uint8 else [t.ToTensor(), t.Normalize(MEAN, STD)]
+        recipe = t.Compose([t.RandomResizedCrop(224), t.RandomHorizontalFlip(), *tail])
+        return torchvision.datasets.ImageFolder(args.images, transform=recipe)
+
+    def torch_rows(uint8=False):
+        loader = torch.utils.data.DataLoader(torchvision_folder(uint8), batch_size=args.batch, shuffle=True,
+                                             num_workers=args.workers, pin_memory=True, drop_last=True,
+                                             persistent_workers=True)
+        return lambda: loader
+
+    def ferry_python_rows(uint8=False):
+        loader = ferry.DataLoader(torchvision_folder(uint8), batch_size=args.batch, shuffle=True,
+                                  num_workers=args.workers, device=0 if not uint8 else None, pin_memory=True,
+                                  drop_last=True, persistent_workers=True)
         return lambda: loader
 
     rows = {
@@ -128,6 +146,12 @@ def main():
         "ferry-float-persistent": (f"ferry image_folder, mean/std (float32), {args.workers} persistent workers",
                                    lambda: ferry_rows(True, True), as_is),
         "torch": (f"torch DataLoader + torchvision ImageFolder recipe, {args.workers} workers", torch_rows, to_cuda),
+        "ferry-torchvision": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker threads",
+                              ferry_python_rows, as_is),
+        "torch-uint8": (f"torch DataLoader + torchvision ImageFolder, uint8 (PILToTensor), {args.workers} workers",
+                        lambda: torch_rows(True), normalize_chw_uint8),
+        "ferry-torchvision-uint8": (f"ferry.DataLoader + torchvision ImageFolder, uint8 (PILToTensor), "
+                                    f"{args.workers} worker threads", lambda: ferry_python_rows(True), normalize_chw_uint8),
     }
     print(f"# ResNet-50 bf16 channels_last, batch {args.batch}, {args.steps} steps after {args.warmup}, "
           f"median of {args.runs}; {torch.cuda.get_device_name(0)}, {os.cpu_count()} vCPUs, torch {torch.__version__}, "

@@ -9,17 +9,27 @@
         for images, labels in loader:      # torch.Tensors on cuda:0, ordered on the current stream
             ...
 
-Every sample is read, decoded, transformed and collated by ferry's C++ threads; no Python runs per
-sample, and the GIL is released while the loop waits for a batch. Batches reach torch through
-DLPack without a copy: a tensor keeps ferry's buffer alive until torch frees it.
+With ferry's datasets every sample is read, decoded, transformed and collated by ferry's C++
+threads; no Python runs per sample, and the GIL is released while the loop waits for a batch.
+Batches reach torch through DLPack without a copy: a tensor keeps ferry's buffer alive until torch
+frees it.
+
+A Python dataset (map-style or iterable, as torch.utils.data takes them) runs on the same worker
+threads, with collate_fn, sampler, batch_sampler, worker_init_fn and ferry.get_worker_info():
+
+    loader = ferry.DataLoader(MyDataset(...), batch_size=64, shuffle=True, num_workers=8)
 """
 
 from __future__ import annotations
 
+import atexit
 import numbers
-from typing import Any, Dict, Iterator, Optional, Tuple
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterator, Optional, Tuple
 
 from . import _ferry
+from . import _python
 from . import datasets
 from ._ferry import (  # noqa: F401  (re-exported)
     CudaError,
@@ -31,24 +41,23 @@ from ._ferry import (  # noqa: F401  (re-exported)
     WorkerError,
 )
 from .datasets import Dataset, load_plugin  # noqa: F401
+from ._python import WorkerInfo, get_worker_info  # noqa: F401
 
 __all__ = [
-    "DataLoader", "LoaderStats", "datasets", "load_plugin", "Dataset",
+    "DataLoader", "LoaderStats", "datasets", "load_plugin", "Dataset", "get_worker_info", "WorkerInfo",
     "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted",
 ]
 __version__ = "0.1.0"
 
 _CUDA_STREAM_LEGACY = 0x1  # cudaStreamLegacy (driver_types.h)
 
-# PyTorch DataLoader arguments ferry does not take, and why.
-_UNSUPPORTED = {
+# PyTorch DataLoader arguments a ferry dataset does not take (a Python dataset takes them all), and why.
+_NOT_FOR_FERRY_DATASETS = {
     "sampler": "ferry samples by shuffle=/seed=; for several processes use ferry's DistributedEnv (C++)",
     "batch_sampler": "ferry batches by batch_size=/drop_last=",
     "collate_fn": "ferry collates in C++ (the dataset's fields, stacked)",
-    "worker_init_fn": "ferry's workers are C++ threads that run no Python",
+    "worker_init_fn": "ferry's workers are C++ threads that run no Python for a ferry dataset",
     "generator": "ferry's randomness is keyed by seed= (and the epoch and sample index)",
-    "multiprocessing_context": "ferry's workers are threads, not processes",
-    "pin_memory_device": "pass device= to receive batches on a GPU",
 }
 
 
@@ -73,6 +82,20 @@ def _device_index(device: Any) -> Optional[int]:
     raise ValueError(f"DataLoader: device must be a CUDA device (an index, 'cuda:N' or torch.device), got {device!r}")
 
 
+# Loaders of Python datasets, released at exit while Python can still run their workers' calls
+# (Note [Python datasets]: a cycle through the C++ loader keeps a module-level one alive until then).
+_python_loaders: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
+
+
+@atexit.register
+def _release_python_loaders() -> None:
+    for loader in list(_python_loaders):
+        loader._loader.release()
+        # A worker still inside the dataset (abandoned by a timeout or Ctrl-C) keeps the cycle's
+        # Python half alive; let the C++ objects go now.
+        loader._loader = loader._options = None
+
+
 class LoaderStats(dict):
     """Where the loader's time went: a dict of per-stage seconds, counts and busy fractions.
 
@@ -87,8 +110,15 @@ class DataLoader:
     """torch.utils.data.DataLoader's interface over a ferry dataset, run by ferry's C++ threads.
 
     Args (PyTorch's names and defaults where PyTorch has them):
-        dataset: a ferry dataset (``ferry.datasets.*``); samples are made in C++ only.
-        batch_size, shuffle, drop_last: as in PyTorch.
+        dataset: a ferry dataset (``ferry.datasets.*``: samples made in C++ only), or a Python one:
+            map-style (``__getitem__`` and ``__len__``; ``__getitems__`` once a batch if it has
+            it) or iterable (``__iter__``), run on the worker threads, each call holding the GIL.
+        batch_size, shuffle, drop_last: as in PyTorch (batch_size=None: a Python dataset's
+            samples one at a time, unbatched).
+        sampler, batch_sampler, collate_fn, worker_init_fn, generator: as in PyTorch, for Python
+            datasets (a ferry dataset samples by shuffle/seed and collates in C++).
+        multiprocessing_context: accepted, with a warning: ferry's workers are threads.
+        pin_memory_device: accepted and kept (PyTorch deprecates it); pass device= instead.
         num_workers: worker threads (0: batches made on the consumer's thread, or the pin thread).
         pin_memory: deliver CPU batches in page-locked memory (torch ``is_pinned()``).
         timeout: seconds a batch may take in a worker; a worker stuck longer (even in a read that
@@ -136,8 +166,8 @@ class DataLoader:
 
     def __init__(
         self,
-        dataset: Dataset,
-        batch_size: int = 1,
+        dataset: Any,
+        batch_size: Optional[int] = 1,
         shuffle: bool = False,
         num_workers: int = 0,
         pin_memory: bool = False,
@@ -156,27 +186,68 @@ class DataLoader:
         stream: Any = None,
         trace_batches: int = 0,
         gpu_decode_threads: int = 1,
-        **unsupported: Any,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        collate_fn: Optional[Callable[[Any], Any]] = None,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        generator: Any = None,
+        multiprocessing_context: Any = None,
+        pin_memory_device: str = "",
     ) -> None:
-        for name in unsupported:
-            why = _UNSUPPORTED.get(name)
-            if why is None:
-                raise TypeError(f"DataLoader() got an unexpected keyword argument {name!r}")
-            raise TypeError(f"DataLoader: {name}= is not supported: {why}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-            raise ValueError(f"DataLoader: batch_size must be an int >= 1, got {batch_size!r}"
-                             + (" (PyTorch's batch_size=None, samples without batching, is not supported)"
-                                if batch_size is None else ""))
+        python = not isinstance(dataset, _ferry.Dataset)
+        if not python:
+            given = {"sampler": sampler, "batch_sampler": batch_sampler, "collate_fn": collate_fn,
+                     "worker_init_fn": worker_init_fn, "generator": generator}
+            for name, value in given.items():
+                if value is not None:
+                    raise TypeError(f"DataLoader: {name}= is not for a ferry dataset: {_NOT_FOR_FERRY_DATASETS[name]}")
+            if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
+                raise ValueError(f"DataLoader: batch_size must be an int >= 1, got {batch_size!r}"
+                                 + (" (batch_size=None, samples without batching, is for Python datasets)"
+                                    if batch_size is None else ""))
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
             raise ValueError(f"DataLoader: seed must be an int in [0, 2**64), got {seed!r}")
-        if not isinstance(dataset, _ferry.Dataset):
-            raise TypeError(
-                "DataLoader: dataset must be a ferry dataset (ferry.datasets.image_folder, idx, npy, tar, "
-                f"synthetic, or a plugin's through ferry.datasets.registry), got {type(dataset).__name__}")
+        if multiprocessing_context is not None:
+            warnings.warn("DataLoader: multiprocessing_context has no effect: ferry's workers are threads of this "
+                          "process", stacklevel=2)
+        if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral) or num_workers < 0:
+            raise ValueError(f"DataLoader: num_workers must be an int >= 0, got {num_workers!r}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = int(seed)
+        # The attributes PyTorch code reads.
+        self.num_workers = int(num_workers)
+        self.drop_last = drop_last
+        self.pin_memory = pin_memory
+        self.timeout = timeout
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+        self.in_order = in_order
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.collate_fn = collate_fn
+        self.worker_init_fn = worker_init_fn
+        self.generator = generator
+        self.multiprocessing_context = multiprocessing_context
+        self.pin_memory_device = pin_memory_device
         self.device = _device_index(device)
+        self._python = python
+        engine_batch, engine_shuffle, engine_drop_last = batch_size, shuffle, drop_last
+        if python:
+            # Note [Python datasets] (python/src/module.cpp): the workers run the dataset's Python
+            # code; pinning happens on the worker (torch's pin_memory), the device copy on the
+            # consumer's stream as batches arrive.
+            cpp_dataset, engine = _python.make_dataset(
+                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+                drop_last=drop_last, collate_fn=collate_fn, pin_memory=pin_memory or self.device is not None,
+                worker_init_fn=worker_init_fn, generator=generator, num_workers=num_workers)
+            engine_batch, engine_shuffle, engine_drop_last = engine["batch_size"], engine["shuffle"], engine["drop_last"]
+            self.sampler = engine.get("sampler", sampler)
+            self.batch_sampler = engine.get("batch_sampler", batch_sampler)
+            if gather != "auto":
+                raise ValueError("DataLoader: gather= is for ferry's datasets of rows (idx, npy)")
+        else:
+            cpp_dataset = dataset
         stream_handle = 0
         if self.device is not None:
             torch = _torch()
@@ -193,24 +264,39 @@ class DataLoader:
                 # null consumer stream to mean "make one", so name the legacy stream explicitly.
                 stream_handle = _CUDA_STREAM_LEGACY
         self._stream = stream
+        if python and self.device is not None:
+            torch = _torch()
+            self._torch_stream = stream if isinstance(stream, torch.cuda.Stream) else torch.cuda.current_stream(self.device)
+            self._torch_device = torch.device("cuda", self.device)
         torch = _torch()
         # torch's C importer of DLPack capsules (what torch.utils.dlpack.from_dlpack calls for a
         # capsule, without its Python-level checks: a few microseconds a tensor).
         convert = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
         options = _ferry.make_options(
-            batch_size=batch_size, shuffle=shuffle, num_workers=num_workers, pin_memory=pin_memory,
-            drop_last=drop_last, timeout=float(timeout),
+            batch_size=engine_batch, shuffle=engine_shuffle, num_workers=num_workers,
+            pin_memory=pin_memory and not python, drop_last=engine_drop_last, timeout=float(timeout),
             prefetch_factor=2 if prefetch_factor is None else prefetch_factor,
-            persistent_workers=persistent_workers, seed=seed, device=self.device, in_order=in_order,
-            on_error=on_error, max_errors=max_errors, max_error_fraction=max_error_fraction, gather=gather,
-            pinned_memory_limit=pinned_memory_limit, stream=stream_handle, trace_batches=trace_batches,
-            gpu_decode_threads=gpu_decode_threads)
+            persistent_workers=persistent_workers, seed=seed, device=None if python else self.device,
+            in_order=in_order, on_error=on_error, max_errors=max_errors, max_error_fraction=max_error_fraction,
+            gather=gather, pinned_memory_limit=pinned_memory_limit, stream=0 if python else stream_handle,
+            trace_batches=trace_batches, gpu_decode_threads=gpu_decode_threads)
         self._options = options
-        self._loader = _ferry.Loader(dataset, options, convert)
+        self._loader = _ferry.Loader(cpp_dataset, options, convert)
+        if python:
+            _python_loaders.add(self)
 
-    def __iter__(self) -> Iterator[Tuple[Any, ...]]:
+    def __iter__(self) -> Iterator[Any]:
         """Starts the next epoch (ending one still in progress) and yields its batches."""
-        return iter(self._loader)
+        batches = iter(self._loader)
+        if self._python and self.device is not None:
+            return self._on_device(batches)
+        return batches
+
+    def _on_device(self, batches: Iterator[Any]) -> Iterator[Any]:
+        torch = _torch()
+        for batch in batches:  # pinned on the worker: the copy is queued on the stream, not waited for
+            with torch.cuda.stream(self._torch_stream):
+                yield _python.to_device(batch, self._torch_device)
 
     def __len__(self) -> int:
         """Batches per epoch."""

@@ -43,6 +43,234 @@ namespace {
 // The labeled-image stream of tar shards (ferry::make_tar_images); each loader takes a copy.
 using TarStream = decltype(ferry::make_tar_images(std::declval<const ferry::DatasetConfig&>()));
 
+// --- Python datasets ------------------------------------------------------------------------------
+//
+// Note [Python datasets]
+// A Python dataset (map-style or iterable, PyTorch's protocols) runs on ferry's worker threads:
+// each call into it takes the GIL, so the workers overlap where the dataset's work releases the
+// GIL (file reads, numpy, PIL decode, torch ops) and the engine gives it everything it gives C++
+// datasets (the reorder window, timeouts that abandon a stuck worker, on_error, resume, Ctrl-C).
+// The Python half (ferry/_python.py) supplies four callables: fetch(indices) -> samples,
+// finish(samples) -> batch (collate_fn, then pin_memory), open(worker, workers, seed, epoch) ->
+// iterator for a stream, and plan(epoch) -> the epoch's batches of indices for a user's sampler.
+// Objects cross threads as PyRef, which takes the GIL to let go of its reference, so a batch or
+// sample may be dropped on any thread. Every loader call that may wait for a worker (begin, end,
+// destruction, restore) runs with the GIL released: a worker waiting for the GIL would otherwise
+// wait for the very call that waits for it.
+
+// A strong reference to a Python object that any thread may drop (the GIL is taken to drop it).
+class PyRef {
+ public:
+  PyRef() = default;
+  explicit PyRef(nb::object o) noexcept : p_(o.release().ptr()) {}
+  PyRef(PyRef&& o) noexcept : p_(std::exchange(o.p_, nullptr)) {}
+  PyRef& operator=(PyRef&& o) noexcept {
+    if (this != &o) {
+      reset();
+      p_ = std::exchange(o.p_, nullptr);
+    }
+    return *this;
+  }
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  ~PyRef() { reset(); }
+
+  void reset() noexcept {
+    PyObject* p = std::exchange(p_, nullptr);
+    if (!p || !Py_IsInitialized()) return;  // after finalization there is nothing left to free
+    PyGILState_STATE s = PyGILState_Ensure();
+    Py_DECREF(p);
+    PyGILState_Release(s);
+  }
+  /// The object, as a new reference (GIL held); this PyRef is empty after.
+  nb::object take() noexcept { return nb::steal(std::exchange(p_, nullptr)); }
+  nb::handle get() const noexcept { return p_; }
+  explicit operator bool() const noexcept { return p_ != nullptr; }
+
+ private:
+  PyObject* p_ = nullptr;
+};
+
+// An exception raised by the user's Python code on a worker: the original exception object rides
+// inside ferry's WorkerError to the consumer, where it becomes the raised error's __cause__.
+class PyException : public ferry::Error {
+ public:
+  explicit PyException(nb::python_error& e)  // GIL held
+      : ferry::Error(e.what()), value_(std::make_shared<PyRef>(nb::borrow(e.value()))) {
+    nb::object tb = e.traceback();
+    if (tb.is_valid() && !tb.is_none()) PyException_SetTraceback(value_->get().ptr(), tb.ptr());
+  }
+  nb::handle value() const noexcept { return value_->get(); }
+
+ private:
+  std::shared_ptr<PyRef> value_;  // shared: exceptions are copied
+};
+
+// A thread ferry made keeps one Python thread state from its first call into Python to its exit,
+// so what Python keeps per thread (threading.local: get_worker_info(), a dataset's per-thread file
+// handles) lives as long as the worker, and each call takes only the GIL. The consumer's thread is
+// Python's own and keeps its state anyway.
+class ThreadStateKeeper {
+ public:
+  ThreadStateKeeper() {
+    if (PyGILState_GetThisThreadState() != nullptr) return;
+    state_ = PyGILState_Ensure();
+    saved_ = PyEval_SaveThread();
+  }
+  ~ThreadStateKeeper() {
+    if (!saved_ || !Py_IsInitialized() || finalizing()) return;  // a thread outliving Python keeps it
+    PyEval_RestoreThread(saved_);
+    PyGILState_Release(state_);
+  }
+  ThreadStateKeeper(const ThreadStateKeeper&) = delete;
+  ThreadStateKeeper& operator=(const ThreadStateKeeper&) = delete;
+
+ private:
+  static bool finalizing() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+    return Py_IsFinalizing() != 0;
+#else
+    return _Py_IsFinalizing() != 0;
+#endif
+  }
+  PyGILState_STATE state_{};
+  PyThreadState* saved_ = nullptr;
+};
+
+// The GIL, for a call into Python from any thread (see ThreadStateKeeper).
+class Gil {
+ public:
+  Gil() {
+    thread_local ThreadStateKeeper keeper;
+    state_ = PyGILState_Ensure();
+  }
+  ~Gil() { PyGILState_Release(state_); }
+  Gil(const Gil&) = delete;
+  Gil& operator=(const Gil&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+using Callable = std::shared_ptr<PyRef>;  // shared by the copies a loader makes of its dataset
+
+Callable callable(nb::object f) { return std::make_shared<PyRef>(std::move(f)); }
+
+// Calls f(args...) with the GIL taken; a Python exception becomes PyException.
+template <class... A>
+nb::object call(const Callable& f, A&&... args) {
+  try {
+    return f->get()(std::forward<A>(args)...);
+  } catch (nb::python_error& e) {
+    throw PyException(e);
+  }
+}
+
+// A map-style Python dataset: samples are fetched a batch at a time (one GIL hold a batch).
+struct PyMap {
+  Callable fetch;  // fetch(list of indices) -> a sequence of as many samples
+  std::size_t n = 0;
+
+  std::size_t size() const { return n; }
+  std::vector<PyRef> get_batch(std::span<const std::size_t> idx) const {
+    Gil gil;
+    nb::list indices;
+    for (std::size_t i : idx) indices.append(i);
+    nb::object got = call(fetch, indices);
+    std::vector<PyRef> out;
+    out.reserve(idx.size());
+    try {
+      for (nb::handle sample : got) out.emplace_back(nb::borrow(sample));
+    } catch (nb::python_error& e) {
+      throw PyException(e);
+    }
+    if (out.size() != idx.size())
+      throw ferry::Error("dataset: __getitems__ returned " + std::to_string(out.size()) + " samples for " +
+                         std::to_string(idx.size()) + " indices");
+    return out;
+  }
+  PyRef get(std::size_t i) const {
+    const std::size_t one[1] = {i};
+    return std::move(get_batch(one)[0]);
+  }
+};
+
+// An iterable Python dataset: each worker iterates its own iter(dataset).
+struct PyIter {
+  Callable open_fn;  // open(worker, num_workers, seed, epoch) -> iterator
+
+  struct Stream {
+    PyRef it;
+    std::optional<PyRef> next() {
+      Gil gil;
+      PyObject* item = PyIter_Next(it.get().ptr());
+      if (item) return PyRef(nb::steal(item));
+      if (PyErr_Occurred()) {
+        nb::python_error e;
+        throw PyException(e);
+      }
+      return std::nullopt;
+    }
+  };
+  Stream open(const ferry::WorkerInfo& w) const {
+    Gil gil;
+    return Stream{PyRef(call(open_fn, w.id, w.num_workers, w.seed, w.epoch))};
+  }
+};
+
+// collate_fn, then pin_memory, on the worker that fetched the samples.
+struct PyCollate {
+  Callable finish;  // finish(list of samples) -> batch
+  PyRef operator()(std::vector<PyRef>&& samples) const {
+    Gil gil;
+    nb::list list;
+    for (PyRef& s : samples) list.append(s.take());
+    return PyRef(call(finish, list));
+  }
+};
+
+// A user's sampler or batch_sampler: the epoch's batches come from Python, once an epoch.
+class PyBatchSampler final : public ferry::BatchSampler {
+ public:
+  PyBatchSampler(Callable plan, std::size_t batches, std::size_t dataset_size)
+      : plan_(std::move(plan)), batches_(batches), dataset_size_(dataset_size) {}
+  std::size_t size() const override { return batches_; }
+  ferry::BatchPlan plan(std::uint64_t epoch) const override {
+    Gil gil;
+    nb::object batches = call(plan_, epoch);
+    ferry::BatchPlan out;
+    std::vector<std::size_t> one;
+    try {
+      for (nb::handle batch : batches) {
+        one.clear();
+        for (nb::handle i : batch) {
+          const long long v = nb::cast<long long>(i);
+          if (v < 0 || static_cast<std::size_t>(v) >= dataset_size_)
+            throw ferry::Error("sampler: batch " + std::to_string(out.size()) + " of epoch " + std::to_string(epoch) +
+                               " has index " + std::to_string(v) + ", outside the dataset's " +
+                               std::to_string(dataset_size_) + " samples");
+          one.push_back(static_cast<std::size_t>(v));
+        }
+        out.add(one);
+      }
+    } catch (nb::python_error& e) {
+      throw PyException(e);
+    } catch (const nb::cast_error&) {
+      throw ferry::Error("sampler: epoch " + std::to_string(epoch) + ", batch " + std::to_string(out.size()) +
+                         ": an index is not an int");
+    }
+    if (out.size() != batches_)
+      throw ferry::Error("sampler: epoch " + std::to_string(epoch) + " gave " + std::to_string(out.size()) +
+                         " batches, but len() said " + std::to_string(batches_) +
+                         ": ferry plans each epoch by its length (resume counts on it)");
+    return out;
+  }
+
+ private:
+  Callable plan_;
+  std::size_t batches_, dataset_size_;
+};
+
 // A dataset as the module holds it. Registry datasets are type-erased (std::vector<Tensor>
 // samples); GPU decode needs the typed ImageFolder or TarImages (the loader's direct mode); tar
 // shards read as a stream are their own kind.
@@ -53,10 +281,17 @@ struct PyDataset {
   std::optional<ferry::ImageFolder> gpu_images;
   std::optional<ferry::TarImages> gpu_tar;
   std::optional<TarStream> tar;
+  // A Python dataset (Note [Python datasets]).
+  std::optional<PyMap> py_map;
+  std::optional<PyIter> py_iter;
+  std::optional<PyCollate> py_collate;
+  std::shared_ptr<PyBatchSampler> py_sampler;  // null: ferry's own sampler (shuffle, seed)
+  Callable py_worker_start;                    // worker_start(id, num_workers, seed) on each worker thread
 
-  bool has_size() const { return !tar; }
+  bool has_size() const { return !tar && !py_iter; }
   std::size_t size() const {
     if (dynamic) return dynamic->size();
+    if (py_map) return py_map->size();
     if (gpu_images) return gpu_images->size();
     if (gpu_tar) return gpu_tar->size();
     throw nb::type_error(("dataset '" + name + "' is a stream (tar shards): it has no len()").c_str());
@@ -82,8 +317,14 @@ PyDataset make_dataset(const std::string& name, const std::string& config) {
 
 // --- the loader -----------------------------------------------------------------------------------
 
-std::vector<ferry::Tensor> fields(std::vector<ferry::Tensor>&& b) { return std::move(b); }
-std::vector<ferry::Tensor> fields(ferry::LabeledBatch&& b) { return {std::move(b.image), std::move(b.label)}; }
+// A delivered batch: ferry's tensors, or the Python object a Python dataset's collate made.
+struct Delivery {
+  std::vector<ferry::Tensor> tensors;
+  PyRef object;
+};
+void deliver(std::vector<ferry::Tensor>&& b, Delivery& d) { d.tensors = std::move(b); }
+void deliver(ferry::LabeledBatch&& b, Delivery& d) { d.tensors = {std::move(b.image), std::move(b.label)}; }
+void deliver(PyRef&& b, Delivery& d) { d.object = std::move(b); }
 
 // One epoch at a time over any dataset kind; every call on the consumer (Python's) thread.
 class Loader {
@@ -91,7 +332,7 @@ class Loader {
   virtual ~Loader() = default;
   virtual void begin() = 0;
   /// The next batch's fields; false at the end of the epoch. Blocks (call without the GIL).
-  virtual bool next(std::vector<ferry::Tensor>& out) = 0;
+  virtual bool next(Delivery& out) = 0;
   virtual void end() noexcept = 0;
   virtual bool live() const noexcept = 0;
   virtual std::size_t size() const = 0;
@@ -103,10 +344,11 @@ class Loader {
   virtual void restore(const ferry::LoaderState& state) = 0;
 };
 
-template <class D>
+template <class D, class C = ferry::DefaultCollate>
 class LoaderOf final : public Loader {
  public:
-  LoaderOf(D dataset, const ferry::DataLoaderOptions& options) : loader_(std::move(dataset), options) {}
+  LoaderOf(D dataset, const ferry::DataLoaderOptions& options, C collate = {})
+      : loader_(std::move(dataset), options, std::move(collate)) {}
   ~LoaderOf() override { end(); }
 
   void begin() override {
@@ -114,7 +356,7 @@ class LoaderOf final : public Loader {
     it_.emplace(loader_.begin());
     advance_ = false;
   }
-  bool next(std::vector<ferry::Tensor>& out) override {
+  bool next(Delivery& out) override {
     if (!it_) return false;
     auto& it = *it_;
     if (advance_) {
@@ -127,7 +369,7 @@ class LoaderOf final : public Loader {
       end();
       return false;
     }
-    out = fields(std::move(*it));
+    deliver(std::move(*it), out);
     advance_ = true;
     return true;
   }
@@ -142,8 +384,8 @@ class LoaderOf final : public Loader {
   void restore(const ferry::LoaderState& state) override { loader_.restore(state); }
 
  private:
-  ferry::DataLoader<D> loader_;
-  std::optional<typename ferry::DataLoader<D>::iterator> it_;
+  ferry::DataLoader<D, C> loader_;
+  std::optional<typename ferry::DataLoader<D, C>::iterator> it_;
   bool advance_ = false;
 };
 
@@ -184,6 +426,20 @@ class PyLoader {
         throw nb::value_error("DataLoader: shuffle=True is not for a stream of tar shards, which decides its own order: "
                               "ferry.datasets.tar(..., shuffle=True) (the default) shuffles the shards and within a buffer");
       impl_ = make(*dataset.tar, options);
+    } else if (dataset.py_map || dataset.py_iter) {
+      python_ = true;
+      // Without workers the dataset runs on this (Python's main) thread, as in PyTorch: no thread
+      // handoffs, and Ctrl-C raises KeyboardInterrupt inside the dataset's code, which next()
+      // passes on as it is.
+      if (options.num_workers == 0) options.wait_poll = nullptr;
+      if (dataset.py_sampler) options.batch_sampler = dataset.py_sampler;
+      if (dataset.py_worker_start)
+        options.worker_init_fn = [start = dataset.py_worker_start](const ferry::WorkerInfo& w) {
+          Gil gil;
+          call(start, w.id, w.num_workers, w.seed);
+        };
+      if (dataset.py_map) impl_ = std::make_unique<LoaderOf<PyMap, PyCollate>>(*dataset.py_map, options, *dataset.py_collate);
+      else impl_ = std::make_unique<LoaderOf<PyIter, PyCollate>>(*dataset.py_iter, options, *dataset.py_collate);
     } else if (dataset.gpu_images || dataset.gpu_tar) {
       if (!options.device)
         throw ferry::Error("dataset '" + dataset.name + "': decode=gpu needs DataLoader(device=...): the GPU decodes on the device stage");
@@ -194,27 +450,60 @@ class PyLoader {
     }
   }
 
+  // Workers of a Python dataset take the GIL: whatever may wait for them runs without it.
+  ~PyLoader() {
+    nb::gil_scoped_release nogil;
+    impl_.reset();
+  }
+
   PyLoader& iter() {
-    impl_->begin();
+    Loader& loader = impl();
+    nb::gil_scoped_release nogil;
+    loader.begin();
     return *this;
   }
 
+  // Stops the workers and drops every reference into Python; the loader is unusable after. The
+  // Python half calls it at exit for loaders of Python datasets, whose references (dataset ->
+  // its class -> the module's globals -> the loader) form a cycle the collector cannot see into.
+  void release() {
+    std::unique_ptr<Loader> gone = std::move(impl_);
+    nb::gil_scoped_release nogil;
+    gone.reset();
+  }
+
   nb::object next() {
-    if (!impl_->live()) throw nb::stop_iteration();
-    std::vector<ferry::Tensor> batch;
+    if (!impl_ || !impl_->live()) throw nb::stop_iteration();
+    Delivery batch;
     bool got = false;
     try {
       nb::gil_scoped_release nogil;
       got = impl_->next(batch);
     } catch (const ferry::Interrupted&) {
-      impl_->end();  // Ctrl-C: the workers stop; the loader can start another epoch
+      {
+        nb::gil_scoped_release nogil;
+        impl_->end();  // Ctrl-C: the workers stop; the loader can start another epoch
+      }
       if (PyErr_Occurred()) throw nb::python_error();
+      throw;
+    } catch (const ferry::WorkerError& e) {
+      // KeyboardInterrupt or SystemExit raised inside a Python dataset (num_workers=0: it runs on
+      // this thread): not a failed batch but the program's own exit; end the epoch and re-raise.
+      if (nb::handle exit = base_exception_of(e)) {
+        {
+          nb::gil_scoped_release nogil;
+          impl_->end();
+        }
+        PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exit.ptr())), exit.ptr());
+        throw nb::python_error();
+      }
       throw;
     }
     if (!got) throw nb::stop_iteration();
     last_pointers_.clear();
+    if (batch.object) return batch.object.take();
     nb::list out;
-    for (const ferry::Tensor& t : batch) {
+    for (const ferry::Tensor& t : batch.tensors) {
       last_pointers_.push_back(reinterpret_cast<std::uintptr_t>(t.defined() ? t.raw() : nullptr));
       const bool as_bool = t.defined() && t.dtype() == ferry::DType::Bool && !convert_.is_none();
       nb::object cap = capsule_of(t, as_bool);
@@ -225,12 +514,34 @@ class PyLoader {
     return nb::tuple(out);
   }
 
+  // The Python exception behind a WorkerError when it is no Exception (KeyboardInterrupt,
+  // SystemExit): those are not the batch's failure.
+  static nb::handle base_exception_of(const ferry::WorkerError& e) {
+    if (!e.original()) return {};
+    try {
+      std::rethrow_exception(e.original());
+    } catch (const PyException& py) {
+      if (!PyObject_IsInstance(py.value().ptr(), PyExc_Exception)) return py.value();
+    } catch (...) {
+    }
+    return {};
+  }
+
   std::size_t len() const {
     if (!has_size_) throw nb::type_error("this DataLoader's dataset is a stream (tar shards): it has no len()");
+    if (!impl_) throw ferry::Error("DataLoader: this loader was released (at interpreter exit)");
     return impl_->size();
   }
-  void end() { impl_->end(); }
-  Loader& impl() { return *impl_; }
+  void end() {
+    if (!impl_) return;
+    nb::gil_scoped_release nogil;
+    impl_->end();
+  }
+  bool python() const noexcept { return python_; }
+  Loader& impl() {
+    if (!impl_) throw ferry::Error("DataLoader: this loader was released (at interpreter exit)");
+    return *impl_;
+  }
   const std::vector<std::uintptr_t>& last_pointers() const { return last_pointers_; }
   void write_trace(const std::string& path) const {
     if (!trace_) throw ferry::Error("DataLoader: no trace recorded: pass trace_batches=N");
@@ -252,6 +563,7 @@ class PyLoader {
   }
   nb::object convert_;
   bool has_size_;
+  bool python_ = false;
   std::shared_ptr<ferry::TraceRecorder> trace_;
   std::vector<std::uintptr_t> last_pointers_;
 };
@@ -394,10 +706,12 @@ PyObject* new_exception(nb::module_& m, const char* name, PyObject* base, const 
   return type;
 }
 
-void raise(PyObject* type, const char* message, std::initializer_list<std::pair<const char*, nb::object>> attrs = {}) {
+void raise(PyObject* type, const char* message, std::initializer_list<std::pair<const char*, nb::object>> attrs = {},
+           nb::handle cause = {}) {
   nb::object exc = nb::steal(PyObject_CallFunction(type, "s", message));
   if (!exc.is_valid()) return;  // the call set its own error
   for (const auto& [k, v] : attrs) nb::setattr(exc, k, v);
+  if (cause) PyException_SetCause(exc.ptr(), nb::borrow(cause).release().ptr());  // steals the reference
   PyErr_SetObject(type, exc.ptr());
 }
 
@@ -410,7 +724,17 @@ void translate(const std::exception_ptr& p, void*) {
     nb::object offset = e.offset() == ferry::DataError::kNoOffset ? nb::none() : nb::cast(e.offset());
     raise(g_exc.data, e.what(), {{"file", nb::cast(e.file())}, {"offset", offset}});
   } catch (const ferry::WorkerError& e) {
-    raise(g_exc.worker, e.what(), {{"worker", nb::cast(e.worker())}, {"batch", nb::cast(e.batch())}});
+    // The user's Python exception (Note [Python datasets]) is the cause, its traceback kept.
+    nb::handle cause;
+    if (e.original()) {
+      try {
+        std::rethrow_exception(e.original());
+      } catch (const PyException& py) {
+        cause = py.value();
+      } catch (...) {
+      }
+    }
+    raise(g_exc.worker, e.what(), {{"worker", nb::cast(e.worker())}, {"batch", nb::cast(e.batch())}}, cause);
   } catch (const ferry::TimeoutError& e) {
     raise(g_exc.timeout, e.what());
   } catch (const ferry::CudaError& e) {
@@ -448,6 +772,21 @@ NB_MODULE(_ferry, m) {
   m.def("make_dataset", &make_dataset, "name"_a, "config"_a,
         "The registry's dataset `name` from a 'key=value,...' configuration (and 'tar', and "
         "image_folder with decode=gpu).");
+  m.def("python_dataset",
+        [](nb::object fetch, std::optional<std::size_t> size, nb::object open, nb::object finish, nb::object plan,
+           std::size_t plan_batches, nb::object worker_start, const std::string& name) {
+          PyDataset d;
+          d.name = name;
+          if (!fetch.is_none()) d.py_map.emplace(PyMap{callable(fetch), size.value_or(0)});
+          else d.py_iter.emplace(PyIter{callable(open)});
+          d.py_collate.emplace(PyCollate{callable(finish)});
+          if (!plan.is_none()) d.py_sampler = std::make_shared<PyBatchSampler>(callable(plan), plan_batches, size.value_or(0));
+          if (!worker_start.is_none()) d.py_worker_start = callable(worker_start);
+          return d;
+        },
+        "fetch"_a.none(), "size"_a.none(), "open"_a.none(), "finish"_a, "plan"_a.none(), "plan_batches"_a,
+        "worker_start"_a.none(), "name"_a,
+        "A Python dataset run on ferry's threads (ferry/_python.py makes the callables).");
   m.def("registered", [] { return ferry::DatasetRegistry::global().names(); }, "Dataset names the registry knows.");
   m.def("help", [](const std::string& name) { return ferry::DatasetRegistry::global().help(name); }, "name"_a,
         "The configuration keys of a registered dataset.");
@@ -466,13 +805,15 @@ NB_MODULE(_ferry, m) {
       .def("__next__", &PyLoader::next)
       .def("__len__", &PyLoader::len)
       .def("end", &PyLoader::end, "Ends the epoch in progress (its workers stop).")
-      .def("set_epoch", [](PyLoader& l, std::uint64_t e) { l.impl().set_epoch(e); }, "epoch"_a)
+      .def("release", &PyLoader::release, "Stops the workers and drops every Python reference (at exit).")
+      .def("set_epoch", [](PyLoader& l, std::uint64_t e) { l.impl().set_epoch(e); }, "epoch"_a,
+           nb::call_guard<nb::gil_scoped_release>())
       .def_prop_ro("next_epoch", [](PyLoader& l) { return l.impl().next_epoch(); })
       .def("stats", [](PyLoader& l) { return stats_dict(l.impl().stats()); })
       .def("reset_stats", [](PyLoader& l) { l.impl().reset_stats(); })
-      .def("state", [](PyLoader& l) { return l.impl().state().to_string(); })
+      .def("state", [](PyLoader& l) { return l.impl().state().to_string(); }, nb::call_guard<nb::gil_scoped_release>())
       .def("restore", [](PyLoader& l, const std::string& text) { l.impl().restore(ferry::LoaderState::from_string(text)); },
-           "state"_a)
+           "state"_a, nb::call_guard<nb::gil_scoped_release>())
       .def("write_trace", &PyLoader::write_trace, "path"_a, "Writes the recorded batches' timelines as a Chrome trace.")
       .def("last_pointers", &PyLoader::last_pointers, "The data pointers of the last batch's tensors (tests).");
 

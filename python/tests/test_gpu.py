@@ -115,3 +115,29 @@ def test_gpu_decode_from_python(tmp_path):
     assert n == 5
     assert gpu.stats()["images_decoded"] == 40
     assert gpu.stats()["decode_threads"] == 1
+
+
+class _Records:
+    """A Python dataset of dicts: an image-like uint8 tensor, a float vector and a label."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"image": torch.randint(0, 256, (3, 8, 8), dtype=torch.uint8, generator=g),
+                "vec": torch.randn(5, generator=g), "label": i}
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_python_dataset_on_the_device_and_pinned(workers):
+    ds = _Records()
+    host = list(torch.utils.data.DataLoader(ds, batch_size=8))
+    pinned = list(ferry.DataLoader(ds, batch_size=8, num_workers=workers, pin_memory=True))
+    dev = list(ferry.DataLoader(ds, batch_size=8, num_workers=workers, device=0))
+    assert len(host) == len(pinned) == len(dev) == 5
+    for h, p, d in zip(host, pinned, dev):
+        assert all(p[k].is_pinned() for k in h)
+        assert all(d[k].is_cuda and d[k].device.index == 0 for k in h)
+        for k in h:
+            assert torch.equal(p[k], h[k]) and torch.equal(d[k].cpu(), h[k])

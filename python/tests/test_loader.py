@@ -205,12 +205,14 @@ def test_len_stats_and_report(rows_npy, tmp_path):
 
 def test_pytorch_arguments_ferry_does_not_take():
     ds = ferry.datasets.synthetic(n=10, shape=(2,))
-    with pytest.raises(TypeError, match="collates in C\\+\\+"):
+    with pytest.raises(TypeError, match="collate_fn= is not for a ferry dataset: ferry collates in C\\+\\+"):
         ferry.DataLoader(ds, collate_fn=lambda b: b)
+    with pytest.raises(TypeError, match="sampler= is not for a ferry dataset"):
+        ferry.DataLoader(ds, sampler=[0, 1])
     with pytest.raises(TypeError, match="unexpected keyword argument 'batchsize'"):
         ferry.DataLoader(ds, batchsize=4)
-    with pytest.raises(TypeError, match="must be a ferry dataset"):
-        ferry.DataLoader([1, 2, 3])
+    with pytest.raises(TypeError, match="must be a ferry dataset, a map-style dataset .* got int"):
+        ferry.DataLoader(42)
     with pytest.raises(ferry.Error, match="on_error"):
         ferry.DataLoader(ds, on_error="ignore")
     with pytest.raises(ferry.Error, match="gpu_decode_threads must be >= 1, got 0"):
@@ -376,7 +378,7 @@ def test_bad_batch_size_and_seed_are_one_line_value_errors():
         with pytest.raises(ValueError, match="batch_size must be an int >= 1") as info:
             ferry.DataLoader(ds, batch_size=bad)
         assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match="batch_size=None, samples without batching, is not supported"):
+    with pytest.raises(ValueError, match="batch_size=None, samples without batching, is for Python datasets"):
         ferry.DataLoader(ds, batch_size=None)
     with pytest.raises(ValueError, match="seed must be an int"):
         ferry.DataLoader(ds, seed=-1)

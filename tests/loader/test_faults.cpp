@@ -3,9 +3,11 @@
 // replaced, and never waited for by the consumer, the destructor or exit).
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <set>
+#include <span>
 #include <sys/wait.h>
 
 #include "ferry/ferry.h"
@@ -482,4 +484,48 @@ TEST_CASE("the front-ends' spellings of on_error and gather", "[faults][options]
   CHECK(parse_gather("host") == Gather::Host);
   CHECK(parse_gather("device") == Gather::Device);
   CHECK_THROWS_WITH(parse_gather("Device"), "gather must be auto, host or device, got 'Device'");
+}
+
+TEST_CASE("with skip or replace, a batch whose get_batch failed is fetched again sample by sample", "[faults][skip]") {
+  // get_batch fails for any batch holding sample 13; get(13) alone fails too, the others do not.
+  struct BatchFetch {
+    std::size_t size() const { return 20; }
+    std::int64_t get(std::size_t i) const {
+      if (i == 13) throw DataError("sample 13 is damaged");
+      return static_cast<std::int64_t>(i);
+    }
+    std::vector<std::int64_t> get_batch(std::span<const std::size_t> idx) const {
+      std::vector<std::int64_t> out;
+      for (std::size_t i : idx) out.push_back(get(i));
+      return out;
+    }
+  };
+  for (int workers : {0, 2}) {
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = workers;
+    o.on_error = OnError::Skip;
+    DataLoader skip(BatchFetch{}, o);
+    std::vector<std::size_t> sizes;
+    std::vector<std::int64_t> want;
+    for (std::int64_t i = 0; i < 20; ++i)
+      if (i != 13) want.push_back(i);
+    CHECK(values_of_epoch(skip, nullptr, &sizes) == want);
+    CHECK(sizes == std::vector<std::size_t>{4, 4, 4, 3, 4});
+    CHECK(skip.stats().samples_skipped == 1);
+
+    o.on_error = OnError::Replace;
+    DataLoader replace(BatchFetch{}, o);
+    sizes.clear();
+    const auto got = values_of_epoch(replace, nullptr, &sizes);
+    CHECK(sizes == std::vector<std::size_t>{4, 4, 4, 4, 4});
+    CHECK(std::count(got.begin(), got.end(), 13) == 0);
+
+    o.on_error = OnError::Raise;  // the batch's own error, raised at its position
+    DataLoader raise(BatchFetch{}, o);
+    std::vector<std::string> errors;
+    values_of_epoch(raise, &errors);
+    REQUIRE(errors.size() == 1);
+    CHECK(errors[0].find("sample 13 is damaged") != std::string::npos);
+  }
 }

@@ -976,12 +976,22 @@ class DataLoader {
         return detail::Payload::make(std::move(batch));
       } else {
         std::vector<Sample> samples;
+        bool fetched = false;
         if constexpr (BatchFetchDataset<Dataset>) {
-          samples = ds.get_batch(idx);
-          if (samples.size() != idx.size())
-            throw Error("get_batch returned " + std::to_string(samples.size()) + " samples for " +
-                        std::to_string(idx.size()) + " indices");
-        } else {
+          // With on_error = Skip or Replace, a batch whose get_batch failed is fetched again one
+          // sample at a time, so that only the damaged sample costs its row.
+          try {
+            samples = ds.get_batch(idx);
+            if (samples.size() != idx.size())
+              throw Error("get_batch returned " + std::to_string(samples.size()) + " samples for " +
+                          std::to_string(idx.size()) + " indices");
+            fetched = true;
+          } catch (...) {
+            if (opt.on_error == OnError::Raise || ctx.cancelled()) throw;
+            samples.clear();
+          }
+        }
+        if (!fetched) {
           std::vector<std::optional<Sample>> slots(idx.size());
           const Rows rows = for_each_sample(job, ctx, false, [&](std::size_t row, std::size_t i, SampleContext& sc) {
             slots[row].emplace(fetch(ds, i, sc));

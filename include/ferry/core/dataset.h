@@ -8,6 +8,8 @@
 // and optionally, for speed:
 //
 //   std::vector<Sample> get_batch(std::span<const std::size_t> indices) const;   // one call a batch
+//                         (when it throws under on_error = Skip or Replace, the batch is fetched
+//                         again with get(), one sample at a time, so a bad sample costs itself)
 //   Batch make_batch(std::size_t rows, ferry::BatchAllocator&) const;             // "direct" mode:
 //   void get_into(std::size_t index, Batch&, std::size_t row, ferry::SampleContext&) const;
 //

@@ -1,0 +1,195 @@
+"""Python datasets on ferry's worker threads: the callables the C++ loader calls into.
+
+See Note [Python datasets] in python/src/module.cpp. The loader's C++ workers take the GIL to call
+these; everything here is safe to call from several threads at once.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import sys
+import threading
+import warnings
+from typing import Any, Callable, List, Optional
+
+from . import _ferry
+
+_local = threading.local()
+
+
+class WorkerInfo:
+    """What ``ferry.get_worker_info()`` returns inside a worker: as torch's WorkerInfo."""
+
+    __slots__ = ("id", "num_workers", "seed", "dataset")
+
+    def __init__(self, id: int, num_workers: int, seed: int, dataset: Any) -> None:
+        self.id = id
+        self.num_workers = num_workers
+        self.seed = seed
+        self.dataset = dataset
+
+    def __repr__(self) -> str:
+        return f"WorkerInfo(id={self.id}, num_workers={self.num_workers}, seed={self.seed})"
+
+
+def get_worker_info() -> Optional[WorkerInfo]:
+    """Inside a worker of a ``ferry.DataLoader`` over a Python dataset: the worker's ``id``,
+    ``num_workers``, ``seed`` (the loader's seed + id) and ``dataset``; None on any other thread and
+    with ``num_workers=0``, as ``torch.utils.data.get_worker_info()``. ferry's workers are threads
+    of this process, so torch's own get_worker_info() (a per-process global) answers None there:
+    an IterableDataset that shards by worker should call this one (or both)."""
+    return getattr(_local, "info", None)
+
+
+def is_iterable(dataset: Any) -> bool:
+    data = sys.modules.get("torch.utils.data")
+    if data is not None and isinstance(dataset, data.IterableDataset):
+        return True
+    return hasattr(dataset, "__iter__") and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))
+
+
+def pin(obj: Any) -> Any:
+    """torch's pin_memory rules: tensors (in tuples, lists, dicts, namedtuples, or any object with
+    a pin_memory() method) are copied to page-locked memory; anything else is kept as it is."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.pin_memory()
+    if isinstance(obj, (str, bytes)):
+        return obj
+    if isinstance(obj, collections.abc.Mapping):
+        pinned = {k: pin(v) for k, v in obj.items()}
+        try:
+            return type(obj)(pinned)
+        except TypeError:
+            return pinned
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(pin(v) for v in obj))
+    if isinstance(obj, tuple):
+        return tuple(pin(v) for v in obj)
+    if isinstance(obj, collections.abc.Sequence):
+        try:
+            return type(obj)([pin(v) for v in obj])
+        except TypeError:
+            return [pin(v) for v in obj]
+    if hasattr(obj, "pin_memory"):
+        return obj.pin_memory()
+    return obj
+
+
+def to_device(obj: Any, device: Any) -> Any:
+    """Every tensor in a batch (the same containers as pin()) moved to `device`, without waiting."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (str, bytes)):
+        return obj
+    if isinstance(obj, collections.abc.Mapping):
+        moved = {k: to_device(v, device) for k, v in obj.items()}
+        try:
+            return type(obj)(moved)
+        except TypeError:
+            return moved
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(to_device(v, device) for v in obj))
+    if isinstance(obj, tuple):
+        return tuple(to_device(v, device) for v in obj)
+    if isinstance(obj, collections.abc.Sequence):
+        try:
+            return type(obj)([to_device(v, device) for v in obj])
+        except TypeError:
+            return [to_device(v, device) for v in obj]
+    return obj
+
+
+def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, sampler: Any, batch_sampler: Any,
+                 drop_last: bool, collate_fn: Optional[Callable], pin_memory: bool,
+                 worker_init_fn: Optional[Callable], generator: Any, num_workers: int) -> "tuple[Any, dict]":
+    """The C++ dataset over a Python one, and the options the engine must run it with."""
+    iterable = is_iterable(dataset)
+    if not iterable and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+        raise TypeError(
+            "DataLoader: dataset must be a ferry dataset, a map-style dataset (__getitem__ and __len__) or an "
+            f"iterable one (__iter__), got {type(dataset).__name__}")
+    if batch_sampler is not None and (batch_size != 1 or shuffle or sampler is not None or drop_last):
+        raise ValueError("DataLoader: batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last")
+    if sampler is not None and shuffle:
+        raise ValueError("DataLoader: sampler option is mutually exclusive with shuffle")
+    if iterable and (shuffle or sampler is not None or batch_sampler is not None):
+        what = "shuffle" if shuffle else "sampler" if sampler is not None else "batch_sampler"
+        raise ValueError(f"DataLoader: an iterable dataset decides its own order: {what} is not for it")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"DataLoader: batch_size must be an int >= 1 or None, got {batch_size!r}")
+
+    import torch  # a Python dataset's batches are torch's
+    import torch.utils.data as data
+
+    if collate_fn is None:
+        collate_fn = data.default_collate if batch_size is not None else data.default_convert
+    pinning = bool(pin_memory)
+    if pinning:
+        if not torch.cuda.is_available():
+            warnings.warn("DataLoader: pin_memory=True but torch sees no CUDA device; batches stay pageable",
+                          stacklevel=3)
+            pinning = False
+    if batch_size is None:  # no batching: each sample alone, through collate_fn (default_convert)
+        def finish(samples: List[Any]) -> Any:
+            batch = collate_fn(samples[0])
+            return pin(batch) if pinning else batch
+    else:
+        def finish(samples: List[Any]) -> Any:
+            batch = collate_fn(samples)
+            return pin(batch) if pinning else batch
+
+    threaded = num_workers > 0
+
+    def worker_start(worker: int, workers: int, seed: int) -> None:
+        if not threaded:
+            return  # as torch: no worker info and no worker_init_fn without workers
+        _local.info = WorkerInfo(worker, workers, seed + worker, dataset)
+        if worker_init_fn is not None:
+            worker_init_fn(worker)
+
+    engine = {"batch_size": 1 if batch_size is None else batch_size, "shuffle": shuffle, "drop_last": drop_last}
+    name = type(dataset).__name__
+    if iterable:
+        def open_stream(worker: int, workers: int, seed: int, epoch: int) -> Any:
+            if threaded and getattr(_local, "info", None) is None:
+                _local.info = WorkerInfo(worker, workers, seed + worker, dataset)
+            return iter(dataset)
+
+        cpp = _ferry.python_dataset(fetch=None, size=None, open=open_stream, finish=finish, plan=None,
+                                    plan_batches=0, worker_start=worker_start, name=name)
+        return cpp, engine
+
+    size = len(dataset)
+    getitems = getattr(dataset, "__getitems__", None)
+    if getitems is not None:
+        fetch = getitems
+    else:
+        def fetch(indices: List[int]) -> List[Any]:
+            return [dataset[i] for i in indices]
+
+    plan = None
+    plan_batches = 0
+    if batch_size is not None and sampler is None and batch_sampler is None and generator is not None and shuffle:
+        sampler = data.RandomSampler(dataset, generator=generator)  # as torch: the generator draws the order
+        engine["shuffle"] = False
+    if batch_sampler is None and sampler is not None:
+        batch_sampler = data.BatchSampler(sampler, engine["batch_size"], drop_last)
+    if batch_sampler is not None:
+        user = batch_sampler
+
+        def plan(epoch: int) -> List[List[int]]:
+            # torch's DataLoader draws its workers' base seed from `generator` (or torch's global
+            # generator) as each epoch starts, before the sampler runs; drawing it too keeps a
+            # sampler that shares the generator on torch's order.
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
+            return [list(b) for b in user]
+
+        plan_batches = len(batch_sampler)
+        engine = {"batch_size": 1, "shuffle": False, "drop_last": False}
+    cpp = _ferry.python_dataset(fetch=fetch, size=size, open=None, finish=finish, plan=plan,
+                                plan_batches=plan_batches, worker_start=worker_start, name=name)
+    return cpp, {**engine, "batch_sampler": batch_sampler, "sampler": sampler}
