@@ -23,6 +23,7 @@ threads, with collate_fn, sampler, batch_sampler, worker_init_fn and ferry.get_w
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util  # noqa: F401  (its exit handler is registered first, so it runs after ferry's)
 import numbers
 import warnings
 import weakref
@@ -91,9 +92,29 @@ _python_loaders: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
 def _release_python_loaders() -> None:
     for loader in list(_python_loaders):
         loader._loader.release()
+        if loader._pool is not None:
+            loader._pool.close(exiting=True)
         # A worker still inside the dataset (abandoned by a timeout or Ctrl-C) keeps the cycle's
         # Python half alive; let the C++ objects go now.
         loader._loader = loader._options = None
+
+
+class _PythonBatches:
+    """A Python dataset's batches: keeps the loader (and its worker processes) alive while the loop
+    runs, as in `for b in ferry.DataLoader(...)`, and moves batches to the device. A failed batch
+    raises and the next call goes on, as with the loader's own iterator."""
+
+    __slots__ = ("_owner", "_batches", "_move")
+
+    def __init__(self, owner: Any, batches: Iterator[Any], move: Optional[Callable[[Any], Any]]) -> None:
+        self._owner, self._batches, self._move = owner, batches, move
+
+    def __iter__(self) -> "_PythonBatches":
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._batches)
+        return batch if self._move is None else self._move(batch)
 
 
 class LoaderStats(dict):
@@ -117,7 +138,12 @@ class DataLoader:
             samples one at a time, unbatched).
         sampler, batch_sampler, collate_fn, worker_init_fn, generator: as in PyTorch, for Python
             datasets (a ferry dataset samples by shuffle/seed and collates in C++).
-        multiprocessing_context: accepted, with a warning: ferry's workers are threads.
+        worker_type: for a Python dataset with num_workers > 0: "process" (the default; each worker
+            thread drives a process of its own, started with forkserver, which runs the dataset
+            and collate_fn: the dataset, collate_fn and worker_init_fn must pickle) or "thread"
+            (the dataset runs on the worker threads, each call holding the GIL).
+        multiprocessing_context: for worker processes: "forkserver" (the default), "spawn" or a
+            context object ("fork" is refused: this process runs threads).
         pin_memory_device: accepted and kept (PyTorch deprecates it); pass device= instead.
         num_workers: worker threads (0: batches made on the consumer's thread, or the pin thread).
         pin_memory: deliver CPU batches in page-locked memory (torch ``is_pinned()``).
@@ -193,6 +219,7 @@ class DataLoader:
         generator: Any = None,
         multiprocessing_context: Any = None,
         pin_memory_device: str = "",
+        worker_type: str = "process",
     ) -> None:
         python = not isinstance(dataset, _ferry.Dataset)
         if not python:
@@ -207,9 +234,9 @@ class DataLoader:
                                     if batch_size is None else ""))
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
             raise ValueError(f"DataLoader: seed must be an int in [0, 2**64), got {seed!r}")
-        if multiprocessing_context is not None:
-            warnings.warn("DataLoader: multiprocessing_context has no effect: ferry's workers are threads of this "
-                          "process", stacklevel=2)
+        if multiprocessing_context is not None and not (python and worker_type == "process"):
+            warnings.warn("DataLoader: multiprocessing_context has no effect: this loader's workers are threads",
+                          stacklevel=2)
         if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral) or num_workers < 0:
             raise ValueError(f"DataLoader: num_workers must be an int >= 0, got {num_workers!r}")
         self.dataset = dataset
@@ -232,15 +259,18 @@ class DataLoader:
         self.pin_memory_device = pin_memory_device
         self.device = _device_index(device)
         self._python = python
+        self._pool = None
+        self.worker_type = worker_type if python else "thread"
         engine_batch, engine_shuffle, engine_drop_last = batch_size, shuffle, drop_last
         if python:
             # Note [Python datasets] (python/src/module.cpp): the workers run the dataset's Python
             # code; pinning happens on the worker (torch's pin_memory), the device copy on the
             # consumer's stream as batches arrive.
-            cpp_dataset, engine = _python.make_dataset(
+            cpp_dataset, engine, self._pool = _python.make_dataset(
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                 drop_last=drop_last, collate_fn=collate_fn, pin_memory=pin_memory or self.device is not None,
-                worker_init_fn=worker_init_fn, generator=generator, num_workers=num_workers)
+                worker_init_fn=worker_init_fn, generator=generator, num_workers=num_workers, worker_type=worker_type,
+                multiprocessing_context=multiprocessing_context)
             engine_batch, engine_shuffle, engine_drop_last = engine["batch_size"], engine["shuffle"], engine["drop_last"]
             self.sampler = engine.get("sampler", sampler)
             self.batch_sampler = engine.get("batch_sampler", batch_sampler)
@@ -285,18 +315,31 @@ class DataLoader:
         if python:
             _python_loaders.add(self)
 
+    def __del__(self) -> None:
+        pool = getattr(self, "_pool", None)
+        if pool is not None:  # the threads that drive the processes first, then the processes
+            loader = getattr(self, "_loader", None)
+            if loader is not None:
+                loader.release()
+            pool.close()
+
     def __iter__(self) -> Iterator[Any]:
         """Starts the next epoch (ending one still in progress) and yields its batches."""
-        batches = iter(self._loader)
-        if self._python and self.device is not None:
-            return self._on_device(batches)
+        batches = self._loader.begin()
+        if self._python and (self.device is not None or self._pool is not None):
+            return self._python_batches(batches)
         return batches
 
-    def _on_device(self, batches: Iterator[Any]) -> Iterator[Any]:
-        torch = _torch()
-        for batch in batches:  # pinned on the worker: the copy is queued on the stream, not waited for
-            with torch.cuda.stream(self._torch_stream):
-                yield _python.to_device(batch, self._torch_device)
+    def _python_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
+        move = None
+        if self.device is not None:
+            torch = _torch()
+
+            def move(batch: Any) -> Any:  # pinned on the worker: the copy is queued, not waited for
+                with torch.cuda.stream(self._torch_stream):
+                    return _python.to_device(batch, self._torch_device)
+
+        return _PythonBatches(self, batches, move)
 
     def __len__(self) -> int:
         """Batches per epoch."""

@@ -103,10 +103,22 @@ def to_device(obj: Any, device: Any) -> Any:
     return obj
 
 
+class Unbatched:
+    """collate_fn applied to each sample alone (batch_size=None), picklable for worker processes."""
+
+    def __init__(self, collate_fn: Callable) -> None:
+        self.collate_fn = collate_fn
+
+    def __call__(self, samples: List[Any]) -> Any:
+        return self.collate_fn(samples[0])
+
+
 def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, sampler: Any, batch_sampler: Any,
                  drop_last: bool, collate_fn: Optional[Callable], pin_memory: bool,
-                 worker_init_fn: Optional[Callable], generator: Any, num_workers: int) -> "tuple[Any, dict]":
-    """The C++ dataset over a Python one, and the options the engine must run it with."""
+                 worker_init_fn: Optional[Callable], generator: Any, num_workers: int, worker_type: str,
+                 multiprocessing_context: Any) -> "tuple[Any, dict]":
+    """The C++ dataset over a Python one, the options the engine must run it with, and the worker
+    processes (a ferry._procs.Pool, or None)."""
     iterable = is_iterable(dataset)
     if not iterable and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TypeError(
@@ -125,22 +137,30 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
     import torch  # a Python dataset's batches are torch's
     import torch.utils.data as data
 
+    if worker_type not in ("process", "thread"):
+        raise ValueError(f"DataLoader: worker_type must be 'process' or 'thread', got {worker_type!r}")
     if collate_fn is None:
         collate_fn = data.default_collate if batch_size is not None else data.default_convert
+    collate = Unbatched(collate_fn) if batch_size is None else collate_fn
     pinning = bool(pin_memory)
     if pinning:
         if not torch.cuda.is_available():
             warnings.warn("DataLoader: pin_memory=True but torch sees no CUDA device; batches stay pageable",
                           stacklevel=3)
             pinning = False
-    if batch_size is None:  # no batching: each sample alone, through collate_fn (default_convert)
-        def finish(samples: List[Any]) -> Any:
-            batch = collate_fn(samples[0])
-            return pin(batch) if pinning else batch
-    else:
-        def finish(samples: List[Any]) -> Any:
-            batch = collate_fn(samples)
-            return pin(batch) if pinning else batch
+    from . import _procs
+
+    pool = None
+    if num_workers > 0 and worker_type == "process":
+        pool = _procs.Pool(_procs.context(multiprocessing_context),
+                           (dataset, "iter" if iterable else "map", collate, worker_init_fn))
+
+    def finish(samples: List[Any]) -> Any:
+        if samples and isinstance(samples[0], _procs.Collated):
+            batch = samples[0].batch  # collated by a worker process
+        else:
+            batch = collate(samples)
+        return pin(batch) if pinning else batch
 
     threaded = num_workers > 0
 
@@ -148,7 +168,9 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
         if not threaded:
             return  # as torch: no worker info and no worker_init_fn without workers
         _local.info = WorkerInfo(worker, workers, seed + worker, dataset)
-        if worker_init_fn is not None:
+        if pool is not None:
+            pool.start(worker, workers, seed)  # worker_init_fn runs in the process
+        elif worker_init_fn is not None:
             worker_init_fn(worker)
 
     engine = {"batch_size": 1 if batch_size is None else batch_size, "shuffle": shuffle, "drop_last": drop_last}
@@ -157,19 +179,31 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
         def open_stream(worker: int, workers: int, seed: int, epoch: int) -> Any:
             if threaded and getattr(_local, "info", None) is None:
                 _local.info = WorkerInfo(worker, workers, seed + worker, dataset)
+            if pool is not None:
+                pool.call(worker, ("open",))
+                return _procs.RemoteStream(pool, worker, engine["batch_size"])
             return iter(dataset)
 
-        cpp = _ferry.python_dataset(fetch=None, size=None, open=open_stream, finish=finish, plan=None,
+        cpp = _ferry.python_dataset(fetch=None, fetch_one=None, size=None, open=open_stream, finish=finish, plan=None,
                                     plan_batches=0, worker_start=worker_start, name=name)
-        return cpp, engine
+        return cpp, engine, pool
 
     size = len(dataset)
     getitems = getattr(dataset, "__getitems__", None)
-    if getitems is not None:
-        fetch = getitems
-    else:
+    if pool is not None:
         def fetch(indices: List[int]) -> List[Any]:
-            return [dataset[i] for i in indices]
+            batch = pool.call(_local.info.id, ("map", list(indices)))
+            return [_procs.Collated(batch)] + [None] * (len(indices) - 1)
+
+        def fetch_one(index: int) -> Any:
+            return pool.call(_local.info.id, ("one", index))
+    else:
+        fetch_one = dataset.__getitem__
+        if getitems is not None:
+            fetch = getitems
+        else:
+            def fetch(indices: List[int]) -> List[Any]:
+                return [dataset[i] for i in indices]
 
     plan = None
     plan_batches = 0
@@ -190,6 +224,6 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
 
         plan_batches = len(batch_sampler)
         engine = {"batch_size": 1, "shuffle": False, "drop_last": False}
-    cpp = _ferry.python_dataset(fetch=fetch, size=size, open=None, finish=finish, plan=plan,
+    cpp = _ferry.python_dataset(fetch=fetch, fetch_one=fetch_one, size=size, open=None, finish=finish, plan=plan,
                                 plan_batches=plan_batches, worker_start=worker_start, name=name)
-    return cpp, {**engine, "batch_sampler": batch_sampler, "sampler": sampler}
+    return cpp, {**engine, "batch_sampler": batch_sampler, "sampler": sampler}, pool

@@ -96,11 +96,24 @@ class PyRef {
 class PyException : public ferry::Error {
  public:
   explicit PyException(nb::python_error& e)  // GIL held
-      : ferry::Error(e.what()), value_(std::make_shared<PyRef>(nb::borrow(e.value()))) {
+      : ferry::Error(message(e)), value_(std::make_shared<PyRef>(nb::borrow(e.value()))) {
     nb::object tb = e.traceback();
     if (tb.is_valid() && !tb.is_none()) PyException_SetTraceback(value_->get().ptr(), tb.ptr());
   }
   nb::handle value() const noexcept { return value_->get(); }
+
+ private:
+  // The exception's text and traceback; for one raised in a worker process (ferry/_procs.py),
+  // the worker's traceback too, which its cause carries.
+  static std::string message(nb::python_error& e) {
+    std::string text = e.what();
+    nb::object cause = nb::steal(PyException_GetCause(e.value().ptr()));
+    if (cause.is_valid() && nb::hasattr(cause, "ferry_remote_traceback"))
+      text += "\nraised " + nb::cast<std::string>(cause.attr("ferry_remote_traceback"));
+    return text;
+  }
+
+ public:
 
  private:
   std::shared_ptr<PyRef> value_;  // shared: exceptions are copied
@@ -168,7 +181,8 @@ nb::object call(const Callable& f, A&&... args) {
 
 // A map-style Python dataset: samples are fetched a batch at a time (one GIL hold a batch).
 struct PyMap {
-  Callable fetch;  // fetch(list of indices) -> a sequence of as many samples
+  Callable fetch;      // fetch(list of indices) -> a sequence of as many samples
+  Callable fetch_one;  // fetch_one(index) -> one sample (on_error's sample-by-sample path)
   std::size_t n = 0;
 
   std::size_t size() const { return n; }
@@ -190,8 +204,8 @@ struct PyMap {
     return out;
   }
   PyRef get(std::size_t i) const {
-    const std::size_t one[1] = {i};
-    return std::move(get_batch(one)[0]);
+    Gil gil;
+    return PyRef(call(fetch_one, i));
   }
 };
 
@@ -773,18 +787,18 @@ NB_MODULE(_ferry, m) {
         "The registry's dataset `name` from a 'key=value,...' configuration (and 'tar', and "
         "image_folder with decode=gpu).");
   m.def("python_dataset",
-        [](nb::object fetch, std::optional<std::size_t> size, nb::object open, nb::object finish, nb::object plan,
-           std::size_t plan_batches, nb::object worker_start, const std::string& name) {
+        [](nb::object fetch, nb::object fetch_one, std::optional<std::size_t> size, nb::object open, nb::object finish,
+           nb::object plan, std::size_t plan_batches, nb::object worker_start, const std::string& name) {
           PyDataset d;
           d.name = name;
-          if (!fetch.is_none()) d.py_map.emplace(PyMap{callable(fetch), size.value_or(0)});
+          if (!fetch.is_none()) d.py_map.emplace(PyMap{callable(fetch), callable(fetch_one), size.value_or(0)});
           else d.py_iter.emplace(PyIter{callable(open)});
           d.py_collate.emplace(PyCollate{callable(finish)});
           if (!plan.is_none()) d.py_sampler = std::make_shared<PyBatchSampler>(callable(plan), plan_batches, size.value_or(0));
           if (!worker_start.is_none()) d.py_worker_start = callable(worker_start);
           return d;
         },
-        "fetch"_a.none(), "size"_a.none(), "open"_a.none(), "finish"_a, "plan"_a.none(), "plan_batches"_a,
+        "fetch"_a.none(), "fetch_one"_a.none(), "size"_a.none(), "open"_a.none(), "finish"_a, "plan"_a.none(), "plan_batches"_a,
         "worker_start"_a.none(), "name"_a,
         "A Python dataset run on ferry's threads (ferry/_python.py makes the callables).");
   m.def("registered", [] { return ferry::DatasetRegistry::global().names(); }, "Dataset names the registry knows.");
@@ -801,7 +815,9 @@ NB_MODULE(_ferry, m) {
 
   nb::class_<PyLoader>(m, "Loader")
       .def(nb::init<const PyDataset&, ferry::DataLoaderOptions, nb::object>(), "dataset"_a, "options"_a, "convert"_a.none())
-      .def("__iter__", &PyLoader::iter, nb::rv_policy::reference_internal)
+      .def("begin", &PyLoader::iter, nb::rv_policy::reference_internal,
+           "Starts the next epoch (ending one in progress); the loader is its own iterator.")
+      .def("__iter__", [](PyLoader& l) -> PyLoader& { return l; }, nb::rv_policy::reference_internal)
       .def("__next__", &PyLoader::next)
       .def("__len__", &PyLoader::len)
       .def("end", &PyLoader::end, "Ends the epoch in progress (its workers stop).")

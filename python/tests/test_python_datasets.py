@@ -1,6 +1,7 @@
-"""ferry.DataLoader over Python datasets (map-style and iterable, as torch.utils.data takes them):
-the same batches as torch's DataLoader, PyTorch's arguments, errors with their cause, timeouts,
-on_error, resume at any worker count, Ctrl-C, and nothing left behind."""
+"""ferry.DataLoader over Python datasets (map-style and iterable, as torch.utils.data takes them),
+on worker threads and worker processes: the same batches as torch's DataLoader, PyTorch's
+arguments, errors with their cause, timeouts, crashes, on_error, resume at any worker count,
+Ctrl-C, and nothing left behind."""
 
 import collections
 import gc
@@ -50,6 +51,34 @@ def assert_same(ours, theirs):
             assert a == b
 
 
+# (num_workers, worker_type): no workers, worker threads, worker processes.
+KINDS = [(0, "thread"), (2, "thread"), (2, "process")]
+
+
+def kind_id(kind):
+    return "no-workers" if kind[0] == 0 else f"{kind[0]}-{kind[1]}s"
+
+
+def loader(ds, kind, **kw):
+    return ferry.DataLoader(ds, num_workers=kind[0], worker_type=kind[1], **kw)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def wait_gone(pids, seconds=10.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
 def thread_count():
     return len(os.listdir("/proc/self/task"))
 
@@ -58,73 +87,21 @@ def fd_count():
     return len(os.listdir("/proc/self/fd"))
 
 
-# --- the same batches as torch ------------------------------------------------------------------
+# --- datasets (at module level: worker processes import them) ----------------------------------
 
-@pytest.mark.parametrize("workers", [0, 3])
-def test_map_style_batches_equal_torchs(workers):
-    ds = Squares(50)
-    for drop_last in (False, True):
-        ours = ferry.DataLoader(ds, batch_size=8, num_workers=workers, drop_last=drop_last)
-        theirs = tud.DataLoader(ds, batch_size=8, drop_last=drop_last)
-        assert len(ours) == len(theirs) == (6 if drop_last else 7)
-        assert_same(ours, theirs)
+class Batched(Squares):
+    calls = []
+
+    def __getitems__(self, indices):
+        self.calls.append(list(indices))
+        return [self[i] for i in indices]
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_a_users_sampler_batch_sampler_and_generator_give_torchs_order(workers):
-    ds = Squares(40)
-    sampler = tud.SubsetRandomSampler(range(0, 40, 3), generator=torch.Generator().manual_seed(5))
-    ours = list(ferry.DataLoader(ds, batch_size=4, sampler=sampler, num_workers=workers))
-    sampler.generator.manual_seed(5)
-    assert_same(ours, tud.DataLoader(ds, batch_size=4, sampler=sampler))
-
-    batches = [[3, 1], [0], [39, 38, 37]]
-    assert_same(ferry.DataLoader(ds, batch_sampler=batches, num_workers=workers),
-                tud.DataLoader(ds, batch_sampler=batches))
-
-    ours = list(ferry.DataLoader(ds, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(9),
-                                 num_workers=workers))
-    assert_same(ours, tud.DataLoader(ds, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(9)))
+Pair = collections.namedtuple("Pair", "xs names")
 
 
-def test_ferrys_own_shuffle_visits_every_sample_once_for_any_worker_count():
-    ds = Squares(37)
-    orders = []
-    for workers in (0, 1, 4):
-        loader = ferry.DataLoader(ds, batch_size=5, shuffle=True, seed=3, num_workers=workers)
-        orders.append([int(v) for b in loader for v in b["label"] * 0 + torch.tensor(
-            [int(n[1:]) for n in b["name"]])])
-    assert orders[0] == orders[1] == orders[2]
-    assert sorted(orders[0]) == list(range(37)) and orders[0] != list(range(37))
-
-
-def test_lists_tensor_datasets_getitems_and_unbatched_samples():
-    assert_same(ferry.DataLoader([1, 2, 3, 4, 5], batch_size=2), tud.DataLoader([1, 2, 3, 4, 5], batch_size=2))
-    td = tud.TensorDataset(torch.arange(20).view(10, 2), torch.arange(10))
-    assert_same(ferry.DataLoader(td, batch_size=3, num_workers=2), tud.DataLoader(td, batch_size=3))
-    assert_same(ferry.DataLoader(td, batch_size=None), tud.DataLoader(td, batch_size=None))
-
-    class Batched(Squares):
-        calls = []
-
-        def __getitems__(self, indices):
-            self.calls.append(list(indices))
-            return [self[i] for i in indices]
-
-    ds = Batched(10)
-    assert_same(ferry.DataLoader(ds, batch_size=4, num_workers=2), tud.DataLoader(Squares(10), batch_size=4))
-    assert sorted(Batched.calls) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # one call a batch
-
-
-def test_a_collate_fn_returning_a_custom_type():
-    Pair = collections.namedtuple("Pair", "xs names")
-
-    def collate(samples):
-        return Pair(torch.stack([s["x"] for s in samples]), [s["name"] for s in samples])
-
-    batches = list(ferry.DataLoader(Squares(10), batch_size=4, collate_fn=collate, num_workers=2))
-    assert [type(b) for b in batches] == [Pair] * 3
-    assert batches[2].names == ["s8", "s9"] and batches[2].xs.shape == (2, 2, 3)
+def pair_collate(samples):
+    return Pair(torch.stack([s["x"] for s in samples]), [s["name"] for s in samples])
 
 
 class Shards(tud.IterableDataset):
@@ -139,59 +116,11 @@ class Shards(tud.IterableDataset):
         return iter(range(start, self.n, step))
 
 
-@pytest.mark.parametrize("workers", [0, 1, 3])
-def test_an_iterable_dataset_sharded_by_get_worker_info(workers):
-    got = [int(v) for b in ferry.DataLoader(Shards(23), batch_size=4, num_workers=workers) for v in b]
-    assert sorted(got) == list(range(23))  # each sample once, whatever the worker count
-    if workers == 0:
-        assert got == list(range(23))
-    with pytest.raises(ValueError, match="iterable dataset decides its own order: shuffle"):
-        ferry.DataLoader(Shards(3), shuffle=True)
+class Who(Squares):
+    def __getitem__(self, i):
+        info, theirs = ferry.get_worker_info(), tud.get_worker_info()
+        return torch.tensor([info.id, info.num_workers, info.seed, -1 if theirs is None else theirs.id, os.getpid()])
 
-
-def test_worker_init_fn_and_get_worker_info_run_on_each_worker():
-    seen = []
-    lock = threading.Lock()
-
-    def init(worker_id):
-        info = ferry.get_worker_info()
-        with lock:
-            seen.append((worker_id, info.id, info.num_workers, info.seed, type(info.dataset).__name__))
-
-    class Who(Squares):
-        def __getitem__(self, i):
-            return ferry.get_worker_info().id
-
-    loader = ferry.DataLoader(Who(12), batch_size=2, num_workers=3, worker_init_fn=init, seed=100)
-    ids = {int(v) for b in loader for v in b}
-    assert sorted(seen) == [(0, 0, 3, 100, "Who"), (1, 1, 3, 101, "Who"), (2, 2, 3, 102, "Who")]
-    assert ids <= {0, 1, 2}
-    assert ferry.get_worker_info() is None  # not on the main thread
-    calls = []
-    list(ferry.DataLoader(Squares(4), batch_size=2, worker_init_fn=calls.append))
-    assert calls == []  # as torch: no workers, no worker_init_fn
-
-
-def test_the_attributes_pytorch_code_reads():
-    ds = Squares(10)
-    loader = ferry.DataLoader(ds, batch_size=3, num_workers=2, drop_last=True, timeout=5, prefetch_factor=4,
-                              persistent_workers=True)
-    for name, value in dict(dataset=ds, batch_size=3, num_workers=2, drop_last=True, timeout=5, prefetch_factor=4,
-                            persistent_workers=True, pin_memory=False, collate_fn=None, generator=None).items():
-        assert getattr(loader, name) == value if name != "dataset" else getattr(loader, name) is ds
-    assert len(loader) == 3
-    assert isinstance(ferry.DataLoader(ds, batch_size=2, sampler=range(10)).batch_sampler, tud.BatchSampler)
-    with pytest.warns(UserWarning, match="multiprocessing_context has no effect"):
-        ferry.DataLoader(ds, multiprocessing_context="spawn")
-    with pytest.raises(ValueError, match="mutually exclusive with shuffle"):
-        ferry.DataLoader(ds, sampler=range(10), shuffle=True)
-    with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive"):
-        ferry.DataLoader(ds, batch_sampler=[[0]], batch_size=2)
-    with pytest.raises(TypeError, match="map-style dataset .*__getitem__ and __len__.* got object"):
-        ferry.DataLoader(object())
-
-
-# --- errors ----------------------------------------------------------------------------------------
 
 class Faulty(Squares):
     def __getitem__(self, i):
@@ -200,13 +129,149 @@ class Faulty(Squares):
         return i
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_an_exception_in_the_dataset_arrives_at_its_batch_with_its_cause_and_traceback(workers):
-    loader = ferry.DataLoader(Faulty(20), batch_size=4, num_workers=workers)
-    it = iter(loader)
-    assert [int(v) for v in next(it)] == [0, 1, 2, 3]
-    assert next(it).tolist() == [4, 5, 6, 7]
-    assert next(it).tolist() == [8, 9, 10, 11]
+class Crashing(Squares):
+    def __getitem__(self, i):
+        if i == 5:
+            import ctypes
+
+            ctypes.string_at(0)  # a segfault in "a C extension"
+        return i
+
+
+class Sleepy(Squares):
+    def __getitem__(self, i):
+        if i == 5:
+            time.sleep(60)  # stuck (the process is killed; a thread is abandoned)
+        return i
+
+
+# --- the same batches as torch ------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_map_style_batches_equal_torchs(kind):
+    ds = Squares(50)
+    for drop_last in (False, True):
+        ours = loader(ds, kind, batch_size=8, drop_last=drop_last)
+        theirs = tud.DataLoader(ds, batch_size=8, drop_last=drop_last)
+        assert len(ours) == len(theirs) == (6 if drop_last else 7)
+        assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_a_users_sampler_batch_sampler_and_generator_give_torchs_order(kind):
+    ds = Squares(40)
+    sampler = tud.SubsetRandomSampler(range(0, 40, 3), generator=torch.Generator().manual_seed(5))
+    ours = list(loader(ds, kind, batch_size=4, sampler=sampler))
+    sampler.generator.manual_seed(5)
+    assert_same(ours, tud.DataLoader(ds, batch_size=4, sampler=sampler))
+
+    batches = [[3, 1], [0], [39, 38, 37]]
+    assert_same(loader(ds, kind, batch_sampler=batches), tud.DataLoader(ds, batch_sampler=batches))
+
+    ours = list(loader(ds, kind, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(9)))
+    assert_same(ours, tud.DataLoader(ds, batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(9)))
+
+
+def test_ferrys_own_shuffle_visits_every_sample_once_for_any_worker_count():
+    ds = Squares(37)
+    orders = []
+    for kind in [(0, "thread"), (1, "thread"), (4, "thread"), (2, "process")]:
+        orders.append([int(n[1:]) for b in loader(ds, kind, batch_size=5, shuffle=True, seed=3) for n in b["name"]])
+    assert orders[0] == orders[1] == orders[2] == orders[3]
+    assert sorted(orders[0]) == list(range(37)) and orders[0] != list(range(37))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_lists_tensor_datasets_and_unbatched_samples(kind):
+    assert_same(loader([1, 2, 3, 4, 5], kind, batch_size=2), tud.DataLoader([1, 2, 3, 4, 5], batch_size=2))
+    td = tud.TensorDataset(torch.arange(20).view(10, 2), torch.arange(10))
+    assert_same(loader(td, kind, batch_size=3), tud.DataLoader(td, batch_size=3))
+    assert_same(loader(td, kind, batch_size=None), tud.DataLoader(td, batch_size=None))
+
+
+def test_getitems_is_called_once_a_batch():
+    Batched.calls.clear()
+    assert_same(loader(Batched(10), (2, "thread"), batch_size=4), tud.DataLoader(Squares(10), batch_size=4))
+    assert sorted(Batched.calls) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert_same(loader(Batched(10), (2, "process"), batch_size=4), tud.DataLoader(Squares(10), batch_size=4))
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_a_collate_fn_returning_a_custom_type(kind):
+    batches = list(loader(Squares(10), kind, batch_size=4, collate_fn=pair_collate))
+    assert [type(b) for b in batches] == [Pair] * 3
+    assert batches[2].names == ["s8", "s9"] and batches[2].xs.shape == (2, 2, 3)
+
+
+@pytest.mark.parametrize("kind", KINDS + [(1, "thread"), (3, "process")], ids=kind_id)
+def test_an_iterable_dataset_sharded_by_get_worker_info(kind):
+    got = [int(v) for b in loader(Shards(23), kind, batch_size=4) for v in b]
+    assert sorted(got) == list(range(23))  # each sample once, whatever the worker count
+    if kind[0] == 0:
+        assert got == list(range(23))
+    with pytest.raises(ValueError, match="iterable dataset decides its own order: shuffle"):
+        ferry.DataLoader(Shards(3), shuffle=True)
+
+
+def test_worker_init_fn_and_get_worker_info_on_worker_threads():
+    seen = []
+    lock = threading.Lock()
+
+    def init(worker_id):
+        info = ferry.get_worker_info()
+        with lock:
+            seen.append((worker_id, info.id, info.num_workers, info.seed, type(info.dataset).__name__))
+
+    rows = [r.tolist() for b in loader(Who(12), (3, "thread"), batch_size=2, worker_init_fn=init, seed=100) for r in b]
+    assert sorted(seen) == [(0, 0, 3, 100, "Who"), (1, 1, 3, 101, "Who"), (2, 2, 3, 102, "Who")]
+    assert {(r[0], r[1], r[2], r[4]) for r in rows} <= {(w, 3, 100 + w, os.getpid()) for w in range(3)}
+    assert ferry.get_worker_info() is None  # not on the main thread
+    calls = []
+    list(ferry.DataLoader(Squares(4), batch_size=2, worker_init_fn=calls.append))
+    assert calls == []  # as torch: no workers, no worker_init_fn
+
+
+def test_get_worker_info_in_worker_processes_ferrys_and_torchs():
+    ds = Who(12)
+    rows = [r.tolist() for b in loader(ds, (3, "process"), batch_size=2, seed=100) for r in b]
+    pids = {r[4] for r in rows}
+    assert os.getpid() not in pids and 1 <= len(pids) <= 3
+    for worker, workers, seed, torch_id, _ in rows:
+        assert workers == 3 and seed == 100 + worker and torch_id == worker
+
+
+def test_the_attributes_pytorch_code_reads():
+    ds = Squares(10)
+    ours = ferry.DataLoader(ds, batch_size=3, num_workers=2, drop_last=True, timeout=5, prefetch_factor=4,
+                            persistent_workers=True)
+    for name, value in dict(batch_size=3, num_workers=2, drop_last=True, timeout=5, prefetch_factor=4,
+                            persistent_workers=True, pin_memory=False, collate_fn=None, generator=None,
+                            worker_type="process").items():
+        assert getattr(ours, name) == value, name
+    assert ours.dataset is ds and len(ours) == 3
+    assert isinstance(ferry.DataLoader(ds, batch_size=2, sampler=range(10)).batch_sampler, tud.BatchSampler)
+    with pytest.warns(UserWarning, match="multiprocessing_context has no effect"):
+        ferry.DataLoader(ds, multiprocessing_context="spawn", worker_type="thread", num_workers=1)
+    with pytest.raises(ValueError, match="'fork' is not taken"):
+        ferry.DataLoader(ds, multiprocessing_context="fork", num_workers=1)
+    with pytest.raises(ValueError, match="worker_type must be 'process' or 'thread'"):
+        ferry.DataLoader(ds, worker_type="fiber", num_workers=1)
+    with pytest.raises(ValueError, match="mutually exclusive with shuffle"):
+        ferry.DataLoader(ds, sampler=range(10), shuffle=True)
+    with pytest.raises(ValueError, match="batch_sampler option is mutually exclusive"):
+        ferry.DataLoader(ds, batch_sampler=[[0]], batch_size=2)
+    with pytest.raises(TypeError, match="map-style dataset .*__getitem__ and __len__.* got object"):
+        ferry.DataLoader(object())
+    with pytest.raises(TypeError, match="need the dataset, collate_fn and worker_init_fn to pickle.*worker_type='thread'"):
+        ferry.DataLoader(ds, num_workers=2, collate_fn=lambda b: b)
+
+
+# --- errors ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_an_exception_in_the_dataset_arrives_at_its_batch_with_its_cause_and_traceback(kind):
+    it = iter(loader(Faulty(20), kind, batch_size=4))
+    assert [next(it).tolist() for _ in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     with pytest.raises(ferry.WorkerError) as caught:
         next(it)
     err = caught.value
@@ -214,82 +279,111 @@ def test_an_exception_in_the_dataset_arrives_at_its_batch_with_its_cause_and_tra
     assert err.batch == 3
     assert "KeyError: 'no sample 13'" in str(err) and "test_python_datasets.py" in str(err)  # the traceback's text
     assert err.__cause__.__traceback__ is not None
+    if kind[1] == "process":
+        assert "in worker process" in str(err.__cause__.__cause__)
     assert next(it).tolist() == [16, 17, 18, 19]  # the loop may go on
 
 
-def test_on_error_skip_and_replace_cost_only_the_bad_sample():
-    rows = [int(v) for b in ferry.DataLoader(Faulty(20), batch_size=4, num_workers=2, on_error="skip") for v in b]
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_on_error_skip_and_replace_cost_only_the_bad_sample(kind):
+    rows = [int(v) for b in loader(Faulty(20), kind, batch_size=4, on_error="skip") for v in b]
     assert rows == [i for i in range(20) if i != 13]
-    batches = list(ferry.DataLoader(Faulty(20), batch_size=4, num_workers=2, on_error="replace"))
+    batches = list(loader(Faulty(20), kind, batch_size=4, on_error="replace"))
     assert [len(b) for b in batches] == [4] * 5 and 13 not in [int(v) for b in batches for v in b]
 
 
-def test_a_sample_stuck_past_timeout_is_a_timeout_error_and_the_loop_goes_on():
-    release = threading.Event()
+@pytest.mark.parametrize("kind", [(2, "thread"), (2, "process")], ids=kind_id)
+def test_a_sample_stuck_past_timeout_is_a_timeout_error_and_the_loop_goes_on(kind):
+    ours = loader(Sleepy(12), kind, batch_size=2, timeout=0.5)
+    it = iter(ours)
+    assert next(it).tolist() == [0, 1] and next(it).tolist() == [2, 3]
+    start = time.monotonic()
+    with pytest.raises(ferry.TimeoutError, match="timed out"):
+        next(it)
+    assert time.monotonic() - start < 10
+    assert next(it).tolist() == [6, 7]
+    assert ours.stats()["abandoned_workers"] == 1
+    if kind[1] == "process":
+        pids = ours._pool.pids()
+        del it, ours
+        gc.collect()
+        assert wait_gone(pids) == []
 
-    class Stuck(Squares):
-        def __getitem__(self, i):
-            if i == 5:
-                release.wait(60)  # stuck until the test ends
-            return i
 
-    try:
-        loader = ferry.DataLoader(Stuck(12), batch_size=2, num_workers=2, timeout=0.3)
-        it = iter(loader)
-        assert next(it).tolist() == [0, 1] and next(it).tolist() == [2, 3]
-        start = time.monotonic()
-        with pytest.raises(ferry.TimeoutError, match="timed out"):
-            next(it)
-        assert time.monotonic() - start < 10
-        assert next(it).tolist() == [6, 7]
-        assert loader.stats()["abandoned_workers"] == 1
-    finally:
-        release.set()
+def test_a_worker_process_that_crashes_or_is_killed_is_an_error_and_is_replaced():
+    ours = loader(Crashing(12), (2, "process"), batch_size=2)
+    it = iter(ours)
+    assert next(it).tolist() == [0, 1] and next(it).tolist() == [2, 3]
+    with pytest.raises(ferry.WorkerError, match="killed by SIGSEGV while making samples \\[4, 5\\]"):
+        next(it)
+    assert [next(it).tolist() for _ in range(3)] == [[6, 7], [8, 9], [10, 11]]  # a new process took its place
+
+    # (Not persistent: persistent workers would already be making the next epoch's batches, and a
+    # process killed while it makes one fails that batch, as above.)
+    healthy = loader(Squares(8), (2, "process"), batch_size=2)
+    assert [b["label"].tolist() for b in healthy] == [[0, 1], [2, 3], [4, 5], [6, 0]]
+    pids = healthy._pool.pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)  # from outside, while idle: the next epoch starts new processes
+    assert wait_gone(pids) == []
+    assert [b["label"].tolist() for b in healthy] == [[0, 1], [2, 3], [4, 5], [6, 0]]
+    assert set(healthy._pool.pids()).isdisjoint(pids)
 
 
 # --- resume ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("before,after", [(0, 3), (2, 0)])
+@pytest.mark.parametrize("before,after", [((0, "thread"), (3, "thread")), ((2, "thread"), (0, "thread")),
+                                          ((2, "process"), (1, "thread"))], ids=["0-3", "2-0", "procs-threads"])
 def test_state_dict_resumes_mid_epoch_at_another_worker_count(before, after):
     ds = Squares(30)
     whole = [b["label"].tolist() + [b["name"]] for b in ferry.DataLoader(ds, batch_size=4, shuffle=True, seed=11)]
-    loader = ferry.DataLoader(ds, batch_size=4, shuffle=True, seed=11, num_workers=before)
-    it = iter(loader)
+    first = loader(ds, before, batch_size=4, shuffle=True, seed=11)
+    it = iter(first)
     for _ in range(3):
         next(it)
-    state = loader.state_dict()
-    del it, loader
-    resumed = ferry.DataLoader(ds, batch_size=4, shuffle=True, seed=11, num_workers=after)
+    state = first.state_dict()
+    del it, first
+    resumed = loader(ds, after, batch_size=4, shuffle=True, seed=11)
     resumed.load_state_dict(state)
     assert [b["label"].tolist() + [b["name"]] for b in resumed] == whole[3:]
 
 
-# --- Ctrl-C and cleanup -----------------------------------------------------------------------------
+# --- Ctrl-C, exits and cleanup -------------------------------------------------------------------------
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_ctrl_c_during_a_30_second_python_sample_ends_the_loop_within_1_s(workers):
-    script = f"""
-        import sys, time, ferry
-        class Slow:
-            def __len__(self): return 100
-            def __getitem__(self, i):
-                time.sleep(30)
-                return i
-        loader = ferry.DataLoader(Slow(), batch_size=2, num_workers={workers})
-        print("ready", flush=True)
-        try:
-            for batch in loader:
-                pass
-        except KeyboardInterrupt:
-            print("interrupted %.3f" % time.monotonic(), flush=True)
-            sys.exit(0)
-        print("finished", flush=True)
-    """
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+SCRIPT_HEAD = """
+import os, sys, time, ferry
+
+class Slow:
+    def __len__(self): return 100
+    def __getitem__(self, i):
+        time.sleep(30)
+        return i
+"""
+
+
+def run_script(tmp_path, body, name="script.py"):
+    path = tmp_path / name
+    path.write_text(SCRIPT_HEAD + textwrap.dedent(body))
+    return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_ctrl_c_during_a_30_second_python_sample_ends_the_loop_within_1_s(tmp_path, kind):
+    proc = run_script(tmp_path, f"""
+        if __name__ == "__main__":
+            loader = ferry.DataLoader(Slow(), batch_size=2, num_workers={kind[0]}, worker_type="{kind[1]}")
+            print("ready", flush=True)
+            try:
+                for batch in loader:
+                    pass
+            except KeyboardInterrupt:
+                print("interrupted %.3f" % time.monotonic(), flush=True)
+                sys.exit(0)
+            print("finished", flush=True)
+    """)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        time.sleep(0.7)
+        time.sleep(1.5 if kind[1] == "process" else 0.7)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=20)
@@ -304,44 +398,73 @@ def test_ctrl_c_during_a_30_second_python_sample_ends_the_loop_within_1_s(worker
     assert "leaked" not in err, err
 
 
-def test_a_module_level_loader_exits_cleanly():
+@pytest.mark.parametrize("kind", [(2, "thread"), (2, "process")], ids=kind_id)
+def test_a_module_level_loader_exits_cleanly(tmp_path, kind):
     # The loader (through its dataset's class and the module's globals) is in a cycle the collector
     # cannot see into; it is released at exit, with no leak report and no hang.
-    script = """
-        import ferry
+    proc = run_script(tmp_path, f"""
         class Data:
             def __len__(self): return 10
             def __getitem__(self, i): return i
-        loader = ferry.DataLoader(Data(), batch_size=3, num_workers=2, persistent_workers=True)
-        print(sum(len(b) for b in loader), flush=True)
-        it = iter(loader); next(it)   # exit mid-epoch
-    """
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0 and proc.stdout.strip() == "10", proc
-    assert proc.stderr == "", proc.stderr
+        if __name__ == "__main__":
+            loader = ferry.DataLoader(Data(), batch_size=3, num_workers={kind[0]}, worker_type="{kind[1]}",
+                                      persistent_workers=True)
+            print(sum(len(b) for b in loader), flush=True)
+            it = iter(loader); next(it)   # exit mid-epoch
+    """)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and out.strip() == "10", (out, err)
+    assert err == "", err
 
 
-def test_create_iterate_break_destroy_leaves_no_thread_or_descriptor():
+def test_worker_processes_die_with_a_sigkilled_main_process(tmp_path):
+    proc = run_script(tmp_path, """
+        if __name__ == "__main__":
+            loader = ferry.DataLoader(Slow(), batch_size=2, num_workers=2)
+            it = iter(loader)
+            time.sleep(3)
+            print(" ".join(str(p) for p in loader._pool.pids()), flush=True)
+            next(it)
+    """)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        proc.kill()
+        proc.wait()
+        assert wait_gone(pids) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("kind", [(3, "thread"), (2, "process")], ids=kind_id)
+def test_create_iterate_break_destroy_leaves_no_thread_process_or_descriptor(kind):
+    pids = []
+
     def cycle():
-        loader = ferry.DataLoader(Squares(40), batch_size=4, num_workers=3, prefetch_factor=2)
-        for i, _ in enumerate(loader):
+        ours = loader(Squares(40), kind, batch_size=4, prefetch_factor=2)
+        for i, _ in enumerate(ours):
             if i == 2:
                 break
-        del loader
+        if ours._pool is not None:
+            pids.extend(ours._pool.pids())
+        del ours
 
     cycle()
     gc.collect()
     threads, fds = thread_count(), fd_count()
-    for _ in range(30):
+    for _ in range(30 if kind[1] == "thread" else 10):
         cycle()
     gc.collect()
     assert thread_count() == threads
     assert fd_count() == fds
+    assert wait_gone(pids) == []
 
 
 def test_pin_memory_without_cuda_warns_and_delivers_pageable_batches():
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: test_gpu.py checks pinned batches")
     with pytest.warns(UserWarning, match="pin_memory=True but torch sees no CUDA device"):
-        loader = ferry.DataLoader(Squares(4), batch_size=2, pin_memory=True)
-    assert [b["x"].is_pinned() for b in loader] == [False, False]
+        ours = ferry.DataLoader(Squares(4), batch_size=2, pin_memory=True)
+    assert [b["x"].is_pinned() for b in ours] == [False, False]

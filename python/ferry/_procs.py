@@ -1,0 +1,362 @@
+"""Worker processes for Python datasets: each of the loader's worker threads drives one process.
+
+The engine's worker thread w sends a batch's indices to process w and waits for the collated
+batch without the GIL (the pipe read releases it); the process fetches the samples, collates them
+and sends the batch back through torch's multiprocessing pickler, whose tensors travel in shared
+memory (file descriptors passed over the pipe's socket), not through the pipe. So the dataset's
+Python code runs in parallel whatever it holds, and the engine keeps its ordering, timeouts,
+on_error, resume and Ctrl-C.
+
+Processes are started with forkserver (spawn where there is none), never a bare fork of this
+process, which holds ferry's and torch's threads. They ignore SIGINT (Ctrl-C is the main
+process's to handle), die with their parent (PR_SET_PDEATHSIG, and EOF on the pipe), and are
+stopped when the loader is freed or closed, or at exit. A process stuck past `timeout` is killed
+when the engine replaces its thread; one that dies is reported with its signal and started again.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import multiprocessing.reduction
+import multiprocessing.util
+import os
+import pickle
+import random
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+from . import _python
+
+
+class RemoteTraceback(Exception):
+    """The traceback of an exception raised in a worker process (the cause of the re-raised one)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.ferry_remote_traceback = text
+
+    def __str__(self) -> str:
+        return self.ferry_remote_traceback
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended while it made a batch (a crash, the OOM killer, a kill from outside)."""
+
+
+_context_lock = threading.Lock()
+_start_lock = threading.Lock()
+_contexts: Dict[str, Any] = {}
+
+
+def context(name: Optional[str]) -> Any:
+    """The multiprocessing context (forkserver by default, preloading torch and ferry once)."""
+    if name is None:
+        name = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+    if not isinstance(name, str):
+        return name  # a context object, as torch takes
+    if name == "fork":
+        raise ValueError("DataLoader: multiprocessing_context='fork' is not taken: this process runs ferry's and "
+                         "torch's threads, and a fork copies their locks in whatever state they are; use "
+                         "'forkserver' (the default) or 'spawn'")
+    with _context_lock:
+        if name not in _contexts:
+            ctx = multiprocessing.get_context(name)
+            if name == "forkserver":
+                ctx.set_forkserver_preload(["torch", "ferry"])
+            _contexts[name] = ctx
+        return _contexts[name]
+
+
+def _die_with(main_pid: int) -> None:
+    """Ends this process when the loader's process ends, however it ends (SIGKILL included), even
+    while the dataset is busy. The worker's parent is the forkserver, which outlives the main
+    process while any worker holds its fd, so PR_SET_PDEATHSIG alone would not do: a thread
+    waits on a pidfd of the main process."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the forkserver's death, too
+    except (OSError, AttributeError):
+        pass
+    try:
+        fd = os.pidfd_open(main_pid)
+    except ProcessLookupError:
+        os._exit(0)
+    except (OSError, AttributeError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while True:
+                time.sleep(0.5)
+                try:
+                    os.kill(main_pid, 0)
+                except ProcessLookupError:
+                    break
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ferry: watch the loader's process", daemon=True).start()
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    import torch
+
+    torch.manual_seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+def _wrap(exc: BaseException) -> tuple:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = bytes(multiprocessing.reduction.ForkingPickler.dumps(exc))
+        pickle.loads(blob)  # an exception that cannot be rebuilt travels as its text alone
+    except Exception:
+        blob = None
+    return type(exc).__name__, str(exc), text, blob
+
+
+def _main(conn: Any, payload: tuple, worker: int, workers: int, seed: int, main_pid: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with(main_pid)
+    import torch
+    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+
+    torch.set_num_threads(1)
+    try:
+        dataset, fetch_mode, finish, init = payload
+        info = _python.WorkerInfo(worker, workers, seed + worker, dataset)
+        _python._local.info = info
+        try:  # torch.utils.data.get_worker_info() answers in ferry's worker processes too
+            from torch.utils.data._utils import worker as torch_worker
+
+            torch_worker._worker_info = torch_worker.WorkerInfo(id=worker, num_workers=workers, seed=seed + worker,
+                                                                dataset=dataset)
+        except Exception:
+            pass
+        _seed(seed + worker)
+        if init is not None:
+            init(worker)
+        getitems = getattr(dataset, "__getitems__", None) if fetch_mode == "map" else None
+        iterator = None
+        conn.send(("ready", None))
+    except BaseException as exc:  # noqa: B902  (everything goes back to the loader)
+        conn.send(("error", _wrap(exc)))
+        return
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        try:
+            if message[0] == "map":  # a batch, collated here
+                indices = message[1]
+                samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
+                reply = ("ok", finish(samples))
+            elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
+                reply = ("ok", dataset[message[1]])
+            elif message[0] == "open":
+                iterator = iter(dataset)
+                reply = ("ok", None)
+            else:  # "next": up to n samples of the stream, collated by the loader's thread
+                samples = []
+                for _ in range(message[1]):
+                    try:
+                        samples.append(next(iterator))
+                    except StopIteration:
+                        break
+                reply = ("ok", samples)
+        except Exception as exc:
+            reply = ("error", _wrap(exc))
+        try:
+            conn.send(reply)
+        except Exception as exc:  # the batch would not pickle
+            conn.send(("error", _wrap(exc)))
+
+
+class _Discard:
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+class _Slot:
+    def __init__(self, proc: Any, conn: Any) -> None:
+        self.proc, self.conn, self.busy = proc, conn, False
+
+
+class Pool:
+    """The processes of one loader, one a worker thread (slot), started when the thread starts and
+    kept while they are healthy (for the loader's life: worker_init_fn runs once a process)."""
+
+    def __init__(self, ctx: Any, payload: tuple) -> None:
+        self._ctx = ctx
+        self._payload = payload  # pickled anew for each process by multiprocessing (tensors by shared memory)
+        try:
+            pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+        except Exception as exc:
+            raise TypeError(
+                f"DataLoader: worker processes need the dataset, collate_fn and worker_init_fn to pickle, and "
+                f"{type(exc).__name__}: {exc}. Define them at a module's top level (no lambdas or local classes), "
+                "or pass worker_type='thread'") from exc
+        self._lock = threading.Lock()
+        self._slots: Dict[int, _Slot] = {}
+        self._closed = False
+
+    def start(self, worker: int, workers: int, seed: int) -> None:
+        """On the engine's worker thread `worker`: its process, kept if it is alive and idle, else
+        new (a stuck or dead one is killed first)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("DataLoader: the loader's worker processes were stopped")
+            old = self._slots.get(worker)
+            if old is not None and not old.busy and old.proc.is_alive() and not _exited(old.proc.pid):
+                return
+            self._slots.pop(worker, None)
+        if old is not None:
+            _stop([old], wait=0)
+        parent, child = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(target=_main, args=(child, self._payload, worker, workers, seed, os.getpid()),
+                                 daemon=True,
+                                 name=f"ferry worker {worker}")
+        with _start_lock:  # torch shares a tensor's storage once; two threads pickling it at once broke it
+            proc.start()
+        child.close()
+        slot = _Slot(proc, parent)
+        with self._lock:
+            self._slots[worker] = slot
+        self._reply(slot, worker, None)  # "ready", or worker_init_fn's exception
+
+    def call(self, worker: int, message: Any) -> Any:
+        with self._lock:
+            slot = self._slots.get(worker)
+            closed = self._closed or multiprocessing.util._exiting
+        if closed:
+            raise RuntimeError("DataLoader: the loader's worker processes were stopped")
+        # An idle process sends nothing: a readable pipe means it has ended (killed from outside);
+        # so does a zombie (its reaper, the forkserver, may not have reported it yet).
+        if slot is None or not slot.proc.is_alive() or slot.conn.poll() or _exited(slot.proc.pid):
+            info = _python._local.info
+            self.start(worker, info.num_workers, info.seed - worker)
+            with self._lock:
+                slot = self._slots[worker]
+        slot.busy = True
+        slot.conn.send(message)
+        value = self._reply(slot, worker, message)
+        slot.busy = False
+        return value
+
+    def _reply(self, slot: _Slot, worker: int, message: Any) -> Any:
+        try:
+            kind, value = slot.conn.recv()  # the GIL is released while the pipe is read
+        except (EOFError, OSError):
+            slot.proc.join(1.0)
+            code = slot.proc.exitcode
+            how = (f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 and
+                   -code in signal.Signals._value2member_map_ else f"exited with status {code}")
+            what = "starting" if message is None else (
+                f"making samples {message[1]}" if message[0] in ("map", "one") else "reading its stream")
+            hint = ("; a new process takes its place" if message is not None else
+                    ": worker processes start with forkserver (or spawn), which imports the main module again: a "
+                    "script that makes a loader at its top level must do so under `if __name__ == \"__main__\":`, "
+                    "and the dataset's class must be importable (its traceback is above); or pass "
+                    "worker_type='thread'")
+            raise WorkerDied(f"worker process {worker} (pid {slot.proc.pid}) {how} while {what}{hint}") from None
+        if kind == "error":
+            name, text, tb, blob = value
+            exc = None
+            if blob is not None:
+                try:
+                    exc = pickle.loads(blob)
+                except Exception:
+                    exc = None
+            if not isinstance(exc, BaseException):
+                exc = RuntimeError(f"{name}: {text}")
+            raise exc from RemoteTraceback(f"in worker process {worker} (pid {slot.proc.pid}):\n{tb}")
+        return value
+
+    def close(self, exiting: bool = False) -> None:
+        """Stops the processes. At exit a process still making a batch for an abandoned thread is
+        left to end with this process (its watch thread sees it go): killing it would wake that
+        thread into an interpreter that is finalizing, which ends threads by unwinding them."""
+        with self._lock:
+            self._closed = True
+            slots, self._slots = list(self._slots.values()), {}
+        if exiting:
+            busy = [s for s in slots if s.busy]
+            for slot in busy:  # multiprocessing's own exit handler would terminate it
+                multiprocessing.process._children.discard(slot.proc)
+            slots = [s for s in slots if not s.busy]
+        _stop(slots, wait=0.5)
+
+    def pids(self) -> List[int]:
+        with self._lock:
+            return [slot.proc.pid for slot in self._slots.values()]
+
+
+def _exited(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
+def _stop(slots: List[_Slot], wait: float) -> None:
+    """Asks idle processes to leave, gives them `wait` seconds together, then kills the rest."""
+    for slot in slots:
+        try:
+            if wait > 0 and not slot.busy:
+                slot.conn.send(None)
+        except Exception:
+            pass
+    deadline = time.monotonic() + wait
+    for slot in slots:
+        slot.proc.join(max(0.0, deadline - time.monotonic()))
+        if slot.proc.is_alive():
+            slot.proc.kill()
+            slot.proc.join(5.0)
+        slot.conn.close()
+
+
+class Collated:
+    """A batch collated in a worker process (what fetch gives the loader's collate step)."""
+
+    __slots__ = ("batch",)
+
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
+
+
+class RemoteStream:
+    """The main-side end of a worker process's iter(dataset): samples a chunk at a time."""
+
+    def __init__(self, pool: Pool, worker: int, chunk: int) -> None:
+        self._pool, self._worker, self._chunk = pool, worker, chunk
+        self._buffer: List[Any] = []
+        self._done = False
+
+    def __iter__(self) -> "RemoteStream":
+        return self
+
+    def __next__(self) -> Any:
+        if not self._buffer:
+            if self._done:
+                raise StopIteration
+            self._buffer = self._pool.call(self._worker, ("next", self._chunk))
+            self._buffer.reverse()
+            if len(self._buffer) < self._chunk:
+                self._done = True
+            if not self._buffer:
+                raise StopIteration
+        return self._buffer.pop()
