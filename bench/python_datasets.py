@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""A Python dataset through ferry.DataLoader (worker threads) and torch.utils.data.DataLoader
-(worker processes), side by side in one run: per-batch overhead and time to the first batch.
+"""A Python dataset through ferry.DataLoader (worker processes, the default, and worker threads)
+and torch.utils.data.DataLoader (worker processes), side by side in one run: per-batch overhead
+and time to the first batch.
 
 Datasets (map-style classes, as a user writes them):
   * scalars: __getitem__ returns (float, int); batch 64; the loaders' own cost per batch;
@@ -68,17 +69,22 @@ def children_cpu(pids):
 
 
 def worker_pids():
-    me = os.getpid()
-    pids = []
+    """Every descendant of this process (torch's workers are its children; ferry's are children of
+    the forkserver, a child of this process)."""
+    parents = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        pids.append(int(entry))
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
             except (FileNotFoundError, ProcessLookupError, ValueError):
                 pass
-    return pids
+    found, frontier = [], [os.getpid()]
+    while frontier:
+        nxt = [pid for pid, parent in parents.items() if parent in frontier]
+        found.extend(nxt)
+        frontier = nxt
+    return found
 
 
 def measure(make, warmup, batches):
@@ -100,7 +106,7 @@ def measure(make, warmup, batches):
     return batches / wall, first, busy
 
 
-def main():
+def main():  # noqa: C901
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", default="0,2,8")
     ap.add_argument("--batches", type=int, default=200)
@@ -108,27 +114,31 @@ def main():
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--datasets", default="scalars,tensors")
     args = ap.parse_args()
-    print(f"# Python datasets: ferry.DataLoader (threads) vs torch.utils.data.DataLoader (processes); "
+    print(f"# Python datasets: ferry.DataLoader (processes, threads) vs torch.utils.data.DataLoader (processes); "
           f"{os.cpu_count()} vCPUs, Python {platform.python_version()}, torch {torch.__version__}; "
           f"{args.batches} batches after {args.warmup}, median of {args.runs}\n")
-    print("| dataset | workers | ferry batches/s | torch batches/s | ferry / torch | ferry first batch (s) | "
-          "torch first batch (s) | ferry busy cores | torch busy cores |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| dataset | workers | torch batches/s | ferry processes | / torch | ferry threads | / torch | "
+          "first batch (s): torch, ferry processes, ferry threads | busy cores: torch, processes, threads |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
     for name in args.datasets.split(","):
         batch = 64 if name == "scalars" else 256
         need = (args.batches + args.warmup + 2) * batch
         ds = Scalars(need) if name == "scalars" else Tensors(need)
         for w in (int(v) for v in args.workers.split(",")):
-            rows = {"ferry": [], "torch": []}
+            makers = {
+                "torch": lambda: tud.DataLoader(ds, batch_size=batch, num_workers=w),
+                "process": lambda: ferry.DataLoader(ds, batch_size=batch, num_workers=w),
+                "thread": lambda: ferry.DataLoader(ds, batch_size=batch, num_workers=w, worker_type="thread"),
+            }
+            rows = {k: [] for k in makers}
             for _ in range(args.runs):
-                rows["ferry"].append(measure(lambda: ferry.DataLoader(ds, batch_size=batch, num_workers=w),
-                                             args.warmup, args.batches))
-                rows["torch"].append(measure(lambda: tud.DataLoader(ds, batch_size=batch, num_workers=w),
-                                             args.warmup, args.batches))
-            f = [statistics.median(v[i] for v in rows["ferry"]) for i in range(3)]
-            t = [statistics.median(v[i] for v in rows["torch"]) for i in range(3)]
-            print(f"| {name} (batch {batch}) | {w} | {f[0]:,.0f} | {t[0]:,.0f} | {f[0] / t[0]:.2f} | {f[1]:.3f} | "
-                  f"{t[1]:.3f} | {f[2]:.1f} | {t[2]:.1f} |", flush=True)
+                for k, make in makers.items():
+                    rows[k].append(measure(make, args.warmup, args.batches))
+            m = {k: [statistics.median(v[i] for v in rows[k]) for i in range(3)] for k in rows}
+            t, p, h = m["torch"], m["process"], m["thread"]
+            print(f"| {name} (batch {batch}) | {w} | {t[0]:,.0f} | {p[0]:,.0f} | {p[0] / t[0]:.2f} | {h[0]:,.0f} | "
+                  f"{h[0] / t[0]:.2f} | {t[1]:.3f}, {p[1]:.3f}, {h[1]:.3f} | {t[2]:.1f}, {p[2]:.1f}, {h[2]:.1f} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

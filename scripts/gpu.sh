@@ -7,7 +7,8 @@
 # pytest suite with FERRY_REQUIRE_GPU=1, the demo in Python on the GPU,
 # and bench/python_loop.py (Python against the C++ loop and PyTorch's DataLoader). It builds
 # nothing else (PYTHON_BENCH=0 leaves the benchmark out; RESNET_BENCH=1 adds bench/resnet_loaders.py,
-# ResNet-50 fed by each loader, with RESNET_ARGS).
+# ResNet-50 fed by each loader, with RESNET_ARGS; PYDS_BENCH=1 adds bench/python_datasets.py, a
+# Python dataset through each loader, with PYDS_ARGS).
 # gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
 # DataLoader on the same workloads.
 # rows: the device gather's GPU tests, the Fashion-MNIST demo and `ferry bench idx` with the
@@ -72,6 +73,10 @@ if [ "$what" = python ]; then
     links build/bench-data/photos /tmp/ferry-photos60 60
     PYTHONUNBUFFERED=1 timeout 420 $PY bench/python_loop.py --data /tmp/ferry-rows --images /tmp/ferry-photos60 \
       ${PYTHON_ARGS:-} 2>&1 | tee "$OUT/python_loop.md"
+  fi
+  if [ "${PYDS_BENCH:-0}" = 1 ]; then  # a Python dataset through ferry's threads and torch's processes
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout 240 $PY "$OLDPWD/bench/python_datasets.py" ${PYDS_ARGS:-} 2>&1) \
+      | tee "$OUT/python_datasets.md"
   fi
   if [ "${RESNET_BENCH:-0}" = 1 ]; then  # ResNet-50 fed by ferry and by PyTorch's DataLoader (bench/resnet_loaders.py)
     links build/bench-data/photos /tmp/ferry-photos60 60

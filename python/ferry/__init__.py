@@ -14,8 +14,9 @@ threads; no Python runs per sample, and the GIL is released while the loop waits
 Batches reach torch through DLPack without a copy: a tensor keeps ferry's buffer alive until torch
 frees it.
 
-A Python dataset (map-style or iterable, as torch.utils.data takes them) runs on the same worker
-threads, with collate_fn, sampler, batch_sampler, worker_init_fn and ferry.get_worker_info():
+A Python dataset (map-style or iterable, as torch.utils.data takes them) runs in worker processes
+that ferry's worker threads drive (or on the threads: worker_type="thread"), with collate_fn,
+sampler, batch_sampler, worker_init_fn and ferry.get_worker_info():
 
     loader = ferry.DataLoader(MyDataset(...), batch_size=64, shuffle=True, num_workers=8)
 """
@@ -133,7 +134,7 @@ class DataLoader:
     Args (PyTorch's names and defaults where PyTorch has them):
         dataset: a ferry dataset (``ferry.datasets.*``: samples made in C++ only), or a Python one:
             map-style (``__getitem__`` and ``__len__``; ``__getitems__`` once a batch if it has
-            it) or iterable (``__iter__``), run on the worker threads, each call holding the GIL.
+            it) or iterable (``__iter__``), run by worker processes or threads (worker_type).
         batch_size, shuffle, drop_last: as in PyTorch (batch_size=None: a Python dataset's
             samples one at a time, unbatched).
         sampler, batch_sampler, collate_fn, worker_init_fn, generator: as in PyTorch, for Python
