@@ -12,8 +12,8 @@ median of --runs passes of --steps steps after --warmup steps):
   * torch.utils.data.DataLoader + torchvision's ImageFolder with torchvision's recipe
     (RandomResizedCrop, RandomHorizontalFlip, ToTensor, Normalize), the same workers,
     pin_memory=True, .to(cuda, non_blocking=True);
-  * the same torchvision dataset, unchanged, through ferry.DataLoader (worker threads, device=0:
-    pinned on the worker, copied on torch's stream), the same workers;
+  * the same torchvision dataset, unchanged, through ferry.DataLoader (worker processes, device=0:
+    pinned on the worker thread, copied on torch's stream), the same workers;
   * the uint8 recipe (PILToTensor instead of ToTensor + Normalize, normalized on the GPU in the
     step) through each of the two.
 Busy host cores: every process's CPU time (/proc/stat, all cores) over the measured wall time.
@@ -146,12 +146,12 @@ def main():
         "ferry-float-persistent": (f"ferry image_folder, mean/std (float32), {args.workers} persistent workers",
                                    lambda: ferry_rows(True, True), as_is),
         "torch": (f"torch DataLoader + torchvision ImageFolder recipe, {args.workers} workers", torch_rows, to_cuda),
-        "ferry-torchvision": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker threads",
+        "ferry-torchvision": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker processes",
                               ferry_python_rows, as_is),
         "torch-uint8": (f"torch DataLoader + torchvision ImageFolder, uint8 (PILToTensor), {args.workers} workers",
                         lambda: torch_rows(True), normalize_chw_uint8),
         "ferry-torchvision-uint8": (f"ferry.DataLoader + torchvision ImageFolder, uint8 (PILToTensor), "
-                                    f"{args.workers} worker threads", lambda: ferry_python_rows(True), normalize_chw_uint8),
+                                    f"{args.workers} worker processes", lambda: ferry_python_rows(True), normalize_chw_uint8),
     }
     print(f"# ResNet-50 bf16 channels_last, batch {args.batch}, {args.steps} steps after {args.warmup}, "
           f"median of {args.runs}; {torch.cuda.get_device_name(0)}, {os.cpu_count()} vCPUs, torch {torch.__version__}, "

@@ -193,6 +193,7 @@ class _Discard:
 class _Slot:
     def __init__(self, proc: Any, conn: Any) -> None:
         self.proc, self.conn, self.busy = proc, conn, False
+        self.starting = True  # its "ready" (or worker_init_fn's error) is read before the first batch
 
 
 class Pool:
@@ -212,6 +213,13 @@ class Pool:
         self._lock = threading.Lock()
         self._slots: Dict[int, _Slot] = {}
         self._closed = False
+        if ctx.get_start_method() == "forkserver":
+            # Now, on the loader's construction: the server imports torch once (a second or two),
+            # and a worker thread starting its process then waits only for a fork, so that even a
+            # loop interrupted as it starts ends at once.
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
 
     def start(self, worker: int, workers: int, seed: int) -> None:
         """On the engine's worker thread `worker`: its process, kept if it is alive and idle, else
@@ -222,6 +230,8 @@ class Pool:
             old = self._slots.get(worker)
             if old is not None and not old.busy and old.proc.is_alive() and not _exited(old.proc.pid):
                 return
+            if old is not None:
+                old.busy = True  # (a thread abandoned in it may still be reading its pipe)
             self._slots.pop(worker, None)
         if old is not None:
             _stop([old], wait=0)
@@ -235,7 +245,6 @@ class Pool:
         slot = _Slot(proc, parent)
         with self._lock:
             self._slots[worker] = slot
-        self._reply(slot, worker, None)  # "ready", or worker_init_fn's exception
 
     def call(self, worker: int, message: Any) -> Any:
         with self._lock:
@@ -245,12 +254,16 @@ class Pool:
             raise RuntimeError("DataLoader: the loader's worker processes were stopped")
         # An idle process sends nothing: a readable pipe means it has ended (killed from outside);
         # so does a zombie (its reaper, the forkserver, may not have reported it yet).
-        if slot is None or not slot.proc.is_alive() or slot.conn.poll() or _exited(slot.proc.pid):
+        if (slot is None or not slot.proc.is_alive() or (not slot.starting and slot.conn.poll())
+                or _exited(slot.proc.pid)):
             info = _python._local.info
             self.start(worker, info.num_workers, info.seed - worker)
             with self._lock:
                 slot = self._slots[worker]
         slot.busy = True
+        if slot.starting:
+            self._reply(slot, worker, None)  # "ready", or worker_init_fn's exception
+            slot.starting = False
         slot.conn.send(message)
         value = self._reply(slot, worker, message)
         slot.busy = False
