@@ -50,9 +50,12 @@ using TarStream = decltype(ferry::make_tar_images(std::declval<const ferry::Data
 // each call into it takes the GIL, so the workers overlap where the dataset's work releases the
 // GIL (file reads, numpy, PIL decode, torch ops) and the engine gives it everything it gives C++
 // datasets (the reorder window, timeouts that abandon a stuck worker, on_error, resume, Ctrl-C).
-// The Python half (ferry/_python.py) supplies four callables: fetch(indices) -> samples,
-// finish(samples) -> batch (collate_fn, then pin_memory), open(worker, workers, seed, epoch) ->
-// iterator for a stream, and plan(epoch) -> the epoch's batches of indices for a user's sampler.
+// The Python half (ferry/_python.py) supplies the callables: fetch(indices) -> samples (and
+// fetch_one(index)), finish(samples) -> batch (collate_fn, then pin_memory), open(worker,
+// workers, seed, epoch) -> iterator for a stream, and plan(epoch) -> the epoch's batches of
+// indices for a user's sampler. With worker processes (ferry/_procs.py, the default) fetch sends
+// the indices to the worker thread's own process and reads the collated batch back, the thread
+// waiting on the pipe without the GIL; the engine above is the same.
 // Objects cross threads as PyRef, which takes the GIL to let go of its reference, so a batch or
 // sample may be dropped on any thread. Every loader call that may wait for a worker (begin, end,
 // destruction, restore) runs with the GIL released: a worker waiting for the GIL would otherwise
