@@ -28,7 +28,7 @@ import multiprocessing.util  # noqa: F401  (its exit handler is registered first
 import numbers
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from . import _ferry
 from . import _python

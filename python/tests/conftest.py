@@ -5,7 +5,10 @@ suite does).
 """
 
 import os
+import signal
 import struct
+import subprocess
+import time
 import tarfile
 import io
 import zlib
@@ -28,6 +31,27 @@ def require_gpu():
     if os.environ.get("FERRY_REQUIRE_GPU") == "1":
         pytest.fail("FERRY_REQUIRE_GPU=1 but no usable CUDA device (torch and ferry must both see one)")
     pytest.skip("needs a CUDA device")
+
+
+def interrupt_after(argv, wait=0.7):
+    """Runs the program `argv` (which prints "ready", then iterates a loader and prints
+    "interrupted <time.monotonic()>" when it catches KeyboardInterrupt), sends SIGINT `wait`
+    seconds after "ready", and returns (seconds from SIGINT to the KeyboardInterrupt, seconds to
+    the program's exit, its stdout, its stderr)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(wait)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=20)
+        exited = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and out.startswith("interrupted"), (out, err)
+    return float(out.split()[1]) - sent, exited, out, err
 
 
 def png_bytes(width: int, height: int, seed: int) -> bytes:

@@ -3,8 +3,6 @@ without a copy, errors as Python exceptions, Ctrl-C, and cleanup."""
 
 import gc
 import os
-import signal
-import subprocess
 import sys
 import textwrap
 import time
@@ -14,6 +12,7 @@ import pytest
 import torch
 
 import ferry
+from conftest import interrupt_after
 from ferry import _ferry
 
 
@@ -313,24 +312,9 @@ def test_keyboard_interrupt_ends_iteration_promptly():
 
 
 def _interrupt_after(script: str, wait: float = 0.7):
-    """Runs `script` (which prints "ready" then iterates), sends SIGINT after `wait` seconds, and
-    returns (seconds from SIGINT to the KeyboardInterrupt, seconds to the process's exit, output)."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(script)], stdout=subprocess.PIPE, text=True,
-                            env=os.environ.copy())
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(wait)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=20)
-        exited = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0, out
-    assert out.startswith("interrupted"), out
-    return float(out.split()[1]) - sent, exited, out
+    """Runs `script` with -c (see conftest.interrupt_after)."""
+    waited, exited, out, _ = interrupt_after([sys.executable, "-c", textwrap.dedent(script)], wait)
+    return waited, exited, out
 
 
 @pytest.mark.parametrize("workers", [0, 2])

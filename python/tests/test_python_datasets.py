@@ -18,6 +18,7 @@ import torch
 import torch.utils.data as tud
 
 import ferry
+from conftest import interrupt_after
 
 
 class Squares:
@@ -361,15 +362,20 @@ class Slow:
 """
 
 
-def run_script(tmp_path, body, name="script.py"):
-    path = tmp_path / name
+def script(tmp_path, body):
+    """The command that runs SCRIPT_HEAD + body as a file (worker processes import it again)."""
+    path = tmp_path / "script.py"
     path.write_text(SCRIPT_HEAD + textwrap.dedent(body))
-    return subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return [sys.executable, str(path)]
+
+
+def run_script(tmp_path, body):
+    return subprocess.Popen(script(tmp_path, body), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)
 def test_ctrl_c_during_a_30_second_python_sample_ends_the_loop_within_1_s(tmp_path, kind):
-    proc = run_script(tmp_path, f"""
+    argv = script(tmp_path, f"""
         if __name__ == "__main__":
             loader = ferry.DataLoader(Slow(), batch_size=2, num_workers={kind[0]}, worker_type="{kind[1]}")
             print("ready", flush=True)
@@ -381,19 +387,8 @@ def test_ctrl_c_during_a_30_second_python_sample_ends_the_loop_within_1_s(tmp_pa
                 sys.exit(0)
             print("finished", flush=True)
     """)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        time.sleep(1.5 if kind[1] == "process" else 0.7)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=20)
-        exited = time.monotonic() - sent
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0 and out.startswith("interrupted"), (out, err)
-    assert float(out.split()[1]) - sent < 1.0, out
+    waited, exited, out, err = interrupt_after(argv, wait=0.7)
+    assert waited < 1.0, out
     assert exited < 5.0
     assert "leaked" not in err, err
 
