@@ -491,7 +491,7 @@ TEST_CASE("with skip or replace, a batch whose get_batch failed is fetched again
   struct BatchFetch {
     std::size_t size() const { return 20; }
     std::int64_t get(std::size_t i) const {
-      if (i == 13) throw DataError("sample 13 is damaged");
+      if (i == 13) throw DataError("sample 13", DataError::kNoOffset, "damaged");
       return static_cast<std::int64_t>(i);
     }
     std::vector<std::int64_t> get_batch(std::span<const std::size_t> idx) const {
@@ -526,6 +526,6 @@ TEST_CASE("with skip or replace, a batch whose get_batch failed is fetched again
     std::vector<std::string> errors;
     values_of_epoch(raise, &errors);
     REQUIRE(errors.size() == 1);
-    CHECK(errors[0].find("sample 13 is damaged") != std::string::npos);
+    CHECK(errors[0].find("sample 13: damaged") != std::string::npos);
   }
 }
