@@ -230,8 +230,6 @@ class Pool:
             old = self._slots.get(worker)
             if old is not None and not old.busy and old.proc.is_alive() and not _exited(old.proc.pid):
                 return
-            if old is not None:
-                old.busy = True  # (a thread abandoned in it may still be reading its pipe)
             self._slots.pop(worker, None)
         if old is not None:
             _stop([old], wait=0)

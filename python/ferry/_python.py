@@ -48,59 +48,46 @@ def is_iterable(dataset: Any) -> bool:
     return hasattr(dataset, "__iter__") and not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"))
 
 
-def pin(obj: Any) -> Any:
-    """torch's pin_memory rules: tensors (in tuples, lists, dicts, namedtuples, or any object with
-    a pin_memory() method) are copied to page-locked memory; anything else is kept as it is."""
+def _map_tensors(obj: Any, on_tensor: Callable[[Any], Any], on_other: Callable[[Any], Any]) -> Any:
+    """`obj` with every tensor in it (in tuples, lists, dicts and namedtuples, as torch's
+    pin_memory walks them) replaced by on_tensor(tensor), and every other leaf by on_other(leaf)."""
     import torch
 
-    if isinstance(obj, torch.Tensor):
-        return obj.pin_memory()
-    if isinstance(obj, (str, bytes)):
-        return obj
-    if isinstance(obj, collections.abc.Mapping):
-        pinned = {k: pin(v) for k, v in obj.items()}
-        try:
-            return type(obj)(pinned)
-        except TypeError:
-            return pinned
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(pin(v) for v in obj))
-    if isinstance(obj, tuple):
-        return tuple(pin(v) for v in obj)
-    if isinstance(obj, collections.abc.Sequence):
-        try:
-            return type(obj)([pin(v) for v in obj])
-        except TypeError:
-            return [pin(v) for v in obj]
-    if hasattr(obj, "pin_memory"):
-        return obj.pin_memory()
-    return obj
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return on_tensor(o)
+        if isinstance(o, (str, bytes)):
+            return o
+        if isinstance(o, collections.abc.Mapping):
+            mapped = {k: walk(v) for k, v in o.items()}
+            try:
+                return type(o)(mapped)
+            except TypeError:
+                return mapped
+        if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple
+            return type(o)(*(walk(v) for v in o))
+        if isinstance(o, tuple):
+            return tuple(walk(v) for v in o)
+        if isinstance(o, collections.abc.Sequence):
+            try:
+                return type(o)([walk(v) for v in o])
+            except TypeError:
+                return [walk(v) for v in o]
+        return on_other(o)
+
+    return walk(obj)
+
+
+def pin(obj: Any) -> Any:
+    """torch's pin_memory rules: tensors (and any object with a pin_memory() method) are copied to
+    page-locked memory; anything else is kept as it is."""
+    return _map_tensors(obj, lambda t: t.pin_memory(),
+                        lambda o: o.pin_memory() if hasattr(o, "pin_memory") else o)
 
 
 def to_device(obj: Any, device: Any) -> Any:
     """Every tensor in a batch (the same containers as pin()) moved to `device`, without waiting."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (str, bytes)):
-        return obj
-    if isinstance(obj, collections.abc.Mapping):
-        moved = {k: to_device(v, device) for k, v in obj.items()}
-        try:
-            return type(obj)(moved)
-        except TypeError:
-            return moved
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(to_device(v, device) for v in obj))
-    if isinstance(obj, tuple):
-        return tuple(to_device(v, device) for v in obj)
-    if isinstance(obj, collections.abc.Sequence):
-        try:
-            return type(obj)([to_device(v, device) for v in obj])
-        except TypeError:
-            return [to_device(v, device) for v in obj]
-    return obj
+    return _map_tensors(obj, lambda t: t.to(device, non_blocking=True), lambda o: o)
 
 
 class Unbatched:

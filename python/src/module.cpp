@@ -444,7 +444,6 @@ class PyLoader {
                               "ferry.datasets.tar(..., shuffle=True) (the default) shuffles the shards and within a buffer");
       impl_ = make(*dataset.tar, options);
     } else if (dataset.py_map || dataset.py_iter) {
-      python_ = true;
       // Without workers the dataset runs on this (Python's main) thread, as in PyTorch: no thread
       // handoffs, and Ctrl-C raises KeyboardInterrupt inside the dataset's code, which next()
       // passes on as it is.
@@ -554,7 +553,6 @@ class PyLoader {
     nb::gil_scoped_release nogil;
     impl_->end();
   }
-  bool python() const noexcept { return python_; }
   Loader& impl() {
     if (!impl_) throw ferry::Error("DataLoader: this loader was released (at interpreter exit)");
     return *impl_;
@@ -580,7 +578,6 @@ class PyLoader {
   }
   nb::object convert_;
   bool has_size_;
-  bool python_ = false;
   std::shared_ptr<ferry::TraceRecorder> trace_;
   std::vector<std::uintptr_t> last_pointers_;
 };
