@@ -11,7 +11,9 @@
 #include <csetjmp>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <system_error>
+#include <unordered_map>
 
 #include "ferry/detail/pass_math.h"
 #include "image_rows.h"
@@ -435,6 +437,46 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
   if (options_.channels != 1 && options_.channels != 3 && options_.channels != 4)
     throw Error("ImageFolder: channels must be 1, 3 or 4, got " + std::to_string(options_.channels));
   for (std::string& e : options_.extensions) e = lower(e);
+  const auto wanted = [&](const std::string& name) {
+    const std::size_t dot = name.rfind('.');
+    const std::string ext = dot == std::string::npos ? std::string() : lower(name.substr(dot));
+    return std::find(options_.extensions.begin(), options_.extensions.end(), ext) != options_.extensions.end();
+  };
+  if (loaders::is_remote(root)) {
+    // A prefix in object storage: one listing, whose keys <root>/<class>/.../<file> give the
+    // classes and files in the order a local folder would (classes sorted; files by folder, then name).
+    std::unordered_map<std::string, std::uint64_t> sizes;
+    const std::string base = root.back() == '/' ? root : root + "/";
+    std::map<std::string, std::vector<std::pair<std::string, std::string>>> by_class;
+    for (const loaders::ListedFile& f : loaders::list_tree(root)) {
+      const std::string rel = f.path.substr(base.size());
+      const std::size_t slash = rel.find('/');
+      if (slash == std::string::npos) continue;  // a file beside the class folders
+      const std::string cls = rel.substr(0, slash);
+      auto& found = by_class[cls];
+      const std::size_t last = f.path.rfind('/');
+      const std::string name = f.path.substr(last + 1);
+      if (wanted(name)) {
+        found.emplace_back(f.path.substr(0, last), name);
+        sizes[f.path] = f.size;
+      }
+    }
+    if (by_class.empty()) throw DataError(root, DataError::kNoOffset, "holds no class folders (expected root/<class>/<image>)");
+    for (auto& [cls, found] : by_class) {
+      if (found.empty()) throw DataError(base + cls + "/", DataError::kNoOffset, "class folder '" + cls + "' holds no image files");
+      const auto label = static_cast<std::int64_t>(classes_.size());
+      classes_.push_back(cls);
+      std::sort(found.begin(), found.end());
+      for (auto& [folder, name] : found) files_.push_back({folder + "/" + name, label});
+    }
+    if (decodes_on_device()) {
+      loaders::check_gpu_decode("ImageFolder", options_.channels, options_.transform);
+      std::size_t largest = 0;
+      for (const File& f : files_) largest = std::max<std::size_t>(largest, static_cast<std::size_t>(sizes[f.path]));
+      slot_ = loaders::encoded_slot(largest);
+    }
+    return;
+  }
   std::error_code ec;
   const fs::path base(root);
   const fs::file_status st = fs::status(base, ec);

@@ -6,9 +6,13 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 #include <utility>
+
+#include "s3.h"
 
 namespace ferry::loaders {
 namespace {
@@ -39,7 +43,47 @@ std::size_t open_regular(const std::string& path, Fd& f) {
 
 }  // namespace
 
+bool is_remote(std::string_view path) noexcept { return s3::is_url(path); }
+
+namespace {
+
+class LocalBlob final : public Blob {
+ public:
+  LocalBlob(const std::string& path, int fd, std::uint64_t size) : Blob(path, size), fd_(fd) {}
+  ~LocalBlob() override { ::close(fd_); }
+  bool remote() const noexcept override { return false; }
+  std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const override;
+
+ private:
+  int fd_;
+};
+
+class ObjectBlob final : public Blob {
+ public:
+  ObjectBlob(const std::string& url, s3::Url where, std::uint64_t size) : Blob(url, size), url_(std::move(where)) {}
+  bool remote() const noexcept override { return true; }
+  std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const override {
+    if (offset >= size_) return 0;
+    n = static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - offset));
+    s3::read(url_, offset, n, dst);
+    return n;
+  }
+
+ private:
+  s3::Url url_;
+};
+
+}  // namespace
+
 std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
+  if (is_remote(path)) {
+    std::shared_ptr<MappedFile> m(new MappedFile(path));
+    s3::get(s3::parse(path), m->owned_);
+    if (m->owned_.empty()) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
+    m->data_ = m->owned_.data();
+    m->size_ = m->owned_.size();
+    return m;
+  }
   Fd f;
   const std::size_t size = open_regular(path, f);
   // Private and writable: a Tensor over the mapping may be written (copy on write) without
@@ -49,7 +93,9 @@ std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
   return std::shared_ptr<const MappedFile>(new MappedFile(path, static_cast<const std::byte*>(p), size));
 }
 
-MappedFile::~MappedFile() { ::munmap(const_cast<std::byte*>(data_), size_); }
+MappedFile::~MappedFile() {
+  if (owned_.empty() && data_) ::munmap(const_cast<std::byte*>(data_), size_);
+}
 
 // Reads up to `size` bytes at `offset` (pread, retried on EINTR and short reads); returns how many
 // it got (fewer only at the end of the file). IoError naming `path` on a failed read.
@@ -65,7 +111,63 @@ static std::size_t read_at(int fd, const std::string& path, std::uint64_t offset
   return got;
 }
 
+std::size_t LocalBlob::read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const {
+  return loaders::read_at(fd_, name_, offset, dst, n);
+}
+
+std::unique_ptr<Blob> Blob::open(const std::string& path) {
+  if (is_remote(path)) {
+    s3::Url url = s3::parse(path);
+    const std::uint64_t size = s3::size(url);
+    if (size == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
+    return std::make_unique<ObjectBlob>(path, std::move(url), size);
+  }
+  Fd f;
+  const std::size_t size = open_regular(path, f);
+  const int fd = std::exchange(f.fd, -1);
+  return std::make_unique<LocalBlob>(path, fd, size);
+}
+
+std::string join(const std::string& dir, const std::string& name) {
+  if (dir.empty()) return name;
+  return dir.back() == '/' ? dir + name : dir + "/" + name;
+}
+
+std::vector<ListedFile> list_tree(const std::string& dir) {
+  std::vector<ListedFile> out;
+  if (is_remote(dir)) {
+    s3::Url url = s3::parse(dir);
+    if (!url.key.empty() && url.key.back() != '/') url.key += '/';
+    const std::string base = "s3://" + url.bucket + "/";
+    for (s3::Object& o : s3::list(url.bucket, url.key))
+      if (o.key.back() != '/') out.push_back({base + o.key, o.size});  // "folder/" markers are not files
+    if (out.empty()) {
+      // Nothing under the prefix: a missing bucket has said so already; say what was looked at.
+      throw DataError(url.text(), DataError::kNoOffset, "holds no objects (an empty or missing prefix)");
+    }
+    return out;
+  }
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(dir, ec);
+  if (st.type() == fs::file_type::not_found) throw DataError(dir, DataError::kNoOffset, "does not exist");
+  if (st.type() != fs::file_type::directory) throw DataError(dir, DataError::kNoOffset, "is not a directory");
+  fs::recursive_directory_iterator it(dir, fs::directory_options::follow_directory_symlink, ec);
+  for (; !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    if (!it->is_regular_file(ec)) continue;
+    out.push_back({it->path().string(), static_cast<std::uint64_t>(it->file_size(ec))});
+  }
+  if (ec) throw IoError(dir, DataError::kNoOffset, "cannot list: " + ec.message(), ec.value());
+  std::sort(out.begin(), out.end(), [](const ListedFile& a, const ListedFile& b) { return a.path < b.path; });
+  return out;
+}
+
 void read_file(const std::string& path, std::vector<std::byte>& out) {
+  if (is_remote(path)) {
+    s3::get(s3::parse(path), out);
+    if (out.empty()) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
+    return;
+  }
   Fd f;
   const std::size_t size = open_regular(path, f);
   out.resize(size);
@@ -75,6 +177,7 @@ void read_file(const std::string& path, std::vector<std::byte>& out) {
 }
 
 RangeReader::RangeReader(const std::string& path) : path_(path) {
+  if (is_remote(path)) return;  // each read is a ranged GET; a missing object fails there
   Fd f;
   open_regular(path, f);
   fd_ = std::exchange(f.fd, -1);
@@ -86,6 +189,10 @@ RangeReader::~RangeReader() {
 
 void RangeReader::read(std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) const {
   out.resize(size);
+  if (fd_ < 0) {
+    s3::read(s3::parse(path_), offset, size, out.data());
+    return;
+  }
   if (read_at(fd_, path_, offset, out.data(), size) != size)
     throw DataError(path_, offset, "file ends before the " + std::to_string(size) + " bytes indexed here (it changed after it was indexed?)");
 }

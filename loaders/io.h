@@ -1,8 +1,13 @@
 // loaders/io.h — private: reading files for the loaders, with every failure a ferry::DataError
-// naming the file.
+// naming the file. Every path may also be an object in S3-compatible storage, "s3://bucket/key"
+// (loaders/s3.h): these functions are the seam between the formats and where bytes live.
 //
-//   MappedFile   a read-only memory map of a whole file (shared, so Tensors can point into it)
+//   Blob         one file or object: its size and ranged reads (tar streams read through it)
+//   list_tree    the files under a folder or an s3:// prefix (image folders, shard folders)
+//   MappedFile   a read-only memory map of a whole file (shared, so Tensors can point into it);
+//                an object is read whole into memory instead
 //   read_file    a whole file into a buffer (reused by the caller, so decoding allocates nothing)
+//   RangeReader  ranges of one file (pread; an object: one ranged GET each)
 //   ByteSource   sequential reads over memory or a gzip stream, for parsers that must not trust
 //                header fields: read_exact() throws DataError with the offset when data runs out.
 #pragma once
@@ -12,11 +17,50 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "ferry/core/error.h"
 
 namespace ferry::loaders {
+
+/// True for a path that names an object in S3-compatible storage ("s3://bucket/key").
+bool is_remote(std::string_view path) noexcept;
+
+/// One file or object, read by ranges.
+class Blob {
+ public:
+  /// Opens `path` (a local file or an s3:// URL) and learns its size: DataError (IoError for the
+  /// system's or the network's failures) for one that is missing, unreadable, not a regular file,
+  /// or empty.
+  static std::unique_ptr<Blob> open(const std::string& path);
+  virtual ~Blob() = default;
+  std::uint64_t size() const noexcept { return size_; }
+  const std::string& name() const noexcept { return name_; }
+  /// True when each read is a request over the network (fewer, larger reads pay).
+  virtual bool remote() const noexcept = 0;
+  /// Reads up to `n` bytes at `offset` into `dst`; fewer only where the blob ends.
+  virtual std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const = 0;
+
+ protected:
+  Blob(std::string name, std::uint64_t size) : name_(std::move(name)), size_(size) {}
+  std::string name_;
+  std::uint64_t size_;
+};
+
+/// A file found by list_tree: its path (the folder's path or URL joined with the relative name).
+struct ListedFile {
+  std::string path;
+  std::uint64_t size = 0;
+};
+
+/// Every regular file under `dir`, a local folder (symbolic links followed) or an s3:// prefix
+/// (ListObjectsV2, every page; "s3://b/train" and "s3://b/train/" both list train/), sorted by
+/// path. DataError when the folder is missing or unreadable.
+std::vector<ListedFile> list_tree(const std::string& dir);
+
+/// The path or URL of `name` inside the folder or prefix `dir`.
+std::string join(const std::string& dir, const std::string& name);
 
 /// A read-only mapping of a whole file. Throws DataError for a missing, unreadable, non-regular
 /// or empty file.
@@ -33,16 +77,19 @@ class MappedFile {
 
  private:
   MappedFile(std::string path, const std::byte* data, std::size_t size) : path_(std::move(path)), data_(data), size_(size) {}
+  explicit MappedFile(std::string path) : path_(std::move(path)), data_(nullptr), size_(0) {}
   std::string path_;
   const std::byte* data_;
   std::size_t size_;
+  std::vector<std::byte> owned_;  // an object read whole (data_ points into it; nothing mapped)
 };
 
 /// Reads all of `path` into `out` (resized to fit). Throws DataError when it cannot be read or is
 /// empty.
 void read_file(const std::string& path, std::vector<std::byte>& out);
 
-/// Reads ranges of one file with pread (the file stays open while the object lives).
+/// Reads ranges of one file with pread (the file stays open while the object lives), or of one
+/// object with a ranged GET each.
 class RangeReader {
  public:
   /// Opens `path`; DataError (IoError) when it cannot be opened or is not a regular file.
@@ -56,7 +103,7 @@ class RangeReader {
 
  private:
   std::string path_;
-  int fd_ = -1;
+  int fd_ = -1;  // -1 for an object
 };
 
 /// True when `bytes` start with the gzip magic number.

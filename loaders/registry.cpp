@@ -12,6 +12,7 @@
 #include "ferry/loaders/image.h"
 #include "ferry/loaders/npy.h"
 #include "ferry/loaders/plugin_abi.h"
+#include "io.h"
 
 namespace ferry {
 
@@ -422,17 +423,30 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& c) {
   std::vector<std::string> shards;
   if (c.has("dir")) {
     const std::string dir = c.str("dir");
-    if (!std::filesystem::is_directory(dir)) throw Error("dataset '" + c.dataset() + "': dir '" + dir + "' is not a directory");
-    for (const auto& e : std::filesystem::directory_iterator(dir))
-      if (e.path().extension() == ".tar") shards.push_back(e.path().string());
+    if (loaders::is_remote(dir)) {
+      const std::string base = dir.back() == '/' ? dir : dir + "/";
+      for (const loaders::ListedFile& f : loaders::list_tree(dir)) {
+        const std::string name = f.path.substr(base.size());
+        if (name.find('/') == std::string::npos && name.size() > 4 && name.compare(name.size() - 4, 4, ".tar") == 0)
+          shards.push_back(f.path);
+      }
+    } else {
+      if (!std::filesystem::is_directory(dir)) throw Error("dataset '" + c.dataset() + "': dir '" + dir + "' is not a directory");
+      for (const auto& e : std::filesystem::directory_iterator(dir))
+        if (e.path().extension() == ".tar") shards.push_back(e.path().string());
+    }
     std::sort(shards.begin(), shards.end());
     if (shards.empty()) throw Error("dataset '" + c.dataset() + "': no .tar files in '" + dir + "'");
   } else {
+    // Names separated by ':' (a ':' before "//" belongs to a URL's scheme), each a brace pattern.
     const std::string list = c.str("shards");
     std::size_t start = 0;
     while (start <= list.size()) {
-      const std::size_t end = std::min(list.find(':', start), list.size());
-      if (end > start) shards.push_back(list.substr(start, end - start));
+      std::size_t end = list.find(':', start);
+      while (end != std::string::npos && list.compare(end, 3, "://") == 0) end = list.find(':', end + 1);
+      end = std::min(end, list.size());
+      if (end > start)
+        for (std::string& s : expand_braces(list.substr(start, end - start))) shards.push_back(std::move(s));
       start = end + 1;
     }
     if (shards.empty()) throw Error("dataset '" + c.dataset() + "': option 'shards' names no file");

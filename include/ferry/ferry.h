@@ -22,6 +22,7 @@
 #include "ferry/loaders/npy.h"
 #include "ferry/loaders/registry.h"
 #include "ferry/loaders/sample.h"
+#include "ferry/loaders/storage.h"
 #include "ferry/loaders/tar.h"
 #include "ferry/loaders/transforms.h"
 #include "ferry/pinning/cuda.h"

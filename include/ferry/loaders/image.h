@@ -103,7 +103,9 @@ struct ImageFolderOptions {
 /// One class per subfolder of `root`; samples are LabeledSample{image, class index}.
 class ImageFolder : public DatasetBase<ImageFolder> {
  public:
-  /// Scans `root`. DataError names the folder when root is missing or unreadable, has no class
+  /// Scans `root`: a local folder, or a prefix in S3-compatible storage ("s3://bucket/train/",
+  /// listed once with ListObjectsV2; each image is then one GET, settings as loaders/s3.h's Note
+  /// [S3 settings]). DataError names the folder when root is missing or unreadable, has no class
   /// folders, or a class folder holds no image.
   explicit ImageFolder(const std::string& root, ImageFolderOptions options = {});
 

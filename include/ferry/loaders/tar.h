@@ -22,6 +22,10 @@
 // that does not parse is a ferry::DataError naming the shard and the byte offset; the stream then
 // moves on to its next shard, so the loader stays usable.
 //
+// Shards may live in S3-compatible storage: "s3://bucket/train-{000..127}.tar" (expand_braces)
+// reads each shard front to back in 8 MiB ranged GETs (settings: loaders/s3.h's Note [S3
+// settings], read from AWS's environment variables and ~/.aws files).
+//
 // Thread safety: TarShards is immutable; each stream belongs to one worker.
 #pragma once
 
@@ -131,6 +135,13 @@ class TarShards : public DatasetBase<TarShards> {
   std::vector<std::string> shards_;
   TarShardsOptions options_;
 };
+
+/// A shard pattern expanded as WebDataset writes them: "train-{000..127}.tar" gives 128 names
+/// (numeric ranges keep the endpoints' zero padding; descending ranges count down), "{a,b}" one
+/// name per alternative; several groups multiply. A pattern without braces is itself. ferry::Error
+/// naming the pattern for an unclosed brace, an empty group, a range that is not numeric, or more
+/// than 10^6 names. Works for paths and s3:// URLs alike.
+std::vector<std::string> expand_braces(const std::string& pattern);
 
 struct TarImageOptions {
   std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded

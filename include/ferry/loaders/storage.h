@@ -1,0 +1,58 @@
+// ferry/loaders/storage.h — data in S3-compatible object storage.
+//
+// Every loader that takes a path also takes an "s3://bucket/key" URL: ImageFolder over a prefix
+// ("s3://bucket/train/", listed once), TarShards and TarImages over shard URLs
+// (expand_braces("s3://bucket/train-{000..127}.tar")), NpyDataset, IdxDataset, read_npy,
+// read_idx and read_image over objects; the registry's configurations, the `ferry` tool and the
+// Python package pass URLs through. Batches, resume, the error policy and GPU decode are the same
+// as over local files.
+//
+//   ferry::ImageFolder train("s3://my-bucket/imagenet/train/", {.transform = ...});
+//   ferry::DataLoader loader(train, {.batch_size = 256, .shuffle = true, .num_workers = 16});
+//
+// How bytes are read: an image, an .npy or an IDX file is one GET; a tar stream is read front to
+// back in 8 MiB ranged GETs; an indexed tar shard's headers are read that way once, then each
+// record is one ranged GET. Each worker thread keeps its own connections (libcurl, reused from
+// request to request). A request is retried with jittered exponential backoff on a 5xx, a 429, a
+// refused or reset connection or a stall; when its first byte is late, a second request for the
+// same bytes is sent and the first answer wins (a hedge). A request that fails every attempt is a
+// transient IoError (DataLoaderOptions::io_retries then applies, and on_error after that); a 403,
+// a 404 or a missing bucket is a DataError naming the URL. Credentials never appear in an error.
+//
+// Settings, read as AWS's own SDKs and CLI read them:
+//   endpoint     AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's endpoint_url, else
+//                https://s3.<region>.amazonaws.com
+//   region       AWS_REGION, AWS_DEFAULT_REGION, the profile's region, else us-east-1
+//   credentials  AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN), else the
+//                profile (AWS_PROFILE, else "default") in AWS_SHARED_CREDENTIALS_FILE
+//                (~/.aws/credentials), then in AWS_CONFIG_FILE (~/.aws/config); none found, or
+//                AWS_NO_SIGN_REQUEST=1, sends anonymous requests (public buckets)
+//   addressing   AWS_S3_ADDRESSING_STYLE or the profile's addressing_style (path | virtual); by
+//                default path-style with a custom endpoint (MinIO, SeaweedFS, Ceph) and
+//                virtual-host style on AWS's own
+//   attempts     AWS_MAX_ATTEMPTS: tries of one request before it fails (default 5)
+//   hedging      FERRY_S3_HEDGE_AFTER: seconds without a first byte before the hedge is sent
+//                (default 1; 0 sends it at once; "off" never)
+//   stalls       FERRY_S3_STALL_SECONDS: a transfer that receives nothing this long is dropped and
+//                retried (default 30)
+// They are read when a request is made (the files once for each set of variables), so a process
+// may change them between loaders.
+#pragma once
+
+#include <cstdint>
+
+namespace ferry {
+
+/// What the object-store readers of this process have done since it started (all loaders).
+struct ObjectStoreStats {
+  std::uint64_t requests = 0;    ///< HTTP requests sent, retries and hedges included
+  std::uint64_t bytes = 0;       ///< bytes received (bodies)
+  std::uint64_t retries = 0;     ///< requests sent again after a transient failure
+  std::uint64_t hedges = 0;      ///< second requests sent for a late first byte
+  std::uint64_t hedges_won = 0;  ///< hedges that answered first
+};
+
+/// The counters now. Thread-safe.
+ObjectStoreStats object_store_stats() noexcept;
+
+}  // namespace ferry

@@ -1,0 +1,58 @@
+// loaders/s3.h — private: objects in S3-compatible storage (s3://bucket/key), read over HTTP with
+// libcurl, requests signed with AWS Signature V4. The only file that includes curl is s3.cpp.
+//
+// Where it connects and as whom comes from the conventions AWS's own tools read; the public
+// header ferry/loaders/storage.h lists them (Note [S3 settings] in s3.cpp).
+//
+// Every read is retried with jittered backoff on a 5xx, a 429, a reset, a refused connection or a
+// stall, and hedged (a second request for the same bytes, the first answer wins) when its first
+// byte is late. What still fails is an IoError with errno EIO (transient: the loader's io_retries
+// apply) after the last attempt, or a DataError naming the URL for a 403, a 404, a missing bucket.
+// No credential ever appears in an error.
+//
+// Thread safety: every function may be called from any number of threads; each thread keeps its
+// own connections.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "s3_xml.h"
+
+namespace ferry::loaders::s3 {
+
+/// True for "s3://...".
+bool is_url(std::string_view path) noexcept;
+
+/// "s3://bucket/key" split; ferry::Error naming the URL when it has no bucket.
+struct Url {
+  std::string bucket;
+  std::string key;  ///< may be empty (a bucket's root) or end in '/' (a prefix)
+  std::string text() const { return "s3://" + bucket + "/" + key; }
+};
+Url parse(const std::string& url);
+
+/// The object's size in bytes (one ranged GET of its first byte).
+std::uint64_t size(const Url& url);
+
+/// Reads exactly `n` bytes at `offset` into `dst` (one ranged GET); DataError when the object
+/// ends before them.
+void read(const Url& url, std::uint64_t offset, std::size_t n, std::byte* dst);
+
+/// Reads the whole object into `out` (resized to fit).
+void get(const Url& url, std::vector<std::byte>& out);
+
+/// Every object under `prefix` in `bucket` (ListObjectsV2, every page), in key order.
+std::vector<Object> list(const std::string& bucket, const std::string& prefix);
+
+/// Since the process started: requests sent (hedges included), bytes received, requests retried,
+/// hedges sent and hedges that answered first.
+struct Counters {
+  std::uint64_t requests = 0, bytes = 0, retries = 0, hedges = 0, hedges_won = 0;
+};
+Counters counters() noexcept;
+
+}  // namespace ferry::loaders::s3

@@ -1,0 +1,358 @@
+// Data in S3-compatible object storage, read from a real server (SeaweedFS on loopback,
+// object_store.h): every format gives over s3:// what it gives over the same local files, for 0, 1
+// and 4 workers; resume mid-epoch; listings of several pages; hedged reads; retries; and errors
+// that name the URL and never a credential.
+#include <catch2/catch.hpp>
+
+#include <set>
+
+#include "ferry/ferry.h"
+#include "loaders/files.h"
+#include "loaders/object_store.h"
+
+using namespace ferry;
+using namespace ferry::test;
+
+namespace {
+
+constexpr const char* kBucket = "ferry-data";
+
+// The same files on disk and in the bucket, written once per test program.
+struct Data {
+  TempDir dir;
+  std::string local(const std::string& rel) const { return dir / rel; }
+  static std::string url(const std::string& rel) { return std::string("s3://") + kBucket + "/" + rel; }
+};
+
+const Data& data() {
+  static Data files;  // removed at exit, after the tests
+  static const Data* d = [] {
+    Data* out = &files;
+    ObjectStore& store = ObjectStore::get();
+    store.use();
+    store.bucket(kBucket);
+    const auto add = [&](const std::string& rel, const Bytes& b) {
+      write_file(out->local(rel), b);
+      store.put(std::string(kBucket) + "/" + rel, b);
+    };
+    // .npy: float32 [10, 3]
+    std::vector<float> values(30);
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.5f * static_cast<float>(i);
+    Bytes raw(values.size() * 4);
+    std::memcpy(raw.data(), values.data(), raw.size());
+    add("arrays/x.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (10, 3), }", raw));
+    // IDX: 20 images of 4x4, labels 0..9 (gzip for the images, as Fashion-MNIST ships)
+    Bytes pixels(20 * 16), labels(20);
+    for (std::size_t i = 0; i < pixels.size(); ++i) pixels[i] = std::byte(i * 7 % 251);
+    for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = std::byte(i % 10);
+    add("idx/images.gz", gzip(idx_bytes(0x08, {20, 4, 4}, pixels)));
+    add("idx/labels", idx_bytes(0x08, {20}, labels));
+    // An image folder: 3 classes, one with a nested folder; a text file that is not an image.
+    for (int c = 0; c < 3; ++c)
+      for (int i = 0; i < 5; ++i) {
+        std::vector<std::uint8_t> p = textured(12, 10, 3, static_cast<std::uint32_t>(c * 10 + i + 1));
+        const std::string cls = std::string("class-") + char('a' + c);
+        const std::string name = (i == 4 && c == 1 ? "nested/" : "") + std::to_string(i) + (i % 2 ? ".png" : ".jpg");
+        add("images/train/" + cls + "/" + name, i % 2 ? encode_png(p, 12, 10, 3) : encode_jpeg(p, 12, 10, 3));
+      }
+    add("images/train/class-a/notes.txt", bytes_of("not an image"));
+    // Tar shards: 3 of 7 records each (a jpg and a cls); one record has a field larger than one read.
+    for (int s = 0; s < 3; ++s) {
+      TarBuilder t;
+      for (int r = 0; r < 7; ++r) {
+        const std::string key = "s" + std::to_string(s) + "/" + std::to_string(r);
+        std::vector<std::uint8_t> p = textured(16, 16, 3, static_cast<std::uint32_t>(s * 100 + r + 1));
+        t.file(key + ".jpg", encode_jpeg(p, 16, 16, 3));
+        t.file(key + ".cls", std::to_string((s * 7 + r) % 4));
+        if (s == 2 && r == 3) t.file(key + ".bin", Bytes(9 << 20, std::byte{7}));  // a field past one 8 MiB read
+      }
+      char name[32];
+      std::snprintf(name, sizeof name, "shards/train-%03d.tar", s);
+      add(name, t.finish());
+    }
+    return out;
+  }();
+  ObjectStore::get().use();
+  return *d;
+}
+
+std::vector<std::byte> bytes(const Tensor& t) {
+  const auto* p = static_cast<const std::byte*>(t.raw());
+  return {p, p + t.nbytes()};
+}
+
+// Every batch of `epochs` epochs: each tensor's shape and bytes, in order.
+template <class Dataset>
+std::vector<std::vector<std::byte>> batches(const Dataset& ds, DataLoaderOptions o, int epochs = 1) {
+  std::vector<std::vector<std::byte>> out;
+  DataLoader loader(ds, o);
+  while (loader.next_epoch() < static_cast<std::uint64_t>(epochs))
+    for (auto& b : loader) {
+      std::vector<std::byte> row = bytes(b.image);
+      const std::vector<std::byte> l = bytes(b.label);
+      row.insert(row.end(), l.begin(), l.end());
+      out.push_back(std::move(row));
+    }
+  return out;
+}
+
+TarImagesOptions tar_images() {
+  TarImagesOptions o;
+  o.transform = ImageTransform().resize(8, 8).to_float();
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("npy, IDX and single images read over s3:// equal the local files", "[s3]") {
+  const Data& d = data();
+  CHECK(read_npy(d.url("arrays/x.npy")).equal(read_npy(d.local("arrays/x.npy"))));
+  CHECK(read_idx(d.url("idx/images.gz")).equal(read_idx(d.local("idx/images.gz"))));
+  const NpyDataset npy(d.url("arrays/x.npy"));
+  REQUIRE(npy.size() == 10);
+  CHECK(npy.get(7).equal(NpyDataset(d.local("arrays/x.npy")).get(7)));
+  const IdxDataset remote(d.url("idx/images.gz"), d.url("idx/labels"));
+  const IdxDataset local(d.local("idx/images.gz"), d.local("idx/labels"));
+  for (int workers : {0, 1, 4}) {
+    INFO(workers << " workers");
+    DataLoaderOptions o;
+    o.batch_size = 6;
+    o.shuffle = true;
+    o.seed = 3;
+    o.num_workers = workers;
+    const auto a = batches(remote, o), b = batches(local, o);
+    CHECK(a.size() == 4);
+    CHECK(a == b);
+  }
+  CHECK(read_image(d.url("images/train/class-b/1.png")).equal(read_image(d.local("images/train/class-b/1.png"))));
+}
+
+TEST_CASE("an image folder under an s3:// prefix: the local folder's classes, files and batches", "[s3][image]") {
+  const Data& d = data();
+  ImageFolderOptions io;
+  io.transform = ImageTransform().random_resized_crop(8, 8).horizontal_flip().to_float();
+  const ImageFolder remote(d.url("images/train/"), io);
+  const ImageFolder local(d.local("images/train"), io);
+  CHECK(remote.classes() == local.classes());
+  REQUIRE(remote.size() == 15);
+  REQUIRE(remote.size() == local.size());
+  for (std::size_t i = 0; i < remote.size(); ++i) {
+    CHECK(remote.path(i) == d.url(local.path(i).substr(d.local("").size())));
+    CHECK(remote.label(i) == local.label(i));
+  }
+  CHECK(ImageFolder(d.url("images/train"), io).size() == 15);  // with or without the trailing '/'
+  for (int workers : {0, 1, 4}) {
+    INFO(workers << " workers");
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.shuffle = true;
+    o.seed = 11;
+    o.num_workers = workers;
+    const auto a = batches(remote, o, 2);
+    CHECK(a.size() == 8);
+    CHECK(a == batches(local, o, 2));
+  }
+}
+
+TEST_CASE("tar shards streamed from s3:// give every record the local shards give, for 0, 1 and 4 workers", "[s3][tar]") {
+  const Data& d = data();
+  const std::vector<std::string> remote = expand_braces(d.url("shards/train-{000..002}.tar"));
+  REQUIRE(remote.size() == 3);
+  CHECK(remote[2] == d.url("shards/train-002.tar"));
+  std::vector<std::string> local;
+  for (int s = 0; s < 3; ++s) local.push_back(d.local("shards/train-00" + std::to_string(s) + ".tar"));
+  const auto records = [](const std::vector<std::string>& paths, int workers) {
+    TarShardsOptions so;
+    so.shuffle = false;
+    auto ds = TarShards(paths, so).map([](TarRecord r) {
+      std::string v = r.key + "=" + std::string(reinterpret_cast<const char*>(r.field("cls").data()), r.field("cls").size()) + ":";
+      v += std::to_string(r.field("jpg").size());
+      return v;
+    });
+    DataLoaderOptions o;
+    o.batch_size = 5;
+    o.num_workers = workers;
+    DataLoader loader(ds, o, [](std::vector<std::string> v) { return v; });
+    std::multiset<std::string> all;
+    for (auto& batch : loader) all.insert(batch.begin(), batch.end());
+    return all;
+  };
+  const auto expected = records(local, 0);
+  CHECK(expected.size() == 21);
+  for (int workers : {0, 1, 4}) {
+    INFO(workers << " workers");
+    CHECK(records(remote, workers) == expected);
+  }
+  // The registry's "tar" dataset takes a prefix or a brace pattern.
+  auto& reg = DatasetRegistry::global();
+  CHECK(tar_shard_paths(DatasetConfig("tar", "dir=" + d.url("shards"))) == remote);
+  CHECK(tar_shard_paths(DatasetConfig("tar", "shards=" + d.url("shards/train-{000..001}.tar") + ":" + d.local("shards/train-002.tar"))) ==
+        std::vector<std::string>{remote[0], remote[1], local[2]});
+  (void)reg;
+}
+
+TEST_CASE("indexed tar shards over s3://: the local batches, and resume mid-epoch", "[s3][tar][resume]") {
+  const Data& d = data();
+  const std::vector<std::string> remote = expand_braces(d.url("shards/train-{000..002}.tar"));
+  std::vector<std::string> local;
+  for (int s = 0; s < 3; ++s) local.push_back(d.local("shards/train-00" + std::to_string(s) + ".tar"));
+  const TarImages r(remote, tar_images()), l(local, tar_images());
+  REQUIRE(r.size() == 21);
+  for (int workers : {0, 1, 4}) {
+    INFO(workers << " workers");
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.shuffle = true;
+    o.seed = 5;
+    o.num_workers = workers;
+    const auto all = batches(r, o, 2);
+    CHECK(all == batches(l, o, 2));
+    // Saved after 3 batches, resumed by a new loader with another worker count.
+    DataLoader first(r, o);
+    LoaderState saved;
+    {
+      auto it = first.begin();
+      (void)*it;
+      ++it;
+      (void)*it;
+      ++it;
+      (void)*it;
+      saved = first.state();
+    }
+    DataLoaderOptions o2 = o;
+    o2.num_workers = workers == 4 ? 1 : 4;
+    DataLoader resumed(r, o2);
+    resumed.restore(LoaderState::from_string(saved.to_string()));
+    std::vector<std::vector<std::byte>> rest;
+    while (resumed.next_epoch() < 2)
+      for (auto& b : resumed) {
+        std::vector<std::byte> row = bytes(b.image);
+        const std::vector<std::byte> lb = bytes(b.label);
+        row.insert(row.end(), lb.begin(), lb.end());
+        rest.push_back(std::move(row));
+      }
+    REQUIRE(rest.size() == all.size() - 3);
+    CHECK(std::equal(rest.begin(), rest.end(), all.begin() + 3));
+  }
+}
+
+TEST_CASE("object-store errors name the URL and never a credential", "[s3][errors]") {
+  const Data& d = data();
+  const auto message = [](auto&& f) -> std::string {
+    try {
+      f();
+    } catch (const DataError& e) {
+      return e.what();
+    }
+    return "(no DataError)";
+  };
+  const std::string missing = message([&] { (void)read_npy(d.url("arrays/missing.npy")); });
+  CHECK_THAT(missing, Catch::Contains(d.url("arrays/missing.npy")) && Catch::Contains("does not exist"));
+  CHECK_THAT(message([] { (void)read_npy("s3://no-such-bucket-ferry/x.npy"); }),
+             Catch::Contains("s3://no-such-bucket-ferry/x.npy") && Catch::Contains("bucket does not exist"));
+  CHECK_THAT(message([&] { ImageFolder(d.url("images/nothing-here/")); }),
+             Catch::Contains(d.url("images/nothing-here/")) && Catch::Contains("holds no objects"));
+  CHECK_THAT(message([&] { (void)TarImages({d.url("shards/none.tar")}); }),
+             Catch::Contains("does not exist"));
+  // A wrong secret: refused, and neither the key id nor the secret appears.
+  ::setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value-xyz", 1);
+  const std::string denied = message([&] { (void)read_npy(d.url("arrays/x.npy")); });
+  CHECK_THAT(denied, Catch::Contains("access denied") && Catch::Contains(d.url("arrays/x.npy")));
+  CHECK(denied.find("wrong-secret-value-xyz") == std::string::npos);
+  CHECK(denied.find(kS3Key) == std::string::npos);
+  // Anonymous: the server refuses, and the message says no credentials were found.
+  ::unsetenv("AWS_ACCESS_KEY_ID");
+  ::unsetenv("AWS_SECRET_ACCESS_KEY");
+  CHECK_THAT(message([&] { (void)read_npy(d.url("arrays/x.npy")); }), Catch::Contains("anonymous"));
+  // Credentials from a profile in a credentials file, as boto3 reads them.
+  TempDir home;
+  write_file(home / "credentials", bytes_of(std::string("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n[ferry]\n"
+                                                        "aws_access_key_id = ") + kS3Key + "\naws_secret_access_key = " + kS3Secret + "\n"));
+  ::setenv("AWS_SHARED_CREDENTIALS_FILE", (home / "credentials").c_str(), 1);
+  ::setenv("AWS_PROFILE", "ferry", 1);
+  CHECK(read_npy(d.url("arrays/x.npy")).numel() == 30);
+  ::setenv("AWS_PROFILE", "default", 1);
+  CHECK_THAT(message([&] { (void)read_npy(d.url("arrays/x.npy")); }), Catch::Contains("access denied"));
+  ObjectStore::get().use();
+  CHECK(read_npy(d.url("arrays/x.npy")).numel() == 30);
+}
+
+TEST_CASE("a listing of several pages finds every object", "[s3]") {
+  (void)data();
+  ObjectStore& store = ObjectStore::get();
+  store.bucket("ferry-many");
+  const int n = 1030;  // S3 answers at most 1000 keys a page
+  for (int i = 0; i < n; ++i) {
+    char key[64];
+    std::snprintf(key, sizeof key, "ferry-many/many/c%d/%04d.png", i % 2, i);
+    store.put(key, bytes_of("x"));
+  }
+  const ImageFolder ds("s3://ferry-many/many/");
+  CHECK(ds.size() == static_cast<std::size_t>(n));
+  CHECK(ds.classes() == std::vector<std::string>{"c0", "c1"});
+  CHECK(ds.path(0) == "s3://ferry-many/many/c0/0000.png");
+}
+
+TEST_CASE("hedged reads: a second request for the same bytes, the first answer wins, the bytes are right", "[s3]") {
+  const Data& d = data();
+  ::setenv("FERRY_S3_HEDGE_AFTER", "0", 1);  // hedge every request at once
+  const ObjectStoreStats before = object_store_stats();
+  const std::vector<std::string> remote = expand_braces(d.url("shards/train-{000..002}.tar"));
+  std::vector<std::string> local;
+  for (int s = 0; s < 3; ++s) local.push_back(d.local("shards/train-00" + std::to_string(s) + ".tar"));
+  DataLoaderOptions o;
+  o.batch_size = 7;
+  o.num_workers = 2;
+  CHECK(batches(TarImages(remote, tar_images()), o) == batches(TarImages(local, tar_images()), o));
+  CHECK(read_idx(d.url("idx/images.gz")).equal(read_idx(d.local("idx/images.gz"))));
+  const ObjectStoreStats after = object_store_stats();
+  ::unsetenv("FERRY_S3_HEDGE_AFTER");
+  CHECK(after.hedges > before.hedges);
+  CHECK(after.requests >= before.requests + 2 * (after.hedges - before.hedges));
+}
+
+TEST_CASE("a store that does not answer: retried, then a transient IoError naming the URL", "[s3][errors]") {
+  (void)data();
+  // A loopback port nobody listens on: every connection is refused.
+  int port = 0;
+  {
+    const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof a;
+    REQUIRE(::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+    REQUIRE(::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+    port = ntohs(a.sin_port);
+    ::close(s);
+  }
+  ::setenv("AWS_ENDPOINT_URL", ("http://127.0.0.1:" + std::to_string(port)).c_str(), 1);
+  ::setenv("AWS_MAX_ATTEMPTS", "3", 1);
+  const ObjectStoreStats before = object_store_stats();
+  bool caught = false;
+  try {
+    (void)read_npy("s3://ferry-data/arrays/x.npy");
+  } catch (const IoError& e) {
+    caught = true;
+    CHECK(e.transient());
+    CHECK_THAT(std::string(e.what()), Catch::Contains("s3://ferry-data/arrays/x.npy") &&
+                                          Catch::Contains("after 3 attempts"));
+    CHECK(std::string(e.what()).find(kS3Secret) == std::string::npos);
+  }
+  CHECK(caught);
+  CHECK(object_store_stats().retries - before.retries == 2);
+  ObjectStore::get().use();
+}
+
+TEST_CASE("shard patterns expand as WebDataset writes them", "[unit][tar]") {
+  CHECK(expand_braces("a.tar") == std::vector<std::string>{"a.tar"});
+  CHECK(expand_braces("s-{08..11}.tar") == std::vector<std::string>{"s-08.tar", "s-09.tar", "s-10.tar", "s-11.tar"});
+  CHECK(expand_braces("s-{3..1}") == std::vector<std::string>{"s-3", "s-2", "s-1"});
+  CHECK(expand_braces("{a,b}-{0..1}") == std::vector<std::string>{"a-0", "a-1", "b-0", "b-1"});
+  CHECK(expand_braces("s3://b/x-{000..127}.tar").size() == 128);
+  CHECK(expand_braces("s3://b/x-{000..127}.tar")[127] == "s3://b/x-127.tar");
+  CHECK_THROWS_WITH(expand_braces("x-{0..3"), Catch::Contains("'x-{0..3'") && Catch::Contains("without its '}'"));
+  CHECK_THROWS_WITH(expand_braces("x-{a..3}"), Catch::Contains("decimal numbers"));
+  CHECK_THROWS_WITH(expand_braces("x-}"), Catch::Contains("without its '{'"));
+  CHECK_THROWS_WITH(expand_braces("{0..999}{0..9999}"), Catch::Contains("more than 1000000"));
+}
