@@ -1,5 +1,5 @@
 // libFuzzer targets for the loaders' parsers: one binary per format, chosen at compile time
-// (FERRY_FUZZ_IDX, _NPY, _TAR (the reader, and TarImages' index over the same bytes), _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
+// (FERRY_FUZZ_IDX, _NPY, _S3 (an object store's XML answers), _TAR (the reader, and TarImages' index over the same bytes), _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
 // transform plan whose every tap must lie inside the image). Any input must either parse or raise ferry::DataError
 // (a clear error); anything else (a crash, an ASan/UBSan report, another exception) is a finding.
 #include <sys/mman.h>
@@ -13,6 +13,9 @@
 
 #include "ferry/detail/pass_math.h"
 #include "ferry/ferry.h"
+#if defined(FERRY_FUZZ_S3)
+#include "s3_xml.h"  // loaders/: compiled into this target (the parsers are private to the library)
+#endif
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::span<const std::byte> bytes(reinterpret_cast<const std::byte*>(data), size);
@@ -27,6 +30,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     } catch (const ferry::Error&) {
       // the expected outcome for a damaged state
     }
+#elif defined(FERRY_FUZZ_S3)
+    // An object store's answers: a ListObjectsV2 page and an error body. A page either parses into
+    // keys that are not empty and a token when truncated, or is a DataError.
+    const std::string_view text(reinterpret_cast<const char*>(data), size);
+    (void)ferry::loaders::s3::parse_error(text);
+    const ferry::loaders::s3::ListPage page = ferry::loaders::s3::parse_list(text, "s3://fuzz/prefix/");
+    for (const auto& o : page.objects)
+      if (o.key.empty()) __builtin_trap();
+    if (page.truncated && page.next_token.empty()) __builtin_trap();
 #elif defined(FERRY_FUZZ_NPY)
     (void)ferry::parse_npy(bytes, "fuzz.npy");
 #elif defined(FERRY_FUZZ_TAR)

@@ -1,5 +1,5 @@
 // Writes a small seed corpus per fuzz target (valid files of each format), so the fuzzers start
-// from real structure: make_seeds <dir> creates <dir>/{idx,npy,tar,image,state}/.
+// from real structure: make_seeds <dir> creates <dir>/{idx,npy,tar,image,state,s3}/.
 #include <filesystem>
 #include <string>
 
@@ -28,5 +28,13 @@ int main(int argc, char** argv) {
   write_file(root + "/state/mid-epoch", bytes_of("ferry.LoaderState 1\nseed 42\nepoch 3\nbatches 17\nbatches_per_epoch 100\n"
                                                   "samples_per_epoch 6400\ndataset_size 6400\nplan_hash 00ff00ff00ff00ff\n"
                                                   "world_size 4\nrank 1\nsegment_start 0\nposition 4352\n"));
+  // An object store's answers (ListObjectsV2 pages, an error body), as SeaweedFS and S3 write them.
+  write_file(root + "/s3/page", bytes_of("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">"
+                                         "<Name>b</Name><Prefix>train/</Prefix><MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>"
+                                         "<Contents><Key>train/a/0.jpg</Key><ETag>&#34;b1946ac9&#34;</ETag><Size>6</Size></Contents>"
+                                         "<Contents><Key>train/b/1 &amp; 2.png</Key><Size>1234</Size></Contents>"
+                                         "<NextContinuationToken>dHJhaW4vYi8x</NextContinuationToken><KeyCount>2</KeyCount></ListBucketResult>"));
+  write_file(root + "/s3/error", bytes_of("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>NoSuchKey</Code><Message>The specified key "
+                                          "does not exist.</Message><Resource>/b/k</Resource><RequestId>18EB</RequestId></Error>"));
   return 0;
 }
