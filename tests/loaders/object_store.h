@@ -53,6 +53,7 @@ class ObjectStore {
   }
 
   std::string endpoint() const { return "http://127.0.0.1:" + std::to_string(s3_port_); }
+  int port() const { return s3_port_; }
 
   /// Points the AWS settings of this process at the server, with the test identity (and no
   /// profile files, whatever the machine has).

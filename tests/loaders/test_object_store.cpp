@@ -5,8 +5,10 @@
 #include <catch2/catch.hpp>
 
 #include <set>
+#include <thread>
 
 #include "ferry/ferry.h"
+#include "loaders/fault_proxy.h"
 #include "loaders/files.h"
 #include "loaders/object_store.h"
 
@@ -355,4 +357,117 @@ TEST_CASE("shard patterns expand as WebDataset writes them", "[unit][tar]") {
   CHECK_THROWS_WITH(expand_braces("x-{a..3}"), Catch::Contains("decimal numbers"));
   CHECK_THROWS_WITH(expand_braces("x-}"), Catch::Contains("without its '{'"));
   CHECK_THROWS_WITH(expand_braces("{0..999}{0..9999}"), Catch::Contains("more than 1000000"));
+}
+
+// --- faults, through a proxy between ferry and the server (fault_proxy.h) --------------------------
+
+namespace {
+
+std::vector<std::string> remote_shards() { return expand_braces(Data::url("shards/train-{000..002}.tar")); }
+std::vector<std::string> local_shards(const Data& d) {
+  std::vector<std::string> local;
+  for (int s = 0; s < 3; ++s) local.push_back(d.local("shards/train-00" + std::to_string(s) + ".tar"));
+  return local;
+}
+
+}  // namespace
+
+TEST_CASE("503s, reset connections and bodies cut short are retried: the local batches, nothing lost or twice", "[s3][faults]") {
+  const Data& d = data();
+  FaultProxy proxy(ObjectStore::get().port());
+  ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+  ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+  const ObjectStoreStats before = object_store_stats();
+  using F = FaultProxy::Fault;
+  proxy.inject({F::Status503, F::Reset, F::CutShort, F::Status503, F::Reset});
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  o.shuffle = true;
+  o.num_workers = 2;
+  const auto remote = batches(TarImages(remote_shards(), tar_images()), o);
+  // The 503s and the cut body are retried by ferry; a reset of a reused connection before any
+  // answer, curl itself sends again on a fresh one.
+  CHECK(object_store_stats().retries - before.retries >= 3);
+  proxy.inject({F::CutShort, F::Status503});
+  CHECK(read_idx(d.url("idx/images.gz")).equal(read_idx(d.local("idx/images.gz"))));
+  ObjectStore::get().use();
+  CHECK(remote == batches(TarImages(local_shards(d), tar_images()), o));
+}
+
+TEST_CASE("a slow answer: the hedge answers first, with the same bytes", "[s3][faults]") {
+  const Data& d = data();
+  FaultProxy proxy(ObjectStore::get().port());
+  ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+  ::setenv("FERRY_S3_HEDGE_AFTER", "0.2", 1);
+  proxy.delay(std::chrono::milliseconds(2000), /*first_only=*/true);
+  const ObjectStoreStats before = object_store_stats();
+  const auto t0 = std::chrono::steady_clock::now();
+  const Tensor remote = read_npy(d.url("arrays/x.npy"));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const ObjectStoreStats after = object_store_stats();
+  ObjectStore::get().use();
+  CHECK(remote.equal(read_npy(d.local("arrays/x.npy"))));
+  CHECK(after.hedges - before.hedges == 1);
+  CHECK(after.hedges_won - before.hedges_won == 1);
+  CHECK(seconds < 2.0);  // not a timing claim: the delayed answer alone would take 2 s
+}
+
+TEST_CASE("the store stopped mid-epoch and started again: retries recover, nothing lost or twice", "[s3][faults]") {
+  const Data& d = data();
+  FaultProxy proxy(ObjectStore::get().port());
+  ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+  ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+  ::setenv("AWS_MAX_ATTEMPTS", "20", 1);
+  const TarImages remote(remote_shards(), tar_images());
+  DataLoaderOptions o;
+  o.batch_size = 3;
+  o.shuffle = true;
+  o.num_workers = 2;
+  std::vector<std::vector<std::byte>> got;
+  std::thread restart;
+  {
+    DataLoader loader(remote, o);
+    for (auto& b : loader) {
+      std::vector<std::byte> row = bytes(b.image);
+      const std::vector<std::byte> l = bytes(b.label);
+      row.insert(row.end(), l.begin(), l.end());
+      got.push_back(std::move(row));
+      if (got.size() == 2) {  // down for half a second, then back
+        proxy.down(true);
+        restart = std::thread([&] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(500));
+          proxy.down(false);
+        });
+      }
+    }
+  }
+  restart.join();
+  ObjectStore::get().use();
+  CHECK(got == batches(TarImages(local_shards(d), tar_images()), o));
+}
+
+TEST_CASE("a store that stops answering: the loader's timeout holds", "[s3][faults]") {
+  const Data& d = data();
+  ImageFolderOptions io;
+  io.transform = ImageTransform().resize(8, 8);
+  const ImageFolder remote(d.url("images/train/"), io);  // listed through the server itself
+  {
+    FaultProxy proxy(ObjectStore::get().port());
+    ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+    ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+    ::setenv("AWS_MAX_ATTEMPTS", "1", 1);
+    using F = FaultProxy::Fault;
+    proxy.inject({F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang});
+    DataLoaderOptions o;
+    o.batch_size = 1;
+    o.num_workers = 1;
+    o.io_retries = 0;
+    o.timeout = std::chrono::seconds(1);
+    DataLoader loader(remote, o);
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK_THROWS_AS(*loader.begin(), TimeoutError);
+    CHECK(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 20.0);
+  }  // the proxy goes: the abandoned worker's request fails at once and its thread ends
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));  // before the settings change under it
+  ObjectStore::get().use();
 }
