@@ -2,7 +2,7 @@
 # Installs ferry's build and test dependencies from Debian 12 packages. Idempotent: does nothing
 # when everything is already there. Runs apt-get as root (directly, or through sudo).
 set -euo pipefail
-packages=(g++ cmake ninja-build libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
+packages=(g++ cmake ninja-build curl libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
           zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcurl4-openssl-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
           python3-dev python3-venv python3-pip python3-numpy python3-torch)
 missing=()

@@ -41,13 +41,14 @@ from ._ferry import (  # noqa: F401  (re-exported)
     IoError,
     TimeoutError,
     WorkerError,
+    object_store_stats,
 )
 from .datasets import Dataset, load_plugin  # noqa: F401
 from ._python import WorkerInfo, get_worker_info  # noqa: F401
 
 __all__ = [
     "DataLoader", "LoaderStats", "datasets", "load_plugin", "Dataset", "get_worker_info", "WorkerInfo",
-    "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted",
+    "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted", "object_store_stats",
 ]
 __version__ = "0.1.0"
 

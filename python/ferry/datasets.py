@@ -1,5 +1,13 @@
 """ferry's datasets: each one read, decoded and transformed by ferry's C++ threads.
 
+Every path may be an object in S3-compatible storage: ``image_folder("s3://bucket/train/")``,
+``tar(shards=["s3://bucket/train-{000..127}.tar"])`` (brace ranges as WebDataset writes them),
+``tar(dir="s3://bucket/shards/")``, ``npy("s3://bucket/x.npy")``, ``idx(...)``. The endpoint,
+region and credentials come from AWS's usual variables and files (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws/credentials, ...: the C++ header
+ferry/loaders/storage.h lists them); ``ferry.object_store_stats()`` counts requests, bytes,
+retries and hedges.
+
 Every dataset yields samples as a tuple of fields; the loader stacks them into batches
 (image datasets: ``(images, labels)``, labels as int64).
 """

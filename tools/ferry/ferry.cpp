@@ -181,6 +181,7 @@ void for_each_field(const ferry::LabeledBatch& b, Fn&& fn) {
 
 struct Run {
   ferry::LoaderStats stats;
+  ferry::ObjectStoreStats store;  // what this run read from object storage (s3:// paths)
   std::uint64_t samples = 0, bytes = 0, errors = 0;
   double seconds = 0;
   std::string first_error;
@@ -193,6 +194,7 @@ struct Run {
 template <class Loader>
 Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup = 0) {
   Run r;
+  const ferry::ObjectStoreStats store0 = ferry::object_store_stats();
   auto t0 = Clock::now();
   auto last_print = t0;
   std::size_t seen = 0;
@@ -263,6 +265,9 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
   }
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   r.stats = loader.stats();
+  const ferry::ObjectStoreStats store1 = ferry::object_store_stats();
+  r.store = {store1.requests - store0.requests, store1.bytes - store0.bytes, store1.retries - store0.retries,
+             store1.hedges - store0.hedges, store1.hedges_won - store0.hedges_won};
   if (progress) print(true);
   return r;
 }
@@ -295,6 +300,9 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
           {"images_decoded_on_device", s.images_decoded},
           {"device_gather", s.device_gather},
           {"rows_gathered", s.rows_gathered},
+          {"object_store",
+           {{"requests", r.store.requests}, {"bytes", r.store.bytes}, {"retries", r.store.retries}, {"hedges", r.store.hedges},
+            {"hedges_won", r.store.hedges_won}}},
           {"bottleneck", s.bottleneck()}};
 }
 
@@ -309,6 +317,10 @@ void print_report(const Run& r, const Flags& f) {
   if (r.errors)
     std::printf("%llu batch%s failed with bad data (--on-error skip or replace costs a bad sample only itself); the first: %s\n",
                 static_cast<unsigned long long>(r.errors), r.errors == 1 ? "" : "es", r.first_error.c_str());
+  if (r.store.requests)
+    std::printf("object store: %llu requests, %.1f MB, %llu retried, %llu hedged (%llu answered first)\n",
+                static_cast<unsigned long long>(r.store.requests), r.store.bytes / 1e6, static_cast<unsigned long long>(r.store.retries),
+                static_cast<unsigned long long>(r.store.hedges), static_cast<unsigned long long>(r.store.hedges_won));
   std::printf("%s", r.stats.report().c_str());
 }
 
