@@ -442,7 +442,8 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
     const std::string ext = dot == std::string::npos ? std::string() : lower(name.substr(dot));
     return std::find(options_.extensions.begin(), options_.extensions.end(), ext) != options_.extensions.end();
   };
-  if (loaders::is_remote(root)) {
+  remote_ = loaders::is_remote(root);
+  if (remote_) {
     // A prefix in object storage: one listing, whose keys <root>/<class>/.../<file> give the
     // classes and files in the order a local folder would (classes sorted; files by folder, then name).
     std::unordered_map<std::string, std::uint64_t> sizes;
@@ -524,6 +525,15 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
   }
 }
 
+void ImageFolder::prefetch(std::span<const std::size_t> indices) const {
+  if (!remote_) return;
+  std::vector<loaders::Wanted> wanted;
+  wanted.reserve(indices.size());
+  for (const std::size_t i : indices)
+    if (i < files_.size()) wanted.push_back({files_[i].path, 0, 0});
+  loaders::prefetch(wanted);
+}
+
 namespace loaders {
 
 std::vector<std::byte>& file_scratch() { return scratch().file; }
@@ -579,7 +589,7 @@ ImageFolder::Rows ImageFolder::rows() const {
 LabeledSample ImageFolder::get(std::size_t i, SampleContext& ctx) const {
   const File& f = files_.at(i);
   std::vector<std::byte>& bytes = loaders::file_scratch();
-  loaders::read_file(f.path, bytes);
+  if (!remote_ || !loaders::take_prefetched(f.path, 0, 0, bytes)) loaders::read_file(f.path, bytes);
   return loaders::image_sample(rows(), bytes, f.path, f.label, ctx);
 }
 
@@ -661,7 +671,7 @@ void loaders::image_row_into(const ImageRows& rows, std::span<const std::byte> b
 void ImageFolder::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const {
   const File& f = files_.at(i);
   std::vector<std::byte>& bytes = loaders::file_scratch();
-  loaders::read_file(f.path, bytes);
+  if (!remote_ || !loaders::take_prefetched(f.path, 0, 0, bytes)) loaders::read_file(f.path, bytes);
   loaders::image_row_into(rows(), bytes, f.path, f.label, batch, row, ctx);
 }
 

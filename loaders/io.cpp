@@ -162,6 +162,52 @@ std::vector<ListedFile> list_tree(const std::string& dir) {
   return out;
 }
 
+namespace {
+
+// A worker's prefetched reads: one batch's worth, replaced by the next batch's.
+struct Prefetched {
+  std::vector<s3::Want> wants;
+  std::vector<std::string> paths;
+};
+Prefetched& prefetched() {
+  thread_local Prefetched p;
+  return p;
+}
+
+}  // namespace
+
+void prefetch(const std::vector<Wanted>& wanted) {
+  Prefetched& p = prefetched();
+  p.wants.clear();
+  p.paths.clear();
+  for (const Wanted& w : wanted) {
+    if (!is_remote(w.path)) continue;
+    s3::Want want;
+    try {
+      want.url = s3::parse(w.path);
+    } catch (const Error&) {
+      continue;  // the sample's own read names the bad URL
+    }
+    want.offset = w.offset;
+    want.size = w.size;
+    p.wants.push_back(std::move(want));
+    p.paths.push_back(w.path);
+  }
+  s3::read_many(p.wants);
+}
+
+bool take_prefetched(const std::string& path, std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) {
+  Prefetched& p = prefetched();
+  for (std::size_t k = 0; k < p.wants.size(); ++k) {
+    s3::Want& w = p.wants[k];
+    if (!w.ok || w.offset != offset || w.size != size || p.paths[k] != path) continue;
+    out.swap(w.out);
+    w.ok = false;
+    return true;
+  }
+  return false;
+}
+
 void read_file(const std::string& path, std::vector<std::byte>& out) {
   if (is_remote(path)) {
     s3::get(s3::parse(path), out);

@@ -62,6 +62,22 @@ std::vector<ListedFile> list_tree(const std::string& dir);
 /// The path or URL of `name` inside the folder or prefix `dir`.
 std::string join(const std::string& dir, const std::string& name);
 
+/// One read a batch will need: a whole file (size 0) or a range.
+struct Wanted {
+  std::string path;
+  std::uint64_t offset = 0;
+  std::size_t size = 0;
+};
+
+/// Reads a batch's objects at once into this thread's prefetch buffer (loaders over s3:// call
+/// it from their prefetch()); local paths are skipped (a local read is not worth a thread's
+/// wait). A failed read is left out: the sample's own read then retries it and names the error.
+void prefetch(const std::vector<Wanted>& wanted);
+
+/// Takes the bytes prefetch() read for (path, offset, size) on this thread into `out`; false when
+/// there are none.
+bool take_prefetched(const std::string& path, std::uint64_t offset, std::size_t size, std::vector<std::byte>& out);
+
 /// A read-only mapping of a whole file. Throws DataError for a missing, unreadable, non-regular
 /// or empty file.
 class MappedFile {

@@ -577,6 +577,73 @@ void get(const Url& url, std::vector<std::byte>& out) {
   if (!a.ok) fail(a, url.text(), DataError::kNoOffset);
 }
 
+void read_many(std::vector<Want>& wants, std::size_t in_flight) {
+  if (wants.empty()) return;
+  const Config c = config();
+  Handles& h = handles();
+  std::vector<std::unique_ptr<Attempt>> attempts(wants.size());
+  std::vector<Request> requests(wants.size());
+  std::vector<bool> live(wants.size(), false);
+  struct Cleanup {  // every handle out of the multi handle and back to the pool, whatever happens
+    Handles& h;
+    std::vector<std::unique_ptr<Attempt>>& attempts;
+    std::vector<bool>& live;
+    ~Cleanup() {
+      for (std::size_t k = 0; k < attempts.size(); ++k) {
+        if (!attempts[k] || !attempts[k]->easy) continue;
+        if (live[k]) curl_multi_remove_handle(h.multi, attempts[k]->easy);
+        h.give(std::exchange(attempts[k]->easy, nullptr));
+      }
+    }
+  } cleanup{h, attempts, live};
+  std::size_t next = 0, running_now = 0;
+  const auto start = [&](std::size_t k) {
+    Want& w = wants[k];
+    Request& r = requests[k];
+    r.url = http_url(c, w.url.bucket, w.url.key, "");
+    if (w.size > 0) {
+      r.range = std::to_string(w.offset) + "-" + std::to_string(w.offset + w.size - 1);
+      w.out.resize(w.size);
+      r.dst = w.out.data();
+      r.cap = w.size;
+    } else {
+      r.grow = &w.out;
+      r.grow_limit = ~std::size_t{0};
+    }
+    attempts[k] = std::make_unique<Attempt>();
+    Attempt& a = *attempts[k];
+    a.easy = h.take();
+    setup(c, r, a, false);
+    if (curl_multi_add_handle(h.multi, a.easy) != CURLM_OK) return;  // left not ok
+    g_requests.fetch_add(1, std::memory_order_relaxed);
+    live[k] = true;
+    ++running_now;
+  };
+  while (next < wants.size() && running_now < in_flight) start(next++);
+  while (running_now > 0) {
+    int running = 0;
+    if (curl_multi_perform(h.multi, &running) != CURLM_OK) return;
+    int left = 0;
+    while (CURLMsg* m = curl_multi_info_read(h.multi, &left)) {
+      if (m->msg != CURLMSG_DONE) continue;
+      std::size_t k = 0;
+      while (k < attempts.size() && !(attempts[k] && attempts[k]->easy == m->easy_handle)) ++k;
+      if (k == attempts.size()) continue;
+      Attempt& a = *attempts[k];
+      const Outcome o = judge(a, m->data.result);
+      curl_multi_remove_handle(h.multi, a.easy);
+      live[k] = false;
+      --running_now;
+      h.give(std::exchange(a.easy, nullptr));
+      Want& w = wants[k];
+      w.ok = o.kind == Outcome::Ok && (w.size == 0 ? !w.out.empty() : a.got == w.size);
+      if (!w.ok) w.out.clear();
+      if (next < wants.size()) start(next++);
+    }
+    if (running_now > 0) curl_multi_poll(h.multi, nullptr, 0, 100, nullptr);
+  }
+}
+
 std::vector<Object> list(const std::string& bucket, const std::string& prefix) {
   std::vector<Object> all;
   std::string token;

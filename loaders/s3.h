@@ -45,6 +45,19 @@ void read(const Url& url, std::uint64_t offset, std::size_t n, std::byte* dst);
 /// Reads the whole object into `out` (resized to fit).
 void get(const Url& url, std::vector<std::byte>& out);
 
+/// Several reads at once on this thread's connections (at most `in_flight` requests in flight):
+/// each `Want` is a range (size > 0) or a whole object (size 0) and gets its bytes in `out` with
+/// `ok` set, or `ok` false when its request failed (one try, no hedge: a caller reads it again
+/// the usual way, which retries and names the error). Never throws for a failed request.
+struct Want {
+  Url url;
+  std::uint64_t offset = 0;
+  std::size_t size = 0;
+  std::vector<std::byte> out;
+  bool ok = false;
+};
+void read_many(std::vector<Want>& wants, std::size_t in_flight = 32);
+
 /// Every object under `prefix` in `bucket` (ListObjectsV2, every page), in key order.
 std::vector<Object> list(const std::string& bucket, const std::string& prefix);
 

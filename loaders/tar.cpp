@@ -562,8 +562,21 @@ TarImages::Read TarImages::read(std::size_t i) const {
   if (r.label == Record::kNoLabel) throw DataError(shard, r.offset, "record '" + r.key + "' has no '" + options_.label_field + "' field");
   if (r.label == Record::kBadLabel) throw DataError(shard, r.offset, index_->label_errors.at(i));
   std::vector<std::byte>& bytes = loaders::file_scratch();
-  loaders::RangeReader(shard).read(r.image_offset, static_cast<std::size_t>(r.image_size), bytes);
+  if (!loaders::is_remote(shard) || !loaders::take_prefetched(shard, r.image_offset, static_cast<std::size_t>(r.image_size), bytes))
+    loaders::RangeReader(shard).read(r.image_offset, static_cast<std::size_t>(r.image_size), bytes);
   return {bytes, shard + ": " + r.key + "." + options_.image_fields[static_cast<std::size_t>(r.image_field)], r.label};
+}
+
+void TarImages::prefetch(std::span<const std::size_t> indices) const {
+  std::vector<loaders::Wanted> wanted;
+  for (const std::size_t i : indices) {
+    if (i >= index_->records.size()) continue;
+    const Record& r = index_->records[i];
+    const std::string& shard = index_->shards[r.shard];
+    if (r.image_field >= 0 && r.image_size > 0 && loaders::is_remote(shard))
+      wanted.push_back({shard, r.image_offset, static_cast<std::size_t>(r.image_size)});
+  }
+  if (!wanted.empty()) loaders::prefetch(wanted);
 }
 
 LabeledSample TarImages::get(std::size_t i, SampleContext& ctx) const {

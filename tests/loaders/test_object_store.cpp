@@ -150,7 +150,12 @@ TEST_CASE("an image folder under an s3:// prefix: the local folder's classes, fi
     o.shuffle = true;
     o.seed = 11;
     o.num_workers = workers;
+    ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+    const ObjectStoreStats before = object_store_stats();
     const auto a = batches(remote, o, 2);
+    // Each batch's images were requested together (prefetch) and none was read twice.
+    CHECK(object_store_stats().requests - before.requests == 2 * remote.size());
+    ::unsetenv("FERRY_S3_HEDGE_AFTER");
     CHECK(a.size() == 8);
     CHECK(a == batches(local, o, 2));
   }

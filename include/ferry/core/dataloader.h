@@ -966,6 +966,7 @@ class DataLoader {
         const detail::RowFlips flips{gather_flip_p, opt.seed, ctx.worker.epoch};
         return detail::Payload::make(detail::GatherIndex{detail::gather_index(idx, ds.size(), a, flips)});
       }
+      if constexpr (PrefetchDataset<Dataset>) ds.prefetch(idx);  // a hint: errors surface per sample
       if constexpr (kDirect) {
         Batch batch = ds.make_batch(idx.size(), *allocator);
         const Rows rows = for_each_sample(job, ctx, true, [&](std::size_t row, std::size_t i, SampleContext& sc) {

@@ -12,6 +12,9 @@
 //                         again with get(), one sample at a time, so a bad sample costs itself)
 //   Batch make_batch(std::size_t rows, ferry::BatchAllocator&) const;             // "direct" mode:
 //   void get_into(std::size_t index, Batch&, std::size_t row, ferry::SampleContext&) const;
+//   void prefetch(std::span<const std::size_t> indices) const;   // called by the worker before it
+//                         fetches a batch's samples, on the same thread: a dataset over remote
+//                         storage requests them all at once (ImageFolder and TarImages over s3://)
 //
 // With make_batch + get_into the loader skips collate: it allocates the batch once and each sample
 // is written straight into its row (a decoder writing pixels into the batch buffer).
@@ -159,6 +162,12 @@ concept BatchFetchDataset = MapDataset<D> && requires(const D& d, std::span<cons
   d.get_batch(idx);
 };
 
+/// A dataset told a batch's indices before their samples are fetched (on the same thread).
+template <class D>
+concept PrefetchDataset = MapDataset<D> && requires(const D& d, std::span<const std::size_t> idx) {
+  d.prefetch(idx);
+};
+
 /// A stream dataset: each worker opens its own stream.
 template <class D>
 concept IterableDataset = requires(const D& d, const WorkerInfo& w) {
@@ -231,6 +240,12 @@ class MappedDataset : public DatasetBase<MappedDataset<D, F>> {
       ctx.enter(prev);
       return out;
     }
+  }
+  /// The base's batch prefetch, when it has one.
+  void prefetch(std::span<const std::size_t> idx) const
+    requires PrefetchDataset<D>
+  {
+    base_.prefetch(idx);
   }
   const D& base() const noexcept { return base_; }
 
@@ -385,6 +400,8 @@ class AnyDataset : public DatasetBase<AnyDataset<Sample>> {
   /// The wrapped dataset's rows for the device gather, if it has them (RowGatherDataset); else
   /// none, and `why` says so.
   std::vector<HostRows> host_rows(std::string& why) const { return impl_->host_rows(why); }
+  /// The wrapped dataset's batch prefetch (PrefetchDataset), or nothing.
+  void prefetch(std::span<const std::size_t> idx) const { impl_->prefetch(idx); }
 
  private:
   struct Concept {
@@ -392,6 +409,7 @@ class AnyDataset : public DatasetBase<AnyDataset<Sample>> {
     virtual std::size_t size() const = 0;
     virtual Sample get(std::size_t i, SampleContext& ctx) const = 0;
     virtual std::vector<HostRows> host_rows(std::string& why) const = 0;
+    virtual void prefetch(std::span<const std::size_t> idx) const = 0;
   };
   template <class D>
   struct Impl final : Concept {
@@ -405,6 +423,9 @@ class AnyDataset : public DatasetBase<AnyDataset<Sample>> {
         why = "the dataset's samples are not rows of host arrays";
         return {};
       }
+    }
+    void prefetch(std::span<const std::size_t> idx) const override {
+      if constexpr (PrefetchDataset<D>) d.prefetch(idx);
     }
     D d;
   };

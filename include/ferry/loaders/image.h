@@ -114,6 +114,9 @@ class ImageFolder : public DatasetBase<ImageFolder> {
   /// Direct mode; throws ferry::Error unless the transform fixes the output size.
   LabeledBatch make_batch(std::size_t rows, BatchAllocator& allocator) const;
   void get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const;
+  /// Under an s3:// root, requests a batch's images together on the calling worker's
+  /// connections (the loader calls it before the batch's samples); nothing for a local folder.
+  void prefetch(std::span<const std::size_t> indices) const;
 
   /// Class names, sorted; a label indexes this list.
   const std::vector<std::string>& classes() const noexcept { return classes_; }
@@ -131,6 +134,7 @@ class ImageFolder : public DatasetBase<ImageFolder> {
   std::vector<std::string> classes_;
   std::vector<File> files_;
   ImageFolderOptions options_;
+  bool remote_ = false;   // root is an s3:// prefix
   std::size_t slot_ = 0;  // Decode::Gpu: bytes per image in a batch's encoded block (the largest file)
   struct Rows;
   Rows rows() const;

@@ -195,6 +195,10 @@ class TarImages : public DatasetBase<TarImages> {
   void get_into(std::size_t i, LabeledBatch& batch, std::size_t row, SampleContext& ctx) const;
   /// Whether batches hold compressed JPEGs that the device stage decodes (decode = Gpu).
   bool decodes_on_device() const noexcept { return options_.decode == ImageFolderOptions::Decode::Gpu; }
+  /// For shards in s3://, requests a batch's images together (one ranged GET each, at once) on the
+  /// calling worker's connections (the loader calls it before the batch's samples); nothing for
+  /// local shards.
+  void prefetch(std::span<const std::size_t> indices) const;
 
   /// Record i's shard and key ("dir/0001").
   const std::string& shard(std::size_t i) const { return index_->shards.at(index_->records.at(i).shard); }
