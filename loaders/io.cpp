@@ -164,10 +164,12 @@ std::vector<ListedFile> list_tree(const std::string& dir) {
 
 namespace {
 
-// A worker's prefetched reads: one batch's worth, replaced by the next batch's.
+// A worker's prefetched reads: one batch's keys (s3::start holds the transfers), replaced by the
+// next batch's.
 struct Prefetched {
-  std::vector<s3::Want> wants;
   std::vector<std::string> paths;
+  std::vector<std::uint64_t> offsets;
+  std::vector<std::size_t> sizes;
 };
 Prefetched& prefetched() {
   thread_local Prefetched p;
@@ -178,8 +180,10 @@ Prefetched& prefetched() {
 
 void prefetch(const std::vector<Wanted>& wanted) {
   Prefetched& p = prefetched();
-  p.wants.clear();
   p.paths.clear();
+  p.offsets.clear();
+  p.sizes.clear();
+  std::vector<s3::Want> wants;
   for (const Wanted& w : wanted) {
     if (!is_remote(w.path)) continue;
     s3::Want want;
@@ -190,20 +194,20 @@ void prefetch(const std::vector<Wanted>& wanted) {
     }
     want.offset = w.offset;
     want.size = w.size;
-    p.wants.push_back(std::move(want));
+    wants.push_back(std::move(want));
     p.paths.push_back(w.path);
+    p.offsets.push_back(w.offset);
+    p.sizes.push_back(w.size);
   }
-  s3::read_many(p.wants);
+  s3::start(std::move(wants));
 }
 
 bool take_prefetched(const std::string& path, std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) {
   Prefetched& p = prefetched();
-  for (std::size_t k = 0; k < p.wants.size(); ++k) {
-    s3::Want& w = p.wants[k];
-    if (!w.ok || w.offset != offset || w.size != size || p.paths[k] != path) continue;
-    out.swap(w.out);
-    w.ok = false;
-    return true;
+  for (std::size_t k = 0; k < p.paths.size(); ++k) {
+    if (p.offsets[k] != offset || p.sizes[k] != size || p.paths[k] != path) continue;
+    p.paths[k].clear();  // taken (or failed): a second read of the same bytes goes the usual way
+    return s3::take(k, out);
   }
   return false;
 }

@@ -577,71 +577,123 @@ void get(const Url& url, std::vector<std::byte>& out) {
   if (!a.ok) fail(a, url.text(), DataError::kNoOffset);
 }
 
-void read_many(std::vector<Want>& wants, std::size_t in_flight) {
-  if (wants.empty()) return;
-  const Config c = config();
-  Handles& h = handles();
-  std::vector<std::unique_ptr<Attempt>> attempts(wants.size());
-  std::vector<Request> requests(wants.size());
-  std::vector<bool> live(wants.size(), false);
-  struct Cleanup {  // every handle out of the multi handle and back to the pool, whatever happens
-    Handles& h;
-    std::vector<std::unique_ptr<Attempt>>& attempts;
-    std::vector<bool>& live;
-    ~Cleanup() {
-      for (std::size_t k = 0; k < attempts.size(); ++k) {
-        if (!attempts[k] || !attempts[k]->easy) continue;
-        if (live[k]) curl_multi_remove_handle(h.multi, attempts[k]->easy);
-        h.give(std::exchange(attempts[k]->easy, nullptr));
+namespace {
+
+// A thread's batch of reads in flight (start/take). Transfers progress whenever the thread drives
+// the multi handle; between, the kernel's socket buffers keep receiving.
+struct Batch {
+  struct Item {
+    Want want;
+    Request request;
+    std::unique_ptr<Attempt> attempt;
+    std::vector<std::byte> out;
+    enum State { Queued, Live, Done, Failed, Taken } state = Queued;
+  };
+  Config config;
+  std::vector<Item> items;
+  std::size_t next = 0, live = 0, in_flight = 32;
+
+  ~Batch() { cancel(); }
+
+  // Every live transfer stopped and its handle back in the thread's pool.
+  void cancel() {
+    Handles& h = handles();
+    for (Item& it : items) {
+      if (it.attempt && it.attempt->easy) {
+        if (it.state == Item::Live) curl_multi_remove_handle(h.multi, it.attempt->easy);
+        h.give(std::exchange(it.attempt->easy, nullptr));
       }
     }
-  } cleanup{h, attempts, live};
-  std::size_t next = 0, running_now = 0;
-  const auto start = [&](std::size_t k) {
-    Want& w = wants[k];
-    Request& r = requests[k];
-    r.url = http_url(c, w.url.bucket, w.url.key, "");
-    if (w.size > 0) {
-      r.range = std::to_string(w.offset) + "-" + std::to_string(w.offset + w.size - 1);
-      w.out.resize(w.size);
-      r.dst = w.out.data();
-      r.cap = w.size;
+    items.clear();
+    next = live = 0;
+  }
+
+  void launch(Item& it) {
+    Handles& h = handles();
+    Request& r = it.request;
+    r.url = http_url(config, it.want.url.bucket, it.want.url.key, "");
+    if (it.want.size > 0) {
+      r.range = std::to_string(it.want.offset) + "-" + std::to_string(it.want.offset + it.want.size - 1);
+      it.out.resize(it.want.size);
+      r.dst = it.out.data();
+      r.cap = it.want.size;
     } else {
-      r.grow = &w.out;
+      r.grow = &it.out;
       r.grow_limit = ~std::size_t{0};
     }
-    attempts[k] = std::make_unique<Attempt>();
-    Attempt& a = *attempts[k];
+    it.attempt = std::make_unique<Attempt>();
+    Attempt& a = *it.attempt;
     a.easy = h.take();
-    setup(c, r, a, false);
-    if (curl_multi_add_handle(h.multi, a.easy) != CURLM_OK) return;  // left not ok
+    setup(config, r, a, false);
+    if (curl_multi_add_handle(h.multi, a.easy) != CURLM_OK) {
+      h.give(std::exchange(a.easy, nullptr));
+      it.state = Item::Failed;
+      return;
+    }
     g_requests.fetch_add(1, std::memory_order_relaxed);
-    live[k] = true;
-    ++running_now;
-  };
-  while (next < wants.size() && running_now < in_flight) start(next++);
-  while (running_now > 0) {
+    it.state = Item::Live;
+    ++live;
+  }
+
+  void fill() {
+    while (next < items.size() && live < in_flight) launch(items[next++]);
+  }
+
+  // Drives the transfers once: finished ones are judged, queued ones sent; waits up to
+  // `wait_ms` for a socket when `wait_ms` > 0.
+  void drive(int wait_ms) {
+    Handles& h = handles();
     int running = 0;
-    if (curl_multi_perform(h.multi, &running) != CURLM_OK) return;
+    if (curl_multi_perform(h.multi, &running) != CURLM_OK) throw Error("object storage: libcurl's transfer loop failed");
     int left = 0;
     while (CURLMsg* m = curl_multi_info_read(h.multi, &left)) {
       if (m->msg != CURLMSG_DONE) continue;
-      std::size_t k = 0;
-      while (k < attempts.size() && !(attempts[k] && attempts[k]->easy == m->easy_handle)) ++k;
-      if (k == attempts.size()) continue;
-      Attempt& a = *attempts[k];
-      const Outcome o = judge(a, m->data.result);
-      curl_multi_remove_handle(h.multi, a.easy);
-      live[k] = false;
-      --running_now;
-      h.give(std::exchange(a.easy, nullptr));
-      Want& w = wants[k];
-      w.ok = o.kind == Outcome::Ok && (w.size == 0 ? !w.out.empty() : a.got == w.size);
-      if (!w.ok) w.out.clear();
-      if (next < wants.size()) start(next++);
+      for (Item& it : items) {
+        if (!it.attempt || it.attempt->easy != m->easy_handle) continue;
+        const Outcome o = judge(*it.attempt, m->data.result);
+        curl_multi_remove_handle(h.multi, it.attempt->easy);
+        h.give(std::exchange(it.attempt->easy, nullptr));
+        --live;
+        const bool ok = o.kind == Outcome::Ok && (it.want.size == 0 ? !it.out.empty() : it.attempt->got == it.want.size);
+        it.state = ok ? Item::Done : Item::Failed;
+        if (!ok) it.out.clear();
+        break;
+      }
     }
-    if (running_now > 0) curl_multi_poll(h.multi, nullptr, 0, 100, nullptr);
+    fill();
+    if (wait_ms > 0 && live > 0) curl_multi_poll(h.multi, nullptr, 0, wait_ms, nullptr);
   }
+};
+
+Batch& batch() {
+  thread_local Batch b;
+  return b;
+}
+
+}  // namespace
+
+void start(std::vector<Want> wants, std::size_t in_flight) {
+  Batch& b = batch();
+  b.cancel();
+  if (wants.empty()) return;
+  b.config = config();
+  b.in_flight = std::max<std::size_t>(1, in_flight);
+  b.items.resize(wants.size());
+  for (std::size_t k = 0; k < wants.size(); ++k) b.items[k].want = std::move(wants[k]);
+  b.fill();
+  b.drive(0);
+}
+
+bool take(std::size_t k, std::vector<std::byte>& out) {
+  Batch& b = batch();
+  if (k >= b.items.size()) return false;
+  Batch::Item& it = b.items[k];
+  while (it.state == Batch::Item::Queued || it.state == Batch::Item::Live) b.drive(100);
+  if (it.state != Batch::Item::Done) return false;
+  out.swap(it.out);
+  it.state = Batch::Item::Taken;
+  b.drive(0);  // what arrived meanwhile is judged and the queue refilled before the caller decodes
+  return true;
 }
 
 std::vector<Object> list(const std::string& bucket, const std::string& prefix) {

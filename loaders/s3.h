@@ -45,18 +45,20 @@ void read(const Url& url, std::uint64_t offset, std::size_t n, std::byte* dst);
 /// Reads the whole object into `out` (resized to fit).
 void get(const Url& url, std::vector<std::byte>& out);
 
-/// Several reads at once on this thread's connections (at most `in_flight` requests in flight):
-/// each `Want` is a range (size > 0) or a whole object (size 0) and gets its bytes in `out` with
-/// `ok` set, or `ok` false when its request failed (one try, no hedge: a caller reads it again
-/// the usual way, which retries and names the error). Never throws for a failed request.
+/// A batch's reads, in flight together on this thread's connections while the thread works on
+/// what has arrived: start() sends them (at most `in_flight` at a time, the rest as those finish),
+/// take() waits for one and hands over its bytes. Each `Want` is a range (size > 0) or a whole
+/// object (size 0). A read that failed is not retried here (one try, no hedge): take() says false
+/// and the caller reads it the usual way, which retries and names the error. A new start() cancels
+/// what the last one left. Never throws for a failed request.
 struct Want {
   Url url;
   std::uint64_t offset = 0;
   std::size_t size = 0;
-  std::vector<std::byte> out;
-  bool ok = false;
 };
-void read_many(std::vector<Want>& wants, std::size_t in_flight = 32);
+void start(std::vector<Want> wants, std::size_t in_flight = 32);
+/// Want k of the last start(): its bytes into `out` (true), or false when it failed or was taken.
+bool take(std::size_t k, std::vector<std::byte>& out);
 
 /// Every object under `prefix` in `bucket` (ListObjectsV2, every page), in key order.
 std::vector<Object> list(const std::string& bucket, const std::string& prefix);

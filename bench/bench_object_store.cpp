@@ -1,0 +1,164 @@
+// The image pipeline over s3:// against the same shards on local disk, side by side in one run:
+// a real S3-compatible server (SeaweedFS, started on loopback as the tests start it), and the same
+// server behind a proxy that holds every answer's first byte for --latency-ms (a cloud store's
+// first-byte latency). Indexed tar shards (TarImages: one ranged GET a record, a batch's records
+// requested together) and the stream (TarShards: 8 MiB ranged GETs), RandomResizedCrop 224 + flip,
+// uint8, CPU decode. Prints a Markdown table: images/s (median of --runs), the ratio to local,
+// and the busy cores of this process (the server's own CPU is not counted; the proxy's is).
+//
+//   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20
+#include <sys/utsname.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu_time.h"
+#include "ferry/ferry.h"
+#include "loaders/fault_proxy.h"
+#include "loaders/files.h"
+#include "loaders/object_store.h"
+
+using namespace ferry;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+int arg(int argc, char** argv, const std::string& name, int fallback) {
+  for (int i = 1; i + 1 < argc; ++i)
+    if (argv[i] == name) return std::atoi(argv[i + 1]);
+  return fallback;
+}
+
+struct Result {
+  double images_per_second = 0, busy = 0;
+};
+
+// Median images/s of `runs` epochs of `epoch` (each returns the images it delivered).
+Result measure(int runs, const std::function<std::size_t()>& epoch) {
+  std::vector<Result> rs;
+  for (int r = 0; r < runs; ++r) {
+    const double c0 = bench::cpu_seconds();
+    const auto t0 = Clock::now();
+    const std::size_t n = epoch();
+    const double s = std::chrono::duration<double>(Clock::now() - t0).count();
+    rs.push_back({n / s, (bench::cpu_seconds() - c0) / s});
+  }
+  std::sort(rs.begin(), rs.end(), [](const Result& a, const Result& b) { return a.images_per_second < b.images_per_second; });
+  return rs[rs.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int images = arg(argc, argv, "--images", 2048);
+  const int workers = arg(argc, argv, "--workers", 2);
+  const int runs = arg(argc, argv, "--runs", 3);
+  const int latency = arg(argc, argv, "--latency-ms", 20);
+  const int per_shard = 128;
+  const int shards = (images + per_shard - 1) / per_shard;
+
+  test::ObjectStore& store = test::ObjectStore::get();
+  store.use();
+  store.bucket("bench");
+  test::TempDir dir;
+  std::vector<std::string> local, remote;
+  std::size_t bytes = 0;
+  for (int s = 0; s < shards; ++s) {
+    test::TarBuilder t;
+    for (int r = 0; r < per_shard && s * per_shard + r < images; ++r) {
+      // 500x375 photographs' size class: smooth gradients with texture, about 60 KB at quality 90.
+      std::vector<std::uint8_t> p = test::gradient(500, 375, 3, s * per_shard + r);
+      const std::vector<std::uint8_t> noise = test::textured(500, 375, 3, static_cast<std::uint32_t>(s * per_shard + r + 1));
+      for (std::size_t k = 0; k < p.size(); ++k) p[k] = static_cast<std::uint8_t>((p[k] * 3 + noise[k]) / 4);
+      const std::string key = "s" + std::to_string(s) + "/" + std::to_string(r);
+      t.file(key + ".jpg", test::encode_jpeg(p, 500, 375, 3, 90));
+      t.file(key + ".cls", std::to_string(r % 1000));
+    }
+    const test::Bytes tar = t.finish();
+    bytes += tar.size();
+    char name[32];
+    std::snprintf(name, sizeof name, "train-%03d.tar", s);
+    test::write_file(dir / name, tar);
+    store.put(std::string("bench/") + name, tar);
+    local.push_back(dir / name);
+  }
+  remote = expand_braces("s3://bench/train-{000.." + [&] {
+    char last[8];
+    std::snprintf(last, sizeof last, "%03d", shards - 1);
+    return std::string(last);
+  }() + "}.tar");
+
+  TarImagesOptions io;
+  io.transform = ImageTransform().random_resized_crop(224, 224).horizontal_flip();
+  DataLoaderOptions o;
+  o.batch_size = 64;
+  o.shuffle = true;
+  o.num_workers = workers;
+  const TarImages local_index(local, io), remote_index(remote, io);  // indexed once, outside the timing
+  const auto indexed = [&](const std::vector<std::string>& paths) {
+    const TarImages* ds = paths == local ? &local_index : &remote_index;
+    return [&, ds] {
+      DataLoader loader(*ds, o);
+      std::size_t n = 0;
+      for (auto& b : loader) n += static_cast<std::size_t>(b.label.numel());
+      return n;
+    };
+  };
+  const auto stream = [&](const std::vector<std::string>& paths) {
+    return [&, paths] {
+      TarShardsOptions so;
+      const TarImageOptions tio{.transform = io.transform};
+      auto ds = TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, tio, ctx.rng()); });
+      DataLoaderOptions so2 = o;
+      so2.shuffle = false;
+      DataLoader loader(ds, so2);
+      std::size_t n = 0;
+      for (auto& b : loader) n += static_cast<std::size_t>(b.label.numel());
+      return n;
+    };
+  };
+
+  utsname u{};
+  uname(&u);
+  std::printf("## The image pipeline over s3:// against local disk\n\n");
+  std::printf("%d JPEGs of 500x375 (%.0f MB) in %d tar shards; RandomResizedCrop 224 + flip, uint8, batch 64, %d workers; "
+              "SeaweedFS %s on loopback; %u CPUs (%s); median of %d epochs\n\n",
+              images, bytes / 1e6, shards, workers, "4.48", std::thread::hardware_concurrency(), u.machine, runs);
+  std::printf("| pipeline | source | images/s | of local | busy cores |\n|---|---|---:|---:|---:|\n");
+  for (const char* kind : {"indexed (TarImages)", "stream (TarShards)"}) {
+    const bool idx = kind[0] == 'i';
+    const auto epoch = [&](const std::vector<std::string>& paths) -> std::function<std::size_t()> {
+      if (idx) return indexed(paths);
+      return stream(paths);
+    };
+    const auto run = [&](const std::vector<std::string>& paths) { return measure(runs, epoch(paths)); };
+    measure(1, epoch(local));  // warm the page cache
+    const Result l = run(local);
+    std::printf("| %s | local disk | %.0f | 1.00 | %.2f |\n", kind, l.images_per_second, l.busy);
+    std::fflush(stdout);
+    const Result r = run(remote);
+    std::printf("| %s | s3:// | %.0f | %.2f | %.2f |\n", kind, r.images_per_second, r.images_per_second / l.images_per_second, r.busy);
+    std::fflush(stdout);
+    {
+      test::FaultProxy proxy(store.port());
+      proxy.delay(std::chrono::milliseconds(latency));
+      ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+      const Result p = run(remote);
+      store.use();
+      std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f |\n", kind, latency, p.images_per_second,
+                  p.images_per_second / l.images_per_second, p.busy);
+      std::fflush(stdout);
+    }
+  }
+  const ObjectStoreStats s = object_store_stats();
+  std::printf("\nobject store: %llu requests, %.0f MB, %llu retried, %llu hedged (%llu answered first)\n",
+              static_cast<unsigned long long>(s.requests), s.bytes / 1e6, static_cast<unsigned long long>(s.retries),
+              static_cast<unsigned long long>(s.hedges), static_cast<unsigned long long>(s.hedges_won));
+  return 0;
+}
