@@ -593,6 +593,9 @@ struct Batch {
   std::vector<Item> items;
   std::size_t next = 0, live = 0, in_flight = 32;
 
+  // The thread's handles are made first, so that they are destroyed after this at thread exit
+  // (thread-locals go in the reverse order of their construction).
+  Batch() { (void)handles(); }
   ~Batch() { cancel(); }
 
   // Every live transfer stopped and its handle back in the thread's pool.
