@@ -152,7 +152,7 @@ def object_store(tmp_path_factory):
         proc = subprocess.Popen(
             [weed, "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={work}", f"-master.port={base}",
              f"-volume.port={base + 1}", f"-filer.port={base + 2}", f"-s3.port={base + 3}", f"-s3.config={work / 's3.json'}",
-             "-master.volumeSizeLimitMB=64", "-volume.max=8", "-metricsPort=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
+             "-master.volumeSizeLimitMB=256", "-volume.max=32", "-metricsPort=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
              f"-filer.localSocket={work / 'filer.sock'}", f"-s3.localSocket={work / 's3.sock'}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         endpoint = f"http://127.0.0.1:{base + 3}"
