@@ -98,6 +98,16 @@ std::vector<std::vector<std::byte>> batches(const Dataset& ds, DataLoaderOptions
   return out;
 }
 
+// Shuffled batches of `batch` on `workers` workers.
+DataLoaderOptions shuffled(std::size_t batch, int workers, std::uint64_t seed) {
+  DataLoaderOptions o;
+  o.batch_size = batch;
+  o.shuffle = true;
+  o.seed = seed;
+  o.num_workers = workers;
+  return o;
+}
+
 TarImagesOptions tar_images() {
   TarImagesOptions o;
   o.transform = ImageTransform().resize(8, 8).to_float();
@@ -117,11 +127,7 @@ TEST_CASE("npy, IDX and single images read over s3:// equal the local files", "[
   const IdxDataset local(d.local("idx/images.gz"), d.local("idx/labels"));
   for (int workers : {0, 1, 4}) {
     INFO(workers << " workers");
-    DataLoaderOptions o;
-    o.batch_size = 6;
-    o.shuffle = true;
-    o.seed = 3;
-    o.num_workers = workers;
+    const DataLoaderOptions o = shuffled(6, workers, 3);
     const auto a = batches(remote, o), b = batches(local, o);
     CHECK(a.size() == 4);
     CHECK(a == b);
@@ -145,11 +151,7 @@ TEST_CASE("an image folder under an s3:// prefix: the local folder's classes, fi
   CHECK(ImageFolder(d.url("images/train"), io).size() == 15);  // with or without the trailing '/'
   for (int workers : {0, 1, 4}) {
     INFO(workers << " workers");
-    DataLoaderOptions o;
-    o.batch_size = 4;
-    o.shuffle = true;
-    o.seed = 11;
-    o.num_workers = workers;
+    const DataLoaderOptions o = shuffled(4, workers, 11);
     ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
     const ObjectStoreStats before = object_store_stats();
     const auto a = batches(remote, o, 2);
@@ -207,11 +209,7 @@ TEST_CASE("indexed tar shards over s3://: the local batches, and resume mid-epoc
   REQUIRE(r.size() == 21);
   for (int workers : {0, 1, 4}) {
     INFO(workers << " workers");
-    DataLoaderOptions o;
-    o.batch_size = 4;
-    o.shuffle = true;
-    o.seed = 5;
-    o.num_workers = workers;
+    const DataLoaderOptions o = shuffled(4, workers, 5);
     const auto all = batches(r, o, 2);
     CHECK(all == batches(l, o, 2));
     // Saved after 3 batches, resumed by a new loader with another worker count.
