@@ -580,7 +580,7 @@ void get(const Url& url, std::vector<std::byte>& out) {
 namespace {
 
 // A thread's batch of reads in flight (start/take). Transfers progress whenever the thread drives
-// the multi handle; between, the kernel's socket buffers keep receiving.
+// the batch's multi handle; between, the kernel's socket buffers keep receiving.
 struct Batch {
   struct Item {
     Want want;
@@ -593,17 +593,29 @@ struct Batch {
   std::vector<Item> items;
   std::size_t next = 0, live = 0, in_flight = 32;
 
-  // The thread's handles are made first, so that they are destroyed after this at thread exit
-  // (thread-locals go in the reverse order of their construction).
-  Batch() { (void)handles(); }
-  ~Batch() { cancel(); }
+  // A multi handle of its own: a read made while the batch is in flight (try_once, on the thread's
+  // shared multi handle) must not receive the batch's completions, nor the batch its. The thread's
+  // handles are made first, so that they are destroyed after this at thread exit (thread-locals
+  // go in the reverse order of their construction).
+  CURLM* multi = nullptr;
+  Batch() {
+    (void)handles();
+    multi = curl_multi_init();
+    if (!multi) throw Error("object storage: libcurl could not make a multi handle");
+  }
+  ~Batch() {
+    cancel();
+    curl_multi_cleanup(multi);
+  }
+  Batch(const Batch&) = delete;
+  Batch& operator=(const Batch&) = delete;
 
   // Every live transfer stopped and its handle back in the thread's pool.
   void cancel() {
     Handles& h = handles();
     for (Item& it : items) {
       if (it.attempt && it.attempt->easy) {
-        if (it.state == Item::Live) curl_multi_remove_handle(h.multi, it.attempt->easy);
+        if (it.state == Item::Live) curl_multi_remove_handle(multi, it.attempt->easy);
         h.give(std::exchange(it.attempt->easy, nullptr));
       }
     }
@@ -628,7 +640,7 @@ struct Batch {
     Attempt& a = *it.attempt;
     a.easy = h.take();
     setup(config, r, a, false);
-    if (curl_multi_add_handle(h.multi, a.easy) != CURLM_OK) {
+    if (curl_multi_add_handle(multi, a.easy) != CURLM_OK) {
       h.give(std::exchange(a.easy, nullptr));
       it.state = Item::Failed;
       return;
@@ -647,14 +659,14 @@ struct Batch {
   void drive(int wait_ms) {
     Handles& h = handles();
     int running = 0;
-    if (curl_multi_perform(h.multi, &running) != CURLM_OK) throw Error("object storage: libcurl's transfer loop failed");
+    if (curl_multi_perform(multi, &running) != CURLM_OK) throw Error("object storage: libcurl's transfer loop failed");
     int left = 0;
-    while (CURLMsg* m = curl_multi_info_read(h.multi, &left)) {
+    while (CURLMsg* m = curl_multi_info_read(multi, &left)) {
       if (m->msg != CURLMSG_DONE) continue;
       for (Item& it : items) {
         if (!it.attempt || it.attempt->easy != m->easy_handle) continue;
         const Outcome o = judge(*it.attempt, m->data.result);
-        curl_multi_remove_handle(h.multi, it.attempt->easy);
+        curl_multi_remove_handle(multi, it.attempt->easy);
         h.give(std::exchange(it.attempt->easy, nullptr));
         --live;
         const bool ok = o.kind == Outcome::Ok && (it.want.size == 0 ? !it.out.empty() : it.attempt->got == it.want.size);
@@ -664,7 +676,7 @@ struct Batch {
       }
     }
     fill();
-    if (wait_ms > 0 && live > 0) curl_multi_poll(h.multi, nullptr, 0, wait_ms, nullptr);
+    if (wait_ms > 0 && live > 0) curl_multi_poll(multi, nullptr, 0, wait_ms, nullptr);
   }
 };
 

@@ -474,3 +474,25 @@ TEST_CASE("a store that stops answering: the loader's timeout holds", "[s3][faul
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // before the settings change under it
   ObjectStore::get().use();
 }
+
+TEST_CASE("a batch's read that fails is read again while the rest of the batch is in flight", "[s3][faults]") {
+  const Data& d = data();
+  ImageFolderOptions io;
+  io.transform = ImageTransform().resize(8, 8).to_float();
+  const ImageFolder remote(d.url("images/train/"), io);  // listed through the server itself
+  const ImageFolder local(d.local("images/train"), io);
+  DataLoaderOptions o;
+  o.batch_size = 5;
+  std::vector<std::vector<std::byte>> got;
+  {
+    FaultProxy proxy(ObjectStore::get().port());
+    ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+    ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+    proxy.delay(std::chrono::milliseconds(300));  // every answer: the batch's reads are still in flight...
+    proxy.inject({FaultProxy::Fault::Status503});  // ...when its first read fails and is read again
+    got = batches(remote, o);
+  }
+  ObjectStore::get().use();
+  CHECK(got.size() == 3);
+  CHECK(got == batches(local, o));
+}
