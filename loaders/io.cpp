@@ -62,15 +62,20 @@ class ObjectBlob final : public Blob {
  public:
   ObjectBlob(const std::string& url, s3::Url where, std::uint64_t size) : Blob(url, size), url_(std::move(where)) {}
   bool remote() const noexcept override { return true; }
+  // Reads are sequential more often than not (a tar stream, an index of headers): the piece after
+  // this one is requested before this one is returned, and parsed while it arrives.
   std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const override {
     if (offset >= size_) return 0;
     n = static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - offset));
-    s3::read(url_, offset, n, dst);
+    if (!ahead_.take(offset, n, dst)) s3::read(url_, offset, n, dst);
+    const std::uint64_t next = offset + n;
+    if (next < size_) ahead_.start(url_, next, static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next)));
     return n;
   }
 
  private:
   s3::Url url_;
+  mutable s3::ReadAhead ahead_;
 };
 
 }  // namespace

@@ -711,6 +711,88 @@ bool take(std::size_t k, std::vector<std::byte>& out) {
   return true;
 }
 
+struct ReadAhead::Impl {
+  CURLM* multi = nullptr;
+  CURL* easy = nullptr;
+  std::unique_ptr<Attempt> attempt;
+  Request request;
+  std::vector<std::byte> buf;
+  std::uint64_t offset = 0;
+  std::size_t n = 0;
+  bool live = false, done = false, ok = false;
+
+  Impl() {
+    global_init();
+    multi = curl_multi_init();
+    easy = curl_easy_init();
+    if (!multi || !easy) {
+      if (easy) curl_easy_cleanup(easy);
+      if (multi) curl_multi_cleanup(multi);
+      throw Error("object storage: libcurl could not make a handle");
+    }
+  }
+  ~Impl() {
+    cancel();
+    curl_easy_cleanup(easy);
+    curl_multi_cleanup(multi);
+  }
+  void cancel() {
+    if (live) curl_multi_remove_handle(multi, easy);
+    live = done = ok = false;
+  }
+};
+
+ReadAhead::ReadAhead() : impl_(std::make_unique<Impl>()) {}
+ReadAhead::~ReadAhead() = default;
+
+void ReadAhead::start(const Url& url, std::uint64_t offset, std::size_t n) {
+  Impl& m = *impl_;
+  m.cancel();
+  if (n == 0) return;
+  const Config c = config();
+  m.buf.resize(n);
+  m.offset = offset;
+  m.n = n;
+  m.request = Request{};
+  m.request.url = http_url(c, url.bucket, url.key, "");
+  m.request.range = std::to_string(offset) + "-" + std::to_string(offset + n - 1);
+  m.request.dst = m.buf.data();
+  m.request.cap = n;
+  m.attempt = std::make_unique<Attempt>();
+  m.attempt->easy = m.easy;
+  curl_easy_reset(m.easy);
+  setup(c, m.request, *m.attempt, false);
+  if (curl_multi_add_handle(m.multi, m.easy) != CURLM_OK) return;
+  g_requests.fetch_add(1, std::memory_order_relaxed);
+  m.live = true;
+  int running = 0;
+  curl_multi_perform(m.multi, &running);  // the request goes out now
+}
+
+bool ReadAhead::take(std::uint64_t offset, std::size_t n, std::byte* dst) {
+  Impl& m = *impl_;
+  if (!m.live || m.offset != offset || m.n != n) {
+    m.cancel();
+    return false;
+  }
+  while (!m.done) {
+    int running = 0;
+    if (curl_multi_perform(m.multi, &running) != CURLM_OK) break;
+    int left = 0;
+    while (CURLMsg* msg = curl_multi_info_read(m.multi, &left)) {
+      if (msg->msg != CURLMSG_DONE) continue;
+      const Outcome o = judge(*m.attempt, msg->data.result);
+      m.ok = o.kind == Outcome::Ok && m.attempt->got == n;
+      m.done = true;
+    }
+    if (!m.done) curl_multi_poll(m.multi, nullptr, 0, 100, nullptr);
+  }
+  const bool ok = m.done && m.ok;
+  m.cancel();
+  if (ok) std::memcpy(dst, m.buf.data(), n);
+  return ok;
+}
+
 std::vector<Object> list(const std::string& bucket, const std::string& prefix) {
   std::vector<Object> all;
   std::string token;

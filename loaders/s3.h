@@ -16,6 +16,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -59,6 +60,26 @@ struct Want {
 void start(std::vector<Want> wants, std::size_t in_flight = 32);
 /// Want k of the last start(): its bytes into `out` (true), or false when it failed or was taken.
 bool take(std::size_t k, std::vector<std::byte>& out);
+
+/// One ranged read sent ahead, on connections of its own: a sequential reader (a tar stream) asks
+/// for its next piece while it parses this one. take() hands over the bytes of the read started
+/// for exactly (offset, n); anything else (another range, a failed read) is false, and the caller
+/// reads those bytes itself, with retries. Not thread-safe: one reader at a time.
+class ReadAhead {
+ public:
+  ReadAhead();
+  ~ReadAhead();
+  ReadAhead(const ReadAhead&) = delete;
+  ReadAhead& operator=(const ReadAhead&) = delete;
+  /// Sends the read of `n` bytes at `offset` (cancelling one still in flight).
+  void start(const Url& url, std::uint64_t offset, std::size_t n);
+  /// Waits for the read started for (offset, n) and copies its bytes to `dst`.
+  bool take(std::uint64_t offset, std::size_t n, std::byte* dst);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
 
 /// Every object under `prefix` in `bucket` (ListObjectsV2, every page), in key order.
 std::vector<Object> list(const std::string& bucket, const std::string& prefix);
