@@ -88,13 +88,8 @@ int main(int argc, char** argv) {
     test::write_file(dir / name, tar);
     store.put(std::string("bench/") + name, tar);
     local.push_back(dir / name);
+    remote.push_back(std::string("s3://bench/") + name);
   }
-  remote = expand_braces("s3://bench/train-{000.." + [&] {
-    char last[8];
-    std::snprintf(last, sizeof last, "%03d", shards - 1);
-    return std::string(last);
-  }() + "}.tar");
-
   TarImagesOptions io;
   io.transform = ImageTransform().random_resized_crop(224, 224).horizontal_flip();
   DataLoaderOptions o;

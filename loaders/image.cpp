@@ -449,7 +449,7 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
     std::unordered_map<std::string, std::uint64_t> sizes;
     const std::string base = root.back() == '/' ? root : root + "/";
     std::map<std::string, std::vector<std::pair<std::string, std::string>>> by_class;
-    for (const loaders::ListedFile& f : loaders::list_tree(root)) {
+    for (const loaders::ListedFile& f : loaders::list_prefix(root)) {
       const std::string rel = f.path.substr(base.size());
       const std::size_t slash = rel.find('/');
       if (slash == std::string::npos) continue;  // a file beside the class folders

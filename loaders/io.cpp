@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <utility>
 
 #include "s3.h"
@@ -133,61 +132,32 @@ std::unique_ptr<Blob> Blob::open(const std::string& path) {
   return std::make_unique<LocalBlob>(path, fd, size);
 }
 
-std::string join(const std::string& dir, const std::string& name) {
-  if (dir.empty()) return name;
-  return dir.back() == '/' ? dir + name : dir + "/" + name;
-}
-
-std::vector<ListedFile> list_tree(const std::string& dir) {
+std::vector<ListedFile> list_prefix(const std::string& dir) {
+  s3::Url url = s3::parse(dir);
+  if (!url.key.empty() && url.key.back() != '/') url.key += '/';
+  const std::string base = "s3://" + url.bucket + "/";
   std::vector<ListedFile> out;
-  if (is_remote(dir)) {
-    s3::Url url = s3::parse(dir);
-    if (!url.key.empty() && url.key.back() != '/') url.key += '/';
-    const std::string base = "s3://" + url.bucket + "/";
-    for (s3::Object& o : s3::list(url.bucket, url.key))
-      if (o.key.back() != '/') out.push_back({base + o.key, o.size});  // "folder/" markers are not files
-    if (out.empty()) {
-      // Nothing under the prefix: a missing bucket has said so already; say what was looked at.
-      throw DataError(url.text(), DataError::kNoOffset, "holds no objects (an empty or missing prefix)");
-    }
-    return out;
-  }
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status st = fs::status(dir, ec);
-  if (st.type() == fs::file_type::not_found) throw DataError(dir, DataError::kNoOffset, "does not exist");
-  if (st.type() != fs::file_type::directory) throw DataError(dir, DataError::kNoOffset, "is not a directory");
-  fs::recursive_directory_iterator it(dir, fs::directory_options::follow_directory_symlink, ec);
-  for (; !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
-    if (!it->is_regular_file(ec)) continue;
-    out.push_back({it->path().string(), static_cast<std::uint64_t>(it->file_size(ec))});
-  }
-  if (ec) throw IoError(dir, DataError::kNoOffset, "cannot list: " + ec.message(), ec.value());
-  std::sort(out.begin(), out.end(), [](const ListedFile& a, const ListedFile& b) { return a.path < b.path; });
+  for (s3::Object& o : s3::list(url.bucket, url.key))
+    if (o.key.back() != '/') out.push_back({base + o.key, o.size});  // "folder/" markers are not files
+  // Nothing under the prefix: a missing bucket has said so already; say what was looked at.
+  if (out.empty()) throw DataError(url.text(), DataError::kNoOffset, "holds no objects (an empty or missing prefix)");
   return out;
 }
 
 namespace {
 
-// A worker's prefetched reads: one batch's keys (s3::start holds the transfers), replaced by the
-// next batch's.
-struct Prefetched {
-  std::vector<std::string> paths;
-  std::vector<std::uint64_t> offsets;
-  std::vector<std::size_t> sizes;
-};
-Prefetched& prefetched() {
-  thread_local Prefetched p;
-  return p;
+// A worker's prefetched reads: one batch's keys, in the order s3::start holds their transfers;
+// replaced by the next batch's.
+std::vector<Wanted>& prefetched() {
+  thread_local std::vector<Wanted> keys;
+  return keys;
 }
 
 }  // namespace
 
 void prefetch(const std::vector<Wanted>& wanted) {
-  Prefetched& p = prefetched();
-  p.paths.clear();
-  p.offsets.clear();
-  p.sizes.clear();
+  std::vector<Wanted>& keys = prefetched();
+  keys.clear();
   std::vector<s3::Want> wants;
   for (const Wanted& w : wanted) {
     if (!is_remote(w.path)) continue;
@@ -200,18 +170,16 @@ void prefetch(const std::vector<Wanted>& wanted) {
     want.offset = w.offset;
     want.size = w.size;
     wants.push_back(std::move(want));
-    p.paths.push_back(w.path);
-    p.offsets.push_back(w.offset);
-    p.sizes.push_back(w.size);
+    keys.push_back(w);
   }
   s3::start(std::move(wants));
 }
 
 bool take_prefetched(const std::string& path, std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) {
-  Prefetched& p = prefetched();
-  for (std::size_t k = 0; k < p.paths.size(); ++k) {
-    if (p.offsets[k] != offset || p.sizes[k] != size || p.paths[k] != path) continue;
-    p.paths[k].clear();  // taken (or failed): a second read of the same bytes goes the usual way
+  std::vector<Wanted>& keys = prefetched();
+  for (std::size_t k = 0; k < keys.size(); ++k) {
+    if (keys[k].offset != offset || keys[k].size != size || keys[k].path != path) continue;
+    keys[k].path.clear();  // taken (or failed): a second read of the same bytes goes the usual way
     return s3::take(k, out);
   }
   return false;

@@ -3,7 +3,8 @@
 // (loaders/s3.h): these functions are the seam between the formats and where bytes live.
 //
 //   Blob         one file or object: its size and ranged reads (tar streams read through it)
-//   list_tree    the files under a folder or an s3:// prefix (image folders, shard folders)
+//   list_prefix  the objects under an s3:// prefix (image folders, shard folders; local folders
+//                are listed by their loaders, with std::filesystem)
 //   MappedFile   a read-only memory map of a whole file (shared, so Tensors can point into it);
 //                an object is read whole into memory instead
 //   read_file    a whole file into a buffer (reused by the caller, so decoding allocates nothing)
@@ -48,19 +49,16 @@ class Blob {
   std::uint64_t size_;
 };
 
-/// A file found by list_tree: its path (the folder's path or URL joined with the relative name).
+/// An object found by list_prefix: its URL and size.
 struct ListedFile {
   std::string path;
   std::uint64_t size = 0;
 };
 
-/// Every regular file under `dir`, a local folder (symbolic links followed) or an s3:// prefix
-/// (ListObjectsV2, every page; "s3://b/train" and "s3://b/train/" both list train/), sorted by
-/// path. DataError when the folder is missing or unreadable.
-std::vector<ListedFile> list_tree(const std::string& dir);
-
-/// The path or URL of `name` inside the folder or prefix `dir`.
-std::string join(const std::string& dir, const std::string& name);
+/// Every object under the s3:// prefix `dir` (ListObjectsV2, every page; "s3://b/train" and
+/// "s3://b/train/" both list train/), "folder/" markers left out, sorted by URL. DataError when
+/// the prefix holds nothing or cannot be listed.
+std::vector<ListedFile> list_prefix(const std::string& dir);
 
 /// One read a batch will need: a whole file (size 0) or a range.
 struct Wanted {

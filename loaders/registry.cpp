@@ -425,7 +425,7 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& c) {
     const std::string dir = c.str("dir");
     if (loaders::is_remote(dir)) {
       const std::string base = dir.back() == '/' ? dir : dir + "/";
-      for (const loaders::ListedFile& f : loaders::list_tree(dir)) {
+      for (const loaders::ListedFile& f : loaders::list_prefix(dir)) {
         const std::string name = f.path.substr(base.size());
         if (name.find('/') == std::string::npos && name.size() > 4 && name.compare(name.size() - 4, 4, ".tar") == 0)
           shards.push_back(f.path);

@@ -355,6 +355,16 @@ void setup(const Config& c, const Request& r, Attempt& a, bool hedge) {
   }
 }
 
+// A ranged GET of `n` bytes at `offset` into `dst`.
+Request ranged(const Config& c, const Url& url, std::uint64_t offset, std::size_t n, std::byte* dst) {
+  Request r;
+  r.url = http_url(c, url.bucket, url.key, "");
+  r.range = std::to_string(offset) + "-" + std::to_string(offset + n - 1);
+  r.dst = dst;
+  r.cap = n;
+  return r;
+}
+
 // What one try of a request ended with.
 struct Outcome {
   enum Kind { Ok, Retry, Fail } kind = Fail;
@@ -439,6 +449,10 @@ Outcome try_once(const Config& c, const Request& r, Attempt& primary, Attempt& h
       finish(a);
       ++done;
       Outcome o = judge(a, rc);
+      if (o.kind == Outcome::Ok && r.dst && a.got != r.cap) {  // a range answered short: read it again
+        o.kind = Outcome::Retry;
+        o.why = "the answer held " + std::to_string(a.got) + " of the " + std::to_string(r.cap) + " bytes asked for";
+      }
       if (o.kind == Outcome::Ok) {
         if (&a == &hedge) g_hedges_won.fetch_add(1, std::memory_order_relaxed);
         return o;  // Cleanup cancels the other
@@ -476,8 +490,7 @@ struct Answer {
 
 // Runs `r`, retrying what may pass with jittered backoff; IoError (EIO, transient) naming `where`
 // after the last attempt. A permanent failure comes back as an Answer for the caller to name.
-Answer run(const Request& r, const std::string& where, std::uint64_t offset) {
-  const Config c = config();
+Answer run(const Config& c, const Request& r, const std::string& where, std::uint64_t offset) {
   thread_local std::minstd_rand rng(static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id())));
   std::string why;
   for (int attempt = 1;; ++attempt) {
@@ -503,14 +516,14 @@ Answer run(const Request& r, const std::string& where, std::uint64_t offset) {
 }
 
 // A permanent failure as the DataError a user can act on.
-[[noreturn]] void fail(const Answer& a, const std::string& where, std::uint64_t offset) {
+[[noreturn]] void fail(const Config& c, const Answer& a, const std::string& where, std::uint64_t offset) {
   if (a.status == 404 && a.why.find("NoSuchBucket") != std::string::npos)
     throw DataError(where, DataError::kNoOffset, "the bucket does not exist (" + a.why + ")");
   if (a.status == 404) throw DataError(where, DataError::kNoOffset, "does not exist (" + a.why + ")");
   if (a.status == 403)
     throw DataError(where, DataError::kNoOffset,
                     "access denied (" + a.why + "); check the credentials and the region (AWS_ACCESS_KEY_ID, AWS_PROFILE, AWS_REGION)" +
-                        (config().key_id.empty() ? "; the request was anonymous: no credentials were found" : ""));
+                        (c.key_id.empty() ? "; the request was anonymous: no credentials were found" : ""));
   if (a.status == 301 || a.status == 307 || (a.status == 400 && a.why.find("Region") != std::string::npos))
     throw DataError(where, DataError::kNoOffset, "the bucket is in another region or behind another endpoint (" + a.why + "); set AWS_REGION");
   throw DataError(where, offset, a.why.empty() ? "the request failed" : a.why);
@@ -530,15 +543,11 @@ Url parse(const std::string& url) {
 }
 
 std::uint64_t size(const Url& url) {
+  const Config c = config();
   std::byte first{};
-  Request r;
-  r.url = http_url(config(), url.bucket, url.key, "");
-  r.range = "0-0";
-  r.dst = &first;
-  r.cap = 1;
-  const Answer a = run(r, url.text(), DataError::kNoOffset);
+  const Answer a = run(c, ranged(c, url, 0, 1, &first), url.text(), DataError::kNoOffset);
   if (!a.ok && a.status == 416) return 0;  // an empty object has no first byte
-  if (!a.ok) fail(a, url.text(), DataError::kNoOffset);
+  if (!a.ok) fail(c, a, url.text(), DataError::kNoOffset);
   // "bytes 0-0/1234"; a server that ignored the range sent the whole object (at most one byte).
   const std::size_t slash = a.content_range.rfind('/');
   if (slash == std::string::npos) {
@@ -554,94 +563,106 @@ std::uint64_t size(const Url& url) {
 
 void read(const Url& url, std::uint64_t offset, std::size_t n, std::byte* dst) {
   if (n == 0) return;
-  Request r;
-  r.url = http_url(config(), url.bucket, url.key, "");
-  r.range = std::to_string(offset) + "-" + std::to_string(offset + n - 1);
-  r.dst = dst;
-  r.cap = n;
-  const Answer a = run(r, url.text(), offset);
+  const Config c = config();
+  const Answer a = run(c, ranged(c, url, offset, n, dst), url.text(), offset);
   if (!a.ok && a.status == 416)
     throw DataError(url.text(), offset, "the object ends before this byte (" + std::to_string(n) + " bytes asked for)");
-  if (!a.ok) fail(a, url.text(), offset);
+  if (!a.ok) fail(c, a, url.text(), offset);
   if (a.got != n)
     throw DataError(url.text(), offset + a.got, "the object ends " + std::to_string(n - a.got) + " bytes before the " +
                                                      std::to_string(n) + " asked for");
 }
 
 void get(const Url& url, std::vector<std::byte>& out) {
+  const Config c = config();
   Request r;
-  r.url = http_url(config(), url.bucket, url.key, "");
+  r.url = http_url(c, url.bucket, url.key, "");
   r.grow = &out;
   r.grow_limit = ~std::size_t{0};
-  const Answer a = run(r, url.text(), DataError::kNoOffset);
-  if (!a.ok) fail(a, url.text(), DataError::kNoOffset);
+  const Answer a = run(c, r, url.text(), DataError::kNoOffset);
+  if (!a.ok) fail(c, a, url.text(), DataError::kNoOffset);
 }
 
 namespace {
 
-// A thread's batch of reads in flight (start/take). Transfers progress whenever the thread drives
-// the batch's multi handle; between, the kernel's socket buffers keep receiving.
+// Reads in flight together on a multi handle and easy handles of their own (so that a read made
+// meanwhile on the thread's shared handles, try_once, never receives their completions, and so
+// that a Batch may end on another thread than the one that used it): start() sends them, at most
+// `in_flight` at a time and the rest as those finish; take() waits for one. Transfers progress
+// whenever the owner drives the multi handle; between, the kernel's socket buffers keep receiving.
+// A thread's batch (start/take) lives until the thread exits; a ReadAhead's with its reader.
 struct Batch {
   struct Item {
     Want want;
     Request request;
-    std::unique_ptr<Attempt> attempt;
+    Attempt attempt;
     std::vector<std::byte> out;
     enum State { Queued, Live, Done, Failed, Taken } state = Queued;
   };
   Config config;
-  std::vector<Item> items;
+  std::vector<std::unique_ptr<Item>> items;
   std::size_t next = 0, live = 0, in_flight = 32;
-
-  // A multi handle of its own: a read made while the batch is in flight (try_once, on the thread's
-  // shared multi handle) must not receive the batch's completions, nor the batch its. The thread's
-  // handles are made first, so that they are destroyed after this at thread exit (thread-locals
-  // go in the reverse order of their construction).
   CURLM* multi = nullptr;
+  std::vector<CURL*> idle;  // easy handles between requests (connections stay in the multi handle)
+
   Batch() {
-    (void)handles();
+    global_init();
     multi = curl_multi_init();
     if (!multi) throw Error("object storage: libcurl could not make a multi handle");
   }
   ~Batch() {
     cancel();
+    for (CURL* e : idle) curl_easy_cleanup(e);
     curl_multi_cleanup(multi);
   }
   Batch(const Batch&) = delete;
   Batch& operator=(const Batch&) = delete;
 
-  // Every live transfer stopped and its handle back in the thread's pool.
+  // Every live transfer stopped, its handle kept for the next batch, and the items dropped.
   void cancel() {
-    Handles& h = handles();
-    for (Item& it : items) {
-      if (it.attempt && it.attempt->easy) {
-        if (it.state == Item::Live) curl_multi_remove_handle(multi, it.attempt->easy);
-        h.give(std::exchange(it.attempt->easy, nullptr));
-      }
+    for (auto& it : items) {
+      if (!it->attempt.easy) continue;
+      if (it->state == Item::Live) curl_multi_remove_handle(multi, it->attempt.easy);
+      idle.push_back(std::exchange(it->attempt.easy, nullptr));
     }
     items.clear();
     next = live = 0;
   }
 
-  void launch(Item& it) {
-    Handles& h = handles();
-    Request& r = it.request;
-    r.url = http_url(config, it.want.url.bucket, it.want.url.key, "");
-    if (it.want.size > 0) {
-      r.range = std::to_string(it.want.offset) + "-" + std::to_string(it.want.offset + it.want.size - 1);
-      it.out.resize(it.want.size);
-      r.dst = it.out.data();
-      r.cap = it.want.size;
-    } else {
-      r.grow = &it.out;
-      r.grow_limit = ~std::size_t{0};
+  void start(std::vector<Want> wants, std::size_t max_in_flight) {
+    cancel();
+    if (wants.empty()) return;
+    config = s3::config();
+    in_flight = std::max<std::size_t>(1, max_in_flight);
+    for (Want& w : wants) {
+      items.push_back(std::make_unique<Item>());
+      items.back()->want = std::move(w);
     }
-    it.attempt = std::make_unique<Attempt>();
-    Attempt& a = *it.attempt;
-    a.easy = h.take();
-    setup(config, r, a, false);
+    fill();
+    drive(0);
+  }
+
+  void launch(Item& it) {
+    if (it.want.size > 0) {
+      it.out.resize(it.want.size);
+      it.request = ranged(config, it.want.url, it.want.offset, it.want.size, it.out.data());
+    } else {
+      it.request.url = http_url(config, it.want.url.bucket, it.want.url.key, "");
+      it.request.grow = &it.out;
+      it.request.grow_limit = ~std::size_t{0};
+    }
+    Attempt& a = it.attempt;
+    if (idle.empty()) {
+      a.easy = curl_easy_init();
+      if (!a.easy) throw Error("object storage: libcurl could not make a handle");
+    } else {
+      a.easy = idle.back();
+      idle.pop_back();
+      curl_easy_reset(a.easy);
+    }
+    setup(config, it.request, a, false);
     if (curl_multi_add_handle(multi, a.easy) != CURLM_OK) {
-      h.give(std::exchange(a.easy, nullptr));
+      idle.push_back(std::exchange(a.easy, nullptr));
       it.state = Item::Failed;
       return;
     }
@@ -651,25 +672,25 @@ struct Batch {
   }
 
   void fill() {
-    while (next < items.size() && live < in_flight) launch(items[next++]);
+    while (next < items.size() && live < in_flight) launch(*items[next++]);
   }
 
   // Drives the transfers once: finished ones are judged, queued ones sent; waits up to
   // `wait_ms` for a socket when `wait_ms` > 0.
   void drive(int wait_ms) {
-    Handles& h = handles();
     int running = 0;
     if (curl_multi_perform(multi, &running) != CURLM_OK) throw Error("object storage: libcurl's transfer loop failed");
     int left = 0;
     while (CURLMsg* m = curl_multi_info_read(multi, &left)) {
       if (m->msg != CURLMSG_DONE) continue;
-      for (Item& it : items) {
-        if (!it.attempt || it.attempt->easy != m->easy_handle) continue;
-        const Outcome o = judge(*it.attempt, m->data.result);
-        curl_multi_remove_handle(multi, it.attempt->easy);
-        h.give(std::exchange(it.attempt->easy, nullptr));
+      for (auto& p : items) {
+        Item& it = *p;
+        if (it.attempt.easy != m->easy_handle) continue;
+        const Outcome o = judge(it.attempt, m->data.result);
+        curl_multi_remove_handle(multi, it.attempt.easy);
+        idle.push_back(std::exchange(it.attempt.easy, nullptr));
         --live;
-        const bool ok = o.kind == Outcome::Ok && (it.want.size == 0 ? !it.out.empty() : it.attempt->got == it.want.size);
+        const bool ok = o.kind == Outcome::Ok && (it.want.size == 0 ? !it.out.empty() : it.attempt.got == it.want.size);
         it.state = ok ? Item::Done : Item::Failed;
         if (!ok) it.out.clear();
         break;
@@ -677,6 +698,18 @@ struct Batch {
     }
     fill();
     if (wait_ms > 0 && live > 0) curl_multi_poll(multi, nullptr, 0, wait_ms, nullptr);
+  }
+
+  // Item k's bytes into `out` once it has arrived; false when it failed or was taken.
+  bool take(std::size_t k, std::vector<std::byte>& out) {
+    if (k >= items.size()) return false;
+    Item& it = *items[k];
+    while (it.state == Item::Queued || it.state == Item::Live) drive(100);
+    if (it.state != Item::Done) return false;
+    out.swap(it.out);
+    it.state = Item::Taken;
+    drive(0);  // what arrived meanwhile is judged and the queue refilled before the caller decodes
+    return true;
   }
 };
 
@@ -687,109 +720,30 @@ Batch& batch() {
 
 }  // namespace
 
-void start(std::vector<Want> wants, std::size_t in_flight) {
-  Batch& b = batch();
-  b.cancel();
-  if (wants.empty()) return;
-  b.config = config();
-  b.in_flight = std::max<std::size_t>(1, in_flight);
-  b.items.resize(wants.size());
-  for (std::size_t k = 0; k < wants.size(); ++k) b.items[k].want = std::move(wants[k]);
-  b.fill();
-  b.drive(0);
-}
+void start(std::vector<Want> wants, std::size_t in_flight) { batch().start(std::move(wants), in_flight); }
 
-bool take(std::size_t k, std::vector<std::byte>& out) {
-  Batch& b = batch();
-  if (k >= b.items.size()) return false;
-  Batch::Item& it = b.items[k];
-  while (it.state == Batch::Item::Queued || it.state == Batch::Item::Live) b.drive(100);
-  if (it.state != Batch::Item::Done) return false;
-  out.swap(it.out);
-  it.state = Batch::Item::Taken;
-  b.drive(0);  // what arrived meanwhile is judged and the queue refilled before the caller decodes
-  return true;
-}
+bool take(std::size_t k, std::vector<std::byte>& out) { return batch().take(k, out); }
 
 struct ReadAhead::Impl {
-  CURLM* multi = nullptr;
-  CURL* easy = nullptr;
-  std::unique_ptr<Attempt> attempt;
-  Request request;
+  Batch batch;  // of one read
   std::vector<std::byte> buf;
-  std::uint64_t offset = 0;
-  std::size_t n = 0;
-  bool live = false, done = false, ok = false;
-
-  Impl() {
-    global_init();
-    multi = curl_multi_init();
-    easy = curl_easy_init();
-    if (!multi || !easy) {
-      if (easy) curl_easy_cleanup(easy);
-      if (multi) curl_multi_cleanup(multi);
-      throw Error("object storage: libcurl could not make a handle");
-    }
-  }
-  ~Impl() {
-    cancel();
-    curl_easy_cleanup(easy);
-    curl_multi_cleanup(multi);
-  }
-  void cancel() {
-    if (live) curl_multi_remove_handle(multi, easy);
-    live = done = ok = false;
-  }
 };
 
 ReadAhead::ReadAhead() : impl_(std::make_unique<Impl>()) {}
 ReadAhead::~ReadAhead() = default;
 
 void ReadAhead::start(const Url& url, std::uint64_t offset, std::size_t n) {
-  Impl& m = *impl_;
-  m.cancel();
-  if (n == 0) return;
-  const Config c = config();
-  m.buf.resize(n);
-  m.offset = offset;
-  m.n = n;
-  m.request = Request{};
-  m.request.url = http_url(c, url.bucket, url.key, "");
-  m.request.range = std::to_string(offset) + "-" + std::to_string(offset + n - 1);
-  m.request.dst = m.buf.data();
-  m.request.cap = n;
-  m.attempt = std::make_unique<Attempt>();
-  m.attempt->easy = m.easy;
-  curl_easy_reset(m.easy);
-  setup(c, m.request, *m.attempt, false);
-  if (curl_multi_add_handle(m.multi, m.easy) != CURLM_OK) return;
-  g_requests.fetch_add(1, std::memory_order_relaxed);
-  m.live = true;
-  int running = 0;
-  curl_multi_perform(m.multi, &running);  // the request goes out now
+  std::vector<Want> one(1);
+  one[0] = Want{url, offset, n};
+  impl_->batch.start(std::move(one), 1);
 }
 
 bool ReadAhead::take(std::uint64_t offset, std::size_t n, std::byte* dst) {
-  Impl& m = *impl_;
-  if (!m.live || m.offset != offset || m.n != n) {
-    m.cancel();
-    return false;
-  }
-  while (!m.done) {
-    int running = 0;
-    if (curl_multi_perform(m.multi, &running) != CURLM_OK) break;
-    int left = 0;
-    while (CURLMsg* msg = curl_multi_info_read(m.multi, &left)) {
-      if (msg->msg != CURLMSG_DONE) continue;
-      const Outcome o = judge(*m.attempt, msg->data.result);
-      m.ok = o.kind == Outcome::Ok && m.attempt->got == n;
-      m.done = true;
-    }
-    if (!m.done) curl_multi_poll(m.multi, nullptr, 0, 100, nullptr);
-  }
-  const bool ok = m.done && m.ok;
-  m.cancel();
-  if (ok) std::memcpy(dst, m.buf.data(), n);
+  Batch& b = impl_->batch;
+  const bool match = b.items.size() == 1 && b.items[0]->want.offset == offset && b.items[0]->want.size == n;
+  const bool ok = match && b.take(0, impl_->buf);
+  b.cancel();
+  if (ok) std::memcpy(dst, impl_->buf.data(), n);
   return ok;
 }
 
@@ -797,17 +751,18 @@ std::vector<Object> list(const std::string& bucket, const std::string& prefix) {
   std::vector<Object> all;
   std::string token;
   const std::string where = "s3://" + bucket + "/" + prefix;
+  const Config c = config();
   for (int page = 0;; ++page) {
     std::string query;  // SigV4 wants the parameters sorted by name and encoded
     if (!token.empty()) query += "continuation-token=" + encode(token, false) + "&";
     query += "list-type=2&prefix=" + encode(prefix, false);
     Request r;
-    r.url = http_url(config(), bucket, "", query);
+    r.url = http_url(c, bucket, "", query);
     std::vector<std::byte> body;
     r.grow = &body;
     r.grow_limit = kListLimit;
-    const Answer a = run(r, where, DataError::kNoOffset);
-    if (!a.ok) fail(a, where, DataError::kNoOffset);
+    const Answer a = run(c, r, where, DataError::kNoOffset);
+    if (!a.ok) fail(c, a, where, DataError::kNoOffset);
     ListPage lp = parse_list(std::string_view(reinterpret_cast<const char*>(body.data()), body.size()), where);
     for (Object& o : lp.objects) all.push_back(std::move(o));
     if (!lp.truncated) break;
@@ -823,18 +778,10 @@ std::vector<Object> list(const std::string& bucket, const std::string& prefix) {
 namespace ferry {
 
 ObjectStoreStats object_store_stats() noexcept {
-  const loaders::s3::Counters c = loaders::s3::counters();
-  return {c.requests, c.bytes, c.retries, c.hedges, c.hedges_won};
-}
-
-}  // namespace ferry
-
-namespace ferry::loaders::s3 {
-
-Counters counters() noexcept {
+  using namespace loaders::s3;
   return {g_requests.load(std::memory_order_relaxed), g_bytes.load(std::memory_order_relaxed),
           g_retries.load(std::memory_order_relaxed), g_hedges.load(std::memory_order_relaxed),
           g_hedges_won.load(std::memory_order_relaxed)};
 }
 
-}  // namespace ferry::loaders::s3
+}  // namespace ferry

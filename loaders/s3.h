@@ -61,7 +61,7 @@ void start(std::vector<Want> wants, std::size_t in_flight = 32);
 /// Want k of the last start(): its bytes into `out` (true), or false when it failed or was taken.
 bool take(std::size_t k, std::vector<std::byte>& out);
 
-/// One ranged read sent ahead, on connections of its own: a sequential reader (a tar stream) asks
+/// One ranged read sent ahead, on connections of its own (they end with the object): a sequential reader (a tar stream) asks
 /// for its next piece while it parses this one. take() hands over the bytes of the read started
 /// for exactly (offset, n); anything else (another range, a failed read) is false, and the caller
 /// reads those bytes itself, with retries. Not thread-safe: one reader at a time.
@@ -83,12 +83,5 @@ class ReadAhead {
 
 /// Every object under `prefix` in `bucket` (ListObjectsV2, every page), in key order.
 std::vector<Object> list(const std::string& bucket, const std::string& prefix);
-
-/// Since the process started: requests sent (hedges included), bytes received, requests retried,
-/// hedges sent and hedges that answered first.
-struct Counters {
-  std::uint64_t requests = 0, bytes = 0, retries = 0, hedges = 0, hedges_won = 0;
-};
-Counters counters() noexcept;
 
 }  // namespace ferry::loaders::s3
