@@ -13,7 +13,6 @@
 
 #include <unistd.h>
 
-#include "ferry/core/dataloader.h"
 #include "ferry/detail/engine.h"
 #include "ferry/detail/numa.h"
 

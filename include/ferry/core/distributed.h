@@ -23,7 +23,7 @@
 #include <memory>
 #include <string>
 
-#include "ferry/core/dataloader.h"
+#include "ferry/core/options.h"
 #include "ferry/core/sampler.h"
 
 namespace ferry {

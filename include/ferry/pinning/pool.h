@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 
 #include "ferry/core/allocator.h"
 #include "ferry/pinning/fence.h"
@@ -111,5 +112,28 @@ class PinnedPool final : public BatchAllocator {
  private:
   std::shared_ptr<Impl> impl_;
 };
+
+namespace detail {
+/// Leases from a pinned pool, refusing a batch whose size times the pipeline's depth exceeds the
+/// pool's budget: that many batches can be alive at once (in flight, in the reorder window, queued
+/// for the pin thread and the device), and a budget below it would stall the in-order batch
+/// behind later ones forever. Refusing names the numbers instead of hanging. With `may_grow` (the
+/// user left pinned_memory_limit unset and the pool is the loader's own) the budget grows to fit
+/// instead, once, within half the machine's memory, and says so at info level.
+class DepthCheckedAllocator final : public BatchAllocator {
+ public:
+  DepthCheckedAllocator(PinnedPool& pool, std::size_t depth, const char* what, bool may_grow)
+      : pool_(pool), depth_(depth), what_(what), may_grow_(may_grow) {}
+  Storage allocate(std::size_t nbytes) override;
+
+ private:
+  PinnedPool& pool_;
+  std::size_t depth_;
+  const char* what_;
+  bool may_grow_;
+  std::mutex mu_;
+  bool told_ = false;  // guarded by mu_
+};
+}  // namespace detail
 
 }  // namespace ferry

@@ -1,0 +1,475 @@
+// The compiled part of DataLoader: the options, the engine, the route a batch takes, resume and
+// statistics (ferry/detail/loader_core.h). The per-sample error policy is in policy.cpp.
+#include "ferry/detail/loader_core.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <string>
+#include <utility>
+
+#include "core_parts.h"
+
+namespace ferry::detail {
+
+const char* route_name(Route r) noexcept {
+  switch (r) {
+    case Route::Workers: return "workers";
+    case Route::Pinned: return "pinned";
+    case Route::PinnedToDevice: return "pinned, then copied to the device";
+    case Route::DeviceIssued: return "device work issued by the pin thread";
+  }
+  return "?";
+}
+
+namespace {
+
+EngineOptions engine_options(const DataLoaderOptions& o, bool streaming, std::shared_ptr<const Placement> placement) {
+  EngineOptions e;
+  e.placement = std::move(placement);
+  e.num_workers = o.num_workers;
+  e.prefetch_factor = o.prefetch_factor;
+  e.in_order = o.in_order;
+  e.persistent_workers = o.persistent_workers;
+  e.streaming = streaming;
+  e.timeout = o.timeout;
+  e.redispatch_stuck = o.on_error != OnError::Raise;
+  e.seed = o.seed;
+  e.trace = o.trace.get();
+  e.wait_poll.fn = o.wait_poll;
+  e.wait_poll.period = std::max(std::chrono::microseconds(o.wait_poll_period), std::chrono::microseconds(1000));
+  return e;
+}
+
+std::unique_ptr<ParallelFor> make_intra_pool(const DataLoaderOptions& o, std::shared_ptr<const Placement> placement) {
+  if (o.intra_batch_threads <= 1) return nullptr;
+  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  return std::make_unique<ParallelFor>(std::min(o.intra_batch_threads * std::max(o.num_workers, 1), hw), std::move(placement));
+}
+
+// Note [NUMA placement]: null unless the loader has a device on a host of several nodes.
+std::shared_ptr<const Placement> make_placement(const DataLoaderOptions& o) {
+  if (!o.device || !o.numa_placement || !cuda::available()) return nullptr;
+  auto p = std::make_shared<const Placement>(placement_for_device(*o.device));
+  log_debug("DataLoader: NUMA: " + p->reason);
+  return p->placed() ? p : nullptr;
+}
+
+std::shared_ptr<const BatchSampler> make_batch_sampler(const DataLoaderOptions& o, const LoaderTraits& t) {
+  if (t.streaming) return nullptr;
+  if (o.batch_sampler) return o.batch_sampler;
+  std::shared_ptr<const Sampler> sampler = o.sampler;
+  if (!sampler) {
+    if (o.shuffle) sampler = std::make_shared<RandomSampler>(t.dataset_size, o.seed);
+    else sampler = std::make_shared<SequentialSampler>(t.dataset_size);
+  }
+  return std::make_shared<BatchSampler>(std::move(sampler), o.batch_size, o.drop_last);
+}
+
+}  // namespace
+
+LoaderCore::Parts::Parts(DataLoaderOptions o, const LoaderTraits& t, Producer& producer, TypedBatches& typed)
+    : traits(t),
+      opt(normalize_options(std::move(o), t.streaming)),
+      typed(typed),
+      batch_sampler(make_batch_sampler(opt, t)),
+      placement(make_placement(opt)),
+      pool(make_intra_pool(opt, placement)),
+      allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
+      faults({opt.max_errors, opt.max_error_fraction}, opt.on_sample_error),
+      engine(engine_options(opt, t.streaming, placement), producer) {}
+
+LoaderCore::Parts::~Parts() {
+  stop();
+  if (registration) {
+    // Gathers still running read the registered arrays: finish them before unregistering.
+    try {
+      device_stage->copy_stream().synchronize();
+    } catch (...) {
+    }
+    registration.reset();
+  }
+}
+
+// The pin thread and workers stop before anything they use is destroyed. Idempotent.
+void LoaderCore::Parts::stop() noexcept {
+  device_queue.clear();
+  if (pin_stage) pin_stage->stop();
+  engine.shutdown();
+}
+
+LoaderCore::LoaderCore(DataLoaderOptions options, const LoaderTraits& traits, Producer& producer, TypedBatches& typed)
+    : p_(std::make_unique<Parts>(std::move(options), traits, producer, typed)) {}
+
+LoaderCore::~LoaderCore() = default;
+
+// --- The route (Note [Device stage], Note [Device gather]) ---
+
+void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::string> gather_refused) {
+  Parts& s = *p_;
+  const DataLoaderOptions& opt = s.opt;
+  if (s.traits.gpu_decode && !opt.device)
+    throw Error("DataLoader: the dataset decodes its images on the GPU (ImageFolderOptions::decode = Gpu), which the "
+                "device stage does: set DataLoaderOptions::device");
+  if (s.traits.gpu_decode && !s.traits.direct)
+    throw Error("DataLoader: GPU decode needs the default collate (direct mode); a collate_fn cannot take compressed images");
+  if (s.traits.direct && opt.on_error == OnError::Skip && !s.traits.truncatable)
+    throw Error("DataLoaderOptions: on_error=Skip needs a batch type that can drop rows (a Tensor, a "
+                "std::vector<Tensor>, or a member truncate_rows(std::size_t)); this dataset's direct batch has "
+                "none: use OnError::Replace, or add truncate_rows");
+  if (opt.trace) {
+    opt.trace->name_track(TraceRecorder::kConsumerTrack, "consumer");
+    if (opt.num_workers == 0) opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (num_workers = 0)");
+  }
+  if (opt.device && !cuda::available())  // the options' own rules: normalize_options
+    throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
+                    cuda::unavailable_reason() + ")");
+  if (gather_refused) s.choose_gather(std::move(gather), std::move(*gather_refused));
+  if (s.gathering) s.setup_gather();
+  else if (opt.pin_memory) s.setup_pinning();
+  if (!opt.allocator && s.allocator == &pageable_allocator()) {
+    // Batches on the host: recycle their buffers too. A fresh buffer over glibc's mmap
+    // threshold (32 MiB) is mapped anew, and first-touching its pages cost 3x the collate
+    // itself on 38.5 MB batches (one minor fault a 4 KiB page; bench_multi_gpu's host row).
+    s.collate_pool = s.pageable_cache(opt.pinned_memory_limit.value_or(DataLoaderOptions::kDefaultPinnedMemoryLimit));
+    s.allocator = s.collate_pool.get();
+  }
+  if (opt.device && s.pin_stage) {
+    DeviceStageOptions d;
+    d.device = *opt.device;
+    d.pack = opt.device_pack;
+    d.consumer_stream = opt.consumer_stream;
+    d.high_priority = opt.high_priority_copies;
+    d.decode_threads = opt.gpu_decode_threads;
+    s.device_stage = std::make_unique<DeviceStage>(d, s.pinned_pool);
+  }
+  if (!s.pin_stage) s.route = Route::Workers;
+  else if (!s.device_stage) s.route = Route::Pinned;
+  else if (s.issue_on_pin_thread) s.route = Route::DeviceIssued;
+  else s.route = Route::PinnedToDevice;
+  log_debug(describe_options(opt, s.traits.streaming) + "; route: " + route_name(s.route));
+}
+
+std::shared_ptr<PinnedPool> LoaderCore::Parts::pageable_cache(std::size_t limit) {
+  PinnedPoolOptions po;  // recycled pageable batch buffers: a cache that never waits
+  po.limit_bytes = limit;
+  po.backend = pageable_backend();
+  po.hard_limit = false;
+  return std::make_shared<PinnedPool>(po);
+}
+
+bool LoaderCore::Parts::make_pinned_pool() {
+  pinned_pool = opt.pinned_pool;
+  if (pinned_pool) return true;
+  if (!gathering && !cuda::available()) {
+    warn_once("pin_memory-no-cuda", "DataLoader: pin_memory=true but CUDA is unavailable (" + cuda::unavailable_reason() +
+                                        "); delivering pageable batches");
+    return false;
+  }
+  PinnedPoolOptions po;
+  po.limit_bytes = opt.pinned_memory_limit.value_or(DataLoaderOptions::kDefaultPinnedMemoryLimit);
+  po.numa_node = placement ? placement->node : -1;
+  pinned_pool = std::make_shared<PinnedPool>(po);
+  return true;
+}
+
+// Device gather (Note [Device gather]): whether it makes this loader's batches; registers the
+// dataset's arrays when it does.
+void LoaderCore::Parts::choose_gather(std::vector<HostRows> fields, std::string why) {
+  if (why.empty()) {
+    try {
+      registration = std::make_unique<RowRegistration>(fields, *opt.device, opt.register_memory_limit);
+      gathering = true;
+      gather_fields = std::move(fields);
+      for (const HostRows& r : gather_fields)
+        if (r.transform && r.transform->flip_p > 0) gather_flip_p = r.transform->flip_p;
+      return;
+    } catch (const Error& e) {
+      why = e.what();
+    }
+  }
+  // Rows offered but not gathered (registration refused, no kernel): a surprise worth a warning;
+  // a mapped file under Auto is the documented choice, said at debug level only.
+  bool mapped = false;
+  for (const HostRows& r : fields) mapped = mapped || r.mapped_file;
+  const bool offered = !fields.empty() && !(mapped && opt.gather == Gather::Auto);
+  if (opt.gather == Gather::Device) throw Error("DataLoader: gather = Device cannot make this loader's batches: " + why);
+  if (offered && opt.gather == Gather::Auto)
+    warn_once("gather-fallback", "DataLoader: the device gather is not used (" + why +
+                                     "); batches take the host path (workers copy rows into pinned blocks)");
+  log_debug("DataLoader: host path: " + why);
+}
+
+void LoaderCore::Parts::setup_gather() {
+  make_pinned_pool();
+  allocator = pinned_pool.get();  // index blocks of batches too large for the gather's launch
+  // The pin thread issues each batch's index copy and gathers, so the consumer's thread only
+  // takes finished batches (issuing there left the GPU idle between synchronized steps).
+  issue_on_pin_thread = true;
+  pin_stage = std::make_unique<PinStage>(engine, [this](Payload& p, std::int64_t batch) {
+    const std::int64_t t0 = opt.trace ? now_ns() : 0;
+    p = gather_batch(p.get<GatherIndex>().index);
+    if (opt.trace && opt.trace->wants(batch)) opt.trace->span(TraceRecorder::kPinTrack, "issue the gather", batch, t0, now_ns());
+  }, opt.pin_depth + opt.device_prefetch, opt.timeout, opt.trace.get(), placement);
+}
+
+void LoaderCore::Parts::setup_pinning() {
+  if (!make_pinned_pool()) return;
+  if (!traits.pinnable)
+    throw Error("DataLoader: pin_memory=true, but the batch type has no pin_memory: give it a member "
+                "`void pin_memory(ferry::PinContext&)` or specialize ferry::PinMemory");
+  issue_on_pin_thread = traits.gpu_decode;
+  if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads, placement);
+  const std::size_t behind =
+      static_cast<std::size_t>(opt.pin_depth) + (opt.device ? static_cast<std::size_t>(opt.device_prefetch) : 0) + 2;
+  const std::size_t in_flight =
+      static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(std::max(opt.num_workers, 1));
+  const bool may_grow = !opt.pinned_pool && !opt.pinned_memory_limit;
+  pin_blocks = std::make_unique<DepthCheckedAllocator>(*pinned_pool, behind, "the pin thread", may_grow);
+  if (opt.pin_mode == DataLoaderOptions::PinMode::Direct) {
+    direct_blocks = std::make_unique<DepthCheckedAllocator>(*pinned_pool, behind + in_flight, "direct pin_mode", may_grow);
+    allocator = direct_blocks.get();
+  } else if (!opt.allocator) {
+    collate_pool = pageable_cache(pinned_pool->limit_bytes());
+    allocator = collate_pool.get();
+  }
+  pin_stage = std::make_unique<PinStage>(engine, [this](Payload& p, std::int64_t batch) {
+    const std::int64_t t0 = opt.trace ? now_ns() : 0;
+    PinContext ctx(*pin_blocks, pin_copy_pool.get());
+    typed.walk(p, ctx);
+    if (opt.trace && opt.trace->wants(batch)) {
+      char args[96];
+      std::snprintf(args, sizeof args, "\"block\":\"%p\",\"bytes\":%zu", ctx.block(), ctx.bytes_copied());
+      opt.trace->span(TraceRecorder::kPinTrack, ctx.bytes_copied() ? "pin (copy)" : "pin (already pinned: direct)", batch, t0,
+                      now_ns(), args);
+    }
+    if (device_stage && issue_on_pin_thread) {
+      // GPU decode: the copies are issued here and the decode queued to the decoder's threads
+      // (nvJPEG's hardware backend holds the thread that calls it for the whole decode: Note
+      // [Decode threads]), never on the consumer's thread.
+      const std::int64_t t1 = opt.trace ? now_ns() : 0;
+      PinContext dctx(*device_stage);
+      typed.walk(p, dctx);
+      p = Payload::make(DeviceBatch{std::move(p), dctx.device_copy()});
+      if (opt.trace && opt.trace->wants(batch))
+        opt.trace->span(TraceRecorder::kPinTrack, "issue the copies, queue the GPU decode", batch, t1, now_ns());
+    }
+  }, opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get(), placement);
+}
+
+// Device gather: the batch of `index` (pinned), made by the GPU: the index's copy, then one
+// gather kernel a field, on the copy stream (Note [Device gather]). Runs on the pin thread.
+Payload LoaderCore::Parts::gather_batch(const Tensor& index) {
+  auto aligned = [](std::size_t b) { return (b + 63) / 64 * 64; };
+  const std::size_t rows = static_cast<std::size_t>(index.size(0));
+  // Up to gather_index_in_launch rows the indices travel in the kernel's launch; a larger
+  // batch's go to the device first (from their pinned block).
+  const bool in_launch = index.size(0) <= DeviceStage::gather_index_in_launch;
+  std::size_t bytes = in_launch ? 0 : aligned(index.nbytes());
+  for (const HostRows& f : gather_fields) bytes += aligned(rows * f.row_bytes * (f.transform ? itemsize(f.transform->dtype) : 1));
+  device_stage->begin(bytes);
+  std::vector<Tensor> fields;
+  std::shared_ptr<const EventFence> copied;
+  try {
+    const Tensor index_dev = in_launch ? index : device_stage->move(index);
+    for (std::size_t k = 0; k < gather_fields.size(); ++k) {
+      const HostRows& f = gather_fields[k];
+      fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape,
+                                                 f.transform ? &*f.transform : nullptr));
+    }
+    copied = device_stage->end();
+  } catch (...) {
+    device_stage->abort();
+    throw;
+  }
+  return Payload::make(DeviceBatch{typed.from_fields(std::move(fields)), std::move(copied)});
+}
+
+bool LoaderCore::gathering() const noexcept { return p_->gathering; }
+
+Payload LoaderCore::gather_index(const Job& job, JobContext& ctx) {
+  Parts& s = *p_;
+  ctx.stage.enter(Stage::Collate);
+  // Pinned only when the batch is too large for its indices to travel in the gather's launch.
+  BatchAllocator& a =
+      job.indices.size() <= static_cast<std::size_t>(DeviceStage::gather_index_in_launch) ? pageable_allocator() : *s.allocator;
+  const RowFlips flips{s.gather_flip_p, s.opt.seed, ctx.worker.epoch};
+  return Payload::make(GatherIndex{detail::gather_index(job.indices, s.traits.dataset_size, a, flips)});
+}
+
+// The next batch for the consumer, from the last stage of the route.
+Payload LoaderCore::Parts::last_stage_next() {
+  switch (route) {
+    case Route::Workers: return engine.next();
+    case Route::Pinned: return pin_stage->next();
+    case Route::DeviceIssued: {
+      // The pin thread has issued the batch's copies and gathers or decode; the consumer's stream
+      // waits on them here, at hand-over (Note [Device stage]).
+      Payload p = pin_stage->next();
+      if (!p) return p;
+      DeviceBatch& d = p.get<DeviceBatch>();
+      if (d.copied) device_stage->deliver(*d.copied);
+      return std::move(d.batch);
+    }
+    case Route::PinnedToDevice: break;
+  }
+  // Issue the copies of up to device_prefetch batches ahead, so batch i+1 transfers while
+  // batch i computes. Failures keep their position in the queue.
+  while (device_queue.size() < static_cast<std::size_t>(opt.device_prefetch) && !device_end) {
+    DeviceItem item;
+    try {
+      Payload p = pin_stage->next();
+      if (!p) {
+        device_end = true;
+        break;
+      }
+      PinContext ctx(*device_stage);
+      typed.walk(p, ctx);
+      item.copied = ctx.device_copy();
+      item.batch = std::move(p);
+    } catch (const Interrupted&) {
+      if (device_queue.empty()) throw;  // nothing to hand over yet; nothing taken
+      break;                            // hand over the batch already issued
+    } catch (...) {
+      item.error = std::current_exception();
+    }
+    device_queue.push_back(std::move(item));
+  }
+  if (device_queue.empty()) return {};
+  DeviceItem item = std::move(device_queue.front());
+  device_queue.pop_front();
+  if (item.error) std::rethrow_exception(item.error);
+  if (item.copied) device_stage->deliver(*item.copied);  // order the consumer after this copy only
+  return std::move(item.batch);
+}
+
+// --- Epochs (consumer thread) ---
+
+void LoaderCore::begin_epoch() {
+  Parts& s = *p_;
+  std::shared_ptr<const BatchPlan> plan;
+  std::uint64_t start = 0;
+  if (!s.traits.streaming) {
+    if (s.resume) {  // restore(): the saved epoch, from the batch after the last one received
+      plan = s.resume->plan;
+      start = s.resume->batch;
+      s.segment_start = s.resume->segment_start;
+      s.resume.reset();
+    } else {
+      s.segment_start = 0;
+      // The plan the epoch's first batches were made ahead with (prefetch_next_epoch), if this
+      // is that epoch; the engine then takes those batches over.
+      plan = s.engine.plan_made_ahead(s.next_epoch);
+      if (!plan) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
+    }
+    s.epoch_plan = plan;
+    s.epoch_plan_hash.reset();
+  } else {
+    if (s.resume) start = s.resume->batch;  // each worker's stream skips what its batches before used
+    s.resume.reset();
+    s.stream_resume_key.store(start, std::memory_order_relaxed);
+  }
+  s.epoch_exhausted = false;
+  s.stopped_mid_epoch = false;
+  if (!s.stats.origin_ns) s.stats.origin_ns = now_ns();  // before any stage starts work
+  s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.traits.dataset_size);
+  s.engine.begin_epoch(s.next_epoch, std::move(plan), start);
+  s.epoch_delivered = static_cast<std::int64_t>(start);
+  s.live_epoch = s.next_epoch;
+  if (!s.traits.streaming && s.opt.prefetch_next_epoch && s.engine.prefetches_next())
+    s.engine.prefetch_next(s.next_epoch + 1, std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch + 1)));
+  if (s.pin_stage) s.pin_stage->start();
+  s.device_queue.clear();
+  s.device_end = false;
+  ++s.next_epoch;
+}
+
+// The next batch for the consumer, timing the wait (stats, trace).
+Payload LoaderCore::next() {
+  Parts& s = *p_;
+  const std::int64_t t0 = now_ns();
+  if (!s.stats.origin_ns) s.stats.origin_ns = t0;
+  TraceRecorder* trace = s.opt.trace.get();
+  const std::int64_t batch = s.epoch_delivered;
+  if (trace && s.stats.last_delivered_ns && trace->wants(batch - 1))
+    trace->span(TraceRecorder::kConsumerTrack, "consumer holds batch", batch - 1, s.stats.last_delivered_ns, t0);
+  struct Timer {
+    Parts& s;
+    std::int64_t t0, batch;
+    ~Timer() {
+      const std::int64_t t1 = now_ns();
+      s.stats.wait_ns += t1 - t0;
+      s.stats.last_delivered_ns = t1;
+      if (s.opt.trace && s.opt.trace->wants(batch)) {
+        try {
+          s.opt.trace->span(TraceRecorder::kConsumerTrack, "wait for batch", batch, t0, t1);
+        } catch (...) {
+        }
+      }
+    }
+  } timer{s, t0, batch};
+  ++s.epoch_delivered;  // a failed batch takes its position too
+  Payload p;
+  try {
+    p = s.last_stage_next();
+  } catch (const Interrupted&) {
+    --s.epoch_delivered;  // no batch taken: the next call waits for the same one
+    throw;
+  }
+  if (p) {
+    ++s.stats.delivered_batches;
+  } else {
+    s.stats.last_delivered_ns = 0;
+    s.epoch_exhausted = true;
+  }
+  return p;
+}
+
+void LoaderCore::end_epoch() noexcept {
+  Parts& s = *p_;
+  // An epoch left early (break): state() keeps its position until begin(), set_epoch() or
+  // restore(), as it did while the iterator lived.
+  s.stopped_mid_epoch = s.engine.epoch_live() && !s.epoch_exhausted;
+  s.stats.last_delivered_ns = 0;
+  s.device_queue.clear();
+  if (s.pin_stage) s.pin_stage->stop();  // the pin thread, which also calls the engine, is gone after this
+  if (s.stopped_mid_epoch) s.stopped_key = s.engine.next_key();
+  s.engine.end_epoch();
+}
+
+void LoaderCore::stop() noexcept { p_->stop(); }
+
+std::size_t LoaderCore::batches_per_epoch() const {
+  const Parts& s = *p_;
+  if (!s.traits.streaming) return s.batch_sampler->size();
+  const std::size_t n = s.traits.dataset_size, b = s.opt.batch_size;
+  return s.opt.drop_last ? n / b : (n + b - 1) / b;
+}
+
+std::uint64_t LoaderCore::next_epoch() const noexcept { return p_->next_epoch; }
+
+void LoaderCore::set_epoch(std::uint64_t epoch) noexcept {
+  p_->next_epoch = epoch;
+  p_->stopped_mid_epoch = false;
+}
+
+// --- Accessors ---
+
+const DataLoaderOptions& LoaderCore::options() const noexcept { return p_->opt; }
+Route LoaderCore::route() const noexcept { return p_->route; }
+BatchAllocator& LoaderCore::allocator() const noexcept { return *p_->allocator; }
+ParallelFor* LoaderCore::intra_pool() const noexcept { return p_->pool.get(); }
+std::uint64_t LoaderCore::stream_resume_key() const noexcept { return p_->stream_resume_key.load(std::memory_order_relaxed); }
+void LoaderCore::init_worker(const WorkerInfo& worker) {
+  if (p_->opt.worker_init_fn) p_->opt.worker_init_fn(worker);
+}
+void LoaderCore::sample_abandoned(std::size_t sample) { p_->faults.mark_stuck(sample); }
+bool LoaderCore::pinned() const noexcept { return p_->pin_stage != nullptr; }
+const std::shared_ptr<PinnedPool>& LoaderCore::pinned_pool() const noexcept { return p_->pinned_pool; }
+const DeviceStage* LoaderCore::device_stage() const noexcept { return p_->device_stage.get(); }
+const cuda::Stream* LoaderCore::stream() const noexcept {
+  return p_->device_stage ? &p_->device_stage->consumer_stream() : nullptr;
+}
+
+}  // namespace ferry::detail

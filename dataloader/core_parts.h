@@ -1,0 +1,132 @@
+// LoaderCore's parts (dataloader/): what core.cpp (the route, epochs), policy.cpp (the per-sample
+// error policy) and resume.cpp (state, restore, statistics) share. Private to this folder.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ferry/core/error.h"
+#include "ferry/core/parallel.h"
+#include "ferry/core/rows.h"
+#include "ferry/core/sampler.h"
+#include "ferry/core/trace.h"
+#include "ferry/detail/engine.h"
+#include "ferry/detail/fault_log.h"
+#include "ferry/detail/loader_core.h"
+#include "ferry/detail/numa.h"
+#include "ferry/detail/pin_stage.h"
+#include "ferry/pinning/cuda.h"
+#include "ferry/pinning/device.h"
+#include "ferry/pinning/gather.h"
+#include "ferry/pinning/pin.h"
+#include "ferry/pinning/pool.h"
+
+namespace ferry::detail {
+
+/// A device-gather batch before the device stage: its sample indices, in a pinned block.
+struct GatherIndex {
+  Tensor index;  ///< int64 [B]
+};
+
+/// A batch whose device work is issued: the consumer's stream waits on `copied` at hand-over.
+struct DeviceBatch {
+  Payload batch;
+  std::shared_ptr<const EventFence> copied;
+};
+
+/// Statistics kept on the consumer's thread, and the counters' values at reset_stats().
+struct StatsBook {
+  std::int64_t origin_ns = 0, wait_ns = 0, last_delivered_ns = 0;
+  std::uint64_t delivered_batches = 0;
+  struct Base {
+    std::int64_t stage_ns[kStageCount] = {};
+    std::int64_t pin_ns = 0, wait_ns = 0;
+    double copy_ms = 0, decode_ms = 0, gather_ms = 0;
+    std::uint64_t images_decoded = 0, rows_gathered = 0;
+    FaultCounts faults;
+    std::uint64_t timeouts = 0, abandoned = 0;
+  } base;
+};
+
+struct LoaderCore::Parts {
+  Parts(DataLoaderOptions o, const LoaderTraits& t, Producer& producer, TypedBatches& typed);
+  ~Parts();
+
+  void stop() noexcept;
+  // The route (core.cpp).
+  bool make_pinned_pool();
+  std::shared_ptr<PinnedPool> pageable_cache(std::size_t limit);
+  void choose_gather(std::vector<HostRows> fields, std::string why);
+  void setup_gather();
+  void setup_pinning();
+  Payload gather_batch(const Tensor& index);
+  Payload last_stage_next();
+  // Resume (resume.cpp).
+  std::shared_ptr<const DistributedSampler> distributed() const;
+  std::shared_ptr<const BatchPlan> plan_of(std::uint64_t epoch, std::size_t segment_start) const;
+  // The error policy (policy.cpp).
+  std::exception_ptr attempt(std::size_t row, std::size_t i, JobContext& ctx, StageMeter* meter, const SampleFn& fn);
+  bool fetch_row(const Job& job, JobContext& ctx, std::size_t r, std::size_t row, StageMeter* meter, const SampleFn& fn,
+                 std::size_t* used);
+
+  const LoaderTraits traits;
+  DataLoaderOptions opt;
+  TypedBatches& typed;
+  std::shared_ptr<const BatchSampler> batch_sampler;
+  std::shared_ptr<const Placement> placement;  // Note [NUMA placement]; null: not placed
+  std::unique_ptr<ParallelFor> pool;           // intra_batch_threads
+  BatchAllocator* allocator;                   // where workers write batches
+  FaultLog faults;
+  std::shared_ptr<PinnedPool> pinned_pool;
+  std::shared_ptr<PinnedPool> collate_pool;  // copy mode, or no pinning: recycled pageable batch buffers
+  std::unique_ptr<DepthCheckedAllocator> pin_blocks, direct_blocks;
+  std::unique_ptr<ParallelFor> pin_copy_pool;
+  StatsBook stats;  // consumer thread
+
+  // Epochs and resume (state(), restore()); consumer thread.
+  std::int64_t epoch_delivered = 0;  // batches handed over in the live epoch (failed ones too)
+  std::uint64_t next_epoch = 0;
+  struct Resume {
+    std::shared_ptr<const BatchPlan> plan;
+    std::uint64_t batch = 0;
+    std::size_t segment_start = 0;
+  };
+  std::optional<Resume> resume;                 // set by restore(), taken by the next begin()
+  std::shared_ptr<const BatchPlan> epoch_plan;  // the live (or last) epoch's plan
+  mutable std::optional<std::uint64_t> epoch_plan_hash;
+  std::size_t segment_start = 0;  // DistributedSampler: see LoaderState
+  std::uint64_t live_epoch = 0;   // the epoch the live iterator runs
+  bool epoch_exhausted = false;   // the live iterator reached the epoch's end
+  bool stopped_mid_epoch = false;  // the last epoch ended early: state() is its position
+  std::int64_t stopped_key = 0;    // streams: the engine's next key when it did
+  // Streams: the resumed epoch's first key. Written before the epoch's workers start; atomic
+  // because a worker abandoned in an earlier epoch's open() may still read it.
+  std::atomic<std::uint64_t> stream_resume_key{0};
+
+  Engine engine;                          // built after, and shut down before, everything it calls into
+  std::unique_ptr<PinStage> pin_stage;    // the engine's consumer when pinning; stops first
+  std::unique_ptr<DeviceStage> device_stage;
+  Route route = Route::Workers;
+  // Device gather: the dataset's fields and their registration (undone after the copy stream has
+  // finished, in ~Parts).
+  std::vector<HostRows> gather_fields;
+  double gather_flip_p = 0;  // the flip a sample draws for the fields' row transforms (RowTransform::flip_p)
+  std::unique_ptr<RowRegistration> registration;
+  bool gathering = false;
+  bool issue_on_pin_thread = false;  // gather or GPU decode: the pin thread issues the device work
+  struct DeviceItem {
+    Payload batch;
+    std::shared_ptr<const EventFence> copied;  // the batch's copy; the consumer waits at hand-over
+    std::exception_ptr error;
+  };
+  std::deque<DeviceItem> device_queue;  // copies issued, not yet delivered (consumer thread)
+  bool device_end = false;
+};
+
+}  // namespace ferry::detail
