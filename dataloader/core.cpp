@@ -110,8 +110,8 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
   Parts& s = *p_;
   const DataLoaderOptions& opt = s.opt;
   if (s.traits.gpu_decode && !opt.device)
-    throw Error("DataLoader: the dataset decodes its images on the GPU (ImageFolderOptions::decode = Gpu), which the "
-                "device stage does: set DataLoaderOptions::device");
+    throw Error("DataLoader: the dataset decodes its images on the GPU (decode=gpu), which the device stage does: set "
+                "DataLoaderOptions::device (--device N in the ferry tool, device= in Python)");
   if (s.traits.gpu_decode && !s.traits.direct)
     throw Error("DataLoader: GPU decode needs the default collate (direct mode); a collate_fn cannot take compressed images");
   if (s.traits.direct && opt.on_error == OnError::Skip && !s.traits.truncatable)

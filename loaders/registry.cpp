@@ -354,6 +354,18 @@ void DatasetRegistry::add(const std::string& name, Factory factory, std::string 
     throw Error("DatasetRegistry: a dataset named '" + name + "' is already registered");
 }
 
+OpenedDataset DatasetRegistry::open(const std::string& name, const std::string& config) const {
+  if (name == "tar") return make_tar_images(DatasetConfig("tar", config));
+  if (name == "image_folder" || name == "tar_index") {
+    const DatasetConfig c(name, config);
+    if (c.str("decode", "cpu") == "gpu") {
+      if (name == "image_folder") return make_image_folder(c);
+      return make_tar_index(c);
+    }
+  }
+  return create(name, config);
+}
+
 DynamicDataset DatasetRegistry::create(const std::string& name, const std::string& config) const {
   Factory f;
   {

@@ -40,9 +40,6 @@ namespace {
 
 // --- datasets -------------------------------------------------------------------------------------
 
-// The labeled-image stream of tar shards (ferry::make_tar_images); each loader takes a copy.
-using TarStream = decltype(ferry::make_tar_images(std::declval<const ferry::DatasetConfig&>()));
-
 // --- Python datasets ------------------------------------------------------------------------------
 //
 // Note [Python datasets]
@@ -294,10 +291,7 @@ class PyBatchSampler final : public ferry::BatchSampler {
 
 struct PyDataset {
   std::string name, config;
-  std::optional<ferry::DynamicDataset> dynamic;
-  std::optional<ferry::ImageFolder> gpu_images;
-  std::optional<ferry::TarImages> gpu_tar;
-  std::optional<TarStream> tar;
+  std::optional<ferry::OpenedDataset> opened;  // ferry's own datasets (DatasetRegistry::open)
   // A Python dataset (Note [Python datasets]).
   std::optional<PyMap> py_map;
   std::optional<PyIter> py_iter;
@@ -305,12 +299,14 @@ struct PyDataset {
   std::shared_ptr<PyBatchSampler> py_sampler;  // null: ferry's own sampler (shuffle, seed)
   Callable py_worker_start;                    // worker_start(id, num_workers, seed) on each worker thread
 
-  bool has_size() const { return !tar && !py_iter; }
+  bool stream() const { return py_iter || (opened && std::holds_alternative<ferry::TarImageStream>(*opened)); }
+  bool has_size() const { return !stream(); }
   std::size_t size() const {
-    if (dynamic) return dynamic->size();
     if (py_map) return py_map->size();
-    if (gpu_images) return gpu_images->size();
-    if (gpu_tar) return gpu_tar->size();
+    if (opened && !stream()) return std::visit([](const auto& d) -> std::size_t {
+      if constexpr (requires { d.size(); }) return d.size();
+      else return 0;
+    }, *opened);
     throw nb::type_error(("dataset '" + name + "' is a stream (tar shards): it has no len()").c_str());
   }
   std::string repr() const { return "ferry.datasets." + name + "(\"" + config + "\")"; }
@@ -320,15 +316,7 @@ PyDataset make_dataset(const std::string& name, const std::string& config) {
   PyDataset d;
   d.name = name;
   d.config = config;
-  if (name == "tar") {
-    d.tar.emplace(ferry::make_tar_images(ferry::DatasetConfig("tar", config)));
-  } else if (name == "image_folder" && ferry::DatasetConfig("image_folder", config).str("decode", "cpu") == "gpu") {
-    d.gpu_images.emplace(ferry::make_image_folder(ferry::DatasetConfig("image_folder", config)));
-  } else if (name == "tar_index" && ferry::DatasetConfig("tar_index", config).str("decode", "cpu") == "gpu") {
-    d.gpu_tar.emplace(ferry::make_tar_index(ferry::DatasetConfig("tar_index", config)));
-  } else {
-    d.dynamic.emplace(ferry::DatasetRegistry::global().create(name, config));
-  }
+  d.opened.emplace(ferry::DatasetRegistry::global().open(name, config));
   return d;
 }
 
@@ -438,12 +426,7 @@ class PyLoader {
       return PyErr_CheckSignals() != 0;  // a handler raised (KeyboardInterrupt): stop waiting
     };
     options.wait_poll_period = std::chrono::milliseconds(50);
-    if (dataset.tar) {
-      if (options.shuffle)  // as PyTorch refuses shuffle for an IterableDataset
-        throw nb::value_error("DataLoader: shuffle=True is not for a stream of tar shards, which decides its own order: "
-                              "ferry.datasets.tar(..., shuffle=True) (the default) shuffles the shards and within a buffer");
-      impl_ = make(*dataset.tar, options);
-    } else if (dataset.py_map || dataset.py_iter) {
+    if (dataset.py_map || dataset.py_iter) {
       // Without workers the dataset runs on this (Python's main) thread, as in PyTorch: no thread
       // handoffs, and Ctrl-C raises KeyboardInterrupt inside the dataset's code, which next()
       // passes on as it is.
@@ -456,13 +439,11 @@ class PyLoader {
         };
       if (dataset.py_map) impl_ = std::make_unique<LoaderOf<PyMap, PyCollate>>(*dataset.py_map, options, *dataset.py_collate);
       else impl_ = std::make_unique<LoaderOf<PyIter, PyCollate>>(*dataset.py_iter, options, *dataset.py_collate);
-    } else if (dataset.gpu_images || dataset.gpu_tar) {
-      if (!options.device)
-        throw ferry::Error("dataset '" + dataset.name + "': decode=gpu needs DataLoader(device=...): the GPU decodes on the device stage");
-      if (dataset.gpu_tar) impl_ = make(*dataset.gpu_tar, options);
-      else impl_ = make(*dataset.gpu_images, options);
     } else {
-      impl_ = make(*dataset.dynamic, options);
+      if (dataset.stream() && options.shuffle)  // as PyTorch refuses shuffle for an IterableDataset
+        throw nb::value_error("DataLoader: shuffle=True is not for a stream of tar shards, which decides its own order: "
+                              "ferry.datasets.tar(..., shuffle=True) (the default) shuffles the shards and within a buffer");
+      impl_ = std::visit([&](const auto& d) { return make(d, options); }, *dataset.opened);
     }
   }
 
@@ -618,35 +599,7 @@ ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int 
 
 nb::dict stats_dict(const ferry::LoaderStats& s) {
   nb::dict d;
-  d["wall_seconds"] = s.wall_seconds;
-  d["batches"] = s.batches;
-  d["batches_per_second"] = s.batches_per_second();
-  d["workers"] = s.workers;
-  d["fetch_seconds"] = s.fetch_seconds;
-  d["transform_seconds"] = s.transform_seconds;
-  d["collate_seconds"] = s.collate_seconds;
-  d["pin_seconds"] = s.pin_seconds;
-  d["copy_seconds"] = s.copy_seconds;
-  d["decode_seconds"] = s.decode_seconds;
-  d["decode_threads"] = s.decode_threads;
-  d["images_decoded"] = s.images_decoded;
-  d["gather_seconds"] = s.gather_seconds;
-  d["rows_gathered"] = s.rows_gathered;
-  d["device_gather"] = s.device_gather;
-  d["wait_seconds"] = s.wait_seconds;
-  d["pinning"] = s.pinning;
-  d["device"] = s.device;
-  d["numa_node"] = s.numa_node;
-  d["samples_skipped"] = s.samples_skipped;
-  d["samples_replaced"] = s.samples_replaced;
-  d["data_errors"] = s.data_errors;
-  d["io_errors"] = s.io_errors;
-  d["stuck_samples"] = s.stuck_samples;
-  d["io_retries"] = s.io_retries;
-  d["timeouts"] = s.timeouts;
-  d["abandoned_workers"] = s.abandoned_workers;
-  d["first_errors"] = s.first_errors;
-  d["bottleneck"] = s.bottleneck();
+  s.for_each([&](const char* name, const auto& value) { d[name] = value; });  // the one list: LoaderStats::for_each
   d["report"] = s.report();
   return d;
 }
@@ -655,11 +608,12 @@ nb::dict stats_dict(const ferry::LoaderStats& s) {
 // the tests compare the Python loader's tensors with.
 std::vector<std::vector<nb::bytes>> reference_batches(const PyDataset& dataset, const ferry::DataLoaderOptions& options,
                                                       std::uint64_t epoch) {
-  if (!dataset.dynamic) throw ferry::Error("_reference_batches: registry datasets only");
+  const auto* dynamic = dataset.opened ? std::get_if<ferry::DynamicDataset>(&*dataset.opened) : nullptr;
+  if (!dynamic) throw ferry::Error("_reference_batches: registry datasets only");
   std::vector<std::vector<ferry::Tensor>> batches;
   {
     nb::gil_scoped_release nogil;
-    ferry::DataLoader loader(*dataset.dynamic, options);
+    ferry::DataLoader loader(*dynamic, options);
     loader.set_epoch(epoch);
     for (std::vector<ferry::Tensor>& b : loader) batches.push_back(std::move(b));
   }
@@ -693,10 +647,11 @@ double cpp_seconds(const PyDataset& dataset, const ferry::DataLoaderOptions& opt
     }
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
-  if (dataset.gpu_images) return run(ferry::DataLoader(*dataset.gpu_images, options));
-  if (dataset.gpu_tar) return run(ferry::DataLoader(*dataset.gpu_tar, options));
-  if (dataset.dynamic) return run(ferry::DataLoader(*dataset.dynamic, options));
-  throw ferry::Error("cpp_seconds: map-style datasets only");
+  if (!dataset.opened || dataset.stream()) throw ferry::Error("cpp_seconds: ferry's map-style datasets only");
+  return std::visit([&](const auto& d) -> double {
+    if constexpr (std::is_same_v<std::decay_t<decltype(d)>, ferry::TarImageStream>) return 0;  // refused above
+    else return run(ferry::DataLoader(d, options));
+  }, *dataset.opened);
 }
 
 // --- exceptions -----------------------------------------------------------------------------------

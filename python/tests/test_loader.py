@@ -106,7 +106,7 @@ def test_tar_indexed(tar_dir):
     assert again == [y.tolist() for _, y in batches]  # the same order with any number of workers
     with pytest.raises(ValueError, match="index=True"):
         ferry.datasets.tar(dir=str(tar_dir), mean=0.5)
-    with pytest.raises(ferry.Error, match="needs DataLoader\\(device"):
+    with pytest.raises(ferry.Error, match="decodes its images on the GPU.*device= in Python"):
         ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), size=16, random_crop=True, decode="gpu"), batch_size=4)
 
 

@@ -25,6 +25,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <variant>
 #include <vector>
 
 #include <unistd.h>
@@ -138,32 +139,19 @@ void add_loader_flags(CLI::App& app, Flags& f) {
 
 // --- datasets -----------------------------------------------------------------------------------
 
-// Calls fn(loader) with a loader over the named dataset.
+// Calls fn(loader) with a loader over the named dataset (DatasetRegistry::open).
 template <class Fn>
 auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
   auto& registry = ferry::DatasetRegistry::global();
   for (const auto& p : f.plugins) registry.load_plugin(p);
-  if (f.dataset == "tar") {
+  ferry::OpenedDataset opened = registry.open(f.dataset, f.config);
+  return std::visit([&](auto& dataset) {
     DataLoaderOptions so = o;
-    so.shuffle = false;  // a stream: the shard order is shuffled by the dataset
-    ferry::DataLoader loader(ferry::make_tar_images(ferry::DatasetConfig("tar", f.config)), so);
+    if constexpr (std::is_same_v<std::decay_t<decltype(dataset)>, ferry::TarImageStream>)
+      so.shuffle = false;  // a stream: the dataset shuffles its shard order itself
+    ferry::DataLoader loader(std::move(dataset), so);
     return fn(loader);
-  }
-  if (f.dataset == "image_folder" || f.dataset == "tar_index") {
-    const ferry::DatasetConfig config(f.dataset, f.config);
-    if (config.str("decode", "cpu") == "gpu") {
-      // GPU decode runs in the loader's direct mode: the typed dataset, batches as LabeledBatch.
-      if (!o.device) throw ferry::Error("dataset '" + f.dataset + "': decode=gpu needs --device N");
-      if (f.dataset == "tar_index") {
-        ferry::DataLoader loader(ferry::make_tar_index(config), o);
-        return fn(loader);
-      }
-      ferry::DataLoader loader(ferry::make_image_folder(config), o);
-      return fn(loader);
-    }
-  }
-  ferry::DataLoader loader(registry.create(f.dataset, f.config), o);
-  return fn(loader);
+  }, opened);
 }
 
 // Calls fn(tensor) for each tensor of a batch, whichever batch type the loader delivers.
@@ -272,6 +260,13 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
   return r;
 }
 
+// Every LoaderStats field and derived value, by the library's names (LoaderStats::for_each).
+nlohmann::json stats_json(const ferry::LoaderStats& s) {
+  nlohmann::json j = nlohmann::json::object();
+  s.for_each([&](const char* name, const auto& value) { j[name] = value; });
+  return j;
+}
+
 nlohmann::json to_json(const Run& r, const Flags& f) {
   const auto& s = r.stats;
   return {{"dataset", f.dataset},
@@ -288,18 +283,7 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
           {"samples_per_second", r.samples_per_second()},
           {"mb_per_second", r.mb_per_second()},
           {"data_errors", r.errors},
-          {"faults",
-           {{"skipped", s.samples_skipped}, {"replaced", s.samples_replaced}, {"io_retries", s.io_retries},
-            {"timeouts", s.timeouts}, {"abandoned_workers", s.abandoned_workers}}},
-          {"stage_seconds",
-           {{"fetch", s.fetch_seconds}, {"transform", s.transform_seconds}, {"collate", s.collate_seconds},
-            {"pin", s.pin_seconds}, {"copy", s.copy_seconds}, {"decode", s.decode_seconds}, {"consumer_wait", s.wait_seconds}}},
-          {"busy",
-           {{"workers", s.workers_busy()}, {"pin", s.pin_busy()}, {"copy", s.copy_busy()}, {"decode", s.decode_busy()},
-            {"gather", s.gather_busy()}, {"consumer", s.consumer_busy()}}},
-          {"images_decoded_on_device", s.images_decoded},
-          {"device_gather", s.device_gather},
-          {"rows_gathered", s.rows_gathered},
+          {"stats", stats_json(s)},
           {"object_store",
            {{"requests", r.store.requests}, {"bytes", r.store.bytes}, {"retries", r.store.retries}, {"hedges", r.store.hedges},
             {"hedges_won", r.store.hedges_won}}},

@@ -23,6 +23,7 @@ class PinnedPool;  // ferry/pinning/pool.h
 
 /// Loader options, named and defaulted as torch.utils.data.DataLoader's.
 struct DataLoaderOptions {
+  /// Samples per batch (a stream's last batch may be smaller unless drop_last).
   std::size_t batch_size = 1;
   /// A seeded RandomSampler (seed, epoch); excludes `sampler`.
   bool shuffle = false;
@@ -33,6 +34,7 @@ struct DataLoaderOptions {
   /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning;
   /// on a helper thread while the consumer runs `wait_poll`, so an interruption ends its wait).
   int num_workers = 0;
+  /// Drop the epoch's last batch when it is smaller than batch_size.
   bool drop_last = false;
   /// Longest a batch may take in a worker while the consumer waits for data; 0: no limit. A worker
   /// stuck longer is abandoned and replaced (see "Timeouts" in ferry/core/dataloader.h). With
@@ -51,6 +53,7 @@ struct DataLoaderOptions {
   /// Retries of a transient I/O error (IoError::transient()) before it counts, with a backoff of
   /// io_retry_backoff, doubling each time.
   int io_retries = 3;
+  /// The first retry's wait (then 2x, 4x, ...).
   std::chrono::milliseconds io_retry_backoff{10};
   /// Called for every skipped or replaced sample, on the worker thread that met it, one call at a
   /// time. May throw: that fails the batch.
@@ -82,6 +85,7 @@ struct DataLoaderOptions {
   /// buffers and the pin thread copies each batch with pin_threads threads). A custom collate_fn
   /// that allocates its own tensors is copied in either mode.
   enum class PinMode { Copy, Direct };
+  /// Direct by default (see PinMode).
   PinMode pin_mode = PinMode::Direct;
   /// Hard budget of the pinned pool, in bytes; producers wait when it is reached. Unset, the budget
   /// starts at kDefaultPinnedMemoryLimit and grows once, at the first batch, to hold every batch
@@ -151,6 +155,7 @@ struct DataLoaderOptions {
   /// num_workers = 0 the batch is then made on a helper thread the consumer polls. Empty: the
   /// consumer sleeps until its batch is ready.
   std::function<bool()> wait_poll;
+  /// How often wait_poll is called while the consumer waits (at least 1 ms).
   std::chrono::milliseconds wait_poll_period{50};
   /// Threads that work on one batch: its samples are fetched (get / get_into) in that many
   /// parallel parts and large collate copies (>= 4 MiB) are split, on one oneTBB arena of

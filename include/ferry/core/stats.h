@@ -65,6 +65,49 @@ struct LoaderStats {
   std::string bottleneck() const;
   /// A human-readable table of the above (with a faults section when there were any).
   std::string report() const;
+
+  /// Calls fn(name, value) for every field above, then the derived values (batches_per_second,
+  /// the *_busy fractions, bottleneck): the one list the Python module's stats() dict and the
+  /// `ferry` tool's JSON are made from (a test checks that every field is here). Values are
+  /// double, int, std::uint64_t, bool, std::string or std::vector<std::string>.
+  template <class Fn>
+  void for_each(Fn&& fn) const {
+    fn("wall_seconds", wall_seconds);
+    fn("batches", batches);
+    fn("workers", workers);
+    fn("fetch_seconds", fetch_seconds);
+    fn("transform_seconds", transform_seconds);
+    fn("collate_seconds", collate_seconds);
+    fn("pin_seconds", pin_seconds);
+    fn("copy_seconds", copy_seconds);
+    fn("decode_seconds", decode_seconds);
+    fn("decode_threads", decode_threads);
+    fn("images_decoded", images_decoded);
+    fn("gather_seconds", gather_seconds);
+    fn("rows_gathered", rows_gathered);
+    fn("device_gather", device_gather);
+    fn("wait_seconds", wait_seconds);
+    fn("pinning", pinning);
+    fn("device", device);
+    fn("numa_node", numa_node);
+    fn("samples_skipped", samples_skipped);
+    fn("samples_replaced", samples_replaced);
+    fn("data_errors", data_errors);
+    fn("io_errors", io_errors);
+    fn("stuck_samples", stuck_samples);
+    fn("io_retries", io_retries);
+    fn("timeouts", timeouts);
+    fn("abandoned_workers", abandoned_workers);
+    fn("first_errors", first_errors);
+    fn("batches_per_second", batches_per_second());
+    fn("workers_busy", workers_busy());
+    fn("pin_busy", pin_busy());
+    fn("copy_busy", copy_busy());
+    fn("decode_busy", decode_busy());
+    fn("gather_busy", gather_busy());
+    fn("consumer_busy", consumer_busy());
+    fn("bottleneck", bottleneck());
+  }
 };
 
 }  // namespace ferry

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "ferry/core/dataset.h"
@@ -91,6 +92,15 @@ inline auto make_tar_images(const DatasetConfig& config) {
   });
 }
 
+/// The stream "tar" opens (make_tar_images).
+using TarImageStream = decltype(make_tar_images(std::declval<const DatasetConfig&>()));
+
+/// A named dataset as the loader takes it: a map-style DynamicDataset (every registered name), the
+/// labeled-image stream of "tar", or, with decode=gpu, the typed ImageFolder ("image_folder") or
+/// TarImages ("tar_index") whose batches the device decodes (the loader's direct mode). Use with
+/// std::visit: `std::visit([&](auto& ds) { ferry::DataLoader loader(std::move(ds), options); ... }, opened)`.
+using OpenedDataset = std::variant<DynamicDataset, TarImageStream, ImageFolder, TarImages>;
+
 class DatasetRegistry {
  public:
   using Factory = std::function<DynamicDataset(const DatasetConfig&)>;
@@ -103,6 +113,9 @@ class DatasetRegistry {
   void add(const std::string& name, Factory factory, std::string help = {});
   /// Creates dataset `name` from a "key=value,..." string.
   DynamicDataset create(const std::string& name, const std::string& config = {}) const;
+  /// Opens dataset `name` the way the loader takes it (OpenedDataset): what the `ferry` tool and
+  /// the Python module call, so that neither dispatches by hand.
+  OpenedDataset open(const std::string& name, const std::string& config = {}) const;
   bool contains(const std::string& name) const;
   /// Registered names, sorted.
   std::vector<std::string> names() const;
