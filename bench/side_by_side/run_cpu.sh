@@ -5,7 +5,7 @@
 # Usage: bench/side_by_side/run_cpu.sh [out.md]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out=${1:-bench/results/cpu-side-by-side.md}
+out=${1:-bench/archive/results/cpu-side-by-side.md}
 scripts/install-deps.sh >/dev/null
 for p in python3-torch libtorch-dev; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="${missing:-} $p"

@@ -1,8 +1,14 @@
-# Extracts every ```cpp block of README.md, in order, into one translation unit, so that a test
-# compiles what the README shows. Blocks are pasted at namespace scope: each must be declarations
-# (functions, types, specializations), with statements inside functions.
-function(ferry_readme_snippets readme out)
-  file(READ ${readme} text)
+# Extracts every ```cpp block of the given Markdown files (README.md, docs/guide.md), in order,
+# into one translation unit, so that a test compiles what the documentation shows. Blocks are
+# pasted at namespace scope: each must be declarations (functions, types, specializations), with
+# statements inside functions.
+function(ferry_readme_snippets out)
+  set(text "")
+  foreach(page IN LISTS ARGN)
+    file(READ ${page} page_text)
+    string(APPEND text "${page_text}\n")
+    set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${page})
+  endforeach()
   set(code "// Generated from README.md by tests/examples/readme_snippets.cmake. Do not edit.\n#include <ferry/ferry.h>\n#include <cstdio>\n#include <fstream>\n")
   set(count 0)
   while(TRUE)
@@ -22,6 +28,5 @@ function(ferry_readme_snippets readme out)
   string(APPEND code "\nint main() { return 0; }\n")
   file(WRITE ${out}.tmp "${code}")
   file(COPY_FILE ${out}.tmp ${out} ONLY_IF_DIFFERENT)
-  set_property(DIRECTORY APPEND PROPERTY CMAKE_CONFIGURE_DEPENDS ${readme})
-  message(STATUS "ferry: ${count} README snippets compiled by test_readme")
+  message(STATUS "ferry: ${count} snippets of README.md and docs/ compiled by test_readme")
 endfunction()
