@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
   const auto stream = [&](const std::vector<std::string>& paths) {
     return [&, paths] {
       TarShardsOptions so;
-      const TarImageOptions tio{.transform = io.transform};
+      const TarRecordDecodeOptions tio{.transform = io.transform};
       auto ds = TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, tio, ctx.rng()); });
       DataLoaderOptions so2 = o;
       so2.shuffle = false;

@@ -71,7 +71,9 @@ struct LoaderCore::Parts {
   std::shared_ptr<const DistributedSampler> distributed() const;
   std::shared_ptr<const BatchPlan> plan_of(std::uint64_t epoch, std::size_t segment_start) const;
   // The error policy (policy.cpp).
-  std::exception_ptr attempt(std::size_t row, std::size_t i, JobContext& ctx, StageMeter* meter, const SampleFn& fn);
+  /// Tries fn on sample i, the first try counted as try `first` (for the backoff and io_retries).
+  std::exception_ptr attempt(std::size_t row, std::size_t i, JobContext& ctx, StageMeter* meter, const SampleFn& fn,
+                             int first = 0);
   bool fetch_row(const Job& job, JobContext& ctx, std::size_t r, std::size_t row, StageMeter* meter, const SampleFn& fn,
                  std::size_t* used);
 

@@ -36,8 +36,8 @@ Rows check_not_empty(const Job& job, Rows rows) {
 // Fetches sample i into `row` through fn(row, i, sc), retrying transient I/O errors; returns the
 // error that remains, if any.
 std::exception_ptr LoaderCore::Parts::attempt(std::size_t row, std::size_t i, JobContext& ctx, StageMeter* meter,
-                                              const SampleFn& fn) {
-  for (int a = 0;; ++a) {
+                                              const SampleFn& fn, int first) {
+  for (int a = first;; ++a) {
     SampleContext sc(i, opt.seed, ctx.worker.epoch, ctx.worker, meter);
     try {
       fn(row, i, sc);
@@ -100,6 +100,19 @@ bool LoaderCore::Parts::fetch_row(const Job& job, JobContext& ctx, std::size_t r
   report.action = SampleError::Action::Skipped;
   faults.report(report);
   return false;
+}
+
+bool LoaderCore::simple_policy(const Job& job) const noexcept {
+  return p_->opt.on_error == OnError::Raise && !p_->pool && !job.stuck;
+}
+
+void LoaderCore::retry_sample(std::size_t row, std::size_t index, JobContext& ctx, const SampleFn& fn) {
+  Parts& s = *p_;
+  std::exception_ptr e = std::current_exception();
+  if (s.opt.io_retries <= 0 || ctx.cancelled() || !is_transient(e)) std::rethrow_exception(e);
+  s.faults.count_retry();
+  std::this_thread::sleep_for(s.opt.io_retry_backoff);
+  if (std::exception_ptr left = s.attempt(row, index, ctx, &ctx.stage, fn, 1)) std::rethrow_exception(left);
 }
 
 Rows LoaderCore::for_each_sample(const Job& job, JobContext& ctx, bool compact, const SampleFn& fn) {

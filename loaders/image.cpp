@@ -642,19 +642,19 @@ void encoded_row_into(const loaders::ImageRows& rows, std::span<const std::byte>
     std::memcpy(&b, &v, sizeof b);
     return static_cast<std::int64_t>(b);
   };
-  r[0] = static_cast<std::int64_t>(row * rows.slot);
-  r[1] = static_cast<std::int64_t>(bytes.size());
-  r[2] = h;
-  r[3] = w;
-  axis(r + 4, plan->y);
-  axis(r + 11, plan->x);
-  r[18] = plan->channels;
-  r[19] = plan->round;
-  r[20] = detail::pass_output_of(plan->out_dtype);  // UInt8 unless to_float
-  r[30] = plan->channels_last;
+  r[detail::EncodedRow::kOffset] = static_cast<std::int64_t>(row * rows.slot);
+  r[detail::EncodedRow::kBytes] = static_cast<std::int64_t>(bytes.size());
+  r[detail::EncodedRow::kHeight] = h;
+  r[detail::EncodedRow::kWidth] = w;
+  axis(r + detail::EncodedRow::kAxisY, plan->y);
+  axis(r + detail::EncodedRow::kAxisX, plan->x);
+  r[detail::EncodedRow::kChannels] = plan->channels;
+  r[detail::EncodedRow::kRound] = plan->round;
+  r[detail::EncodedRow::kOutput] = detail::pass_output_of(plan->out_dtype);  // UInt8 unless to_float
+  r[detail::EncodedRow::kChannelsLast] = plan->channels_last;
   for (int c = 0; c < 4; ++c) {
-    r[21 + c] = bits(plan->a[c]);
-    r[25 + c] = bits(plan->b[c]);
+    r[detail::EncodedRow::kScale + c] = bits(plan->a[c]);
+    r[detail::EncodedRow::kShift + c] = bits(plan->b[c]);
   }
   batch.label.data<std::int64_t>()[row] = label;
 }

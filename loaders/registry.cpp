@@ -355,7 +355,7 @@ void DatasetRegistry::add(const std::string& name, Factory factory, std::string 
 }
 
 OpenedDataset DatasetRegistry::open(const std::string& name, const std::string& config) const {
-  if (name == "tar") return make_tar_images(DatasetConfig("tar", config));
+  if (name == "tar") return make_tar_stream(DatasetConfig("tar", config));
   if (name == "image_folder" || name == "tar_index") {
     const DatasetConfig c(name, config);
     if (c.str("decode", "cpu") == "gpu") {

@@ -401,7 +401,7 @@ std::int64_t parse_label(std::span<const std::byte> bytes, const std::string& sh
 }
 }  // namespace
 
-LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOptions& options, Generator& rng) {
+LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecodeOptions& options, Generator& rng) {
   const std::vector<std::byte>* image = nullptr;
   std::string field;
   for (const std::string& f : options.image_fields) {

@@ -179,13 +179,13 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     const std::size_t bytes_out = DeviceStage::decoded_bytes(index);
     if (used + align_up(bytes_out) > cur_size) throw Error("DeviceStage::decode_images: more than begin() reserved");
     const std::int64_t* row = index.data<std::int64_t>();
-    const std::int64_t rows = index.size(0), OH = row[8], OW = row[15], C = row[18];
-    const std::int64_t kind = row[20];
+    const std::int64_t rows = index.size(0), OH = row[detail::EncodedRow::kOutHeight], OW = row[detail::EncodedRow::kOutWidth], C = row[detail::EncodedRow::kChannels];
+    const std::int64_t kind = row[detail::EncodedRow::kOutput];
     const DType dtype = kind == detail::kPassFloat32   ? DType::Float32
                         : kind == detail::kPassFloat16 ? DType::Float16
                         : kind == detail::kPassBFloat16 ? DType::BFloat16
                                                         : DType::UInt8;
-    const bool chw = kind != detail::kPassUInt8 && row[30] == 0;
+    const bool chw = kind != detail::kPassUInt8 && row[detail::EncodedRow::kChannelsLast] == 0;
     const Shape shape = chw ? Shape{rows, C, OH, OW} : Shape{rows, OH, OW, C};
     Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), dtype, shape, used);
     decodes.push_back({bytes, index, index_dev.data<std::int64_t>(), used});
@@ -418,8 +418,8 @@ Tensor DeviceStage::decode_images(const Tensor& bytes, const Tensor& index, cons
 std::size_t DeviceStage::decoded_bytes(const Tensor& index) {
   if (!index.defined() || index.dim() != 2 || index.size(1) != detail::kEncodedIndexWords || index.size(0) == 0) return 0;
   const std::int64_t* row = index.data<std::int64_t>();
-  const std::int64_t element = row[20] == detail::kPassFloat32 ? 4 : row[20] == detail::kPassUInt8 ? 1 : 2;
-  return static_cast<std::size_t>(index.size(0) * row[8] * row[15] * row[18] * element);
+  const std::int64_t element = row[detail::EncodedRow::kOutput] == detail::kPassFloat32 ? 4 : row[detail::EncodedRow::kOutput] == detail::kPassUInt8 ? 1 : 2;
+  return static_cast<std::size_t>(index.size(0) * row[detail::EncodedRow::kOutHeight] * row[detail::EncodedRow::kOutWidth] * row[detail::EncodedRow::kChannels] * element);
 }
 
 bool DeviceStage::can_decode_images() noexcept { return detail::gpu_decode_built(); }

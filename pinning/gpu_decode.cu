@@ -49,20 +49,25 @@ struct Plan {  // one image's index row, as the kernel reads it
   float a[4], b[4];
 };
 
+// c0, L0, R, c1, N, resized, flip: ImagePassPlan::Axis as the worker wrote it (image.cpp).
+__device__ PassAxis read_axis(const std::int64_t* a) {
+  return {a[0], a[1], a[2], a[3], a[4], static_cast<int>(a[5]), static_cast<int>(a[6])};
+}
+
 __device__ Plan read_plan(const std::int64_t* row) {
   Plan p;
-  p.height = row[2];
-  p.width = row[3];
-  p.y = {row[4], row[5], row[6], row[7], row[8], static_cast<int>(row[9]), static_cast<int>(row[10])};
-  p.x = {row[11], row[12], row[13], row[14], row[15], static_cast<int>(row[16]), static_cast<int>(row[17])};
-  p.channels = static_cast<int>(row[18]);
-  p.round = static_cast<int>(row[19]);
-  p.kind = static_cast<int>(row[20]);
+  p.height = row[EncodedRow::kHeight];
+  p.width = row[EncodedRow::kWidth];
+  p.y = read_axis(row + EncodedRow::kAxisY);
+  p.x = read_axis(row + EncodedRow::kAxisX);
+  p.channels = static_cast<int>(row[EncodedRow::kChannels]);
+  p.round = static_cast<int>(row[EncodedRow::kRound]);
+  p.kind = static_cast<int>(row[EncodedRow::kOutput]);
   for (int c = 0; c < 4; ++c) {
-    p.a[c] = __int_as_float(static_cast<int>(row[21 + c]));
-    p.b[c] = __int_as_float(static_cast<int>(row[25 + c]));
+    p.a[c] = __int_as_float(static_cast<int>(row[EncodedRow::kScale + c]));
+    p.b[c] = __int_as_float(static_cast<int>(row[EncodedRow::kShift + c]));
   }
-  p.scratch = row[29];
+  p.scratch = row[EncodedRow::kScratch];
   return p;
 }
 
@@ -369,7 +374,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     std::size_t needed = 0;
     for (int r = 0; r < rows; ++r) {
       const std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
-      needed = std::max(needed, static_cast<std::size_t>(row[29]) + static_cast<std::size_t>(row[2] * row[3] * 3));
+      needed = std::max(needed, static_cast<std::size_t>(row[EncodedRow::kScratch]) + static_cast<std::size_t>(row[EncodedRow::kHeight] * row[EncodedRow::kWidth] * 3));
     }
     if (needed > c.scratch_size) {  // Note [Decode memory]: no device synchronization
       check_cuda(cudaStreamSynchronize(c.stream), "draining the decode stream before its scratch grows");
@@ -388,10 +393,10 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     for (int r = 0; r < rows; ++r) {
       const std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
       const auto i = static_cast<std::size_t>(r);
-      c.data[i] = reinterpret_cast<const unsigned char*>(base + row[0]);
-      c.lengths[i] = static_cast<std::size_t>(row[1]);
-      c.images[i].channel[0] = static_cast<unsigned char*>(c.scratch) + row[29];
-      c.images[i].pitch[0] = static_cast<unsigned int>(row[3] * 3);
+      c.data[i] = reinterpret_cast<const unsigned char*>(base + row[EncodedRow::kOffset]);
+      c.lengths[i] = static_cast<std::size_t>(row[EncodedRow::kBytes]);
+      c.images[i].channel[0] = static_cast<unsigned char*>(c.scratch) + row[EncodedRow::kScratch];
+      c.images[i].pitch[0] = static_cast<unsigned int>(row[EncodedRow::kWidth] * 3);
     }
     nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
     if (rows != c.initialized_rows) {
@@ -445,8 +450,8 @@ std::size_t lay_out_decode_scratch(std::int64_t* index, int rows) {
   std::size_t total = 0;
   for (int r = 0; r < rows; ++r) {
     std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
-    row[29] = static_cast<std::int64_t>(total);
-    total += (static_cast<std::size_t>(row[2]) * static_cast<std::size_t>(row[3]) * 3 + 255) / 256 * 256;
+    row[EncodedRow::kScratch] = static_cast<std::int64_t>(total);
+    total += (static_cast<std::size_t>(row[EncodedRow::kHeight]) * static_cast<std::size_t>(row[EncodedRow::kWidth]) * 3 + 255) / 256 * 256;
   }
   return total;
 }

@@ -54,7 +54,7 @@ struct PinStage::State {
             pin(item.payload, batch);
           } catch (...) {
             item.payload = Payload();
-            item.error = wrap_current_exception(-2, batches.load(), {}, Stage::Pin, std::nullopt, false);
+            item.error = wrap_current_exception(WorkerError::kPinThread, batches.load(), {}, Stage::Pin, std::nullopt, false);
           }
         }
       } catch (...) {

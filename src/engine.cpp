@@ -82,7 +82,7 @@ std::string describe_indices(std::span<const std::size_t> indices, const char* n
 }
 
 std::string worker_name(int worker) {
-  if (worker == -2) return "the pin thread";
+  if (worker == WorkerError::kPinThread) return "the pin thread";
   return worker < 0 ? std::string("the consumer thread (num_workers=0)") : "worker " + std::to_string(worker);
 }
 

@@ -85,17 +85,17 @@ class DataLoader {
 
   /// Throws ferry::Error naming the option when the options contradict each other.
   explicit DataLoader(Dataset dataset, DataLoaderOptions options = {}, CollateFn collate_fn = {})
-      : state_(std::make_shared<State>(std::move(dataset), std::move(options), std::move(collate_fn))) {}
+      : typed_(std::make_shared<Typed>(std::move(dataset), std::move(options), std::move(collate_fn))) {}
   /// Stops the pipeline: joins every worker, or abandons one stuck past `timeout` (which keeps
   /// shared ownership of the loader's state until its call returns, if ever).
   ~DataLoader() {
-    if (state_) state_->core.stop();
+    if (typed_) typed_->core.stop();
   }
   DataLoader(DataLoader&&) noexcept = default;
   DataLoader& operator=(DataLoader&& o) noexcept {
     if (this != &o) {
-      if (state_) state_->core.stop();
-      state_ = std::move(o.state_);
+      if (typed_) typed_->core.stop();
+      typed_ = std::move(o.typed_);
     }
     return *this;
   }
@@ -103,7 +103,7 @@ class DataLoader {
   struct sentinel {};
 
  private:
-  struct State;
+  struct Typed;
 
  public:
   /// Input iterator over one epoch's batches. Move-only.
@@ -160,8 +160,8 @@ class DataLoader {
 
   /// Starts the next epoch. Throws ferry::Error if an iterator of this loader is still live.
   iterator begin() {
-    state_->core.begin_epoch();
-    return iterator(&state_->core);
+    typed_->core.begin_epoch();
+    return iterator(&typed_->core);
   }
   sentinel end() const noexcept { return {}; }
 
@@ -169,7 +169,7 @@ class DataLoader {
   std::size_t size() const {
     if constexpr (kStreaming && !requires(const Dataset& d) { { d.size() } -> std::convertible_to<std::size_t>; })
       throw Error("DataLoader::size(): the iterable dataset has no size()");
-    return state_->core.batches_per_epoch();
+    return typed_->core.batches_per_epoch();
   }
   /// Where the loader stands, to save with a checkpoint (ferry/core/state.h): during an epoch, and
   /// after an epoch left early (its iterator destroyed mid-epoch, as by `break`) until the next
@@ -177,46 +177,46 @@ class DataLoader {
   /// (prefetched batches do not count); between epochs, the start of the epoch the next begin()
   /// runs. Costs one epoch plan between epochs. A stream's mid-epoch state needs in_order and
   /// on_error = Raise (ferry::Error otherwise: its position is not a function of the batch count).
-  LoaderState state() const { return state_->core.save_state(); }
+  LoaderState state() const { return typed_->core.save_state(); }
   /// The next begin() continues where `state` stood: its epoch, from the batch after the last one
   /// received, with no consumed sample fetched again. Any num_workers, prefetch, pinning or device.
   /// ferry::Error names what differs when the state is not this loader's (seed, dataset size, the
   /// epoch's batches, rank), and while an iterator is live.
-  void restore(const LoaderState& state) { state_->core.restore_state(state); }
+  void restore(const LoaderState& state) { typed_->core.restore_state(state); }
   /// The epoch the next begin() starts (0, 1, 2, ... by default).
-  std::uint64_t next_epoch() const noexcept { return state_->core.next_epoch(); }
+  std::uint64_t next_epoch() const noexcept { return typed_->core.next_epoch(); }
   /// Sets the epoch the next begin() starts: resume or replay an epoch exactly.
-  void set_epoch(std::uint64_t epoch) noexcept { state_->core.set_epoch(epoch); }
-  const Dataset& dataset() const noexcept { return *state_->dataset; }
-  const DataLoaderOptions& options() const noexcept { return state_->core.options(); }
+  void set_epoch(std::uint64_t epoch) noexcept { typed_->core.set_epoch(epoch); }
+  const Dataset& dataset() const noexcept { return *typed_->dataset; }
+  const DataLoaderOptions& options() const noexcept { return typed_->core.options(); }
   /// Whether batches are written by the dataset's get_into (no collate copy).
   static constexpr bool direct() noexcept { return kDirect; }
   /// Whether batches are delivered in pinned memory (pin_memory and a usable pool).
-  bool pinned() const noexcept { return state_->core.pinned(); }
+  bool pinned() const noexcept { return typed_->core.pinned(); }
   /// The pinned pool, or null when not pinning.
-  const std::shared_ptr<PinnedPool>& pinned_pool() const noexcept { return state_->core.pinned_pool(); }
+  const std::shared_ptr<PinnedPool>& pinned_pool() const noexcept { return typed_->core.pinned_pool(); }
   /// The device stage (its streams and statistics), or null without `device`.
-  const DeviceStage* device_stage() const noexcept { return state_->core.device_stage(); }
+  const DeviceStage* device_stage() const noexcept { return typed_->core.device_stage(); }
   /// Where the loader's time went since the first begin() or reset_stats(): per-stage seconds,
   /// how busy each stage was, and the bottleneck (ferry/core/stats.h).
-  LoaderStats stats() const { return state_->core.stats(); }
+  LoaderStats stats() const { return typed_->core.stats(); }
   /// Starts the statistics afresh (e.g. after a warm-up epoch).
-  void reset_stats() { state_->core.reset_stats(); }
+  void reset_stats() { typed_->core.reset_stats(); }
   /// The stream device batches are ordered on: launch work on it (null without `device`).
-  const cuda::Stream* stream() const noexcept { return state_->core.stream(); }
+  const cuda::Stream* stream() const noexcept { return typed_->core.stream(); }
 
  private:
   // The typed half: the engine's workers call produce(); the route calls walk() and from_fields().
   // Shared with abandoned workers (Note [Abandoned workers]), which keep it alive.
-  struct State final : detail::Producer, detail::TypedBatches, std::enable_shared_from_this<State> {
-    State(Dataset d, DataLoaderOptions o, CollateFn c)
+  struct Typed final : detail::Producer, detail::TypedBatches, std::enable_shared_from_this<Typed> {
+    Typed(Dataset d, DataLoaderOptions o, CollateFn c)
         : dataset(std::make_shared<const Dataset>(std::move(d))), collate_fn(std::move(c)), core(std::move(o), traits(*dataset), *this, *this) {
       std::vector<HostRows> fields;
       std::optional<std::string> refused;
       if constexpr (!kStreaming) refused = detail::gather_unavailable<Dataset, Batch>(core.options(), kDefaultCollate, *dataset, fields);
       core.build_route(std::move(fields), std::move(refused));
     }
-    ~State() override { core.stop(); }  // the workers call into this object: gone before it is
+    ~Typed() override { core.stop(); }  // the workers call into this object: gone before it is
 
     static detail::LoaderTraits traits(const Dataset& ds) {
       detail::LoaderTraits t;
@@ -268,7 +268,7 @@ class DataLoader {
       if constexpr (PrefetchDataset<Dataset>) ds.prefetch(idx);  // a hint: errors surface per sample
       if constexpr (kDirect) {
         Batch batch = ds.make_batch(idx.size(), core.allocator());
-        const detail::Rows rows = core.for_each_sample(job, ctx, true, [&](std::size_t row, std::size_t i, SampleContext& sc) {
+        const detail::Rows rows = for_each_sample(job, ctx, true, [&](std::size_t row, std::size_t i, SampleContext& sc) {
           ds.get_into(i, batch, row, sc);
         });
         if (!rows.complete) return {};
@@ -293,7 +293,7 @@ class DataLoader {
         }
         if (!fetched) {
           std::vector<std::optional<Sample>> slots(idx.size());
-          const detail::Rows rows = core.for_each_sample(job, ctx, false, [&](std::size_t row, std::size_t i, SampleContext& sc) {
+          const detail::Rows rows = for_each_sample(job, ctx, false, [&](std::size_t row, std::size_t i, SampleContext& sc) {
             slots[row].emplace(fetch(ds, i, sc));
           });
           if (!rows.complete) return {};
@@ -306,6 +306,31 @@ class DataLoader {
         ctx.stage.enter(Stage::Collate);
         return detail::Payload::make(collate_samples(std::move(samples), idx));
       }
+    }
+
+    // fn(row, index, ctx) for every sample of the batch under the error policy. The common case
+    // (on_error = Raise, one thread a batch) runs here, inline; a sample that throws, and every
+    // other case, go to the compiled policy (LoaderCore::for_each_sample, retry_sample).
+    template <class Fn>
+    detail::Rows for_each_sample(const detail::Job& job, detail::JobContext& ctx, bool compact, Fn&& fn) {
+      if (!core.simple_policy(job)) return core.for_each_sample(job, ctx, compact, fn);
+      const DataLoaderOptions& opt = core.options();
+      const std::span<const std::size_t> idx = job.indices;
+      ctx.stage.enter(Stage::Fetch);
+      for (std::size_t r = 0; r < idx.size(); ++r) {
+        if (ctx.cancelled()) return {false, r};
+        const std::size_t i = idx[r];
+        ctx.set_sample(i);
+        ctx.stage.enter(Stage::Fetch);
+        SampleContext sc(i, opt.seed, ctx.worker.epoch, ctx.worker, &ctx.stage);
+        try {
+          fn(r, i, sc);
+        } catch (...) {
+          core.retry_sample(r, i, ctx, fn);  // transient I/O errors, io_retries times; else rethrows
+        }
+      }
+      ctx.set_sample(std::nullopt);
+      return {!ctx.cancelled(), idx.size()};
     }
 
     detail::Payload produce_stream(detail::JobContext& ctx) {
@@ -385,7 +410,7 @@ class DataLoader {
     detail::LoaderCore core;  // built after, and stopped before, what the workers call into
   };
 
-  std::shared_ptr<State> state_;  // shared with abandoned workers (Note [Abandoned workers])
+  std::shared_ptr<Typed> typed_;  // shared with abandoned workers (Note [Abandoned workers])
 };
 
 }  // namespace ferry

@@ -39,8 +39,11 @@ class WorkerError : public Error, public std::nested_exception {
  public:
   WorkerError(const std::string& message, int worker, std::int64_t batch)
       : Error(message), worker_(worker), batch_(batch) {}
-  /// The worker that failed; -1 when num_workers == 0 (the consumer thread ran the batch).
+  /// The worker that failed: its id, kInline (-1) when num_workers == 0 (the consumer thread ran
+  /// the batch), or kPinThread (-2) when pinning the batch failed.
   int worker() const noexcept { return worker_; }
+  static constexpr int kInline = -1;
+  static constexpr int kPinThread = -2;
   /// The index of the batch within its epoch.
   std::int64_t batch() const noexcept { return batch_; }
   /// The exception user code threw.

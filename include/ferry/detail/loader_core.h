@@ -111,6 +111,12 @@ class LoaderCore {
   /// intra-batch pool. `compact`: skipped samples leave no hole. A failure that fails the batch is
   /// rethrown with ctx's current sample naming it.
   Rows for_each_sample(const Job& job, JobContext& ctx, bool compact, const SampleFn& fn);
+  /// Whether the job's samples may be fetched by the typed loader's inline loop: on_error = Raise,
+  /// no intra-batch pool, no sample listed as stuck.
+  bool simple_policy(const Job& job) const noexcept;
+  /// The inline loop's sample at `row` threw (the exception in flight): retries a transient I/O
+  /// error io_retries times with backoff through fn; rethrows what remains.
+  void retry_sample(std::size_t row, std::size_t index, JobContext& ctx, const SampleFn& fn);
   /// A stream's record at `position` failed (the exception in flight): under Raise rethrows it,
   /// else reports it and returns; throws after 1024 failures in a row.
   void stream_record_failed(JobContext& ctx, std::int64_t batch, std::size_t position, std::size_t failures_in_a_row);

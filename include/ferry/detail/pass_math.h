@@ -145,11 +145,30 @@ FERRY_HD inline void pass_store(void* out, std::int64_t o, int kind, float v, fl
   }
 }
 
-/// Words (int64) per image in an encoded batch's index (LabeledBatch::encoded_index): [0] byte
-/// offset, [1] size, [2] height, [3] width, [4..10] y axis (c0, L0, R, c1, N, resized, flip),
-/// [11..17] x axis, [18] channels, [19] round, [20] output kind (PassOutput), [21..24] a (float
-/// bits), [25..28] b, [29] the decoded image's place in the device scratch (set by the device
-/// stage), [30] channels_last (float outputs: HWC instead of CHW).
+/// Words (int64) per image in an encoded batch's index (LabeledBatch::encoded_index), written by
+/// the worker (ImageFolder, TarImages) and read by the device stage and the decode kernel; the
+/// word of each value is named in EncodedRow.
 inline constexpr std::int64_t kEncodedIndexWords = 32;
+
+/// Where each value sits in an encoded batch's index row.
+struct EncodedRow {
+  static constexpr int kOffset = 0;        ///< the file's first byte in the batch's pinned block
+  static constexpr int kBytes = 1;         ///< the file's size
+  static constexpr int kHeight = 2;        ///< the decoded image's height
+  static constexpr int kWidth = 3;         ///< and width
+  static constexpr int kAxisY = 4;         ///< the y axis's 7 words: c0, L0, R, c1, N, resized, flip (PassAxis)
+  static constexpr int kAxisX = 11;        ///< the x axis's 7 words
+  static constexpr int kAxisSize = 4;      ///< N within an axis: the output's size along it
+  static constexpr int kOutHeight = kAxisY + kAxisSize;
+  static constexpr int kOutWidth = kAxisX + kAxisSize;
+  static constexpr int kChannels = 18;
+  static constexpr int kRound = 19;
+  static constexpr int kOutput = 20;       ///< the output kind (PassOutput)
+  static constexpr int kScale = 21;        ///< a[0..3], float bits
+  static constexpr int kShift = 25;        ///< b[0..3], float bits
+  static constexpr int kScratch = 29;      ///< the decoded image's place in the device scratch (set by the device stage)
+  static constexpr int kChannelsLast = 30; ///< float outputs: HWC instead of CHW
+};
+static_assert(EncodedRow::kChannelsLast < kEncodedIndexWords);
 
 }  // namespace ferry::detail

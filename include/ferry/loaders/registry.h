@@ -76,8 +76,8 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& config);
 /// random_crop=1: random_resized_crop + flip, else resize_shorter + center_crop; channels=3) and
 /// its label, as {image, int64 label} std::vector<Tensor>; shuffle=1 shuffles the shard order
 /// per epoch. A stream: the loader takes no shuffle or sampler for it.
-inline auto make_tar_images(const DatasetConfig& config) {
-  TarImageOptions o;
+inline auto make_tar_stream(const DatasetConfig& config) {
+  TarRecordDecodeOptions o;
   const auto size = static_cast<int>(config.integer("size", 224));
   if (config.integer("random_crop", 0)) o.transform.random_resized_crop(size, size).horizontal_flip();
   else o.transform.resize_shorter(size).center_crop(size, size);
@@ -92,8 +92,8 @@ inline auto make_tar_images(const DatasetConfig& config) {
   });
 }
 
-/// The stream "tar" opens (make_tar_images).
-using TarImageStream = decltype(make_tar_images(std::declval<const DatasetConfig&>()));
+/// The stream "tar" opens (make_tar_stream).
+using TarImageStream = decltype(make_tar_stream(std::declval<const DatasetConfig&>()));
 
 /// A named dataset as the loader takes it: a map-style DynamicDataset (every registered name), the
 /// labeled-image stream of "tar", or, with decode=gpu, the typed ImageFolder ("image_folder") or

@@ -6,7 +6,7 @@
 // of one record must be adjacent, as WebDataset writes them.
 //
 //   ferry::TarShards shards({"train-000.tar", "train-001.tar", ...}, {.rank = rank, .world_size = world});
-//   ferry::TarImageOptions img{.transform = ferry::ImageTransform().random_resized_crop(224, 224).to_float()};
+//   ferry::TarRecordDecodeOptions img{.transform = ferry::ImageTransform().random_resized_crop(224, 224).to_float()};
 //   auto train = shards.map([img](ferry::TarRecord r, ferry::SampleContext& ctx) {
 //     return ferry::decode_labeled_image(r, img, ctx.rng());
 //   });
@@ -143,7 +143,9 @@ class TarShards : public DatasetBase<TarShards> {
 /// than 10^6 names. Works for paths and s3:// URLs alike.
 std::vector<std::string> expand_braces(const std::string& pattern);
 
-struct TarImageOptions {
+/// How decode_labeled_image reads one record of a tar stream (TarImagesOptions is the indexed
+/// dataset's).
+struct TarRecordDecodeOptions {
   std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded
   std::string label_field = "cls";                                ///< decimal class index
   int channels = 3;
@@ -153,7 +155,7 @@ struct TarImageOptions {
 
 /// Decodes a record's image (and transform) and its integer label. DataError names the shard and
 /// the record when a field is missing or malformed.
-LabeledSample decode_labeled_image(const TarRecord& record, const TarImageOptions& options, Generator& rng);
+LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecodeOptions& options, Generator& rng);
 
 struct TarImagesOptions {
   std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded
