@@ -465,6 +465,7 @@ void LoaderCore::init_worker(const WorkerInfo& worker) {
   if (p_->opt.worker_init_fn) p_->opt.worker_init_fn(worker);
 }
 void LoaderCore::sample_abandoned(std::size_t sample) { p_->faults.mark_stuck(sample); }
+IoCounters* LoaderCore::io_counters() noexcept { return &p_->io; }
 bool LoaderCore::pinned() const noexcept { return p_->pin_stage != nullptr; }
 const std::shared_ptr<PinnedPool>& LoaderCore::pinned_pool() const noexcept { return p_->pinned_pool; }
 const DeviceStage* LoaderCore::device_stage() const noexcept { return p_->device_stage.get(); }

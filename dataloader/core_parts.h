@@ -51,6 +51,7 @@ struct StatsBook {
     std::uint64_t images_decoded = 0, rows_gathered = 0;
     FaultCounts faults;
     std::uint64_t timeouts = 0, abandoned = 0;
+    std::uint64_t store_requests = 0, store_bytes = 0, store_retries = 0, store_hedges = 0, cache_hits = 0;
   } base;
 };
 
@@ -90,6 +91,7 @@ struct LoaderCore::Parts {
   std::unique_ptr<DepthCheckedAllocator> pin_blocks, direct_blocks;
   std::unique_ptr<ParallelFor> pin_copy_pool;
   StatsBook stats;  // consumer thread
+  IoCounters io;    // this loader's object-store reads (its workers add to them)
 
   // Epochs and resume (state(), restore()); consumer thread.
   std::int64_t epoch_delivered = 0;  // batches handed over in the live epoch (failed ones too)

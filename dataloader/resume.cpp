@@ -193,6 +193,12 @@ LoaderStats LoaderCore::stats() const {
   s.timeouts = c.engine.timeouts() - c.stats.base.timeouts;
   s.abandoned_workers = c.engine.abandoned_workers() - c.stats.base.abandoned;
   s.first_errors = c.faults.first_errors();
+  const auto now = [](const std::atomic<std::uint64_t>& v) { return v.load(std::memory_order_relaxed); };
+  s.store_requests = now(c.io.requests) - c.stats.base.store_requests;
+  s.store_bytes = now(c.io.bytes) - c.stats.base.store_bytes;
+  s.store_retries = now(c.io.retries) - c.stats.base.store_retries;
+  s.store_hedges = now(c.io.hedges) - c.stats.base.store_hedges;
+  s.cache_hits = now(c.io.cache_hits) - c.stats.base.cache_hits;
   return s;
 }
 
@@ -212,6 +218,11 @@ void LoaderCore::reset_stats() {
   s.stats.base.faults = s.faults.counts();
   s.stats.base.timeouts = s.engine.timeouts();
   s.stats.base.abandoned = s.engine.abandoned_workers();
+  s.stats.base.store_requests = s.io.requests.load(std::memory_order_relaxed);
+  s.stats.base.store_bytes = s.io.bytes.load(std::memory_order_relaxed);
+  s.stats.base.store_retries = s.io.retries.load(std::memory_order_relaxed);
+  s.stats.base.store_hedges = s.io.hedges.load(std::memory_order_relaxed);
+  s.stats.base.cache_hits = s.io.cache_hits.load(std::memory_order_relaxed);
   s.stats.delivered_batches = 0;
   s.stats.origin_ns = now_ns();
 }

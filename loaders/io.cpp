@@ -11,6 +11,7 @@
 #include <cstring>
 #include <utility>
 
+#include "cache.h"
 #include "s3.h"
 
 namespace ferry::loaders {
@@ -63,12 +64,20 @@ class ObjectBlob final : public Blob {
   bool remote() const noexcept override { return true; }
   // Reads are sequential more often than not (a tar stream, an index of headers): the piece after
   // this one is requested before this one is returned, and parsed while it arrives.
+  // With the on-disk cache (cache.h), each piece is looked up there first and stored after.
   std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const override {
     if (offset >= size_) return 0;
     n = static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - offset));
-    if (!ahead_.take(offset, n, dst)) s3::read(url_, offset, n, dst);
+    const bool caching = cache::enabled();
+    if (!caching || !cache::load(cache::range_key(name_, offset, n), dst, n)) {
+      if (!ahead_.take(offset, n, dst)) s3::read(url_, offset, n, dst);
+      if (caching) cache::store(cache::range_key(name_, offset, n), dst, n);
+    }
     const std::uint64_t next = offset + n;
-    if (next < size_) ahead_.start(url_, next, static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next)));
+    if (next < size_) {
+      const std::size_t m = static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next));
+      if (!caching || !cache::contains(cache::range_key(name_, next, m))) ahead_.start(url_, next, m);
+    }
     return n;
   }
 
@@ -79,10 +88,18 @@ class ObjectBlob final : public Blob {
 
 }  // namespace
 
+// The whole object at `url`, from the on-disk cache when it holds it.
+static void get_object(const std::string& url, std::vector<std::byte>& out) {
+  const bool caching = cache::enabled();
+  if (caching && cache::load(cache::whole_key(url), out)) return;
+  s3::get(s3::parse(url), out);
+  if (caching && !out.empty()) cache::store(cache::whole_key(url), out.data(), out.size());
+}
+
 std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
   if (is_remote(path)) {
     std::shared_ptr<MappedFile> m(new MappedFile(path));
-    s3::get(s3::parse(path), m->owned_);
+    get_object(path, m->owned_);
     if (m->owned_.empty()) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
     m->data_ = m->owned_.data();
     m->size_ = m->owned_.size();
@@ -122,7 +139,12 @@ std::size_t LocalBlob::read_at(std::uint64_t offset, std::byte* dst, std::size_t
 std::unique_ptr<Blob> Blob::open(const std::string& path) {
   if (is_remote(path)) {
     s3::Url url = s3::parse(path);
-    const std::uint64_t size = s3::size(url);
+    std::uint64_t size = 0;
+    const bool caching = cache::enabled();
+    if (!caching || !cache::load(cache::size_key(path), reinterpret_cast<std::byte*>(&size), sizeof size)) {
+      size = s3::size(url);
+      if (caching && size > 0) cache::store(cache::size_key(path), reinterpret_cast<const std::byte*>(&size), sizeof size);
+    }
     if (size == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
     return std::make_unique<ObjectBlob>(path, std::move(url), size);
   }
@@ -159,8 +181,11 @@ void prefetch(const std::vector<Wanted>& wanted) {
   std::vector<Wanted>& keys = prefetched();
   keys.clear();
   std::vector<s3::Want> wants;
+  const bool caching = cache::enabled();
   for (const Wanted& w : wanted) {
     if (!is_remote(w.path)) continue;
+    if (caching && cache::contains(w.size ? cache::range_key(w.path, w.offset, w.size) : cache::whole_key(w.path)))
+      continue;  // the sample's own read takes it from the disk
     s3::Want want;
     try {
       want.url = s3::parse(w.path);
@@ -179,15 +204,18 @@ bool take_prefetched(const std::string& path, std::uint64_t offset, std::size_t 
   std::vector<Wanted>& keys = prefetched();
   for (std::size_t k = 0; k < keys.size(); ++k) {
     if (keys[k].offset != offset || keys[k].size != size || keys[k].path != path) continue;
+    const std::string key = size ? cache::range_key(path, offset, size) : cache::whole_key(path);
     keys[k].path.clear();  // taken (or failed): a second read of the same bytes goes the usual way
-    return s3::take(k, out);
+    if (!s3::take(k, out)) return false;
+    if (cache::enabled() && !out.empty()) cache::store(key, out.data(), out.size());
+    return true;
   }
   return false;
 }
 
 void read_file(const std::string& path, std::vector<std::byte>& out) {
   if (is_remote(path)) {
-    s3::get(s3::parse(path), out);
+    get_object(path, out);
     if (out.empty()) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
     return;
   }
@@ -213,7 +241,10 @@ RangeReader::~RangeReader() {
 void RangeReader::read(std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) const {
   out.resize(size);
   if (fd_ < 0) {
+    const bool caching = cache::enabled();
+    if (caching && cache::load(cache::range_key(path_, offset, size), out.data(), size)) return;
     s3::read(s3::parse(path_), offset, size, out.data());
+    if (caching) cache::store(cache::range_key(path_, offset, size), out.data(), size);
     return;
   }
   if (read_at(fd_, path_, offset, out.data(), size) != size)

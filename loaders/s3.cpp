@@ -1,5 +1,8 @@
 #include "s3.h"
 
+#include "cache.h"
+#include "ferry/detail/io_counters.h"
+
 #include <curl/curl.h>
 
 #include <algorithm>
@@ -273,6 +276,7 @@ std::size_t on_data(char* p, std::size_t size, std::size_t n, void* user) {
   long code = 0;
   curl_easy_getinfo(a.easy, CURLINFO_RESPONSE_CODE, &code);
   g_bytes.fetch_add(len, std::memory_order_relaxed);
+  detail::count_io(&detail::IoCounters::bytes, len);
   if (code >= 300) {
     a.error_body.append(p, std::min(len, kErrorBodyLimit - std::min(kErrorBodyLimit, a.error_body.size())));
     return len;
@@ -416,6 +420,7 @@ Outcome try_once(const Config& c, const Request& r, Attempt& primary, Attempt& h
       throw Error("object storage: libcurl refused a request");
     }
     g_requests.fetch_add(1, std::memory_order_relaxed);
+    detail::count_io(&detail::IoCounters::requests, 1);
     live.push_back(&a);
   };
   const auto finish = [&](Attempt& a) {
@@ -465,6 +470,7 @@ Outcome try_once(const Config& c, const Request& r, Attempt& primary, Attempt& h
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() >= c.hedge_after) {
       hedged = true;
       g_hedges.fetch_add(1, std::memory_order_relaxed);
+      detail::count_io(&detail::IoCounters::hedges, 1);
       start(hedge, true);
       continue;
     }
@@ -508,6 +514,7 @@ Answer run(const Config& c, const Request& r, const std::string& where, std::uin
     why = o.why;
     if (attempt >= c.attempts) break;
     g_retries.fetch_add(1, std::memory_order_relaxed);
+    detail::count_io(&detail::IoCounters::retries, 1);
     // Full jitter: a uniform wait in [0, min(2 s, 50 ms * 2^attempt)].
     const double cap = std::min(2.0, 0.05 * static_cast<double>(1u << std::min(attempt, 10)));
     std::this_thread::sleep_for(std::chrono::duration<double>(std::uniform_real_distribution<double>(0, cap)(rng)));
@@ -667,6 +674,7 @@ struct Batch {
       return;
     }
     g_requests.fetch_add(1, std::memory_order_relaxed);
+    detail::count_io(&detail::IoCounters::requests, 1);
     it.state = Item::Live;
     ++live;
   }
@@ -779,9 +787,15 @@ namespace ferry {
 
 ObjectStoreStats object_store_stats() noexcept {
   using namespace loaders::s3;
-  return {g_requests.load(std::memory_order_relaxed), g_bytes.load(std::memory_order_relaxed),
-          g_retries.load(std::memory_order_relaxed), g_hedges.load(std::memory_order_relaxed),
-          g_hedges_won.load(std::memory_order_relaxed)};
+  ObjectStoreStats s;
+  s.requests = g_requests.load(std::memory_order_relaxed);
+  s.bytes = g_bytes.load(std::memory_order_relaxed);
+  s.retries = g_retries.load(std::memory_order_relaxed);
+  s.hedges = g_hedges.load(std::memory_order_relaxed);
+  s.hedges_won = g_hedges_won.load(std::memory_order_relaxed);
+  s.cache_hits = loaders::cache::hits();
+  s.cache_bytes = loaders::cache::hit_bytes();
+  return s;
 }
 
 }  // namespace ferry

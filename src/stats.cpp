@@ -1,5 +1,6 @@
 // Loader statistics: see include/ferry/core/stats.h.
 #include "ferry/core/stats.h"
+#include "ferry/detail/io_counters.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -72,6 +73,13 @@ std::string LoaderStats::report() const {
   else
     out += "bottleneck: " + b + "\n";
   if (numa_node >= 0) out += "numa: threads and pinned pool on node " + std::to_string(numa_node) + "\n";
+  if (store_requests || cache_hits) {
+    std::snprintf(line, sizeof line, "object store: %llu requests, %.1f MB, %llu retried, %llu hedged; %llu reads from the disk cache\n",
+                  static_cast<unsigned long long>(store_requests), static_cast<double>(store_bytes) / 1e6,
+                  static_cast<unsigned long long>(store_retries), static_cast<unsigned long long>(store_hedges),
+                  static_cast<unsigned long long>(cache_hits));
+    out += line;
+  }
   if (samples_skipped || samples_replaced || io_retries || timeouts || abandoned_workers) {
     std::snprintf(line, sizeof line,
                   "faults: %llu skipped, %llu replaced (%llu damaged, %llu i/o, %llu stuck); %llu i/o retries; %llu timeouts; "
@@ -85,5 +93,14 @@ std::string LoaderStats::report() const {
   }
   return out;
 }
+
+namespace detail {
+namespace {
+thread_local IoCounters* t_io = nullptr;
+}
+IoCounters* current_io() noexcept { return t_io; }
+ScopedIo::ScopedIo(IoCounters* counters) noexcept : previous_(t_io) { t_io = counters; }
+ScopedIo::~ScopedIo() { t_io = previous_; }
+}  // namespace detail
 
 }  // namespace ferry

@@ -6,7 +6,7 @@ Every path may be an object in S3-compatible storage: ``image_folder("s3://bucke
 region and credentials come from AWS's usual variables and files (AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws/credentials, ...: the C++ header
 ferry/loaders/storage.h lists them); ``ferry.object_store_stats()`` counts requests, bytes,
-retries and hedges.
+retries, hedges and on-disk cache hits (FERRY_S3_CACHE_DIR keeps what was read on local disk).
 
 Every dataset yields samples as a tuple of fields; the loader stacks them into batches
 (image datasets: ``(images, labels)``, labels as int64).

@@ -796,14 +796,10 @@ NB_MODULE(_ferry, m) {
         "Page-locked bytes ferry's pinned pools hold now, in this process (tests).");
   m.def("cuda_available", [] { return ferry::cuda::device_count() > 0; }, "Whether ferry sees a CUDA device.");
   m.def("object_store_stats", [] {
-    const ferry::ObjectStoreStats s = ferry::object_store_stats();
     nb::dict d;
-    d["requests"] = s.requests;
-    d["bytes"] = s.bytes;
-    d["retries"] = s.retries;
-    d["hedges"] = s.hedges;
-    d["hedges_won"] = s.hedges_won;
+    ferry::object_store_stats().for_each([&](const char* name, std::uint64_t value) { d[name] = value; });
     return d;
   }, "What this process has read from object storage (s3:// paths) since it started: requests (retries and hedges "
-     "included), bytes, retries, hedges sent and hedges that answered first.");
+     "included), bytes, retries, hedges sent, hedges that answered first, and reads (and their bytes) served by the "
+     "on-disk cache (FERRY_S3_CACHE_DIR).");
 }

@@ -161,6 +161,17 @@ TEST_CASE("an image folder under an s3:// prefix: the local folder's classes, fi
     CHECK(a.size() == 8);
     CHECK(a == batches(local, o, 2));
   }
+  // A loader's statistics count what its own workers read, not other loaders'.
+  ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+  DataLoader loader(remote, shuffled(5, 2, 1));
+  const auto other = batches(remote, shuffled(5, 1, 2), 1);  // another loader, meanwhile
+  for (auto& batch : loader) (void)batch;
+  ::unsetenv("FERRY_S3_HEDGE_AFTER");
+  const LoaderStats s = loader.stats();
+  CHECK(s.store_requests == remote.size());
+  CHECK(s.store_bytes > 0);
+  CHECK(s.cache_hits == 0);
+  CHECK_THAT(s.report(), Catch::Contains("object store: 15 requests"));
 }
 
 TEST_CASE("tar shards streamed from s3:// give every record the local shards give, for 0, 1 and 4 workers", "[s3][tar]") {
@@ -495,4 +506,137 @@ TEST_CASE("a batch's read that fails is read again while the rest of the batch i
   ObjectStore::get().use();
   CHECK(got.size() == 3);
   CHECK(got == batches(local, o));
+}
+
+namespace {
+
+// FERRY_S3_CACHE_DIR (and _LIMIT) for one scope.
+struct CacheDir {
+  TempDir dir;
+  explicit CacheDir(const char* limit = nullptr) {
+    ::setenv("FERRY_S3_CACHE_DIR", dir.path().c_str(), 1);
+    if (limit) ::setenv("FERRY_S3_CACHE_LIMIT", limit, 1);
+    ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);  // request counts exact
+  }
+  ~CacheDir() {
+    ::unsetenv("FERRY_S3_CACHE_DIR");
+    ::unsetenv("FERRY_S3_CACHE_LIMIT");
+    ::unsetenv("FERRY_S3_HEDGE_AFTER");
+  }
+  std::vector<std::filesystem::path> entries() const {
+    std::vector<std::filesystem::path> out;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path())) out.push_back(e.path());
+    return out;
+  }
+  std::uintmax_t bytes() const {
+    std::uintmax_t n = 0;
+    for (const auto& p : entries()) n += std::filesystem::file_size(p);
+    return n;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("the on-disk cache: the second epoch of an image folder and of indexed tar shards reads no object", "[s3][cache]") {
+  const Data& d = data();
+  CacheDir cache;
+  ImageFolderOptions io;
+  io.transform = ImageTransform().random_resized_crop(8, 8).horizontal_flip().to_float();
+  const ImageFolder remote(d.url("images/train/"), io);
+  const ImageFolder local(d.local("images/train"), io);
+  for (int workers : {0, 2}) {
+    INFO(workers << " workers");
+    const DataLoaderOptions o = shuffled(4, workers, 5);
+    const ObjectStoreStats first = object_store_stats();
+    const auto a = batches(remote, o, 1);
+    const ObjectStoreStats second = object_store_stats();
+    const auto b = batches(remote, o, 2);  // epochs 0 and 1, both from the disk now
+    const ObjectStoreStats end = object_store_stats();
+    if (workers == 0) CHECK(second.since(first).requests == remote.size());  // each image once, then stored
+    CHECK(end.since(second).requests == 0);
+    CHECK(end.since(second).cache_hits >= 2 * remote.size());
+    CHECK(a == batches(local, o, 1));
+    CHECK(b == batches(local, o, 2));
+  }
+  {
+    // The loader's own statistics count its reads: from the disk now, none from the store.
+    DataLoader loader(remote, shuffled(4, 2, 5));
+    for (auto& batch : loader) (void)batch;
+    const LoaderStats s = loader.stats();
+    CHECK(s.cache_hits == remote.size());
+    CHECK(s.store_requests == 0);
+    CHECK_THAT(s.report(), Catch::Contains("15 reads from the disk cache"));
+  }
+  const std::vector<std::string> shards = expand_braces(d.url("shards/train-{000..002}.tar"));
+  std::vector<std::string> local_paths;
+  for (int s = 0; s < 3; ++s) local_paths.push_back(d.local("shards/train-00" + std::to_string(s) + ".tar"));
+  const TarImages remote_tar(shards, tar_images());  // headers through the cache
+  const ObjectStoreStats before = object_store_stats();
+  const auto t1 = batches(remote_tar, shuffled(4, 2, 9), 2);
+  const ObjectStoreStats mid = object_store_stats();
+  const TarImages again(shards, tar_images());  // indexed again: headers and sizes from the disk
+  const auto t2 = batches(again, shuffled(4, 2, 9), 2);
+  CHECK(object_store_stats().since(mid).requests == 0);
+  CHECK(mid.since(before).requests > 0);
+  CHECK(t1 == t2);
+  CHECK(t1 == batches(TarImages(local_paths, tar_images()), shuffled(4, 2, 9), 2));
+}
+
+TEST_CASE("the on-disk cache: a stream's pieces, damaged entries read again, and the limit", "[s3][cache]") {
+  const Data& d = data();
+  const std::vector<std::string> shards = expand_braces(d.url("shards/train-{000..002}.tar"));
+  const auto records = [&](const std::vector<std::string>& paths) {
+    TarShardsOptions so;
+    so.shuffle = false;
+    auto ds = TarShards(paths, so).map([](TarRecord r) { return r.key + ":" + std::to_string(r.field("jpg").size()); });
+    DataLoaderOptions o;
+    o.batch_size = 5;
+    o.num_workers = 2;
+    DataLoader loader(ds, o, [](std::vector<std::string> v) { return v; });
+    std::multiset<std::string> all;
+    for (auto& batch : loader) all.insert(batch.begin(), batch.end());
+    return all;
+  };
+  std::multiset<std::string> expected;
+  {
+    CacheDir cache;
+    expected = records(shards);
+    REQUIRE(expected.size() == 21);
+    const ObjectStoreStats mid = object_store_stats();
+    CHECK(records(shards) == expected);
+    CHECK(object_store_stats().since(mid).requests == 0);
+    // Damage every entry: cut one short, overwrite another's key; each is read from the store again.
+    const auto entries = cache.entries();
+    REQUIRE(entries.size() >= 4);
+    std::filesystem::resize_file(entries[0], std::filesystem::file_size(entries[0]) / 2);
+    {
+      std::FILE* f = std::fopen(entries[1].c_str(), "r+b");
+      REQUIRE(f);
+      std::fseek(f, 12, SEEK_SET);
+      std::fputs("s3://other", f);
+      std::fclose(f);
+    }
+    const ObjectStoreStats before = object_store_stats();
+    CHECK(records(shards) == expected);
+    CHECK(object_store_stats().since(before).requests >= 1);
+  }
+  {
+    // A limit of 4 KiB, under the image folder's 15 images: the least recently used go, and
+    // every epoch's batches stay right. The 8 MiB pieces of the stream are larger than the limit
+    // and never stored.
+    CacheDir cache("4K");
+    ImageFolderOptions io;
+    io.transform = ImageTransform().resize(8, 8).to_float();
+    const ImageFolder remote(d.url("images/train/"), io);
+    const auto expected_images = batches(ImageFolder(d.local("images/train"), io), shuffled(4, 2, 1), 2);
+    CHECK(batches(remote, shuffled(4, 2, 1), 2) == expected_images);
+    CHECK(cache.bytes() <= 4096);
+    CHECK(!cache.entries().empty());
+    CHECK(records(shards) == expected);
+    CHECK(cache.bytes() <= 4096);
+  }
+  {
+    CacheDir cache("lots");  // not a size: one warning, the default limit, reads unaffected
+    CHECK(records(shards) == expected);
+  }
 }

@@ -254,8 +254,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   r.stats = loader.stats();
   const ferry::ObjectStoreStats store1 = ferry::object_store_stats();
-  r.store = {store1.requests - store0.requests, store1.bytes - store0.bytes, store1.retries - store0.retries,
-             store1.hedges - store0.hedges, store1.hedges_won - store0.hedges_won};
+  r.store = store1.since(store0);
   if (progress) print(true);
   return r;
 }
@@ -264,6 +263,12 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
 nlohmann::json stats_json(const ferry::LoaderStats& s) {
   nlohmann::json j = nlohmann::json::object();
   s.for_each([&](const char* name, const auto& value) { j[name] = value; });
+  return j;
+}
+
+nlohmann::json store_json(const ferry::ObjectStoreStats& s) {
+  nlohmann::json j = nlohmann::json::object();
+  s.for_each([&](const char* name, std::uint64_t value) { j[name] = value; });
   return j;
 }
 
@@ -284,9 +289,7 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
           {"mb_per_second", r.mb_per_second()},
           {"data_errors", r.errors},
           {"stats", stats_json(s)},
-          {"object_store",
-           {{"requests", r.store.requests}, {"bytes", r.store.bytes}, {"retries", r.store.retries}, {"hedges", r.store.hedges},
-            {"hedges_won", r.store.hedges_won}}},
+          {"object_store", store_json(r.store)},
           {"bottleneck", s.bottleneck()}};
 }
 
@@ -301,10 +304,12 @@ void print_report(const Run& r, const Flags& f) {
   if (r.errors)
     std::printf("%llu batch%s failed with bad data (--on-error skip or replace costs a bad sample only itself); the first: %s\n",
                 static_cast<unsigned long long>(r.errors), r.errors == 1 ? "" : "es", r.first_error.c_str());
-  if (r.store.requests)
-    std::printf("object store: %llu requests, %.1f MB, %llu retried, %llu hedged (%llu answered first)\n",
+  if (r.store.requests || r.store.cache_hits)
+    std::printf("object store: %llu requests, %.1f MB, %llu retried, %llu hedged (%llu answered first); on-disk cache: %llu "
+                "reads, %.1f MB\n",
                 static_cast<unsigned long long>(r.store.requests), r.store.bytes / 1e6, static_cast<unsigned long long>(r.store.retries),
-                static_cast<unsigned long long>(r.store.hedges), static_cast<unsigned long long>(r.store.hedges_won));
+                static_cast<unsigned long long>(r.store.hedges), static_cast<unsigned long long>(r.store.hedges_won),
+                static_cast<unsigned long long>(r.store.cache_hits), r.store.cache_bytes / 1e6);
   std::printf("%s", r.stats.report().c_str());
 }
 

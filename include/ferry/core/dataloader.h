@@ -257,6 +257,7 @@ class DataLoader {
     void init_worker(const WorkerInfo& worker) override { core.init_worker(worker); }
 
     detail::Payload produce(const detail::Job& job, detail::JobContext& ctx) override {
+      const detail::ScopedIo io(core.io_counters());  // object-store reads count as this loader's
       if constexpr (kStreaming) return produce_stream(ctx);
       else return produce_map(job, ctx);
     }

@@ -51,6 +51,12 @@ struct LoaderStats {
   std::uint64_t timeouts = 0;           ///< TimeoutErrors raised
   std::uint64_t abandoned_workers = 0;  ///< workers abandoned in a stuck call (and replaced)
   std::vector<std::string> first_errors;  ///< the loader's first skipped/replaced samples, named
+  // Object storage (s3:// paths), what this loader's workers read (ferry/loaders/storage.h):
+  std::uint64_t store_requests = 0;  ///< HTTP requests sent, retries and hedges included
+  std::uint64_t store_bytes = 0;     ///< bytes received
+  std::uint64_t store_retries = 0;   ///< requests sent again after a transient failure
+  std::uint64_t store_hedges = 0;    ///< second requests sent for a late first byte
+  std::uint64_t cache_hits = 0;      ///< reads served by the on-disk cache (FERRY_S3_CACHE_DIR)
 
   double batches_per_second() const noexcept { return wall_seconds > 0 ? batches / wall_seconds : 0; }
   /// Busy fractions (0..1) of each stage's capacity.
@@ -99,6 +105,11 @@ struct LoaderStats {
     fn("timeouts", timeouts);
     fn("abandoned_workers", abandoned_workers);
     fn("first_errors", first_errors);
+    fn("store_requests", store_requests);
+    fn("store_bytes", store_bytes);
+    fn("store_retries", store_retries);
+    fn("store_hedges", store_hedges);
+    fn("cache_hits", cache_hits);
     fn("batches_per_second", batches_per_second());
     fn("workers_busy", workers_busy());
     fn("pin_busy", pin_busy());

@@ -24,6 +24,7 @@
 #include "ferry/core/state.h"
 #include "ferry/core/stats.h"
 #include "ferry/detail/engine.h"
+#include "ferry/detail/io_counters.h"
 
 namespace ferry {
 
@@ -123,6 +124,8 @@ class LoaderCore {
   /// Streams: the resumed epoch's first batch key (0: from the start).
   std::uint64_t stream_resume_key() const noexcept;
   void init_worker(const WorkerInfo& worker);
+  /// This loader's object-store counters: a worker makes them current while it makes a batch.
+  IoCounters* io_counters() noexcept;
   void sample_abandoned(std::size_t sample);
 
   // --- Consumer side (the consumer's thread) ---

@@ -36,6 +36,14 @@
 //                (default 1; 0 sends it at once; "off" never)
 //   stalls       FERRY_S3_STALL_SECONDS: a transfer that receives nothing this long is dropped and
 //                retried (default 30)
+//   cache        FERRY_S3_CACHE_DIR: a folder on local disk that keeps what was read (each image,
+//                record, or 8 MiB piece of a stream, and each object's size), so later epochs
+//                read the disk, not the network; unset, nothing is cached. Entries are checked
+//                (their key is stored with them: a damaged or cut-short entry is read again from
+//                the store), written atomically (processes may share the folder), and the least
+//                recently used go past FERRY_S3_CACHE_LIMIT (bytes, or with K, M, G, T; default
+//                16G). Objects are assumed not to change while cached: clear the folder after
+//                rewriting objects in place.
 // They are read when a request is made (the files once for each set of variables), so a process
 // may change them between loaders.
 #pragma once
@@ -51,6 +59,25 @@ struct ObjectStoreStats {
   std::uint64_t retries = 0;     ///< requests sent again after a transient failure
   std::uint64_t hedges = 0;      ///< second requests sent for a late first byte
   std::uint64_t hedges_won = 0;  ///< hedges that answered first
+  std::uint64_t cache_hits = 0;  ///< reads served by the on-disk cache (FERRY_S3_CACHE_DIR)
+  std::uint64_t cache_bytes = 0; ///< bytes they served
+
+  /// What the counters grew by since `before` (a run's share).
+  ObjectStoreStats since(const ObjectStoreStats& before) const noexcept {
+    return {requests - before.requests, bytes - before.bytes, retries - before.retries, hedges - before.hedges,
+            hedges_won - before.hedges_won, cache_hits - before.cache_hits, cache_bytes - before.cache_bytes};
+  }
+  /// Calls fn(name, value) for every counter: the Python dict and the tool's JSON are made from it.
+  template <class Fn>
+  void for_each(Fn&& fn) const {
+    fn("requests", requests);
+    fn("bytes", bytes);
+    fn("retries", retries);
+    fn("hedges", hedges);
+    fn("hedges_won", hedges_won);
+    fn("cache_hits", cache_hits);
+    fn("cache_bytes", cache_bytes);
+  }
 };
 
 /// The counters now. Thread-safe.

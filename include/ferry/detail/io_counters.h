@@ -1,0 +1,38 @@
+// ferry/detail/io_counters.h — object-store reads counted per loader. Not for direct use.
+//
+// A loader's worker sets its counters as the thread's current ones while it makes a batch
+// (ScopedIo); the object-store client adds to whatever counters the calling thread has (none
+// outside a loader's work), beside the process-wide ones (ferry::object_store_stats()). So
+// LoaderStats shows what this loader read, not what other loaders of the process did.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace ferry::detail {
+
+struct IoCounters {
+  std::atomic<std::uint64_t> requests{0}, bytes{0}, retries{0}, hedges{0}, cache_hits{0};
+};
+
+/// The calling thread's current counters, or null.
+IoCounters* current_io() noexcept;
+
+/// Makes `counters` the thread's current ones for its lifetime (nests).
+class ScopedIo {
+ public:
+  explicit ScopedIo(IoCounters* counters) noexcept;
+  ~ScopedIo();
+  ScopedIo(const ScopedIo&) = delete;
+  ScopedIo& operator=(const ScopedIo&) = delete;
+
+ private:
+  IoCounters* previous_;
+};
+
+/// Adds n to one of the thread's current counters, if it has any.
+inline void count_io(std::atomic<std::uint64_t> IoCounters::*field, std::uint64_t n) noexcept {
+  if (IoCounters* c = current_io()) (c->*field).fetch_add(n, std::memory_order_relaxed);
+}
+
+}  // namespace ferry::detail
