@@ -23,6 +23,7 @@ workers again (rows with --steps 80 say what that costs).
 Usage: resnet_loaders.py --images DIR [--workers 15] [--steps 30] [--warmup 8] [--runs 3] [--rows gpu,ferry-float,...]
 """
 import argparse
+import sys
 import os
 import statistics
 import time
@@ -64,8 +65,9 @@ def run(batches, model, opt, prepare, warmup, steps):
     hz = os.sysconf("SC_CLK_TCK")
     while True:
         for images, labels in batches():
-            images, labels = prepare(images, labels)
-            step(model, opt, images, labels)
+            if prepare is not None:  # None: the loader alone, no training step
+                images, labels = prepare(images, labels)
+                step(model, opt, images, labels)
             n += 1
             if n == warmup:
                 torch.cuda.synchronize()
@@ -73,7 +75,7 @@ def run(batches, model, opt, prepare, warmup, steps):
             if n == warmup + steps:
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - t0
-                return steps * images.shape[0] / wall, (busy_jiffies() - j0) / hz / wall
+                return steps * len(labels) / wall, (busy_jiffies() - j0) / hz / wall
 
 
 def main():
@@ -85,7 +87,11 @@ def main():
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rows", default="gpu,ferry-float,ferry-uint8,torch")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval (seconds): how soon a thread waiting for the GIL gets it")
     args = ap.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     torch.backends.cudnn.benchmark = True
     model, opt = make_model()
     mean = torch.tensor(MEAN, device="cuda").view(1, 3, 1, 1) * 255
@@ -133,10 +139,13 @@ def main():
                                              persistent_workers=True)
         return lambda: loader
 
-    def ferry_python_rows(uint8=False):
+    made = []  # ferry loaders of the last row, whose stats() are printed after it
+
+    def ferry_python_rows(uint8=False, device=True, pin=True):
         loader = ferry.DataLoader(torchvision_folder(uint8), batch_size=args.batch, shuffle=True,
-                                  num_workers=args.workers, device=0 if not uint8 else None, pin_memory=True,
+                                  num_workers=args.workers, device=0 if device and not uint8 else None, pin_memory=pin,
                                   drop_last=True, persistent_workers=True)
+        made.append(loader)
         return lambda: loader
 
     rows = {
@@ -148,6 +157,17 @@ def main():
         "torch": (f"torch DataLoader + torchvision ImageFolder recipe, {args.workers} workers", torch_rows, to_cuda),
         "ferry-torchvision": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker processes",
                               ferry_python_rows, as_is),
+        # Where the Python-dataset path loses time: the same batches with no device stage, pinned
+        # or not, the consumer copying them with .cuda() as the torch row does.
+        "ferry-torchvision-pinned": (f"ferry.DataLoader + the same recipe, {args.workers} worker processes, pin_memory, "
+                                     "no device (the consumer copies)", lambda: ferry_python_rows(device=False), to_cuda),
+        "ferry-torchvision-pageable": (f"ferry.DataLoader + the same recipe, {args.workers} worker processes, pageable "
+                                       "batches (the consumer copies)", lambda: ferry_python_rows(device=False, pin=False),
+                                       to_cuda),
+        "ferry-torchvision-alone": (f"ferry.DataLoader + the same recipe, {args.workers} worker processes, the loader "
+                                    "alone (no training step)", lambda: ferry_python_rows(device=False, pin=False), None),
+        "torch-alone": (f"torch DataLoader + the same recipe, {args.workers} workers, the loader alone (no training step)",
+                        torch_rows, None),
         "torch-uint8": (f"torch DataLoader + torchvision ImageFolder, uint8 (PILToTensor), {args.workers} workers",
                         lambda: torch_rows(True), normalize_chw_uint8),
         "ferry-torchvision-uint8": (f"ferry.DataLoader + torchvision ImageFolder, uint8 (PILToTensor), "
@@ -155,7 +175,7 @@ def main():
     }
     print(f"# ResNet-50 bf16 channels_last, batch {args.batch}, {args.steps} steps after {args.warmup}, "
           f"median of {args.runs}; {torch.cuda.get_device_name(0)}, {os.cpu_count()} vCPUs, torch {torch.__version__}, "
-          f"torchvision {torchvision.__version__}, images {args.images}\n")
+          f"torchvision {torchvision.__version__}, images {args.images}, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
     print("| loader | images/s (median) | runs | / GPU alone | busy host cores |")
     print("|---|---:|---|---:|---:|")
     alone = None
@@ -174,6 +194,9 @@ def main():
         ratio = f"{med / alone:.3f}" if alone else "-"
         print(f"| {name} | {med:,.0f} | {', '.join(f'{r:,.0f}' for r in rates)} | {ratio} | {statistics.median(cores):.1f} |",
               flush=True)
+        if made and os.environ.get("RESNET_STATS"):  # the last ferry loader's own account, to stderr
+            print(f"{key}: {made[-1].stats()}", file=sys.stderr, flush=True)
+        made.clear()
 
 
 if __name__ == "__main__":

@@ -33,14 +33,22 @@ def require_gpu():
     pytest.skip("needs a CUDA device")
 
 
-def interrupt_after(argv, wait=0.7):
+def interrupt_after(argv, wait=0.7, started=None):
     """Runs the program `argv` (which prints "ready", then iterates a loader and prints
     "interrupted <time.monotonic()>" when it catches KeyboardInterrupt), sends SIGINT `wait`
-    seconds after "ready", and returns (seconds from SIGINT to the KeyboardInterrupt, seconds to
-    the program's exit, its stdout, its stderr)."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seconds after "ready" (and, with `started`, after that file exists: the program's dataset
+    makes it when a sample is being fetched, so that a slow host's start-up is not what is
+    measured), and returns (seconds from SIGINT to the KeyboardInterrupt, seconds to the
+    program's exit, its stdout, its stderr)."""
+    env = dict(os.environ)
+    if started is not None:
+        env["FERRY_TEST_STARTED"] = str(started)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 120
+        while started is not None and not os.path.exists(started) and time.monotonic() < deadline:
+            time.sleep(0.01)
         time.sleep(wait)
         sent = time.monotonic()
         proc.send_signal(signal.SIGINT)
