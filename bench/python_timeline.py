@@ -34,9 +34,12 @@ def main():
     print("|---|" + "---:|" * (len([m for m in marks if m <= args.batches]) + 1))
     for name in args.loaders.split(","):
         t0 = time.perf_counter()
-        if name == "ferry":
+        if name.startswith("ferry"):
+            # ferry, ferry-unordered (in_order=False), ferry-prefetch8 (prefetch_factor=8), ferry-threads
+            extra = {"ferry-unordered": {"in_order": False}, "ferry-prefetch8": {"prefetch_factor": 8},
+                     "ferry-threads": {"worker_type": "thread"}}.get(name, {})
             loader = ferry.DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers,
-                                      drop_last=True, persistent_workers=True)
+                                      drop_last=True, persistent_workers=True, **extra)
         else:
             loader = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers,
                                                  drop_last=True, persistent_workers=True)
@@ -55,8 +58,8 @@ def main():
         steady = (b - a) * args.batch / (times[b] - times[a])
         print(f"| {name} (made in {made:.2f} s) | " + " | ".join(f"{times[m]:.2f} s" for m in done) + f" | {steady:,.0f} |",
               flush=True)
-        if name == "ferry":
-            print(loader.stats(), file=sys.stderr, flush=True)
+        if name.startswith("ferry"):
+            print(name, loader.stats(), file=sys.stderr, flush=True)
         del loader
 
 
