@@ -24,6 +24,7 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--batches", type=int, default=120)
     ap.add_argument("--loaders", default="ferry,torch")
+    ap.add_argument("--trace", default=None, help="write the first ferry loader's Chrome trace (its first 60 batches) here")
     args = ap.parse_args()
     t = torchvision.transforms
     recipe = t.Compose([t.RandomResizedCrop(224), t.RandomHorizontalFlip(), t.ToTensor(), t.Normalize(MEAN, STD)])
@@ -38,6 +39,8 @@ def main():
             # ferry, ferry-unordered (in_order=False), ferry-prefetch8 (prefetch_factor=8), ferry-threads
             extra = {"ferry-unordered": {"in_order": False}, "ferry-prefetch8": {"prefetch_factor": 8},
                      "ferry-threads": {"worker_type": "thread"}}.get(name, {})
+            if args.trace:
+                extra["trace_batches"] = 60
             loader = ferry.DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers,
                                       drop_last=True, persistent_workers=True, **extra)
         else:
@@ -60,6 +63,9 @@ def main():
               flush=True)
         if name.startswith("ferry"):
             print(name, loader.stats(), file=sys.stderr, flush=True)
+            if args.trace:
+                loader.write_trace(args.trace)
+                args.trace = None
         del loader
 
 

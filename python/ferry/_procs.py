@@ -125,7 +125,7 @@ def _wrap(exc: BaseException) -> tuple:
     return type(exc).__name__, str(exc), text, blob
 
 
-def _main(conn: Any, payload: tuple, worker: int, workers: int, seed: int, main_pid: int) -> None:
+def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with(main_pid)
     import torch
@@ -133,7 +133,7 @@ def _main(conn: Any, payload: tuple, worker: int, workers: int, seed: int, main_
 
     torch.set_num_threads(1)
     try:
-        dataset, fetch_mode, finish, init = payload
+        dataset, fetch_mode, finish, init = pickle.loads(conn.recv_bytes())  # Pool.start sends it
         info = _python.WorkerInfo(worker, workers, seed + worker, dataset)
         _python._local.info = info
         try:  # torch.utils.data.get_worker_info() answers in ferry's worker processes too
@@ -234,12 +234,21 @@ class Pool:
         if old is not None:
             _stop([old], wait=0)
         parent, child = self._ctx.Pipe(duplex=True)
-        proc = self._ctx.Process(target=_main, args=(child, self._payload, worker, workers, seed, os.getpid()),
-                                 daemon=True,
-                                 name=f"ferry worker {worker}")
+        # The payload goes over the pipe, not as the process's arguments: multiprocessing writes
+        # those into a pipe the new process reads only once it runs, so a payload over the pipe's
+        # 64 KiB kept start() waiting for the process's whole start (its imports: 7 s a process on
+        # one host), and one thread after another. Now the processes start together.
+        # (The constructor checked that the payload pickles, so it needs no process to inherit.)
         with _start_lock:  # torch shares a tensor's storage once; two threads pickling it at once broke it
-            proc.start()
+            blob = multiprocessing.reduction.ForkingPickler.dumps(self._payload, pickle.HIGHEST_PROTOCOL)
+        proc = self._ctx.Process(target=_main, args=(child, worker, workers, seed, os.getpid()), daemon=True,
+                                 name=f"ferry worker {worker}")
+        proc.start()
         child.close()
+        try:
+            parent.send_bytes(blob)  # read first by the process; the GIL is released while this waits
+        except OSError:
+            pass  # the process is gone: the first call finds it so and says how it ended
         slot = _Slot(proc, parent)
         with self._lock:
             self._slots[worker] = slot
