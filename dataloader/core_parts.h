@@ -75,6 +75,7 @@ struct LoaderCore::Parts {
   /// Tries fn on sample i, the first try counted as try `first` (for the backoff and io_retries).
   std::exception_ptr attempt(std::size_t row, std::size_t i, JobContext& ctx, StageMeter* meter, const SampleFn& fn,
                              int first = 0);
+  bool retry_after(const std::exception_ptr& e, int a, JobContext& ctx);
   bool fetch_row(const Job& job, JobContext& ctx, std::size_t r, std::size_t row, StageMeter* meter, const SampleFn& fn,
                  std::size_t* used);
 

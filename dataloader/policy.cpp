@@ -44,11 +44,18 @@ std::exception_ptr LoaderCore::Parts::attempt(std::size_t row, std::size_t i, Jo
       return nullptr;
     } catch (...) {
       std::exception_ptr e = std::current_exception();
-      if (a >= opt.io_retries || ctx.cancelled() || !is_transient(e)) return e;
-      faults.count_retry();
-      std::this_thread::sleep_for(opt.io_retry_backoff * (1 << std::min(a, 16)));
+      if (!retry_after(e, a, ctx)) return e;
     }
   }
+}
+
+// Whether try `a` that failed with `e` is tried again (a transient I/O error, io_retries not
+// spent, the epoch not cancelled); if so, counts the retry and waits its backoff first.
+bool LoaderCore::Parts::retry_after(const std::exception_ptr& e, int a, JobContext& ctx) {
+  if (a >= opt.io_retries || ctx.cancelled() || !is_transient(e)) return false;
+  faults.count_retry();
+  std::this_thread::sleep_for(opt.io_retry_backoff * (1 << std::min(a, 16)));
+  return true;
 }
 
 // Row r of the batch under the error policy; returns whether a sample landed in `row`. Raise
@@ -109,9 +116,7 @@ bool LoaderCore::simple_policy(const Job& job) const noexcept {
 void LoaderCore::retry_sample(std::size_t row, std::size_t index, JobContext& ctx, const SampleFn& fn) {
   Parts& s = *p_;
   std::exception_ptr e = std::current_exception();
-  if (s.opt.io_retries <= 0 || ctx.cancelled() || !is_transient(e)) std::rethrow_exception(e);
-  s.faults.count_retry();
-  std::this_thread::sleep_for(s.opt.io_retry_backoff);
+  if (!s.retry_after(e, 0, ctx)) std::rethrow_exception(e);
   if (std::exception_ptr left = s.attempt(row, index, ctx, &ctx.stage, fn, 1)) std::rethrow_exception(left);
 }
 

@@ -204,10 +204,10 @@ bool take_prefetched(const std::string& path, std::uint64_t offset, std::size_t 
   std::vector<Wanted>& keys = prefetched();
   for (std::size_t k = 0; k < keys.size(); ++k) {
     if (keys[k].offset != offset || keys[k].size != size || keys[k].path != path) continue;
-    const std::string key = size ? cache::range_key(path, offset, size) : cache::whole_key(path);
     keys[k].path.clear();  // taken (or failed): a second read of the same bytes goes the usual way
     if (!s3::take(k, out)) return false;
-    if (cache::enabled() && !out.empty()) cache::store(key, out.data(), out.size());
+    if (cache::enabled() && !out.empty())
+      cache::store(size ? cache::range_key(path, offset, size) : cache::whole_key(path), out.data(), out.size());
     return true;
   }
   return false;
