@@ -155,6 +155,11 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
         if not threaded:
             return  # as torch: no worker info and no worker_init_fn without workers
         _local.info = WorkerInfo(worker, workers, seed + worker, dataset)
+        # One intra-op thread for torch calls on this thread (collate, pin_memory's copy), as
+        # torch's own workers and pin thread have: the setting is this thread's, and without it
+        # each worker thread's copy of a batch starts a team of OpenMP threads as wide as the
+        # machine, which then spin beside each other's (every core busy for a few threads' work).
+        torch.set_num_threads(1)
         if pool is not None:
             pool.start(worker, workers, seed)  # worker_init_fn runs in the process
         elif worker_init_fn is not None:

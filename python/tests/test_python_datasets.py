@@ -241,6 +241,25 @@ def test_get_worker_info_in_worker_processes_ferrys_and_torchs():
         assert workers == 3 and seed == 100 + worker and torch_id == worker
 
 
+class Threads(Squares):
+    def __getitem__(self, i):
+        return torch.get_num_threads()
+
+
+@pytest.mark.parametrize("kind", [(2, "thread"), (2, "process")], ids=kind_id)
+def test_workers_run_torch_on_one_intra_op_thread_and_leave_the_main_threads_alone(kind):
+    # As torch's workers and pin thread: a worker's collate and pin_memory copy do not start a
+    # team of OpenMP threads as wide as the machine each (all cores spinning beside a training step).
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(2, before))  # new threads start from it (a 2-core machine has 1)
+    try:
+        counts = [int(v) for b in loader(Threads(8), kind, batch_size=2) for v in b]
+        assert counts == [1] * 8
+        assert torch.get_num_threads() == max(2, before)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_attributes_pytorch_code_reads():
     ds = Squares(10)
     ours = ferry.DataLoader(ds, batch_size=3, num_workers=2, drop_last=True, timeout=5, prefetch_factor=4,
