@@ -44,10 +44,11 @@ from ._ferry import (  # noqa: F401  (re-exported)
     object_store_stats,
 )
 from .datasets import Dataset, load_plugin  # noqa: F401
-from ._python import WorkerInfo, get_worker_info  # noqa: F401
+from ._python import WorkerInfo, get_worker_info, sample_seed  # noqa: F401
 
 __all__ = [
     "DataLoader", "LoaderStats", "datasets", "load_plugin", "Dataset", "get_worker_info", "WorkerInfo",
+    "sample_seed",
     "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted", "object_store_stats",
 ]
 __version__ = "0.1.0"
@@ -140,10 +141,19 @@ class DataLoader:
             samples one at a time, unbatched).
         sampler, batch_sampler, collate_fn, worker_init_fn, generator: as in PyTorch, for Python
             datasets (a ferry dataset samples by shuffle/seed and collates in C++).
-        worker_type: for a Python dataset with num_workers > 0: "process" (the default; each worker
-            thread drives a process of its own, started with forkserver, which runs the dataset
-            and collate_fn: the dataset, collate_fn and worker_init_fn must pickle) or "thread"
-            (the dataset runs on the worker threads, each call holding the GIL).
+        worker_type: for a Python dataset with num_workers > 0: "process" (each worker thread
+            drives a process of its own, started with forkserver, which runs the dataset and
+            collate_fn: the dataset, collate_fn and worker_init_fn must pickle) or "thread" (the
+            dataset runs on the worker threads, each call holding the GIL). Unset (None):
+            "thread" where Python runs without a GIL (a free-threaded build with the GIL off,
+            checked when the loader is made), else "process".
+        sample_seeding: for a map-style Python dataset: before each sample, seed Python's
+            ``random``, torch's and numpy's global generators with ``ferry.sample_seed()`` (keyed
+            by seed, epoch and index), so that a dataset's random transforms (torchvision's
+            included) give the same batches for any num_workers and on resume (once a batch,
+            from its first index, for ``__getitems__``). For worker processes, or at most one
+            worker thread: threads share those generators with each other and with the rest of
+            this process (another loader's thread workers included).
         multiprocessing_context: for worker processes: "forkserver" (the default), "spawn" or a
             context object ("fork" is refused: this process runs threads).
         pin_memory_device: accepted and kept (PyTorch deprecates it); pass device= instead.
@@ -221,9 +231,15 @@ class DataLoader:
         generator: Any = None,
         multiprocessing_context: Any = None,
         pin_memory_device: str = "",
-        worker_type: str = "process",
+        worker_type: Optional[str] = None,
+        sample_seeding: bool = False,
     ) -> None:
         python = not isinstance(dataset, _ferry.Dataset)
+        if worker_type is None:
+            worker_type = _python.default_worker_type()
+        if sample_seeding and not python:
+            raise TypeError("DataLoader: sample_seeding= is for Python datasets: a ferry dataset's random "
+                            "transforms are keyed by (seed, epoch, index) already")
         if not python:
             given = {"sampler": sampler, "batch_sampler": batch_sampler, "collate_fn": collate_fn,
                      "worker_init_fn": worker_init_fn, "generator": generator}
@@ -272,7 +288,7 @@ class DataLoader:
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                 drop_last=drop_last, collate_fn=collate_fn, pin_memory=pin_memory or self.device is not None,
                 worker_init_fn=worker_init_fn, generator=generator, num_workers=num_workers, worker_type=worker_type,
-                multiprocessing_context=multiprocessing_context)
+                multiprocessing_context=multiprocessing_context, sample_seeding=sample_seeding)
             engine_batch, engine_shuffle, engine_drop_last = engine["batch_size"], engine["shuffle"], engine["drop_last"]
             self.sampler = engine.get("sampler", sampler)
             self.batch_sampler = engine.get("batch_sampler", batch_sampler)

@@ -22,7 +22,6 @@ import multiprocessing.reduction
 import multiprocessing.util
 import os
 import pickle
-import random
 import select
 import signal
 import sys
@@ -105,16 +104,6 @@ def _die_with(main_pid: int) -> None:
     threading.Thread(target=watch, name="ferry: watch the loader's process", daemon=True).start()
 
 
-def _seed(seed: int) -> None:
-    random.seed(seed)
-    import torch
-
-    torch.manual_seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed(seed % 2**32)
-
-
 def _wrap(exc: BaseException) -> tuple:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
@@ -133,7 +122,7 @@ def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> Non
 
     torch.set_num_threads(1)
     try:
-        dataset, fetch_mode, finish, init = pickle.loads(conn.recv_bytes())  # Pool.start sends it
+        dataset, fetch_mode, finish, init, seeding = pickle.loads(conn.recv_bytes())  # Pool.start sends it
         info = _python.WorkerInfo(worker, workers, seed + worker, dataset)
         _python._local.info = info
         try:  # torch.utils.data.get_worker_info() answers in ferry's worker processes too
@@ -143,7 +132,7 @@ def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> Non
                                                                 dataset=dataset)
         except Exception:
             pass
-        _seed(seed + worker)
+        _python.reseed(seed + worker)  # as torch seeds its workers
         if init is not None:
             init(worker)
         getitems = getattr(dataset, "__getitems__", None) if fetch_mode == "map" else None
@@ -161,11 +150,11 @@ def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> Non
             return
         try:
             if message[0] == "map":  # a batch, collated here
-                indices = message[1]
-                samples = getitems(indices) if getitems is not None else [dataset[i] for i in indices]
-                reply = ("ok", finish(samples))
+                _, indices, seed, epoch = message
+                reply = ("ok", finish(_python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding)))
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
-                reply = ("ok", dataset[message[1]])
+                _, index, seed, epoch = message
+                reply = ("ok", _python.fetch_samples(dataset, None, [index], seed, epoch, seeding)[0])
             elif message[0] == "open":
                 iterator = iter(dataset)
                 reply = ("ok", None)

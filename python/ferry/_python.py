@@ -41,6 +41,67 @@ def get_worker_info() -> Optional[WorkerInfo]:
     return getattr(_local, "info", None)
 
 
+def sample_seed(index: Optional[int] = None) -> Optional[int]:
+    """Inside a map-style Python dataset's ``__getitem__`` (or ``__getitems__``) called by a
+    ``ferry.DataLoader``: a 64-bit seed of the sample's own, keyed by (the loader's seed, the epoch,
+    the sample's index), on any worker kind and count. Seed a generator with it (``random.Random``,
+    ``torch.Generator().manual_seed``, ``numpy.random.default_rng``) and the sample's random
+    transforms come out the same for any ``num_workers``, worker type and resume; the next epoch
+    gives other ones. ``index`` names another sample of the batch (``__getitems__`` has no single
+    sample: pass each index). None outside a fetch, and in an iterable dataset. It is the first 64
+    bits of the Generator that C++ datasets get as ``ctx.rng()``."""
+    current = getattr(_local, "sample", None)
+    if current is None:
+        return None
+    seed, epoch, i = current
+    if index is not None:
+        i = index
+    if i is None:
+        return None
+    return _ferry.sample_seed(seed, epoch, int(i))
+
+
+def reseed(seed: int) -> None:
+    """Seeds Python's ``random``, torch's global generator and numpy's (if imported) with `seed`."""
+    import random
+
+    random.seed(seed)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+def fetch_samples(dataset: Any, getitems: Optional[Callable], indices: List[int], seed: int, epoch: int,
+                  seeding: bool) -> List[Any]:
+    """A batch's samples, with ferry.sample_seed() answering for each (and, with `seeding`, the
+    global generators seeded from it first: once a sample, or once a batch for __getitems__)."""
+    try:
+        if getitems is not None:
+            _local.sample = (seed, epoch, None)
+            if seeding and indices:
+                reseed(_ferry.sample_seed(seed, epoch, int(indices[0])))
+            return getitems(indices)
+        out = []
+        for i in indices:
+            _local.sample = (seed, epoch, i)
+            if seeding:
+                reseed(_ferry.sample_seed(seed, epoch, int(i)))
+            out.append(dataset[i])
+        return out
+    finally:
+        _local.sample = None
+
+
+def default_worker_type() -> str:
+    """"thread" where this Python runs without a GIL (a free-threaded build with the GIL off),
+    else "process"."""
+    gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    return "thread" if gil_enabled is not None and not gil_enabled() else "process"
+
+
 def is_iterable(dataset: Any) -> bool:
     data = sys.modules.get("torch.utils.data")
     if data is not None and isinstance(dataset, data.IterableDataset):
@@ -103,7 +164,7 @@ class Unbatched:
 def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, sampler: Any, batch_sampler: Any,
                  drop_last: bool, collate_fn: Optional[Callable], pin_memory: bool,
                  worker_init_fn: Optional[Callable], generator: Any, num_workers: int, worker_type: str,
-                 multiprocessing_context: Any) -> "tuple[Any, dict]":
+                 multiprocessing_context: Any, sample_seeding: bool = False) -> "tuple[Any, dict]":
     """The C++ dataset over a Python one, the options the engine must run it with, and the worker
     processes (a ferry._procs.Pool, or None)."""
     iterable = is_iterable(dataset)
@@ -126,6 +187,14 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
 
     if worker_type not in ("process", "thread"):
         raise ValueError(f"DataLoader: worker_type must be 'process' or 'thread', got {worker_type!r}")
+    if sample_seeding and iterable:
+        raise ValueError("DataLoader: sample_seeding is for map-style datasets (an iterable dataset has no "
+                         "sample indices to key seeds by)")
+    if sample_seeding and worker_type == "thread" and num_workers > 1:
+        raise ValueError("DataLoader: sample_seeding seeds the process's global generators (random, torch, "
+                         "numpy), which worker threads share: with several threads one sample's draws could "
+                         "follow another's seed. Use worker_type='process', or num_workers <= 1, or seed a "
+                         "generator of the dataset's own from ferry.sample_seed()")
     if collate_fn is None:
         collate_fn = data.default_collate if batch_size is not None else data.default_convert
     collate = Unbatched(collate_fn) if batch_size is None else collate_fn
@@ -140,7 +209,7 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
     pool = None
     if num_workers > 0 and worker_type == "process":
         pool = _procs.Pool(_procs.context(multiprocessing_context),
-                           (dataset, "iter" if iterable else "map", collate, worker_init_fn))
+                           (dataset, "iter" if iterable else "map", collate, worker_init_fn, bool(sample_seeding)))
 
     def finish(samples: List[Any]) -> Any:
         if samples and isinstance(samples[0], _procs.Collated):
@@ -183,19 +252,20 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
     size = len(dataset)
     getitems = getattr(dataset, "__getitems__", None)
     if pool is not None:
-        def fetch(indices: List[int]) -> List[Any]:
-            batch = pool.call(_local.info.id, ("map", list(indices)))
+        def fetch(indices: List[int], seed: int, epoch: int) -> List[Any]:
+            batch = pool.call(_local.info.id, ("map", list(indices), seed, epoch))
             return [_procs.Collated(batch)] + [None] * (len(indices) - 1)
 
-        def fetch_one(index: int) -> Any:
-            return pool.call(_local.info.id, ("one", index))
+        def fetch_one(index: int, seed: int, epoch: int) -> Any:
+            return pool.call(_local.info.id, ("one", index, seed, epoch))
     else:
-        fetch_one = dataset.__getitem__
-        if getitems is not None:
-            fetch = getitems
-        else:
-            def fetch(indices: List[int]) -> List[Any]:
-                return [dataset[i] for i in indices]
+        seeding = bool(sample_seeding)
+
+        def fetch(indices: List[int], seed: int, epoch: int) -> List[Any]:
+            return fetch_samples(dataset, getitems, indices, seed, epoch, seeding)
+
+        def fetch_one(index: int, seed: int, epoch: int) -> Any:
+            return fetch_samples(dataset, None, [index], seed, epoch, seeding)[0]
 
     plan = None
     plan_batches = 0

@@ -180,17 +180,18 @@ nb::object call(const Callable& f, A&&... args) {
 }
 
 // A map-style Python dataset: samples are fetched a batch at a time (one GIL hold a batch).
+// Both are told the loader's seed and the epoch (what ferry.sample_seed() answers from).
 struct PyMap {
-  Callable fetch;      // fetch(list of indices) -> a sequence of as many samples
-  Callable fetch_one;  // fetch_one(index) -> one sample (on_error's sample-by-sample path)
+  Callable fetch;      // fetch(list of indices, seed, epoch) -> a sequence of as many samples
+  Callable fetch_one;  // fetch_one(index, seed, epoch) -> one sample (on_error's sample-by-sample path)
   std::size_t n = 0;
 
   std::size_t size() const { return n; }
-  std::vector<PyRef> get_batch(std::span<const std::size_t> idx) const {
+  std::vector<PyRef> get_batch(std::span<const std::size_t> idx, const ferry::WorkerInfo& w) const {
     Gil gil;
     nb::list indices;
     for (std::size_t i : idx) indices.append(i);
-    nb::object got = call(fetch, indices);
+    nb::object got = call(fetch, indices, w.seed, w.epoch);
     std::vector<PyRef> out;
     out.reserve(idx.size());
     try {
@@ -203,9 +204,9 @@ struct PyMap {
                          std::to_string(idx.size()) + " indices");
     return out;
   }
-  PyRef get(std::size_t i) const {
+  PyRef get(std::size_t i, ferry::SampleContext& ctx) const {
     Gil gil;
-    return PyRef(call(fetch_one, i));
+    return PyRef(call(fetch_one, i, ctx.worker().seed, ctx.epoch()));
   }
 };
 
@@ -756,6 +757,10 @@ NB_MODULE(_ferry, m) {
         "fetch"_a.none(), "fetch_one"_a.none(), "size"_a.none(), "open"_a.none(), "finish"_a, "plan"_a.none(), "plan_batches"_a,
         "worker_start"_a.none(), "name"_a,
         "A Python dataset run on ferry's threads (ferry/_python.py makes the callables).");
+  m.def("sample_seed", [](std::uint64_t seed, std::uint64_t epoch, std::uint64_t index) {
+          return ferry::Generator(seed, epoch, index).next_u64();
+        }, "seed"_a, "epoch"_a, "index"_a,
+        "The first 64 bits of the sample's own generator, keyed by (seed, epoch, index), as C++'s ctx.rng().");
   m.def("registered", [] { return ferry::DatasetRegistry::global().names(); }, "Dataset names the registry knows.");
   m.def("help", [](const std::string& name) { return ferry::DatasetRegistry::global().help(name); }, "name"_a,
         "The configuration keys of a registered dataset.");

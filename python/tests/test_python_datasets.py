@@ -146,6 +146,24 @@ class Sleepy(Squares):
         return i
 
 
+class Augmented(Squares):
+    """Random "augmentation" from the global generators, as torchvision's transforms draw."""
+
+    def __getitem__(self, i):
+        import random
+
+        return torch.tensor([float(i), random.random(), torch.rand(()).item()])
+
+
+class OwnSeed(Squares):
+    """A dataset that seeds a generator of its own from ferry.sample_seed()."""
+
+    def __getitem__(self, i):
+        seed = ferry.sample_seed()
+        g = torch.Generator().manual_seed(seed)
+        return torch.tensor([i, seed % 2**62, int(torch.randint(0, 2**62, (), generator=g))])
+
+
 # --- the same batches as torch ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)
@@ -487,3 +505,67 @@ def test_pin_memory_without_cuda_warns_and_delivers_pageable_batches():
     with pytest.warns(UserWarning, match="pin_memory=True but torch sees no CUDA device"):
         ours = ferry.DataLoader(Squares(4), batch_size=2, pin_memory=True)
     assert [b["x"].is_pinned() for b in ours] == [False, False]
+
+
+# --- per-sample seeds ---------------------------------------------------------------------------
+
+def rows_of(batches):
+    return [tuple(r.tolist()) for b in batches for r in b]
+
+
+@pytest.mark.parametrize("kind", KINDS + [(3, "process")], ids=kind_id)
+def test_sample_seed_is_keyed_by_seed_epoch_and_index_for_any_workers(kind):
+    ds = OwnSeed(10)
+    reference = rows_of(loader(ds, (0, "thread"), batch_size=3, shuffle=True, seed=5))
+    theirs = loader(ds, kind, batch_size=3, shuffle=True, seed=5)
+    assert rows_of(theirs) == reference
+    second = rows_of(theirs)  # the next epoch: other seeds for the same indices
+    assert sorted(r[0] for r in second) == list(range(10))
+    assert {r[0]: r[1] for r in second} != {r[0]: r[1] for r in reference}
+    assert ferry.sample_seed() is None  # outside a fetch
+    other = rows_of(loader(ds, kind, batch_size=3, shuffle=True, seed=6))
+    assert {r[0]: r[1] for r in other} != {r[0]: r[1] for r in reference}
+
+
+def test_sample_seed_names_any_index_of_the_batch_in_getitems():
+    class Both(Squares):
+        def __getitems__(self, indices):
+            assert ferry.sample_seed() is None  # no single sample here
+            return [torch.tensor([i, ferry.sample_seed(i) % 2**62]) for i in indices]
+
+    per_item = rows_of(loader(OwnSeed(6), (0, "thread"), batch_size=3))
+    assert [r[:2] for r in rows_of(loader(Both(6), (0, "thread"), batch_size=3))] == [r[:2] for r in per_item]
+
+
+@pytest.mark.parametrize("kind", [(2, "process"), (3, "process"), (1, "thread")], ids=kind_id)
+def test_sample_seeding_makes_random_transforms_the_same_for_any_worker_count(kind):
+    reference = rows_of(loader(Augmented(12), (0, "thread"), batch_size=4, shuffle=True, sample_seeding=True))
+    assert rows_of(loader(Augmented(12), kind, batch_size=4, shuffle=True, sample_seeding=True)) == reference
+    # Resumed mid-epoch onto another worker count: the rest of the epoch, the same draws.
+    first = loader(Augmented(12), kind, batch_size=4, shuffle=True, sample_seeding=True)
+    it = iter(first)
+    head = rows_of([next(it)])
+    state = first.state_dict()
+    first.close()  # its workers stop prefetching (a worker thread would draw from the same generators)
+    del it
+    resumed = loader(Augmented(12), (0, "thread"), batch_size=4, shuffle=True, sample_seeding=True)
+    resumed.load_state_dict(state)
+    assert head + rows_of(resumed) == reference
+
+
+def test_sample_seeding_is_refused_where_it_cannot_hold():
+    with pytest.raises(ValueError, match="worker threads share"):
+        ferry.DataLoader(Augmented(4), num_workers=2, worker_type="thread", sample_seeding=True)
+    with pytest.raises(ValueError, match="map-style"):
+        ferry.DataLoader(Shards(4), sample_seeding=True)
+    with pytest.raises(TypeError, match="for Python datasets"):
+        ferry.DataLoader(ferry.datasets.synthetic(n=4, shape=[2]), sample_seeding=True)
+
+
+def test_worker_type_defaults_to_threads_only_without_a_gil(monkeypatch):
+    gil = getattr(sys, "_is_gil_enabled", lambda: True)()
+    assert ferry.DataLoader(Squares(4), num_workers=1).worker_type == ("process" if gil else "thread")
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: False, raising=False)
+    assert ferry.DataLoader(Squares(4), num_workers=1).worker_type == "thread"
+    monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
+    assert ferry.DataLoader(Squares(4), num_workers=1).worker_type == "process"

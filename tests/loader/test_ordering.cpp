@@ -172,6 +172,40 @@ TEST_CASE("get, get_batch and get_into produce the same batches", "[ordering][di
   CHECK(a[4][0].size(0) == 5);  // the last batch is short (37 = 4 * 8 + 5)
 }
 
+TEST_CASE("get_batch(indices, worker) is told the worker, the seed and the epoch", "[ordering]") {
+  struct Told {
+    std::size_t size() const { return 12; }
+    std::vector<Tensor> get(std::size_t) const { throw Error("get: not used when get_batch answers"); }
+    std::vector<std::vector<Tensor>> get_batch(std::span<const std::size_t> idx, const WorkerInfo& w) const {
+      std::vector<std::vector<Tensor>> out;
+      for (auto i : idx)
+        out.push_back({Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(i)),
+                       Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(w.epoch)),
+                       Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(w.seed)),
+                       Tensor::scalar<std::int64_t>(w.num_workers)});
+      return out;
+    }
+  };
+  static_assert(BatchFetchDataset<Told>);
+  for (int workers : {0, 2}) {
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = workers;
+    o.seed = 77;
+    DataLoader loader(Told{}, o);
+    for (std::uint64_t epoch : {0u, 1u}) {
+      std::size_t rows = 0;
+      for (auto& b : loader)
+        for (std::int64_t r = 0; r < b[0].size(0); ++r, ++rows) {
+          CHECK(b[1].data<std::int64_t>()[r] == static_cast<std::int64_t>(epoch));
+          CHECK(b[2].data<std::int64_t>()[r] == 77);
+          CHECK(b[3].data<std::int64_t>()[r] == std::max(workers, 1));
+        }
+      CHECK(rows == 12);
+    }
+  }
+}
+
 TEST_CASE("fetching a batch's samples across intra-batch threads changes nothing", "[ordering][determinism]") {
   auto run = [](int workers, int intra) {
     DataLoaderOptions o;

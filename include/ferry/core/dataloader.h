@@ -282,7 +282,7 @@ class DataLoader {
           // With on_error = Skip or Replace, a batch whose get_batch failed is fetched again one
           // sample at a time, so that only the damaged sample costs its row.
           try {
-            samples = ds.get_batch(idx);
+            samples = fetch_batch(ds, idx, ctx.worker);
             if (samples.size() != idx.size())
               throw Error("get_batch returned " + std::to_string(samples.size()) + " samples for " +
                           std::to_string(idx.size()) + " indices");

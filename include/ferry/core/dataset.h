@@ -8,7 +8,8 @@
 // and optionally, for speed:
 //
 //   std::vector<Sample> get_batch(std::span<const std::size_t> indices) const;   // one call a batch
-//                         (when it throws under on_error = Skip or Replace, the batch is fetched
+//                         (or get_batch(indices, const ferry::WorkerInfo&), told the worker and the
+//                         epoch; when it throws under on_error = Skip or Replace, the batch is fetched
 //                         again with get(), one sample at a time, so a bad sample costs itself)
 //   Batch make_batch(std::size_t rows, ferry::BatchAllocator&) const;             // "direct" mode:
 //   void get_into(std::size_t index, Batch&, std::size_t row, ferry::SampleContext&) const;
@@ -156,11 +157,15 @@ concept DirectDataset = MapDataset<D> && requires(const D& d, std::size_t i, Bat
   d.get_into(i, std::declval<std::add_lvalue_reference_t<decltype(d.make_batch(i, a))>>(), i, c);
 };
 
-/// A dataset with a one-call-per-batch fetch.
+/// A dataset with a one-call-per-batch fetch: get_batch(indices), or get_batch(indices, worker).
 template <class D>
-concept BatchFetchDataset = MapDataset<D> && requires(const D& d, std::span<const std::size_t> idx) {
-  d.get_batch(idx);
+concept BatchFetchWithWorker = requires(const D& d, std::span<const std::size_t> idx, const WorkerInfo& w) {
+  d.get_batch(idx, w);
 };
+template <class D>
+concept BatchFetchDataset = MapDataset<D> && (BatchFetchWithWorker<D> || requires(const D& d, std::span<const std::size_t> idx) {
+  d.get_batch(idx);
+});
 
 /// A dataset told a batch's indices before their samples are fetched (on the same thread).
 template <class D>
@@ -180,6 +185,13 @@ template <MapDataset D>
 decltype(auto) fetch(const D& d, std::size_t i, SampleContext& ctx) {
   if constexpr (GetWithContext<D>) return d.get(i, ctx);
   else return d.get(i);
+}
+
+/// Calls d.get_batch(idx, worker) or d.get_batch(idx), whichever the dataset has.
+template <BatchFetchDataset D>
+decltype(auto) fetch_batch(const D& d, std::span<const std::size_t> idx, const WorkerInfo& worker) {
+  if constexpr (BatchFetchWithWorker<D>) return d.get_batch(idx, worker);
+  else return d.get_batch(idx);
 }
 
 /// The sample type of a dataset.
