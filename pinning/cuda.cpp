@@ -147,6 +147,8 @@ void* host_alloc(std::size_t bytes) {
   return p;
 }
 void host_free(void* p) noexcept { check_noexcept(cudaFreeHost(p), "cudaFreeHost"); }
+void host_register(void* p, std::size_t bytes) { FERRY_CUDA(cudaHostRegister(p, bytes, cudaHostRegisterPortable)); }
+void host_unregister(void* p) noexcept { check_noexcept(cudaHostUnregister(p), "cudaHostUnregister"); }
 void* device_alloc(std::size_t bytes) {
   void* p = nullptr;
   FERRY_CUDA(cudaMalloc(&p, bytes));
@@ -185,6 +187,8 @@ bool Event::ready() const { no_cuda("Event::ready"); }
 void Event::synchronize() const { no_cuda("Event::synchronize"); }
 void* host_alloc(std::size_t) { no_cuda("cudaHostAlloc"); }
 void host_free(void*) noexcept {}
+void host_register(void*, std::size_t) { no_cuda("cudaHostRegister"); }
+void host_unregister(void*) noexcept {}
 void* device_alloc(std::size_t) { no_cuda("cudaMalloc"); }
 void device_free(void*) noexcept {}
 void memcpy_async(void*, const void*, std::size_t, CopyKind, const Stream&) { no_cuda("cudaMemcpyAsync"); }

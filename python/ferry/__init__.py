@@ -24,6 +24,7 @@ sampler, batch_sampler, worker_init_fn and ferry.get_worker_info():
 from __future__ import annotations
 
 import atexit
+import collections
 import multiprocessing.util  # noqa: F401  (its exit handler is registered first, so it runs after ferry's)
 import numbers
 import warnings
@@ -117,7 +118,11 @@ class _PythonBatches:
 
     def __next__(self) -> Any:
         batch = next(self._batches)
-        return batch if self._move is None else self._move(batch)
+        if self._move is None:
+            return batch
+        moved = self._move(batch)
+        self._owner._copied(batch)
+        return moved
 
 
 class LoaderStats(dict):
@@ -278,6 +283,7 @@ class DataLoader:
         self.device = _device_index(device)
         self._python = python
         self._pool = None
+        self._pending: "collections.deque" = collections.deque()  # (copy event, CPU batch), see _copied
         self.worker_type = worker_type if python else "thread"
         engine_batch, engine_shuffle, engine_drop_last = batch_size, shuffle, drop_last
         if python:
@@ -288,7 +294,9 @@ class DataLoader:
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                 drop_last=drop_last, collate_fn=collate_fn, pin_memory=pin_memory or self.device is not None,
                 worker_init_fn=worker_init_fn, generator=generator, num_workers=num_workers, worker_type=worker_type,
-                multiprocessing_context=multiprocessing_context, sample_seeding=sample_seeding)
+                multiprocessing_context=multiprocessing_context, sample_seeding=sample_seeding,
+                prefetch_factor=2 if prefetch_factor is None else prefetch_factor,
+                pinned_memory_limit=pinned_memory_limit)
             engine_batch, engine_shuffle, engine_drop_last = engine["batch_size"], engine["shuffle"], engine["drop_last"]
             self.sampler = engine.get("sampler", sampler)
             self.batch_sampler = engine.get("batch_sampler", batch_sampler)
@@ -334,12 +342,32 @@ class DataLoader:
             _python_loaders.add(self)
 
     def __del__(self) -> None:
+        self._copies_done()
         pool = getattr(self, "_pool", None)
         if pool is not None:  # the threads that drive the processes first, then the processes
             loader = getattr(self, "_loader", None)
             if loader is not None:
                 loader.release()
             pool.close()
+
+    def _copied(self, batch: Any) -> None:
+        """Keeps a CPU batch whose tensors view shared-memory slabs until its device copy has run
+        (Note [Slabs] in ferry/_slabs.py): only then may a worker process write into them again."""
+        if self._pool is None or self._pool.slabs is None:
+            return
+        torch = _torch()
+        event = torch.cuda.Event()
+        event.record(self._torch_stream)
+        pending = self._pending
+        pending.append((event, batch))
+        while pending and pending[0][0].query():
+            pending.popleft()
+
+    def _copies_done(self) -> None:
+        pending = getattr(self, "_pending", None)
+        while pending:
+            event, _ = pending.popleft()
+            event.synchronize()
 
     def __iter__(self) -> Iterator[Any]:
         """Starts the next epoch (ending one still in progress) and yields its batches."""
@@ -374,7 +402,12 @@ class DataLoader:
 
     def stats(self) -> LoaderStats:
         """Where the time went since the first epoch began (or reset_stats()); print() shows the report."""
-        return LoaderStats(self._loader.stats())
+        stats = LoaderStats(self._loader.stats())
+        slabs = None if self._pool is None else self._pool.slabs
+        if slabs is not None:  # worker processes' batches: in a slab, or (partly) as torch's shared memory
+            stats["slab_batches"], stats["slab_misses"] = slabs.batches, slabs.misses
+            stats["slab_bytes"] = slabs.live_bytes()
+        return stats
 
     def reset_stats(self) -> None:
         self._loader.reset_stats()
@@ -396,6 +429,7 @@ class DataLoader:
     def close(self) -> None:
         """Ends the epoch in progress: its workers stop (also done when the loader is freed)."""
         self._loader.end()
+        self._copies_done()
 
     def __repr__(self) -> str:
         dev = "" if self.device is None else f", device={self.device}"

@@ -30,7 +30,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
-from . import _python
+from . import _python, _slabs
 
 
 class RemoteTraceback(Exception):
@@ -123,6 +123,7 @@ def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> Non
     torch.set_num_threads(1)
     try:
         dataset, fetch_mode, finish, init, seeding = pickle.loads(conn.recv_bytes())  # Pool.start sends it
+        slabs = _slabs.ProcessSlabs()
         info = _python.WorkerInfo(worker, workers, seed + worker, dataset)
         _python._local.info = info
         try:  # torch.utils.data.get_worker_info() answers in ferry's worker processes too
@@ -148,10 +149,15 @@ def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> Non
             return
         if message is None:
             return
+        if message[0] == "slab":  # a slab's descriptor follows (Note [Slabs]); no reply
+            slabs.add(message[1], message[2], multiprocessing.reduction.recv_handle(conn))
+            continue
         try:
-            if message[0] == "map":  # a batch, collated here
-                _, indices, seed, epoch = message
-                reply = ("ok", finish(_python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding)))
+            if message[0] == "map":  # a batch, collated here and written into its slab
+                _, indices, seed, epoch, slab, drops = message
+                slabs.drop(drops)
+                batch = finish(_python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding))
+                reply = ("ok", slabs.dump(batch, slab))
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
                 _, index, seed, epoch = message
                 reply = ("ok", _python.fetch_samples(dataset, None, [index], seed, epoch, seeding)[0])
@@ -183,14 +189,16 @@ class _Slot:
     def __init__(self, proc: Any, conn: Any) -> None:
         self.proc, self.conn, self.busy = proc, conn, False
         self.starting = True  # its "ready" (or worker_init_fn's error) is read before the first batch
+        self.mapped: set = set()  # ids of the slabs this process has mapped
 
 
 class Pool:
     """The processes of one loader, one a worker thread (slot), started when the thread starts and
     kept while they are healthy (for the loader's life: worker_init_fn runs once a process)."""
 
-    def __init__(self, ctx: Any, payload: tuple) -> None:
+    def __init__(self, ctx: Any, payload: tuple, slabs: Optional[_slabs.Slabs] = None) -> None:
         self._ctx = ctx
+        self.slabs = slabs
         self._payload = payload  # pickled anew for each process by multiprocessing (tensors by shared memory)
         try:
             pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
@@ -260,10 +268,32 @@ class Pool:
         if slot.starting:
             self._reply(slot, worker, None)  # "ready", or worker_init_fn's exception
             slot.starting = False
-        slot.conn.send(message)
-        value = self._reply(slot, worker, message)
+        if message[0] != "map":
+            slot.conn.send(message)
+            value = self._reply(slot, worker, message)
+            slot.busy = False
+            return value
+        slabs = self.slabs
+        lease = slabs.lease() if slabs is not None else None
+        try:
+            drops = []
+            if slabs is not None:
+                drops = [i for i in slot.mapped if i in slabs.retired]
+                slot.mapped.difference_update(drops)
+            if lease is not None and lease.id not in slot.mapped:
+                slot.conn.send(("slab", lease.id, lease.size))
+                multiprocessing.reduction.send_handle(slot.conn, lease.fd, slot.proc.pid)
+                slot.mapped.add(lease.id)
+            slot.conn.send(message + (None if lease is None else lease.id, drops))
+            blob, needed, placed, missed = self._reply(slot, worker, message)
+        except BaseException:
+            if lease is not None:
+                slabs.give_back(lease)
+            raise
         slot.busy = False
-        return value
+        if slabs is None:
+            return pickle.loads(blob)
+        return slabs.view_batch(blob, lease, needed, placed, missed)
 
     def _reply(self, slot: _Slot, worker: int, message: Any) -> Any:
         try:
@@ -301,6 +331,8 @@ class Pool:
         with self._lock:
             self._closed = True
             slots, self._slots = list(self._slots.values()), {}
+        if self.slabs is not None:
+            self.slabs.close()
         if exiting:
             busy = [s for s in slots if s.busy]
             for slot in busy:  # multiprocessing's own exit handler would terminate it

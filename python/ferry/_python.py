@@ -164,7 +164,8 @@ class Unbatched:
 def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, sampler: Any, batch_sampler: Any,
                  drop_last: bool, collate_fn: Optional[Callable], pin_memory: bool,
                  worker_init_fn: Optional[Callable], generator: Any, num_workers: int, worker_type: str,
-                 multiprocessing_context: Any, sample_seeding: bool = False) -> "tuple[Any, dict]":
+                 multiprocessing_context: Any, sample_seeding: bool = False, prefetch_factor: int = 2,
+                 pinned_memory_limit: Optional[int] = None) -> "tuple[Any, dict]":
     """The C++ dataset over a Python one, the options the engine must run it with, and the worker
     processes (a ferry._procs.Pool, or None)."""
     iterable = is_iterable(dataset)
@@ -208,8 +209,15 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
 
     pool = None
     if num_workers > 0 and worker_type == "process":
+        slabs = None
+        if not iterable:  # Note [Slabs]: batches come back in shared memory, pinned when pinning
+            from . import _slabs
+
+            slabs = _slabs.Slabs(pinned=pinning and _ferry.cuda_available(),
+                                 max_count=num_workers * prefetch_factor + 4, limit=pinned_memory_limit)
         pool = _procs.Pool(_procs.context(multiprocessing_context),
-                           (dataset, "iter" if iterable else "map", collate, worker_init_fn, bool(sample_seeding)))
+                           (dataset, "iter" if iterable else "map", collate, worker_init_fn, bool(sample_seeding)),
+                           slabs)
 
     def finish(samples: List[Any]) -> Any:
         if samples and isinstance(samples[0], _procs.Collated):

@@ -761,6 +761,14 @@ NB_MODULE(_ferry, m) {
           return ferry::Generator(seed, epoch, index).next_u64();
         }, "seed"_a, "epoch"_a, "index"_a,
         "The first 64 bits of the sample's own generator, keyed by (seed, epoch, index), as C++'s ctx.rng().");
+  m.def("host_register", [](std::uintptr_t address, std::size_t bytes) {
+          nb::gil_scoped_release unlocked;
+          ferry::cuda::host_register(reinterpret_cast<void*>(address), bytes);
+        }, "address"_a, "bytes"_a, "Pins a mapping made elsewhere (cudaHostRegister, portable); raises ferry.CudaError.");
+  m.def("host_unregister", [](std::uintptr_t address) {
+          nb::gil_scoped_release unlocked;
+          ferry::cuda::host_unregister(reinterpret_cast<void*>(address));
+        }, "address"_a, "Undoes host_register.");
   m.def("registered", [] { return ferry::DatasetRegistry::global().names(); }, "Dataset names the registry knows.");
   m.def("help", [](const std::string& name) { return ferry::DatasetRegistry::global().help(name); }, "name"_a,
         "The configuration keys of a registered dataset.");

@@ -141,3 +141,45 @@ def test_a_python_dataset_on_the_device_and_pinned(workers):
         assert all(d[k].is_cuda and d[k].device.index == 0 for k in h)
         for k in h:
             assert torch.equal(p[k], h[k]) and torch.equal(d[k].cpu(), h[k])
+
+
+class _Rows:
+    """Batch k of 4 rows of 64 KiB, every byte k % 251: a batch written over early shows."""
+
+    def __len__(self):
+        return 4 * 60
+
+    def __getitem__(self, i):
+        return torch.full((1 << 16,), (i // 4) % 251, dtype=torch.uint8)
+
+
+def _in_a_slab(loader, tensor):
+    slabs = loader._pool.slabs
+    return any(s.address <= tensor.data_ptr() < s.address + s.size for s in list(slabs._live.values()))
+
+
+def test_worker_processes_write_into_registered_slabs_that_are_the_pinned_batches():
+    loader = ferry.DataLoader(_Rows(), batch_size=4, num_workers=2, pin_memory=True)
+    for k, rows in enumerate(loader):
+        assert rows.is_pinned() and torch.equal(rows, torch.full_like(rows, k % 251))
+        if k > 1:  # the first batches (one a process) size the slabs
+            assert _in_a_slab(loader, rows)  # no copy into torch's pinned memory
+        del rows
+    stats = loader.stats()
+    assert stats["slab_misses"] <= 2 and stats["slab_batches"] + stats["slab_misses"] == 60
+
+
+def test_slabs_are_not_written_again_before_their_device_copy_ran():
+    # The consumer's stream sleeps before each batch's copy, so the copies lag far behind the
+    # workers; a slab handed back when its batch was queued (not copied) would be overwritten.
+    stream = torch.cuda.Stream(0)
+    with torch.cuda.stream(stream):
+        loader = ferry.DataLoader(_Rows(), batch_size=4, num_workers=2, device=0)
+        firsts = []
+        for k, rows in enumerate(loader):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before the next copy
+            firsts.append(rows[:, :8].clone())
+        torch.cuda.synchronize()
+    for k, rows in enumerate(firsts):
+        assert torch.equal(rows.cpu(), torch.full((4, 8), k % 251, dtype=torch.uint8)), k
+    assert loader.stats()["slab_batches"] > 0

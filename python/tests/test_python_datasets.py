@@ -164,6 +164,29 @@ class OwnSeed(Squares):
         return torch.tensor([i, seed % 2**62, int(torch.randint(0, 2**62, (), generator=g))])
 
 
+class Mixed(Squares):
+    """Tensors of every kind a slab must carry, and some it must leave to torch."""
+
+    def __getitem__(self, i):
+        t = torch.arange(12, dtype=torch.float64).view(3, 4) * i
+        shared = torch.full((2,), i, dtype=torch.int16)
+        return {"strided": t.t(), "bool": torch.tensor([i % 2 == 0, True]), "complex": torch.tensor([1 + 1j * i]),
+                "scalar": torch.tensor(i), "empty": torch.empty(0, 5), "twice": [shared, shared],
+                "name": f"m{i}"}
+
+
+def with_a_parameter(samples):
+    """default_collate, and a leaf tensor that requires grad (left to torch's own pickling)."""
+    return {**tud.default_collate(samples), "grad": torch.ones(2, requires_grad=True)}
+
+
+class Growing(Squares):
+    """Samples that grow past the slabs sized from the first batches."""
+
+    def __getitem__(self, i):
+        return torch.full((1 << 18 if i >= 24 else 16,), float(i))  # 4 MiB batches past 1 MiB slabs
+
+
 # --- the same batches as torch ------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)
@@ -569,3 +592,56 @@ def test_worker_type_defaults_to_threads_only_without_a_gil(monkeypatch):
     assert ferry.DataLoader(Squares(4), num_workers=1).worker_type == "thread"
     monkeypatch.setattr(sys, "_is_gil_enabled", lambda: True, raising=False)
     assert ferry.DataLoader(Squares(4), num_workers=1).worker_type == "process"
+
+
+# --- shared-memory slabs (Note [Slabs] in ferry/_slabs.py) ---------------------------------------
+
+def test_worker_processes_send_batches_through_slabs_equal_to_torchs():
+    ours = loader(Squares(64), (2, "process"), batch_size=4)
+    for a, b in zip(ours, tud.DataLoader(Squares(64), batch_size=4)):  # each batch freed before the next
+        assert_same([a], [b])
+    stats = ours.stats()
+    # The first batch sizes the slabs (it, and the other process's batch asked for meanwhile,
+    # travel as torch's shared memory); the rest use them.
+    assert 1 <= stats["slab_misses"] <= 2 and stats["slab_batches"] + stats["slab_misses"] == 16
+    assert stats["slab_bytes"] > 0
+
+
+def test_slabs_carry_every_kind_of_tensor_and_leave_the_rest_to_torch():
+    ours = list(loader(Mixed(12), (2, "process"), batch_size=3, collate_fn=with_a_parameter))
+    theirs = list(tud.DataLoader(Mixed(12), batch_size=3, collate_fn=with_a_parameter))
+    for a, b in zip(ours, theirs):
+        grad_a, grad_b = a.pop("grad"), b.pop("grad")
+        assert grad_a.requires_grad and torch.equal(grad_a, grad_b)
+        assert_same([a], [b])
+
+
+def test_a_batch_larger_than_the_slabs_warns_once_and_later_slabs_grow():
+    ours = loader(Growing(40), (2, "process"), batch_size=4)
+    with pytest.warns(RuntimeWarning, match="larger than the worker processes' shared-memory slabs") as caught:
+        got = [b.clone() for b in ours]
+    assert len([w for w in caught if "shared-memory slabs" in str(w.message)]) == 1
+    assert_same(got, tud.DataLoader(Growing(40), batch_size=4))
+    misses = ours.stats()["slab_misses"]
+    assert misses <= 4  # each process's first batch, and its first batch past the old slabs
+    again = [b.clone() for b in ours]  # the second epoch: the grown slabs hold every batch
+    assert_same(again, got)
+    assert ours.stats()["slab_misses"] == misses
+
+
+def test_batches_held_past_the_slabs_and_past_the_loader_stay_right_and_are_freed():
+    gc.collect()
+    fds = fd_count()
+    ours = loader(Squares(160), (2, "process"), batch_size=4)
+    held = list(ours)  # 40 batches, more than the 2 x 2 + 4 slabs: the rest travel the torch way
+    assert_same(held, tud.DataLoader(Squares(160), batch_size=4))
+    stats = ours.stats()
+    assert stats["slab_batches"] in (7, 8) and stats["slab_batches"] + stats["slab_misses"] == 40
+    pids = ours._pool.pids()
+    del ours
+    gc.collect()
+    assert_same(held, tud.DataLoader(Squares(160), batch_size=4))  # still readable: the slabs outlive the loader
+    del held
+    gc.collect()
+    assert wait_gone(pids) == []
+    assert fd_count() == fds

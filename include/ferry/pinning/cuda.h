@@ -109,6 +109,10 @@ class Event {
 /// Pinned host memory: cudaHostAlloc / cudaFreeHost (throws CudaError; free never throws).
 void* host_alloc(std::size_t bytes);
 void host_free(void* p) noexcept;
+/// Pins memory allocated elsewhere (a shared mapping) for every device: cudaHostRegister, portable
+/// (throws CudaError); unregister never throws. The range must stay mapped while registered.
+void host_register(void* p, std::size_t bytes);
+void host_unregister(void* p) noexcept;
 /// Device memory on the current device: cudaMalloc / cudaFree.
 void* device_alloc(std::size_t bytes);
 void device_free(void* p) noexcept;

@@ -1,0 +1,305 @@
+"""Shared-memory slabs that worker processes write batches into (Note [Slabs]).
+
+Note [Slabs]
+A worker process collates a batch, then copies its tensors into a slab: a memfd segment that the
+main process made, mapped in both processes (its descriptor sent once a process over the
+process's pipe) and, when batches are pinned, registered with CUDA (cudaHostRegister). Only the
+batch's structure crosses the pipe: the batch is pickled with each tensor replaced by a
+persistent id (offset, dtype, shape), and the main process rebuilds the tensors as views of the
+slab. A registered slab *is* pinned memory: torch's pin_memory() keeps it as it is (no copy) and
+the device copy reads straight from what the worker wrote.
+
+A slab is leased by the loader's worker thread for one batch and comes back when the last tensor
+viewing it is freed (torch.frombuffer holds the lease object; its __del__ returns the slab), and,
+for batches copied to a device, not before the copy's event has completed (the loader keeps the
+CPU batch until then). Slabs are sized from the batches seen (1.25x the largest, rounded up to
+1 MiB): the first batch of each process, and a batch larger than the slabs, travel as torch's
+per-tensor shared memory (one warning), and newer, larger slabs replace the old ones. The number
+of slabs is bounded (workers x prefetch_factor + 4) and, when pinned, so are their bytes
+(pinned_memory_limit, or half the machine's memory and 3/4 of what is free); a batch that finds
+no slab free travels the torch way, never waits. memfd segments have no name: nothing is left in
+/dev/shm whatever happens to either process.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import io
+import mmap
+import os
+import pickle
+import threading
+import warnings
+from typing import Any, Dict, List, Optional, Tuple
+
+from . import _ferry
+
+ALIGN = 256  # each tensor's offset in a slab (DMA- and vector-friendly)
+_ROUND = 1 << 20
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class Slab:
+    """One memfd segment, mapped here (and registered with CUDA when `pinned`)."""
+
+    def __init__(self, slab_id: int, size: int, pinned: bool) -> None:
+        self.id, self.size, self.registered = slab_id, size, False
+        self.fd = os.memfd_create(f"ferry-slab-{slab_id}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self.mm = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        first = ctypes.c_char.from_buffer(self.mm)
+        self.address = ctypes.addressof(first)
+        del first  # no export left: the mapping can close
+        if pinned:
+            try:
+                _ferry.host_register(self.address, size)
+            except BaseException:
+                self.close()
+                raise
+            self.registered = True
+        self.lease_type = type("SlabLease", (ctypes.c_uint8 * size,), {"__del__": _lease_gone})
+
+    def close(self) -> None:
+        if self.registered:
+            _ferry.host_unregister(self.address)
+            self.registered = False
+        self.mm.close()
+        os.close(self.fd)
+
+
+def _lease_gone(lease: Any) -> None:
+    """The last view of a batch's slab is gone (a finalizer: any thread, no lock taken)."""
+    slabs = getattr(lease, "slabs", None)
+    if slabs is not None:
+        slabs._returned.append(lease.slab)  # deque.append/popleft are atomic
+        if slabs._closed:  # the loader is gone: nobody else will take it back (see Slabs.close)
+            slabs._drain_closed()
+
+
+class Slabs:
+    """The slabs of one loader (main process)."""
+
+    def __init__(self, pinned: bool, max_count: int, limit: Optional[int]) -> None:
+        self.pinned, self.max_count = pinned, max_count
+        if limit is None:
+            limit = _default_limit()
+        self.limit = limit
+        self.size = 0  # learned from the batches
+        self._lock = threading.Lock()
+        self._free: List[Slab] = []
+        self._returned: "collections.deque[Slab]" = collections.deque()
+        self._live: Dict[int, Slab] = {}
+        self.retired: set = set()  # ids the processes should unmap
+        self._next_id = 0
+        self._closed = False
+        self._warned = False
+        self.batches = 0  # batches whose tensors all travelled in a slab
+        self.misses = 0  # batches (or parts) that travelled as torch's shared memory
+
+    def _collect(self) -> None:  # under the lock
+        while self._returned:
+            slab = self._returned.popleft()
+            if self._closed or slab.size < self.size:
+                self._retire(slab)
+            else:
+                self._free.append(slab)
+
+    def _retire(self, slab: Slab) -> None:  # under the lock
+        self._live.pop(slab.id, None)
+        self.retired.add(slab.id)
+        slab.close()
+
+    def lease(self) -> Optional[Slab]:
+        """A free slab for one batch, or None (sizes not known yet, or none free within the bounds)."""
+        with self._lock:
+            self._collect()
+            if self._closed or self.size == 0:
+                return None
+            while self._free:
+                slab = self._free.pop()
+                if slab.size >= self.size:
+                    return slab
+                self._retire(slab)
+            if len(self._live) >= self.max_count or (
+                    self.pinned and (len(self._live) + 1) * self.size > self.limit):
+                return None
+            slab = Slab(self._next_id, self.size, self.pinned)
+            self._next_id += 1
+            self._live[slab.id] = slab
+            return slab
+
+    def give_back(self, slab: Slab) -> None:
+        """A leased slab that no batch took."""
+        self._returned.append(slab)
+
+    def saw(self, needed: int, leased: Optional[Slab]) -> None:
+        """A batch needed `needed` bytes; slabs grow to hold it."""
+        with self._lock:
+            if needed <= self.size:
+                return
+            if leased is not None and not self._warned:
+                self._warned = True
+                warnings.warn(f"DataLoader: a batch of {needed} bytes is larger than the worker processes' "
+                              f"shared-memory slabs ({self.size} bytes): it travels as torch's shared memory "
+                              "(slower), and larger slabs replace these", RuntimeWarning, stacklevel=2)
+            self.size = _round_up(needed + needed // 4, _ROUND)
+            for slab in self._free:
+                self._retire(slab)
+            self._free = []
+
+    def view_batch(self, blob: bytes, slab: Optional[Slab], needed: int, placed: bool, missed: bool) -> Any:
+        """The batch a process pickled, its tensors rebuilt as views of `slab`."""
+        self.saw(needed, slab if missed else None)
+        with self._lock:
+            if missed or not placed:
+                self.misses += int(missed)
+            else:
+                self.batches += 1
+        if slab is None or not placed:
+            if slab is not None:
+                self.give_back(slab)
+            return _SlabUnpickler(io.BytesIO(blob), None).load()
+        lease = slab.lease_type.from_address(slab.address)  # no export: the mapping closes when the slab does
+        lease.slabs, lease.slab = self, slab
+        import torch
+
+        base = torch.frombuffer(lease, dtype=torch.uint8)
+        del lease  # the views hold it
+        return _SlabUnpickler(io.BytesIO(blob), base).load()
+
+    def close(self) -> None:
+        """Closes the free slabs; a slab still viewed by a batch closes when that batch is freed."""
+        with self._lock:
+            self._closed = True  # set before the drain: a lease that comes back later drains itself
+            for slab in self._free:
+                self._retire(slab)
+            self._free = []
+        self._drain_closed()
+
+    def _drain_closed(self) -> None:
+        while True:
+            try:
+                slab = self._returned.popleft()
+            except IndexError:
+                return
+            self._live.pop(slab.id, None)
+            slab.close()
+
+    def live_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size for s in self._live.values())
+
+
+def _default_limit() -> int:
+    """Half the machine's memory and 3/4 of what is free now (the loader's pinned budget rule)."""
+    total = available = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, value = line.split(":", 1)
+                if key == "MemTotal":
+                    total = int(value.split()[0]) * 1024
+                elif key == "MemAvailable":
+                    available = int(value.split()[0]) * 1024
+    except OSError:
+        pass
+    if total is None or available is None:
+        return 2 << 30
+    return min(total // 2, available * 3 // 4)
+
+
+class _SlabUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, base: Any) -> None:
+        super().__init__(file)
+        self._base = base
+
+    def persistent_load(self, pid: Any) -> Any:
+        _, offset, dtype, shape, nbytes = pid
+        return self._base[offset:offset + nbytes].view(dtype).view(shape)
+
+
+# --- the worker process's side ------------------------------------------------------------------
+
+class ProcessSlabs:
+    """The slabs a worker process has mapped, by id."""
+
+    def __init__(self) -> None:
+        self._maps: Dict[int, Tuple[mmap.mmap, Any]] = {}
+
+    def add(self, slab_id: int, size: int, fd: int) -> None:
+        import torch
+
+        try:
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._maps[slab_id] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+
+    def drop(self, ids: List[int]) -> None:
+        for slab_id in ids:
+            entry = self._maps.pop(slab_id, None)
+            if entry is not None:
+                mm, base = entry
+                del base, entry
+                mm.close()
+
+    def dump(self, batch: Any, slab_id: Optional[int]) -> Tuple[bytes, int, bool, bool]:
+        """The batch pickled with its tensors written into slab `slab_id` (those that fit; the
+        rest, and every tensor without a slab, as torch's shared memory); the bytes all its
+        tensors need; whether any went into the slab; whether any did not."""
+        base = self._maps[slab_id][1] if slab_id is not None else None
+        out = io.BytesIO()
+        pickler = _SlabPickler(out, base)
+        pickler.dump(batch)
+        return out.getvalue(), pickler.needed, pickler.placed, pickler.missed
+
+
+def _pickler_base() -> Any:
+    import multiprocessing.reduction
+
+    return multiprocessing.reduction.ForkingPickler
+
+
+class _SlabPickler(_pickler_base()):  # type: ignore[misc]
+    def __init__(self, file: Any, base: Any) -> None:
+        super().__init__(file, pickle.HIGHEST_PROTOCOL)
+        import torch
+
+        self._torch = torch
+        self._base = base
+        self._capacity = 0 if base is None else base.numel()
+        self._offset = 0
+        self.needed = 0
+        self.placed = self.missed = False
+        self._seen: Dict[int, Any] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        torch = self._torch
+        if type(obj) is not torch.Tensor:
+            return None
+        if obj.device.type != "cpu" or obj.layout != torch.strided or obj.requires_grad or obj.is_quantized:
+            return None
+        known = self._seen.get(id(obj))
+        if known is not None:
+            return known[1]
+        nbytes = obj.numel() * obj.element_size()
+        self.needed = _round_up(self.needed, ALIGN) + nbytes
+        start = _round_up(self._offset, ALIGN)
+        if self._base is None or start + nbytes > self._capacity:
+            self.missed = True
+            return None  # torch's way: its own shared memory
+        src = obj.resolve_conj().resolve_neg() if obj.is_complex() else obj
+        self._base[start:start + nbytes].view(obj.dtype).view(obj.shape).copy_(src)
+        self._offset = start + nbytes
+        self.placed = True
+        pid = ("ferry-slab", start, obj.dtype, tuple(obj.shape), nbytes)
+        self._seen[id(obj)] = (obj, pid)  # keeps obj alive, so its id is not reused meanwhile
+        return pid
