@@ -33,6 +33,7 @@ import torchvision
 
 import ferry
 
+BREAKDOWN = bool(os.environ.get("RESNET_STATS"))  # also print busy cores by process and thread
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
 
@@ -43,6 +44,69 @@ def busy_jiffies():
     values = [int(v) for v in fields]
     idle = values[3] + values[4]  # idle + iowait
     return sum(values[:8]) - idle
+
+
+def cpu_by_task():
+    """CPU seconds so far of every thread on the host, by (process, thread) name: this process's
+    threads one by one, every other process's summed ("worker process" for this process's
+    descendants)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    me = os.getpid()
+    parents, totals = {}, {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                rest = f.read().rsplit(")", 1)[1].split()
+            parents[int(pid)] = int(rest[1])
+            totals[int(pid)] = (int(rest[11]) + int(rest[12])) / hz
+        except (OSError, IndexError):
+            continue
+
+    def mine(pid):
+        seen = 0
+        while pid > 1 and seen < 8:
+            pid = parents.get(pid, 1)
+            if pid == me:
+                return True
+            seen += 1
+        return False
+
+    out = {}
+    for pid, secs in totals.items():
+        if pid == me:
+            continue
+        if not mine(pid):
+            out["other processes"] = out.get("other processes", 0.0) + secs
+            continue
+        try:  # a descendant's threads, summed over descendants by thread name
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    text = f.read()
+                name = text[text.index("(") + 1:text.rindex(")")]
+                rest = text.rsplit(")", 1)[1].split()
+                key = f"descendants' threads: {'main' if tid == str(pid) else name}"
+                out[key] = out.get(key, 0.0) + (int(rest[11]) + int(rest[12])) / hz
+        except (OSError, ValueError, IndexError):
+            continue
+    for tid in os.listdir(f"/proc/{me}/task"):
+        try:
+            with open(f"/proc/{me}/task/{tid}/stat") as f:
+                text = f.read()
+            name = text[text.index("(") + 1:text.rindex(")")]
+            rest = text.rsplit(")", 1)[1].split()
+            key = f"main process: {name}"
+            out[key] = out.get(key, 0.0) + (int(rest[11]) + int(rest[12])) / hz
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def cpu_report(before, after, wall):
+    """Busy cores by task over the measured window, the largest first."""
+    rows = sorted(((after.get(k, 0.0) - before.get(k, 0.0)) / wall, k) for k in after)
+    return "; ".join(f"{k} {c:.2f}" for c, k in reversed(rows) if c >= 0.05)
 
 
 def make_model():
@@ -72,9 +136,12 @@ def run(batches, model, opt, prepare, warmup, steps):
             if n == warmup:
                 torch.cuda.synchronize()
                 t0, j0 = time.perf_counter(), busy_jiffies()
+                tasks0 = cpu_by_task() if BREAKDOWN else None
             if n == warmup + steps:
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - t0
+                if BREAKDOWN:
+                    print(f"  busy cores by task: {cpu_report(tasks0, cpu_by_task(), wall)}", file=sys.stderr, flush=True)
                 return steps * len(labels) / wall, (busy_jiffies() - j0) / hz / wall
 
 

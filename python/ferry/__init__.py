@@ -340,6 +340,8 @@ class DataLoader:
         self._loader = _ferry.Loader(cpp_dataset, options, convert)
         if python:
             _python_loaders.add(self)
+        if self._pool is not None:  # worker processes start now, while the script goes on
+            self._pool.prestart(self.num_workers, self.seed)
 
     def __del__(self) -> None:
         self._copies_done()

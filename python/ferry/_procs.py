@@ -208,6 +208,8 @@ class Pool:
                 f"{type(exc).__name__}: {exc}. Define them at a module's top level (no lambdas or local classes), "
                 "or pass worker_type='thread'") from exc
         self._lock = threading.Lock()
+        self._start_locks: Dict[int, threading.Lock] = {}
+        self._prestarter: Optional[threading.Thread] = None
         self._slots: Dict[int, _Slot] = {}
         self._closed = False
         if ctx.get_start_method() == "forkserver":
@@ -218,13 +220,38 @@ class Pool:
 
             forkserver.ensure_running()
 
-    def start(self, worker: int, workers: int, seed: int) -> None:
+    def prestart(self, workers: int, seed: int) -> None:
+        """Starts the processes now, on a thread of their own: they import and unpickle the dataset
+        while the script goes on (builds its model), and the engine's worker threads find them
+        started (start() keeps a live, idle process). A process that fails to start is left to the
+        worker thread's own start(), which says why."""
+
+        def run() -> None:
+            for worker in range(workers):
+                try:
+                    self.start(worker, workers, seed, only_if_none=True)
+                except Exception:
+                    return
+
+        self._prestarter = threading.Thread(target=run, name="ferry: start worker processes", daemon=True)
+        self._prestarter.start()
+
+    def start(self, worker: int, workers: int, seed: int, only_if_none: bool = False) -> None:
         """On the engine's worker thread `worker`: its process, kept if it is alive and idle, else
-        new (a stuck or dead one is killed first)."""
+        new (a stuck or dead one is killed first). `only_if_none` (the prestart thread): only
+        where worker `worker` has no process yet, whatever its state."""
+        with self._lock:
+            lock = self._start_locks.setdefault(worker, threading.Lock())
+        with lock:  # the prestart thread and the worker's own thread start one process, not two
+            self._start(worker, workers, seed, only_if_none)
+
+    def _start(self, worker: int, workers: int, seed: int, only_if_none: bool) -> None:
         with self._lock:
             if self._closed:
                 raise RuntimeError("DataLoader: the loader's worker processes were stopped")
             old = self._slots.get(worker)
+            if old is not None and only_if_none:
+                return
             if old is not None and not old.busy and old.proc.is_alive() and not _exited(old.proc.pid):
                 return
             self._slots.pop(worker, None)
@@ -248,7 +275,11 @@ class Pool:
             pass  # the process is gone: the first call finds it so and says how it ended
         slot = _Slot(proc, parent)
         with self._lock:
-            self._slots[worker] = slot
+            closed = self._closed
+            if not closed:
+                self._slots[worker] = slot
+        if closed:  # the loader was closed while this process started
+            _stop([slot], wait=0)
 
     def call(self, worker: int, message: Any) -> Any:
         with self._lock:
@@ -339,6 +370,9 @@ class Pool:
                 multiprocessing.process._children.discard(slot.proc)
             slots = [s for s in slots if not s.busy]
         _stop(slots, wait=0.5)
+        prestarter = self._prestarter
+        if prestarter is not None and prestarter is not threading.current_thread() and not exiting:
+            prestarter.join(5.0)  # its process, if any, was stopped above or by its own closed check
 
     def pids(self) -> List[int]:
         with self._lock:

@@ -645,3 +645,14 @@ def test_batches_held_past_the_slabs_and_past_the_loader_stay_right_and_are_free
     gc.collect()
     assert wait_gone(pids) == []
     assert fd_count() == fds
+
+
+def test_worker_processes_start_when_the_loader_is_made_and_serve_its_batches():
+    ours = loader(Who(12), (2, "process"), batch_size=2)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(ours._pool.pids()) < 2:
+        time.sleep(0.02)
+    started = sorted(ours._pool.pids())
+    assert len(started) == 2  # before any iteration
+    used = {int(row[4]) for b in ours for row in b}
+    assert used <= set(started) and sorted(ours._pool.pids()) == started  # the same processes, none replaced
