@@ -24,13 +24,17 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--batches", type=int, default=120)
     ap.add_argument("--loaders", default="ferry,torch")
+    ap.add_argument("--settle", type=float, default=0.0,
+                    help="seconds between making each loader and iter(), as a script that builds its model "
+                         "in between (times still count from iter())")
     ap.add_argument("--trace", default=None, help="write the first ferry loader's Chrome trace (its first 60 batches) here")
     args = ap.parse_args()
     t = torchvision.transforms
     recipe = t.Compose([t.RandomResizedCrop(224), t.RandomHorizontalFlip(), t.ToTensor(), t.Normalize(MEAN, STD)])
     ds = torchvision.datasets.ImageFolder(args.images, transform=recipe)
     marks = [1, 2, 5, 10, 20, 40, 80, 120, 160, 240]
-    print(f"# {len(ds)} images, batch {args.batch}, {args.workers} workers, {os.cpu_count()} vCPUs, torch {torch.__version__}")
+    print(f"# {len(ds)} images, batch {args.batch}, {args.workers} workers, {os.cpu_count()} vCPUs, torch {torch.__version__}"
+          f"; iter() {args.settle:g} s after each loader was made; seconds from iter()")
     print("| loader | " + " | ".join(f"batch {m}" for m in marks if m <= args.batches) + " | steady images/s |")
     print("|---|" + "---:|" * (len([m for m in marks if m <= args.batches]) + 1))
     for name in args.loaders.split(","):
@@ -47,6 +51,7 @@ def main():
             loader = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers,
                                                  drop_last=True, persistent_workers=True)
         made = time.perf_counter() - t0
+        time.sleep(args.settle)
         times, n = {}, 0
         t0 = time.perf_counter()
         while n < args.batches:
