@@ -208,10 +208,10 @@ def main():
 
     made = []  # ferry loaders of the last row, whose stats() are printed after it
 
-    def ferry_python_rows(uint8=False, device=True, pin=True):
+    def ferry_python_rows(uint8=False, device=True, pin=True, worker_type="process"):
         loader = ferry.DataLoader(torchvision_folder(uint8), batch_size=args.batch, shuffle=True,
                                   num_workers=args.workers, device=0 if device and not uint8 else None, pin_memory=pin,
-                                  drop_last=True, persistent_workers=True)
+                                  drop_last=True, persistent_workers=True, worker_type=worker_type)
         made.append(loader)
         return lambda: loader
 
@@ -237,6 +237,8 @@ def main():
                         torch_rows, None),
         "torch-uint8": (f"torch DataLoader + torchvision ImageFolder, uint8 (PILToTensor), {args.workers} workers",
                         lambda: torch_rows(True), normalize_chw_uint8),
+        "ferry-torchvision-threads": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker "
+                                      "threads", lambda: ferry_python_rows(worker_type="thread"), as_is),
         "ferry-torchvision-uint8": (f"ferry.DataLoader + torchvision ImageFolder, uint8 (PILToTensor), "
                                     f"{args.workers} worker processes", lambda: ferry_python_rows(True), normalize_chw_uint8),
     }

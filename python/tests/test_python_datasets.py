@@ -513,13 +513,14 @@ def test_create_iterate_break_destroy_leaves_no_thread_process_or_descriptor(kin
 
     cycle()
     gc.collect()
-    threads, fds = thread_count(), fd_count()
-    for _ in range(30 if kind[1] == "thread" else 10):
+    threads, fds, shm = thread_count(), fd_count(), sorted(os.listdir("/dev/shm"))
+    for _ in range(100):
         cycle()
     gc.collect()
     assert thread_count() == threads
     assert fd_count() == fds
     assert wait_gone(pids) == []
+    assert sorted(os.listdir("/dev/shm")) == shm  # slabs are memfd segments; torch's own are unlinked
 
 
 def test_pin_memory_without_cuda_warns_and_delivers_pageable_batches():
