@@ -210,9 +210,9 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
     pool = None
     if num_workers > 0 and worker_type == "process":
         slabs = None
-        if not iterable:  # Note [Slabs]: batches come back in shared memory, pinned when pinning
-            from . import _slabs
+        from . import _slabs
 
+        if not iterable and (pinning or _slabs.FOR_PAGEABLE):  # Note [Slabs]: pinned batches are written there
             slabs = _slabs.Slabs(pinned=pinning and _ferry.cuda_available(),
                                  max_count=num_workers * prefetch_factor + 4, limit=pinned_memory_limit)
         pool = _procs.Pool(_procs.context(multiprocessing_context),

@@ -1,9 +1,10 @@
 """Shared-memory slabs that worker processes write batches into (Note [Slabs]).
 
 Note [Slabs]
-A worker process collates a batch, then copies its tensors into a slab: a memfd segment that the
-main process made, mapped in both processes (its descriptor sent once a process over the
-process's pipe) and, when batches are pinned, registered with CUDA (cudaHostRegister). Only the
+When batches are pinned (pin_memory or device), a worker process collates a batch, then copies
+its tensors into a slab: a memfd segment that the main process made, mapped in both processes
+(its descriptor sent once a process over the process's pipe) and registered with CUDA
+(cudaHostRegister; unregistered where ferry sees no CUDA device). Only the
 batch's structure crosses the pipe: the batch is pickled with each tensor replaced by a
 persistent id (offset, dtype, shape), and the main process rebuilds the tensors as views of the
 slab. A registered slab *is* pinned memory: torch's pin_memory() keeps it as it is (no copy) and
@@ -36,6 +37,11 @@ from typing import Any, Dict, List, Optional, Tuple
 from . import _ferry
 
 ALIGN = 256  # each tensor's offset in a slab (DMA- and vector-friendly)
+# Slabs replace the pin copy, so they serve pinned batches (pin_memory or device) only: for a
+# pageable batch, torch's per-tensor shared memory is already zero-copy into this process, and a
+# slab would add the worker's copy (0.86-0.91x of PyTorch's rate for 38.5 MB batches, against
+# 1.25-1.42x without; bench/RESULTS.md). The tests turn this on to run the slab path without CUDA.
+FOR_PAGEABLE = False
 _ROUND = 1 << 20
 
 

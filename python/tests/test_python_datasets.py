@@ -498,8 +498,13 @@ def test_worker_processes_die_with_a_sigkilled_main_process(tmp_path):
             proc.wait()
 
 
-@pytest.mark.parametrize("kind", [(3, "thread"), (2, "process")], ids=kind_id)
-def test_create_iterate_break_destroy_leaves_no_thread_process_or_descriptor(kind):
+@pytest.mark.parametrize("kind", [(3, "thread"), (2, "process"), (2, "process-slabs")], ids=kind_id)
+def test_create_iterate_break_destroy_leaves_no_thread_process_or_descriptor(kind, monkeypatch):
+    if kind[1] == "process-slabs":
+        import ferry._slabs
+
+        monkeypatch.setattr(ferry._slabs, "FOR_PAGEABLE", True)
+        kind = (2, "process")
     pids = []
 
     def cycle():
@@ -596,8 +601,17 @@ def test_worker_type_defaults_to_threads_only_without_a_gil(monkeypatch):
 
 
 # --- shared-memory slabs (Note [Slabs] in ferry/_slabs.py) ---------------------------------------
+# Slabs serve pinned batches; these tests run them for pageable ones (no CUDA here), and
+# test_gpu.py runs them registered.
 
-def test_worker_processes_send_batches_through_slabs_equal_to_torchs():
+@pytest.fixture
+def slabs_on(monkeypatch):
+    import ferry._slabs
+
+    monkeypatch.setattr(ferry._slabs, "FOR_PAGEABLE", True)
+
+
+def test_worker_processes_send_batches_through_slabs_equal_to_torchs(slabs_on):
     ours = loader(Squares(64), (2, "process"), batch_size=4)
     for a, b in zip(ours, tud.DataLoader(Squares(64), batch_size=4)):  # each batch freed before the next
         assert_same([a], [b])
@@ -608,7 +622,7 @@ def test_worker_processes_send_batches_through_slabs_equal_to_torchs():
     assert stats["slab_bytes"] > 0
 
 
-def test_slabs_carry_every_kind_of_tensor_and_leave_the_rest_to_torch():
+def test_slabs_carry_every_kind_of_tensor_and_leave_the_rest_to_torch(slabs_on):
     ours = list(loader(Mixed(12), (2, "process"), batch_size=3, collate_fn=with_a_parameter))
     theirs = list(tud.DataLoader(Mixed(12), batch_size=3, collate_fn=with_a_parameter))
     for a, b in zip(ours, theirs):
@@ -617,7 +631,7 @@ def test_slabs_carry_every_kind_of_tensor_and_leave_the_rest_to_torch():
         assert_same([a], [b])
 
 
-def test_a_batch_larger_than_the_slabs_warns_once_and_later_slabs_grow():
+def test_a_batch_larger_than_the_slabs_warns_once_and_later_slabs_grow(slabs_on):
     ours = loader(Growing(40), (2, "process"), batch_size=4)
     with pytest.warns(RuntimeWarning, match="larger than the worker processes' shared-memory slabs") as caught:
         got = [b.clone() for b in ours]
@@ -630,7 +644,7 @@ def test_a_batch_larger_than_the_slabs_warns_once_and_later_slabs_grow():
     assert ours.stats()["slab_misses"] == misses
 
 
-def test_batches_held_past_the_slabs_and_past_the_loader_stay_right_and_are_freed():
+def test_batches_held_past_the_slabs_and_past_the_loader_stay_right_and_are_freed(slabs_on):
     gc.collect()
     fds = fd_count()
     ours = loader(Squares(160), (2, "process"), batch_size=4)
@@ -657,3 +671,9 @@ def test_worker_processes_start_when_the_loader_is_made_and_serve_its_batches():
     assert len(started) == 2  # before any iteration
     used = {int(row[4]) for b in ours for row in b}
     assert used <= set(started) and sorted(ours._pool.pids()) == started  # the same processes, none replaced
+
+
+def test_pageable_batches_keep_torchs_zero_copy_shared_memory():
+    ours = loader(Squares(16), (2, "process"), batch_size=4)
+    assert_same(ours, tud.DataLoader(Squares(16), batch_size=4))
+    assert ours._pool.slabs is None and "slab_batches" not in ours.stats()
