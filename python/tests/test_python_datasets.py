@@ -482,7 +482,10 @@ def test_worker_processes_die_with_a_sigkilled_main_process(tmp_path):
         if __name__ == "__main__":
             loader = ferry.DataLoader(Slow(), batch_size=2, num_workers=2)
             it = iter(loader)
-            time.sleep(3)
+            deadline = time.monotonic() + 60  # a forkserver process may take seconds to start
+            while len(loader._pool.pids()) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
             print(" ".join(str(p) for p in loader._pool.pids()), flush=True)
             next(it)
     """)
@@ -522,7 +525,7 @@ def test_create_iterate_break_destroy_leaves_no_thread_process_or_descriptor(kin
     for _ in range(100):
         cycle()
     gc.collect()
-    assert thread_count() == threads
+    assert thread_count() <= threads  # a thread of an earlier test may end meanwhile; none is added
     assert fd_count() == fds
     assert wait_gone(pids) == []
     assert sorted(os.listdir("/dev/shm")) == shm  # slabs are memfd segments; torch's own are unlinked
