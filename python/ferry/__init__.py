@@ -369,7 +369,10 @@ class DataLoader:
         pending = getattr(self, "_pending", None)
         while pending:
             event, _ = pending.popleft()
-            event.synchronize()
+            try:
+                event.synchronize()
+            except Exception:  # torch is being torn down at exit: the process ends with its copies
+                pass
 
     def __iter__(self) -> Iterator[Any]:
         """Starts the next epoch (ending one still in progress) and yields its batches."""

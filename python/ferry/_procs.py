@@ -3,7 +3,8 @@
 The engine's worker thread w sends a batch's indices to process w and waits for the collated
 batch without the GIL (the pipe read releases it); the process fetches the samples, collates them
 and sends the batch back through torch's multiprocessing pickler, whose tensors travel in shared
-memory (file descriptors passed over the pipe's socket), not through the pipe. So the dataset's
+memory (file descriptors passed over the pipe's socket), not through the pipe; a pinned batch's
+tensors are written into a CUDA-registered slab instead (Note [Slabs] in _slabs.py). So the dataset's
 Python code runs in parallel whatever it holds, and the engine keeps its ordering, timeouts,
 on_error, resume and Ctrl-C.
 
