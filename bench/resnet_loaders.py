@@ -46,10 +46,18 @@ def busy_jiffies():
     return sum(values[:8]) - idle
 
 
+def thread_cpu(pid, tid, hz):
+    """(name, CPU seconds so far) of thread `tid` of process `pid`, from /proc."""
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        text = f.read()
+    rest = text.rsplit(")", 1)[1].split()
+    return text[text.index("(") + 1:text.rindex(")")], (int(rest[11]) + int(rest[12])) / hz
+
+
 def cpu_by_task():
-    """CPU seconds so far of every thread on the host, by (process, thread) name: this process's
-    threads one by one, every other process's summed ("worker process" for this process's
-    descendants)."""
+    """CPU seconds so far by task: this process's threads by name; its descendants' (the worker
+    processes, the forkserver) threads summed by name ("main" for each one's main thread);
+    every other process's summed."""
     hz = os.sysconf("SC_CLK_TCK")
     me = os.getpid()
     parents, totals = {}, {}
@@ -74,30 +82,21 @@ def cpu_by_task():
         return False
 
     out = {}
+
+    def add(key, secs):
+        out[key] = out.get(key, 0.0) + secs
+
     for pid, secs in totals.items():
-        if pid == me:
+        if pid != me and not mine(pid):
+            add("other processes", secs)
             continue
-        if not mine(pid):
-            out["other processes"] = out.get("other processes", 0.0) + secs
-            continue
-        try:  # a descendant's threads, summed over descendants by thread name
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    text = f.read()
-                name = text[text.index("(") + 1:text.rindex(")")]
-                rest = text.rsplit(")", 1)[1].split()
-                key = f"descendants' threads: {'main' if tid == str(pid) else name}"
-                out[key] = out.get(key, 0.0) + (int(rest[11]) + int(rest[12])) / hz
-        except (OSError, ValueError, IndexError):
-            continue
-    for tid in os.listdir(f"/proc/{me}/task"):
         try:
-            with open(f"/proc/{me}/task/{tid}/stat") as f:
-                text = f.read()
-            name = text[text.index("(") + 1:text.rindex(")")]
-            rest = text.rsplit(")", 1)[1].split()
-            key = f"main process: {name}"
-            out[key] = out.get(key, 0.0) + (int(rest[11]) + int(rest[12])) / hz
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                name, secs = thread_cpu(pid, tid, hz)
+                if pid == me:
+                    add(f"main process: {name}", secs)
+                else:
+                    add(f"descendants' threads: {'main' if tid == str(pid) else name}", secs)
         except (OSError, ValueError, IndexError):
             continue
     return out
