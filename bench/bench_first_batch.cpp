@@ -1,0 +1,102 @@
+// bench_first_batch — how long a new loader takes to hand over its first batch.
+//
+// In-memory data: 2,048 samples of 3x224x224 uint8 in one tensor (a TensorDataset, so workers copy
+// rows straight into the batch the allocator gives: pageable, pinned or, with a device, pinned and
+// then copied), batch 256 (38.5 MB). For each route and worker count, the median of --runs new
+// loaders of: making the DataLoader, and begin() to the first batch in hand (with a device, after
+// its copy has finished: the stream is synchronized). One loader with a device is made and
+// dropped first, so CUDA's own start-up (reported on its own) is not in the rows.
+// Usage: bench_first_batch [--runs N] [--workers 0,1,4,8,12,16] [--no-device]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/ferry.h"
+
+using namespace ferry;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+enum class Route { Pageable, Pinned, Device };
+const char* name(Route r) { return r == Route::Pageable ? "pageable" : r == Route::Pinned ? "pinned" : "device"; }
+
+struct Times {
+  double make_ms, first_ms;
+};
+
+Times one(const TensorDataset& data, Route route, int workers) {
+  DataLoaderOptions o;
+  o.batch_size = 256;
+  o.shuffle = true;
+  o.num_workers = workers;
+  o.pin_memory = route != Route::Pageable;
+  if (route == Route::Device) o.device = 0;
+  const auto t0 = Clock::now();
+  DataLoader loader(data, o);
+  const double made = ms_since(t0);
+  const auto t1 = Clock::now();
+  auto it = loader.begin();
+  const auto& batch = *it;
+  if (route == Route::Device) loader.stream()->synchronize();
+  const double first = ms_since(t1);
+  if (batch.empty()) std::abort();
+  return {made, first};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int runs = 7;
+  bool device = true;
+  std::vector<int> workers = {0, 1, 4, 8, 12, 16};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--runs" && i + 1 < argc) runs = std::stoi(argv[++i]);
+    else if (a == "--no-device") device = false;
+    else if (a == "--workers" && i + 1 < argc) {
+      workers.clear();
+      std::stringstream list(argv[++i]);
+      for (std::string w; std::getline(list, w, ',');) workers.push_back(std::stoi(w));
+    }
+  }
+  device = device && cuda::available();
+  Tensor x = Tensor::empty(DType::UInt8, {2048, 3, 224, 224});
+  std::memset(x.data<std::uint8_t>(), 7, static_cast<std::size_t>(x.numel()));
+  const TensorDataset data({x});
+  std::printf("bench_first_batch: 2,048 x 3x224x224 uint8 in memory, batch 256 (38.5 MB), shuffled; %u hardware threads; "
+              "median of %d new loaders\n\n", std::thread::hardware_concurrency(), runs);
+  if (device) {
+    const auto t0 = Clock::now();
+    (void)one(data, Route::Device, 1);
+    std::printf("CUDA's start-up and the first device loader (once a process): %.1f ms\n\n", ms_since(t0));
+  }
+  std::printf("| route | workers | make the loader, ms | begin() to the first batch, ms | total, ms |\n|---|---:|---:|---:|---:|\n");
+  std::vector<Route> routes = {Route::Pageable};
+  if (device) routes.insert(routes.end(), {Route::Pinned, Route::Device});
+  for (Route r : routes)
+    for (int w : workers) {
+      std::vector<double> make, first, total;
+      for (int k = 0; k < runs; ++k) {
+        const Times t = one(data, r, w);
+        make.push_back(t.make_ms);
+        first.push_back(t.first_ms);
+        total.push_back(t.make_ms + t.first_ms);
+      }
+      std::printf("| %s | %d | %.2f | %.2f | %.2f |\n", name(r), w, median(make), median(first), median(total));
+      std::fflush(stdout);
+    }
+  return 0;
+}
