@@ -377,6 +377,9 @@ struct Outcome {
   Attempt* winner = nullptr;
 };
 
+// Thrown by try_once when the loader has given up on the calling thread's work (io_cancelled).
+struct Cancelled {};
+
 bool transient_status(long s) { return s == 408 || s == 429 || s == 500 || s == 502 || s == 503 || s == 504; }
 
 Outcome judge(Attempt& a, CURLcode rc) {
@@ -444,6 +447,7 @@ Outcome try_once(const Config& c, const Request& r, Attempt& primary, Attempt& h
   Outcome last;
   int done = 0;
   while (!live.empty()) {
+    if (detail::io_cancelled()) throw Cancelled{};  // Cleanup stops the transfers (their connections close)
     int running = 0;
     if (curl_multi_perform(h.multi, &running) != CURLM_OK) throw Error("object storage: libcurl's transfer loop failed");
     int left = 0;
@@ -498,10 +502,19 @@ struct Answer {
 // after the last attempt. A permanent failure comes back as an Answer for the caller to name.
 Answer run(const Config& c, const Request& r, const std::string& where, std::uint64_t offset) {
   thread_local std::minstd_rand rng(static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id())));
+  const auto given_up = [&] {
+    return IoError(where, offset, "object storage: the loader gave up on this read (its worker was abandoned at the "
+                   "timeout, or the epoch ended)", ECANCELED);
+  };
   std::string why;
   for (int attempt = 1;; ++attempt) {
     Attempt p, q;
-    Outcome o = try_once(c, r, p, q);
+    Outcome o;
+    try {
+      o = try_once(c, r, p, q);
+    } catch (const Cancelled&) {
+      throw given_up();
+    }
     if (o.kind == Outcome::Ok) {
       Attempt& w = *o.winner;
       if (&w == &q) {  // the hedge answered first: its bytes into the caller's sink
@@ -518,6 +531,7 @@ Answer run(const Config& c, const Request& r, const std::string& where, std::uin
     // Full jitter: a uniform wait in [0, min(2 s, 50 ms * 2^attempt)].
     const double cap = std::min(2.0, 0.05 * static_cast<double>(1u << std::min(attempt, 10)));
     std::this_thread::sleep_for(std::chrono::duration<double>(std::uniform_real_distribution<double>(0, cap)(rng)));
+    if (detail::io_cancelled()) throw given_up();
   }
   throw IoError(where, offset, "object storage: " + why + " (after " + std::to_string(c.attempts) + " attempts)", EIO);
 }
@@ -712,7 +726,13 @@ struct Batch {
   bool take(std::size_t k, std::vector<std::byte>& out) {
     if (k >= items.size()) return false;
     Item& it = *items[k];
-    while (it.state == Item::Queued || it.state == Item::Live) drive(100);
+    while (it.state == Item::Queued || it.state == Item::Live) {
+      if (detail::io_cancelled()) {  // the loader gave up: stop every transfer of the batch
+        cancel();  // (drops the items, `it` among them)
+        return false;  // the caller's ordinary read then says so
+      }
+      drive(100);
+    }
     if (it.state != Item::Done) return false;
     out.swap(it.out);
     it.state = Item::Taken;

@@ -97,10 +97,22 @@ std::string LoaderStats::report() const {
 namespace detail {
 namespace {
 thread_local IoCounters* t_io = nullptr;
+thread_local CancelCheck t_cancelled = nullptr;
+thread_local const void* t_cancel_arg = nullptr;
 }
 IoCounters* current_io() noexcept { return t_io; }
-ScopedIo::ScopedIo(IoCounters* counters) noexcept : previous_(t_io) { t_io = counters; }
-ScopedIo::~ScopedIo() { t_io = previous_; }
+bool io_cancelled() noexcept { return t_cancelled != nullptr && t_cancelled(t_cancel_arg); }
+ScopedIo::ScopedIo(IoCounters* counters, CancelCheck cancelled, const void* arg) noexcept
+    : previous_(t_io), previous_check_(t_cancelled), previous_arg_(t_cancel_arg) {
+  t_io = counters;
+  t_cancelled = cancelled;
+  t_cancel_arg = arg;
+}
+ScopedIo::~ScopedIo() {
+  t_io = previous_;
+  t_cancelled = previous_check_;
+  t_cancel_arg = previous_arg_;
+}
 }  // namespace detail
 
 }  // namespace ferry

@@ -68,6 +68,8 @@ class FaultProxy {
   void down(bool is_down) { down_ = is_down; }
   /// Requests seen (forwarded or faulted).
   int requests() const { return requests_.load(); }
+  /// Hung requests whose client closed the connection (gave up on the answer).
+  int hangs_ended_by_client() const { return hangs_ended_by_client_.load(); }
 
   FaultProxy(const FaultProxy&) = delete;
   FaultProxy& operator=(const FaultProxy&) = delete;
@@ -156,8 +158,17 @@ class FaultProxy {
           if (delay_once_) delay_ = std::chrono::milliseconds(0);
         }
         if (fault == Fault::Reset) break;  // reset below
-        if (fault == Fault::Hang) {
-          while (!stopping_) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        if (fault == Fault::Hang) {  // no answer, until the client gives up (or the proxy stops)
+          while (!stopping_) {
+            pollfd p{client, POLLIN, 0};
+            if (::poll(&p, 1, 20) <= 0) continue;
+            char byte;
+            if (::recv(client, &byte, 1, MSG_PEEK) <= 0) {
+              ++hangs_ended_by_client_;
+              break;
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(20));
+          }
           break;
         }
         if (fault == Fault::Status503) {
@@ -209,6 +220,7 @@ class FaultProxy {
   int port_ = 0;
   std::atomic<bool> stopping_{false}, down_{false};
   std::atomic<int> requests_{0};
+  std::atomic<int> hangs_ended_by_client_{0};
   std::mutex mu_;
   std::deque<Fault> faults_;
   std::chrono::milliseconds delay_{0};

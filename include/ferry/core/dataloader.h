@@ -257,7 +257,10 @@ class DataLoader {
     void init_worker(const WorkerInfo& worker) override { core.init_worker(worker); }
 
     detail::Payload produce(const detail::Job& job, detail::JobContext& ctx) override {
-      const detail::ScopedIo io(core.io_counters());  // object-store reads count as this loader's
+      // Object-store reads count as this loader's, and end at once when it gives up on the job.
+      const detail::ScopedIo io(core.io_counters(), [](const void* c) noexcept {
+        return static_cast<const detail::JobContext*>(c)->cancelled();
+      }, &ctx);
       if constexpr (kStreaming) return produce_stream(ctx);
       else return produce_map(job, ctx);
     }

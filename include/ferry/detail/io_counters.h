@@ -3,7 +3,9 @@
 // A loader's worker sets its counters as the thread's current ones while it makes a batch
 // (ScopedIo); the object-store client adds to whatever counters the calling thread has (none
 // outside a loader's work), beside the process-wide ones (ferry::object_store_stats()). So
-// LoaderStats shows what this loader read, not what other loaders of the process did.
+// LoaderStats shows what this loader read, not what other loaders of the process did. The same
+// scope tells the client when the loader has given up on the work (io_cancelled), so that an
+// abandoned worker's request ends at once instead of at its stall limit.
 #pragma once
 
 #include <atomic>
@@ -18,16 +20,27 @@ struct IoCounters {
 /// The calling thread's current counters, or null.
 IoCounters* current_io() noexcept;
 
-/// Makes `counters` the thread's current ones for its lifetime (nests).
+/// Whether the loader gave up on the calling thread's work (the batch's worker was abandoned at
+/// its timeout, or the epoch is ending): a read in progress should end now. False outside a
+/// loader's work.
+bool io_cancelled() noexcept;
+
+/// Asks whether the work was given up; `arg` is passed back.
+using CancelCheck = bool (*)(const void* arg) noexcept;
+
+/// Makes `counters` (and the cancellation check) the thread's current ones for its lifetime
+/// (nests).
 class ScopedIo {
  public:
-  explicit ScopedIo(IoCounters* counters) noexcept;
+  explicit ScopedIo(IoCounters* counters, CancelCheck cancelled = nullptr, const void* arg = nullptr) noexcept;
   ~ScopedIo();
   ScopedIo(const ScopedIo&) = delete;
   ScopedIo& operator=(const ScopedIo&) = delete;
 
  private:
   IoCounters* previous_;
+  CancelCheck previous_check_;
+  const void* previous_arg_;
 };
 
 /// Adds n to one of the thread's current counters, if it has any.

@@ -18,7 +18,9 @@
 // refused or reset connection or a stall; when its first byte is late, a second request for the
 // same bytes is sent and the first answer wins (a hedge). A request that fails every attempt is a
 // transient IoError (DataLoaderOptions::io_retries then applies, and on_error after that); a 403,
-// a 404 or a missing bucket is a DataError naming the URL. Credentials never appear in an error.
+// a 404 or a missing bucket is a DataError naming the URL. A read whose batch the loader gives up
+// on (its worker abandoned at DataLoaderOptions::timeout, or the epoch ending) stops within 0.1 s
+// and closes its connections, rather than at its stall limit. Credentials never appear in an error.
 //
 // Settings, read as AWS's own SDKs and CLI read them:
 //   endpoint     AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's endpoint_url, else
