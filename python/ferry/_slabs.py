@@ -74,20 +74,21 @@ class Slab:
         self.lease_type = type("SlabLease", (ctypes.c_uint8 * size,), {"__del__": _lease_gone})
 
     def close(self) -> None:
+        if self.fd < 0:
+            return
         if self.registered:
             _ferry.host_unregister(self.address)
             self.registered = False
         self.mm.close()
         os.close(self.fd)
+        self.fd = -1
 
 
 def _lease_gone(lease: Any) -> None:
     """The last view of a batch's slab is gone (a finalizer: any thread, no lock taken)."""
     slabs = getattr(lease, "slabs", None)
     if slabs is not None:
-        slabs._returned.append(lease.slab)  # deque.append/popleft are atomic
-        if slabs._closed:  # the loader is gone: nobody else will take it back (see Slabs.close)
-            slabs._drain_closed()
+        slabs.give_back(lease.slab)
 
 
 class Slabs:
@@ -143,8 +144,11 @@ class Slabs:
             return slab
 
     def give_back(self, slab: Slab) -> None:
-        """A leased slab that no batch took."""
-        self._returned.append(slab)
+        """A leased slab back: its batch's views are gone, or no batch took it. Takes no lock (it
+        runs in finalizers, on any thread)."""
+        self._returned.append(slab)  # deque.append/popleft are atomic
+        if self._closed:  # the loader is gone: nobody else will take it back (see close)
+            self._drain_closed()
 
     def saw(self, needed: int, leased: Optional[Slab]) -> None:
         """A batch needed `needed` bytes; slabs grow to hold it."""
