@@ -15,7 +15,6 @@ import io
 import multiprocessing.util
 import os
 import pstats
-import sys
 import tempfile
 import time
 
@@ -23,6 +22,7 @@ import torch
 import torchvision
 
 import ferry
+from resnet_loaders import cpu_by_task  # a sibling script: its folder is on sys.path
 
 MEAN = (0.485, 0.456, 0.406)
 STD = (0.229, 0.224, 0.225)
@@ -47,28 +47,14 @@ class Profiled:
 
 
 def descendants_cpu():
-    hz = os.sysconf("SC_CLK_TCK")
-    me = os.getpid()
-    info = {}
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-                info[int(pid)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / hz)
-            except (OSError, IndexError):
-                pass
+    """CPU seconds so far of this process's descendants (resnet_loaders.cpu_by_task's breakdown)."""
+    return sum(secs for task, secs in cpu_by_task().items() if task.startswith("descendants'"))
 
-    def mine(pid):
-        for _ in range(8):
-            pid = info.get(pid, (1, 0))[0]
-            if pid == me:
-                return True
-            if pid <= 1:
-                return False
-        return False
 
-    return sum(cpu for pid, (_, cpu) in info.items() if pid != me and mine(pid))
+def forever(loader):
+    """The loader's batches, epoch after epoch."""
+    while True:
+        yield from loader
 
 
 def main():
@@ -91,11 +77,7 @@ def main():
         kw = dict(batch_size=args.batch, shuffle=True, num_workers=args.workers, persistent_workers=True,
                   worker_init_fn=Profiled(folder))
         loader = (torch.utils.data.DataLoader(dataset, **kw) if name == "torch" else ferry.DataLoader(dataset, **kw))
-        def forever():  # epoch after epoch
-            while True:
-                yield from loader
-
-        it = forever()
+        it = forever(loader)
         for _ in range(args.warmup):
             next(it)
         c0, t0 = descendants_cpu(), time.perf_counter()

@@ -25,7 +25,6 @@ import os
 import pickle
 import select
 import signal
-import sys
 import threading
 import time
 import traceback

@@ -7,6 +7,7 @@ these; everything here is safe to call from several threads at once.
 from __future__ import annotations
 
 import collections.abc
+import random
 import sys
 import threading
 import warnings
@@ -63,8 +64,6 @@ def sample_seed(index: Optional[int] = None) -> Optional[int]:
 
 def reseed(seed: int) -> None:
     """Seeds Python's ``random``, torch's global generator and numpy's (if imported) with `seed`."""
-    import random
-
     random.seed(seed)
     torch = sys.modules.get("torch")
     if torch is not None:
@@ -234,8 +233,7 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
         _local.info = WorkerInfo(worker, workers, seed + worker, dataset)
         # One intra-op thread for torch calls on this thread (collate, pin_memory's copy), as
         # torch's own workers and pin thread have: the setting is this thread's, and without it
-        # each worker thread's copy of a batch starts a team of OpenMP threads as wide as the
-        # machine, which then spin beside each other's (every core busy for a few threads' work).
+        # each worker thread's torch call may start a team of OpenMP threads as wide as the machine.
         torch.set_num_threads(1)
         if pool is not None:
             pool.start(worker, workers, seed)  # worker_init_fn runs in the process

@@ -28,6 +28,7 @@ import collections
 import ctypes
 import io
 import mmap
+import multiprocessing.reduction
 import os
 import pickle
 import threading
@@ -96,8 +97,8 @@ class Slabs:
 
     def __init__(self, pinned: bool, max_count: int, limit: Optional[int]) -> None:
         self.pinned, self.max_count = pinned, max_count
-        if limit is None:
-            limit = _default_limit()
+        if limit is None:  # the loader's own rule for an unset pinned budget (DataLoaderOptions)
+            limit = _ferry.pinned_growth_cap() or _ferry.DEFAULT_PINNED_MEMORY_LIMIT
         self.limit = limit
         self.size = 0  # learned from the batches
         self._lock = threading.Lock()
@@ -208,24 +209,6 @@ class Slabs:
             return sum(s.size for s in self._live.values())
 
 
-def _default_limit() -> int:
-    """Half the machine's memory and 3/4 of what is free now (the loader's pinned budget rule)."""
-    total = available = None
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                key, value = line.split(":", 1)
-                if key == "MemTotal":
-                    total = int(value.split()[0]) * 1024
-                elif key == "MemAvailable":
-                    available = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    if total is None or available is None:
-        return 2 << 30
-    return min(total // 2, available * 3 // 4)
-
-
 class _SlabUnpickler(pickle.Unpickler):
     def __init__(self, file: Any, base: Any) -> None:
         super().__init__(file)
@@ -272,13 +255,7 @@ class ProcessSlabs:
         return out.getvalue(), pickler.needed, pickler.placed, pickler.missed
 
 
-def _pickler_base() -> Any:
-    import multiprocessing.reduction
-
-    return multiprocessing.reduction.ForkingPickler
-
-
-class _SlabPickler(_pickler_base()):  # type: ignore[misc]
+class _SlabPickler(multiprocessing.reduction.ForkingPickler):
     def __init__(self, file: Any, base: Any) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         import torch

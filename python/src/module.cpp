@@ -765,6 +765,9 @@ NB_MODULE(_ferry, m) {
           nb::gil_scoped_release unlocked;
           ferry::cuda::host_register(reinterpret_cast<void*>(address), bytes);
         }, "address"_a, "bytes"_a, "Pins a mapping made elsewhere (cudaHostRegister, portable); raises ferry.CudaError.");
+  m.attr("DEFAULT_PINNED_MEMORY_LIMIT") = ferry::DataLoaderOptions::kDefaultPinnedMemoryLimit;
+  m.def("pinned_growth_cap", &ferry::detail::pinned_growth_cap,
+        "How far an unset pinned budget may grow (half the machine's memory, at most 3/4 of what is free; 0: unknown).");
   m.def("host_unregister", [](std::uintptr_t address) {
           nb::gil_scoped_release unlocked;
           ferry::cuda::host_unregister(reinterpret_cast<void*>(address));

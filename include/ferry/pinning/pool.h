@@ -114,6 +114,10 @@ class PinnedPool final : public BatchAllocator {
 };
 
 namespace detail {
+/// How far an unset pinned budget may grow: half the machine's memory, and no more than three
+/// quarters of what is free now (0 when the machine does not say).
+std::size_t pinned_growth_cap();
+
 /// Leases from a pinned pool, refusing a batch whose size times the pipeline's depth exceeds the
 /// pool's budget: that many batches can be alive at once (in flight, in the reorder window, queued
 /// for the pin thread and the device), and a budget below it would stall the in-order batch
