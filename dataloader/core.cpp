@@ -207,11 +207,15 @@ void LoaderCore::Parts::setup_gather() {
   // The pin thread issues each batch's index copy and gathers, so the consumer's thread only
   // takes finished batches (issuing there left the GPU idle between synchronized steps).
   issue_on_pin_thread = true;
+  // Small batches ready together go in one launch (PinGroup, DeviceStage::end_held): a
+  // launch, its events and its hand-over cost the pin thread about as much as a 0.8 MB batch
+  // takes the link (Note [Device gather]).
+  const int depth = opt.pin_depth + opt.device_prefetch;
   pin_stage = std::make_unique<PinStage>(engine, [this](Payload& p, std::int64_t batch) {
     const std::int64_t t0 = opt.trace ? now_ns() : 0;
-    p = gather_batch(p.get<GatherIndex>().index);
+    p = gather_batch(p.get<GatherIndex>().index, true);
     if (opt.trace && opt.trace->wants(batch)) opt.trace->span(TraceRecorder::kPinTrack, "issue the gather", batch, t0, now_ns());
-  }, opt.pin_depth + opt.device_prefetch, opt.timeout, opt.trace.get(), placement);
+  }, depth, opt.timeout, opt.trace.get(), placement, PinGroup{depth, [this] { flush_held(); }});
 }
 
 void LoaderCore::Parts::setup_pinning() {
@@ -260,7 +264,31 @@ void LoaderCore::Parts::setup_pinning() {
 
 // Device gather: the batch of `index` (pinned), made by the GPU: the index's copy, then one
 // gather kernel a field, on the copy stream (Note [Device gather]). Runs on the pin thread.
-Payload LoaderCore::Parts::gather_batch(const Tensor& index) {
+void LoaderCore::Parts::flush_held() {
+  if (held_slots.empty()) return;
+  std::vector<std::shared_ptr<const EventFence>*> slots = std::move(held_slots);
+  held_slots.clear();
+  std::vector<std::shared_ptr<const EventFence>> fences;
+  try {
+    fences = device_stage->issue_held();
+    if (fences.size() != slots.size())
+      throw Error("DataLoader: " + std::to_string(slots.size()) + " batches held for one launch, " + std::to_string(fences.size()) +
+                  " issued");
+  } catch (...) {
+    // Every held batch fails at its hand-over (deliver rethrows the fence's error): none of them
+    // may reach the consumer unwritten.
+    const std::exception_ptr error = std::current_exception();
+    for (std::shared_ptr<const EventFence>* slot : slots) {
+      auto failed = EventFence::deferred(cuda::Event::create(device_stage->device()));
+      failed->recorded(error);  // never recorded on a stream: waiting on it returns at once
+      *slot = std::move(failed);
+    }
+    throw;
+  }
+  for (std::size_t k = 0; k < slots.size(); ++k) *slots[k] = std::move(fences[k]);
+}
+
+Payload LoaderCore::Parts::gather_batch(const Tensor& index, bool hold) {
   auto aligned = [](std::size_t b) { return (b + 63) / 64 * 64; };
   const std::size_t rows = static_cast<std::size_t>(index.size(0));
   // Up to gather_index_in_launch rows the indices travel in the kernel's launch; a larger
@@ -270,7 +298,6 @@ Payload LoaderCore::Parts::gather_batch(const Tensor& index) {
   for (const HostRows& f : gather_fields) bytes += aligned(rows * f.row_bytes * (f.transform ? itemsize(f.transform->dtype) : 1));
   device_stage->begin(bytes);
   std::vector<Tensor> fields;
-  std::shared_ptr<const EventFence> copied;
   try {
     const Tensor index_dev = in_launch ? index : device_stage->move(index);
     for (std::size_t k = 0; k < gather_fields.size(); ++k) {
@@ -278,12 +305,23 @@ Payload LoaderCore::Parts::gather_batch(const Tensor& index) {
       fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape,
                                                  f.transform ? &*f.transform : nullptr));
     }
-    copied = device_stage->end();
+    Payload p = Payload::make(DeviceBatch{typed.from_fields(std::move(fields)), nullptr});
+    DeviceBatch& d = p.get<DeviceBatch>();  // on the heap: a held batch's slot stays put
+    bool held = false;
+    if (hold) {
+      held = device_stage->end_held();
+      if (!held && !held_slots.empty()) {  // no room left: the held launch goes first
+        flush_held();
+        held = device_stage->end_held();
+      }
+    }
+    if (held) held_slots.push_back(&d.copied);
+    else d.copied = device_stage->end();
+    return p;
   } catch (...) {
     device_stage->abort();
     throw;
   }
-  return Payload::make(DeviceBatch{typed.from_fields(std::move(fields)), std::move(copied)});
 }
 
 bool LoaderCore::gathering() const noexcept { return p_->gathering; }
@@ -309,6 +347,8 @@ Payload LoaderCore::Parts::last_stage_next() {
       Payload p = pin_stage->next();
       if (!p) return p;
       DeviceBatch& d = p.get<DeviceBatch>();
+      // A gathered batch always has its fence (flush_held sets a held one's before hand-over).
+      if (!d.copied && gathering) throw Error("DataLoader: a gathered batch reached the consumer without its fence");
       if (d.copied) device_stage->deliver(*d.copied);
       return std::move(d.batch);
     }

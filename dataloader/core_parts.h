@@ -66,7 +66,11 @@ struct LoaderCore::Parts {
   void choose_gather(std::vector<HostRows> fields, std::string why);
   void setup_gather();
   void setup_pinning();
-  Payload gather_batch(const Tensor& index);
+  /// `hold`: the batch may join the held launch (DeviceStage::end_held); its fence is then set by
+  /// flush_held(), before the pin stage hands it over.
+  Payload gather_batch(const Tensor& index, bool hold = false);
+  /// Issues the held batches' gathers and gives each held batch its fence.
+  void flush_held();
   Payload last_stage_next();
   // Resume (resume.cpp).
   std::shared_ptr<const DistributedSampler> distributed() const;
@@ -121,6 +125,7 @@ struct LoaderCore::Parts {
   // Device gather: the dataset's fields and their registration (undone after the copy stream has
   // finished, in ~Parts).
   std::vector<HostRows> gather_fields;
+  std::vector<std::shared_ptr<const EventFence>*> held_slots;  // DeviceBatch::copied of the held batches (pin thread)
   double gather_flip_p = 0;  // the flip a sample draws for the fields' row transforms (RowTransform::flip_p)
   std::unique_ptr<RowRegistration> registration;
   bool gathering = false;

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <semaphore>
+#include <vector>
 #include <string>
 
 #include "queue.h"
@@ -19,14 +20,15 @@ struct Item {
 }  // namespace
 
 struct PinStage::State {
-  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t, TraceRecorder* tr, std::shared_ptr<const Placement> pl)
-      : engine(e), pin(std::move(p)), depth(d < 1 ? 1 : d), timeout(t), trace(tr), placement(std::move(pl)) {}
+  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t, TraceRecorder* tr, std::shared_ptr<const Placement> pl, PinGroup g)
+      : engine(e), pin(std::move(p)), depth(d < 1 ? 1 : d), timeout(t), trace(tr), placement(std::move(pl)), group(std::move(g)) {}
   Engine& engine;
   PinFn pin;
   const int depth;
   const std::chrono::milliseconds timeout;
   TraceRecorder* const trace;
   const std::shared_ptr<const Placement> placement;
+  const PinGroup group;
   std::unique_ptr<StageQueue<Item>> out;
   std::unique_ptr<std::counting_semaphore<>> credits;
   std::atomic<bool> stopping{false};
@@ -34,45 +36,76 @@ struct PinStage::State {
   std::atomic<std::int64_t> batches{0};
   Thread thread;
 
+  // The next batch from the engine, pinned: batch number `batch` of the epoch.
+  Item take(std::int64_t batch) {
+    Item item;
+    stage.enter(Stage::Fetch);  // waiting on the workers
+    try {
+      item.payload = engine.next();
+      if (!item.payload) {
+        item.end = true;
+      } else {
+        stage.enter(Stage::Pin);  // pin() records its own trace span (with the block it used)
+        try {
+          pin(item.payload, batch);
+        } catch (...) {
+          item.payload = Payload();
+          item.error = wrap_current_exception(WorkerError::kPinThread, batch, {}, Stage::Pin, std::nullopt, false);
+        }
+      }
+    } catch (...) {
+      item.error = std::current_exception();  // already a WorkerError / TimeoutError
+    }
+    stage.enter(Stage::Idle);
+    return item;
+  }
+
   void run() {
     if (placement) apply_placement(*placement);
     StopScope stop_scope(&stopping);  // a pool wait inside pin() gives up on stop()
     NoWaitPoll no_poll;               // engine.next() here never runs the consumer's poll
+    std::vector<Item> items;
     for (;;) {
       credits->acquire();
       if (stopping.load()) return;
-      Item item;
-      const std::int64_t batch = batches.load();
-      stage.enter(Stage::Fetch);  // waiting on the workers
-      try {
-        item.payload = engine.next();
-        if (!item.payload) {
-          item.end = true;
-        } else {
-          stage.enter(Stage::Pin);  // pin() records its own trace span (with the block it used)
-          try {
-            pin(item.payload, batch);
-          } catch (...) {
-            item.payload = Payload();
-            item.error = wrap_current_exception(WorkerError::kPinThread, batches.load(), {}, Stage::Pin, std::nullopt, false);
+      items.clear();
+      const std::int64_t first = batches.load();
+      items.push_back(take(first));
+      // More of the group: while a place is free and the engine has the batch at hand.
+      while (static_cast<int>(items.size()) < group.max && !items.back().end && !items.back().error && !stopping.load() &&
+             credits->try_acquire()) {
+        if (!engine.ready()) {
+          credits->release();
+          break;
+        }
+        items.push_back(take(first + static_cast<std::int64_t>(items.size())));
+      }
+      if (group.flush) {
+        try {
+          group.flush();  // also when stopping: what pin() left is finished before its batches go
+        } catch (...) {
+          for (std::size_t k = 0; k < items.size(); ++k) {
+            if (!items[k].payload) continue;
+            items[k].payload = Payload();
+            items[k].error = wrap_current_exception(WorkerError::kPinThread, first + static_cast<std::int64_t>(k), {}, Stage::Pin,
+                                                    std::nullopt, false);
           }
         }
-      } catch (...) {
-        item.error = std::current_exception();  // already a WorkerError / TimeoutError
       }
-      stage.enter(Stage::Idle);
       if (stopping.load()) return;
-      ++batches;
-      const bool end = item.end;
-      out->push(std::move(item));
-      if (end) return;
+      for (Item& item : items) {
+        ++batches;
+        const bool end = item.end;
+        out->push(std::move(item));
+        if (end) return;
+      }
     }
   }
 };
 
 PinStage::PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout, TraceRecorder* trace,
-                   std::shared_ptr<const Placement> placement)
-    : state_(std::make_unique<State>(engine, std::move(pin), depth, timeout, trace, std::move(placement))) {
+                   std::shared_ptr<const Placement> placement, PinGroup group)
+    : state_(std::make_unique<State>(engine, std::move(pin), depth, timeout, trace, std::move(placement), std::move(group))) {
   if (trace) trace->name_track(TraceRecorder::kPinTrack, "pin thread");
 }
 

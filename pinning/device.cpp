@@ -107,6 +107,11 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     detail::GatherField field;
   };
   std::vector<PendingGather> gathers;
+  // Batches ended by end_held(): their fields and host indices, for one launch at issue_held().
+  static constexpr std::size_t kHeldBytes = std::size_t{16} << 20;
+  std::vector<detail::GatherField> held_fields;
+  std::vector<std::int64_t> held_index;
+  std::size_t held_batches = 0, held_bytes = 0;
 
   Tensor gather_rows(const Tensor& index, const void* src, std::size_t row_bytes, DType dtype, const Shape& row_shape,
                      const RowTransform* t) {
@@ -282,6 +287,81 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     }
   }
 
+  // A timing event: one already counted, else a new one (stats_mu held).
+  cuda::Event timing_event() {
+    if (spare_starts.empty()) return cuda::Event::create(opt.device, true);
+    cuda::Event e = std::move(spare_starts.back());
+    spare_starts.pop_back();
+    return e;
+  }
+
+  bool end_held() {
+    if (!cur) throw Error("DeviceStage::end_held: no batch begun");
+    if (!pending.empty() || !decodes.empty() || gathers.empty() || used > kHeldBytes ||
+        gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields))
+      return false;
+    std::size_t rows = 0;
+    for (std::size_t i = 0; i < gathers.size(); ++i) {
+      if (!gathers[i].index.device().is_host()) return false;
+      if (i == 0 || gathers[i].index.raw() != gathers[i - 1].index.raw()) rows += static_cast<std::size_t>(gathers[i].index.size(0));
+    }
+    if (rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch)) return false;
+    if (held_index.size() + rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch) ||
+        held_fields.size() + gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields) || held_bytes + used > kHeldBytes)
+      return false;
+    std::int64_t offset = 0;
+    for (std::size_t i = 0; i < gathers.size(); ++i) {
+      const Tensor& index = gathers[i].index;
+      if (i == 0 || index.raw() != gathers[i - 1].index.raw()) {
+        offset = static_cast<std::int64_t>(held_index.size());
+        const std::int64_t* d = index.data<std::int64_t>();
+        held_index.insert(held_index.end(), d, d + index.size(0));
+      }
+      detail::GatherField f = gathers[i].field;
+      f.rows = index.size(0);
+      f.index_dev = nullptr;
+      f.index_offset = offset;
+      held_fields.push_back(f);
+    }
+    held_bytes += used;
+    ++held_batches;
+    gathers.clear();
+    cur_owner.reset();
+    cur = nullptr;
+    return true;
+  }
+
+  std::vector<std::shared_ptr<const EventFence>> issue_held() {
+    std::vector<std::shared_ptr<const EventFence>> out;
+    if (held_batches == 0) return out;
+    const std::vector<detail::GatherField> fields = std::move(held_fields);
+    const std::vector<std::int64_t> index = std::move(held_index);
+    const std::size_t n = held_batches;
+    held_fields.clear();
+    held_index.clear();
+    held_batches = held_bytes = 0;
+    cuda::DeviceGuard device_guard(opt.device);
+    std::lock_guard stats_lock(stats_mu);
+    cuda::Event started = timing_event(), copied = timing_event();
+    started.record(copy);
+    copied.record(copy);  // no copies: the interval after it is the gather's
+    detail::launch_gather(index.data(), static_cast<std::int64_t>(index.size()), fields.data(), static_cast<int>(fields.size()),
+                          copy.native());
+    for (const detail::GatherField& f : fields) counters.rows_gathered += static_cast<std::uint64_t>(f.rows);
+    ++counters.gather_launches;
+    std::shared_ptr<EventFence> last;
+    for (std::size_t k = 0; k < n; ++k) {
+      cuda::Event done = cuda::Event::create(opt.device, k + 1 == n);  // the last times the launch
+      done.record(copy);
+      last = std::make_shared<EventFence>(std::move(done));
+      out.push_back(last);
+    }
+    timings.push_back({std::move(started), std::move(copied), last, true});
+    poll_timings();
+    counters.batches += n;
+    return out;
+  }
+
   std::shared_ptr<const EventFence> end() {
     if (!cur) throw Error("DeviceStage::end: no batch begun");
     cuda::DeviceGuard device_guard(opt.device);  // copies, events and kernels go to this device's streams
@@ -289,12 +369,6 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     std::exception_ptr decode_error;
     // Each image's place in the decode scratch goes into the host index before it is copied.
     for (PendingDecode& d : decodes) detail::lay_out_decode_scratch(d.index.data<std::int64_t>(), static_cast<int>(d.index.size(0)));
-    auto timing_event = [&] {
-      if (spare_starts.empty()) return cuda::Event::create(opt.device, true);
-      cuda::Event e = std::move(spare_starts.back());
-      spare_starts.pop_back();
-      return e;
-    };
     cuda::Event started = timing_event(), copied;
     started.record(copy);  // after any wait begin() queued: the interval is the copies alone
     std::size_t i = 0;
@@ -324,10 +398,17 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       while (j < gathers.size() && gathers[j].index.raw() == gathers[i].index.raw() && fields.size() < detail::kMaxGatherFields)
         fields.push_back(gathers[j++].field);
       const Tensor& index = gathers[i].index;
+      const bool on_host = index.device().is_host();
+      for (detail::GatherField& f : fields) {
+        f.rows = index.size(0);
+        f.index_dev = on_host ? nullptr : index.data<std::int64_t>();
+        f.index_offset = 0;
+      }
       try {
-        detail::launch_gather(index.data<std::int64_t>(), index.device().is_host(), index.size(0), fields.data(),
+        detail::launch_gather(on_host ? index.data<std::int64_t>() : nullptr, on_host ? index.size(0) : 0, fields.data(),
                               static_cast<int>(fields.size()), copy.native());
         counters.rows_gathered += static_cast<std::uint64_t>(index.size(0)) * fields.size();
+        ++counters.gather_launches;
       } catch (...) {
         decode_error = std::current_exception();
       }
@@ -454,6 +535,8 @@ DeviceStageStats DeviceStage::stats() const {
 void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }
 Tensor DeviceStage::move(const Tensor& host) { return impl_->move(host); }
 std::shared_ptr<const EventFence> DeviceStage::end() { return impl_->end(); }
+bool DeviceStage::end_held() { return impl_->end_held(); }
+std::vector<std::shared_ptr<const EventFence>> DeviceStage::issue_held() { return impl_->issue_held(); }
 void DeviceStage::deliver(const EventFence& copied) {
   cuda::DeviceGuard g(impl_->opt.device);
   impl_->consumer.wait(copied.event());  // a GPU decode's fence: waits for its thread to issue the decode first

@@ -1,8 +1,8 @@
 // The device gather's kernel: a batch's rows read from mapped host memory into device memory.
 //
-// One launch gathers every field of a batch, and for batches of up to kGatherIndexInLaunch rows
-// the indices travel in the launch's parameters (no index copy, no pinned block to fence), which
-// is what a small-row batch's host time is made of.
+// One launch gathers every field of a batch, or of several batches (DeviceStage::end_held), and
+// for up to kGatherIndexInLaunch rows the indices travel in the launch's parameters (no index
+// copy, no pinned block to fence), which is what a small-row batch's host time is made of.
 // Each word (16, 8, 4 or 1 bytes: the widest every row start and both buffers align to) of the
 // batch is one element; consecutive threads take consecutive words of a row, so the link sees
 // long runs. Reads of mapped host memory take a round trip over the link, so what sets the rate is
@@ -31,23 +31,23 @@ namespace {
 
 constexpr int kUnroll = 8;
 
-// A launch's arguments: its fields, and the batch's indices in the parameters themselves (N > 0)
-// or in device memory (N == 0).
+// A launch's arguments: its fields (one batch's, or several batches'), and the host indices in
+// the parameters themselves (N > 0), which fields without an index_dev read from their offset.
 template <int N>
 struct Args {
-  std::int64_t rows;
   int nfields;
-  const std::int64_t* index_dev;
   GatherField field[kMaxGatherFields];
   int width[kMaxGatherFields];  // bytes a word: 16, 8, 4 or 1
   std::int64_t index[N > 0 ? N : 1];
 };
 
-// A row's index word: the row, and kGatherFlipBit.
+// Row r's index word of field f: the row, and kGatherFlipBit.
 template <int N>
-__device__ __forceinline__ std::int64_t row_word(const Args<N>& a, std::size_t r) {
-  if constexpr (N > 0) return a.index[r];
-  else return a.index_dev[r];
+__device__ __forceinline__ std::int64_t row_word(const Args<N>& a, const GatherField& f, std::size_t r) {
+  if constexpr (N > 0) {
+    if (!f.index_dev) return a.index[static_cast<std::size_t>(f.index_offset) + r];
+  }
+  return f.index_dev[r];
 }
 
 // Reads field f's words kUnroll at a time, every load in flight before any store, and hands each
@@ -55,7 +55,7 @@ __device__ __forceinline__ std::int64_t row_word(const Args<N>& a, std::size_t r
 // row's index carries kGatherFlipBit.
 template <class Word, int N, class Store>
 __device__ __forceinline__ void for_each_word(const Args<N>& a, const GatherField& f, Store&& store) {
-  const std::size_t words = f.row_bytes / sizeof(Word), total = static_cast<std::size_t>(a.rows) * words;
+  const std::size_t words = f.row_bytes / sizeof(Word), total = static_cast<std::size_t>(f.rows) * words;
   const Word* __restrict__ src = static_cast<const Word*>(f.src);
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < total; base += stride * kUnroll) {
@@ -66,7 +66,7 @@ __device__ __forceinline__ void for_each_word(const Args<N>& a, const GatherFiel
       const std::size_t e = base + u * stride;
       if (e < total) {
         const std::size_t r = e / words, w = e - r * words;
-        const std::int64_t word = row_word(a, r);
+        const std::int64_t word = row_word(a, f, r);
         flip[u] = (word & kGatherFlipBit) != 0;
         v[u] = src[static_cast<std::size_t>(word & ~kGatherFlipBit) * words + w];
       }
@@ -135,10 +135,9 @@ int sm_count() {
 }
 
 template <int N>
-void launch(const std::int64_t* index, std::int64_t rows, const GatherField* fields, int nfields, cudaStream_t stream) {
+void launch(const std::int64_t* host_index, std::int64_t host_rows, const GatherField* fields, int nfields, cudaStream_t stream) {
   static_assert(sizeof(Args<N>) <= 32764, "CUDA's kernel parameter limit");
   Args<N> a{};
-  a.rows = rows;
   a.nfields = nfields;
   std::size_t words = 0;
   bool transformed = false;
@@ -151,10 +150,10 @@ void launch(const std::int64_t* index, std::int64_t rows, const GatherField* fie
     // A transformed word is as much work as the bytes it holds (each written on its own).
     const std::size_t per_word = fields[k].out_kind >= 0 ? static_cast<std::size_t>(a.width[k]) : 1;
     transformed = transformed || fields[k].out_kind >= 0;
-    words = std::max(words, static_cast<std::size_t>(rows) * fields[k].row_bytes / static_cast<std::size_t>(a.width[k]) * per_word);
+    // The grid is sized by all the fields' words: several batches in one launch fill more SMs.
+    words += static_cast<std::size_t>(fields[k].rows) * fields[k].row_bytes / static_cast<std::size_t>(a.width[k]) * per_word;
   }
-  if constexpr (N > 0) std::copy(index, index + rows, a.index);
-  else a.index_dev = index;
+  if constexpr (N > 0) std::copy(host_index, host_index + host_rows, a.index);
   if (words == 0) return;
   thread_local const int sms = sm_count();
   // Transforms compute as well as wait on the link: two blocks a SM.
@@ -167,14 +166,18 @@ void launch(const std::int64_t* index, std::int64_t rows, const GatherField* fie
 
 bool gather_built() noexcept { return true; }
 
-void launch_gather(const std::int64_t* index, bool index_on_host, std::int64_t rows, const GatherField* fields, int nfields,
-                   void* stream) {
+void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const GatherField* fields, int nfields, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
   if (nfields < 1 || nfields > kMaxGatherFields) throw CudaError("device gather: " + std::to_string(nfields) + " fields in one launch");
-  if (!index_on_host) launch<0>(index, rows, fields, nfields, s);
-  else if (rows <= 256) launch<256>(index, rows, fields, nfields, s);
-  else if (rows <= kGatherIndexInLaunch) launch<kGatherIndexInLaunch>(index, rows, fields, nfields, s);
-  else throw CudaError("device gather: " + std::to_string(rows) + " host indices do not fit a launch's parameters");
+  for (int k = 0; k < nfields; ++k)
+    if (!fields[k].index_dev && (fields[k].rows < 0 || fields[k].index_offset < 0 || fields[k].index_offset + fields[k].rows > host_rows))
+      throw CudaError("device gather: field " + std::to_string(k) + "'s rows lie outside the launch's " + std::to_string(host_rows) +
+                      " host indices");
+  if (host_rows <= 0) launch<0>(nullptr, 0, fields, nfields, s);
+  else if (host_rows <= 256) launch<256>(host_index, host_rows, fields, nfields, s);
+  else if (host_rows <= 1024) launch<1024>(host_index, host_rows, fields, nfields, s);
+  else if (host_rows <= kGatherIndexInLaunch) launch<kGatherIndexInLaunch>(host_index, host_rows, fields, nfields, s);
+  else throw CudaError("device gather: " + std::to_string(host_rows) + " host indices do not fit a launch's parameters");
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     throw CudaError(std::string("device gather: kernel launch failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");

@@ -7,8 +7,8 @@
 
 namespace ferry::detail {
 
-/// Fields one launch gathers at most.
-constexpr int kMaxGatherFields = 8;
+/// Fields one launch gathers at most (several batches' fields when a launch carries several).
+constexpr int kMaxGatherFields = 32;
 /// Rows whose indices travel in the launch's own parameters (CUDA takes 32 KB of them on Volta
 /// and later): no copy of the index, no pinned block to fence.
 constexpr std::int64_t kGatherIndexInLaunch = 3072;
@@ -21,6 +21,11 @@ struct GatherField {
   const void* src = nullptr;  ///< a device-mapped host address: row 0 of the array
   void* dst = nullptr;        ///< device memory: row 0 of the batch's field
   std::size_t row_bytes = 0;  ///< a source row's bytes
+  std::int64_t rows = 0;      ///< the field's rows: its batch's
+  /// Where the field's indices are: device memory (its batch's index moved to the device), or,
+  /// when null, the launch's own host indices from `index_offset` on.
+  const std::int64_t* index_dev = nullptr;
+  std::int64_t index_offset = 0;
   /// The row transform (ferry::RowTransform, pass_math.h's row_out_index and pass_store): source
   /// rows are uint8 HWC images of height x width x channels, written as `out_kind` (PassOutput)
   /// into rows of `out_row_bytes`. out_kind < 0: rows are copied as they are.
@@ -33,11 +38,11 @@ struct GatherField {
 
 /// Whether this build has the gather kernel.
 bool gather_built() noexcept;
-/// On `stream` (a cudaStream_t): for each field, dst row i = src row index[i] & ~kGatherFlipBit,
-/// i < rows (transformed where the field says so). `index`
-/// is host memory read at the call (rows <= kGatherIndexInLaunch) when `index_on_host`, else
-/// device memory. Throws CudaError on a failed launch.
-void launch_gather(const std::int64_t* index, bool index_on_host, std::int64_t rows, const GatherField* fields, int nfields,
-                   void* stream);
+/// On `stream` (a cudaStream_t), one kernel: for each field, dst row i = src row index[i] &
+/// ~kGatherFlipBit, i < field.rows (transformed where the field says so), index being the field's
+/// index_dev, or `host_index` + field.index_offset when index_dev is null. `host_index` (host
+/// memory, read at the call: host_rows <= kGatherIndexInLaunch) travels in the launch's
+/// parameters. Throws CudaError on a failed launch.
+void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const GatherField* fields, int nfields, void* stream);
 
 }  // namespace ferry::detail

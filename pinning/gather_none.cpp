@@ -6,7 +6,7 @@ namespace ferry::detail {
 
 bool gather_built() noexcept { return false; }
 
-void launch_gather(const std::int64_t*, bool, std::int64_t, const GatherField*, int, void*) {
+void launch_gather(const std::int64_t*, std::int64_t, const GatherField*, int, void*) {
   throw CudaError("device gather: this build of ferry has no gather kernel (CMake found no CUDA compiler)");
 }
 

@@ -657,6 +657,18 @@ struct Engine::State {
     h.error = nullptr;
   }
 
+  bool ready() {
+    if (!live || W == 0) return true;
+    for (;;) {
+      auto [r, timed_out] = ep->results.pop_for(std::chrono::microseconds(0));
+      if (timed_out || !r) break;
+      receive(std::move(*r));
+    }
+    if (ep->results.closed()) return true;
+    if (opt.in_order) return window->ready() || (!opt.streaming && window->next() >= total);
+    return !arrived.empty() || (!opt.streaming && delivered >= total);
+  }
+
   Payload next() {
     if (!live) throw Error("DataLoader: next() called with no live epoch");
     if (W == 0) return next_inline();
@@ -788,6 +800,8 @@ std::shared_ptr<const BatchPlan> Engine::plan_made_ahead(std::uint64_t epoch) co
 }
 
 Payload Engine::next() { return state_->next(); }
+
+bool Engine::ready() { return state_->ready(); }
 
 std::int64_t Engine::next_key() const noexcept {
   const State& s = *state_;

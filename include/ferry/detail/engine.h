@@ -206,6 +206,10 @@ class Engine {
   /// The next batch, or an empty Payload at the end of the epoch. Throws WorkerError (the batch at
   /// this position failed; the epoch goes on with the next) or TimeoutError.
   Payload next();
+  /// Whether next() would return without waiting on a worker: always with no workers (next()
+  /// makes the batch itself) or no live epoch, else when the next batch has arrived or the epoch
+  /// has none left. Takes in what the workers finished meanwhile. Call it on next()'s thread.
+  bool ready();
   /// Ends the live epoch, finished or not (idempotent). See Note [Shutdown order].
   void end_epoch() noexcept;
   /// Ends the epoch and joins every worker (idempotent).

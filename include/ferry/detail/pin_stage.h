@@ -15,6 +15,16 @@
 
 namespace ferry::detail {
 
+/// Batches pinned together: after a batch, the pin thread goes on with the next one while it
+/// has a free place for it (of `depth`) and the engine has it ready (Engine::ready), up to
+/// `max` batches, then calls `flush` (which finishes what pin() left for the group: the held
+/// gathers' launch) before any of them is handed over. A flush that throws fails every batch of
+/// the group. Default: one batch at a time, no flush.
+struct PinGroup {
+  int max = 1;
+  std::function<void()> flush;
+};
+
 class PinStage {
  public:
   /// Pins batch number `batch` (its position in the epoch) in place.
@@ -22,7 +32,7 @@ class PinStage {
   /// `engine` must outlive the stage; `pin` runs on the pin thread; `trace` may be null.
   /// `placement`: where the pin thread runs (ferry/detail/numa.h); null: anywhere.
   PinStage(Engine& engine, PinFn pin, int depth, std::chrono::milliseconds timeout, TraceRecorder* trace = nullptr,
-           std::shared_ptr<const Placement> placement = nullptr);
+           std::shared_ptr<const Placement> placement = nullptr, PinGroup group = {});
   ~PinStage();
   PinStage(const PinStage&) = delete;
   PinStage& operator=(const PinStage&) = delete;

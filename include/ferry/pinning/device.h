@@ -64,6 +64,7 @@ struct DeviceStageStats {
   std::uint64_t decode_allocations = 0;  ///< GPU decode: scratch (re)allocations (constant after warm-up)
   double gather_ms = 0;                  ///< device gather: GPU time of the gather kernels
   std::uint64_t rows_gathered = 0;       ///< device gather: rows read from registered host memory
+  std::uint64_t gather_launches = 0;     ///< device gather: kernels launched (fewer than batches when small batches share one: end_held)
 };
 
 
@@ -91,6 +92,18 @@ class DeviceStage {
   Tensor move(const Tensor& host);
   std::shared_ptr<const EventFence> end();
   void deliver(const EventFence& copied);
+  /// Several small batches in one launch (the loader's pin thread, with the device gather): ends
+  /// the batch without issuing it. Its gathers join the held launch, which issue_held() issues
+  /// with every batch held before it. False, the batch still begun and nothing changed, when it
+  /// cannot join: it copies or decodes, an index is on the device, or the held launch has no room
+  /// left (gather_index_in_launch rows, 32 fields, 16 MiB of output); then issue_held(), and
+  /// end_held() again or end().
+  bool end_held();
+  /// Issues the held batches' gathers, one kernel for all, and returns their fences in the order
+  /// they were held (empty when none was). A held batch's tensors must not be used before its
+  /// fence is delivered; a batch dropped meanwhile is still written, and its buffer reused only
+  /// after. Throws CudaError on a failed launch (the held batches are then dropped).
+  std::vector<std::shared_ptr<const EventFence>> issue_held();
   /// Drops a batch begun but not ended (after an exception mid-batch); issues nothing.
   void abort() noexcept;
 
