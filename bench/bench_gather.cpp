@@ -47,13 +47,14 @@ using bench::cpu_seconds;
 
 struct Rate {
   double per_second = 0, cores = 0;
+  double consumer = 0;  // of `cores`: the calling thread's (the consumer's), the rest being the loader's threads and CUDA's
 };
 
 template <class F>
 Rate measure(std::size_t batches, int runs, F&& pass) {
   pass();
   std::vector<double> r;
-  const double c0 = cpu_seconds();
+  const double c0 = cpu_seconds(), m0 = bench::thread_cpu_seconds();
   const auto w0 = Clock::now();
   for (int k = 0; k < runs; ++k) {
     const auto t0 = Clock::now();
@@ -62,7 +63,7 @@ Rate measure(std::size_t batches, int runs, F&& pass) {
   }
   const double wall = std::chrono::duration<double>(Clock::now() - w0).count();
   std::sort(r.begin(), r.end());
-  return {r[r.size() / 2], (cpu_seconds() - c0) / wall};
+  return {r[r.size() / 2], (cpu_seconds() - c0) / wall, (bench::thread_cpu_seconds() - m0) / wall};
 }
 
 Tensor filled(DType dtype, Shape shape) {
@@ -87,7 +88,8 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
   const std::size_t rows = static_cast<std::size_t>(data.size(0)), row = data.nbytes() / rows, batch_bytes = row * 256;
   const double mb = static_cast<double>(batch_bytes) / 1e6;
   std::printf("\n## %s: batch 256 = %.2f MB, %zu batches a pass\n\n", name, mb, batches);
-  std::printf("| pipeline | workers | batches/s | GB/s | of the link | busy CPU cores |\n|---|---:|---:|---:|---:|---:|\n");
+  std::printf("| pipeline | workers | batches/s | GB/s | of the link | busy CPU cores | of which the consumer's thread | the rest (loader, CUDA) | batches a launch |\n"
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   // The link: one pinned batch, copied back to back.
   auto pool = std::make_shared<PinnedPool>(PinnedPoolOptions{});
   DeviceStage stage({}, pool);
@@ -103,16 +105,19 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
       cuda::memcpy_async(dev, pinned.data(), batch_bytes, cuda::CopyKind::HostToDevice, stage.copy_stream());
     stage.copy_stream().synchronize();
   });
-  std::printf("| cudaMemcpyAsync of one pinned batch, back to back (the link) | - | %.0f | %.1f | 1.00 | %.2f |\n", link.per_second,
-              link.per_second * mb / 1e3, link.cores);
+  std::printf("| cudaMemcpyAsync of one pinned batch, back to back (the link) | - | %.0f | %.1f | 1.00 | %.2f | %.2f | %.2f | - |\n",
+              link.per_second, link.per_second * mb / 1e3, link.cores, link.consumer, link.cores - link.consumer);
   auto row_of = [&](const char* label, Gather g, int w) {
     DataLoader loader(TensorDataset({data}), loader_options(rows, batches, g, w));
     const Rate r = measure(batches, a.runs, [&] {
       for (auto& b : loader) (void)b;
       loader.stream()->synchronize();
     });
-    std::printf("| ferry, %s | %d | %.0f | %.1f | %.2f | %.2f |\n", label, w, r.per_second, r.per_second * mb / 1e3,
-                r.per_second / link.per_second, r.cores);
+    const DeviceStageStats d = loader.device_stage()->stats();
+    char per_launch[32] = "-";
+    if (d.gather_launches) std::snprintf(per_launch, sizeof per_launch, "%.2f", double(d.batches) / double(d.gather_launches));
+    std::printf("| ferry, %s | %d | %.0f | %.1f | %.2f | %.2f | %.2f | %.2f | %s |\n", label, w, r.per_second, r.per_second * mb / 1e3,
+                r.per_second / link.per_second, r.cores, r.consumer, r.cores - r.consumer, per_launch);
     std::fflush(stdout);
   };
   row_of("host path (gather = Host)", Gather::Host, workers);

@@ -4,17 +4,23 @@
 // first-byte latency). Indexed tar shards (TarImages: one ranged GET a record, a batch's records
 // requested together) and the stream (TarShards: 8 MiB ranged GETs), RandomResizedCrop 224 + flip,
 // uint8, CPU decode. Prints a Markdown table: images/s (median of --runs), the ratio to local,
-// and the busy cores of this process and images/s per busy core (the server's own CPU is not
-// counted, though on a small machine it takes cores the decode would use; the proxy's is).
+// the busy cores of this process and images/s per busy core (the proxy's threads included), and
+// the server's busy cores apart. With --server-cpus N the server runs on the machine's last N
+// CPUs and this process (every row, local disk too) on the others: a store on cores of its own,
+// as a store on another machine would be; without it both share every CPU.
 //
-//   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20
+//   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4]
+#include <sched.h>
 #include <sys/utsname.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -37,18 +43,44 @@ int arg(int argc, char** argv, const std::string& name, int fallback) {
 }
 
 struct Result {
-  double images_per_second = 0, busy = 0;
+  double images_per_second = 0, busy = 0, server = 0;
 };
+
+pid_t g_server = 0;
+
+// The server process's CPU seconds so far (utime + stime of /proc/<pid>/stat); 0 if unreadable.
+double server_cpu_seconds() {
+  std::ifstream in("/proc/" + std::to_string(g_server) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::size_t close = text.rfind(')');
+  if (close == std::string::npos) return 0;
+  std::istringstream rest(text.substr(close + 2));
+  std::string field;
+  double utime = 0, stime = 0;
+  for (int k = 3; k <= 15 && rest >> field; ++k) {
+    if (k == 14) utime = std::stod(field);
+    if (k == 15) stime = std::stod(field);
+  }
+  return (utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+// CPUs [first, first + count) for this process's threads from now on (and children it starts).
+void use_cpus(int first, int count) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c = first; c < first + count; ++c) CPU_SET(c, &set);
+  if (::sched_setaffinity(0, sizeof set, &set) != 0) std::perror("sched_setaffinity");
+}
 
 // Median images/s of `runs` epochs of `epoch` (each returns the images it delivered).
 Result measure(int runs, const std::function<std::size_t()>& epoch) {
   std::vector<Result> rs;
   for (int r = 0; r < runs; ++r) {
-    const double c0 = bench::cpu_seconds();
+    const double c0 = bench::cpu_seconds(), s0 = server_cpu_seconds();
     const auto t0 = Clock::now();
     const std::size_t n = epoch();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    rs.push_back({n / s, (bench::cpu_seconds() - c0) / s});
+    rs.push_back({n / s, (bench::cpu_seconds() - c0) / s, (server_cpu_seconds() - s0) / s});
   }
   std::sort(rs.begin(), rs.end(), [](const Result& a, const Result& b) { return a.images_per_second < b.images_per_second; });
   return rs[rs.size() / 2];
@@ -61,10 +93,19 @@ int main(int argc, char** argv) {
   const int workers = arg(argc, argv, "--workers", 2);
   const int runs = arg(argc, argv, "--runs", 3);
   const int latency = arg(argc, argv, "--latency-ms", 20);
+  const int server_cpus = arg(argc, argv, "--server-cpus", 0);
+  const int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  if (server_cpus < 0 || server_cpus >= cpus) {
+    std::fprintf(stderr, "bench_object_store: --server-cpus must be 0 (shared) or below the %d CPUs\n", cpus);
+    return 2;
+  }
   const int per_shard = 128;
   const int shards = (images + per_shard - 1) / per_shard;
 
+  if (server_cpus > 0) use_cpus(cpus - server_cpus, server_cpus);  // the server, started now, inherits these
   test::ObjectStore& store = test::ObjectStore::get();
+  if (server_cpus > 0) use_cpus(0, cpus - server_cpus);
+  g_server = store.pid();
   store.use();
   store.bucket("bench");
   test::TempDir dir;
@@ -124,9 +165,14 @@ int main(int argc, char** argv) {
   uname(&u);
   std::printf("## The image pipeline over s3:// against local disk\n\n");
   std::printf("%d JPEGs of 500x375 (%.0f MB) in %d tar shards; RandomResizedCrop 224 + flip, uint8, batch 64, %d workers; "
-              "SeaweedFS %s on loopback; %u CPUs (%s); median of %d epochs\n\n",
-              images, bytes / 1e6, shards, workers, "4.48", std::thread::hardware_concurrency(), u.machine, runs);
-  std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core |\n|---|---|---:|---:|---:|---:|\n");
+              "SeaweedFS %s on loopback; %u CPUs (%s); %s; median of %d epochs\n\n",
+              images, bytes / 1e6, shards, workers, "4.48", std::thread::hardware_concurrency(), u.machine,
+              server_cpus > 0 ? ("the server on " + std::to_string(server_cpus) + " CPUs of its own, the loader on the other " +
+                                 std::to_string(cpus - server_cpus)).c_str()
+                              : "the server and the loader share every CPU",
+              runs);
+  std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores |\n"
+              "|---|---|---:|---:|---:|---:|---:|\n");
   for (const char* kind : {"indexed (TarImages)", "stream (TarShards)"}) {
     const bool idx = kind[0] == 'i';
     const auto epoch = [&](const std::vector<std::string>& paths) -> std::function<std::size_t()> {
@@ -136,19 +182,19 @@ int main(int argc, char** argv) {
     const auto run = [&](const std::vector<std::string>& paths) { return measure(runs, epoch(paths)); };
     measure(1, epoch(local));  // warm the page cache
     const Result l = run(local);
-    std::printf("| %s | local disk | %.0f | 1.00 | %.2f | %.0f |\n", kind, l.images_per_second, l.busy, l.images_per_second / l.busy);
+    std::printf("| %s | local disk | %.0f | 1.00 | %.2f | %.0f | - |\n", kind, l.images_per_second, l.busy, l.images_per_second / l.busy);
     std::fflush(stdout);
     const Result r = run(remote);
-    std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f |\n", kind, r.images_per_second, r.images_per_second / l.images_per_second, r.busy,
-                r.images_per_second / r.busy);
+    std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f | %.2f |\n", kind, r.images_per_second, r.images_per_second / l.images_per_second,
+                r.busy, r.images_per_second / r.busy, r.server);
     std::fflush(stdout);
     {
       test::FaultProxy proxy(store.port());
       proxy.delay(std::chrono::milliseconds(latency));
       ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
       const Result p = run(remote);
-      std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f | %.0f |\n", kind, latency, p.images_per_second,
-                  p.images_per_second / l.images_per_second, p.busy, p.images_per_second / p.busy);
+      std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f | %.0f | %.2f |\n", kind, latency, p.images_per_second,
+                  p.images_per_second / l.images_per_second, p.busy, p.images_per_second / p.busy, p.server);
       std::fflush(stdout);
       // The on-disk cache: one epoch fills it, the measured epochs read the disk.
       test::TempDir cache;
@@ -157,8 +203,9 @@ int main(int argc, char** argv) {
       const Result c = run(remote);
       ::unsetenv("FERRY_S3_CACHE_DIR");
       store.use();
-      std::printf("| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f |\n", kind, latency,
-                  c.images_per_second, c.images_per_second / l.images_per_second, c.busy, c.images_per_second / c.busy);
+      std::printf("| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f |\n", kind,
+                  latency, c.images_per_second, c.images_per_second / l.images_per_second, c.busy, c.images_per_second / c.busy,
+                  c.server);
       std::fflush(stdout);
     }
   }

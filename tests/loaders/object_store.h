@@ -69,6 +69,9 @@ class ObjectStore {
       ::unsetenv(v);
   }
 
+  /// The server's process (its CPU time is in /proc/<pid>/stat; the benchmarks read it).
+  pid_t pid() const { return pid_; }
+
   /// Makes a bucket (retried while the server finishes starting).
   void bucket(const std::string& name) { request("PUT", "/" + name, nullptr); }
 
