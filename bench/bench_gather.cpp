@@ -107,8 +107,10 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
   });
   std::printf("| cudaMemcpyAsync of one pinned batch, back to back (the link) | - | %.0f | %.1f | 1.00 | %.2f | %.2f | %.2f | - |\n",
               link.per_second, link.per_second * mb / 1e3, link.cores, link.consumer, link.cores - link.consumer);
-  auto row_of = [&](const char* label, Gather g, int w) {
-    DataLoader loader(TensorDataset({data}), loader_options(rows, batches, g, w));
+  auto row_of = [&](const char* label, Gather g, int w, int pin_depth = 0) {
+    DataLoaderOptions o = loader_options(rows, batches, g, w);
+    if (pin_depth) o.pin_depth = pin_depth;
+    DataLoader loader(TensorDataset({data}), o);
     const Rate r = measure(batches, a.runs, [&] {
       for (auto& b : loader) (void)b;
       loader.stream()->synchronize();
@@ -123,6 +125,7 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
   row_of("host path (gather = Host)", Gather::Host, workers);
   row_of("device gather (gather = Device)", Gather::Device, 0);
   row_of("device gather (gather = Device)", Gather::Device, 1);
+  if (batch_bytes < (std::size_t{4} << 20)) row_of("device gather, pin_depth 14 (up to 16 batches a launch)", Gather::Device, 0, 14);
   cuda::device_free(dev);
 }
 

@@ -330,71 +330,71 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
           "[gpu][gather][held]") {
   // The stage's protocol itself: three batches of different sizes held, then one launch; a batch
   // that does not fit the held launch is refused, the stage untouched, until issue_held().
-  const std::int64_t n = 5000;
-  Tensor rows = Tensor::empty(DType::Int32, {n, 5});  // 20-byte rows: 4-byte words
-  Tensor label = Tensor::empty(DType::Int64, {n});
-  for (std::int64_t i = 0; i < n; ++i) {
-    label.data<std::int64_t>()[i] = 7 * i + 1;
-    for (int c = 0; c < 5; ++c) rows.data<std::int32_t>()[i * 5 + c] = static_cast<std::int32_t>(i * 10 + c);
-  }
-  const std::vector<HostRows> arrays = {{rows.raw(), n, 20, DType::Int32, {5}, "rows"}, {label.raw(), n, 8, DType::Int64, {}, "label"}};
-  RowRegistration reg(arrays, 0, std::size_t{1} << 30);
-  DeviceStage stage;
-  auto index_of = [](std::int64_t first, std::int64_t count) {
-    Tensor t = Tensor::empty(DType::Int64, {count});
-    for (std::int64_t k = 0; k < count; ++k) t.data<std::int64_t>()[k] = (first + k * 37) % 5000;
-    return t;
-  };
-  struct Made {
-    Tensor index, a, b;
-  };
-  auto make = [&](const Tensor& index) {
-    const std::int64_t b = index.size(0);
-    stage.begin(static_cast<std::size_t>(((b * 20 + 63) / 64 + (b * 8 + 63) / 64) * 64));
-    Made m{index, stage.gather_rows(index, reg.device_rows(0), 20, DType::Int32, {5}),
-           stage.gather_rows(index, reg.device_rows(1), 8, DType::Int64, {})};
-    return m;
-  };
-  auto check = [&](const Made& m) {
-    const Tensor a = to_host(m.a, stage.consumer_stream()).get(), b = to_host(m.b, stage.consumer_stream()).get();
-    for (std::int64_t k = 0; k < m.index.size(0); ++k) {
-      const std::int64_t i = m.index.data<std::int64_t>()[k];
-      REQUIRE(b.data<std::int64_t>()[k] == 7 * i + 1);
-      for (int c = 0; c < 5; ++c) REQUIRE(a.data<std::int32_t>()[k * 5 + c] == static_cast<std::int32_t>(i * 10 + c));
+  {  // (its registration gone before the loader's below: their pages could be neighbours)
+    const std::int64_t n = 5000;
+    Tensor rows = Tensor::empty(DType::Int32, {n, 5});  // 20-byte rows: 4-byte words
+    Tensor label = Tensor::empty(DType::Int64, {n});
+    for (std::int64_t i = 0; i < n; ++i) {
+      label.data<std::int64_t>()[i] = 7 * i + 1;
+      for (int c = 0; c < 5; ++c) rows.data<std::int32_t>()[i * 5 + c] = static_cast<std::int32_t>(i * 10 + c);
     }
-  };
-  std::vector<Made> held;
-  for (std::int64_t count : {256, 3, 700}) {
-    held.push_back(make(index_of(count, count)));
+    const std::vector<HostRows> arrays = {{rows.raw(), n, 20, DType::Int32, {5}, "rows"}, {label.raw(), n, 8, DType::Int64, {}, "label"}};
+    RowRegistration reg(arrays, 0, std::size_t{1} << 30);
+    DeviceStage stage;
+    auto index_of = [](std::int64_t first, std::int64_t count) {
+      Tensor t = Tensor::empty(DType::Int64, {count});
+      for (std::int64_t k = 0; k < count; ++k) t.data<std::int64_t>()[k] = (first + k * 37) % 5000;
+      return t;
+    };
+    struct Made {
+      Tensor index, a, b;
+    };
+    auto make = [&](const Tensor& index) {
+      const std::int64_t b = index.size(0);
+      stage.begin(static_cast<std::size_t>(((b * 20 + 63) / 64 + (b * 8 + 63) / 64) * 64));
+      Made m{index, stage.gather_rows(index, reg.device_rows(0), 20, DType::Int32, {5}),
+             stage.gather_rows(index, reg.device_rows(1), 8, DType::Int64, {})};
+      return m;
+    };
+    auto check = [&](const Made& m) {
+      const Tensor a = to_host(m.a, stage.consumer_stream()).get(), b = to_host(m.b, stage.consumer_stream()).get();
+      for (std::int64_t k = 0; k < m.index.size(0); ++k) {
+        const std::int64_t i = m.index.data<std::int64_t>()[k];
+        REQUIRE(b.data<std::int64_t>()[k] == 7 * i + 1);
+        for (int c = 0; c < 5; ++c) REQUIRE(a.data<std::int32_t>()[k * 5 + c] == static_cast<std::int32_t>(i * 10 + c));
+      }
+    };
+    std::vector<Made> held;
+    for (std::int64_t count : {256, 3, 700}) {
+      held.push_back(make(index_of(count, count)));
+      REQUIRE(stage.end_held());
+    }
+    // 3072 rows a launch: 959 held, so 2200 more do not fit; alone they do.
+    Made big = make(index_of(11, 2200));
+    CHECK_FALSE(stage.end_held());
+    const std::uint64_t launches = stage.stats().gather_launches;
+    std::vector<std::shared_ptr<const EventFence>> fences = stage.issue_held();
+    REQUIRE(fences.size() == 3);
+    CHECK(stage.stats().gather_launches == launches + 1);
     REQUIRE(stage.end_held());
+    std::vector<std::shared_ptr<const EventFence>> more = stage.issue_held();
+    REQUIRE(more.size() == 1);
+    CHECK(stage.issue_held().empty());
+    test::launch_spin(stage.copy_stream().native(), 20.0);  // later work on the copy stream must not matter
+    for (std::size_t k = 0; k < held.size(); ++k) {
+      stage.deliver(*fences[k]);
+      check(held[k]);
+    }
+    stage.deliver(*more[0]);
+    check(big);
+    // A batch with a device index is never held.
+    stage.begin(4096);
+    const Tensor index_dev = stage.move(index_of(5, 10));
+    (void)stage.gather_rows(index_dev, reg.device_rows(1), 8, DType::Int64, {});
+    CHECK_FALSE(stage.end_held());
+    stage.deliver(*stage.end());
+    stage.consumer_stream().synchronize();
   }
-  // 3072 rows a launch: 959 held, so 2200 more do not fit; alone they do.
-  Made big = make(index_of(11, 2200));
-  CHECK_FALSE(stage.end_held());
-  const std::uint64_t launches = stage.stats().gather_launches;
-  std::vector<std::shared_ptr<const EventFence>> fences = stage.issue_held();
-  REQUIRE(fences.size() == 3);
-  CHECK(stage.stats().gather_launches == launches + 1);
-  REQUIRE(stage.end_held());
-  std::vector<std::shared_ptr<const EventFence>> more = stage.issue_held();
-  REQUIRE(more.size() == 1);
-  CHECK(stage.issue_held().empty());
-  test::launch_spin(stage.copy_stream().native(), 20.0);  // later work on the copy stream must not matter
-  for (std::size_t k = 0; k < held.size(); ++k) {
-    stage.deliver(*fences[k]);
-    check(held[k]);
-  }
-  stage.deliver(*more[0]);
-  check(big);
-  // A batch with a device index is never held.
-  Made dev = make(index_of(5, 10));
-  (void)dev;
-  stage.abort();
-  stage.begin(4096);
-  const Tensor index_dev = stage.move(index_of(5, 10));
-  (void)stage.gather_rows(index_dev, reg.device_rows(1), 8, DType::Int64, {});
-  CHECK_FALSE(stage.end_held());
-  stage.deliver(*stage.end());
 
   // Through the loader: with no workers the pin thread finds the next batches at hand and issues
   // them together; every batch still equals the host path's, the last (short) one too.
