@@ -16,9 +16,13 @@
 // without contraction like the CPU pass, so the values are its bits). Its grid is sized by the
 // bytes it writes, not the words it reads, up to two blocks a SM (one left a small batch, 784-byte
 // Fashion-MNIST rows, on 6 SMs at 34 us of GPU time a batch).
+// Rows of 64 KiB and more, untransformed, with their indices on the host, go by the copy engines
+// instead (one cudaMemcpyBatchAsync a field: a copy a row), which reach the link where SM loads of
+// mapped memory stop near 0.87 of it; smaller rows cost the engines more a copy than they carry.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <vector>
 
 #include <string>
 
@@ -162,6 +166,62 @@ void launch(const std::int64_t* host_index, std::int64_t host_rows, const Gather
   gather_fields<N><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
 }
 
+// Whether this device reads registered host memory at its host address (then a mapped row's
+// address is also the host address the copy engines take).
+bool host_pointers_usable() {
+  thread_local const bool usable = [] {
+    int dev = 0, v = 0;
+    cudaGetDevice(&dev);
+    const bool ok = cudaDeviceGetAttribute(&v, cudaDevAttrCanUseHostPointerForRegisteredMem, dev) == cudaSuccess && v == 1;
+    cudaGetLastError();
+    return ok;
+  }();
+  return usable;
+}
+
+// Rows of at least this many bytes go by the copy engines instead of the kernel: a 150,528-byte
+// row (3x224x224 uint8) moves at 0.99 of the link that way and 0.86-0.88 by SM loads; a
+// 3,136-byte row at 0.16 that way (the engines' cost a copy), so small rows stay with the kernel
+// (bench/probe_copy_gather.cpp, H200, CUDA 13.0).
+constexpr std::size_t kCopyEngineRowBytes = std::size_t{64} << 10;
+
+// A field's rows copied by the copy engines: one cudaMemcpyBatchAsync of a copy a row, in the
+// stream's order (the rows' indices are on the host).
+void copy_rows(const std::int64_t* index, const GatherField& f, cudaStream_t stream) {
+#if CUDART_VERSION >= 13000
+  thread_local std::vector<void*> dsts;
+  thread_local std::vector<const void*> srcs;
+  thread_local std::vector<std::size_t> sizes;
+  const auto rows = static_cast<std::size_t>(f.rows);
+  dsts.resize(rows);
+  srcs.resize(rows);
+  sizes.assign(rows, f.row_bytes);
+  for (std::size_t r = 0; r < rows; ++r) {
+    dsts[r] = static_cast<char*>(f.dst) + r * f.row_bytes;
+    srcs[r] = static_cast<const char*>(f.src) + static_cast<std::size_t>(index[r] & ~kGatherFlipBit) * f.row_bytes;
+  }
+  cudaMemcpyAttributes attr{};
+  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  std::size_t attr_index = 0;
+  const cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), rows, &attr, &attr_index, 1, stream);
+  if (e != cudaSuccess)
+    throw CudaError(std::string("device gather: cudaMemcpyBatchAsync of ") + std::to_string(rows) + " rows failed: " + cudaGetErrorName(e) +
+                    " (" + cudaGetErrorString(e) + ")");
+#else
+  (void)index, (void)f, (void)stream;
+  throw CudaError("device gather: the copy engines' gather needs CUDA 13");
+#endif
+}
+
+bool by_copy_engines(const GatherField& f) {
+#if CUDART_VERSION >= 13000
+  return !f.index_dev && f.out_kind < 0 && f.row_bytes >= kCopyEngineRowBytes && f.rows > 0 && host_pointers_usable();
+#else
+  (void)f;
+  return false;
+#endif
+}
+
 }  // namespace
 
 bool gather_built() noexcept { return true; }
@@ -173,11 +233,20 @@ void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const
     if (!fields[k].index_dev && (fields[k].rows < 0 || fields[k].index_offset < 0 || fields[k].index_offset + fields[k].rows > host_rows))
       throw CudaError("device gather: field " + std::to_string(k) + "'s rows lie outside the launch's " + std::to_string(host_rows) +
                       " host indices");
-  if (host_rows <= 0) launch<0>(nullptr, 0, fields, nfields, s);
-  else if (host_rows <= 256) launch<256>(host_index, host_rows, fields, nfields, s);
-  else if (host_rows <= 1024) launch<1024>(host_index, host_rows, fields, nfields, s);
-  else if (host_rows <= kGatherIndexInLaunch) launch<kGatherIndexInLaunch>(host_index, host_rows, fields, nfields, s);
-  else throw CudaError("device gather: " + std::to_string(host_rows) + " host indices do not fit a launch's parameters");
+  if (host_rows > kGatherIndexInLaunch)
+    throw CudaError("device gather: " + std::to_string(host_rows) + " host indices do not fit a launch's parameters");
+  // Large untransformed rows with host indices go by the copy engines; the rest by one kernel.
+  GatherField rest[kMaxGatherFields];
+  int nrest = 0;
+  for (int k = 0; k < nfields; ++k) {
+    if (by_copy_engines(fields[k])) copy_rows(host_index + fields[k].index_offset, fields[k], s);
+    else rest[nrest++] = fields[k];
+  }
+  if (nrest == 0) return;
+  if (host_rows <= 0) launch<0>(nullptr, 0, rest, nrest, s);
+  else if (host_rows <= 256) launch<256>(host_index, host_rows, rest, nrest, s);
+  else if (host_rows <= 1024) launch<1024>(host_index, host_rows, rest, nrest, s);
+  else launch<kGatherIndexInLaunch>(host_index, host_rows, rest, nrest, s);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     throw CudaError(std::string("device gather: kernel launch failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");

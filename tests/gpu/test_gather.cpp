@@ -1,5 +1,6 @@
 // The device gather (Note [Device gather], ferry/pinning/gather.h) on the GPU: batches bitwise
-// equal to the host path's for every row width (16-, 8-, 4- and 1-byte words), any num_workers,
+// equal to the host path's for every row width (16-, 8-, 4- and 1-byte words, and rows of 64 KiB
+// and more, which the copy engines move), any num_workers,
 // TensorDataset and a mapped .npy of 2 GiB; 100,000 batches intact and in order while the copy
 // stream is delayed; registered memory constant, pinned and device memory recycled within the
 // pipeline's depth; every
@@ -113,6 +114,18 @@ TEST_CASE("device gather: batches bitwise equal to the host path's, for any num_
   DataLoaderOptions bd = options(Gather::Device, 2), bh = options(Gather::Host, 2);
   bd.batch_size = bh.batch_size = 4096;
   check_equal(epochs(big, bd), epochs(big, bh));
+  // Rows of 72 KiB (the copy engines') beside int64 labels (the kernel's), in one batch.
+  Tensor wide = Tensor::empty(DType::UInt8, {300, 3, 128, 192});
+  Tensor ids = Tensor::empty(DType::Int64, {300});
+  for (std::size_t i = 0; i < wide.nbytes(); ++i) static_cast<std::uint8_t*>(wide.raw())[i] = static_cast<std::uint8_t>(i * 29 + i / 4099);
+  for (std::int64_t i = 0; i < 300; ++i) ids.data<std::int64_t>()[i] = 3 * i + 5;
+  const TensorDataset rows_72k({wide, ids});
+  const auto wide_host = epochs(rows_72k, options(Gather::Host, 2));
+  for (int workers : {0, 2}) {
+    INFO("72 KiB rows, num_workers " << workers);
+    check_equal(epochs(rows_72k, options(Gather::Device, workers), &gathered), wide_host);
+    CHECK(gathered);
+  }
 }
 
 TEST_CASE("device gather: IdxDataset's images and labels, equal to the host path", "[gpu][gather][idx]") {
@@ -263,6 +276,8 @@ TEST_CASE("device gather: 100,000 batches intact and in order while the copy str
   // Indices in the launch (16 rows a batch), and copied from recycled pinned blocks (4,096 rows).
   CHECK(delayed_run(1024, 16, 100000, false) == std::pair<unsigned long long, unsigned long long>{0, 0});
   CHECK(delayed_run(16, 4096, 2000, true) == std::pair<unsigned long long, unsigned long long>{0, 0});
+  // Rows of 64 KiB go by the copy engines (cudaMemcpyBatchAsync), in the same stream order.
+  CHECK(delayed_run(16384, 32, 3000, false) == std::pair<unsigned long long, unsigned long long>{0, 0});
 }
 
 TEST_CASE("device gather: memory recycled within the pipeline's depth; registrations undone, mid-epoch too, shared while used",
