@@ -51,8 +51,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     if (opt.device < 0 || opt.device >= cuda::device_count())
       throw Error("DeviceStage: device " + std::to_string(opt.device) + " does not exist (" +
                   std::to_string(cuda::device_count()) + " devices)");
-    if (opt.decode_threads < 1)
-      throw Error("DeviceStage: decode_threads must be at least 1, got " + std::to_string(opt.decode_threads));
+    if (opt.decode_threads < 0)
+      throw Error("DeviceStage: decode_threads must be at least 0 (0: chosen from the hardware), got " + std::to_string(opt.decode_threads));
     copy = cuda::Stream::create(opt.device, opt.high_priority);
     consumer = opt.consumer_stream ? cuda::Stream::borrow(opt.consumer_stream, opt.device) : cuda::Stream::create(opt.device);
   }
@@ -529,7 +529,7 @@ DeviceStageStats DeviceStage::stats() const {
   std::lock_guard lock(impl_->mu);  // device_allocations is counted under mu
   DeviceStageStats s = impl_->counters;
   if (impl_->decoder) s.decode_ms = impl_->decoder->busy_ms();
-  s.decode_threads = impl_->opt.decode_threads;
+  s.decode_threads = impl_->decoder ? impl_->decoder->threads() : impl_->opt.decode_threads;
   return s;
 }
 void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }

@@ -206,7 +206,8 @@ class DecodeMemory {
 //  * Its writes are not ordered after work queued before it on its stream: they happen during the
 //    call, while kernels queued earlier may still read the buffer. A cudaStreamWaitEvent does not
 //    hold them back either; only a host wait does.
-// So the decoder has threads (DataLoaderOptions::gpu_decode_threads, 1 by default), each with its
+// So the decoder has threads (DataLoaderOptions::gpu_decode_threads; by default 2 where the GPU
+// has JPEG engines and the host 8 CPUs, else 1: decode_threads_for), each with its
 // own nvJPEG handle and state, stream and scratch, which take the batches' decodes in turn from
 // a queue; the pin thread only queues them (DeviceStage::end). Two decodes run at once: 41,673
 // images/s against 26,708 for one, alone (bench_gpu_decode's ceiling rows, H100).
@@ -219,8 +220,10 @@ class DecodeMemory {
 // "Images: nvJPEG's kernels and the hardware queues"). The variable counts only before CUDA
 // starts, so DeviceStage warns when it is lower than 32 rather than setting it.
 // Before a thread's decode writes its scratch, it waits on the host for the event recorded after
-// the fused kernel that last read that scratch; a scratch that grows is replaced only once the
-// thread's stream has drained. The
+// the fused kernel that last read that scratch; each thread has two scratches, used in turn, so
+// that wait is for the kernel of its batch before last (long done) rather than of the batch it
+// just issued, whose kernel waits on the device for the batch's copies and output buffer; a
+// scratch that grows is replaced only once the thread's stream has drained. The
 // fused kernel waits on the device for the batch's copies (its index, its output buffer's
 // release), and the batch's fence is a deferred EventFence recorded after it: the consumer's
 // hand-over (DeviceStage::deliver) waits for the record, then for the event on the device, and
@@ -229,9 +232,17 @@ class NvJpegDecoder final : public GpuJpegDecoder {
  public:
   NvJpegDecoder(int device, int threads, bool high_priority) : device_(device), mem_(device) {
     cuda::DeviceGuard guard(device_);
-    contexts_.resize(static_cast<std::size_t>(threads));
+    contexts_.resize(static_cast<std::size_t>(std::max(threads, 1)));
     try {
-      for (Context& c : contexts_) open(c, high_priority);
+      open(contexts_[0], high_priority);
+      if (threads == 0) {  // chosen from the hardware: the first handle says how many engines it drives
+        unsigned engines = 0, cores = 0;
+        if (backend_ != "hardware" || nvjpegGetHardwareDecoderInfo(contexts_[0].handle, &engines, &cores) != NVJPEG_STATUS_SUCCESS)
+          engines = 0;
+        engines_ = engines;
+        contexts_.resize(static_cast<std::size_t>(decode_threads_for(engines, std::thread::hardware_concurrency())));
+      }
+      for (std::size_t i = 1; i < contexts_.size(); ++i) open(contexts_[i], high_priority);
     } catch (...) {
       for (auto c = contexts_.rbegin(); c != contexts_.rend(); ++c) close(*c);
       throw;
@@ -261,6 +272,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   std::string backend() const override { return backend_; }
   double busy_ms() const override { return static_cast<double>(busy_ns_.load()) / 1e6; }
   std::uint64_t allocations() const override { return allocations_.load() + mem_.pinned_allocations(); }
+  int threads() const override { return static_cast<int>(contexts_.size()); }
 
  private:
   struct Context {
@@ -268,10 +280,16 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     nvjpegJpegState_t state = nullptr, fallback_state = nullptr;
     cuda::Stream owned_stream;           // the thread's stream (destroyed with the context)
     cudaStream_t stream = nullptr;       // owned_stream's handle
-    cudaEvent_t scratch_read = nullptr;  // recorded after the last kernel that read the scratch
-    bool scratch_pending = false;        // scratch_read was recorded
-    void* scratch = nullptr;
-    std::size_t scratch_size = 0;
+    // Two scratches, used in turn: a decode waits for the kernel that read its scratch two
+    // batches ago, not for the one just issued (Note [Decode threads]).
+    struct Scratch {
+      cudaEvent_t read = nullptr;  // recorded after the last kernel that read it
+      bool pending = false;        // `read` was recorded
+      void* ptr = nullptr;
+      std::size_t size = 0;
+    };
+    Scratch scratch[2];
+    int turn = 0;  // the scratch the next decode writes
     int initialized_rows = -1;
     std::vector<const unsigned char*> data;
     std::vector<std::size_t> lengths;
@@ -298,13 +316,15 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     if (nvjpegJpegStateCreate(c.handle, &c.state) != NVJPEG_STATUS_SUCCESS) throw CudaError("GPU decode: nvjpegJpegStateCreate failed");
     c.owned_stream = cuda::Stream::create(device_, high_priority);
     c.stream = static_cast<cudaStream_t>(c.owned_stream.native());
-    check_cuda(cudaEventCreateWithFlags(&c.scratch_read, cudaEventDisableTiming), "cudaEventCreate");
+    for (Context::Scratch& x : c.scratch) check_cuda(cudaEventCreateWithFlags(&x.read, cudaEventDisableTiming), "cudaEventCreate");
   }
 
   static void close(Context& c) noexcept {
     if (c.stream) cudaStreamSynchronize(c.stream);
-    if (c.scratch) cudaFree(c.scratch);
-    if (c.scratch_read) cudaEventDestroy(c.scratch_read);
+    for (Context::Scratch& x : c.scratch) {
+      if (x.ptr) cudaFree(x.ptr);
+      if (x.read) cudaEventDestroy(x.read);
+    }
     if (c.fallback_state) nvjpegJpegStateDestroy(c.fallback_state);
     if (c.fallback) nvjpegDestroy(c.fallback);
     if (c.state) nvjpegJpegStateDestroy(c.state);
@@ -344,12 +364,14 @@ class NvJpegDecoder final : public GpuJpegDecoder {
         const int OH = static_cast<int>(index[8]), OW = static_cast<int>(index[15]), C = static_cast<int>(index[18]);
         const std::int64_t threads = static_cast<std::int64_t>(rows) * OH * OW;
         const int block = 256;
+        Context::Scratch& x = c.scratch[c.turn];
         fused_transform<<<static_cast<unsigned>((threads + block - 1) / block), block, 0, c.stream>>>(
-            static_cast<const std::uint8_t*>(c.scratch), w.index_dev, rows, OH, OW, C, static_cast<int>(index[20]),
+            static_cast<const std::uint8_t*>(x.ptr), w.index_dev, rows, OH, OW, C, static_cast<int>(index[20]),
             static_cast<int>(index[30]), w.out);
         check_cuda(cudaGetLastError(), "the fused transform kernel");
-        check_cuda(cudaEventRecord(c.scratch_read, c.stream), "cudaEventRecord");
-        c.scratch_pending = true;
+        check_cuda(cudaEventRecord(x.read, c.stream), "cudaEventRecord");
+        x.pending = true;
+        c.turn ^= 1;
       }
     } catch (...) {
       error = std::current_exception();
@@ -369,22 +391,23 @@ class NvJpegDecoder final : public GpuJpegDecoder {
 
   // Decodes a batch's images into c's scratch (Note [Decode threads]: a host wait first).
   void decode(Context& c, const std::byte* base, const std::int64_t* index, int rows) {
-    if (c.scratch_pending) check_cuda(cudaEventSynchronize(c.scratch_read), "waiting for the scratch's last reader");
-    c.scratch_pending = false;
+    Context::Scratch& x = c.scratch[c.turn];
+    if (x.pending) check_cuda(cudaEventSynchronize(x.read), "waiting for the scratch's last reader");
+    x.pending = false;
     std::size_t needed = 0;
     for (int r = 0; r < rows; ++r) {
       const std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
       needed = std::max(needed, static_cast<std::size_t>(row[EncodedRow::kScratch]) + static_cast<std::size_t>(row[EncodedRow::kHeight] * row[EncodedRow::kWidth] * 3));
     }
-    if (needed > c.scratch_size) {  // Note [Decode memory]: no device synchronization
+    if (needed > x.size) {  // Note [Decode memory]: no device synchronization
       check_cuda(cudaStreamSynchronize(c.stream), "draining the decode stream before its scratch grows");
-      if (c.scratch) check_cuda(cudaFreeAsync(c.scratch, c.stream), "cudaFreeAsync of the decode scratch");
-      c.scratch = nullptr;
-      c.scratch_size = 0;
+      if (x.ptr) check_cuda(cudaFreeAsync(x.ptr, c.stream), "cudaFreeAsync of the decode scratch");
+      x.ptr = nullptr;
+      x.size = 0;
       const std::size_t size = needed + needed / 4;  // headroom: batches vary in size
-      c.scratch = mem_.device(size, c.stream);
+      x.ptr = mem_.device(size, c.stream);
       check_cuda(cudaStreamSynchronize(c.stream), "the decode scratch's allocation");  // made before nvJPEG writes
-      c.scratch_size = size;
+      x.size = size;
       ++allocations_;
     }
     c.data.resize(static_cast<std::size_t>(rows));
@@ -395,7 +418,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
       const auto i = static_cast<std::size_t>(r);
       c.data[i] = reinterpret_cast<const unsigned char*>(base + row[EncodedRow::kOffset]);
       c.lengths[i] = static_cast<std::size_t>(row[EncodedRow::kBytes]);
-      c.images[i].channel[0] = static_cast<unsigned char*>(c.scratch) + row[EncodedRow::kScratch];
+      c.images[i].channel[0] = static_cast<unsigned char*>(x.ptr) + row[EncodedRow::kScratch];
       c.images[i].pitch[0] = static_cast<unsigned int>(row[EncodedRow::kWidth] * 3);
     }
     nvjpegStatus_t st = NVJPEG_STATUS_SUCCESS;
@@ -440,11 +463,14 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   bool stop_ = false;           // guarded by mu_
   std::atomic<std::uint64_t> allocations_{0};
   std::atomic<std::int64_t> busy_ns_{0};
+  unsigned engines_ = 0;  // the JPEG engines nvJPEG reported (threads chosen from the hardware)
 };
 
 }  // namespace
 
 bool gpu_decode_built() noexcept { return true; }
+
+int decode_threads_for(unsigned engines, unsigned cpus) noexcept { return engines > 0 && cpus >= 8 ? 2 : 1; }
 
 std::size_t lay_out_decode_scratch(std::int64_t* index, int rows) {
   std::size_t total = 0;

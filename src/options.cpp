@@ -53,7 +53,8 @@ void validate_options(const DataLoaderOptions& o, bool streaming) {
   if (o.device && *o.device < 0)
     fail("device=" + std::to_string(*o.device) + " is not a CUDA device index; leave device unset for batches on the host");
   if (o.device_prefetch < 1) fail("device_prefetch must be >= 1, got " + std::to_string(o.device_prefetch));
-  if (o.gpu_decode_threads < 1) fail("gpu_decode_threads must be >= 1, got " + std::to_string(o.gpu_decode_threads));
+  if (o.gpu_decode_threads < 0)
+    fail("gpu_decode_threads must be >= 0 (0: chosen from the hardware), got " + std::to_string(o.gpu_decode_threads));
   if (o.wait_poll_period.count() < 0) fail("wait_poll_period must be >= 0 ms");
 }
 

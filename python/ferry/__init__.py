@@ -201,8 +201,10 @@ class DataLoader:
         gpu_decode_threads: with device and a dataset that decodes on the GPU
             (``image_folder(..., decode="gpu")``, ``tar_index``), how many batches nvJPEG decodes at
             once, each on a thread of its own that is busy for the whole decode (C++
-            DataLoaderOptions::gpu_decode_threads). 1 (the default) shares the GPU with a training
-            step most gently; 2 deliver about 1.5x as many images on about one CPU core more. Set
+            DataLoaderOptions::gpu_decode_threads). 0 (the default) chooses from the hardware at the
+            first decode: 2 where the GPU has JPEG engines (A100, H100, H200) and the machine 8 CPUs
+            or more, else 1 (``stats()["decode_threads"]`` says which); 2 deliver about 1.5x one's
+            images on about one CPU core more. Set
             CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts: nvJPEG's kernels
             otherwise wait behind the step's (ferry logs a warning).
     """
@@ -228,7 +230,7 @@ class DataLoader:
         pinned_memory_limit: Optional[int] = None,
         stream: Any = None,
         trace_batches: int = 0,
-        gpu_decode_threads: int = 1,
+        gpu_decode_threads: int = 0,
         sampler: Any = None,
         batch_sampler: Any = None,
         collate_fn: Optional[Callable[[Any], Any]] = None,

@@ -782,7 +782,7 @@ NB_MODULE(_ferry, m) {
   m.def("make_options", &make_options, "batch_size"_a, "shuffle"_a, "num_workers"_a, "pin_memory"_a, "drop_last"_a,
         "timeout"_a, "prefetch_factor"_a, "persistent_workers"_a, "seed"_a, "device"_a.none(), "in_order"_a,
         "on_error"_a, "max_errors"_a, "max_error_fraction"_a, "gather"_a, "pinned_memory_limit"_a.none(),
-        "stream"_a, "trace_batches"_a, "gpu_decode_threads"_a = 1);
+        "stream"_a, "trace_batches"_a, "gpu_decode_threads"_a = 0);
 
   nb::class_<PyLoader>(m, "Loader")
       .def(nb::init<const PyDataset&, ferry::DataLoaderOptions, nb::object>(), "dataset"_a, "options"_a, "convert"_a.none())

@@ -214,8 +214,8 @@ def test_pytorch_arguments_ferry_does_not_take():
         ferry.DataLoader(42)
     with pytest.raises(ferry.Error, match="on_error"):
         ferry.DataLoader(ds, on_error="ignore")
-    with pytest.raises(ferry.Error, match="gpu_decode_threads must be >= 1, got 0"):
-        ferry.DataLoader(ds, gpu_decode_threads=0)
+    with pytest.raises(ferry.Error, match=r"gpu_decode_threads must be >= 0 \(0: chosen from the hardware\), got -1"):
+        ferry.DataLoader(ds, gpu_decode_threads=-1)
     with pytest.raises(ferry.Error, match="prefetch_factor"):
         ferry.DataLoader(ds, num_workers=1, prefetch_factor=0)
     with pytest.raises(ValueError, match="device"):

@@ -353,7 +353,17 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
       label.data<std::int64_t>()[i] = 7 * i + 1;
       for (int c = 0; c < 5; ++c) rows.data<std::int32_t>()[i * 5 + c] = static_cast<std::int32_t>(i * 10 + c);
     }
-    const std::vector<HostRows> arrays = {{rows.raw(), n, 20, DType::Int32, {5}, "rows"}, {label.raw(), n, 8, DType::Int64, {}, "label"}};
+    auto host_rows = [n](const Tensor& t, std::size_t row_bytes, DType dtype, Shape shape, const char* name) {
+      HostRows h;
+      h.data = t.raw();
+      h.rows = n;
+      h.row_bytes = row_bytes;
+      h.dtype = dtype;
+      h.row_shape = std::move(shape);
+      h.name = name;
+      return h;
+    };
+    const std::vector<HostRows> arrays = {host_rows(rows, 20, DType::Int32, {5}, "rows"), host_rows(label, 8, DType::Int64, {}, "label")};
     RowRegistration reg(arrays, 0, std::size_t{1} << 30);
     DeviceStage stage;
     auto index_of = [](std::int64_t first, std::int64_t count) {

@@ -300,7 +300,7 @@ TEST_CASE("GPU decode: 100,000 images, device and pinned memory recycled within 
   std::printf("GPU decode, 1,000 batches: %llu decode allocations after 2 epochs, %llu after 100 (%d decode threads)\n",
               static_cast<unsigned long long>(warm.decode_allocations), static_cast<unsigned long long>(end.decode_allocations),
               end.decode_threads);
-  CHECK(end.decode_allocations <= warm.decode_allocations + static_cast<std::uint64_t>(end.decode_threads));
+  CHECK(end.decode_allocations <= warm.decode_allocations + 2 * static_cast<std::uint64_t>(end.decode_threads));  // two scratches a thread
   CHECK(end.decode_allocations <= 16);
   // Pinned blocks: as many as the pipeline's depth lets live at once (their number settles as
   // timing varies), never more: (prefetch 2 x 4 workers + pin_depth 2 + device_prefetch 2 + 2)

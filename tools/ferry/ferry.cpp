@@ -115,8 +115,9 @@ void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("--gather", f.gather, "with --device: how the rows of npy and idx datasets reach the GPU: host (workers copy and transform them; also what auto does for a mapped file) or device (the GPU gathers them from registered memory, idx's flip and normalize included)")
       ->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--gpu-decode-threads", f.gpu_decode_threads,
-                 "with --device and decode=gpu: batches nvJPEG decodes at once, each on a host thread of its own")
-      ->check(CLI::PositiveNumber);
+                 "with --device and decode=gpu: batches nvJPEG decodes at once, each on a host thread of its own "
+                 "(0, the default: 2 where the GPU has JPEG engines and the host 8 CPUs, else 1)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--intra-threads", f.intra, "intra_batch_threads: threads per batch")->check(CLI::PositiveNumber);
   app.add_option("--shuffle", f.shuffle, "shuffle (map-style datasets)");
   app.add_flag("--drop-last", f.drop_last, "drop a last, smaller batch");

@@ -140,12 +140,15 @@ struct DataLoaderOptions {
   /// issue the batches' decodes, each with its own nvJPEG state, stream and decode scratch (GPU
   /// memory for one batch's decoded images), so that this many batches decode at once. nvJPEG's
   /// hardware backend holds the thread that calls it for the whole decode (Note [Decode threads]
-  /// in pinning/gpu_decode.cu), and that thread is a busy CPU core meanwhile. One (the default)
-  /// decodes about 29,000 500x375 images/s on an H100 with 1.3 busy cores and, beside a training
-  /// step, leaves the GPU waiting least; 2 deliver about 1.5x that on 2.4 cores, for work that
-  /// needs more. Beside a step, set CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA
-  /// starts: at CUDA's default of 8, nvJPEG's kernels wait behind the step's (a warning says so).
-  int gpu_decode_threads = 1;
+  /// in pinning/gpu_decode.cu), and that thread is a busy CPU core meanwhile. 0 (the default):
+  /// chosen from the hardware at the first decode: 2 where nvJPEG finds JPEG engines on the GPU
+  /// (A100, H100, H200: its hardware backend) and the machine has 8 CPUs or more, else 1
+  /// (LoaderStats::decode_threads says which). One decodes about 29,000 500x375 images/s on an
+  /// H100 with 1.3 busy cores; two about 1.5x that on 2.4 cores, within 0.89 of what all the
+  /// H100's engines give (3-4 threads, a busy core each). Beside a step, set
+  /// CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts: at CUDA's default of 8,
+  /// nvJPEG's kernels wait behind the step's (a warning says so).
+  int gpu_decode_threads = 0;
   /// Called on the consumer thread about every `wait_poll_period` while it waits for a batch;
   /// returning true (or throwing) ends that wait with ferry::Interrupted (or the exception), and
   /// no batch is lost: the next call waits for the same batch again. For front-ends that must

@@ -48,8 +48,9 @@ struct DeviceStageOptions {
   /// priority (DataLoaderOptions::high_priority_copies).
   bool high_priority = false;
   /// GPU decode: threads that issue the batches' decodes, each with its own nvJPEG state, stream
-  /// and decode scratch (a batch's decoded images); DataLoaderOptions::gpu_decode_threads.
-  int decode_threads = 1;
+  /// and decode scratch (a batch's decoded images); DataLoaderOptions::gpu_decode_threads (0: chosen
+  /// from the hardware at the first decode).
+  int decode_threads = 0;
 };
 
 struct DeviceStageStats {
@@ -59,7 +60,7 @@ struct DeviceStageStats {
   std::uint64_t device_allocations = 0;  ///< cudaMalloc calls (constant after warm-up)
   double copy_ms = 0;                    ///< GPU time of the copies completed so far (timing events)
   double decode_ms = 0;                  ///< GPU decode: the decode threads' time decoding (nvJPEG holds its thread for the whole decode) and launching the transform kernel, summed over the threads
-  int decode_threads = 0;                ///< GPU decode: DeviceStageOptions::decode_threads
+  int decode_threads = 0;                ///< GPU decode: the decode threads (DeviceStageOptions::decode_threads, as chosen; 0 before the first decode when chosen from the hardware)
   std::uint64_t images_decoded = 0;      ///< GPU decode: JPEGs decoded on the device
   std::uint64_t decode_allocations = 0;  ///< GPU decode: scratch (re)allocations (constant after warm-up)
   double gather_ms = 0;                  ///< device gather: GPU time of the gather kernels
