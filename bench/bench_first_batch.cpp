@@ -6,7 +6,10 @@
 // loaders of: making the DataLoader, and begin() to the first batch in hand (with a device, after
 // its copy has finished: the stream is synchronized). One loader with a device is made and
 // dropped first, so CUDA's own start-up (reported on its own) is not in the rows.
-// Usage: bench_first_batch [--runs N] [--workers 0,1,4,8,12,16] [--no-device]
+// With --images DIR (an image folder, DIR/<class>/<image>.jpg): the same for ImageFolder with
+// RandomResizedCrop 224 + flip + normalize to float32, decoded by the workers (pinned batch) and
+// on the GPU (decode = Gpu, device 0: until the batch is decoded on the device).
+// Usage: bench_first_batch [--runs N] [--workers 0,1,4,8,12,16] [--no-device] [--images DIR]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -56,16 +59,38 @@ Times one(const TensorDataset& data, Route route, int workers) {
   return {made, first};
 }
 
+// The same for an image folder: workers decode (pinned batches), or the GPU does (decode = Gpu).
+Times one_folder(const ImageFolder& folder, bool gpu, int workers) {
+  DataLoaderOptions o;
+  o.batch_size = 256;
+  o.shuffle = true;
+  o.num_workers = workers;
+  o.pin_memory = true;
+  if (gpu) o.device = 0;
+  const auto t0 = Clock::now();
+  DataLoader loader(folder, o);
+  const double made = ms_since(t0);
+  const auto t1 = Clock::now();
+  auto it = loader.begin();
+  const LabeledBatch& batch = *it;
+  if (gpu) loader.stream()->synchronize();
+  const double first = ms_since(t1);
+  if (batch.label.numel() == 0) std::abort();
+  return {made, first};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int runs = 7;
   bool device = true;
+  std::string images;
   std::vector<int> workers = {0, 1, 4, 8, 12, 16};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--runs" && i + 1 < argc) runs = std::stoi(argv[++i]);
     else if (a == "--no-device") device = false;
+    else if (a == "--images" && i + 1 < argc) images = argv[++i];
     else if (a == "--workers" && i + 1 < argc) {
       workers.clear();
       std::stringstream list(argv[++i]);
@@ -98,5 +123,31 @@ int main(int argc, char** argv) {
       std::printf("| %s | %d | %.2f | %.2f | %.2f |\n", name(r), w, median(make), median(first), median(total));
       std::fflush(stdout);
     }
+  if (images.empty()) return 0;
+  ImageFolderOptions fo;
+  fo.transform = ImageTransform().random_resized_crop(224, 224).horizontal_flip().to_float().normalize(
+      {0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  const ImageFolder cpu(images, fo);
+  fo.decode = ImageFolderOptions::Decode::Gpu;
+  const ImageFolder gpu(images, fo);
+  std::printf("\nImage folder %s (%zu images), RandomResizedCrop 224 + flip + normalize to float32, batch 256, shuffled; "
+              "the folder listed once, outside the rows\n\n| decode | workers | make the loader, ms | begin() to the first batch, ms | "
+              "total, ms |\n|---|---:|---:|---:|---:|\n",
+              images.c_str(), cpu.size());
+  for (const bool on_gpu : {false, true}) {
+    if (on_gpu && !device) break;
+    for (int w : workers) {
+      std::vector<double> make, first, total;
+      for (int k = 0; k < runs; ++k) {
+        const Times t = one_folder(on_gpu ? gpu : cpu, on_gpu, w);
+        make.push_back(t.make_ms);
+        first.push_back(t.first_ms);
+        total.push_back(t.make_ms + t.first_ms);
+      }
+      std::printf("| %s | %d | %.2f | %.2f | %.2f |\n", on_gpu ? "GPU (nvJPEG), batch on cuda:0" : "CPU (workers), pinned", w,
+                  median(make), median(first), median(total));
+      std::fflush(stdout);
+    }
+  }
   return 0;
 }

@@ -7,7 +7,12 @@ ferry over its own in-memory dataset (ferry.datasets.synthetic, made by C++ thre
 same TensorDataset (a Python dataset: worker threads, and worker processes). Each figure is the
 median of --runs new loaders, from DataLoader(...) to the first batch in hand; CUDA is started
 once before the rows.
-Usage: first_batch.py [--runs 5] [--workers 0,4,12]
+
+With --images DIR (an image folder: DIR/<class>/<image>.jpg), a second table: torchvision's ImageFolder
+recipe (RandomResizedCrop 224 + flip + ToTensor + Normalize, PIL) through PyTorch's DataLoader,
+against ferry's image_folder with the same crop, flip and normalize decoded on the CPU (pinned
+batch in hand) and on the GPU (decode="gpu", device=0: the batch on the device, synchronized).
+Usage: first_batch.py [--runs 5] [--workers 0,4,12] [--images DIR]
 """
 import argparse
 import os
@@ -35,6 +40,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--workers", default="0,4,12")
+    ap.add_argument("--images", default="")
     args = ap.parse_args()
     pin = torch.cuda.is_available()
     if pin:
@@ -54,6 +60,49 @@ def main():
                first_ms(lambda: ferry.DataLoader(tensors, worker_type="thread", **kw), args.runs)]
         row.append(first_ms(lambda: ferry.DataLoader(tensors, worker_type="process", **kw), args.runs) if w else float("nan"))
         print(f"| {w} | " + " | ".join("-" if v != v else f"{v:.1f}" for v in row) + " |", flush=True)
+    if args.images:
+        image_folder(args, pin)
+
+
+def image_folder(args, pin):
+    import torchvision.datasets as tvd
+    import torchvision.transforms as T
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    recipe = T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), T.ToTensor(), T.Normalize(mean, std)])
+    torch_ds = tvd.ImageFolder(args.images, transform=recipe)
+    cpu = ferry.datasets.image_folder(args.images, random_crop=True, mean=mean, std=std)
+    gpu = ferry.datasets.image_folder(args.images, random_crop=True, mean=mean, std=std, decode="gpu") if pin else None
+
+    def on_device(make):
+        def made():
+            loader = make()
+            return _Synced(loader)
+        return made
+
+    print(f"\n# first batch, ms (median of {args.runs}): image folder {args.images} ({len(torch_ds)} JPEGs), batch 256, "
+          f"RandomResizedCrop 224 + flip + normalize to float32, shuffled, pin_memory={pin}\n")
+    print("| workers | PyTorch, torchvision ImageFolder (PIL) | ferry, image_folder, CPU decode | "
+          "ferry, image_folder, decode=\"gpu\" (batch on cuda:0) |")
+    print("|---:|---:|---:|---:|")
+    for w in [int(v) for v in args.workers.split(",")]:
+        kw = dict(batch_size=256, shuffle=True, num_workers=w, pin_memory=pin)
+        row = [first_ms(lambda: tud.DataLoader(torch_ds, **kw), args.runs),
+               first_ms(lambda: ferry.DataLoader(cpu, **kw), args.runs)]
+        row.append(first_ms(on_device(lambda: ferry.DataLoader(gpu, batch_size=256, shuffle=True, num_workers=w, device=0)),
+                            args.runs) if gpu is not None else float("nan"))
+        print(f"| {w} | " + " | ".join("-" if v != v else f"{v:.1f}" for v in row) + " |", flush=True)
+
+
+class _Synced:
+    """Iterates a loader whose batches are on the GPU, and waits for each before handing it over."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        for batch in self.loader:
+            torch.cuda.synchronize()
+            yield batch
 
 
 if __name__ == "__main__":
