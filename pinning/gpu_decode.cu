@@ -20,6 +20,8 @@
 #include "thread.h"
 
 namespace ferry::detail {
+
+void warn_once(const char* key, const std::string& message);  // ferry/detail/engine.h (which nvcc does not take)
 namespace {
 
 void check_cuda(cudaError_t e, const char* what) {
@@ -242,13 +244,27 @@ class NvJpegDecoder final : public GpuJpegDecoder {
         engines_ = engines;
         contexts_.resize(static_cast<std::size_t>(decode_threads_for(engines, std::thread::hardware_concurrency())));
       }
-      for (std::size_t i = 1; i < contexts_.size(); ++i) open(contexts_[i], high_priority);
     } catch (...) {
-      for (auto c = contexts_.rbegin(); c != contexts_.rend(); ++c) close(*c);
+      close(contexts_[0]);
       throw;
     }
+    // The other threads open their own contexts (about 0.2 s each on an H100: nvJPEG's handle and
+    // state) while the first already decodes: the first batch does not wait for them.
     for (std::size_t i = 0; i < contexts_.size(); ++i)
-      threads_.emplace_back("ferry-decode-" + std::to_string(i), [this, i] { serve(contexts_[i]); });
+      threads_.emplace_back("ferry-decode-" + std::to_string(i), [this, i, high_priority] {
+        cudaSetDevice(device_);  // this thread's device, for good
+        if (i > 0) {
+          try {
+            open(contexts_[i], high_priority);
+          } catch (const std::exception& e) {
+            close(contexts_[i]);  // the other threads take the batches
+            warn_once("gpu-decode-thread", std::string("GPU decode: a decode thread could not start (") + e.what() +
+                                               "); the others decode its batches");
+            return;
+          }
+        }
+        serve(contexts_[i]);
+      });
   }
   ~NvJpegDecoder() override {
     {
@@ -296,6 +312,8 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     std::vector<nvjpegImage_t> images;
   };
 
+  // A thread's context. The first finds the backend (backend_, backend_kind_, set before any
+  // other thread starts); the others open the same one.
   void open(Context& c, bool high_priority) {
     nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
     nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
@@ -304,10 +322,12 @@ class NvJpegDecoder final : public GpuJpegDecoder {
                                                                 {NVJPEG_BACKEND_GPU_HYBRID, "GPU hybrid"},
                                                                 {NVJPEG_BACKEND_DEFAULT, "default"}};
     nvjpegStatus_t last = NVJPEG_STATUS_NOT_INITIALIZED;
+    const bool first = backend_.empty();
     for (auto [b, name] : backends) {
+      if (!first && b != backend_kind_) continue;
       last = nvjpegCreateExV2(b, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &c.handle);
       if (last == NVJPEG_STATUS_SUCCESS) {
-        backend_ = name;
+        if (first) backend_ = name, backend_kind_ = b;
         break;
       }
       c.handle = nullptr;
@@ -333,7 +353,6 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   }
 
   void serve(Context& c) {
-    cudaSetDevice(device_);  // this thread's device, for good
     for (;;) {
       DecodeJob job;
       {
@@ -455,6 +474,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   int device_;
   DecodeMemory mem_;  // outlives the handles, which free into it
   std::string backend_;
+  nvjpegBackend_t backend_kind_ = NVJPEG_BACKEND_DEFAULT;
   std::vector<Context> contexts_;  // sized once, before the threads start
   std::vector<Thread> threads_;
   std::mutex mu_;
