@@ -48,18 +48,13 @@ def main():
     x = torch.full((2048, 3, 224, 224), 7, dtype=torch.uint8)
     tensors = tud.TensorDataset(x)
     synthetic = ferry.datasets.synthetic(n=2048, shape=(3, 224, 224))
-    print(f"# first batch, ms (median of {args.runs}): 2,048 x 3x224x224 uint8 in memory, batch 256, shuffled, "
-          f"pin_memory={pin}; {os.cpu_count()} vCPUs, torch {torch.__version__}\n")
-    print("| workers | PyTorch, TensorDataset | ferry, its in-memory dataset | ferry, the TensorDataset, threads | "
-          "ferry, the TensorDataset, processes |")
-    print("|---:|---:|---:|---:|---:|")
-    for w in [int(v) for v in args.workers.split(",")]:
-        kw = dict(batch_size=256, shuffle=True, num_workers=w, pin_memory=pin)
-        row = [first_ms(lambda: tud.DataLoader(tensors, **kw), args.runs),
-               first_ms(lambda: ferry.DataLoader(synthetic, **kw), args.runs),
-               first_ms(lambda: ferry.DataLoader(tensors, worker_type="thread", **kw), args.runs)]
-        row.append(first_ms(lambda: ferry.DataLoader(tensors, worker_type="process", **kw), args.runs) if w else float("nan"))
-        print(f"| {w} | " + " | ".join("-" if v != v else f"{v:.1f}" for v in row) + " |", flush=True)
+    table(args, pin, f"2,048 x 3x224x224 uint8 in memory, batch 256, shuffled, pin_memory={pin}; {os.cpu_count()} vCPUs, "
+          f"torch {torch.__version__}",
+          ["PyTorch, TensorDataset", "ferry, its in-memory dataset", "ferry, the TensorDataset, threads",
+           "ferry, the TensorDataset, processes"],
+          lambda w, kw: [lambda: tud.DataLoader(tensors, **kw), lambda: ferry.DataLoader(synthetic, **kw),
+                         lambda: ferry.DataLoader(tensors, worker_type="thread", **kw),
+                         (lambda: ferry.DataLoader(tensors, worker_type="process", **kw)) if w else None])
     if args.images:
         image_folder(args, pin)
 
@@ -79,17 +74,25 @@ def image_folder(args, pin):
             return _Synced(loader)
         return made
 
-    print(f"\n# first batch, ms (median of {args.runs}): image folder {args.images} ({len(torch_ds)} JPEGs), batch 256, "
-          f"RandomResizedCrop 224 + flip + normalize to float32, shuffled, pin_memory={pin}\n")
-    print("| workers | PyTorch, torchvision ImageFolder (PIL) | ferry, image_folder, CPU decode | "
-          "ferry, image_folder, decode=\"gpu\" (batch on cuda:0) |")
-    print("|---:|---:|---:|---:|")
+    print()
+    table(args, pin, f"image folder {args.images} ({len(torch_ds)} JPEGs), batch 256, RandomResizedCrop 224 + flip + "
+          f"normalize to float32, shuffled, pin_memory={pin}",
+          ["PyTorch, torchvision ImageFolder (PIL)", "ferry, image_folder, CPU decode",
+           'ferry, image_folder, decode="gpu" (batch on cuda:0)'],
+          lambda w, kw: [lambda: tud.DataLoader(torch_ds, **kw), lambda: ferry.DataLoader(cpu, **kw),
+                         on_device(lambda: ferry.DataLoader(gpu, batch_size=256, shuffle=True, num_workers=w, device=0))
+                         if gpu is not None else None])
+
+
+def table(args, pin, title, columns, makers):
+    """A Markdown table: a row for each worker count, the first-batch time of each loader
+    makers(w, kw) makes ("-" where it makes none)."""
+    print(f"# first batch, ms (median of {args.runs}): {title}\n")
+    print("| workers | " + " | ".join(columns) + " |")
+    print("|---:|" + "---:|" * len(columns))
     for w in [int(v) for v in args.workers.split(",")]:
         kw = dict(batch_size=256, shuffle=True, num_workers=w, pin_memory=pin)
-        row = [first_ms(lambda: tud.DataLoader(torch_ds, **kw), args.runs),
-               first_ms(lambda: ferry.DataLoader(cpu, **kw), args.runs)]
-        row.append(first_ms(on_device(lambda: ferry.DataLoader(gpu, batch_size=256, shuffle=True, num_workers=w, device=0)),
-                            args.runs) if gpu is not None else float("nan"))
+        row = [first_ms(make, args.runs) if make else float("nan") for make in makers(w, kw)]
         print(f"| {w} | " + " | ".join("-" if v != v else f"{v:.1f}" for v in row) + " |", flush=True)
 
 
