@@ -45,3 +45,44 @@ def test_missing_objects_name_the_url(object_store):
         ferry.datasets.npy("s3://ferry-py/nothing/here.npy")
     with pytest.raises(ferry.DataError, match="holds no objects"):
         ferry.datasets.image_folder("s3://ferry-py/no-such-prefix/")
+
+
+def test_gpu_decode_over_s3_equals_local(object_store, tmp_path):
+    """decode="gpu" over s3://: an image folder and indexed tar shards give the batches the same
+    files give locally, bit for bit (the same JPEG bytes reach the same nvJPEG decode)."""
+    from conftest import require_gpu
+    require_gpu()
+    import io
+    import tarfile
+
+    import torch
+    tv = pytest.importorskip("torchvision.io")
+    rng = np.random.default_rng(5)
+    folder, shards = tmp_path / "folder", tmp_path / "shards"
+    shards.mkdir()
+    with tarfile.open(shards / "train-0.tar", "w") as tar:
+        for c in range(2):
+            (folder / f"c{c}").mkdir(parents=True)
+            for i in range(12):
+                y, x = np.mgrid[0:90, 0:130]
+                img = np.stack([(x * (k + 1) + y * (2 - k) + rng.integers(0, 60)) % 256 for k in range(3)]).astype(np.uint8)
+                jpeg = tv.encode_jpeg(torch.from_numpy(img), quality=90).numpy().tobytes()
+                (folder / f"c{c}" / f"{i}.jpg").write_bytes(jpeg)
+                for ext, data in (("jpg", jpeg), ("cls", str(c).encode())):
+                    info = tarfile.TarInfo(f"c{c}-{i:02d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+    kw = dict(size=48, random_crop=True, mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25], decode="gpu")
+    options = dict(batch_size=6, shuffle=True, seed=3, num_workers=2, device=0)
+
+    def batches(dataset):
+        return [[t.cpu() for t in batch] for batch in ferry.DataLoader(dataset, **options)]
+
+    folder_url = object_store(folder, "gpu-folder/")
+    shard_url = object_store(shards / "train-0.tar", "gpu-shards/train-0.tar")
+    for remote, local in ((ferry.datasets.image_folder(folder_url, **kw), ferry.datasets.image_folder(str(folder), **kw)),
+                          (ferry.datasets.tar(shards=[shard_url], index=True, **kw),
+                           ferry.datasets.tar(shards=[str(shards / "train-0.tar")], index=True, **kw))):
+        got, want = batches(remote), batches(local)
+        assert len(got) == 4 and got[0][0].shape == (6, 3, 48, 48)
+        assert all(torch.equal(g, w) for b, c in zip(got, want) for g, w in zip(b, c))
