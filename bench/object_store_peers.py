@@ -7,8 +7,8 @@ an image folder (DIR/<class>/<image>.jpg) twice: as WebDataset tar shards (<key>
 128 records a shard) and as one object an image. Every loader delivers batches of 64 uint8 images
 cropped with RandomResizedCrop 224 + horizontal flip, with --workers workers:
   * ferry: its tar stream over the shards' s3:// URLs (ferry.datasets.tar, shard order shuffled),
-    decoded by its own workers (TurboJPEG), and the same shards indexed (index=True, shuffled
-    across shards: one ranged GET a record);
+    decoded by its own workers (TurboJPEG), the same shards indexed (index=True, shuffled across
+    shards: one ranged GET a record), and, with a GPU, indexed and decoded on it (decode="gpu");
   * webdataset: WebDataset over the shards through plain HTTP (``pipe:curl``, unsigned reads), PIL
     decode and torchvision's transforms, PyTorch's DataLoader;
   * s3torchconnector: S3MapDataset over the single-image objects (one GET an image, shuffled), PIL
@@ -93,7 +93,7 @@ def main():
     ap.add_argument("--workers", type=int, default=15)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--copies", type=int, default=1, help="each image this many times")
-    ap.add_argument("--rows", default="ferry,ferry-indexed,webdataset,s3torchconnector,s3torchconnector-tar")
+    ap.add_argument("--rows", default="ferry,ferry-indexed,ferry-gpu,webdataset,s3torchconnector,s3torchconnector-tar")
     args = ap.parse_args()
     rows = args.rows.split(",")
     work = tempfile.mkdtemp(prefix="ferry-peers-")
@@ -119,6 +119,12 @@ def main():
             results.append(measure("ferry, tar shards indexed (a ranged GET a record), shuffled",
                                    lambda: ferry.DataLoader(ds_i, batch_size=64, shuffle=True, num_workers=w), args.epochs,
                                    server.proc.pid))
+            print(results[-1], flush=True)
+        if "ferry-gpu" in rows and torch.cuda.is_available():
+            ds_g = ferry.datasets.tar(shards=shards, random_crop=True, index=True, decode="gpu")
+            results.append(measure("ferry, tar shards indexed, decoded on the GPU (decode=\"gpu\", device=0)",
+                                   lambda: ferry.DataLoader(ds_g, batch_size=64, shuffle=True, num_workers=w, device=0),
+                                   args.epochs, server.proc.pid))
             print(results[-1], flush=True)
         peers = []
         try:
