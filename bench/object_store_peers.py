@@ -12,7 +12,9 @@ cropped with RandomResizedCrop 224 + horizontal flip, with --workers workers:
   * webdataset: WebDataset over the shards through plain HTTP (``pipe:curl``, unsigned reads), PIL
     decode and torchvision's transforms, PyTorch's DataLoader;
   * s3torchconnector: S3MapDataset over the single-image objects (one GET an image, shuffled), PIL
-    and torchvision, PyTorch's DataLoader; and S3IterableDataset over the shards, read with tarfile.
+    and torchvision, PyTorch's DataLoader; and S3IterableDataset over the shards, read with tarfile;
+  * litdata: the images converted to its own chunks (litdata.optimize, not timed) and streamed with
+    StreamingDataset (shuffled) and StreamingDataLoader, PIL and torchvision.
 Each row: images/s over --epochs epochs after a first one (not timed), the busy cores of this process
 and its worker processes, and the server's. A peer that cannot be imported is reported as such.
 Usage: object_store_peers.py --images DIR [--workers 15] [--epochs 2] [--copies 1]
@@ -72,7 +74,7 @@ def write_data(root, work, server, copies):
     with concurrent.futures.ThreadPoolExecutor(16) as pool:  # curl processes, a request each
         list(pool.map(lambda u: server.upload(*u), uploads))
     http = [server.endpoint + "/" + u[len("s3://"):] for u in shards]
-    return shards, http, f"s3://{server.bucket}/jpg/", classes, len(files)
+    return shards, http, f"s3://{server.bucket}/jpg/", classes, files
 
 
 def measure(name, make_loader, epochs, server_pid):
@@ -93,7 +95,7 @@ def main():
     ap.add_argument("--workers", type=int, default=15)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--copies", type=int, default=1, help="each image this many times")
-    ap.add_argument("--rows", default="ferry,ferry-indexed,ferry-gpu,webdataset,s3torchconnector,s3torchconnector-tar")
+    ap.add_argument("--rows", default="ferry,ferry-indexed,ferry-gpu,webdataset,s3torchconnector,s3torchconnector-tar,litdata")
     args = ap.parse_args()
     rows = args.rows.split(",")
     work = tempfile.mkdtemp(prefix="ferry-peers-")
@@ -102,7 +104,8 @@ def main():
         os.environ.update(server.environ())
         os.environ.pop("AWS_PROFILE", None)
         t0 = time.perf_counter()
-        shards, http, prefix, classes, images = write_data(args.images, work, server, args.copies)
+        shards, http, prefix, classes, shards_source = write_data(args.images, work, server, args.copies)
+        images = len(shards_source)
         print(f"# The image pipeline over s3:// from Python: {images} JPEGs from {args.images} in {len(shards)} tar shards and "
               f"as single objects, written in {time.perf_counter() - t0:.0f} s; SeaweedFS on loopback; RandomResizedCrop 224 + "
               f"flip, uint8, batch 64, {args.workers} workers; {args.epochs} epochs after a first; {os.cpu_count()} vCPUs; "
@@ -136,7 +139,6 @@ def main():
         if recipe is not None and "webdataset" in rows:
             try:
                 import webdataset as wds
-                from PIL import Image
 
                 def wds_loader():
                     ds = (wds.WebDataset([f"pipe:curl -s -f {u}" for u in http], shardshuffle=len(http), empty_check=False)
@@ -173,6 +175,12 @@ def main():
                     print(results[-1], flush=True)
             except ImportError as e:
                 peers.append(f"s3torchconnector: {e}")
+        if recipe is not None and "litdata" in rows:
+            try:
+                results.append(litdata_row(args, server, shards_source, work, recipe, classes))
+                print(results[-1], flush=True)
+            except ImportError as e:
+                peers.append(f"litdata: {e}")
         print("\n| loader | images/s | busy cores (this process and its workers) | server's busy cores |\n|---|---:|---:|---:|")
         for r in results:
             print(f"| {r['name']} | {r['rate']:.0f} | {r['cores']:.2f} | {r['server']:.2f} |")
@@ -185,6 +193,41 @@ def main():
             print(f"\nnot measured: {p}")
     finally:
         server.stop()
+
+
+def _lit_item(entry):
+    """litdata.optimize's function (at module level: its worker processes import it): a sample."""
+    path, label = entry
+    with open(path, "rb") as f:
+        return {"jpg": f.read(), "cls": label}
+
+
+def litdata_row(args, server, files, work, recipe, classes):
+    """litdata: the same images written in its own chunk format (litdata.optimize, the conversion
+    it asks for; not timed), uploaded to the server, then read with StreamingDataset (shuffled) and
+    StreamingDataLoader, PIL and torchvision, as its documentation shows."""
+    import litdata as ld
+    from PIL import Image
+    out = os.path.join(work, "litdata")
+    t0 = time.perf_counter()
+    ld.optimize(fn=_lit_item, inputs=files, output_dir=out, chunk_bytes="64MB", num_workers=8)
+    uploads = [(os.path.join(out, f), f"litdata/{f}") for f in os.listdir(out)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda u: server.upload(*u), uploads))
+    print(f"litdata: {len(files)} images optimized into {len(uploads)} files and uploaded in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+    options = {"endpoint_url": server.endpoint, "aws_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
+               "aws_secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"]}
+
+    def sample(item):
+        return recipe(Image.open(io.BytesIO(item["jpg"])).convert("RGB")), item["cls"]
+
+    def loader():
+        ds = ld.StreamingDataset(f"s3://{server.bucket}/litdata", shuffle=True, storage_options=options,
+                                 cache_dir=os.path.join(work, "litcache"), transform=sample)
+        return ld.StreamingDataLoader(ds, batch_size=64, num_workers=args.workers)
+    return measure(f"litdata {ld.__version__}: its own chunks (StreamingDataset, shuffled), PIL + torchvision", loader,
+                   args.epochs, server.proc.pid)
 
 
 class S3Records(tud.IterableDataset):
