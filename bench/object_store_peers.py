@@ -40,15 +40,33 @@ from seaweed import Seaweed  # noqa: E402
 PER_SHARD = 128
 
 
-def cpu_seconds():
+def _stat(pid):
+    """(ppid, CPU seconds of the process and of the children it has waited for) from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[1]), sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(server_pid):
+    """This process's CPU, its reaped children's, and its living children's (persistent worker
+    processes, with what they reaped: webdataset's curl), the server's excepted."""
     s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+    total = s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in (me, server_pid):
+            continue
+        try:
+            ppid, seconds = _stat(entry)
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        if ppid == me:
+            total += seconds
+    return total
 
 
 def server_seconds(pid):
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat(pid)[1]
 
 
 def write_data(root, work, server, copies):
@@ -81,12 +99,13 @@ def measure(name, make_loader, epochs, server_pid):
     loader = make_loader()
     for _ in loader:  # a first epoch, not timed: processes started, connections made
         pass
-    n, t0, c0, s0 = 0, time.perf_counter(), cpu_seconds(), server_seconds(server_pid)
+    n, t0, c0, s0 = 0, time.perf_counter(), cpu_seconds(server_pid), server_seconds(server_pid)
     for _ in range(epochs):
         for batch in loader:
             n += len(batch[1])
     wall = time.perf_counter() - t0
-    return dict(name=name, rate=n / wall, cores=(cpu_seconds() - c0) / wall, server=(server_seconds(server_pid) - s0) / wall, images=n)
+    return dict(name=name, rate=n / wall, cores=(cpu_seconds(server_pid) - c0) / wall, server=(server_seconds(server_pid) - s0) / wall,
+                images=n)
 
 
 def main():
@@ -95,6 +114,7 @@ def main():
     ap.add_argument("--workers", type=int, default=15)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--copies", type=int, default=1, help="each image this many times")
+    ap.add_argument("--persistent", action="store_true", help="persistent_workers=True for every loader")
     ap.add_argument("--rows", default="ferry,ferry-indexed,ferry-gpu,webdataset,s3torchconnector,s3torchconnector-tar,litdata")
     args = ap.parse_args()
     rows = args.rows.split(",")
@@ -112,21 +132,22 @@ def main():
               f"torch {torch.__version__}\n", flush=True)
         results = []
         w = args.workers
+        keep = dict(persistent_workers=True) if args.persistent else {}
         if "ferry" in rows:
             ds = ferry.datasets.tar(shards=shards, random_crop=True, shuffle=True)
-            results.append(measure("ferry, tar shards streamed", lambda: ferry.DataLoader(ds, batch_size=64, num_workers=w),
+            results.append(measure("ferry, tar shards streamed", lambda: ferry.DataLoader(ds, batch_size=64, num_workers=w, **keep),
                                    args.epochs, server.proc.pid))
             print(results[-1], flush=True)
         if "ferry-indexed" in rows:
             ds_i = ferry.datasets.tar(shards=shards, random_crop=True, index=True)
             results.append(measure("ferry, tar shards indexed (a ranged GET a record), shuffled",
-                                   lambda: ferry.DataLoader(ds_i, batch_size=64, shuffle=True, num_workers=w), args.epochs,
+                                   lambda: ferry.DataLoader(ds_i, batch_size=64, shuffle=True, num_workers=w, **keep), args.epochs,
                                    server.proc.pid))
             print(results[-1], flush=True)
         if "ferry-gpu" in rows and torch.cuda.is_available():
             ds_g = ferry.datasets.tar(shards=shards, random_crop=True, index=True, decode="gpu")
             results.append(measure("ferry, tar shards indexed, decoded on the GPU (decode=\"gpu\", device=0)",
-                                   lambda: ferry.DataLoader(ds_g, batch_size=64, shuffle=True, num_workers=w, device=0),
+                                   lambda: ferry.DataLoader(ds_g, batch_size=64, shuffle=True, num_workers=w, device=0, **keep),
                                    args.epochs, server.proc.pid))
             print(results[-1], flush=True)
         peers = []
@@ -143,7 +164,7 @@ def main():
                 def wds_loader():
                     ds = (wds.WebDataset([f"pipe:curl -s -f {u}" for u in http], shardshuffle=len(http), empty_check=False)
                           .shuffle(1000).decode("pil").to_tuple("jpg", "cls").map_tuple(recipe, int))
-                    return tud.DataLoader(ds, batch_size=64, num_workers=w)
+                    return tud.DataLoader(ds, batch_size=64, num_workers=w, **keep)
                 results.append(measure(f"webdataset {wds.__version__}: tar shards over HTTP (pipe:curl), PIL + torchvision",
                                        wds_loader, args.epochs, server.proc.pid))
                 print(results[-1], flush=True)
@@ -164,20 +185,20 @@ def main():
                     mapped = s3t.S3MapDataset.from_prefix(prefix, region="us-east-1", endpoint=server.endpoint, transform=image,
                                                           s3client_config=config)
                     results.append(measure(f"s3torchconnector {version}: an object an image (S3MapDataset), shuffled, PIL + "
-                                           "torchvision", lambda: tud.DataLoader(mapped, batch_size=64, shuffle=True, num_workers=w),
+                                           "torchvision", lambda: tud.DataLoader(mapped, batch_size=64, shuffle=True, num_workers=w, **keep),
                                            args.epochs, server.proc.pid))
                     print(results[-1], flush=True)
                 if "s3torchconnector-tar" in rows:
                     streamed = S3Records(s3t, shards, server.endpoint, config, recipe)
                     results.append(measure(f"s3torchconnector {version}: tar shards (S3IterableDataset + tarfile), PIL + "
-                                           "torchvision", lambda: tud.DataLoader(streamed, batch_size=64, num_workers=w),
+                                           "torchvision", lambda: tud.DataLoader(streamed, batch_size=64, num_workers=w, **keep),
                                            args.epochs, server.proc.pid))
                     print(results[-1], flush=True)
             except ImportError as e:
                 peers.append(f"s3torchconnector: {e}")
         if recipe is not None and "litdata" in rows:
             try:
-                results.append(litdata_row(args, server, shards_source, work, recipe, classes))
+                results.append(litdata_row(args, server, shards_source, work, recipe, keep))
                 print(results[-1], flush=True)
             except ImportError as e:
                 peers.append(f"litdata: {e}")
@@ -202,12 +223,22 @@ def _lit_item(entry):
         return {"jpg": f.read(), "cls": label}
 
 
-def litdata_row(args, server, files, work, recipe, classes):
+class _LitSample:
+    """litdata's transform: a picklable callable (its loader starts its workers with spawn)."""
+
+    def __init__(self, recipe):
+        self.recipe = recipe
+
+    def __call__(self, item):
+        from PIL import Image
+        return self.recipe(Image.open(io.BytesIO(item["jpg"])).convert("RGB")), item["cls"]
+
+
+def litdata_row(args, server, files, work, recipe, keep):
     """litdata: the same images written in its own chunk format (litdata.optimize, the conversion
     it asks for; not timed), uploaded to the server, then read with StreamingDataset (shuffled) and
     StreamingDataLoader, PIL and torchvision, as its documentation shows."""
     import litdata as ld
-    from PIL import Image
     out = os.path.join(work, "litdata")
     t0 = time.perf_counter()
     ld.optimize(fn=_lit_item, inputs=files, output_dir=out, chunk_bytes="64MB", num_workers=8)
@@ -219,13 +250,10 @@ def litdata_row(args, server, files, work, recipe, classes):
     options = {"endpoint_url": server.endpoint, "aws_access_key_id": os.environ["AWS_ACCESS_KEY_ID"],
                "aws_secret_access_key": os.environ["AWS_SECRET_ACCESS_KEY"]}
 
-    def sample(item):
-        return recipe(Image.open(io.BytesIO(item["jpg"])).convert("RGB")), item["cls"]
-
     def loader():
         ds = ld.StreamingDataset(f"s3://{server.bucket}/litdata", shuffle=True, storage_options=options,
-                                 cache_dir=os.path.join(work, "litcache"), transform=sample)
-        return ld.StreamingDataLoader(ds, batch_size=64, num_workers=args.workers)
+                                 cache_dir=os.path.join(work, "litcache"), transform=_LitSample(recipe))
+        return ld.StreamingDataLoader(ds, batch_size=64, num_workers=args.workers, **keep)
     return measure(f"litdata {ld.__version__}: its own chunks (StreamingDataset, shuffled), PIL + torchvision", loader,
                    args.epochs, server.proc.pid)
 
