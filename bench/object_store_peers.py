@@ -23,7 +23,6 @@ import argparse
 import concurrent.futures
 import io
 import os
-import resource
 import sys
 import tarfile
 import tempfile
@@ -35,38 +34,20 @@ import torch.utils.data as tud
 import ferry
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python", "tests"))
+from python_datasets import children_cpu, cpu_seconds as own_cpu_seconds, worker_pids  # noqa: E402 (this folder)
 from seaweed import Seaweed  # noqa: E402
 
 PER_SHARD = 128
 
 
-def _stat(pid):
-    """(ppid, CPU seconds of the process and of the children it has waited for) from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[1]), sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
-
-
 def cpu_seconds(server_pid):
-    """This process's CPU, its reaped children's, and its living children's (persistent worker
+    """This process's CPU, its reaped children's and its living descendants' (persistent worker
     processes, with what they reaped: webdataset's curl), the server's excepted."""
-    s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
-    me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in (me, server_pid):
-            continue
-        try:
-            ppid, seconds = _stat(entry)
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        if ppid == me:
-            total += seconds
-    return total
+    return own_cpu_seconds() + children_cpu([p for p in worker_pids() if p != server_pid], waited=True)
 
 
 def server_seconds(pid):
-    return _stat(pid)[1]
+    return children_cpu([pid])
 
 
 def write_data(root, work, server, copies):

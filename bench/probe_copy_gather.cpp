@@ -14,10 +14,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <ctime>
 #include <random>
 #include <string>
 #include <vector>
+
+#include "cpu_time.h"
 
 namespace {
 
@@ -25,12 +26,6 @@ void check(cudaError_t e, const char* what) {
   if (e == cudaSuccess) return;
   std::fprintf(stderr, "probe_copy_gather: %s: %s\n", what, cudaGetErrorString(e));
   std::exit(1);
-}
-
-double thread_cpu() {
-  timespec t{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) / 1e9;
 }
 
 struct Rate {
@@ -43,18 +38,16 @@ Rate run(double seconds, cudaStream_t s, F&& batch) {
   for (int k = 0; k < 20; ++k) batch();
   check(cudaStreamSynchronize(s), "warm-up");
   const auto t0 = std::chrono::steady_clock::now();
-  const double c0 = thread_cpu();
   long n = 0;
   double issue_cpu = 0;
   for (;;) {
-    const double i0 = thread_cpu();
+    const double i0 = ferry::bench::thread_cpu_seconds();
     for (int k = 0; k < 50; ++k) batch();
-    issue_cpu += thread_cpu() - i0;
+    issue_cpu += ferry::bench::thread_cpu_seconds() - i0;
     n += 50;
     check(cudaStreamSynchronize(s), "a run");  // (the wait's own spinning is not counted as issue time)
     if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() >= seconds) break;
   }
-  (void)c0;
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return {static_cast<double>(n) / wall, issue_cpu / static_cast<double>(n) * 1e6};
 }

@@ -54,15 +54,16 @@ def cpu_seconds():
     return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def children_cpu(pids):
-    """CPU seconds of live worker processes (RUSAGE_CHILDREN counts only the ones reaped)."""
+def children_cpu(pids, waited=False):
+    """CPU seconds of live worker processes (RUSAGE_CHILDREN counts only the ones reaped); with
+    `waited`, also what each has counted of the children it reaped (a worker's curl, say)."""
     total = 0.0
     tick = os.sysconf("SC_CLK_TCK")
     for pid in pids:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
+            total += sum(int(v) for v in fields[11:15 if waited else 13]) / tick
         except (FileNotFoundError, ProcessLookupError):
             pass
     return total

@@ -262,8 +262,8 @@ void LoaderCore::Parts::setup_pinning() {
   }, opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get(), placement);
 }
 
-// Device gather: the batch of `index` (pinned), made by the GPU: the index's copy, then one
-// gather kernel a field, on the copy stream (Note [Device gather]). Runs on the pin thread.
+// Device gather, several small batches a launch: the held batches' launch, issued, and each held
+// batch given its fence (or one carrying the launch's error). Runs on the pin thread.
 void LoaderCore::Parts::flush_held() {
   if (held_slots.empty()) return;
   std::vector<std::shared_ptr<const EventFence>*> slots = std::move(held_slots);
@@ -288,6 +288,9 @@ void LoaderCore::Parts::flush_held() {
   for (std::size_t k = 0; k < slots.size(); ++k) *slots[k] = std::move(fences[k]);
 }
 
+// Device gather: the batch of `index`, made by the GPU: the index's copy (when it is too large to
+// travel in the launch), then one gather launch for its fields on the copy stream, now or with
+// the batches held beside it (`hold`; Note [Device gather]). Runs on the pin thread.
 Payload LoaderCore::Parts::gather_batch(const Tensor& index, bool hold) {
   auto aligned = [](std::size_t b) { return (b + 63) / 64 * 64; };
   const std::size_t rows = static_cast<std::size_t>(index.size(0));

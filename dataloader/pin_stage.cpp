@@ -2,8 +2,8 @@
 
 #include <atomic>
 #include <semaphore>
-#include <vector>
 #include <string>
+#include <vector>
 
 #include "queue.h"
 #include "thread.h"

@@ -230,6 +230,13 @@ class DecodeMemory {
 // release), and the batch's fence is a deferred EventFence recorded after it: the consumer's
 // hand-over (DeviceStage::deliver) waits for the record, then for the event on the device, and
 // rethrows a decode's error there, at the batch's position.
+// The decode threads chosen from the hardware (DataLoaderOptions::gpu_decode_threads = 0): 2 where
+// nvJPEG's hardware backend has JPEG engines (`engines` > 0: A100, H100, H200) and the machine has
+// 8 CPUs or more, else 1. Two threads give 1.5-1.7x one thread's images on an H100, within 0.89
+// of all its engines give (bench/RESULTS.md "The JPEG engines' ceiling"); each thread is a busy
+// core while it decodes, so more are left to the user.
+int decode_threads_for(unsigned engines, unsigned cpus) noexcept { return engines > 0 && cpus >= 8 ? 2 : 1; }
+
 class NvJpegDecoder final : public GpuJpegDecoder {
  public:
   NvJpegDecoder(int device, int threads, bool high_priority) : device_(device), mem_(device) {
@@ -241,7 +248,6 @@ class NvJpegDecoder final : public GpuJpegDecoder {
         unsigned engines = 0, cores = 0;
         if (backend_ != "hardware" || nvjpegGetHardwareDecoderInfo(contexts_[0].handle, &engines, &cores) != NVJPEG_STATUS_SUCCESS)
           engines = 0;
-        engines_ = engines;
         contexts_.resize(static_cast<std::size_t>(decode_threads_for(engines, std::thread::hardware_concurrency())));
       }
     } catch (...) {
@@ -258,6 +264,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
             open(contexts_[i], high_priority);
           } catch (const std::exception& e) {
             close(contexts_[i]);  // the other threads take the batches
+            ++failed_threads_;
             warn_once("gpu-decode-thread", std::string("GPU decode: a decode thread could not start (") + e.what() +
                                                "); the others decode its batches");
             return;
@@ -288,7 +295,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   std::string backend() const override { return backend_; }
   double busy_ms() const override { return static_cast<double>(busy_ns_.load()) / 1e6; }
   std::uint64_t allocations() const override { return allocations_.load() + mem_.pinned_allocations(); }
-  int threads() const override { return static_cast<int>(contexts_.size()); }
+  int threads() const override { return static_cast<int>(contexts_.size()) - failed_threads_.load(); }
 
  private:
   struct Context {
@@ -483,14 +490,12 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   bool stop_ = false;           // guarded by mu_
   std::atomic<std::uint64_t> allocations_{0};
   std::atomic<std::int64_t> busy_ns_{0};
-  unsigned engines_ = 0;  // the JPEG engines nvJPEG reported (threads chosen from the hardware)
+  std::atomic<int> failed_threads_{0};  // decode threads that could not open their context (and ended)
 };
 
 }  // namespace
 
 bool gpu_decode_built() noexcept { return true; }
-
-int decode_threads_for(unsigned engines, unsigned cpus) noexcept { return engines > 0 && cpus >= 8 ? 2 : 1; }
 
 std::size_t lay_out_decode_scratch(std::int64_t* index, int rows) {
   std::size_t total = 0;

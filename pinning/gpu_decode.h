@@ -50,16 +50,9 @@ class GpuJpegDecoder {
   virtual double busy_ms() const = 0;
   /// Scratch and pinned allocations so far (constant after warm-up).
   virtual std::uint64_t allocations() const = 0;
-  /// Its decode threads (as asked, or as chosen from the hardware).
+  /// Its decode threads (as asked, or as chosen from the hardware), less any that could not start.
   virtual int threads() const = 0;
 };
-
-/// The decode threads chosen from the hardware (DataLoaderOptions::gpu_decode_threads = 0): 2
-/// where nvJPEG's hardware backend has JPEG engines (`engines` > 0: A100, H100, H200) and the
-/// machine has 8 CPUs or more, else 1. Two threads give 1.5-1.7x one thread's images on an H100,
-/// within 0.89 of all its engines give (bench/RESULTS.md "The JPEG engines' ceiling"); each
-/// thread is a busy core while it decodes, so more are left to the user.
-int decode_threads_for(unsigned engines, unsigned cpus) noexcept;
 
 /// Whether this build has nvJPEG.
 bool gpu_decode_built() noexcept;

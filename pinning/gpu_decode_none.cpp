@@ -5,8 +5,6 @@ namespace ferry::detail {
 
 bool gpu_decode_built() noexcept { return false; }
 
-int decode_threads_for(unsigned engines, unsigned cpus) noexcept { return engines > 0 && cpus >= 8 ? 2 : 1; }
-
 std::size_t lay_out_decode_scratch(std::int64_t*, int) { return 0; }
 
 std::unique_ptr<GpuJpegDecoder> make_gpu_jpeg_decoder(int, int, bool) {
