@@ -60,7 +60,8 @@ class LocalBlob final : public Blob {
 
 class ObjectBlob final : public Blob {
  public:
-  ObjectBlob(const std::string& url, s3::Url where, std::uint64_t size) : Blob(url, size), url_(std::move(where)) {}
+  ObjectBlob(const std::string& url, s3::Url where, std::uint64_t size, std::vector<std::byte> first = {})
+      : Blob(url, size), url_(std::move(where)), first_(std::move(first)) {}
   bool remote() const noexcept override { return true; }
   // Reads are sequential more often than not (a tar stream, an index of headers): the piece after
   // this one is requested before this one is returned, and parsed while it arrives.
@@ -69,7 +70,10 @@ class ObjectBlob final : public Blob {
     if (offset >= size_) return 0;
     n = static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - offset));
     const bool caching = cache::enabled();
-    if (!caching || !cache::load(cache::range_key(name_, offset, n), dst, n)) {
+    if (offset + n <= first_.size()) {  // the piece that came with the open
+      std::memcpy(dst, first_.data() + offset, n);
+      if (offset + n == first_.size()) std::vector<std::byte>().swap(first_);  // read through: its memory goes
+    } else if (!caching || !cache::load(cache::range_key(name_, offset, n), dst, n)) {
       if (!ahead_.take(offset, n, dst)) s3::read(url_, offset, n, dst);
       if (caching) cache::store(cache::range_key(name_, offset, n), dst, n);
     }
@@ -80,11 +84,25 @@ class ObjectBlob final : public Blob {
     }
     return n;
   }
+  void progress() const override { ahead_.progress(); }
 
  private:
   s3::Url url_;
+  mutable std::vector<std::byte> first_;  // bytes [0, first_.size()) read with the open
   mutable s3::ReadAhead ahead_;
 };
+
+// This thread's opening read sent ahead (open_ahead), and the object it is for.
+struct PendingOpen {
+  std::string path;  // empty: none in flight
+  std::size_t first_piece = 0;
+  std::unique_ptr<s3::OpenAhead> read;  // made at the thread's first open_ahead()
+};
+
+PendingOpen& pending_open() {
+  thread_local PendingOpen p;
+  return p;
+}
 
 }  // namespace
 
@@ -136,22 +154,56 @@ std::size_t LocalBlob::read_at(std::uint64_t offset, std::byte* dst, std::size_t
   return loaders::read_at(fd_, name_, offset, dst, n);
 }
 
-std::unique_ptr<Blob> Blob::open(const std::string& path) {
+std::unique_ptr<Blob> Blob::open(const std::string& path) { return open(path, 0); }
+
+std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piece) {
   if (is_remote(path)) {
     s3::Url url = s3::parse(path);
     std::uint64_t size = 0;
+    std::vector<std::byte> first;
     const bool caching = cache::enabled();
     if (!caching || !cache::load(cache::size_key(path), reinterpret_cast<std::byte*>(&size), sizeof size)) {
-      size = s3::size(url);
-      if (caching && size > 0) cache::store(cache::size_key(path), reinterpret_cast<const std::byte*>(&size), sizeof size);
+      PendingOpen& ahead = pending_open();
+      const bool sent = ahead.path == path && ahead.first_piece == first_piece && first_piece > 0;
+      ahead.path.clear();
+      if (!sent || !ahead.read->take(url, first_piece, first, size)) {
+        if (first_piece > 0)
+          size = s3::first_piece(url, first_piece, first);
+        else
+          size = s3::size(url);
+      }
+      if (caching && size > 0) {
+        cache::store(cache::size_key(path), reinterpret_cast<const std::byte*>(&size), sizeof size);
+        if (!first.empty()) cache::store(cache::range_key(path, 0, first.size()), first.data(), first.size());
+      }
     }
     if (size == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
-    return std::make_unique<ObjectBlob>(path, std::move(url), size);
+    return std::make_unique<ObjectBlob>(path, std::move(url), size, std::move(first));
   }
   Fd f;
   const std::size_t size = open_regular(path, f);
   const int fd = std::exchange(f.fd, -1);
   return std::make_unique<LocalBlob>(path, fd, size);
+}
+
+void progress_ahead() {
+  PendingOpen& ahead = pending_open();
+  if (!ahead.path.empty()) ahead.read->progress();
+}
+
+void open_ahead(const std::string& path, std::size_t first_piece) {
+  if (!is_remote(path) || first_piece == 0) return;
+  if (cache::enabled() && cache::contains(cache::size_key(path))) return;  // its open reads the disk
+  PendingOpen& ahead = pending_open();
+  ahead.path.clear();
+  try {
+    if (!ahead.read) ahead.read = std::make_unique<s3::OpenAhead>();
+    ahead.read->start(s3::parse(path), first_piece);
+    ahead.path = path;
+    ahead.first_piece = first_piece;
+  } catch (const Error&) {  // a bad URL: its own open names it
+    if (ahead.read) ahead.read->cancel();
+  }
 }
 
 std::vector<ListedFile> list_prefix(const std::string& dir) {

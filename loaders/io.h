@@ -35,6 +35,9 @@ class Blob {
   /// system's or the network's failures) for one that is missing, unreadable, not a regular file,
   /// or empty.
   static std::unique_ptr<Blob> open(const std::string& path);
+  /// The same; an object's first `first_piece` bytes come with its size, in one request (or from
+  /// open_ahead()), for a reader that will read it from the start in pieces of that size.
+  static std::unique_ptr<Blob> open(const std::string& path, std::size_t first_piece);
   virtual ~Blob() = default;
   std::uint64_t size() const noexcept { return size_; }
   const std::string& name() const noexcept { return name_; }
@@ -42,12 +45,22 @@ class Blob {
   virtual bool remote() const noexcept = 0;
   /// Reads up to `n` bytes at `offset` into `dst`; fewer only where the blob ends.
   virtual std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const = 0;
+  /// Moves reads sent ahead along without waiting (a reader calls it between its reads, often).
+  virtual void progress() const {}
 
  protected:
   Blob(std::string name, std::uint64_t size) : name_(std::move(name)), size_(size) {}
   std::string name_;
   std::uint64_t size_;
 };
+
+/// Sends the opening read of `path` (a Blob::open(path, first_piece) to come on this thread) ahead,
+/// so that its first byte is here when it is opened: a stream calls it for its next shard. Nothing
+/// for a local path or one whose size the disk cache holds; one at a time on a thread (a second
+/// replaces the first).
+void open_ahead(const std::string& path, std::size_t first_piece);
+/// Moves this thread's open_ahead() read along without waiting (call it between records).
+void progress_ahead();
 
 /// An object found by list_prefix: its URL and size.
 struct ListedFile {

@@ -16,6 +16,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -319,6 +320,7 @@ struct Request {
   std::size_t cap = 0;
   std::vector<std::byte>* grow = nullptr;
   std::size_t grow_limit = 0;
+  bool short_ok = false;  // a range at an object's start whose size is unknown: fewer bytes may be all there is
 };
 
 void setup(const Config& c, const Request& r, Attempt& a, bool hedge) {
@@ -458,7 +460,7 @@ Outcome try_once(const Config& c, const Request& r, Attempt& primary, Attempt& h
       finish(a);
       ++done;
       Outcome o = judge(a, rc);
-      if (o.kind == Outcome::Ok && r.dst && a.got != r.cap) {  // a range answered short: read it again
+      if (o.kind == Outcome::Ok && r.dst && a.got != r.cap && !r.short_ok) {  // a range answered short: read it again
         o.kind = Outcome::Retry;
         o.why = "the answer held " + std::to_string(a.got) + " of the " + std::to_string(r.cap) + " bytes asked for";
       }
@@ -563,23 +565,55 @@ Url parse(const std::string& url) {
   return u;
 }
 
-std::uint64_t size(const Url& url) {
-  const Config c = config();
-  std::byte first{};
-  const Answer a = run(c, ranged(c, url, 0, 1, &first), url.text(), DataError::kNoOffset);
-  if (!a.ok && a.status == 416) return 0;  // an empty object has no first byte
-  if (!a.ok) fail(c, a, url.text(), DataError::kNoOffset);
-  // "bytes 0-0/1234"; a server that ignored the range sent the whole object (at most one byte).
-  const std::size_t slash = a.content_range.rfind('/');
+namespace {
+
+// The object's size from a ranged answer: the total of its Content-Range ("bytes 0-0/1234"), or,
+// from a server that ignored the range and sent the whole object, the bytes it sent (at most
+// `asked`, or the answer would have overflowed). Error text in `why` when neither holds.
+std::optional<std::uint64_t> total_size(const std::string& content_range, std::size_t got, std::size_t asked, std::string& why) {
+  const std::size_t slash = content_range.rfind('/');
   if (slash == std::string::npos) {
-    if (a.got <= 1) return a.got;
-    throw DataError(url.text(), DataError::kNoOffset, "the object store answered a ranged read without a Content-Range");
+    if (content_range.empty() && got <= asked) return got;
+    why = "the object store answered a ranged read without a Content-Range";
+    return std::nullopt;
   }
-  const std::string total = a.content_range.substr(slash + 1);
+  const std::string total = content_range.substr(slash + 1);
   char* end = nullptr;
   const unsigned long long v = std::strtoull(total.c_str(), &end, 10);
-  if (total.empty() || *end != '\0') throw DataError(url.text(), DataError::kNoOffset, "the object store gave an unreadable Content-Range");
+  if (total.empty() || *end != '\0' || total[0] == '-') {
+    why = "the object store gave an unreadable Content-Range";
+    return std::nullopt;
+  }
   return v;
+}
+
+}  // namespace
+
+std::uint64_t first_piece(const Url& url, std::size_t n, std::vector<std::byte>& out) {
+  const Config c = config();
+  out.resize(std::max<std::size_t>(n, 1));
+  Request r = ranged(c, url, 0, out.size(), out.data());
+  r.short_ok = true;
+  const Answer a = run(c, r, url.text(), DataError::kNoOffset);
+  if (!a.ok && a.status == 416) {  // an empty object has no first byte
+    out.clear();
+    return 0;
+  }
+  if (!a.ok) fail(c, a, url.text(), DataError::kNoOffset);
+  std::string why;
+  const std::optional<std::uint64_t> total = total_size(a.content_range, a.got, out.size(), why);
+  if (!total) throw DataError(url.text(), DataError::kNoOffset, why);
+  const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(*total, n));
+  if (a.got < want)  // a cut answer (the retries passed it as short_ok): the object's start is not all here
+    throw IoError(url.text(), a.got, "object storage: the answer held " + std::to_string(a.got) + " of the " + std::to_string(want) +
+                  " bytes asked for", EIO);
+  out.resize(want);
+  return *total;
+}
+
+std::uint64_t size(const Url& url) {
+  std::vector<std::byte> first;
+  return first_piece(url, 1, first);
 }
 
 void read(const Url& url, std::uint64_t offset, std::size_t n, std::byte* dst) {
@@ -667,6 +701,7 @@ struct Batch {
     if (it.want.size > 0) {
       it.out.resize(it.want.size);
       it.request = ranged(config, it.want.url, it.want.offset, it.want.size, it.out.data());
+      it.request.short_ok = it.want.first;
     } else {
       it.request.url = http_url(config, it.want.url.bucket, it.want.url.key, "");
       it.request.grow = &it.out;
@@ -712,7 +747,9 @@ struct Batch {
         curl_multi_remove_handle(multi, it.attempt.easy);
         idle.push_back(std::exchange(it.attempt.easy, nullptr));
         --live;
-        const bool ok = o.kind == Outcome::Ok && (it.want.size == 0 ? !it.out.empty() : it.attempt.got == it.want.size);
+        const bool ok = o.kind == Outcome::Ok && (it.want.size == 0   ? !it.out.empty()
+                                                  : it.want.first ? it.attempt.got > 0
+                                                                  : it.attempt.got == it.want.size);
         it.state = ok ? Item::Done : Item::Failed;
         if (!ok) it.out.clear();
         break;
@@ -773,6 +810,48 @@ bool ReadAhead::take(std::uint64_t offset, std::size_t n, std::byte* dst) {
   b.cancel();
   if (ok) std::memcpy(dst, impl_->buf.data(), n);
   return ok;
+}
+
+struct OpenAhead::Impl {
+  Batch batch;  // of one read
+};
+
+OpenAhead::OpenAhead() : impl_(std::make_unique<Impl>()) {}
+OpenAhead::~OpenAhead() = default;
+
+void OpenAhead::start(const Url& url, std::size_t n) {
+  std::vector<Want> one(1);
+  one[0] = Want{url, 0, std::max<std::size_t>(n, 1), true};
+  impl_->batch.start(std::move(one), 1);
+}
+
+void OpenAhead::cancel() { impl_->batch.cancel(); }
+
+bool OpenAhead::take(const Url& url, std::size_t n, std::vector<std::byte>& out, std::uint64_t& size) {
+  Batch& b = impl_->batch;
+  const bool match = b.items.size() == 1 && b.items[0]->want.url.bucket == url.bucket && b.items[0]->want.url.key == url.key &&
+                     b.items[0]->want.size == std::max<std::size_t>(n, 1);
+  if (!match || !b.take(0, out)) {
+    b.cancel();
+    return false;
+  }
+  const Attempt& a = b.items[0]->attempt;
+  std::string why;
+  const std::optional<std::uint64_t> total = total_size(a.content_range, a.got, b.items[0]->want.size, why);
+  const std::size_t got = a.got;
+  b.cancel();
+  if (!total || got < std::min<std::uint64_t>(*total, n)) return false;  // the caller's own read names what is wrong
+  out.resize(static_cast<std::size_t>(std::min<std::uint64_t>(*total, n)));
+  size = *total;
+  return true;
+}
+
+void ReadAhead::progress() {
+  if (impl_->batch.live > 0) impl_->batch.drive(0);
+}
+
+void OpenAhead::progress() {
+  if (impl_->batch.live > 0) impl_->batch.drive(0);
 }
 
 std::vector<Object> list(const std::string& bucket, const std::string& prefix) {

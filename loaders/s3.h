@@ -39,6 +39,11 @@ Url parse(const std::string& url);
 /// The object's size in bytes (one ranged GET of its first byte).
 std::uint64_t size(const Url& url);
 
+/// The object's first min(n, size) bytes into `out` and its size, in one ranged GET (its
+/// Content-Range tells the size): opening a stream costs one request, not two. 0 (and `out`
+/// empty) for an empty object.
+std::uint64_t first_piece(const Url& url, std::size_t n, std::vector<std::byte>& out);
+
 /// Reads exactly `n` bytes at `offset` into `dst` (one ranged GET); DataError when the object
 /// ends before them.
 void read(const Url& url, std::uint64_t offset, std::size_t n, std::byte* dst);
@@ -56,6 +61,7 @@ struct Want {
   Url url;
   std::uint64_t offset = 0;
   std::size_t size = 0;
+  bool first = false;  ///< first_piece's read: at most `size` bytes from 0, the object's size unknown
 };
 void start(std::vector<Want> wants, std::size_t in_flight = 32);
 /// Want k of the last start(): its bytes into `out` (true), or false when it failed or was taken.
@@ -75,6 +81,34 @@ class ReadAhead {
   void start(const Url& url, std::uint64_t offset, std::size_t n);
   /// Waits for the read started for (offset, n) and copies its bytes to `dst`.
   bool take(std::uint64_t offset, std::size_t n, std::byte* dst);
+  /// Moves the read in flight along without waiting: what has arrived is taken off the socket
+  /// (which would otherwise fill and stall the transfer while the reader works).
+  void progress();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+/// first_piece() sent ahead, on connections of its own: a stream asks for its next shard's first
+/// piece while it parses this shard, so that opening the next costs no wait for a first byte.
+/// take() hands over what was started for exactly (url, n); anything else (another object, a
+/// failed read) is false, and the caller calls first_piece() itself, with retries. Not
+/// thread-safe: one reader at a time.
+class OpenAhead {
+ public:
+  OpenAhead();
+  ~OpenAhead();
+  OpenAhead(const OpenAhead&) = delete;
+  OpenAhead& operator=(const OpenAhead&) = delete;
+  /// Sends the read of the first `n` bytes of `url` (cancelling one still in flight).
+  void start(const Url& url, std::size_t n);
+  /// Waits for the read started for (url, n): its bytes into `out`, the object's size into `size`.
+  bool take(const Url& url, std::size_t n, std::vector<std::byte>& out, std::uint64_t& size);
+  /// Stops a read in flight (its connection closes).
+  void cancel();
+  /// As ReadAhead::progress().
+  void progress();
 
  private:
   struct Impl;

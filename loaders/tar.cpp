@@ -19,6 +19,11 @@
 
 namespace ferry {
 
+namespace {
+// An object is read in pieces of this size (each read is a request); local files in 1 MiB reads.
+constexpr std::size_t kObjectPiece = std::size_t{8} << 20;
+}  // namespace
+
 // --- TarReader ----------------------------------------------------------------------------------
 
 struct TarReader::Impl {
@@ -178,10 +183,11 @@ void parse_pax(const std::string& text, const std::string& name, std::uint64_t a
 
 TarReader::TarReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
   impl_->name = path;
-  impl_->blob = loaders::Blob::open(path);  // DataError: missing, a directory, empty, unreadable
+  // DataError: missing, a directory, empty, unreadable. An object is read in larger pieces (each
+  // read is a request), the first with the open.
+  impl_->blob = loaders::Blob::open(path, kObjectPiece);
   impl_->size = impl_->blob->size();
-  // An object is read in larger pieces: each read is a request.
-  impl_->buf.resize(impl_->blob->remote() ? std::size_t{8} << 20 : std::size_t{1} << 20);
+  impl_->buf.resize(impl_->blob->remote() ? kObjectPiece : std::size_t{1} << 20);
 }
 
 TarReader::TarReader(std::span<const std::byte> bytes, std::string name) : impl_(std::make_unique<Impl>()) {
@@ -201,6 +207,10 @@ std::optional<TarMember> TarReader::next() { return next(true); }
 
 std::optional<TarMember> TarReader::next(bool read_data) {
   Impl& r = *impl_;
+  if (r.blob && r.blob->remote()) {  // this object's next piece and the next object's open, on their way
+    r.blob->progress();
+    loaders::progress_ahead();
+  }
   std::string long_name, pax_path;
   std::optional<std::uint64_t> pax_size;
   while (!r.done) {
@@ -328,7 +338,11 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
   if (deferred_) std::rethrow_exception(std::exchange(deferred_, nullptr));
   while (current_ < shards_.size()) {
     try {
-      if (!reader_) reader_.emplace(shards_[current_]);
+      if (!reader_) {
+        reader_.emplace(shards_[current_]);
+        // The next shard's opening read goes out now, and arrives while this one is parsed.
+        if (current_ + 1 < shards_.size()) loaders::open_ahead(shards_[current_ + 1], kObjectPiece);
+      }
       std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next(read_data);
       pending_.reset();
       std::optional<std::pair<std::string, std::string>> kf;
@@ -493,6 +507,7 @@ TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) 
   std::vector<std::byte> label;
   for (std::size_t s = 0; s < paths.size(); ++s) {
     TarReader reader(paths[s]);
+    if (s + 1 < paths.size()) loaders::open_ahead(paths[s + 1], kObjectPiece);
     const loaders::RangeReader file(paths[s]);  // the labels: read and parsed here, once
     Record* rec = nullptr;
     while (std::optional<TarMember> m = reader.next(false)) {  // headers only: the data is seeked past

@@ -5,8 +5,11 @@
 #include <unistd.h>
 #include "ferry/detail/numa.h"
 
+#include <map>
 #include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "ferry/detail/engine.h"
 
@@ -109,17 +112,59 @@ void Stream::wait(const Event& event) const {
 }
 void Stream::synchronize() const { FERRY_CUDA(cudaStreamSynchronize(static_cast<cudaStream_t>(handle_))); }
 
+namespace {
+
+// Events are made and dropped at a batch's rate (a gather's completion, a batch's release):
+// cudaEventCreate and cudaEventDestroy cost a microsecond or two of the pin thread's time each.
+// A dropped event's handle waits here for the next create() of its device and kind (its last
+// record may still be pending: whoever takes it records it again, and a stream that waited on the
+// old record keeps waiting for just that). Bounded; what passes the bound is destroyed. The pool
+// is never freed (handles outlive no context: none is reset).
+struct EventPool {
+  static constexpr std::size_t kMax = 1024;  // a device and kind
+  std::mutex mu;
+  std::map<std::pair<int, bool>, std::vector<void*>> free;
+};
+
+EventPool& event_pool() {
+  static EventPool* pool = new EventPool;  // outlives every Event, also those of static objects
+  return *pool;
+}
+
+}  // namespace
+
 Event Event::create(int device, bool timing) {
-  DeviceGuard g(device);
   Event e;
+  e.device_ = device;
+  e.timing_ = timing;
+  {
+    EventPool& pool = event_pool();
+    std::lock_guard<std::mutex> lock(pool.mu);
+    std::vector<void*>& mine = pool.free[{device, timing}];
+    if (!mine.empty()) {
+      e.handle_ = mine.back();
+      mine.pop_back();
+      return e;
+    }
+  }
+  DeviceGuard g(device);
   cudaEvent_t h = nullptr;
   FERRY_CUDA(cudaEventCreateWithFlags(&h, timing ? cudaEventDefault : cudaEventDisableTiming));
   e.handle_ = h;
-  e.device_ = device;
   return e;
 }
 Event::~Event() {
-  if (handle_) check_noexcept(cudaEventDestroy(static_cast<cudaEvent_t>(handle_)), "cudaEventDestroy");
+  if (!handle_) return;
+  {
+    EventPool& pool = event_pool();
+    std::lock_guard<std::mutex> lock(pool.mu);
+    std::vector<void*>& mine = pool.free[{device_, timing_}];
+    if (mine.size() < EventPool::kMax) {
+      mine.push_back(handle_);
+      return;
+    }
+  }
+  check_noexcept(cudaEventDestroy(static_cast<cudaEvent_t>(handle_)), "cudaEventDestroy");
 }
 void Event::record(const Stream& stream) {
   FERRY_CUDA(cudaEventRecord(static_cast<cudaEvent_t>(handle_), static_cast<cudaStream_t>(stream.native())));
@@ -205,12 +250,13 @@ Stream& Stream::operator=(Stream&& o) noexcept {
   }
   return *this;
 }
-Event::Event(Event&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_) {}
+Event::Event(Event&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_), timing_(o.timing_) {}
 Event& Event::operator=(Event&& o) noexcept {
   if (this != &o) {
     Event tmp(std::move(*this));
     handle_ = std::exchange(o.handle_, nullptr);
     device_ = o.device_;
+    timing_ = o.timing_;
   }
   return *this;
 }

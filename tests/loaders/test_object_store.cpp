@@ -211,6 +211,44 @@ TEST_CASE("tar shards streamed from s3:// give every record the local shards giv
   (void)reg;
 }
 
+TEST_CASE("a stream opens each shard with one request, the next one's sent while this one is parsed", "[s3][tar]") {
+  const Data& d = data();
+  const std::vector<std::string> remote = expand_braces(d.url("shards/train-{000..002}.tar"));
+  std::vector<std::string> local;
+  for (int s = 0; s < 3; ++s) local.push_back(d.local("shards/train-00" + std::to_string(s) + ".tar"));
+  const auto records = [](const std::vector<std::string>& paths) {
+    TarShardsOptions so;
+    so.shuffle = false;
+    TarShards::Stream s = TarShards(paths, so).open(WorkerInfo{});
+    std::vector<std::string> all;
+    while (auto r = s.next()) all.push_back(r->key + ":" + std::to_string(r->field("jpg").size()));
+    return all;
+  };
+  const auto expected = records(local);
+  REQUIRE(expected.size() == 21);
+  ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+  {
+    // A shard's open reads its size and first 8 MiB piece in one ranged GET; the opens of the
+    // second and third shards were sent ahead and taken. The third shard (9.5 MB) has a second
+    // piece: one more request.
+    const ObjectStoreStats before = object_store_stats();
+    CHECK(records(remote) == expected);
+    CHECK(object_store_stats().requests - before.requests == 4);
+  }
+  {
+    // The second shard's opening read, sent ahead, fails: its open reads it again (with retries).
+    FaultProxy proxy(ObjectStore::get().port());
+    ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+    using F = FaultProxy::Fault;
+    proxy.inject({F::None, F::Status503});
+    const ObjectStoreStats before = object_store_stats();
+    CHECK(records(remote) == expected);
+    CHECK(object_store_stats().requests - before.requests == 5);
+    ObjectStore::get().use();
+  }
+  ::unsetenv("FERRY_S3_HEDGE_AFTER");
+}
+
 TEST_CASE("indexed tar shards over s3://: the local batches, and resume mid-epoch", "[s3][tar][resume]") {
   const Data& d = data();
   const std::vector<std::string> remote = expand_braces(d.url("shards/train-{000..002}.tar"));

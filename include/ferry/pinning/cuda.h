@@ -83,6 +83,8 @@ class Stream {
 };
 
 /// An owned CUDA event, created without timing (cheapest to record and query) unless asked.
+/// Dropped events are kept for the next create() of their device and kind (recorded again there),
+/// so an event a batch costs no cudaEventCreate/cudaEventDestroy.
 class Event {
  public:
   Event() = default;
@@ -104,6 +106,7 @@ class Event {
  private:
   void* handle_ = nullptr;
   int device_ = 0;
+  bool timing_ = false;
 };
 
 /// Pinned host memory: cudaHostAlloc / cudaFreeHost (throws CudaError; free never throws).
