@@ -2,9 +2,10 @@
 // a real S3-compatible server (SeaweedFS, started on loopback as the tests start it), and the same
 // server behind a proxy that holds every answer's first byte for --latency-ms (a cloud store's
 // first-byte latency). Indexed tar shards (TarImages: one ranged GET a record, a batch's records
-// requested together) and the stream (TarShards: 8 MiB ranged GETs), RandomResizedCrop 224 + flip,
-// uint8, CPU decode. Prints a Markdown table: images/s (median of --runs), the ratio to local,
-// the busy cores of this process and images/s per busy core (the proxy's threads included), and
+// requested together) and the stream (TarShards: 8 MiB ranged GETs, a shard's open sent while the
+// last is parsed), RandomResizedCrop 224 + flip, uint8, CPU decode; with a GPU, the indexed shards
+// again with decode=gpu (nvJPEG, device 0). Prints a Markdown table: images/s (median of --runs),
+// the ratio to local, the busy cores of this process and images/s per busy core (the proxy's threads included), and
 // the server's busy cores apart. With --server-cpus N the server runs on the machine's last N
 // CPUs and this process (every row, local disk too) on the others: a store on cores of its own,
 // as a store on another machine would be; without it both share every CPU.
@@ -20,6 +21,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -138,12 +140,21 @@ int main(int argc, char** argv) {
   o.shuffle = true;
   o.num_workers = workers;
   const TarImages local_index(local, io), remote_index(remote, io);  // indexed once, outside the timing
-  const auto indexed = [&](const std::vector<std::string>& paths) {
-    const TarImages* ds = paths == local ? &local_index : &remote_index;
-    return [&, ds] {
-      DataLoader loader(*ds, o);
+  // decode=gpu (with a GPU): the same shards, each record's JPEG decoded on the device.
+  const bool gpu = cuda::available();
+  TarImagesOptions gio = io;
+  gio.decode = ImageFolderOptions::Decode::Gpu;
+  std::optional<TarImages> local_gpu, remote_gpu;
+  if (gpu) local_gpu.emplace(local, gio), remote_gpu.emplace(remote, gio);
+  const auto indexed = [&](const std::vector<std::string>& paths, bool on_gpu) {
+    const TarImages* ds = on_gpu ? (paths == local ? &*local_gpu : &*remote_gpu) : (paths == local ? &local_index : &remote_index);
+    return [&, ds, on_gpu] {
+      DataLoaderOptions go = o;
+      if (on_gpu) go.device = 0;
+      DataLoader loader(*ds, go);
       std::size_t n = 0;
       for (auto& b : loader) n += static_cast<std::size_t>(b.label.numel());
+      if (on_gpu) loader.stream()->synchronize();  // the last batch decoded, not just issued
       return n;
     };
   };
@@ -173,10 +184,12 @@ int main(int argc, char** argv) {
               runs);
   std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores |\n"
               "|---|---|---:|---:|---:|---:|---:|\n");
-  for (const char* kind : {"indexed (TarImages)", "stream (TarShards)"}) {
-    const bool idx = kind[0] == 'i';
+  std::vector<const char*> kinds{"indexed (TarImages)", "stream (TarShards)"};
+  if (gpu) kinds.push_back("indexed, decode=gpu (TarImages)");
+  for (const char* kind : kinds) {
+    const bool idx = kind[0] == 'i', on_gpu = std::string(kind).find("gpu") != std::string::npos;
     const auto epoch = [&](const std::vector<std::string>& paths) -> std::function<std::size_t()> {
-      if (idx) return indexed(paths);
+      if (idx) return indexed(paths, on_gpu);
       return stream(paths);
     };
     const auto run = [&](const std::vector<std::string>& paths) { return measure(runs, epoch(paths)); };

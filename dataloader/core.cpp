@@ -210,7 +210,14 @@ void LoaderCore::Parts::setup_gather() {
   // Small batches ready together go in one launch (PinGroup, DeviceStage::end_held): a
   // launch, its events and its hand-over cost the pin thread about as much as a 0.8 MB batch
   // takes the link (Note [Device gather]).
-  const int depth = opt.pin_depth + opt.device_prefetch;
+  // Small batches run deeper: a launch of several and the link kept busy between them need more
+  // batches in flight than pin_depth + device_prefetch (4 by default) give, and they cost little
+  // device memory. Up to kGatherDepthMax batches, or kGatherDepthBytes of them.
+  std::size_t batch_bytes = 0;
+  for (const HostRows& f : gather_fields)
+    batch_bytes += static_cast<std::size_t>(opt.batch_size) * f.row_bytes * (f.transform ? itemsize(f.transform->dtype) : 1);
+  const std::size_t by_bytes = kGatherDepthBytes / std::max<std::size_t>(batch_bytes, 1);
+  const int depth = std::max(opt.pin_depth + opt.device_prefetch, static_cast<int>(std::min<std::size_t>(by_bytes, kGatherDepthMax)));
   pin_stage = std::make_unique<PinStage>(engine, [this](Payload& p, std::int64_t batch) {
     const std::int64_t t0 = opt.trace ? now_ns() : 0;
     p = gather_batch(p.get<GatherIndex>().index, true);

@@ -29,7 +29,7 @@ struct PinStage::State {
   TraceRecorder* const trace;
   const std::shared_ptr<const Placement> placement;
   const PinGroup group;
-  std::unique_ptr<StageQueue<Item>> out;
+  std::unique_ptr<StageQueue<Item, HandOverTraits>> out;
   std::unique_ptr<std::counting_semaphore<>> credits;
   std::atomic<bool> stopping{false};
   StageMeter stage;
@@ -118,7 +118,7 @@ void PinStage::start() {
   stop();
   s.stopping = false;
   s.batches = 0;
-  s.out = std::make_unique<StageQueue<Item>>();
+  s.out = std::make_unique<StageQueue<Item, HandOverTraits>>();
   s.credits = std::make_unique<std::counting_semaphore<>>(s.depth);
   s.thread = Thread("ferry-pin", [&s] { s.run(); });
 }

@@ -28,7 +28,15 @@ namespace ferry::detail {
 // overhead on the 2-core machine, so the default stays (bench/RESULTS.md).
 struct StageQueueTraits : moodycamel::ConcurrentQueueDefaultTraits {};
 
-template <class T>
+// For the hand-over to the training loop (the pin stage's queue): its one consumer either finds a
+// batch ready or has nothing to do but wait for one, often for a whole batch's time (tens of
+// microseconds at the link's rate for small batches). Spinning that long (10,000 checks, about
+// 10 us) kept most of a core busy in the consumer's thread; it sleeps almost at once instead.
+struct HandOverTraits : moodycamel::ConcurrentQueueDefaultTraits {
+  static const int MAX_SEMA_SPINS = 100;
+};
+
+template <class T, class Traits = StageQueueTraits>
 class StageQueue {
  public:
   /// Enqueues `item`; returns false (dropping it) when the queue is closed.
@@ -73,7 +81,7 @@ class StageQueue {
     return item;
   }
 
-  moodycamel::BlockingConcurrentQueue<std::optional<T>, StageQueueTraits> q_;
+  moodycamel::BlockingConcurrentQueue<std::optional<T>, Traits> q_;
   std::atomic<bool> closed_{false};
 };
 

@@ -112,7 +112,7 @@ int main() {
                 what + ": pinned blocks recycled, within the pipeline's depth (" + std::to_string(pool.blocks) + " blocks, " +
                     std::to_string(pool.allocations - host_allocs) + " more than after the first epoch)");
           const std::uint64_t d = loader.device_stage()->stats().device_allocations;
-          check(d >= device_allocs && d <= test::max_device_buffers(o),
+          check(d >= device_allocs && d <= test::max_device_buffers(o, test::gather_depth(o, 64 * 8)),  // int64 ids, gathered
                 what + ": device buffers recycled, within the pipeline's depth (" + std::to_string(d) + " allocated)");
         }
         if (rank == 0)

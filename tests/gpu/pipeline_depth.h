@@ -8,6 +8,7 @@
 // under mpirun); it never frees one, and never holds more than this bound.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 
 #include "ferry/ferry.h"
@@ -30,8 +31,15 @@ inline std::size_t max_pinned_blocks(const DataLoaderOptions& o, std::size_t fie
 /// pin thread issues pin_depth + device_prefetch ahead), for each of two batch sizes (the full
 /// one and an epoch's last, smaller one, which a full buffer more than twice its size does not
 /// serve). Like the pinned pool, the stage reaches its number as timing allows, then recycles.
-inline std::size_t max_device_buffers(const DataLoaderOptions& o) {
-  return 2 * static_cast<std::size_t>(o.pin_depth + o.device_prefetch + 2);
+inline std::size_t max_device_buffers(const DataLoaderOptions& o, int depth = 0) {
+  return 2 * static_cast<std::size_t>((depth > 0 ? depth : o.pin_depth + o.device_prefetch) + 2);
+}
+
+/// The device gather's depth for batches of `batch_bytes` (options.h, pin_depth): deeper than
+/// pin_depth + device_prefetch for small batches, up to 16 batches or 32 MiB of them.
+inline int gather_depth(const DataLoaderOptions& o, std::size_t batch_bytes) {
+  const std::size_t by_bytes = (std::size_t{32} << 20) / (batch_bytes ? batch_bytes : 1);
+  return std::max(o.pin_depth + o.device_prefetch, static_cast<int>(std::min<std::size_t>(by_bytes, 16)));
 }
 
 }  // namespace ferry::test
