@@ -11,7 +11,8 @@
 //   ferry::DataLoader loader(train, {.batch_size = 256, .shuffle = true, .num_workers = 16});
 //
 // How bytes are read: an image, an .npy or an IDX file is one GET; a tar stream is read front to
-// back in 8 MiB ranged GETs, the next requested while this one is parsed; an indexed tar shard's
+// back in 8 MiB ranged GETs, the next requested while this one is parsed (a shard's first piece
+// brings its size, and the next shard's is requested while this shard is read); an indexed tar shard's
 // headers are read that way once, then each record is one ranged GET, a batch's records
 // requested together. Each worker thread keeps its own connections (libcurl, reused from
 // request to request). A request is retried with jittered exponential backoff on a 5xx, a 429, a
