@@ -565,30 +565,6 @@ Url parse(const std::string& url) {
   return u;
 }
 
-namespace {
-
-// The object's size from a ranged answer: the total of its Content-Range ("bytes 0-0/1234"), or,
-// from a server that ignored the range and sent the whole object, the bytes it sent (at most
-// `asked`, or the answer would have overflowed). Error text in `why` when neither holds.
-std::optional<std::uint64_t> total_size(const std::string& content_range, std::size_t got, std::size_t asked, std::string& why) {
-  const std::size_t slash = content_range.rfind('/');
-  if (slash == std::string::npos) {
-    if (content_range.empty() && got <= asked) return got;
-    why = "the object store answered a ranged read without a Content-Range";
-    return std::nullopt;
-  }
-  const std::string total = content_range.substr(slash + 1);
-  char* end = nullptr;
-  const unsigned long long v = std::strtoull(total.c_str(), &end, 10);
-  if (total.empty() || *end != '\0' || total[0] == '-') {
-    why = "the object store gave an unreadable Content-Range";
-    return std::nullopt;
-  }
-  return v;
-}
-
-}  // namespace
-
 std::uint64_t first_piece(const Url& url, std::size_t n, std::vector<std::byte>& out) {
   const Config c = config();
   out.resize(std::max<std::size_t>(n, 1));
@@ -601,7 +577,7 @@ std::uint64_t first_piece(const Url& url, std::size_t n, std::vector<std::byte>&
   }
   if (!a.ok) fail(c, a, url.text(), DataError::kNoOffset);
   std::string why;
-  const std::optional<std::uint64_t> total = total_size(a.content_range, a.got, out.size(), why);
+  const std::optional<std::uint64_t> total = content_range_total(a.content_range, a.got, out.size(), why);
   if (!total) throw DataError(url.text(), DataError::kNoOffset, why);
   const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(*total, n));
   if (a.got < want)  // a cut answer (the retries passed it as short_ok): the object's start is not all here
@@ -837,7 +813,7 @@ bool OpenAhead::take(const Url& url, std::size_t n, std::vector<std::byte>& out,
   }
   const Attempt& a = b.items[0]->attempt;
   std::string why;
-  const std::optional<std::uint64_t> total = total_size(a.content_range, a.got, b.items[0]->want.size, why);
+  const std::optional<std::uint64_t> total = content_range_total(a.content_range, a.got, b.items[0]->want.size, why);
   const std::size_t got = a.got;
   b.cancel();
   if (!total || got < std::min<std::uint64_t>(*total, n)) return false;  // the caller's own read names what is wrong

@@ -134,4 +134,27 @@ ErrorBody parse_error(std::string_view xml) noexcept {
   return e;
 }
 
+std::optional<std::uint64_t> content_range_total(std::string_view content_range, std::size_t got, std::size_t asked, std::string& why) {
+  const std::size_t slash = content_range.rfind('/');
+  if (slash == std::string_view::npos) {
+    if (content_range.empty() && got <= asked) return got;
+    why = "the object store answered a ranged read without a Content-Range";
+    return std::nullopt;
+  }
+  const std::string_view total = content_range.substr(slash + 1);
+  std::uint64_t v = 0;
+  bool ok = !total.empty() && total.size() <= 20;
+  for (char c : total) {
+    if (!ok) break;
+    const unsigned d = static_cast<unsigned>(c) - '0';
+    if (d > 9 || v > (UINT64_MAX - d) / 10) ok = false;
+    else v = v * 10 + d;
+  }
+  if (!ok) {
+    why = "the object store gave an unreadable Content-Range";
+    return std::nullopt;
+  }
+  return v;
+}
+
 }  // namespace ferry::loaders::s3

@@ -1,12 +1,14 @@
-// loaders/s3_xml.h — private: the parts of S3's XML answers ferry reads (ListObjectsV2 pages and
-// error bodies). No network here, so the fuzz target exercises exactly what the client parses.
+// loaders/s3_xml.h — private: the parts of S3's answers ferry reads (ListObjectsV2 pages, error
+// bodies, the Content-Range header). No network here, so the fuzz target exercises exactly what the client parses.
 //
 // S3's answers are flat and machine-written; this reads only the elements it needs, by name, and
 // decodes the five predefined entities and numeric character references. Anything it cannot read
 // is a ferry::DataError naming `where` (the bucket and prefix), never a crash or an endless loop.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -37,6 +39,12 @@ struct ErrorBody {
   std::string message;
 };
 ErrorBody parse_error(std::string_view xml) noexcept;
+
+/// The object's size from a ranged answer: the total of its Content-Range header's value
+/// ("bytes 0-0/1234"), or, from a server that ignored the range and sent the whole object (no
+/// Content-Range), the `got` bytes it sent, which must be at most the `asked`. nullopt, with what
+/// is wrong in `why`, for anything else (an unknown total "*", not a number, past 2^64).
+std::optional<std::uint64_t> content_range_total(std::string_view content_range, std::size_t got, std::size_t asked, std::string& why);
 
 /// XML character data with its entities decoded (&amp; &lt; &gt; &quot; &apos; &#N; &#xN;);
 /// false for a malformed or unknown entity.

@@ -31,9 +31,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       // the expected outcome for a damaged state
     }
 #elif defined(FERRY_FUZZ_S3)
-    // An object store's answers: a ListObjectsV2 page and an error body. A page either parses into
+    // An object store's answers: a Content-Range, a ListObjectsV2 page and an error body. A page either parses into
     // keys that are not empty and a token when truncated, or is a DataError.
     const std::string_view text(reinterpret_cast<const char*>(data), size);
+    {
+      // A Content-Range header's value: a total of digits after the last '/', or nothing.
+      std::string why;
+      const auto total = ferry::loaders::s3::content_range_total(text, size, size / 2, why);
+      if (total.has_value() != why.empty()) __builtin_trap();
+      if (total && text.find('/') == std::string_view::npos && (*total != size || !text.empty())) __builtin_trap();
+    }
     (void)ferry::loaders::s3::parse_error(text);
     const ferry::loaders::s3::ListPage page = ferry::loaders::s3::parse_list(text, "s3://fuzz/prefix/");
     for (const auto& o : page.objects)

@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
                                          "<Contents><Key>train/a/0.jpg</Key><ETag>&#34;b1946ac9&#34;</ETag><Size>6</Size></Contents>"
                                          "<Contents><Key>train/b/1 &amp; 2.png</Key><Size>1234</Size></Contents>"
                                          "<NextContinuationToken>dHJhaW4vYi8x</NextContinuationToken><KeyCount>2</KeyCount></ListBucketResult>"));
+  write_file(root + "/s3/content-range", bytes_of("bytes 0-8388607/22528000"));
   write_file(root + "/s3/error", bytes_of("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>NoSuchKey</Code><Message>The specified key "
                                           "does not exist.</Message><Resource>/b/k</Resource><RequestId>18EB</RequestId></Error>"));
   return 0;
