@@ -25,6 +25,7 @@ import os
 import pickle
 import select
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -185,6 +186,23 @@ class _Discard:
         return len(data)
 
 
+class _CheckPickler(pickle.Pickler):
+    """Pickles to nowhere, to find what cannot be pickled, without the bytes of arrays: tensors and
+    numpy arrays always pickle (multiprocessing moves tensors by shared memory), and serializing a
+    dataset's gigabytes here would cost the loader's construction a second a gigabyte."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            kinds = tuple(k for k in (getattr(torch, n, None) for n in ("Tensor", "UntypedStorage", "TypedStorage")) if k)
+            if isinstance(obj, kinds):
+                return id(obj)
+        np = sys.modules.get("numpy")
+        if np is not None and type(obj) is np.ndarray and obj.dtype != object:
+            return id(obj)
+        return None
+
+
 class _Slot:
     def __init__(self, proc: Any, conn: Any) -> None:
         self.proc, self.conn, self.busy = proc, conn, False
@@ -201,7 +219,7 @@ class Pool:
         self.slabs = slabs
         self._payload = payload  # pickled anew for each process by multiprocessing (tensors by shared memory)
         try:
-            pickle.Pickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
+            _CheckPickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
         except Exception as exc:
             raise TypeError(
                 f"DataLoader: worker processes need the dataset, collate_fn and worker_init_fn to pickle, and "

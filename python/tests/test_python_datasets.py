@@ -327,6 +327,44 @@ def test_the_attributes_pytorch_code_reads():
         ferry.DataLoader(ds, num_workers=2, collate_fn=lambda b: b)
 
 
+
+def test_the_pickle_check_skips_array_bytes_and_still_finds_what_does_not_pickle(monkeypatch):
+    # Worker processes need the dataset to pickle; the loader checks at construction, without
+    # serializing the bytes of its tensors and arrays (a dataset's gigabytes would cost the
+    # construction a second a gigabyte; multiprocessing moves tensors by shared memory anyway).
+    import numpy as np
+    from ferry import _procs
+
+    written = []
+
+    class Counting(_procs._Discard):
+        def write(self, data):
+            written.append(len(data))
+            return len(data)
+
+    monkeypatch.setattr(_procs, "_Discard", Counting)
+    big = tud.TensorDataset(torch.zeros(256, 1 << 16, dtype=torch.uint8), torch.arange(256))
+    arrays = {"x": np.zeros((64, 1 << 16), dtype=np.uint8)}
+    loader = ferry.DataLoader(big, num_workers=1, worker_type="process", batch_size=64)
+    loader_np = ferry.DataLoader(NumpyRows(arrays["x"]), num_workers=1, worker_type="process", batch_size=16)
+    assert 0 < sum(written) < 1 << 20  # 16 MB of tensor and 4 MB of array held, far less written
+    assert [b[1].tolist() for b in loader][0] == list(range(64))
+    assert len(list(loader_np)) == 4
+    with pytest.raises(TypeError, match="need the dataset, collate_fn and worker_init_fn to pickle"):
+        ferry.DataLoader(big, num_workers=1, worker_type="process", collate_fn=lambda b: b)
+
+
+class NumpyRows:
+    def __init__(self, x):
+        self.x = x
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i]
+
+
 # --- errors ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", KINDS, ids=kind_id)

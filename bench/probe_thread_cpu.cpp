@@ -1,0 +1,214 @@
+// probe_thread_cpu: where each thread of a device-gather loader spends its CPU time. Runs the
+// device gather with 0 workers over bench_gather's rows, (a) 3x224x224 uint8 (2,048 rows) and
+// (b) 784 float32 (60,000 rows), batch 256, the consumer taking and dropping each batch, while
+// every thread of the process is sampled on its own CPU clock (a POSIX timer a thread, on the
+// thread's CPU-time clock, signalling that thread): each sample is the thread's stack. Prints,
+// per thread (by name) and workload, its busy cores and the functions its samples were in:
+// innermost (where the time is spent) and the first frame in ferry (who spent it). The kernel
+// checks a thread's CPU clock at its ticks (250 a second here), so a thread busy all the time gives
+// that many samples a second; busy cores come from the threads' CPU clocks themselves.
+// Without a GPU, the same loader delivers pageable batches on the host (to try the probe).
+// Usage: probe_thread_cpu [--seconds 4] [--interval-us 200]
+#include <cxxabi.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "ferry/ferry.h"
+
+using namespace ferry;
+
+namespace {
+
+constexpr int kDepth = 24;
+constexpr std::size_t kMaxSamples = 1 << 18;
+
+struct Sample {
+  pid_t tid;
+  int depth;
+  void* frames[kDepth];
+};
+
+Sample* g_samples = nullptr;
+std::atomic<std::size_t> g_count{0};
+std::atomic<bool> g_on{false};
+
+void on_prof(int, siginfo_t*, void*) {
+  if (!g_on.load(std::memory_order_relaxed)) return;
+  const std::size_t k = g_count.fetch_add(1, std::memory_order_relaxed);
+  if (k >= kMaxSamples) return;
+  Sample& s = g_samples[k];
+  s.tid = static_cast<pid_t>(::syscall(SYS_gettid));
+  s.depth = ::backtrace(s.frames, kDepth);
+}
+
+// The CPU-time clock of thread `tid` (Linux: CPUCLOCK_SCHED of a thread, as glibc makes it).
+clockid_t thread_clock(pid_t tid) { return static_cast<clockid_t>((~static_cast<unsigned>(tid) << 3) | 6u); }
+
+std::string thread_name(pid_t tid) {
+  std::ifstream in("/proc/self/task/" + std::to_string(tid) + "/comm");
+  std::string n;
+  std::getline(in, n);
+  return n + " (" + std::to_string(tid) + ")";
+}
+
+std::vector<pid_t> threads() {
+  std::vector<pid_t> out;
+  if (DIR* d = ::opendir("/proc/self/task")) {
+    while (dirent* e = ::readdir(d))
+      if (e->d_name[0] != '.') out.push_back(static_cast<pid_t>(std::atoi(e->d_name)));
+    ::closedir(d);
+  }
+  return out;
+}
+
+std::string symbol(void* addr) {
+  Dl_info info{};
+  if (!::dladdr(addr, &info) || !info.dli_fname) return "?";
+  std::string lib = info.dli_fname;
+  lib = lib.substr(lib.rfind('/') + 1);
+  if (!info.dli_sname) return lib;
+  int status = 0;
+  char* dem = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+  std::string name = status == 0 && dem ? dem : info.dli_sname;
+  std::free(dem);
+  if (name.size() > 110) name = name.substr(0, 110) + "...";
+  return lib + ": " + name;
+}
+
+bool in_ferry(const std::string& s) { return s.find("libferry") != std::string::npos || s.find("ferry::") != std::string::npos; }
+
+double cpu_of(pid_t tid) {
+  timespec ts{};
+  if (::clock_gettime(thread_clock(tid), &ts) != 0) return 0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+void report(const char* what, double seconds, const std::vector<pid_t>& tids, const std::map<pid_t, double>& cpu) {
+  const std::size_t n = std::min(g_count.load(), kMaxSamples);
+  std::map<pid_t, std::vector<const Sample*>> by;
+  for (std::size_t k = 0; k < n; ++k) by[g_samples[k].tid].push_back(&g_samples[k]);
+  std::printf("\n## %s (%.1f s; samples on each thread's CPU clock, which the kernel checks at its ticks)\n", what, seconds);
+  for (pid_t tid : tids) {
+    auto it = by.find(tid);
+    if (it == by.end() || it->second.size() < 20) continue;
+    const auto& ss = it->second;
+    const bool consumer = tid == static_cast<pid_t>(::getpid());
+    std::printf("\n### %s%s: %.2f busy cores, %zu samples\n\n", thread_name(tid).c_str(), consumer ? ", the consumer" : "",
+                cpu.at(tid) / seconds, ss.size());
+    std::map<std::string, int> leaf, owner;
+    for (const Sample* s : ss) {
+      // frames[0] is the handler, [1] the signal trampoline.
+      if (s->depth > 2) ++leaf[symbol(s->frames[2])];
+      std::string who = "(no ferry frame)";
+      for (int f = 2; f < s->depth; ++f) {
+        const std::string sym = symbol(s->frames[f]);
+        if (in_ferry(sym)) {
+          who = sym;
+          break;
+        }
+      }
+      ++owner[who];
+    }
+    const auto top = [&](const char* title, const std::map<std::string, int>& m) {
+      std::vector<std::pair<int, std::string>> v;
+      for (const auto& [k, c] : m) v.emplace_back(c, k);
+      std::sort(v.rbegin(), v.rend());
+      std::printf("%s:\n", title);
+      for (std::size_t i = 0; i < std::min<std::size_t>(v.size(), 10); ++i)
+        std::printf("  %5.1f%%  %s\n", 100.0 * v[i].first / static_cast<double>(ss.size()), v[i].second.c_str());
+    };
+    top("innermost frame", leaf);
+    top("first frame in ferry", owner);
+  }
+}
+
+void run(const char* what, const Tensor& data, double seconds, long interval_us, bool gpu) {
+  DataLoaderOptions o;
+  o.batch_size = 256;
+  o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(data.size(0)), 3, true, std::size_t{1} << 30);
+  if (gpu) {
+    o.device = 0;
+    o.gather = Gather::Device;
+  }
+  DataLoader loader(TensorDataset({data}), o);
+  auto it = loader.begin();
+  for (int k = 0; k < 200; ++k) ++it;  // warm: threads started, buffers made
+  std::vector<pid_t> tids = threads();
+  std::vector<timer_t> timers;
+  for (pid_t tid : tids) {
+    sigevent ev{};
+    ev.sigev_notify = SIGEV_THREAD_ID;
+    ev.sigev_signo = SIGPROF;
+    ev._sigev_un._tid = tid;
+    timer_t t{};
+    if (::timer_create(thread_clock(tid), &ev, &t) != 0) continue;
+    itimerspec spec{};
+    spec.it_interval.tv_nsec = interval_us * 1000;
+    spec.it_value.tv_nsec = interval_us * 1000;
+    ::timer_settime(t, 0, &spec, nullptr);
+    timers.push_back(t);
+  }
+  std::map<pid_t, double> cpu;
+  for (pid_t tid : tids) cpu[tid] = cpu_of(tid);
+  g_count = 0;
+  g_on = true;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::size_t batches = 0;
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::duration<double>(seconds)) {
+    ++it;
+    ++batches;
+  }
+  g_on = false;
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (pid_t tid : tids) cpu[tid] = cpu_of(tid) - cpu[tid];
+  for (timer_t t : timers) ::timer_delete(t);
+  std::printf("\n%s: %.0f batches/s\n", what, batches / s);
+  report(what, s, tids, cpu);
+  if (gpu) loader.stream()->synchronize();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  double seconds = 4;
+  long interval_us = 200;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--seconds") seconds = std::atof(argv[i + 1]);
+    else if (k == "--interval-us") interval_us = std::atol(argv[i + 1]);
+  }
+  const bool gpu = cuda::available();
+  g_samples = new Sample[kMaxSamples];
+  void* warm[2];
+  ::backtrace(warm, 2);  // loads the unwinder now, not in the handler
+  struct sigaction sa{};
+  sa.sa_sigaction = on_prof;
+  sa.sa_flags = SA_SIGINFO | SA_RESTART;
+  ::sigaction(SIGPROF, &sa, nullptr);
+  std::printf("# probe_thread_cpu — %s, 0 workers, batch 256; %u hardware threads\n",
+              gpu ? "device gather" : "no GPU: pageable batches on the host", std::thread::hardware_concurrency());
+  Tensor b = Tensor::empty(DType::Float32, {60000, 784});
+  std::memset(b.raw(), 1, b.nbytes());
+  run("(b) 784 float32", b, seconds, interval_us, gpu);
+  Tensor a = Tensor::empty(DType::UInt8, {2048, 3, 224, 224});
+  std::memset(a.raw(), 7, a.nbytes());
+  run("(a) 3x224x224 uint8", a, seconds, interval_us, gpu);
+  return 0;
+}
