@@ -94,6 +94,7 @@ LoaderCore::Parts::~Parts() {
 
 // The pin thread and workers stop before anything they use is destroyed. Idempotent.
 void LoaderCore::Parts::stop() noexcept {
+  plan_ahead.reset();  // joins the thread making the next plan (Parts may outlive the loader: an abandoned worker keeps it)
   device_queue.clear();
   if (pin_stage) pin_stage->stop();
   engine.shutdown();
@@ -411,6 +412,8 @@ void LoaderCore::begin_epoch() {
       // The plan the epoch's first batches were made ahead with (prefetch_next_epoch), if this
       // is that epoch; the engine then takes those batches over.
       plan = s.engine.plan_made_ahead(s.next_epoch);
+      if (!plan && s.plan_ahead && s.plan_ahead->epoch == s.next_epoch) plan = s.plan_ahead->plan.get();  // a sampler's error, here
+      s.plan_ahead.reset();
       if (!plan) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
     }
     s.epoch_plan = plan;
@@ -427,8 +430,15 @@ void LoaderCore::begin_epoch() {
   s.engine.begin_epoch(s.next_epoch, std::move(plan), start);
   s.epoch_delivered = static_cast<std::int64_t>(start);
   s.live_epoch = s.next_epoch;
-  if (!s.traits.streaming && s.opt.prefetch_next_epoch && s.engine.prefetches_next())
+  if (!s.traits.streaming && s.opt.prefetch_next_epoch && s.engine.prefetches_next()) {
     s.engine.prefetch_next(s.next_epoch + 1, std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch + 1)));
+  } else if (!s.traits.streaming && s.opt.prefetch_next_epoch && s.batch_sampler->plans_ahead()) {
+    // A plan takes 10-20 ns an index (a million-index epoch: 10-20 ms), which would otherwise
+    // hold up the next epoch's start.
+    s.plan_ahead = Parts::PlanAhead{s.next_epoch + 1, std::async(std::launch::async, [sampler = s.batch_sampler, e = s.next_epoch + 1] {
+                                      return std::make_shared<const BatchPlan>(sampler->plan(e));
+                                    })};
+  }
   if (s.pin_stage) s.pin_stage->start();
   s.device_queue.clear();
   s.device_end = false;

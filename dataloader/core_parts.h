@@ -7,6 +7,7 @@
 #include <deque>
 #include <exception>
 #include <memory>
+#include <future>
 #include <optional>
 #include <string>
 #include <vector>
@@ -89,6 +90,14 @@ struct LoaderCore::Parts {
   DataLoaderOptions opt;
   TypedBatches& typed;
   std::shared_ptr<const BatchSampler> batch_sampler;
+  // The next epoch's plan, made on a thread of its own while this epoch runs (begin_epoch), where
+  // the engine does not make the next epoch's first batches ahead itself. Its future joins that
+  // thread when dropped.
+  struct PlanAhead {
+    std::uint64_t epoch = 0;
+    std::future<std::shared_ptr<const BatchPlan>> plan;
+  };
+  std::optional<PlanAhead> plan_ahead;
   std::shared_ptr<const Placement> placement;  // Note [NUMA placement]; null: not placed
   std::unique_ptr<ParallelFor> pool;           // intra_batch_threads
   BatchAllocator* allocator;                   // where workers write batches

@@ -123,7 +123,7 @@ namespace {
 struct EventPool {
   static constexpr std::size_t kMax = 1024;  // a device and kind
   std::mutex mu;
-  std::map<std::pair<int, bool>, std::vector<void*>> free;
+  std::map<std::pair<int, unsigned>, std::vector<void*>> free;  // by device and flags
 };
 
 EventPool& event_pool() {
@@ -133,14 +133,14 @@ EventPool& event_pool() {
 
 }  // namespace
 
-Event Event::create(int device, bool timing) {
+Event Event::create(int device, bool timing, bool blocking) {
   Event e;
   e.device_ = device;
-  e.timing_ = timing;
+  e.flags_ = (timing ? 0u : static_cast<unsigned>(cudaEventDisableTiming)) | (blocking ? static_cast<unsigned>(cudaEventBlockingSync) : 0u);
   {
     EventPool& pool = event_pool();
     std::lock_guard<std::mutex> lock(pool.mu);
-    std::vector<void*>& mine = pool.free[{device, timing}];
+    std::vector<void*>& mine = pool.free[{device, e.flags_}];
     if (!mine.empty()) {
       e.handle_ = mine.back();
       mine.pop_back();
@@ -149,7 +149,7 @@ Event Event::create(int device, bool timing) {
   }
   DeviceGuard g(device);
   cudaEvent_t h = nullptr;
-  FERRY_CUDA(cudaEventCreateWithFlags(&h, timing ? cudaEventDefault : cudaEventDisableTiming));
+  FERRY_CUDA(cudaEventCreateWithFlags(&h, e.flags_));
   e.handle_ = h;
   return e;
 }
@@ -158,7 +158,7 @@ Event::~Event() {
   {
     EventPool& pool = event_pool();
     std::lock_guard<std::mutex> lock(pool.mu);
-    std::vector<void*>& mine = pool.free[{device_, timing_}];
+    std::vector<void*>& mine = pool.free[{device_, flags_}];
     if (mine.size() < EventPool::kMax) {
       mine.push_back(handle_);
       return;
@@ -224,7 +224,7 @@ Stream Stream::borrow(void* native, int device) {
 Stream::~Stream() = default;
 void Stream::wait(const Event&) const { no_cuda("Stream::wait"); }
 void Stream::synchronize() const { no_cuda("Stream::synchronize"); }
-Event Event::create(int, bool) { no_cuda("Event::create"); }
+Event Event::create(int, bool, bool) { no_cuda("Event::create"); }
 double Event::elapsed_ms(const Event&, const Event&) { no_cuda("Event::elapsed_ms"); }
 Event::~Event() = default;
 void Event::record(const Stream&) { no_cuda("Event::record"); }
@@ -250,13 +250,13 @@ Stream& Stream::operator=(Stream&& o) noexcept {
   }
   return *this;
 }
-Event::Event(Event&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_), timing_(o.timing_) {}
+Event::Event(Event&& o) noexcept : handle_(std::exchange(o.handle_, nullptr)), device_(o.device_), flags_(o.flags_) {}
 Event& Event::operator=(Event&& o) noexcept {
   if (this != &o) {
     Event tmp(std::move(*this));
     handle_ = std::exchange(o.handle_, nullptr);
     device_ = o.device_;
-    timing_ = o.timing_;
+    flags_ = o.flags_;
   }
   return *this;
 }

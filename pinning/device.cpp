@@ -91,6 +91,26 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   };
   std::deque<Timing> timings;
   std::vector<cuda::Event> spare_starts;  // timing events already counted, reused
+  // Gather launches issued and maybe not finished, a blocking-sync event each (throttle_gathers).
+  std::deque<cuda::Event> launched;
+  static constexpr std::size_t kLaunchesAhead = 3;
+
+  // Before a gather launch (on the pin thread): at most kLaunchesAhead launches queued on the
+  // copy stream, waiting for the oldest in a sleep. Left alone, the pin thread runs ahead until
+  // the driver's queue is full, and the driver then holds it in cudaMemcpyBatchAsync or the
+  // launch spinning and yielding: a whole core busy waiting for the link. Three launches queued
+  // keep the copy stream busy for a wake-up's time and more.
+  void throttle_gathers() {
+    while (launched.size() >= kLaunchesAhead) {
+      launched.front().synchronize();
+      launched.pop_front();
+    }
+  }
+  void mark_gather_launch() {
+    cuda::Event e = cuda::Event::create(opt.device, false, true);
+    e.record(copy);
+    launched.push_back(std::move(e));
+  }
   std::mutex stats_mu;                    // counters and timings (end() and stats() may run on two threads)
   // GPU decode (decode_images): the decoder, made on first use, and the batch's decodes.
   struct PendingDecode {
@@ -341,12 +361,14 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     held_index.clear();
     held_batches = held_bytes = 0;
     cuda::DeviceGuard device_guard(opt.device);
+    throttle_gathers();
     std::lock_guard stats_lock(stats_mu);
     cuda::Event started = timing_event(), copied = timing_event();
     started.record(copy);
     copied.record(copy);  // no copies: the interval after it is the gather's
     detail::launch_gather(index.data(), static_cast<std::int64_t>(index.size()), fields.data(), static_cast<int>(fields.size()),
                           copy.native());
+    mark_gather_launch();
     for (const detail::GatherField& f : fields) counters.rows_gathered += static_cast<std::uint64_t>(f.rows);
     ++counters.gather_launches;
     std::shared_ptr<EventFence> last;
@@ -365,6 +387,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   std::shared_ptr<const EventFence> end() {
     if (!cur) throw Error("DeviceStage::end: no batch begun");
     cuda::DeviceGuard device_guard(opt.device);  // copies, events and kernels go to this device's streams
+    if (!gathers.empty()) throttle_gathers();
     std::lock_guard stats_lock(stats_mu);  // counters and timings: stats() reads them on another thread
     std::exception_ptr decode_error;
     // Each image's place in the decode scratch goes into the host index before it is copied.
@@ -414,6 +437,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       }
       i = j;
     }
+    if (gathered && !decode_error) mark_gather_launch();
     gathers.clear();
     cuda::Event done = cuda::Event::create(opt.device, true);
     std::shared_ptr<EventFence> fence;

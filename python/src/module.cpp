@@ -250,6 +250,7 @@ class PyBatchSampler final : public ferry::BatchSampler {
   PyBatchSampler(Callable plan, std::size_t batches, std::size_t dataset_size)
       : plan_(std::move(plan)), batches_(batches), dataset_size_(dataset_size) {}
   std::size_t size() const override { return batches_; }
+  bool plans_ahead() const noexcept override { return false; }  // Python's sampler, in its epoch's turn
   ferry::BatchPlan plan(std::uint64_t epoch) const override {
     Gil gil;
     nb::object batches = call(plan_, epoch);

@@ -160,3 +160,78 @@ TEST_CASE("the next epoch made ahead through the pin thread and direct-mode batc
   CHECK(with == without);
   CHECK(with[0] != with[1]);
 }
+
+namespace {
+// A batch sampler that logs each plan(): its epoch and whether it ran on the thread that made the
+// sampler (the consumer's); epoch `fail` throws.
+struct LoggedPlans final : BatchSampler {
+  struct Entry {
+    std::uint64_t epoch;
+    bool on_consumer;
+  };
+  explicit LoggedPlans(bool ahead) : BatchSampler(std::make_shared<SequentialSampler>(16), 4, false), ahead_(ahead) {}
+  bool plans_ahead() const noexcept override { return ahead_; }
+  BatchPlan plan(std::uint64_t epoch) const override {
+    {
+      std::lock_guard lock(mu);
+      log.push_back({epoch, std::this_thread::get_id() == consumer});
+    }
+    if (epoch == fail) throw std::runtime_error("no plan for epoch " + std::to_string(epoch));
+    return BatchSampler::plan(epoch);
+  }
+  std::vector<Entry> entries() const {
+    std::lock_guard lock(mu);
+    return log;
+  }
+  bool ahead_;
+  std::thread::id consumer = std::this_thread::get_id();
+  std::uint64_t fail = ~std::uint64_t{0};
+  mutable std::mutex mu;
+  mutable std::vector<Entry> log;
+};
+
+std::size_t batches_of(DataLoader<Recorded>& loader) {
+  std::size_t n = 0;
+  for (Tensor& b : loader) n += static_cast<std::size_t>(b.numel() > 0);
+  return n;
+}
+}  // namespace
+
+TEST_CASE("without workers to make it, the next epoch's plan is made on a thread of its own while this epoch runs",
+          "[loader][epoch_ahead]") {
+  for (const bool ahead : {true, false}) {
+    INFO((ahead ? "plans_ahead" : "a sampler asked in its turn"));
+    auto sampler = std::make_shared<LoggedPlans>(ahead);
+    DataLoaderOptions o;
+    o.batch_sampler = sampler;
+    o.num_workers = 0;
+    {
+      DataLoader loader(Recorded{}, o);
+      CHECK(batches_of(loader) == 4);
+      CHECK(batches_of(loader) == 4);
+      loader.set_epoch(7);  // the plan made ahead for epoch 2 is dropped
+      CHECK(batches_of(loader) == 4);
+    }  // the loader joins the thread making epoch 8's plan
+    std::vector<std::uint64_t> epochs;
+    for (const auto& e : sampler->entries()) {
+      epochs.push_back(e.epoch);
+      // Epoch 0 (no epoch before it), epoch 7 (set_epoch: not the one planned) and every plan of
+      // a sampler asked in its turn: the consumer's.
+      INFO("epoch " << e.epoch);
+      if (!ahead || e.epoch == 0 || e.epoch == 7) CHECK(e.on_consumer);
+      else CHECK_FALSE(e.on_consumer);
+    }
+    std::sort(epochs.begin(), epochs.end());
+    // Once each epoch; ahead, also epoch 2 (dropped) and epoch 8 (after the last).
+    if (ahead) CHECK(epochs == std::vector<std::uint64_t>{0, 1, 2, 7, 8});
+    else CHECK(epochs == std::vector<std::uint64_t>{0, 1, 7});
+  }
+  // A plan made ahead that throws: the error arrives as its epoch begins, as it would unmade.
+  auto failing = std::make_shared<LoggedPlans>(true);
+  failing->fail = 1;
+  DataLoaderOptions o;
+  o.batch_sampler = failing;
+  DataLoader loader(Recorded{}, o);
+  CHECK(batches_of(loader) == 4);
+  CHECK_THROWS_WITH(batches_of(loader), Catch::Contains("no plan for epoch 1"));
+}

@@ -72,7 +72,9 @@ struct DataLoaderOptions {
   /// first batch. The next epoch is the one begin() would start next (set_epoch() before the
   /// current epoch ends picks another); its plan comes from the sampler's plan(epoch) ahead of
   /// time, and work made for an epoch that does not follow (set_epoch, restore) is dropped. A
-  /// sample error met ahead is reported then, and counts toward its own epoch.
+  /// sample error met ahead is reported then, and counts toward its own epoch. Where the workers
+  /// cannot (none, or not persistent), the next epoch's plan alone is made ahead, on a thread of
+  /// its own while this epoch runs, for a sampler whose plans_ahead() is true.
   bool prefetch_next_epoch = true;
   /// Deliver in sampler order (true) or as batches complete (false).
   bool in_order = true;

@@ -156,6 +156,10 @@ class BatchSampler {
   virtual std::size_t size() const;
   /// Every batch of epoch `epoch`.
   virtual BatchPlan plan(std::uint64_t epoch) const;
+  /// True when plan() is a function of the epoch alone, safe to call on another thread: the
+  /// loader then makes the next epoch's plan while this epoch runs, so an epoch does not start by
+  /// waiting for it. False for a sampler that must be asked in its epoch's turn.
+  virtual bool plans_ahead() const noexcept { return true; }
 
  protected:
   BatchSampler() = default;

@@ -88,7 +88,9 @@ class Stream {
 class Event {
  public:
   Event() = default;
-  static Event create(int device, bool timing = false);
+  /// `blocking`: synchronize() sleeps until the event completes (cudaEventBlockingSync) instead
+  /// of spinning, as CUDA's default does on a host with more CPUs than GPUs.
+  static Event create(int device, bool timing = false, bool blocking = false);
   /// Milliseconds between two completed timing events (cudaEventElapsedTime).
   static double elapsed_ms(const Event& start, const Event& end);
   Event(Event&&) noexcept;
@@ -106,7 +108,7 @@ class Event {
  private:
   void* handle_ = nullptr;
   int device_ = 0;
-  bool timing_ = false;
+  unsigned flags_ = 0;  // cudaEventCreateWithFlags's
 };
 
 /// Pinned host memory: cudaHostAlloc / cudaFreeHost (throws CudaError; free never throws).
