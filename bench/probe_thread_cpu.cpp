@@ -142,7 +142,10 @@ void report(const char* what, double seconds, const std::vector<pid_t>& tids, co
 void run(const char* what, const Tensor& data, double seconds, long interval_us, bool gpu) {
   DataLoaderOptions o;
   o.batch_size = 256;
-  o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(data.size(0)), 3, true, std::size_t{1} << 30);
+  // One long epoch (300,000 batches, more than the probe takes), its plan made before the
+  // measurement, and none made ahead for the next.
+  o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(data.size(0)), 3, true, std::size_t{256} * 300000);
+  o.prefetch_next_epoch = false;
   if (gpu) {
     o.device = 0;
     o.gather = Gather::Device;
@@ -171,7 +174,7 @@ void run(const char* what, const Tensor& data, double seconds, long interval_us,
   g_on = true;
   const auto t0 = std::chrono::steady_clock::now();
   std::size_t batches = 0;
-  while (std::chrono::steady_clock::now() - t0 < std::chrono::duration<double>(seconds)) {
+  while (std::chrono::steady_clock::now() - t0 < std::chrono::duration<double>(seconds) && it != loader.end()) {
     ++it;
     ++batches;
   }
