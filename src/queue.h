@@ -28,10 +28,10 @@ namespace ferry::detail {
 // overhead on the 2-core machine, so the default stays (bench/RESULTS.md).
 struct StageQueueTraits : moodycamel::ConcurrentQueueDefaultTraits {};
 
-// For the hand-over to the training loop (the pin stage's queue): its one consumer either finds a
-// batch ready or has nothing to do but wait for one, often for a whole batch's time (tens of
-// microseconds at the link's rate for small batches). Spinning that long (10,000 checks, about
-// 10 us) kept most of a core busy in the consumer's thread; it sleeps almost at once instead.
+// For the hand-over to the training loop (the pin stage's queue): its one consumer is the
+// training loop's thread, which either finds a batch ready or waits for one, often for a whole
+// batch's time; it sleeps after 100 checks instead of spinning through 10,000 (about 10 us a
+// wait) on a core the training loop may want.
 struct HandOverTraits : moodycamel::ConcurrentQueueDefaultTraits {
   static const int MAX_SEMA_SPINS = 100;
 };
