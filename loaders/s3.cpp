@@ -629,6 +629,7 @@ struct Batch {
     Attempt attempt;
     std::vector<std::byte> out;
     enum State { Queued, Live, Done, Failed, Taken } state = Queued;
+    std::chrono::steady_clock::time_point launched;
   };
   Config config;
   std::vector<std::unique_ptr<Item>> items;
@@ -701,6 +702,7 @@ struct Batch {
     g_requests.fetch_add(1, std::memory_order_relaxed);
     detail::count_io(&detail::IoCounters::requests, 1);
     it.state = Item::Live;
+    it.launched = std::chrono::steady_clock::now();
     ++live;
   }
 
@@ -744,7 +746,24 @@ struct Batch {
         cancel();  // (drops the items, `it` among them)
         return false;  // the caller's ordinary read then says so
       }
-      drive(100);
+      int wait_ms = 100;
+      if (it.state == Item::Live && config.hedge_after >= 0 && !it.attempt.first_byte) {
+        // A read sent ahead gets no hedge of its own: one whose first byte is later than the
+        // hedge deadline is dropped, and the caller's own read (retried, hedged) takes over,
+        // rather than waiting out the stall limit.
+        const double late = std::chrono::duration<double>(std::chrono::steady_clock::now() - it.launched).count() - config.hedge_after;
+        if (late >= 0) {
+          curl_multi_remove_handle(multi, it.attempt.easy);
+          idle.push_back(std::exchange(it.attempt.easy, nullptr));
+          --live;
+          it.state = Item::Failed;
+          it.out.clear();
+          fill();
+          return false;
+        }
+        wait_ms = std::clamp(static_cast<int>(-late * 1000) + 1, 1, 100);
+      }
+      drive(wait_ms);
     }
     if (it.state != Item::Done) return false;
     out.swap(it.out);

@@ -55,8 +55,9 @@ void get(const Url& url, std::vector<std::byte>& out);
 /// what has arrived: start() sends them (at most `in_flight` at a time, the rest as those finish),
 /// take() waits for one and hands over its bytes. Each `Want` is a range (size > 0) or a whole
 /// object (size 0). A read that failed is not retried here (one try, no hedge): take() says false
-/// and the caller reads it the usual way, which retries and names the error. A new start() cancels
-/// what the last one left. Never throws for a failed request.
+/// and the caller reads it the usual way, which retries and names the error; so does a read whose
+/// first byte has not come by the hedge deadline (FERRY_S3_HEDGE_AFTER after it was sent). A new
+/// start() cancels what the last one left. Never throws for a failed request.
 struct Want {
   Url url;
   std::uint64_t offset = 0;

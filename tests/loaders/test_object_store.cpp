@@ -246,6 +246,26 @@ TEST_CASE("a stream opens each shard with one request, the next one's sent while
     CHECK(object_store_stats().requests - before.requests == 5);
     ObjectStore::get().use();
   }
+  {
+    // The opening read sent ahead for the second shard never answers: past the hedge deadline it
+    // is dropped and the open reads the shard itself, instead of waiting out the 30 s stall limit.
+    FaultProxy proxy(ObjectStore::get().port());
+    ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+    ::setenv("FERRY_S3_HEDGE_AFTER", "0.3", 1);
+    ::setenv("FERRY_S3_STALL_SECONDS", "30", 1);
+    using F = FaultProxy::Fault;
+    proxy.inject({F::None, F::Hang});
+    const auto t0 = std::chrono::steady_clock::now();
+    CHECK(records(remote) == expected);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(seconds < 15);  // not a timing claim: the stall limit alone would take 30 s
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (proxy.hangs_ended_by_client() == 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(proxy.hangs_ended_by_client() == 1);  // the dropped read's connection was closed
+    ::unsetenv("FERRY_S3_STALL_SECONDS");
+    ObjectStore::get().use();
+  }
   ::unsetenv("FERRY_S3_HEDGE_AFTER");
 }
 
