@@ -629,7 +629,6 @@ struct Batch {
     Attempt attempt;
     std::vector<std::byte> out;
     enum State { Queued, Live, Done, Failed, Taken } state = Queued;
-    std::chrono::steady_clock::time_point launched;
   };
   Config config;
   std::vector<std::unique_ptr<Item>> items;
@@ -702,7 +701,6 @@ struct Batch {
     g_requests.fetch_add(1, std::memory_order_relaxed);
     detail::count_io(&detail::IoCounters::requests, 1);
     it.state = Item::Live;
-    it.launched = std::chrono::steady_clock::now();
     ++live;
   }
 
@@ -741,17 +739,20 @@ struct Batch {
   bool take(std::size_t k, std::vector<std::byte>& out) {
     if (k >= items.size()) return false;
     Item& it = *items[k];
+    const auto waiting_since = std::chrono::steady_clock::now();
     while (it.state == Item::Queued || it.state == Item::Live) {
       if (detail::io_cancelled()) {  // the loader gave up: stop every transfer of the batch
         cancel();  // (drops the items, `it` among them)
         return false;  // the caller's ordinary read then says so
       }
+      drive(0);  // what has arrived is taken in first: a read is late only if nothing came
+      if (it.state != Item::Queued && it.state != Item::Live) break;
       int wait_ms = 100;
       if (it.state == Item::Live && config.hedge_after >= 0 && !it.attempt.first_byte) {
-        // A read sent ahead gets no hedge of its own: one whose first byte is later than the
-        // hedge deadline is dropped, and the caller's own read (retried, hedged) takes over,
-        // rather than waiting out the stall limit.
-        const double late = std::chrono::duration<double>(std::chrono::steady_clock::now() - it.launched).count() - config.hedge_after;
+        // A read sent ahead gets no hedge of its own: one the caller has waited for past the
+        // hedge deadline without a first byte is dropped, and the caller's own read (retried,
+        // hedged) takes over, rather than waiting out the stall limit.
+        const double late = std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting_since).count() - config.hedge_after;
         if (late >= 0) {
           curl_multi_remove_handle(multi, it.attempt.easy);
           idle.push_back(std::exchange(it.attempt.easy, nullptr));

@@ -56,8 +56,8 @@ void get(const Url& url, std::vector<std::byte>& out);
 /// take() waits for one and hands over its bytes. Each `Want` is a range (size > 0) or a whole
 /// object (size 0). A read that failed is not retried here (one try, no hedge): take() says false
 /// and the caller reads it the usual way, which retries and names the error; so does a read whose
-/// first byte has not come by the hedge deadline (FERRY_S3_HEDGE_AFTER after it was sent). A new
-/// start() cancels what the last one left. Never throws for a failed request.
+/// first byte has not come when take() has waited FERRY_S3_HEDGE_AFTER for it. A new start()
+/// cancels what the last one left. Never throws for a failed request.
 struct Want {
   Url url;
   std::uint64_t offset = 0;
