@@ -430,14 +430,17 @@ void LoaderCore::begin_epoch() {
   s.engine.begin_epoch(s.next_epoch, std::move(plan), start);
   s.epoch_delivered = static_cast<std::int64_t>(start);
   s.live_epoch = s.next_epoch;
-  if (!s.traits.streaming && s.opt.prefetch_next_epoch && s.engine.prefetches_next()) {
-    s.engine.prefetch_next(s.next_epoch + 1, std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch + 1)));
-  } else if (!s.traits.streaming && s.opt.prefetch_next_epoch && s.batch_sampler->plans_ahead()) {
-    // A plan takes 10-20 ns an index (a million-index epoch: 10-20 ms), which would otherwise
-    // hold up the next epoch's start.
-    s.plan_ahead = Parts::PlanAhead{s.next_epoch + 1, std::async(std::launch::async, [sampler = s.batch_sampler, e = s.next_epoch + 1] {
-                                      return std::make_shared<const BatchPlan>(sampler->plan(e));
-                                    })};
+  if (!s.traits.streaming && s.opt.prefetch_next_epoch) {
+    const std::uint64_t next = s.next_epoch + 1;
+    if (s.engine.prefetches_next()) {
+      s.engine.prefetch_next(next, std::make_shared<const BatchPlan>(s.batch_sampler->plan(next)));
+    } else if (s.batch_sampler->plans_ahead()) {
+      // A plan takes 10-20 ns an index (a million-index epoch: 10-20 ms), which would otherwise
+      // hold up the next epoch's start.
+      s.plan_ahead = Parts::PlanAhead{next, std::async(std::launch::async, [sampler = s.batch_sampler, next] {
+                                        return std::make_shared<const BatchPlan>(sampler->plan(next));
+                                      })};
+    }
   }
   if (s.pin_stage) s.pin_stage->start();
   s.device_queue.clear();

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
-#include <memory>
 #include <future>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>

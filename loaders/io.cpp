@@ -92,11 +92,13 @@ class ObjectBlob final : public Blob {
   mutable s3::ReadAhead ahead_;
 };
 
-// This thread's opening read sent ahead (open_ahead), and the object it is for.
+// This thread's opening read sent ahead (open_ahead), and the object it is for. It lives with the
+// thread: the next open_ahead() replaces a read not taken, Blob::open() takes or drops it, and
+// the thread's end closes its connection.
 struct PendingOpen {
   std::string path;  // empty: none in flight
   std::size_t first_piece = 0;
-  std::unique_ptr<s3::OpenAhead> read;  // made at the thread's first open_ahead()
+  std::unique_ptr<s3::ReadAhead> read;  // made at the thread's first open_ahead()
 };
 
 PendingOpen& pending_open() {
@@ -166,7 +168,7 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
       PendingOpen& ahead = pending_open();
       const bool sent = ahead.path == path && ahead.first_piece == first_piece && first_piece > 0;
       ahead.path.clear();
-      if (!sent || !ahead.read->take(url, first_piece, first, size)) {
+      if (!sent || !ahead.read->take_first(url, first_piece, first, size)) {
         if (first_piece > 0)
           size = s3::first_piece(url, first_piece, first);
         else
@@ -197,8 +199,8 @@ void open_ahead(const std::string& path, std::size_t first_piece) {
   PendingOpen& ahead = pending_open();
   ahead.path.clear();
   try {
-    if (!ahead.read) ahead.read = std::make_unique<s3::OpenAhead>();
-    ahead.read->start(s3::parse(path), first_piece);
+    if (!ahead.read) ahead.read = std::make_unique<s3::ReadAhead>();
+    ahead.read->start_first(s3::parse(path), first_piece);
     ahead.path = path;
     ahead.first_piece = first_piece;
   } catch (const Error&) {  // a bad URL: its own open names it

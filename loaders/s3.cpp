@@ -801,32 +801,23 @@ void ReadAhead::start(const Url& url, std::uint64_t offset, std::size_t n) {
 
 bool ReadAhead::take(std::uint64_t offset, std::size_t n, std::byte* dst) {
   Batch& b = impl_->batch;
-  const bool match = b.items.size() == 1 && b.items[0]->want.offset == offset && b.items[0]->want.size == n;
+  const bool match = b.items.size() == 1 && !b.items[0]->want.first && b.items[0]->want.offset == offset && b.items[0]->want.size == n;
   const bool ok = match && b.take(0, impl_->buf);
   b.cancel();
   if (ok) std::memcpy(dst, impl_->buf.data(), n);
   return ok;
 }
 
-struct OpenAhead::Impl {
-  Batch batch;  // of one read
-};
-
-OpenAhead::OpenAhead() : impl_(std::make_unique<Impl>()) {}
-OpenAhead::~OpenAhead() = default;
-
-void OpenAhead::start(const Url& url, std::size_t n) {
+void ReadAhead::start_first(const Url& url, std::size_t n) {
   std::vector<Want> one(1);
   one[0] = Want{url, 0, std::max<std::size_t>(n, 1), true};
   impl_->batch.start(std::move(one), 1);
 }
 
-void OpenAhead::cancel() { impl_->batch.cancel(); }
-
-bool OpenAhead::take(const Url& url, std::size_t n, std::vector<std::byte>& out, std::uint64_t& size) {
+bool ReadAhead::take_first(const Url& url, std::size_t n, std::vector<std::byte>& out, std::uint64_t& size) {
   Batch& b = impl_->batch;
-  const bool match = b.items.size() == 1 && b.items[0]->want.url.bucket == url.bucket && b.items[0]->want.url.key == url.key &&
-                     b.items[0]->want.size == std::max<std::size_t>(n, 1);
+  const bool match = b.items.size() == 1 && b.items[0]->want.first && b.items[0]->want.url.bucket == url.bucket &&
+                     b.items[0]->want.url.key == url.key && b.items[0]->want.size == std::max<std::size_t>(n, 1);
   if (!match || !b.take(0, out)) {
     b.cancel();
     return false;
@@ -846,9 +837,7 @@ void ReadAhead::progress() {
   if (impl_->batch.live > 0) impl_->batch.drive(0);
 }
 
-void OpenAhead::progress() {
-  if (impl_->batch.live > 0) impl_->batch.drive(0);
-}
+void ReadAhead::cancel() { impl_->batch.cancel(); }
 
 std::vector<Object> list(const std::string& bucket, const std::string& prefix) {
   std::vector<Object> all;

@@ -68,10 +68,12 @@ void start(std::vector<Want> wants, std::size_t in_flight = 32);
 /// Want k of the last start(): its bytes into `out` (true), or false when it failed or was taken.
 bool take(std::size_t k, std::vector<std::byte>& out);
 
-/// One ranged read sent ahead, on connections of its own (they end with the object): a sequential reader (a tar stream) asks
-/// for its next piece while it parses this one. take() hands over the bytes of the read started
-/// for exactly (offset, n); anything else (another range, a failed read) is false, and the caller
-/// reads those bytes itself, with retries. Not thread-safe: one reader at a time.
+/// One read sent ahead, on connections of its own (they end with the reader): a tar stream asks
+/// for its next piece while it parses this one (start, take), and for its next shard's first piece
+/// and size, first_piece() sent ahead, while it parses this shard (start_first, take_first). A
+/// take hands over the bytes of the read started for exactly those bytes; anything else (another
+/// range or object, a failed read, one late past the hedge deadline) is false, and the caller
+/// reads them itself, with retries and hedges. Not thread-safe: one reader at a time.
 class ReadAhead {
  public:
   ReadAhead();
@@ -82,34 +84,16 @@ class ReadAhead {
   void start(const Url& url, std::uint64_t offset, std::size_t n);
   /// Waits for the read started for (offset, n) and copies its bytes to `dst`.
   bool take(std::uint64_t offset, std::size_t n, std::byte* dst);
+  /// Sends the read of the first `n` bytes of `url`, its size unknown (cancelling one in flight).
+  void start_first(const Url& url, std::size_t n);
+  /// Waits for the read start_first() sent for (url, n): its bytes into `out`, the object's size
+  /// into `size`.
+  bool take_first(const Url& url, std::size_t n, std::vector<std::byte>& out, std::uint64_t& size);
   /// Moves the read in flight along without waiting: what has arrived is taken off the socket
   /// (which would otherwise fill and stall the transfer while the reader works).
   void progress();
-
- private:
-  struct Impl;
-  std::unique_ptr<Impl> impl_;
-};
-
-/// first_piece() sent ahead, on connections of its own: a stream asks for its next shard's first
-/// piece while it parses this shard, so that opening the next costs no wait for a first byte.
-/// take() hands over what was started for exactly (url, n); anything else (another object, a
-/// failed read) is false, and the caller calls first_piece() itself, with retries. Not
-/// thread-safe: one reader at a time.
-class OpenAhead {
- public:
-  OpenAhead();
-  ~OpenAhead();
-  OpenAhead(const OpenAhead&) = delete;
-  OpenAhead& operator=(const OpenAhead&) = delete;
-  /// Sends the read of the first `n` bytes of `url` (cancelling one still in flight).
-  void start(const Url& url, std::size_t n);
-  /// Waits for the read started for (url, n): its bytes into `out`, the object's size into `size`.
-  bool take(const Url& url, std::size_t n, std::vector<std::byte>& out, std::uint64_t& size);
   /// Stops a read in flight (its connection closes).
   void cancel();
-  /// As ReadAhead::progress().
-  void progress();
 
  private:
   struct Impl;

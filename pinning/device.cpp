@@ -91,7 +91,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   };
   std::deque<Timing> timings;
   std::vector<cuda::Event> spare_starts;  // timing events already counted, reused
-  // Gather launches issued and maybe not finished, a blocking-sync event each (throttle_gathers).
+  // Gather launches issued and maybe not finished, a blocking-sync event each (throttle_gathers):
+  // popped once waited for; the rest go back to the event pool with the stage.
   std::deque<cuda::Event> launched;
   static constexpr std::size_t kLaunchesAhead = 3;
 

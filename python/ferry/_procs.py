@@ -191,14 +191,15 @@ class _CheckPickler(pickle.Pickler):
     numpy arrays always pickle (multiprocessing moves tensors by shared memory), and serializing a
     dataset's gigabytes here would cost the loader's construction a second a gigabyte."""
 
+    def __init__(self, file: Any, protocol: int) -> None:
+        super().__init__(file, protocol=protocol)
+        # Found once, not for each object pickled: the array types of the modules already imported.
+        torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
+        self._tensors = tuple(k for k in (getattr(torch, n, None) for n in ("Tensor", "UntypedStorage", "TypedStorage")) if k)
+        self._ndarray = getattr(np, "ndarray", None)
+
     def persistent_id(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            kinds = tuple(k for k in (getattr(torch, n, None) for n in ("Tensor", "UntypedStorage", "TypedStorage")) if k)
-            if isinstance(obj, kinds):
-                return id(obj)
-        np = sys.modules.get("numpy")
-        if np is not None and type(obj) is np.ndarray and obj.dtype != object:
+        if isinstance(obj, self._tensors) or (type(obj) is self._ndarray and obj.dtype != object):
             return id(obj)
         return None
 
