@@ -3,14 +3,14 @@
 // server behind a proxy that holds every answer's first byte for --latency-ms (a cloud store's
 // first-byte latency). Indexed tar shards (TarImages: one ranged GET a record, a batch's records
 // requested together) and the stream (TarShards: 8 MiB ranged GETs, a shard's open sent while the
-// last is parsed), RandomResizedCrop 224 + flip, uint8, CPU decode; with a GPU, the indexed shards
-// again with decode=gpu (nvJPEG, device 0). Prints a Markdown table: images/s (median of --runs),
+// last is parsed), RandomResizedCrop 224 + flip, uint8, CPU decode; with a GPU, both again with
+// decode=gpu (nvJPEG, device 0; the stream's records as EncodedImages). Prints a Markdown table: images/s (median of --runs),
 // the ratio to local, the busy cores of this process and images/s per busy core (the proxy's threads included), and
 // the server's busy cores apart. With --server-cpus N the server runs on the machine's last N
 // CPUs and this process (every row, local disk too) on the others: a store on cores of its own,
 // as a store on another machine would be; without it both share every CPU.
 //
-//   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4]
+//   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
 #include <sched.h>
 #include <sys/utsname.h>
 #include <unistd.h>
@@ -96,6 +96,9 @@ int main(int argc, char** argv) {
   const int runs = arg(argc, argv, "--runs", 3);
   const int latency = arg(argc, argv, "--latency-ms", 20);
   const int server_cpus = arg(argc, argv, "--server-cpus", 0);
+  std::string only;  // --only TEXT: the rows whose pipeline names TEXT ("gpu", "stream")
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--only") only = argv[i + 1];
   const int cpus = static_cast<int>(std::thread::hardware_concurrency());
   if (server_cpus < 0 || server_cpus >= cpus) {
     std::fprintf(stderr, "bench_object_store: --server-cpus must be 0 (shared) or below the %d CPUs\n", cpus);
@@ -158,15 +161,23 @@ int main(int argc, char** argv) {
       return n;
     };
   };
-  const auto stream = [&](const std::vector<std::string>& paths) {
-    return [&, paths] {
+  const auto stream = [&](const std::vector<std::string>& paths, bool on_gpu) {
+    return [&, paths, on_gpu] {
       TarShardsOptions so;
       const TarRecordDecodeOptions tio{.transform = io.transform};
-      auto ds = TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, tio, ctx.rng()); });
       DataLoaderOptions so2 = o;
       so2.shuffle = false;
-      DataLoader loader(ds, so2);
       std::size_t n = 0;
+      if (on_gpu) {
+        so2.device = 0;
+        auto ds = TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), tio, ctx.rng()); });
+        DataLoader loader(ds, so2);
+        for (auto& b : loader) n += static_cast<std::size_t>(b.label.numel());
+        loader.stream()->synchronize();  // the last batch decoded, not just issued
+        return n;
+      }
+      auto ds = TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, tio, ctx.rng()); });
+      DataLoader loader(ds, so2);
       for (auto& b : loader) n += static_cast<std::size_t>(b.label.numel());
       return n;
     };
@@ -185,12 +196,13 @@ int main(int argc, char** argv) {
   std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores |\n"
               "|---|---|---:|---:|---:|---:|---:|\n");
   std::vector<const char*> kinds{"indexed (TarImages)", "stream (TarShards)"};
-  if (gpu) kinds.push_back("indexed, decode=gpu (TarImages)");
+  if (gpu) kinds.push_back("indexed, decode=gpu (TarImages)"), kinds.push_back("stream, decode=gpu (TarShards)");
   for (const char* kind : kinds) {
+    if (!only.empty() && std::string(kind).find(only) == std::string::npos) continue;
     const bool idx = kind[0] == 'i', on_gpu = std::string(kind).find("gpu") != std::string::npos;
     const auto epoch = [&](const std::vector<std::string>& paths) -> std::function<std::size_t()> {
       if (idx) return indexed(paths, on_gpu);
-      return stream(paths);
+      return stream(paths, on_gpu);
     };
     const auto run = [&](const std::vector<std::string>& paths) { return measure(runs, epoch(paths)); };
     measure(1, epoch(local));  // warm the page cache

@@ -113,8 +113,8 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
   if (s.traits.gpu_decode && !opt.device)
     throw Error("DataLoader: the dataset decodes its images on the GPU (decode=gpu), which the device stage does: set "
                 "DataLoaderOptions::device (--device N in the ferry tool, device= in Python)");
-  if (s.traits.gpu_decode && !s.traits.direct)
-    throw Error("DataLoader: GPU decode needs the default collate (direct mode); a collate_fn cannot take compressed images");
+  if (s.traits.gpu_decode && !s.traits.default_collate)
+    throw Error("DataLoader: GPU decode needs the default collate; a collate_fn cannot take compressed images");
   if (s.traits.direct && opt.on_error == OnError::Skip && !s.traits.truncatable)
     throw Error("DataLoaderOptions: on_error=Skip needs a batch type that can drop rows (a Tensor, a "
                 "std::vector<Tensor>, or a member truncate_rows(std::size_t)); this dataset's direct batch has "

@@ -618,6 +618,35 @@ JpegPlan plan_jpeg(std::span<const std::byte> bytes, const std::string& name, co
   return {h, w, *plan};
 }
 
+std::int64_t detail::encoded_index_words() noexcept { return kEncodedIndexWords; }
+
+void detail::write_encoded_row(std::int64_t* r, std::size_t offset, std::size_t bytes, const JpegPlan& jp) {
+  const ImagePassPlan& plan = jp.plan;
+  std::fill(r, r + kEncodedIndexWords, 0);
+  auto axis = [](std::int64_t* at, const ImagePassPlan::Axis& a) {
+    at[0] = a.c0, at[1] = a.L0, at[2] = a.R, at[3] = a.c1, at[4] = a.N, at[5] = a.resized, at[6] = a.flip;
+  };
+  auto bits = [](float v) {
+    std::int32_t b;
+    std::memcpy(&b, &v, sizeof b);
+    return static_cast<std::int64_t>(b);
+  };
+  r[EncodedRow::kOffset] = static_cast<std::int64_t>(offset);
+  r[EncodedRow::kBytes] = static_cast<std::int64_t>(bytes);
+  r[EncodedRow::kHeight] = jp.height;
+  r[EncodedRow::kWidth] = jp.width;
+  axis(r + EncodedRow::kAxisY, plan.y);
+  axis(r + EncodedRow::kAxisX, plan.x);
+  r[EncodedRow::kChannels] = plan.channels;
+  r[EncodedRow::kRound] = plan.round;
+  r[EncodedRow::kOutput] = pass_output_of(plan.out_dtype);  // UInt8 unless to_float
+  r[EncodedRow::kChannelsLast] = plan.channels_last;
+  for (int c = 0; c < 4; ++c) {
+    r[EncodedRow::kScale + c] = bits(plan.a[c]);
+    r[EncodedRow::kShift + c] = bits(plan.b[c]);
+  }
+}
+
 namespace {
 // GPU decode's row: the compressed bytes at row * slot of the encoded block, and the index row
 // the device stage reads (where the bytes are, the image's size and its transform's plan).
@@ -630,32 +659,8 @@ void encoded_row_into(const loaders::ImageRows& rows, std::span<const std::byte>
     throw DataError(name, DataError::kNoOffset, "the file grew after the dataset was indexed (" + std::to_string(bytes.size()) +
                                                     " bytes, at most " + std::to_string(rows.slot) + " when indexed)");
   std::memcpy(batch.encoded.data<std::uint8_t>() + row * rows.slot, bytes.data(), bytes.size());
-  const ImagePassPlan* plan = &jp.plan;
-  const int h = jp.height, w = jp.width;
-  std::int64_t* r = batch.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(row) * detail::kEncodedIndexWords;
-  std::fill(r, r + detail::kEncodedIndexWords, 0);
-  auto axis = [](std::int64_t* at, const ImagePassPlan::Axis& a) {
-    at[0] = a.c0, at[1] = a.L0, at[2] = a.R, at[3] = a.c1, at[4] = a.N, at[5] = a.resized, at[6] = a.flip;
-  };
-  auto bits = [](float v) {
-    std::int32_t b;
-    std::memcpy(&b, &v, sizeof b);
-    return static_cast<std::int64_t>(b);
-  };
-  r[detail::EncodedRow::kOffset] = static_cast<std::int64_t>(row * rows.slot);
-  r[detail::EncodedRow::kBytes] = static_cast<std::int64_t>(bytes.size());
-  r[detail::EncodedRow::kHeight] = h;
-  r[detail::EncodedRow::kWidth] = w;
-  axis(r + detail::EncodedRow::kAxisY, plan->y);
-  axis(r + detail::EncodedRow::kAxisX, plan->x);
-  r[detail::EncodedRow::kChannels] = plan->channels;
-  r[detail::EncodedRow::kRound] = plan->round;
-  r[detail::EncodedRow::kOutput] = detail::pass_output_of(plan->out_dtype);  // UInt8 unless to_float
-  r[detail::EncodedRow::kChannelsLast] = plan->channels_last;
-  for (int c = 0; c < 4; ++c) {
-    r[detail::EncodedRow::kScale + c] = bits(plan->a[c]);
-    r[detail::EncodedRow::kShift + c] = bits(plan->b[c]);
-  }
+  detail::write_encoded_row(batch.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(row) * detail::kEncodedIndexWords,
+                            row * rows.slot, bytes.size(), jp);
   batch.label.data<std::int64_t>()[row] = label;
 }
 }  // namespace

@@ -355,7 +355,11 @@ void DatasetRegistry::add(const std::string& name, Factory factory, std::string 
 }
 
 OpenedDataset DatasetRegistry::open(const std::string& name, const std::string& config) const {
-  if (name == "tar") return make_tar_stream(DatasetConfig("tar", config));
+  if (name == "tar") {
+    const DatasetConfig c("tar", config);
+    if (c.str("decode", "cpu") == "gpu") return make_tar_gpu_stream(c);
+    return make_tar_stream(c);
+  }
   if (name == "image_folder" || name == "tar_index") {
     const DatasetConfig c(name, config);
     if (c.str("decode", "cpu") == "gpu") {

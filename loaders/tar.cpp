@@ -440,6 +440,20 @@ LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecod
   return {std::move(img), label};
 }
 
+EncodedImage encode_labeled_image(TarRecord record, const TarRecordDecodeOptions& options, Generator& rng) {
+  loaders::check_gpu_decode("encode_labeled_image", options.channels, options.transform);
+  auto image = record.fields.end();
+  for (const std::string& f : options.image_fields)
+    if ((image = record.fields.find(f)) != record.fields.end()) break;
+  if (image == record.fields.end())
+    record.field(options.image_fields.empty() ? std::string("image") : options.image_fields.front());  // throws, naming the fields
+  EncodedImage out;
+  out.label = parse_label(record.field(options.label_field), record.shard, record.offset, record.key, options.label_field);
+  out.plan = plan_jpeg(image->second, record.shard + ": " + record.key + "." + image->first, options.transform, rng);
+  out.bytes = std::move(image->second);
+  return out;
+}
+
 // --- shard patterns -------------------------------------------------------------------------------
 
 std::vector<std::string> expand_braces(const std::string& pattern) {

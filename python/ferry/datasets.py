@@ -82,24 +82,28 @@ def npy(path: str) -> Dataset:
 
 
 def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size: int = 224,
-        random_crop: bool = False, channels: int = 3, shuffle: bool = True, index: bool = False,
+        random_crop: bool = False, channels: int = 3, shuffle: bool = True, index: Optional[bool] = None,
         float: Optional[bool] = None, mean: Optional[Floats] = None, std: Optional[Floats] = None,
         dct_scaling: bool = False, decode: str = "cpu") -> Dataset:
     """WebDataset-style tar shards (``<key>.jpg`` + ``<key>.cls``) as ``(image, label)``: ``dir``
     (its .tar files) or a list of ``shards``.
 
     By default a stream, read front to back: it has no len() and takes no DataLoader(shuffle=...);
-    ``shuffle`` here shuffles the shard order each epoch. ``index=True`` (or ``decode="gpu"``)
-    reads every member's header and every label once and makes a map-style dataset instead (C++ ``TarImages``):
-    len(), DataLoader(shuffle=True) across all shards, resume, GPU decode, and image_folder's
-    options (float, mean, std, dct_scaling, decode). It reads records at random offsets: on
-    storage that wants files read front to back, keep the stream."""
+    ``shuffle`` here shuffles the shard order each epoch. ``index=True`` (the default with
+    ``decode="gpu"``) reads every member's header and every label once and makes a map-style
+    dataset instead (C++ ``TarImages``): len(), DataLoader(shuffle=True) across all shards, resume,
+    GPU decode, and image_folder's options (float, mean, std, dct_scaling, decode). It reads records
+    at random offsets: on storage that wants files read front to back (object stores), keep the
+    stream; ``decode="gpu", index=False`` is the stream with each JPEG decoded on the device (one
+    request for each 8 MiB of a shard instead of one for each record)."""
     if (dir is None) == (shards is None):
         raise ValueError("tar: pass dir= or shards=, not both")
     if decode not in ("cpu", "gpu"):
         raise ValueError(f"tar: decode must be 'cpu' or 'gpu', got {decode!r}")
+    if index is None:
+        index = decode == "gpu"
     shard_list: Optional[List[str]] = None if shards is None else list(shards)
-    if index or decode == "gpu":
+    if index:
         if not shuffle:
             raise ValueError("tar: shuffle= is the stream's shard order; an indexed tar is shuffled by DataLoader(shuffle=...)")
         return _ferry.make_dataset("tar_index", _config(
@@ -108,7 +112,7 @@ def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size:
     if float is not None or mean is not None or std is not None or dct_scaling:
         raise ValueError("tar: float, mean, std and dct_scaling need index=True")
     return _ferry.make_dataset("tar", _config(dir=dir, shards=shard_list, size=size, random_crop=random_crop,
-                                              channels=channels, shuffle=shuffle))
+                                              channels=channels, shuffle=shuffle, decode=decode))
 
 
 def synthetic(n: int = 10000, shape: Sequence[int] = (3, 224, 224), dtype: str = "uint8",

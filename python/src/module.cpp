@@ -301,7 +301,9 @@ struct PyDataset {
   std::shared_ptr<PyBatchSampler> py_sampler;  // null: ferry's own sampler (shuffle, seed)
   Callable py_worker_start;                    // worker_start(id, num_workers, seed) on each worker thread
 
-  bool stream() const { return py_iter || (opened && std::holds_alternative<ferry::TarImageStream>(*opened)); }
+  bool stream() const {
+    return py_iter || (opened && (std::holds_alternative<ferry::TarImageStream>(*opened) || std::holds_alternative<ferry::TarGpuStream>(*opened)));
+  }
   bool has_size() const { return !stream(); }
   std::size_t size() const {
     if (py_map) return py_map->size();
@@ -651,7 +653,7 @@ double cpp_seconds(const PyDataset& dataset, const ferry::DataLoaderOptions& opt
   };
   if (!dataset.opened || dataset.stream()) throw ferry::Error("cpp_seconds: ferry's map-style datasets only");
   return std::visit([&](const auto& d) -> double {
-    if constexpr (std::is_same_v<std::decay_t<decltype(d)>, ferry::TarImageStream>) return 0;  // refused above
+    if constexpr (ferry::IterableDataset<std::decay_t<decltype(d)>>) return 0;  // refused above
     else return run(ferry::DataLoader(d, options));
   }, *dataset.opened);
 }

@@ -92,6 +92,12 @@ def test_tar_stream(tar_dir):
     assert sorted(labels.tolist()) == sorted([r % 3 for r in range(6)] * 2)
     with pytest.raises(TypeError, match="stream"):
         len(loader)
+    # decode="gpu" as a stream (index=False): the device decodes, so a loader without one is refused.
+    gpu = ferry.datasets.tar(dir=str(tar_dir), size=16, decode="gpu", index=False)
+    with pytest.raises(TypeError, match="stream"):
+        len(gpu)
+    with pytest.raises(ferry.Error, match="decodes its images on the GPU.*device= in Python"):
+        ferry.DataLoader(gpu, batch_size=4)
 
 
 def test_tar_indexed(tar_dir):

@@ -48,8 +48,9 @@ def test_missing_objects_name_the_url(object_store):
 
 
 def test_gpu_decode_over_s3_equals_local(object_store, tmp_path):
-    """decode="gpu" over s3://: an image folder and indexed tar shards give the batches the same
-    files give locally, bit for bit (the same JPEG bytes reach the same nvJPEG decode)."""
+    """decode="gpu" over s3://: an image folder, indexed tar shards and the tar stream give the
+    batches the same files give locally, bit for bit (the same JPEG bytes reach the same nvJPEG
+    decode)."""
     from conftest import require_gpu
     require_gpu()
     import io
@@ -86,3 +87,12 @@ def test_gpu_decode_over_s3_equals_local(object_store, tmp_path):
         got, want = batches(remote), batches(local)
         assert len(got) == 4 and got[0][0].shape == (6, 3, 48, 48)
         assert all(torch.equal(g, w) for b, c in zip(got, want) for g, w in zip(b, c))
+    # The stream (index=False): each 8 MiB of the shard one request, every JPEG decoded on the device.
+    options = dict(batch_size=6, num_workers=2, device=0)
+    stream = dict(size=48, random_crop=True, decode="gpu", index=False, shuffle=False)
+    requests = ferry.object_store_stats()["requests"]
+    got = batches(ferry.datasets.tar(shards=[shard_url], **stream))
+    assert ferry.object_store_stats()["requests"] - requests <= 2
+    want = batches(ferry.datasets.tar(shards=[str(shards / "train-0.tar")], **stream))
+    assert len(got) == 4 and got[0][0].shape == (6, 3, 48, 48) and got[0][0].dtype == torch.uint8
+    assert all(torch.equal(g, w) for b, c in zip(got, want) for g, w in zip(b, c))

@@ -349,3 +349,67 @@ TEST_CASE("GPU decode of indexed tar shards equals the image folder's, bit for b
   CHECK(images == folder.size());
   CHECK(y.device_stage()->stats().images_decoded >= folder.size());
 }
+
+TEST_CASE("GPU decode from a tar stream (encode_labeled_image) equals the indexed shards', bit for bit", "[gpu][decode][tar]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 12);
+  ImageFolderOptions fo = train_options(ImageFolderOptions::Decode::Gpu);
+  ImageFolder folder(dir / "root", fo);
+  TarBuilder a, b;
+  for (std::size_t i = 0; i < folder.size(); ++i) {
+    const std::string key = "r" + std::to_string(1000 + i);
+    (i < folder.size() / 2 ? a : b).file(key + ".jpg", read_bytes(folder.path(i))).file(key + ".cls", std::to_string(folder.label(i)));
+  }
+  write_file(dir / "a.tar", a.finish());
+  write_file(dir / "b.tar", b.finish());
+  TarImagesOptions to;
+  to.transform = fo.transform;
+  to.decode = ImageFolderOptions::Decode::Gpu;
+  TarImages tar({dir / "a.tar", dir / "b.tar"}, to);
+  TarRecordDecodeOptions ro;
+  ro.transform = fo.transform;
+  TarShardsOptions so;
+  so.shuffle = false;
+  auto stream = TarShards({dir / "a.tar", dir / "b.tar"}, so).map([ro](TarRecord r, SampleContext& ctx) {
+    return encode_labeled_image(std::move(r), ro, ctx.rng());
+  });
+  // Without workers the stream's k-th record draws its crop as the indexed k-th sample does (the
+  // same seed, epoch and position), so the batches are the same bytes.
+  DataLoaderOptions xo = loader_options(0), yo = loader_options(0);
+  xo.shuffle = yo.shuffle = false;
+  yo.batch_size = xo.batch_size = 7;  // batches that cross from one shard to the next
+  DataLoader x(tar, xo);
+  DataLoader y(stream, yo);
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    auto p = x.begin();
+    auto q = y.begin();
+    std::size_t images = 0;
+    for (; p != x.end(); ++p, ++q) {
+      const bool more = q != y.end();
+      REQUIRE(more);
+      REQUIRE(q->image.device().kind == MemoryKind::Device);
+      CHECK_FALSE(q->encoded.defined());
+      const Tensor xi = host_copy(p->image, *x.stream()), yi = host_copy(q->image, *y.stream());
+      const Tensor xl = host_copy(p->label, *x.stream()), yl = host_copy(q->label, *y.stream());
+      REQUIRE(xi.shape() == yi.shape());
+      CHECK(std::memcmp(xi.raw(), yi.raw(), xi.nbytes()) == 0);
+      CHECK(std::memcmp(xl.raw(), yl.raw(), xl.nbytes()) == 0);
+      images += static_cast<std::size_t>(xl.numel());
+    }
+    const bool ended = q == y.end();
+    CHECK(ended);
+    CHECK(images == folder.size());
+  }
+  CHECK(y.device_stage()->stats().images_decoded >= 2 * folder.size());
+  // With workers, every record once a epoch, decoded on the device.
+  DataLoaderOptions wo = loader_options(3);
+  wo.shuffle = false;
+  DataLoader w(stream, wo);
+  std::size_t images = 0;
+  for (LabeledBatch& batch : w) {
+    CHECK(batch.image.device().kind == MemoryKind::Device);
+    images += static_cast<std::size_t>(batch.label.numel());
+  }
+  CHECK(images == folder.size());
+}

@@ -398,3 +398,93 @@ TEST_CASE("tar_index in the registry and make_tar_index", "[unit][registry][tar]
   CHECK_THROWS_WITH(reg.create("tar_index", "dir=/nonexistent"), Catch::Contains("dataset 'tar_index': dir '/nonexistent' is not a directory"));
   CHECK(make_tar_index(DatasetConfig("tar_index", shards + ",decode=gpu,random_crop=1")).decodes_on_device());
 }
+
+TEST_CASE("encode_labeled_image and the collate of EncodedImages give TarImages' encoded rows, packed end to end",
+          "[unit][tar][decode]") {
+  // A stream's GPU decode: each record's JPEG and plan as a sample; the default collate packs a
+  // batch of them into the block and index the device stage decodes.
+  SameImages same;
+  TarImagesOptions to;
+  to.transform = train_transform();
+  to.decode = ImageFolderOptions::Decode::Gpu;
+  TarImages tar(same.shards, to);
+  TarRecordDecodeOptions ro;
+  ro.transform = train_transform();
+  TarShardsOptions so;
+  so.shuffle = false;
+  TarShards shards(same.shards, so);
+  TarShards::Stream stream = shards.open(WorkerInfo{});
+  std::vector<EncodedImage> samples;
+  while (std::optional<TarRecord> r = stream.next()) {
+    SampleContext ctx(samples.size(), 7, 2, WorkerInfo{});
+    samples.push_back(encode_labeled_image(std::move(*r), ro, ctx.rng()));
+  }
+  REQUIRE(samples.size() == tar.size());
+  LabeledBatch x = collate<EncodedImage>(std::span<const EncodedImage>(samples), std::vector<std::size_t>(samples.size()));
+  LabeledBatch y = tar.make_batch(samples.size(), pageable_allocator());
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    SampleContext ctx(i, 7, 2, WorkerInfo{});
+    tar.get_into(i, y, i, ctx);
+  }
+  CHECK_FALSE(x.image.defined());
+  REQUIRE(x.encoded_index.shape() == y.encoded_index.shape());
+  CHECK(std::memcmp(x.label.raw(), y.label.raw(), x.label.nbytes()) == 0);
+  const auto* xi = x.encoded_index.data<std::int64_t>();
+  const auto* yi = y.encoded_index.data<std::int64_t>();
+  constexpr std::int64_t W = detail::kEncodedIndexWords;
+  std::int64_t next = 0;
+  for (std::int64_t r = 0; r < static_cast<std::int64_t>(samples.size()); ++r) {
+    INFO("row " << r);
+    const std::int64_t at = xi[r * W + detail::EncodedRow::kOffset], n = xi[r * W + detail::EncodedRow::kBytes];
+    CHECK(at == next);  // end to end, each at a 64-byte boundary
+    CHECK(at % 64 == 0);
+    next = at + (n + 63) / 64 * 64;
+    CHECK(n == yi[r * W + detail::EncodedRow::kBytes]);
+    CHECK(std::memcmp(x.encoded.data<std::uint8_t>() + at, y.encoded.data<std::uint8_t>() + yi[r * W], static_cast<std::size_t>(n)) == 0);
+    // Every other word (the size, the crop, the flip, the scale and shift) as TarImages writes it.
+    CHECK(std::memcmp(xi + r * W + 1, yi + r * W + 1, (W - 1) * sizeof(std::int64_t)) == 0);
+  }
+  CHECK(static_cast<std::int64_t>(x.encoded.nbytes()) == next);
+
+  // Errors name the record; settings the device cannot run are refused.
+  TempDir dir;
+  write_file(dir / "p.tar", TarBuilder()
+                                .file("k.png", encode_png(gradient(8, 8, 3), 8, 8, 3))
+                                .file("k.cls", "1")
+                                .file("j.jpg", encode_jpeg(gradient(8, 8, 3), 8, 8, 3, 90, TJSAMP_444))
+                                .file("j.cls", "x")
+                                .finish());
+  TarShards bad({dir / "p.tar"}, so);
+  TarShards::Stream bs = bad.open(WorkerInfo{});
+  Generator rng(1);
+  CHECK_THROWS_WITH(encode_labeled_image(*bs.next(), ro, rng), Catch::Contains("p.tar: k.png") && Catch::Contains("JPEG files only"));
+  CHECK_THROWS_AS(encode_labeled_image(*bs.next(), ro, rng), DataError);  // label "x"
+  TarRecordDecodeOptions gray = ro;
+  gray.channels = 1;
+  TarShards::Stream again = shards.open(WorkerInfo{});
+  CHECK_THROWS_WITH(encode_labeled_image(*again.next(), gray, rng), Catch::Contains("decode=gpu produces RGB"));
+  TarRecordDecodeOptions no_image = ro;
+  no_image.image_fields = {"webp"};
+  CHECK_THROWS_WITH(encode_labeled_image(*again.next(), no_image, rng), Catch::Contains("webp"));
+}
+
+TEST_CASE("a stream of EncodedImages needs a device and the default collate; the registry's tar opens it with decode=gpu",
+          "[unit][tar][decode][registry]") {
+  SameImages same;
+  TarRecordDecodeOptions ro;
+  ro.transform = train_transform();
+  auto gpu = TarShards(same.shards).map([ro](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), ro, ctx.rng()); });
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  CHECK_THROWS_WITH(DataLoader(gpu, o), Catch::Contains("decodes its images on the GPU") && Catch::Contains("device"));
+  o.device = 0;
+  auto keep = [](std::vector<EncodedImage> s) { return s; };
+  CHECK_THROWS_WITH(DataLoader(gpu, o, keep), Catch::Contains("GPU decode needs the default collate"));
+
+  auto& reg = DatasetRegistry::global();
+  const std::string shards = "shards=" + same.shards[0] + ":" + same.shards[1];
+  CHECK(std::holds_alternative<TarGpuStream>(reg.open("tar", shards + ",decode=gpu,random_crop=1")));
+  CHECK(std::holds_alternative<TarImageStream>(reg.open("tar", shards + ",decode=cpu")));
+  CHECK_THROWS_WITH(reg.open("tar", shards + ",decode=gpu,channels=1"), Catch::Contains("channels must be 3"));
+  CHECK_THROWS_WITH(reg.open("tar", shards + ",decode=tpu"), Catch::Contains("'decode' must be cpu"));
+}

@@ -148,7 +148,7 @@ auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
   ferry::OpenedDataset opened = registry.open(f.dataset, f.config);
   return std::visit([&](auto& dataset) {
     DataLoaderOptions so = o;
-    if constexpr (std::is_same_v<std::decay_t<decltype(dataset)>, ferry::TarImageStream>)
+    if constexpr (ferry::IterableDataset<std::decay_t<decltype(dataset)>>)
       so.shuffle = false;  // a stream: the dataset shuffles its shard order itself
     ferry::DataLoader loader(std::move(dataset), so);
     return fn(loader);
@@ -468,7 +468,7 @@ int main(int argc, char** argv) {
       for (const auto& name : registry.names()) std::printf("%-14s %s\n", name.c_str(), registry.help(name).c_str());
       std::printf("%-14s %s\n", "tar",
                   "WebDataset shards as a stream: dir=<folder of .tar> or shards=a.tar:b.tar, size=224, random_crop=0|1, "
-                  "channels=3, shuffle=1");
+                  "channels=3, shuffle=1, decode=cpu|gpu (gpu: each JPEG decoded on the device; needs --device)");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "\nferry: %s\n", e.what());

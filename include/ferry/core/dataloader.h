@@ -227,6 +227,7 @@ class DataLoader {
       if constexpr (kDirect) t.truncatable = detail::kTruncatable<Batch>;
       if constexpr (requires(const Dataset& d) { { d.decodes_on_device() } -> std::convertible_to<bool>; })
         t.gpu_decode = ds.decodes_on_device();
+      if constexpr (requires { requires Sample::decoded_on_device; }) t.gpu_decode = true;  // ferry::EncodedImage
       if constexpr (requires(const Dataset& d) { { d.size() } -> std::convertible_to<std::size_t>; }) t.dataset_size = ds.size();
       return t;
     }

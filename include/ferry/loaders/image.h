@@ -25,8 +25,10 @@
 // an ImageFolder is immutable after construction.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>
@@ -77,6 +79,62 @@ struct JpegPlan {
 };
 JpegPlan plan_jpeg(std::span<const std::byte> bytes, const std::string& name, const ImageTransform& transform, Generator& rng,
                    std::int64_t max_pixels = std::int64_t{1} << 28);
+
+/// One JPEG left compressed for the device stage, as a sample: a stream's GPU decode
+/// (encode_labeled_image in ferry/loaders/tar.h). The loader's default collate packs a batch of
+/// them into one LabeledBatch (LabeledBatch::encoded and encoded_index), which the device stage
+/// decodes, crops, flips and normalizes into `image`, as it does ImageFolder's and TarImages'
+/// decode = Gpu batches; a loader of them needs `device` and the default collate.
+struct EncodedImage {
+  std::vector<std::byte> bytes;  ///< the JPEG file
+  JpegPlan plan;                 ///< its size and its transform's pass (plan_jpeg)
+  std::int64_t label = 0;
+  /// Tells the loader that these samples are decoded on the device (DataLoader checks it).
+  static constexpr bool decoded_on_device = true;
+};
+
+namespace detail {
+/// Fills one row (kEncodedIndexWords words) of an encoded batch's index: the file's `bytes` at
+/// `offset` of the batch's block, decoded and transformed as `plan` says.
+void write_encoded_row(std::int64_t* row, std::size_t offset, std::size_t bytes, const JpegPlan& plan);
+/// Words a row of an encoded batch's index holds.
+std::int64_t encoded_index_words() noexcept;
+}  // namespace detail
+
+/// The default collate of EncodedImages: their files end to end in one block (each at a 64-byte
+/// boundary), one index row and one label each.
+template <>
+struct Collate<EncodedImage> {
+  using Batch = LabeledBatch;
+  template <class Get>
+  static std::size_t bytes(std::size_t n, Get&& get) {
+    if (n == 0) detail::throw_empty_batch();
+    std::size_t block = 0;
+    for (std::size_t i = 0; i < n; ++i) block += align_up(get(i).bytes.size());
+    const auto words = static_cast<std::size_t>(detail::encoded_index_words());
+    return align_up(n * sizeof(std::int64_t)) + align_up(n * words * sizeof(std::int64_t)) + align_up(std::max<std::size_t>(block, 1));
+  }
+  template <class Get>
+  static Batch apply(std::size_t n, Get&& get, CollateContext& ctx) {
+    std::size_t block = 0;
+    for (std::size_t i = 0; i < n; ++i) block += align_up(get(i).bytes.size());
+    const auto rows = static_cast<std::int64_t>(n);
+    LabeledBatch b;
+    b.label = ctx.allocate(DType::Int64, {rows});
+    b.encoded_index = ctx.allocate(DType::Int64, {rows, detail::encoded_index_words()});
+    b.encoded = ctx.allocate(DType::UInt8, {static_cast<std::int64_t>(std::max<std::size_t>(block, 1))});
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const EncodedImage& e = get(i);
+      if (!e.bytes.empty()) std::memcpy(b.encoded.data<std::uint8_t>() + at, e.bytes.data(), e.bytes.size());
+      detail::write_encoded_row(b.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(i) * detail::encoded_index_words(), at,
+                                e.bytes.size(), e.plan);
+      b.label.data<std::int64_t>()[i] = e.label;
+      at += align_up(e.bytes.size());
+    }
+    return b;
+  }
+};
 
 struct ImageFolderOptions {
   /// Channels of every decoded image (see DecodeOptions::channels); 3 unless set.

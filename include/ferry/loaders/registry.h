@@ -75,31 +75,54 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& config);
 /// shards (tar_shard_paths), each record's image decoded and transformed (size=224;
 /// random_crop=1: random_resized_crop + flip, else resize_shorter + center_crop; channels=3) and
 /// its label, as {image, int64 label} std::vector<Tensor>; shuffle=1 shuffles the shard order
-/// per epoch. A stream: the loader takes no shuffle or sampler for it.
-inline auto make_tar_stream(const DatasetConfig& config) {
+/// per epoch. A stream: the loader takes no shuffle or sampler for it. decode=gpu is
+/// make_tar_gpu_stream's.
+inline TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& config) {
   TarRecordDecodeOptions o;
   const auto size = static_cast<int>(config.integer("size", 224));
   if (config.integer("random_crop", 0)) o.transform.random_resized_crop(size, size).horizontal_flip();
   else o.transform.resize_shorter(size).center_crop(size, size);
   o.channels = static_cast<int>(config.integer("channels", 3));
+  return o;
+}
+inline TarShards tar_stream_shards(const DatasetConfig& config) {
   TarShardsOptions so;
   so.shuffle = config.integer("shuffle", 1) != 0;
-  TarShards shards(tar_shard_paths(config), so);
+  return TarShards(tar_shard_paths(config), so);
+}
+inline auto make_tar_stream(const DatasetConfig& config) {
+  if (config.str("decode", "cpu") != "cpu")
+    throw Error("dataset 'tar': option 'decode' must be cpu (or gpu, with make_tar_gpu_stream), got '" + config.str("decode") + "'");
+  const TarRecordDecodeOptions o = tar_stream_decode(config);
+  TarShards shards = tar_stream_shards(config);
   config.finish();
   return shards.map([o](const TarRecord& r, SampleContext& ctx) {
     LabeledSample s = decode_labeled_image(r, o, ctx.rng());
     return std::vector<Tensor>{std::move(s.image), Tensor::scalar(s.label)};
   });
 }
+/// The same stream with decode=gpu: each record's JPEG left compressed (encode_labeled_image) for
+/// the loader's device stage to decode; LabeledBatch batches. ferry::Error unless channels=3.
+inline auto make_tar_gpu_stream(const DatasetConfig& config) {
+  if (config.str("decode", "gpu") != "gpu")
+    throw Error("dataset 'tar': make_tar_gpu_stream is decode=gpu, got decode='" + config.str("decode") + "'");
+  const TarRecordDecodeOptions o = tar_stream_decode(config);
+  if (o.channels != 3) throw Error("dataset 'tar': decode=gpu produces RGB: channels must be 3, got " + std::to_string(o.channels));
+  TarShards shards = tar_stream_shards(config);
+  config.finish();
+  return shards.map([o](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), o, ctx.rng()); });
+}
 
-/// The stream "tar" opens (make_tar_stream).
+/// The streams "tar" opens (make_tar_stream, and make_tar_gpu_stream with decode=gpu).
 using TarImageStream = decltype(make_tar_stream(std::declval<const DatasetConfig&>()));
+using TarGpuStream = decltype(make_tar_gpu_stream(std::declval<const DatasetConfig&>()));
 
 /// A named dataset as the loader takes it: a map-style DynamicDataset (every registered name), the
-/// labeled-image stream of "tar", or, with decode=gpu, the typed ImageFolder ("image_folder") or
-/// TarImages ("tar_index") whose batches the device decodes (the loader's direct mode). Use with
+/// labeled-image streams of "tar" (decoded on the CPU, or on the device with decode=gpu), or, with
+/// decode=gpu, the typed ImageFolder ("image_folder") or TarImages ("tar_index") whose batches the
+/// device decodes (the loader's direct mode). Use with
 /// std::visit: `std::visit([&](auto& ds) { ferry::DataLoader loader(std::move(ds), options); ... }, opened)`.
-using OpenedDataset = std::variant<DynamicDataset, TarImageStream, ImageFolder, TarImages>;
+using OpenedDataset = std::variant<DynamicDataset, TarImageStream, TarGpuStream, ImageFolder, TarImages>;
 
 class DatasetRegistry {
  public:

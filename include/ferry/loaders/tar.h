@@ -156,6 +156,21 @@ struct TarRecordDecodeOptions {
 /// Decodes a record's image (and transform) and its integer label. DataError names the shard and
 /// the record when a field is missing or malformed.
 LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecodeOptions& options, Generator& rng);
+/// GPU decode from a stream: the record's JPEG left compressed, with its label and its transform's
+/// plan drawn from `rng` as decode_labeled_image would draw it (plan_jpeg). The loader's device
+/// stage decodes a batch of them with nvJPEG (needs `device`; the transform must run as one pass
+/// to a fixed size, as ImageFolderOptions::decode = Gpu requires):
+///
+///   auto train = shards.map([img](ferry::TarRecord r, ferry::SampleContext& ctx) {
+///     return ferry::encode_labeled_image(std::move(r), img, ctx.rng());
+///   });
+///   ferry::DataLoader loader(train, {.batch_size = 256, .num_workers = 4, .device = 0});
+///
+/// The record is taken (its image's bytes move into the sample). Errors as decode_labeled_image's:
+/// a DataError naming the shard and the record for a missing field, a label that does not parse,
+/// a file that is not a JPEG or whose header does not read; ferry::Error for channels other than 3
+/// or a transform that is not one pass.
+EncodedImage encode_labeled_image(TarRecord record, const TarRecordDecodeOptions& options, Generator& rng);
 
 struct TarImagesOptions {
   std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded
