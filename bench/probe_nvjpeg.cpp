@@ -12,8 +12,11 @@
 // With --ceiling it prints only the JPEG engines' ceiling: 1 to 8 host threads, each with its own
 // handle, state, stream and output, decoding batches of 64 to 512 back to back (decode only, no
 // step): images/s and busy cores (the process's CPU time over the wall time) for each.
+// With --blocking-sync the device's context is made with cudaDeviceScheduleBlockingSync (a host
+// thread waiting on the device sleeps instead of spinning): how much of a decoding thread's busy
+// core is a wait.
 // Usage: probe_nvjpeg DIR [--batch 256] [--blocks-per-sm 4] [--no-ordering] [--alone-only]
-//                         [--ceiling [--seconds 1.5]]
+//                         [--ceiling [--seconds 1.5]] [--blocking-sync]
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
 
@@ -89,7 +92,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   int B = 256, bps = 4;
-  bool ordering = true, alone_only = false, ceiling = false;
+  bool ordering = true, alone_only = false, ceiling = false, blocking = false;
   double seconds = 1.5;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
@@ -99,7 +102,9 @@ int main(int argc, char** argv) {
     else if (a == "--alone-only") alone_only = true;
     else if (a == "--ceiling") ceiling = true;
     else if (a == "--seconds" && i + 1 < argc) seconds = std::atof(argv[++i]);
+    else if (a == "--blocking-sync") blocking = true;
   }
+  if (blocking) CK(cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync));  // before the context exists
   CK(cudaSetDevice(0));
   int sms = 0;
   CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -132,7 +137,8 @@ int main(int argc, char** argv) {
   std::vector<size_t> len;
   size_t off = 0;
   for (auto& im : batch) { std::memcpy(pinned + off, im.bytes.data(), im.bytes.size()); data.push_back(pinned + off); len.push_back(im.bytes.size()); off += im.bytes.size(); }
-  std::printf("# probe_nvjpeg: %zu files, batch %d, %.1f KB an image, %d SMs\n", files.size(), B, bytes / 1024.0 / B, sms);
+  std::printf("# probe_nvjpeg: %zu files, batch %d, %.1f KB an image, %d SMs%s\n", files.size(), B, bytes / 1024.0 / B, sms,
+              blocking ? ", blocking sync" : "");
   if (ceiling) {
     // The engines' ceiling: T threads, each its own handle, state, stream and output, decoding
     // back to back for `seconds`; nothing else on the GPU.
