@@ -7,6 +7,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -63,8 +64,10 @@ class ObjectBlob final : public Blob {
   ObjectBlob(const std::string& url, s3::Url where, std::uint64_t size, std::vector<std::byte> first = {})
       : Blob(url, size), url_(std::move(where)), first_(std::move(first)) {}
   bool remote() const noexcept override { return true; }
-  // Reads are sequential more often than not (a tar stream, an index of headers): the piece after
-  // this one is requested before this one is returned, and parsed while it arrives.
+  // Reads are sequential more often than not (a tar stream, an index of headers): the two pieces
+  // after this one are requested before this one is returned, and arrive while it is parsed (two,
+  // so that one request's first-byte wait and transfer overlap the other's: a reader that parses
+  // faster than one connection delivers still finds its next piece here).
   // With the on-disk cache (cache.h), each piece is looked up there first and stored after.
   std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const override {
     if (offset >= size_) return 0;
@@ -74,22 +77,61 @@ class ObjectBlob final : public Blob {
       std::memcpy(dst, first_.data() + offset, n);
       if (offset + n == first_.size()) std::vector<std::byte>().swap(first_);  // read through: its memory goes
     } else if (!caching || !cache::load(cache::range_key(name_, offset, n), dst, n)) {
-      if (!ahead_.take(offset, n, dst)) s3::read(url_, offset, n, dst);
+      bool taken = false;
+      if (Ahead* a = find(offset, n)) {
+        a->sent = false;
+        taken = a->read.take(offset, n, dst);
+      }
+      if (!taken) s3::read(url_, offset, n, dst);
       if (caching) cache::store(cache::range_key(name_, offset, n), dst, n);
     }
-    const std::uint64_t next = offset + n;
-    if (next < size_) {
-      const std::size_t m = static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next));
-      if (!caching || !cache::contains(cache::range_key(name_, next, m))) ahead_.start(url_, next, m);
+    // The next kAhead pieces of this size: those not on their way go to slots whose read is not
+    // one of them (an idle slot, or a read for bytes no longer wanted, which start() cancels).
+    std::array<std::pair<std::uint64_t, std::size_t>, kAhead> wanted{};
+    std::size_t count = 0;
+    for (std::uint64_t next = offset + n; count < kAhead && next < size_; ++count) {
+      wanted[count] = {next, static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next))};
+      next += wanted[count].second;
+    }
+    for (Ahead& a : ahead_)
+      if (a.sent && std::find(wanted.begin(), wanted.begin() + static_cast<std::ptrdiff_t>(count), std::pair(a.offset, a.n)) ==
+                        wanted.begin() + static_cast<std::ptrdiff_t>(count)) {
+        a.read.cancel();  // the reader went elsewhere
+        a.sent = false;
+      }
+    for (std::size_t k = 0; k < count; ++k) {
+      const auto [at, m] = wanted[k];
+      if (find(at, m) || (caching && cache::contains(cache::range_key(name_, at, m)))) continue;
+      for (Ahead& a : ahead_)
+        if (!a.sent) {
+          a.read.start(url_, at, m);
+          a.sent = true, a.offset = at, a.n = m;
+          break;
+        }
     }
     return n;
   }
-  void progress() const override { ahead_.progress(); }
+  void progress() const override {
+    for (Ahead& a : ahead_)
+      if (a.sent) a.read.progress();
+  }
 
  private:
+  static constexpr std::size_t kAhead = 2;  // pieces requested ahead of the reader
+  struct Ahead {
+    s3::ReadAhead read;
+    bool sent = false;  // a read of (offset, n) is on its way or arrived, not yet taken
+    std::uint64_t offset = 0;
+    std::size_t n = 0;
+  };
+  Ahead* find(std::uint64_t offset, std::size_t n) const {
+    for (Ahead& a : ahead_)
+      if (a.sent && a.offset == offset && a.n == n) return &a;
+    return nullptr;
+  }
   s3::Url url_;
   mutable std::vector<std::byte> first_;  // bytes [0, first_.size()) read with the open
-  mutable s3::ReadAhead ahead_;
+  mutable std::array<Ahead, kAhead> ahead_;
 };
 
 // This thread's opening read sent ahead (open_ahead), and the object it is for. It lives with the
