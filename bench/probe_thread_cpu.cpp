@@ -8,7 +8,9 @@
 // checks a thread's CPU clock at its ticks (250 a second here), so a thread busy all the time gives
 // that many samples a second; busy cores come from the threads' CPU clocks themselves.
 // Without a GPU, the same loader delivers pageable batches on the host (to try the probe).
-// Usage: probe_thread_cpu [--seconds 4] [--interval-us 200]
+// With --images DIR it probes GPU decode instead: an ImageFolder of DIR's JPEGs, decode=gpu
+// (RandomResizedCrop 224 + flip + normalize), batch 256, 4 workers, with 1 and then 2 decode threads.
+// Usage: probe_thread_cpu [--seconds 4] [--interval-us 200] [--images DIR]
 #include <cxxabi.h>
 #include <dirent.h>
 #include <dlfcn.h>
@@ -139,18 +141,9 @@ void report(const char* what, double seconds, const std::vector<pid_t>& tids, co
   }
 }
 
-void run(const char* what, const Tensor& data, double seconds, long interval_us, bool gpu) {
-  DataLoaderOptions o;
-  o.batch_size = 256;
-  // One long epoch (300,000 batches, more than the probe takes), its plan made before the
-  // measurement, and none made ahead for the next.
-  o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(data.size(0)), 3, true, std::size_t{256} * 300000);
-  o.prefetch_next_epoch = false;
-  if (gpu) {
-    o.device = 0;
-    o.gather = Gather::Device;
-  }
-  DataLoader loader(TensorDataset({data}), o);
+// Runs `loader` (one long epoch) for `seconds` under the sampler and prints each thread's report.
+template <class Loader>
+void probe(const char* what, Loader& loader, double seconds, long interval_us, bool gpu) {
   auto it = loader.begin();
   for (int k = 0; k < 200; ++k) ++it;  // warm: threads started, buffers made
   std::vector<pid_t> tids = threads();
@@ -187,15 +180,51 @@ void run(const char* what, const Tensor& data, double seconds, long interval_us,
   if (gpu) loader.stream()->synchronize();
 }
 
+void run(const char* what, const Tensor& data, double seconds, long interval_us, bool gpu) {
+  DataLoaderOptions o;
+  o.batch_size = 256;
+  // One long epoch (300,000 batches, more than the probe takes), its plan made before the
+  // measurement, and none made ahead for the next.
+  o.sampler = std::make_shared<RandomSampler>(static_cast<std::size_t>(data.size(0)), 3, true, std::size_t{256} * 300000);
+  o.prefetch_next_epoch = false;
+  if (gpu) {
+    o.device = 0;
+    o.gather = Gather::Device;
+  }
+  DataLoader loader(TensorDataset({data}), o);
+  probe(what, loader, seconds, interval_us, gpu);
+}
+
+// GPU decode of the JPEGs under `dir` (RandomResizedCrop 224 + flip + normalize, float32), batch
+// 256, 4 workers, `threads` decode threads.
+void run_images(const std::string& dir, int threads, double seconds, long interval_us) {
+  ImageFolderOptions fo;
+  fo.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  fo.decode = ImageFolderOptions::Decode::Gpu;
+  ImageFolder folder(dir, fo);
+  DataLoaderOptions o;
+  o.batch_size = 256;
+  o.num_workers = 4;
+  o.device = 0;
+  o.gpu_decode_threads = threads;
+  o.sampler = std::make_shared<RandomSampler>(folder.size(), 3, true, std::size_t{256} * 300000);
+  o.prefetch_next_epoch = false;
+  DataLoader loader(folder, o);
+  const std::string what = "GPU decode, " + std::to_string(threads) + " decode thread" + (threads == 1 ? "" : "s") + ", 4 workers";
+  probe(what.c_str(), loader, seconds, interval_us, true);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   double seconds = 4;
   long interval_us = 200;
+  std::string images;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--seconds") seconds = std::atof(argv[i + 1]);
     else if (k == "--interval-us") interval_us = std::atol(argv[i + 1]);
+    else if (k == "--images") images = argv[i + 1];
   }
   const bool gpu = cuda::available();
   g_samples = new Sample[kMaxSamples];
@@ -205,6 +234,15 @@ int main(int argc, char** argv) {
   sa.sa_sigaction = on_prof;
   sa.sa_flags = SA_SIGINFO | SA_RESTART;
   ::sigaction(SIGPROF, &sa, nullptr);
+  if (!images.empty()) {
+    if (!gpu) {
+      std::fprintf(stderr, "probe_thread_cpu: --images needs a GPU\n");
+      return 1;
+    }
+    std::printf("# probe_thread_cpu — GPU decode of %s, batch 256; %u hardware threads\n", images.c_str(), std::thread::hardware_concurrency());
+    for (int threads : {1, 2}) run_images(images, threads, seconds, interval_us);
+    return 0;
+  }
   std::printf("# probe_thread_cpu — %s, 0 workers, batch 256; %u hardware threads\n",
               gpu ? "device gather" : "no GPU: pageable batches on the host", std::thread::hardware_concurrency());
   Tensor b = Tensor::empty(DType::Float32, {60000, 784});
