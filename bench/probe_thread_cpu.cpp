@@ -107,6 +107,10 @@ void report(const char* what, double seconds, const std::vector<pid_t>& tids, co
   std::map<pid_t, std::vector<const Sample*>> by;
   for (std::size_t k = 0; k < n; ++k) by[g_samples[k].tid].push_back(&g_samples[k]);
   std::printf("\n## %s (%.1f s; samples on each thread's CPU clock, which the kernel checks at its ticks)\n", what, seconds);
+  double all = 0;
+  for (pid_t tid : tids) all += cpu.at(tid);
+  std::printf("\nthe process: %.2f busy cores over %zu threads (threads of fewer than 20 samples not listed below)\n", all / seconds,
+              tids.size());
   for (pid_t tid : tids) {
     auto it = by.find(tid);
     if (it == by.end() || it->second.size() < 20) continue;
