@@ -117,7 +117,7 @@ class ObjectBlob final : public Blob {
   }
 
  private:
-  static constexpr std::size_t kAhead = 2;  // pieces requested ahead of the reader
+  static constexpr std::size_t kAhead = 2;  // pieces requested ahead of the reader (4 measured no better)
   struct Ahead {
     s3::ReadAhead read;
     bool sent = false;  // a read of (offset, n) is on its way or arrived, not yet taken

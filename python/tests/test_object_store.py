@@ -94,5 +94,5 @@ def test_gpu_decode_over_s3_equals_local(object_store, tmp_path):
     got = batches(ferry.datasets.tar(shards=[shard_url], **stream))
     assert ferry.object_store_stats()["requests"] - requests <= 2
     want = batches(ferry.datasets.tar(shards=[str(shards / "train-0.tar")], **stream))
-    assert len(got) == 4 and got[0][0].shape == (6, 3, 48, 48) and got[0][0].dtype == torch.uint8
+    assert len(got) == 4 and got[0][0].shape == (6, 48, 48, 3) and got[0][0].dtype == torch.uint8  # HWC, as the CPU stream
     assert all(torch.equal(g, w) for b, c in zip(got, want) for g, w in zip(b, c))
