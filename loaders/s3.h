@@ -69,7 +69,7 @@ void start(std::vector<Want> wants, std::size_t in_flight = 32);
 bool take(std::size_t k, std::vector<std::byte>& out);
 
 /// One read sent ahead, on connections of its own (they end with the reader): a tar stream asks
-/// for its next piece while it parses this one (start, take), and for its next shard's first piece
+/// for its next pieces while it parses this one (start, take; one ReadAhead a piece), and for its next shard's first piece
 /// and size, first_piece() sent ahead, while it parses this shard (start_first, take_first). A
 /// take hands over the bytes of the read started for exactly those bytes; anything else (another
 /// range or object, a failed read, one late past the hedge deadline) is false, and the caller

@@ -36,8 +36,8 @@
 //                virtual-host style on AWS's own
 //   attempts     AWS_MAX_ATTEMPTS: tries of one request before it fails (default 5)
 //   hedging      FERRY_S3_HEDGE_AFTER: seconds without a first byte before the hedge is sent
-//                (default 1; 0 sends it at once; "off" never); a read sent ahead (the next piece
-//                or shard, a batch's records) waited for this long is dropped and read again, hedged
+//                (default 1; 0 sends it at once; "off" never); a read sent ahead (the next two
+//                pieces or the next shard, a batch's records) waited for this long is dropped and read again, hedged
 //   stalls       FERRY_S3_STALL_SECONDS: a transfer that receives nothing this long is dropped and
 //                retried (default 30)
 //   cache        FERRY_S3_CACHE_DIR: a folder on local disk that keeps what was read (each image,

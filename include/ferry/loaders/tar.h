@@ -23,8 +23,9 @@
 // moves on to its next shard, so the loader stays usable.
 //
 // Shards may live in S3-compatible storage: "s3://bucket/train-{000..127}.tar" (expand_braces)
-// reads each shard front to back in 8 MiB ranged GETs (settings: loaders/s3.h's Note [S3
-// settings], read from AWS's environment variables and ~/.aws files).
+// reads each shard front to back in 8 MiB ranged GETs, the next two on their way while one is
+// parsed (settings: ferry/loaders/storage.h, read from AWS's environment variables and ~/.aws
+// files). Decoded on the GPU, a stream's records are EncodedImages (encode_labeled_image).
 //
 // Thread safety: TarShards is immutable; each stream belongs to one worker.
 #pragma once
@@ -191,9 +192,10 @@ struct TarImagesOptions {
 /// The constructor reads every member's header (not its data) and every record's label, and records
 /// where each record's image is; a sample is then one read at a known offset. So the loader shuffles
 /// records across all shards, resumes mid-epoch at once, splits them over ranks with a
-/// DistributedSampler, and runs in direct mode, including GPU decode (decode = Gpu), none of which
-/// a stream (TarShards) can. The price is random reads: on storage that wants shards read front to
-/// back (object stores, network file systems), stream them with TarShards instead.
+/// DistributedSampler, and runs in direct mode, none of which a stream (TarShards) can; both decode
+/// on the GPU (decode = Gpu here, encode_labeled_image for a stream). The price is random reads: on
+/// storage that wants shards read front to back (object stores, network file systems), stream them
+/// with TarShards instead.
 ///
 /// Records are indexed as TarShards groups them (adjacent members sharing a key; members without
 /// a field are ignored). A damaged archive (a bad header, a truncated member) is a DataError at
