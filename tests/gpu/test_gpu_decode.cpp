@@ -311,42 +311,59 @@ TEST_CASE("GPU decode: 100,000 images, device and pinned memory recycled within 
   CHECK(pool.frees == 0);
 }
 
-TEST_CASE("GPU decode of indexed tar shards equals the image folder's, bit for bit", "[gpu][decode][tar]") {
-  REQUIRE(DeviceStage::can_decode_images());
-  TempDir dir;
-  make_folder(dir, 12);
-  ImageFolderOptions fo = train_options(ImageFolderOptions::Decode::Gpu);
-  ImageFolder folder(dir / "root", fo);
-  // The folder's files as two shards, in the folder's order, labels in .cls members.
+namespace {
+// The folder's files as two shards a.tar and b.tar in `dir`, in the folder's order, labels in .cls
+// members.
+std::vector<std::string> folder_as_shards(const ImageFolder& folder, const TempDir& dir) {
   TarBuilder a, b;
   for (std::size_t i = 0; i < folder.size(); ++i) {
     const std::string key = "r" + std::to_string(1000 + i);
-    const Bytes jpg = read_bytes(folder.path(i));
-    (i < folder.size() / 2 ? a : b).file(key + ".jpg", jpg).file(key + ".cls", std::to_string(folder.label(i)));
+    (i < folder.size() / 2 ? a : b).file(key + ".jpg", read_bytes(folder.path(i))).file(key + ".cls", std::to_string(folder.label(i)));
   }
   write_file(dir / "a.tar", a.finish());
   write_file(dir / "b.tar", b.finish());
-  TarImagesOptions to;
-  to.transform = fo.transform;
-  to.decode = ImageFolderOptions::Decode::Gpu;
-  TarImages tar({dir / "a.tar", dir / "b.tar"}, to);
-  REQUIRE(tar.size() == folder.size());
-  DataLoader x(folder, loader_options(2));
-  DataLoader y(tar, loader_options(3));
+  return {dir / "a.tar", dir / "b.tar"};
+}
+
+// One epoch of each loader, batch by batch: the same images and labels, bit for bit, on the
+// device; returns the images compared (y ended with x).
+template <class X, class Y>
+std::size_t same_device_batches(X& x, Y& y) {
   auto p = x.begin();
   auto q = y.begin();
   std::size_t images = 0;
   for (; p != x.end(); ++p, ++q) {
     const bool more = q != y.end();
     REQUIRE(more);
+    REQUIRE(q->image.device().kind == MemoryKind::Device);
+    CHECK_FALSE(q->encoded.defined());
     const Tensor xi = host_copy(p->image, *x.stream()), yi = host_copy(q->image, *y.stream());
     const Tensor xl = host_copy(p->label, *x.stream()), yl = host_copy(q->label, *y.stream());
-    REQUIRE(xi.nbytes() == yi.nbytes());
+    REQUIRE(xi.shape() == yi.shape());
     CHECK(std::memcmp(xi.raw(), yi.raw(), xi.nbytes()) == 0);
     CHECK(std::memcmp(xl.raw(), yl.raw(), xl.nbytes()) == 0);
     images += static_cast<std::size_t>(xl.numel());
   }
-  CHECK(images == folder.size());
+  const bool ended = q == y.end();
+  CHECK(ended);
+  return images;
+}
+}  // namespace
+
+TEST_CASE("GPU decode of indexed tar shards equals the image folder's, bit for bit", "[gpu][decode][tar]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 12);
+  ImageFolderOptions fo = train_options(ImageFolderOptions::Decode::Gpu);
+  ImageFolder folder(dir / "root", fo);
+  TarImagesOptions to;
+  to.transform = fo.transform;
+  to.decode = ImageFolderOptions::Decode::Gpu;
+  TarImages tar(folder_as_shards(folder, dir), to);
+  REQUIRE(tar.size() == folder.size());
+  DataLoader x(folder, loader_options(2));
+  DataLoader y(tar, loader_options(3));
+  CHECK(same_device_batches(x, y) == folder.size());
   CHECK(y.device_stage()->stats().images_decoded >= folder.size());
 }
 
@@ -356,22 +373,16 @@ TEST_CASE("GPU decode from a tar stream (encode_labeled_image) equals the indexe
   make_folder(dir, 12);
   ImageFolderOptions fo = train_options(ImageFolderOptions::Decode::Gpu);
   ImageFolder folder(dir / "root", fo);
-  TarBuilder a, b;
-  for (std::size_t i = 0; i < folder.size(); ++i) {
-    const std::string key = "r" + std::to_string(1000 + i);
-    (i < folder.size() / 2 ? a : b).file(key + ".jpg", read_bytes(folder.path(i))).file(key + ".cls", std::to_string(folder.label(i)));
-  }
-  write_file(dir / "a.tar", a.finish());
-  write_file(dir / "b.tar", b.finish());
+  const std::vector<std::string> shards = folder_as_shards(folder, dir);
   TarImagesOptions to;
   to.transform = fo.transform;
   to.decode = ImageFolderOptions::Decode::Gpu;
-  TarImages tar({dir / "a.tar", dir / "b.tar"}, to);
+  TarImages tar(shards, to);
   TarRecordDecodeOptions ro;
   ro.transform = fo.transform;
   TarShardsOptions so;
   so.shuffle = false;
-  auto stream = TarShards({dir / "a.tar", dir / "b.tar"}, so).map([ro](TarRecord r, SampleContext& ctx) {
+  auto stream = TarShards(shards, so).map([ro](TarRecord r, SampleContext& ctx) {
     return encode_labeled_image(std::move(r), ro, ctx.rng());
   });
   // Without workers the stream's k-th record draws its crop as the indexed k-th sample does (the
@@ -381,26 +392,7 @@ TEST_CASE("GPU decode from a tar stream (encode_labeled_image) equals the indexe
   yo.batch_size = xo.batch_size = 7;  // batches that cross from one shard to the next
   DataLoader x(tar, xo);
   DataLoader y(stream, yo);
-  for (int epoch = 0; epoch < 2; ++epoch) {
-    auto p = x.begin();
-    auto q = y.begin();
-    std::size_t images = 0;
-    for (; p != x.end(); ++p, ++q) {
-      const bool more = q != y.end();
-      REQUIRE(more);
-      REQUIRE(q->image.device().kind == MemoryKind::Device);
-      CHECK_FALSE(q->encoded.defined());
-      const Tensor xi = host_copy(p->image, *x.stream()), yi = host_copy(q->image, *y.stream());
-      const Tensor xl = host_copy(p->label, *x.stream()), yl = host_copy(q->label, *y.stream());
-      REQUIRE(xi.shape() == yi.shape());
-      CHECK(std::memcmp(xi.raw(), yi.raw(), xi.nbytes()) == 0);
-      CHECK(std::memcmp(xl.raw(), yl.raw(), xl.nbytes()) == 0);
-      images += static_cast<std::size_t>(xl.numel());
-    }
-    const bool ended = q == y.end();
-    CHECK(ended);
-    CHECK(images == folder.size());
-  }
+  for (int epoch = 0; epoch < 2; ++epoch) CHECK(same_device_batches(x, y) == folder.size());
   CHECK(y.device_stage()->stats().images_decoded >= 2 * folder.size());
   // With workers, every record once a epoch, decoded on the device.
   DataLoaderOptions wo = loader_options(3);
