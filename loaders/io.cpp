@@ -111,9 +111,11 @@ class ObjectBlob final : public Blob {
     }
     return n;
   }
-  void progress() const override {
+  bool progress() const override {
+    bool moving = false;
     for (Ahead& a : ahead_)
-      if (a.sent) a.read.progress();
+      if (a.sent && a.read.progress()) moving = true;
+    return moving;
   }
 
  private:
@@ -230,9 +232,9 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
   return std::make_unique<LocalBlob>(path, fd, size);
 }
 
-void progress_ahead() {
+bool progress_ahead() {
   PendingOpen& ahead = pending_open();
-  if (!ahead.path.empty()) ahead.read->progress();
+  return !ahead.path.empty() && ahead.read->progress();
 }
 
 void open_ahead(const std::string& path, std::size_t first_piece) {

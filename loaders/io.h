@@ -45,8 +45,9 @@ class Blob {
   virtual bool remote() const noexcept = 0;
   /// Reads up to `n` bytes at `offset` into `dst`; fewer only where the blob ends.
   virtual std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const = 0;
-  /// Moves reads sent ahead along without waiting (a reader calls it between its reads, often).
-  virtual void progress() const {}
+  /// Moves reads sent ahead along without waiting (a reader calls it between its reads, often, and
+  /// its worker while it waits); true while some are still on their way.
+  virtual bool progress() const { return false; }
 
  protected:
   Blob(std::string name, std::uint64_t size) : name_(std::move(name)), size_(size) {}
@@ -59,8 +60,9 @@ class Blob {
 /// for a local path or one whose size the disk cache holds; one at a time on a thread (a second
 /// replaces the first).
 void open_ahead(const std::string& path, std::size_t first_piece);
-/// Moves this thread's open_ahead() read along without waiting (call it between records).
-void progress_ahead();
+/// Moves this thread's open_ahead() read along without waiting (call it between records); true
+/// while it is still on its way.
+bool progress_ahead();
 
 /// An object found by list_prefix: its URL and size.
 struct ListedFile {

@@ -833,8 +833,9 @@ bool ReadAhead::take_first(const Url& url, std::size_t n, std::vector<std::byte>
   return true;
 }
 
-void ReadAhead::progress() {
+bool ReadAhead::progress() {
   if (impl_->batch.live > 0) impl_->batch.drive(0);
+  return impl_->batch.live > 0;
 }
 
 void ReadAhead::cancel() { impl_->batch.cancel(); }

@@ -90,8 +90,9 @@ class ReadAhead {
   /// into `size`.
   bool take_first(const Url& url, std::size_t n, std::vector<std::byte>& out, std::uint64_t& size);
   /// Moves the read in flight along without waiting: what has arrived is taken off the socket
-  /// (which would otherwise fill and stall the transfer while the reader works).
-  void progress();
+  /// (which would otherwise fill and stall the transfer while the reader works). True while it is
+  /// still on its way.
+  bool progress();
   /// Stops a read in flight (its connection closes).
   void cancel();
 

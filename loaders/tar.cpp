@@ -205,12 +205,17 @@ const std::string& TarReader::last_path() const noexcept { return impl_->last_pa
 
 std::optional<TarMember> TarReader::next() { return next(true); }
 
+bool TarReader::progress() {
+  Impl& r = *impl_;
+  if (!r.blob || !r.blob->remote()) return false;
+  const bool pieces = r.blob->progress();  // this object's next pieces and the next object's open, on their way
+  const bool open = loaders::progress_ahead();
+  return pieces || open;
+}
+
 std::optional<TarMember> TarReader::next(bool read_data) {
   Impl& r = *impl_;
-  if (r.blob && r.blob->remote()) {  // this object's next piece and the next object's open, on their way
-    r.blob->progress();
-    loaders::progress_ahead();
-  }
+  progress();
   std::string long_name, pax_path;
   std::optional<std::uint64_t> pax_size;
   while (!r.done) {
@@ -325,6 +330,8 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
 }
 
 std::optional<TarRecord> TarShards::Stream::next() { return advance(true); }
+
+bool TarShards::Stream::progress() { return reader_ && reader_->progress(); }
 
 std::size_t TarShards::Stream::skip(std::size_t n) {
   // Headers only (the members' data seeked past), except the last record: reading it finds the

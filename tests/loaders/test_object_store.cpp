@@ -269,6 +269,45 @@ TEST_CASE("a stream opens each shard with one request, the next one's sent while
   ::unsetenv("FERRY_S3_HEDGE_AFTER");
 }
 
+TEST_CASE("a stream's reads sent ahead arrive while its worker waits for its next job", "[s3][tar]") {
+  // One shard of 20 records of 1 MiB (three pieces: 8, 8 and 4 MiB). The worker makes its first
+  // two batches from the first piece, with the other two pieces sent ahead, then waits: the loader
+  // holds no more than one batch ahead and the consumer holds the first. Those pieces must arrive
+  // during the wait (the worker moves them along while it waits), not only once it reads again.
+  const Data& d = data();
+  (void)d;
+  TarBuilder t;
+  for (int r = 0; r < 20; ++r)
+    t.file("k" + std::to_string(r) + ".bin", Bytes(1 << 20, std::byte(r))).file("k" + std::to_string(r) + ".cls", "1");
+  const Bytes shard = t.finish();
+  ObjectStore::get().put(std::string(kBucket) + "/idle/one.tar", shard);
+  TarShardsOptions so;
+  so.shuffle = false;
+  auto sizes = TarShards({Data::url("idle/one.tar")}, so).map([](const TarRecord& r) {
+    return Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(r.field("bin").size()));
+  });
+  DataLoaderOptions o;
+  o.batch_size = 2;
+  o.num_workers = 1;
+  o.prefetch_factor = 1;
+  ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+  const ObjectStoreStats before = object_store_stats();
+  DataLoader loader(sizes, o);
+  auto it = loader.begin();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (object_store_stats().bytes - before.bytes < shard.size() && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  CHECK(object_store_stats().bytes - before.bytes == shard.size());  // the whole shard, while the batch is held
+  CHECK(object_store_stats().requests - before.requests == 3);
+  std::int64_t records = 0;
+  for (; it != loader.end(); ++it) {
+    CHECK(it->data<std::int64_t>()[0] == 1 << 20);
+    records += it->numel();
+  }
+  CHECK(records == 20);
+  ::unsetenv("FERRY_S3_HEDGE_AFTER");
+}
+
 TEST_CASE("indexed tar shards over s3://: the local batches, and resume mid-epoch", "[s3][tar][resume]") {
   const Data& d = data();
   const std::vector<std::string> remote = expand_braces(d.url("shards/train-{000..002}.tar"));

@@ -233,6 +233,21 @@ class DataLoader {
     }
 
     static constexpr bool kCollatedFields = kDefaultCollate && !kDirect && requires { typename CollateFields<Sample>::batch_type; };
+
+    // A worker's stream and where it stands (produce_stream; ctx.stream holds it).
+    template <class D>
+    struct StreamOf {
+      using type = std::decay_t<decltype(std::declval<const D&>().open(std::declval<const WorkerInfo&>()))>;
+    };
+    struct NoStream {
+      using type = int;
+    };
+    struct StreamState {
+      typename std::conditional_t<kStreaming, StreamOf<Dataset>, NoStream>::type stream;
+      std::vector<std::size_t> positions;
+      std::size_t read = 0;
+      std::int64_t batch = 0;
+    };
     static constexpr bool kPinnable = kCollatedFields || PinMemory<Batch>::supported;
 
     void walk(detail::Payload& p, PinContext& ctx) override {
@@ -341,13 +356,6 @@ class DataLoader {
     detail::Payload produce_stream(detail::JobContext& ctx) {
       if constexpr (kStreaming) {
         const DataLoaderOptions& opt = core.options();
-        using Stream = std::decay_t<decltype(std::declval<const Dataset&>().open(std::declval<const WorkerInfo&>()))>;
-        struct StreamState {
-          Stream stream;
-          std::vector<std::size_t> positions;
-          std::size_t read = 0;
-          std::int64_t batch = 0;
-        };
         if (!ctx.stream) {
           ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0, 0});
           if (const std::uint64_t key = core.stream_resume_key()) {
@@ -402,6 +410,21 @@ class DataLoader {
       } else {
         (void)ctx;
         return {};
+      }
+    }
+
+    // A stream's reads sent ahead, moved along while the worker waits for its next job.
+    bool idle(std::shared_ptr<void>& state) noexcept override {
+      if constexpr (kStreaming) {
+        try {
+          const detail::ScopedIo io(core.io_counters());  // what arrives counts as this loader's
+          return detail::progress_stream(static_cast<StreamState*>(state.get())->stream);
+        } catch (...) {
+          return false;  // the stream's next read meets the error and reports it
+        }
+      } else {
+        (void)state;
+        return false;
       }
     }
 

@@ -280,6 +280,13 @@ std::size_t skip_stream(S& stream, std::size_t n) {
     return k;
   }
 }
+/// stream.progress() where the stream has one (it moves reads sent ahead along without waiting;
+/// true while some are still on their way), else false.
+template <class S>
+bool progress_stream(S& stream) {
+  if constexpr (requires { { stream.progress() } -> std::convertible_to<bool>; }) return stream.progress();
+  else return false;
+}
 }  // namespace detail
 
 /// An iterable dataset whose samples are transform(sample) or transform(sample, ctx), run in the
@@ -307,6 +314,8 @@ class MappedIterable : public DatasetBase<MappedIterable<D, F>> {
       position_ += k;  // later samples keep their generators
       return k;
     }
+    /// The inner stream's progress() (reads sent ahead moved along between batches), if it has one.
+    bool progress() { return detail::progress_stream(inner_); }
 
    private:
     template <class S>

@@ -140,6 +140,14 @@ class Producer {
   virtual std::shared_ptr<void> keep_alive() { return nullptr; }
   /// Called on the consumer thread when a worker stuck on `sample` is abandoned.
   virtual void sample_abandoned(std::size_t sample) { (void)sample; }
+  /// Stream: called on a worker's thread between its jobs, with its stream's state (what its last
+  /// produce() left in ctx.stream), every few milliseconds while it returns true: moves the
+  /// stream's reads sent ahead along, so that they arrive while the worker waits for its next job
+  /// (a worker waits whenever the loader's queue is full). True while some are on their way.
+  virtual bool idle(std::shared_ptr<void>& stream) noexcept {
+    (void)stream;
+    return false;
+  }
 };
 
 /// DataLoaderOptions::wait_poll, as the engine and the pin stage run it while the consumer waits.

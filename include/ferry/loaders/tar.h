@@ -73,6 +73,10 @@ class TarReader {
   std::optional<TarMember> next();
   /// The same; without read_data the member's data is skipped (seeked past) and left empty.
   std::optional<TarMember> next(bool read_data);
+  /// An object's reads sent ahead (its next pieces, the next shard's open) moved along without
+  /// waiting, as next() does before it reads: true while some are still on their way. False for
+  /// a file or an archive in memory.
+  bool progress();
   /// The path named by the last header read, or empty when next() failed before it could read
   /// one (a damaged header): after a DataError, which member was damaged, if known.
   const std::string& last_path() const noexcept;
@@ -116,6 +120,8 @@ class TarShards : public DatasetBase<TarShards> {
     std::optional<TarRecord> next();
     /// Skips n records reading only their headers (a resumed epoch); returns how many it skipped.
     std::size_t skip(std::size_t n);
+    /// TarReader::progress() of the shard being read (the loader calls it while the worker waits).
+    bool progress();
 
    private:
     friend class TarShards;
