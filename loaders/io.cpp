@@ -93,9 +93,12 @@ class ObjectBlob final : public Blob {
       wanted[count] = {next, static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next))};
       next += wanted[count].second;
     }
+    const auto wants = [&](const Ahead& a) {
+      return std::find(wanted.begin(), wanted.begin() + static_cast<std::ptrdiff_t>(count), std::pair(a.offset, a.n)) !=
+             wanted.begin() + static_cast<std::ptrdiff_t>(count);
+    };
     for (Ahead& a : ahead_)
-      if (a.sent && std::find(wanted.begin(), wanted.begin() + static_cast<std::ptrdiff_t>(count), std::pair(a.offset, a.n)) ==
-                        wanted.begin() + static_cast<std::ptrdiff_t>(count)) {
+      if (a.sent && !wants(a)) {
         a.read.cancel();  // the reader went elsewhere
         a.sent = false;
       }

@@ -91,8 +91,9 @@ inline TarShards tar_stream_shards(const DatasetConfig& config) {
   return TarShards(tar_shard_paths(config), so);
 }
 inline auto make_tar_stream(const DatasetConfig& config) {
-  if (config.str("decode", "cpu") != "cpu")
-    throw Error("dataset 'tar': option 'decode' must be cpu (or gpu, with make_tar_gpu_stream), got '" + config.str("decode") + "'");
+  const std::string decode = config.str("decode", "cpu");
+  if (decode == "gpu") throw Error("dataset 'tar': decode=gpu is make_tar_gpu_stream's stream");
+  if (decode != "cpu") throw Error("dataset 'tar': option 'decode' must be cpu or gpu, got '" + decode + "'");
   const TarRecordDecodeOptions o = tar_stream_decode(config);
   TarShards shards = tar_stream_shards(config);
   config.finish();

@@ -11,9 +11,9 @@
 //   ferry::DataLoader loader(train, {.batch_size = 256, .shuffle = true, .num_workers = 16});
 //
 // How bytes are read: an image, an .npy or an IDX file is one GET; a tar stream is read front to
-// back in 8 MiB ranged GETs, the next requested while this one is parsed (a shard's first piece
-// brings its size, and the next shard's is requested while this shard is read); an indexed tar shard's
-// headers are read that way once, then each record is one ranged GET, a batch's records
+// back in 8 MiB ranged GETs, the next two requested while this one is parsed and moved along
+// while the worker waits (a shard's first piece brings its size, and the next shard's is
+// requested while this shard is read); an indexed tar shard's headers are read that way once, then each record is one ranged GET, a batch's records
 // requested together. Each worker thread keeps its own connections (libcurl, reused from
 // request to request). A request is retried with jittered exponential backoff on a 5xx, a 429, a
 // refused or reset connection or a stall; when its first byte is late, a second request for the
@@ -37,7 +37,8 @@
 //   attempts     AWS_MAX_ATTEMPTS: tries of one request before it fails (default 5)
 //   hedging      FERRY_S3_HEDGE_AFTER: seconds without a first byte before the hedge is sent
 //                (default 1; 0 sends it at once; "off" never); a read sent ahead (the next two
-//                pieces or the next shard, a batch's records) waited for this long is dropped and read again, hedged
+//                pieces or the next shard, a batch's records) waited for this long is dropped
+//                and read again, hedged
 //   stalls       FERRY_S3_STALL_SECONDS: a transfer that receives nothing this long is dropped and
 //                retried (default 30)
 //   cache        FERRY_S3_CACHE_DIR: a folder on local disk that keeps what was read (each image,
