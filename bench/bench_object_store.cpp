@@ -4,18 +4,23 @@
 // first-byte latency). Indexed tar shards (TarImages: one ranged GET a record, a batch's records
 // requested together) and the stream (TarShards: 8 MiB ranged GETs, a shard's open sent while the
 // last is parsed), RandomResizedCrop 224 + flip, uint8, CPU decode; with a GPU, both again with
-// decode=gpu (nvJPEG, device 0; the stream's records as EncodedImages). Prints a Markdown table: images/s (median of --runs),
-// the ratio to local, the busy cores of this process and images/s per busy core (the proxy's threads included), and
-// the server's busy cores apart. With --server-cpus N the server runs on the machine's last N
+// decode=gpu (nvJPEG, device 0; the stream's records as EncodedImages); and the stream's records
+// read and not decoded (what the reads alone give). Prints a Markdown table: images/s (median of
+// --runs epochs), the ratio to local, the busy cores of this process and images/s per busy core
+// (the proxy's threads included), the server's busy cores apart, and the rate between each epoch's
+// batches at 10% and 90% (its start and tail left out). With --server-cpus N the server runs on the machine's last N
 // CPUs and this process (every row, local disk too) on the others: a store on cores of its own,
 // as a store on another machine would be; without it both share every CPU.
 //
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
+//       [--persistent | --loader-per-epoch] [--prefetch N] [--detail] [--no-cache-row]
 #include <sched.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +30,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_time.h"
@@ -44,8 +50,18 @@ int arg(int argc, char** argv, const std::string& name, int fallback) {
   return fallback;
 }
 
+bool flag(int argc, char** argv, const std::string& name) {
+  for (int i = 1; i < argc; ++i)
+    if (argv[i] == name) return true;
+  return false;
+}
+
+// The last epoch's rate between its batches at 10% and at 90% of the epoch (its start and its
+// tail left out), set by each timed epoch.
+double g_mid = 0;
+
 struct Result {
-  double images_per_second = 0, busy = 0, server = 0;
+  double images_per_second = 0, busy = 0, server = 0, mid = 0;
 };
 
 pid_t g_server = 0;
@@ -82,10 +98,15 @@ Result measure(int runs, const std::function<std::size_t()>& epoch) {
     const auto t0 = Clock::now();
     const std::size_t n = epoch();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    rs.push_back({n / s, (bench::cpu_seconds() - c0) / s, (server_cpu_seconds() - s0) / s});
+    rs.push_back({n / s, (bench::cpu_seconds() - c0) / s, (server_cpu_seconds() - s0) / s, g_mid});
   }
+  std::vector<double> mids;
+  for (const Result& r : rs) mids.push_back(r.mid);
+  std::sort(mids.begin(), mids.end());
   std::sort(rs.begin(), rs.end(), [](const Result& a, const Result& b) { return a.images_per_second < b.images_per_second; });
-  return rs[rs.size() / 2];
+  Result m = rs[rs.size() / 2];
+  m.mid = mids[mids.size() / 2];
+  return m;
 }
 
 }  // namespace
@@ -116,18 +137,31 @@ int main(int argc, char** argv) {
   test::TempDir dir;
   std::vector<std::string> local, remote;
   std::size_t bytes = 0;
+  // The shards are made on every CPU (JPEG encoding is most of the set-up), then written and put in order.
+  std::vector<test::Bytes> tars(static_cast<std::size_t>(shards));
+  {
+    std::atomic<int> next{0};
+    std::vector<std::thread> makers;
+    for (int m = 0; m < std::max(1, cpus - server_cpus); ++m)
+      makers.emplace_back([&] {
+        for (int s; (s = next.fetch_add(1)) < shards;) {
+          test::TarBuilder t;
+          for (int r = 0; r < per_shard && s * per_shard + r < images; ++r) {
+            // 500x375 photographs' size class: smooth gradients with texture, about 171 KB at quality 90.
+            std::vector<std::uint8_t> p = test::gradient(500, 375, 3, s * per_shard + r);
+            const std::vector<std::uint8_t> noise = test::textured(500, 375, 3, static_cast<std::uint32_t>(s * per_shard + r + 1));
+            for (std::size_t k = 0; k < p.size(); ++k) p[k] = static_cast<std::uint8_t>((p[k] * 3 + noise[k]) / 4);
+            const std::string key = "s" + std::to_string(s) + "/" + std::to_string(r);
+            t.file(key + ".jpg", test::encode_jpeg(p, 500, 375, 3, 90));
+            t.file(key + ".cls", std::to_string(r % 1000));
+          }
+          tars[static_cast<std::size_t>(s)] = t.finish();
+        }
+      });
+    for (std::thread& t : makers) t.join();
+  }
   for (int s = 0; s < shards; ++s) {
-    test::TarBuilder t;
-    for (int r = 0; r < per_shard && s * per_shard + r < images; ++r) {
-      // 500x375 photographs' size class: smooth gradients with texture, about 60 KB at quality 90.
-      std::vector<std::uint8_t> p = test::gradient(500, 375, 3, s * per_shard + r);
-      const std::vector<std::uint8_t> noise = test::textured(500, 375, 3, static_cast<std::uint32_t>(s * per_shard + r + 1));
-      for (std::size_t k = 0; k < p.size(); ++k) p[k] = static_cast<std::uint8_t>((p[k] * 3 + noise[k]) / 4);
-      const std::string key = "s" + std::to_string(s) + "/" + std::to_string(r);
-      t.file(key + ".jpg", test::encode_jpeg(p, 500, 375, 3, 90));
-      t.file(key + ".cls", std::to_string(r % 1000));
-    }
-    const test::Bytes tar = t.finish();
+    const test::Bytes& tar = tars[static_cast<std::size_t>(s)];
     bytes += tar.size();
     char name[32];
     std::snprintf(name, sizeof name, "train-%03d.tar", s);
@@ -136,51 +170,120 @@ int main(int argc, char** argv) {
     local.push_back(dir / name);
     remote.push_back(std::string("s3://bench/") + name);
   }
+  tars.clear();
   TarImagesOptions io;
   io.transform = ImageTransform().random_resized_crop(224, 224).horizontal_flip();
   DataLoaderOptions o;
   o.batch_size = 64;
   o.shuffle = true;
   o.num_workers = workers;
-  const TarImages local_index(local, io), remote_index(remote, io);  // indexed once, outside the timing
+  // The indexed rows' datasets, indexed once, outside the timing (and only when such a row runs).
+  const auto selected = [&only](const std::string& kind) { return only.empty() || kind.find(only) != std::string::npos; };
+  const bool any_indexed = selected("indexed (TarImages)") || selected("indexed, decode=gpu (TarImages)");
+  std::optional<TarImages> local_index, remote_index;
+  if (any_indexed) local_index.emplace(local, io), remote_index.emplace(remote, io);
   // decode=gpu (with a GPU): the same shards, each record's JPEG decoded on the device.
   const bool gpu = cuda::available();
   TarImagesOptions gio = io;
   gio.decode = ImageFolderOptions::Decode::Gpu;
   std::optional<TarImages> local_gpu, remote_gpu;
-  if (gpu) local_gpu.emplace(local, gio), remote_gpu.emplace(remote, gio);
-  const auto indexed = [&](const std::vector<std::string>& paths, bool on_gpu) {
-    const TarImages* ds = on_gpu ? (paths == local ? &*local_gpu : &*remote_gpu) : (paths == local ? &local_index : &remote_index);
-    return [&, ds, on_gpu] {
-      DataLoaderOptions go = o;
-      if (on_gpu) go.device = 0;
-      DataLoader loader(*ds, go);
-      std::size_t n = 0;
-      for (auto& b : loader) n += static_cast<std::size_t>(b.label.numel());
-      if (on_gpu) loader.stream()->synchronize();  // the last batch decoded, not just issued
-      return n;
+  if (gpu && any_indexed) local_gpu.emplace(local, gio), remote_gpu.emplace(remote, gio);
+  // Each row's epochs: one loader a row, its first epoch untimed and the next ones timed one after
+  // another, as a training loop runs them (--persistent: its workers kept across epochs); with
+  // --loader-per-epoch a new loader every epoch (its start-up, nvJPEG's included, counted in every
+  // epoch: this benchmark's method before 2026-11-26). --detail prints each epoch's time to its
+  // first batch, its length, the consumer's wait in the loader and the stages' seconds (stderr).
+  const bool one_loader = !flag(argc, argv, "--loader-per-epoch"), detail = flag(argc, argv, "--detail");
+  const bool no_cache_row = flag(argc, argv, "--no-cache-row");
+  o.persistent_workers = flag(argc, argv, "--persistent");
+  o.prefetch_factor = arg(argc, argv, "--prefetch", o.prefetch_factor);
+  const auto count = [](const auto& b) -> std::size_t {
+    if constexpr (std::is_same_v<std::decay_t<decltype(b)>, Tensor>) return static_cast<std::size_t>(b.numel());
+    else return static_cast<std::size_t>(b.label.numel());
+  };
+  const auto timed = [detail, count](auto& loader, bool on_gpu) {
+    loader.reset_stats();
+    const auto t0 = Clock::now();
+    double first = -1;
+    std::size_t n = 0;
+    std::vector<std::pair<Clock::time_point, std::size_t>> arrived;  // (when, images so far) a batch
+    for (auto& b : loader) {
+      if (first < 0) first = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      n += count(b);
+      arrived.emplace_back(Clock::now(), n);
+    }
+    if (on_gpu) loader.stream()->synchronize();  // the last batch decoded, not just issued
+    g_mid = 0;
+    if (arrived.size() >= 10) {
+      const auto& [ta, na] = arrived[arrived.size() / 10];
+      const auto& [tb, nb] = arrived[arrived.size() * 9 / 10];
+      g_mid = static_cast<double>(nb - na) / std::chrono::duration<double>(tb - ta).count();
+    }
+    if (detail)
+    {
+      const LoaderStats st = loader.stats();
+      std::fprintf(stderr,
+                   "  epoch: first batch %.0f ms, %.0f ms, %zu images, consumer waited %.0f ms; workers' fetch %.2f s, collate "
+                   "%.2f s; pin %.2f s; decode %.2f s\n",
+                   first, std::chrono::duration<double, std::milli>(Clock::now() - t0).count(), n, st.wait_seconds * 1e3,
+                   st.fetch_seconds, st.collate_seconds, st.pin_seconds, st.decode_seconds);
+    }
+    return n;
+  };
+  // An epoch of a loader made by `make`: a new one each call, or one kept by the returned function.
+  const auto epochs = [one_loader, timed](auto make, bool on_gpu) -> std::function<std::size_t()> {
+    using Loader = decltype(make());
+    if (!one_loader)
+      return [make, timed, on_gpu] {
+        Loader loader = make();
+        return timed(loader, on_gpu);
+      };
+    auto kept = std::make_shared<std::optional<Loader>>();
+    return [make, timed, on_gpu, kept] {
+      if (!*kept) kept->emplace(make());
+      return timed(**kept, on_gpu);
     };
   };
+  const auto indexed = [&](const std::vector<std::string>& paths, bool on_gpu) {
+    const TarImages* ds = on_gpu ? (paths == local ? &*local_gpu : &*remote_gpu) : (paths == local ? &*local_index : &*remote_index);
+    DataLoaderOptions go = o;
+    if (on_gpu) go.device = 0;
+    return epochs([ds, go] { return DataLoader(*ds, go); }, on_gpu);
+  };
+  // The stream's records, read and not decoded (their JPEG's size each): what the reads alone give.
+  const auto records = [&](const std::vector<std::string>& paths) {
+    DataLoaderOptions ro = o;
+    ro.shuffle = false;
+    return epochs(
+        [paths, ro] {
+          return DataLoader(TarShards(paths, TarShardsOptions{}).map([](TarRecord r, SampleContext&) {
+            return static_cast<std::int64_t>(r.field("jpg").size());
+          }),
+                            ro);
+        },
+        false);
+  };
   const auto stream = [&](const std::vector<std::string>& paths, bool on_gpu) {
-    return [&, paths, on_gpu] {
-      TarShardsOptions so;
-      const TarRecordDecodeOptions tio{.transform = io.transform};
-      DataLoaderOptions so2 = o;
-      so2.shuffle = false;
-      std::size_t n = 0;
-      if (on_gpu) {
-        so2.device = 0;
-        auto ds = TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), tio, ctx.rng()); });
-        DataLoader loader(ds, so2);
-        for (auto& b : loader) n += static_cast<std::size_t>(b.label.numel());
-        loader.stream()->synchronize();  // the last batch decoded, not just issued
-        return n;
-      }
-      auto ds = TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, tio, ctx.rng()); });
-      DataLoader loader(ds, so2);
-      for (auto& b : loader) n += static_cast<std::size_t>(b.label.numel());
-      return n;
-    };
+    TarShardsOptions so;
+    const TarRecordDecodeOptions tio{.transform = io.transform};
+    DataLoaderOptions so2 = o;
+    so2.shuffle = false;
+    if (on_gpu) {
+      so2.device = 0;
+      return epochs(
+          [paths, so, tio, so2] {
+            return DataLoader(TarShards(paths, so).map(
+                                  [tio](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), tio, ctx.rng()); }),
+                              so2);
+          },
+          true);
+    }
+    return epochs(
+        [paths, so, tio, so2] {
+          return DataLoader(
+              TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, tio, ctx.rng()); }), so2);
+        },
+        false);
   };
 
   utsname u{};
@@ -193,44 +296,59 @@ int main(int argc, char** argv) {
                                  std::to_string(cpus - server_cpus)).c_str()
                               : "the server and the loader share every CPU",
               runs);
-  std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores |\n"
-              "|---|---|---:|---:|---:|---:|---:|\n");
+  std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores | "
+              "mid-epoch images/s | of local |\n"
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
   std::vector<const char*> kinds{"indexed (TarImages)", "stream (TarShards)"};
   if (gpu) kinds.push_back("indexed, decode=gpu (TarImages)"), kinds.push_back("stream, decode=gpu (TarShards)");
+  kinds.push_back("stream, records read, not decoded (TarShards)");
   for (const char* kind : kinds) {
-    if (!only.empty() && std::string(kind).find(only) == std::string::npos) continue;
+    if (!selected(kind)) continue;
     const bool idx = kind[0] == 'i', on_gpu = std::string(kind).find("gpu") != std::string::npos;
     const auto epoch = [&](const std::vector<std::string>& paths) -> std::function<std::size_t()> {
       if (idx) return indexed(paths, on_gpu);
+      if (std::string(kind).find("records") != std::string::npos) return records(paths);
       return stream(paths, on_gpu);
     };
-    const auto run = [&](const std::vector<std::string>& paths) { return measure(runs, epoch(paths)); };
+    // With --one-loader, a row's first epoch (its loader's start-up) is not timed.
+    const auto run = [&](const std::vector<std::string>& paths) {
+      const std::function<std::size_t()> e = epoch(paths);
+      if (one_loader) measure(1, e);
+      return measure(runs, e);
+    };
+    if (detail) std::fprintf(stderr, "%s\n", kind);
     measure(1, epoch(local));  // warm the page cache
     const Result l = run(local);
-    std::printf("| %s | local disk | %.0f | 1.00 | %.2f | %.0f | - |\n", kind, l.images_per_second, l.busy, l.images_per_second / l.busy);
+    std::printf("| %s | local disk | %.0f | 1.00 | %.2f | %.0f | - | %.0f | 1.00 |\n", kind, l.images_per_second, l.busy,
+                l.images_per_second / l.busy, l.mid);
     std::fflush(stdout);
     const Result r = run(remote);
-    std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f | %.2f |\n", kind, r.images_per_second, r.images_per_second / l.images_per_second,
-                r.busy, r.images_per_second / r.busy, r.server);
+    std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", kind, r.images_per_second,
+                r.images_per_second / l.images_per_second, r.busy, r.images_per_second / r.busy, r.server, r.mid, r.mid / l.mid);
     std::fflush(stdout);
     {
       test::FaultProxy proxy(store.port());
       proxy.delay(std::chrono::milliseconds(latency));
       ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
       const Result p = run(remote);
-      std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f | %.0f | %.2f |\n", kind, latency, p.images_per_second,
-                  p.images_per_second / l.images_per_second, p.busy, p.images_per_second / p.busy, p.server);
+      std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", kind, latency,
+                  p.images_per_second, p.images_per_second / l.images_per_second, p.busy, p.images_per_second / p.busy, p.server, p.mid,
+                  p.mid / l.mid);
       std::fflush(stdout);
+      if (no_cache_row) {
+        store.use();
+        continue;
+      }
       // The on-disk cache: one epoch fills it, the measured epochs read the disk.
       test::TempDir cache;
       ::setenv("FERRY_S3_CACHE_DIR", cache.path().c_str(), 1);
-      measure(1, epoch(remote));
+      if (!one_loader) measure(1, epoch(remote));
       const Result c = run(remote);
       ::unsetenv("FERRY_S3_CACHE_DIR");
       store.use();
-      std::printf("| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f |\n", kind,
-                  latency, c.images_per_second, c.images_per_second / l.images_per_second, c.busy, c.images_per_second / c.busy,
-                  c.server);
+      std::printf("| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n",
+                  kind, latency, c.images_per_second, c.images_per_second / l.images_per_second, c.busy, c.images_per_second / c.busy,
+                  c.server, c.mid, c.mid / l.mid);
       std::fflush(stdout);
     }
   }

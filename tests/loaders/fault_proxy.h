@@ -1,8 +1,9 @@
 // A fault-injecting HTTP proxy on loopback, between ferry's S3 client and the real server: it
 // forwards each request as it came (the signature stays valid) and, as told, answers it with a
 // 503, resets the connection, cuts the body short, delays the answer, or never answers; "down"
-// refuses every connection, as a stopped server would. Each client connection gets a thread; all
-// end when the proxy is destroyed.
+// refuses every connection, as a stopped server would. A delayed answer that passes is relayed
+// as it arrives, its first byte held (a store's first-byte latency, not a wait for the whole
+// body). Each client connection gets a thread; all end when the proxy is destroyed.
 #pragma once
 
 #include <netinet/in.h>
@@ -10,6 +11,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <deque>
@@ -179,10 +181,14 @@ class FaultProxy {
           if (!send_all(client, answer.data(), answer.size())) break;
           continue;
         }
+        const auto first_byte = std::chrono::steady_clock::now() + wait;
+        if (fault == Fault::None) {  // the answer's bytes pass on as they come, the first held until `first_byte`
+          if (!relay(client, request, first_byte)) break;
+          continue;
+        }
         std::string answer;
         if (!forward(request, answer)) break;
-        for (auto end = std::chrono::steady_clock::now() + wait; !stopping_ && std::chrono::steady_clock::now() < end;)
-          std::this_thread::sleep_for(std::chrono::milliseconds(5));
+        hold_until(first_byte);
         if (fault == Fault::CutShort) {  // the headers and half the body, then the connection ends
           const std::size_t head = answer.find("\r\n\r\n") + 4;
           send_all(client, answer.data(), head + (answer.size() - head) / 2);
@@ -196,8 +202,14 @@ class FaultProxy {
     reset(client);
   }
 
-  bool forward(const std::string& request, std::string& answer) {
-    const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  void hold_until(std::chrono::steady_clock::time_point t) const {
+    while (!stopping_ && std::chrono::steady_clock::now() < t) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+
+  // Sends `request` upstream on a fresh connection and reads the answer's head (and what came
+  // with it); `want` is the answer's whole length. False on a failed connection or read.
+  bool send_upstream(const std::string& request, int& s, std::string& answer, std::size_t& want) {
+    s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_in a{};
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -207,9 +219,41 @@ class FaultProxy {
     if (ok) {
       const std::size_t head = answer.find("\r\n\r\n") + 4;
       const bool no_body = request.compare(0, 5, "HEAD ") == 0;
-      const std::size_t want = head + (no_body ? 0 : content_length(answer.substr(0, head)));
-      while (ok && answer.size() < want) ok = read_some(s, answer);
-      answer.resize(std::min(answer.size(), want));
+      want = head + (no_body ? 0 : content_length(answer.substr(0, head)));
+    }
+    return ok;
+  }
+
+  // The whole answer to `request`, read before any of it is passed on (for faults that need it).
+  bool forward(const std::string& request, std::string& answer) {
+    int s = -1;
+    std::size_t want = 0;
+    bool ok = send_upstream(request, s, answer, want);
+    while (ok && answer.size() < want) ok = read_some(s, answer);
+    if (ok) answer.resize(want);
+    ::close(s);
+    return ok;
+  }
+
+  // The answer to `request` passed on as it arrives, its first byte not before `first_byte`: a
+  // store's first-byte latency, then its bytes at the rate they come.
+  bool relay(int client, const std::string& request, std::chrono::steady_clock::time_point first_byte) {
+    int s = -1;
+    std::size_t want = 0;
+    std::string head;
+    bool ok = send_upstream(request, s, head, want);
+    hold_until(first_byte);
+    std::size_t sent = std::min(head.size(), want);
+    ok = ok && !stopping_ && send_all(client, head.data(), sent);
+    std::vector<char> buf(std::size_t{1} << 20);
+    while (ok && sent < want) {
+      pollfd p{s, POLLIN, 0};
+      const int r = ::poll(&p, 1, 50);
+      if (stopping_) ok = false;
+      if (r <= 0 || !ok) continue;
+      const ssize_t n = ::recv(s, buf.data(), std::min(buf.size(), want - sent), 0);
+      if (n <= 0) ok = false;
+      else ok = send_all(client, buf.data(), static_cast<std::size_t>(n)), sent += static_cast<std::size_t>(n);
     }
     ::close(s);
     return ok;
