@@ -59,6 +59,20 @@ class LocalBlob final : public Blob {
   int fd_;
 };
 
+// This thread's opening read sent ahead (open_ahead), and the object it is for. It lives with the
+// thread: the next open_ahead() replaces a read not taken, Blob::open() takes or drops it, and
+// the thread's end closes its connection.
+struct PendingOpen {
+  std::string path;  // empty: none in flight
+  std::size_t first_piece = 0;
+  std::unique_ptr<s3::ReadAhead> read;  // made at the thread's first open_ahead()
+};
+
+PendingOpen& pending_open() {
+  thread_local PendingOpen p;
+  return p;
+}
+
 class ObjectBlob final : public Blob {
  public:
   ObjectBlob(const std::string& url, s3::Url where, std::uint64_t size, std::vector<std::byte> first = {})
@@ -80,7 +94,13 @@ class ObjectBlob final : public Blob {
       bool taken = false;
       if (Ahead* a = find(offset, n)) {
         a->sent = false;
-        taken = a->read.take(offset, n, dst);
+        // While it waits, this object's other pieces and the next object's open keep moving.
+        std::array<s3::ReadAhead*, kAhead + 1> others{};
+        std::size_t k = 0;
+        for (Ahead& o : ahead_)
+          if (&o != a && o.sent) others[k++] = &o.read;
+        others[k++] = pending_open().read.get();
+        taken = a->read.take(offset, n, dst, std::span<s3::ReadAhead* const>(others.data(), k));
       }
       if (!taken) s3::read(url_, offset, n, dst);
       if (caching) cache::store(cache::range_key(name_, offset, n), dst, n);
@@ -138,20 +158,6 @@ class ObjectBlob final : public Blob {
   mutable std::vector<std::byte> first_;  // bytes [0, first_.size()) read with the open
   mutable std::array<Ahead, kAhead> ahead_;
 };
-
-// This thread's opening read sent ahead (open_ahead), and the object it is for. It lives with the
-// thread: the next open_ahead() replaces a read not taken, Blob::open() takes or drops it, and
-// the thread's end closes its connection.
-struct PendingOpen {
-  std::string path;  // empty: none in flight
-  std::size_t first_piece = 0;
-  std::unique_ptr<s3::ReadAhead> read;  // made at the thread's first open_ahead()
-};
-
-PendingOpen& pending_open() {
-  thread_local PendingOpen p;
-  return p;
-}
 
 }  // namespace
 

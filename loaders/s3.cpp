@@ -735,8 +735,10 @@ struct Batch {
     if (wait_ms > 0 && live > 0) curl_multi_poll(multi, nullptr, 0, wait_ms, nullptr);
   }
 
-  // Item k's bytes into `out` once it has arrived; false when it failed or was taken.
-  bool take(std::size_t k, std::vector<std::byte>& out) {
+  // Item k's bytes into `out` once it has arrived; false when it failed or was taken. While it
+  // waits, the reader's other reads in `meanwhile` are moved along too (every 2 ms at most), so
+  // that their sockets do not fill and stall them behind this one.
+  bool take(std::size_t k, std::vector<std::byte>& out, std::span<ReadAhead* const> meanwhile = {}) {
     if (k >= items.size()) return false;
     Item& it = *items[k];
     const auto waiting_since = std::chrono::steady_clock::now();
@@ -764,7 +766,10 @@ struct Batch {
         }
         wait_ms = std::clamp(static_cast<int>(-late * 1000) + 1, 1, 100);
       }
-      drive(wait_ms);
+      bool others = false;
+      for (ReadAhead* r : meanwhile)
+        if (r && r->progress()) others = true;
+      drive(others ? std::min(wait_ms, 2) : wait_ms);
     }
     if (it.state != Item::Done) return false;
     out.swap(it.out);
@@ -799,10 +804,10 @@ void ReadAhead::start(const Url& url, std::uint64_t offset, std::size_t n) {
   impl_->batch.start(std::move(one), 1);
 }
 
-bool ReadAhead::take(std::uint64_t offset, std::size_t n, std::byte* dst) {
+bool ReadAhead::take(std::uint64_t offset, std::size_t n, std::byte* dst, std::span<ReadAhead* const> meanwhile) {
   Batch& b = impl_->batch;
   const bool match = b.items.size() == 1 && !b.items[0]->want.first && b.items[0]->want.offset == offset && b.items[0]->want.size == n;
-  const bool ok = match && b.take(0, impl_->buf);
+  const bool ok = match && b.take(0, impl_->buf, meanwhile);
   b.cancel();
   if (ok) std::memcpy(dst, impl_->buf.data(), n);
   return ok;

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -82,8 +83,9 @@ class ReadAhead {
   ReadAhead& operator=(const ReadAhead&) = delete;
   /// Sends the read of `n` bytes at `offset` (cancelling one still in flight).
   void start(const Url& url, std::uint64_t offset, std::size_t n);
-  /// Waits for the read started for (offset, n) and copies its bytes to `dst`.
-  bool take(std::uint64_t offset, std::size_t n, std::byte* dst);
+  /// Waits for the read started for (offset, n) and copies its bytes to `dst`; the reads in
+  /// `meanwhile` (the same reader's others, on this thread) are moved along while it waits.
+  bool take(std::uint64_t offset, std::size_t n, std::byte* dst, std::span<ReadAhead* const> meanwhile = {});
   /// Sends the read of the first `n` bytes of `url`, its size unknown (cancelling one in flight).
   void start_first(const Url& url, std::size_t n);
   /// Waits for the read start_first() sent for (url, n): its bytes into `out`, the object's size
