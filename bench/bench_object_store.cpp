@@ -13,8 +13,12 @@
 // as a store on another machine would be; without it both share every CPU.
 //
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
-//       [--persistent | --loader-per-epoch] [--prefetch N] [--detail] [--no-cache-row]
+//       [--persistent | --loader-per-epoch] [--prefetch N] [--detail] [--no-cache-row] [--watchdog-s N]
+#include <dirent.h>
+#include <execinfo.h>
 #include <sched.h>
+#include <signal.h>
+#include <sys/syscall.h>
 #include <sys/utsname.h>
 #include <unistd.h>
 
@@ -54,6 +58,56 @@ bool flag(int argc, char** argv, const std::string& name) {
   for (int i = 1; i < argc; ++i)
     if (argv[i] == name) return true;
   return false;
+}
+
+// --watchdog-s N: when no batch has come for N seconds, every thread's stack goes to stderr and
+// the benchmark ends (exit code 3): a hang shows where it is.
+std::atomic<std::int64_t> g_last_batch_ns{0};
+std::atomic<bool> g_watchdog_off{false};
+
+void dump_stack(int) {
+  void* frames[40];
+  const int n = ::backtrace(frames, 40);
+  char head[64];
+  const int len = std::snprintf(head, sizeof head, "== thread %ld\n", static_cast<long>(::syscall(SYS_gettid)));
+  if (::write(2, head, static_cast<std::size_t>(len)) < 0) return;
+  ::backtrace_symbols_fd(frames, n, 2);
+}
+
+void start_watchdog(int seconds) {
+  if (seconds <= 0) return;
+  void* warm[2];
+  ::backtrace(warm, 2);  // loads the unwinder now, not in the handler
+  struct sigaction sa {};
+  sa.sa_handler = dump_stack;
+  ::sigaction(SIGUSR2, &sa, nullptr);
+  g_last_batch_ns = Clock::now().time_since_epoch().count();
+  std::thread([seconds] {
+    for (;;) {
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      if (g_watchdog_off || Clock::now().time_since_epoch().count() - g_last_batch_ns.load() < std::int64_t{seconds} * 1000000000)
+        continue;
+      std::fprintf(stderr, "watchdog: no batch for %d s; every thread's stack:\n", seconds);
+      if (DIR* d = ::opendir("/proc/self/task")) {
+        while (dirent* e = ::readdir(d)) {
+          const long tid = std::atol(e->d_name);
+          if (tid <= 0 || tid == ::syscall(SYS_gettid)) continue;
+          char path[64], name[32] = {0};
+          std::snprintf(path, sizeof path, "/proc/self/task/%ld/comm", tid);
+          if (FILE* f = std::fopen(path, "r")) {
+            if (!std::fgets(name, sizeof name, f)) name[0] = 0;
+            std::fclose(f);
+          }
+          std::fprintf(stderr, "-- %ld %s", tid, name);
+          std::fflush(stderr);
+          ::syscall(SYS_tgkill, ::getpid(), tid, SIGUSR2);
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+        ::closedir(d);
+      }
+      std::_Exit(3);
+    }
+  }).detach();
 }
 
 // The last epoch's rate between its batches at 10% and at 90% of the epoch (its start and its
@@ -117,6 +171,7 @@ int main(int argc, char** argv) {
   const int runs = arg(argc, argv, "--runs", 3);
   const int latency = arg(argc, argv, "--latency-ms", 20);
   const int server_cpus = arg(argc, argv, "--server-cpus", 0);
+  const int watchdog = arg(argc, argv, "--watchdog-s", 0);
   std::string only;  // --only TEXT: the rows whose pipeline names TEXT ("gpu", "stream")
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--only") only = argv[i + 1];
@@ -211,10 +266,11 @@ int main(int argc, char** argv) {
       if (first < 0) first = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
       n += count(b);
       arrived.emplace_back(Clock::now(), n);
+      g_last_batch_ns = arrived.back().first.time_since_epoch().count();
     }
     if (on_gpu) loader.stream()->synchronize();  // the last batch decoded, not just issued
     g_mid = 0;
-    if (arrived.size() >= 10) {
+    if (arrived.size() >= 3) {
       const auto& [ta, na] = arrived[arrived.size() / 10];
       const auto& [tb, nb] = arrived[arrived.size() * 9 / 10];
       g_mid = static_cast<double>(nb - na) / std::chrono::duration<double>(tb - ta).count();
@@ -299,6 +355,7 @@ int main(int argc, char** argv) {
   std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores | "
               "mid-epoch images/s | of local |\n"
               "|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  start_watchdog(watchdog);
   std::vector<const char*> kinds{"indexed (TarImages)", "stream (TarShards)"};
   if (gpu) kinds.push_back("indexed, decode=gpu (TarImages)"), kinds.push_back("stream, decode=gpu (TarShards)");
   kinds.push_back("stream, records read, not decoded (TarShards)");
@@ -352,6 +409,7 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
+  g_watchdog_off = true;
   const ObjectStoreStats s = object_store_stats();
   std::printf("\nobject store: %llu requests, %.0f MB, %llu retried, %llu hedged (%llu answered first); %llu reads (%.0f MB) "
               "from the disk cache\n",

@@ -230,6 +230,13 @@ class DecodeMemory {
 // release), and the batch's fence is a deferred EventFence recorded after it: the consumer's
 // hand-over (DeviceStage::deliver) waits for the record, then for the event on the device, and
 // rethrows a decode's error there, at the batch's position.
+// Opening nvJPEG's handle and state in one thread while another decodes on the hardware backend
+// can deadlock both for good (seen on an H200 with nvJPEG 13.0: one thread waiting inside
+// nvjpegDecodeBatched in cuEventSynchronize, the other inside nvjpegJpegStateCreate in libnvcuvid's
+// cuMemFree; bench_object_store --watchdog-s prints such stacks). So opens and decodes are gated
+// (begin_open, begin_decode): a thread opens its context, or a fallback decoder, only while no
+// decode runs, and decodes wait while one opens; the threads after the first open theirs once the
+// first batch is decoded, so the first batch does not wait for them.
 // The decode threads chosen from the hardware (DataLoaderOptions::gpu_decode_threads = 0): 2 where
 // nvJPEG's hardware backend has JPEG engines (`engines` > 0: A100, H100, H200) and the machine has
 // 8 CPUs or more, else 1. Two threads give 1.5-1.7x one thread's images on an H100, within 0.89
@@ -255,15 +262,20 @@ class NvJpegDecoder final : public GpuJpegDecoder {
       throw;
     }
     // The other threads open their own contexts (about 0.2 s each on an H100: nvJPEG's handle and
-    // state) while the first already decodes: the first batch does not wait for them.
+    // state) once the first batch is decoded, while no decode runs (Note [Decode threads]): the
+    // first batch does not wait for them, the next ones wait for their opens.
     for (std::size_t i = 0; i < contexts_.size(); ++i)
       threads_.emplace_back("ferry-decode-" + std::to_string(i), [this, i, high_priority] {
         cudaSetDevice(device_);  // this thread's device, for good
         if (i > 0) {
+          // After the first batch is decoded, and while no decode runs (Note [Decode threads]).
+          if (!begin_open(true)) return;  // stopping before any batch came
           try {
             open(contexts_[i], high_priority);
+            end_open();
           } catch (const std::exception& e) {
             close(contexts_[i]);  // the other threads take the batches
+            end_open();
             ++failed_threads_;
             warn_once("gpu-decode-thread", std::string("GPU decode: a decode thread could not start (") + e.what() +
                                                "); the others decode its batches");
@@ -279,6 +291,11 @@ class NvJpegDecoder final : public GpuJpegDecoder {
       stop_ = true;
     }
     cv_.notify_all();
+    {
+      std::lock_guard l(gate_mu_);
+      gate_stop_ = true;
+    }
+    gate_cv_.notify_all();
     for (Thread& t : threads_) t.join();  // each finishes the jobs queued
     cuda::DeviceGuard guard(device_);
     for (auto c = contexts_.rbegin(); c != contexts_.rend(); ++c) close(*c);
@@ -376,6 +393,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   // Issues a batch's decodes on c's stream and records its fence; never throws (a failure goes
   // to the fence, and so to the consumer at the batch's position).
   void run(Context& c, DecodeJob& job) noexcept {
+    begin_decode();
     const auto t0 = std::chrono::steady_clock::now();
     std::exception_ptr error;
     bool inputs_waited = false;
@@ -411,8 +429,42 @@ class NvJpegDecoder final : public GpuJpegDecoder {
       if (!error) error = std::make_exception_ptr(CudaError(std::string("GPU decode: recording the batch's event: ") + cudaGetErrorString(e)));
     }
     busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    end_decode();
     job.fence->recorded(error);
     job.work.clear();  // the batch's host tensors go now, not with the next job
+  }
+
+  // The gate between opening nvJPEG handles and states and decoding (Note [Decode threads]): an
+  // open waits until no decode runs, and decodes wait while one is opening. With `after_first`,
+  // the open also waits for the first batch's decode to end (false: the decoder is stopping).
+  bool begin_open(bool after_first = false) {
+    std::unique_lock l(gate_mu_);
+    if (after_first) gate_cv_.wait(l, [&] { return decodes_done_ > 0 || gate_stop_; });
+    if (after_first && decodes_done_ == 0) return false;
+    gate_cv_.wait(l, [&] { return !opening_; });  // one open at a time
+    opening_ = true;
+    gate_cv_.wait(l, [&] { return decoding_ == 0; });
+    return true;
+  }
+  void end_open() {
+    {
+      std::lock_guard l(gate_mu_);
+      opening_ = false;
+    }
+    gate_cv_.notify_all();
+  }
+  void begin_decode() {
+    std::unique_lock l(gate_mu_);
+    gate_cv_.wait(l, [&] { return !opening_; });
+    ++decoding_;
+  }
+  void end_decode() {
+    {
+      std::lock_guard l(gate_mu_);
+      --decoding_;
+      ++decodes_done_;
+    }
+    gate_cv_.notify_all();
   }
 
   // Decodes a batch's images into c's scratch (Note [Decode threads]: a host wait first).
@@ -463,8 +515,14 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     if (!c.fallback) {
       nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
       nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
-      if (nvjpegCreateExV2(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &c.fallback) != NVJPEG_STATUS_SUCCESS ||
-          nvjpegJpegStateCreate(c.fallback, &c.fallback_state) != NVJPEG_STATUS_SUCCESS)
+      // Opened while no other thread decodes (Note [Decode threads]): this decode steps out of the gate.
+      end_decode();
+      begin_open();
+      const bool made = nvjpegCreateExV2(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &c.fallback) == NVJPEG_STATUS_SUCCESS &&
+                        nvjpegJpegStateCreate(c.fallback, &c.fallback_state) == NVJPEG_STATUS_SUCCESS;
+      end_open();
+      begin_decode();
+      if (!made)
         throw CudaError(std::string("GPU decode: the batched decode failed (") + nvjpeg_status(batched_status) +
                         ") and no fallback decoder could start");
     }
@@ -491,6 +549,12 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   std::atomic<std::uint64_t> allocations_{0};
   std::atomic<std::int64_t> busy_ns_{0};
   std::atomic<int> failed_threads_{0};  // decode threads that could not open their context (and ended)
+  std::mutex gate_mu_;  // the gate between opens and decodes (begin_open, begin_decode)
+  std::condition_variable gate_cv_;
+  int decoding_ = 0;                  // guarded by gate_mu_: decodes running
+  std::uint64_t decodes_done_ = 0;    // guarded by gate_mu_
+  bool opening_ = false;              // guarded by gate_mu_: a thread is opening nvJPEG handles or states
+  bool gate_stop_ = false;            // guarded by gate_mu_: the decoder is stopping
 };
 
 }  // namespace
