@@ -182,6 +182,28 @@ TEST_CASE("GPU decode beside a step that fills every SM: every batch still equal
   CHECK(worst < 48);
 }
 
+// Note [Decode threads] in pinning/gpu_decode.cu: a decode thread that opened its nvJPEG state
+// while another decoded on the hardware backend could deadlock both (bench_object_store saw it in
+// about one loader in three). Loaders made one after another, two decode threads each, each one
+// epoch: every one must finish (a hang here ends the test at its time limit).
+TEST_CASE("GPU decode: loaders started one after another, two decode threads each, all finish their epoch", "[gpu][decode][start]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 40);  // 160 images, 10 batches
+  ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
+  DataLoaderOptions o = loader_options(2);
+  o.gpu_decode_threads = 2;
+  for (int k = 0; k < 12; ++k) {
+    INFO("loader " << k);
+    DataLoader loader(gpu, o);
+    std::int64_t images = 0;
+    for (LabeledBatch& b : loader) images += b.label.numel();
+    loader.stream()->synchronize();
+    CHECK(images == 160);
+    CHECK(loader.stats().decode_threads == 2);
+  }
+}
+
 TEST_CASE("GPU decode writes float16, bfloat16 and channels_last batches as the CPU path does", "[gpu][decode]") {
   REQUIRE(DeviceStage::can_decode_images());
   TempDir dir;
