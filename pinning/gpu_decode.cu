@@ -236,7 +236,10 @@ class DecodeMemory {
 // cuMemFree; bench_object_store --watchdog-s prints such stacks). So opens and decodes are gated
 // (begin_open, begin_decode): a thread opens its context, or a fallback decoder, only while no
 // decode runs, and decodes wait while one opens; the threads after the first open theirs once the
-// first batch is decoded, so the first batch does not wait for them.
+// first batch is decoded, so the first batch does not wait for them. The gate is a decoder's own:
+// a second loader decoding on the GPU in the same process opens its decoder beside the first's
+// decodes ungated (not seen to hang; a process-wide gate would make one loader's start wait for
+// the other's decodes, and those can wait for the other loader's consumer).
 // The decode threads chosen from the hardware (DataLoaderOptions::gpu_decode_threads = 0): 2 where
 // nvJPEG's hardware backend has JPEG engines (`engines` > 0: A100, H100, H200) and the machine has
 // 8 CPUs or more, else 1. Two threads give 1.5-1.7x one thread's images on an H100, within 0.89
