@@ -381,7 +381,7 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     const Result r = run(remote);
     std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", kind, r.images_per_second,
-                r.images_per_second / l.images_per_second, r.busy, r.images_per_second / r.busy, r.server, r.mid, r.mid / l.mid);
+                r.images_per_second / l.images_per_second, r.busy, r.images_per_second / r.busy, r.server, r.mid, l.mid > 0 ? r.mid / l.mid : 0.0);
     std::fflush(stdout);
     {
       test::FaultProxy proxy(store.port());
@@ -390,7 +390,7 @@ int main(int argc, char** argv) {
       const Result p = run(remote);
       std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", kind, latency,
                   p.images_per_second, p.images_per_second / l.images_per_second, p.busy, p.images_per_second / p.busy, p.server, p.mid,
-                  p.mid / l.mid);
+                  l.mid > 0 ? p.mid / l.mid : 0.0);
       std::fflush(stdout);
       if (no_cache_row) {
         store.use();
@@ -405,7 +405,7 @@ int main(int argc, char** argv) {
       store.use();
       std::printf("| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n",
                   kind, latency, c.images_per_second, c.images_per_second / l.images_per_second, c.busy, c.images_per_second / c.busy,
-                  c.server, c.mid, c.mid / l.mid);
+                  c.server, c.mid, l.mid > 0 ? c.mid / l.mid : 0.0);
       std::fflush(stdout);
     }
   }
