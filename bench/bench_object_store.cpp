@@ -60,8 +60,9 @@ bool flag(int argc, char** argv, const std::string& name) {
   return false;
 }
 
-// --watchdog-s N: when no batch has come for N seconds, every thread's stack goes to stderr and
-// the benchmark ends (exit code 3): a hang shows where it is.
+// --watchdog-s N: when no batch has come for N seconds, every thread's stack goes to stderr, the
+// server is killed and the benchmark ends (exit code 3): a hang shows where it is.
+pid_t g_server = 0;  // the object-store server's process
 std::atomic<std::int64_t> g_last_batch_ns{0};
 std::atomic<bool> g_watchdog_off{false};
 
@@ -105,6 +106,7 @@ void start_watchdog(int seconds) {
         }
         ::closedir(d);
       }
+      if (g_server > 0) ::kill(g_server, SIGKILL);  // the server goes with the benchmark
       std::_Exit(3);
     }
   }).detach();
@@ -118,7 +120,6 @@ struct Result {
   double images_per_second = 0, busy = 0, server = 0, mid = 0;
 };
 
-pid_t g_server = 0;
 
 // The server process's CPU seconds so far (utime + stime of /proc/<pid>/stat); 0 if unreadable.
 double server_cpu_seconds() {
