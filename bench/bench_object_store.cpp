@@ -112,14 +112,16 @@ void start_watchdog(int seconds) {
   }).detach();
 }
 
-// The last epoch's rate between its batches at 10% and at 90% of the epoch (its start and its
-// tail left out), set by each timed epoch.
-double g_mid = 0;
+// What a timed epoch gives: its images, and its rate between its batches at 10% and at 90% of
+// the epoch (its start and its tail left out; 0 for fewer than 3 batches).
+struct Epoch {
+  std::size_t images = 0;
+  double mid = 0;
+};
 
 struct Result {
   double images_per_second = 0, busy = 0, server = 0, mid = 0;
 };
-
 
 // The server process's CPU seconds so far (utime + stime of /proc/<pid>/stat); 0 if unreadable.
 double server_cpu_seconds() {
@@ -146,14 +148,14 @@ void use_cpus(int first, int count) {
 }
 
 // Median images/s of `runs` epochs of `epoch` (each returns the images it delivered).
-Result measure(int runs, const std::function<std::size_t()>& epoch) {
+Result measure(int runs, const std::function<Epoch()>& epoch) {
   std::vector<Result> rs;
   for (int r = 0; r < runs; ++r) {
     const double c0 = bench::cpu_seconds(), s0 = server_cpu_seconds();
     const auto t0 = Clock::now();
-    const std::size_t n = epoch();
+    const Epoch e = epoch();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    rs.push_back({n / s, (bench::cpu_seconds() - c0) / s, (server_cpu_seconds() - s0) / s, g_mid});
+    rs.push_back({e.images / s, (bench::cpu_seconds() - c0) / s, (server_cpu_seconds() - s0) / s, e.mid});
   }
   std::vector<double> mids;
   for (const Result& r : rs) mids.push_back(r.mid);
@@ -260,35 +262,32 @@ int main(int argc, char** argv) {
   const auto timed = [detail, count](auto& loader, bool on_gpu) {
     loader.reset_stats();
     const auto t0 = Clock::now();
-    double first = -1;
-    std::size_t n = 0;
+    Epoch e;
     std::vector<std::pair<Clock::time_point, std::size_t>> arrived;  // (when, images so far) a batch
     for (auto& b : loader) {
-      if (first < 0) first = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-      n += count(b);
-      arrived.emplace_back(Clock::now(), n);
+      e.images += count(b);
+      arrived.emplace_back(Clock::now(), e.images);
       g_last_batch_ns = arrived.back().first.time_since_epoch().count();
     }
     if (on_gpu) loader.stream()->synchronize();  // the last batch decoded, not just issued
-    g_mid = 0;
     if (arrived.size() >= 3) {
       const auto& [ta, na] = arrived[arrived.size() / 10];
       const auto& [tb, nb] = arrived[arrived.size() * 9 / 10];
-      g_mid = static_cast<double>(nb - na) / std::chrono::duration<double>(tb - ta).count();
+      e.mid = static_cast<double>(nb - na) / std::chrono::duration<double>(tb - ta).count();
     }
-    if (detail)
-    {
+    if (detail) {
       const LoaderStats st = loader.stats();
+      const auto ms = [t0](Clock::time_point t) { return std::chrono::duration<double, std::milli>(t - t0).count(); };
       std::fprintf(stderr,
                    "  epoch: first batch %.0f ms, %.0f ms, %zu images, consumer waited %.0f ms; workers' fetch %.2f s, collate "
                    "%.2f s; pin %.2f s; decode %.2f s\n",
-                   first, std::chrono::duration<double, std::milli>(Clock::now() - t0).count(), n, st.wait_seconds * 1e3,
+                   arrived.empty() ? -1.0 : ms(arrived.front().first), ms(Clock::now()), e.images, st.wait_seconds * 1e3,
                    st.fetch_seconds, st.collate_seconds, st.pin_seconds, st.decode_seconds);
     }
-    return n;
+    return e;
   };
   // An epoch of a loader made by `make`: a new one each call, or one kept by the returned function.
-  const auto epochs = [one_loader, timed](auto make, bool on_gpu) -> std::function<std::size_t()> {
+  const auto epochs = [one_loader, timed](auto make, bool on_gpu) -> std::function<Epoch()> {
     using Loader = decltype(make());
     if (!one_loader)
       return [make, timed, on_gpu] {
@@ -363,14 +362,14 @@ int main(int argc, char** argv) {
   for (const char* kind : kinds) {
     if (!selected(kind)) continue;
     const bool idx = kind[0] == 'i', on_gpu = std::string(kind).find("gpu") != std::string::npos;
-    const auto epoch = [&](const std::vector<std::string>& paths) -> std::function<std::size_t()> {
+    const auto epoch = [&](const std::vector<std::string>& paths) -> std::function<Epoch()> {
       if (idx) return indexed(paths, on_gpu);
       if (std::string(kind).find("records") != std::string::npos) return records(paths);
       return stream(paths, on_gpu);
     };
     // With --one-loader, a row's first epoch (its loader's start-up) is not timed.
     const auto run = [&](const std::vector<std::string>& paths) {
-      const std::function<std::size_t()> e = epoch(paths);
+      const std::function<Epoch()> e = epoch(paths);
       if (one_loader) measure(1, e);
       return measure(runs, e);
     };

@@ -347,6 +347,14 @@ std::vector<std::string> folder_as_shards(const ImageFolder& folder, const TempD
   return {dir / "a.tar", dir / "b.tar"};
 }
 
+// Indexed shards decoded on the GPU with the folder's transform.
+TarImagesOptions gpu_tar_options(const ImageFolderOptions& fo) {
+  TarImagesOptions to;
+  to.transform = fo.transform;
+  to.decode = ImageFolderOptions::Decode::Gpu;
+  return to;
+}
+
 // One epoch of each loader, batch by batch: the same images and labels, bit for bit, on the
 // device; returns the images compared (y ended with x).
 template <class X, class Y>
@@ -378,10 +386,7 @@ TEST_CASE("GPU decode of indexed tar shards equals the image folder's, bit for b
   make_folder(dir, 12);
   ImageFolderOptions fo = train_options(ImageFolderOptions::Decode::Gpu);
   ImageFolder folder(dir / "root", fo);
-  TarImagesOptions to;
-  to.transform = fo.transform;
-  to.decode = ImageFolderOptions::Decode::Gpu;
-  TarImages tar(folder_as_shards(folder, dir), to);
+  TarImages tar(folder_as_shards(folder, dir), gpu_tar_options(fo));
   REQUIRE(tar.size() == folder.size());
   DataLoader x(folder, loader_options(2));
   DataLoader y(tar, loader_options(3));
@@ -396,10 +401,7 @@ TEST_CASE("GPU decode from a tar stream (encode_labeled_image) equals the indexe
   ImageFolderOptions fo = train_options(ImageFolderOptions::Decode::Gpu);
   ImageFolder folder(dir / "root", fo);
   const std::vector<std::string> shards = folder_as_shards(folder, dir);
-  TarImagesOptions to;
-  to.transform = fo.transform;
-  to.decode = ImageFolderOptions::Decode::Gpu;
-  TarImages tar(shards, to);
+  TarImages tar(shards, gpu_tar_options(fo));
   TarRecordDecodeOptions ro;
   ro.transform = fo.transform;
   TarShardsOptions so;
