@@ -13,7 +13,9 @@
 // as a store on another machine would be; without it both share every CPU.
 //
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
-//       [--persistent | --loader-per-epoch] [--prefetch N] [--detail] [--no-cache-row] [--watchdog-s N]
+//       [--persistent | --loader-per-epoch] [--prefetch N] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
+// --no-next-epoch-ahead: prefetch_next_epoch = false (a stream then sends no read for the next
+// epoch's first shard as an epoch ends).
 #include <dirent.h>
 #include <execinfo.h>
 #include <sched.h>
@@ -255,6 +257,7 @@ int main(int argc, char** argv) {
   const bool no_cache_row = flag(argc, argv, "--no-cache-row");
   o.persistent_workers = flag(argc, argv, "--persistent");
   o.prefetch_factor = arg(argc, argv, "--prefetch", o.prefetch_factor);
+  o.prefetch_next_epoch = !flag(argc, argv, "--no-next-epoch-ahead");
   const auto count = [](const auto& b) -> std::size_t {
     if constexpr (std::is_same_v<std::decay_t<decltype(b)>, Tensor>) return static_cast<std::size_t>(b.numel());
     else return static_cast<std::size_t>(b.label.numel());

@@ -59,17 +59,23 @@ class LocalBlob final : public Blob {
   int fd_;
 };
 
-// This thread's opening read sent ahead (open_ahead), and the object it is for. It lives with the
+}  // namespace
+
+// An opening read sent ahead (open_ahead), and the object it is for. This thread's lives with the
 // thread: the next open_ahead() replaces a read not taken, Blob::open() takes or drops it, and
-// the thread's end closes its connection.
-struct PendingOpen {
+// the thread's end closes its connection; hold_ahead() takes it off the thread.
+struct SentOpen {
   std::string path;  // empty: none in flight
   std::size_t first_piece = 0;
   std::unique_ptr<s3::ReadAhead> read;  // made at the thread's first open_ahead()
 };
 
-PendingOpen& pending_open() {
-  thread_local PendingOpen p;
+void SentOpenDelete::operator()(SentOpen* p) const noexcept { delete p; }
+
+namespace {
+
+SentOpen& pending_open() {
+  thread_local SentOpen p;
   return p;
 }
 
@@ -107,11 +113,13 @@ class ObjectBlob final : public Blob {
     }
     // The next kAhead pieces of this size: those not on their way go to slots whose read is not
     // one of them (an idle slot, or a read for bytes no longer wanted, which start() cancels).
+    // Pieces inside the first piece (an opening read larger than the reader's pieces) are here.
     std::array<std::pair<std::uint64_t, std::size_t>, kAhead> wanted{};
     std::size_t count = 0;
-    for (std::uint64_t next = offset + n; count < kAhead && next < size_; ++count) {
-      wanted[count] = {next, static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next))};
-      next += wanted[count].second;
+    for (std::uint64_t next = offset + n; count < kAhead && next < size_;) {
+      const auto m = static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next));
+      if (next + m > first_.size()) wanted[count++] = {next, m};
+      next += m;
     }
     const auto wants = [&](const Ahead& a) {
       return std::find(wanted.begin(), wanted.begin() + static_cast<std::ptrdiff_t>(count), std::pair(a.offset, a.n)) !=
@@ -218,10 +226,10 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
     std::vector<std::byte> first;
     const bool caching = cache::enabled();
     if (!caching || !cache::load(cache::size_key(path), reinterpret_cast<std::byte*>(&size), sizeof size)) {
-      PendingOpen& ahead = pending_open();
-      const bool sent = ahead.path == path && ahead.first_piece == first_piece && first_piece > 0;
+      SentOpen& ahead = pending_open();
+      const bool sent = ahead.path == path && ahead.first_piece >= first_piece && first_piece > 0;
       ahead.path.clear();
-      if (!sent || !ahead.read->take_first(url, first_piece, first, size)) {
+      if (!sent || !ahead.read->take_first(url, ahead.first_piece, first, size)) {
         if (first_piece > 0)
           size = s3::first_piece(url, first_piece, first);
         else
@@ -242,14 +250,14 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
 }
 
 bool progress_ahead() {
-  PendingOpen& ahead = pending_open();
+  SentOpen& ahead = pending_open();
   return !ahead.path.empty() && ahead.read->progress();
 }
 
 void open_ahead(const std::string& path, std::size_t first_piece) {
   if (!is_remote(path) || first_piece == 0) return;
   if (cache::enabled() && cache::contains(cache::size_key(path))) return;  // its open reads the disk
-  PendingOpen& ahead = pending_open();
+  SentOpen& ahead = pending_open();
   ahead.path.clear();
   try {
     if (!ahead.read) ahead.read = std::make_unique<s3::ReadAhead>();
@@ -259,6 +267,20 @@ void open_ahead(const std::string& path, std::size_t first_piece) {
   } catch (const Error&) {  // a bad URL: its own open names it
     if (ahead.read) ahead.read->cancel();
   }
+}
+
+HeldOpen hold_ahead(const std::string& path) {
+  SentOpen& ahead = pending_open();
+  if (ahead.path.empty() || ahead.path != path) return nullptr;
+  HeldOpen held(new SentOpen{std::exchange(ahead.path, {}), ahead.first_piece, std::move(ahead.read)});
+  return held;
+}
+
+const std::string& held_path(const SentOpen& held) noexcept { return held.path; }
+
+void resume_ahead(HeldOpen held) {
+  if (!held || !held->read) return;
+  pending_open() = std::move(*held);  // the read this thread had is dropped (its connection closes)
 }
 
 std::vector<ListedFile> list_prefix(const std::string& dir) {

@@ -55,14 +55,32 @@ class Blob {
   std::uint64_t size_;
 };
 
-/// Sends the opening read of `path` (a Blob::open(path, first_piece) to come on this thread) ahead,
-/// so that its first byte is here when it is opened: a stream calls it for its next shard. Nothing
-/// for a local path or one whose size the disk cache holds; one at a time on a thread (a second
-/// replaces the first).
+/// Sends the opening read of `path` (a Blob::open(path, n) to come on this thread, n <=
+/// first_piece) ahead, so that its first byte is here when it is opened: a stream calls it for its
+/// next shard. Nothing for a local path or one whose size the disk cache holds; one at a time on a
+/// thread (a second replaces the first). A first piece larger than the open's is kept whole: the
+/// blob's reads take their bytes from it.
 void open_ahead(const std::string& path, std::size_t first_piece);
 /// Moves this thread's open_ahead() read along without waiting (call it between records); true
 /// while it is still on its way.
 bool progress_ahead();
+
+/// An open_ahead() read taken off its thread (HeldOpen), for another thread's open of the object:
+/// a stream sends its next epoch's first opening read as this epoch ends, and the next epoch's
+/// worker may be a new thread. A held read is not moved along; its connection closes when it is
+/// dropped.
+struct SentOpen;
+struct SentOpenDelete {
+  void operator()(SentOpen* p) const noexcept;
+};
+using HeldOpen = std::unique_ptr<SentOpen, SentOpenDelete>;
+/// This thread's open_ahead() read of `path`, taken off the thread; null when the thread has none
+/// for it.
+HeldOpen hold_ahead(const std::string& path);
+/// Makes `held` this thread's open_ahead() read (dropping the one it had), for Blob::open.
+void resume_ahead(HeldOpen held);
+/// The object a held read is for.
+const std::string& held_path(const SentOpen& held) noexcept;
 
 /// An object found by list_prefix: its URL and size.
 struct ListedFile {

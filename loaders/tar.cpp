@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <numeric>
 #include <utility>
 #include <variant>
@@ -22,6 +23,9 @@ namespace ferry {
 namespace {
 // An object is read in pieces of this size (each read is a request); local files in 1 MiB reads.
 constexpr std::size_t kObjectPiece = std::size_t{8} << 20;
+// The next epoch's first opening read: the open's piece and the one after, so that the epoch's
+// first batches are here when it starts (a batch of 64 ImageNet JPEGs is 7-11 MB).
+constexpr std::size_t kNextEpochPiece = 2 * kObjectPiece;
 }  // namespace
 
 // --- TarReader ----------------------------------------------------------------------------------
@@ -292,8 +296,27 @@ const std::vector<std::byte>& TarRecord::field(const std::string& name) const {
   throw DataError(shard, offset, "record '" + key + "' has no '" + name + "' field (it has: " + have + ")");
 }
 
+// Opening reads sent for the next epoch, one a worker: put by a stream as it ends (on its worker's
+// thread), taken by the next epoch's stream of that worker (on its own).
+struct TarShards::Held {
+  std::mutex mu;
+  std::map<int, loaders::HeldOpen> by_worker;
+  void put(int worker, loaders::HeldOpen read) {
+    std::lock_guard l(mu);
+    by_worker[worker] = std::move(read);  // one not taken is dropped (its connection closes)
+  }
+  loaders::HeldOpen take(int worker) {
+    std::lock_guard l(mu);
+    auto it = by_worker.find(worker);
+    if (it == by_worker.end()) return nullptr;
+    loaders::HeldOpen read = std::move(it->second);
+    by_worker.erase(it);
+    return read;
+  }
+};
+
 TarShards::TarShards(std::vector<std::string> shards, TarShardsOptions options)
-    : shards_(std::move(shards)), options_(options) {
+    : shards_(std::move(shards)), options_(options), held_(std::make_shared<Held>()) {
   if (shards_.empty()) throw Error("TarShards: the shard list is empty");
   if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size)
     throw Error("TarShards: rank " + std::to_string(options_.rank) + " is not valid for world_size " +
@@ -326,6 +349,12 @@ TarShardsOptions TarShardsOptions::for_rank(const DistributedEnv& env) {
 TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
   Stream s;
   for (std::size_t k : assignment(worker.id, worker.num_workers, worker.seed, worker.epoch)) s.shards_.push_back(shards_[k]);
+  if (worker.next_epoch_ahead && !s.shards_.empty() && loaders::is_remote(s.shards_.front())) {
+    s.held_ = held_;
+    s.worker_ = worker.id;
+    const std::vector<std::size_t> next = assignment(worker.id, worker.num_workers, worker.seed, worker.epoch + 1);
+    if (!next.empty()) s.next_first_ = shards_[next.front()];
+  }
   return s;
 }
 
@@ -343,12 +372,23 @@ std::size_t TarShards::Stream::skip(std::size_t n) {
 
 std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
   if (deferred_) std::rethrow_exception(std::exchange(deferred_, nullptr));
+  if (!started_) {
+    started_ = true;
+    // The opening read the last epoch's stream of this worker sent for this one, made this
+    // thread's for the first shard's open (dropped when it is for another shard).
+    if (held_ && !shards_.empty()) {
+      loaders::HeldOpen read = held_->take(worker_);
+      if (read && loaders::held_path(*read) == shards_.front()) loaders::resume_ahead(std::move(read));
+    }
+  }
   while (current_ < shards_.size()) {
     try {
       if (!reader_) {
         reader_.emplace(shards_[current_]);
-        // The next shard's opening read goes out now, and arrives while this one is parsed.
+        // The next shard's opening read goes out now, and arrives while this one is parsed; from
+        // the last, the next epoch's first shard's.
         if (current_ + 1 < shards_.size()) loaders::open_ahead(shards_[current_ + 1], kObjectPiece);
+        else if (!next_first_.empty()) loaders::open_ahead(next_first_, kNextEpochPiece);
       }
       std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next(read_data);
       pending_.reset();
@@ -399,6 +439,8 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
       throw;
     }
   }
+  // The stream's end, on its worker's thread: the next epoch's opening read is kept for it.
+  if (!next_first_.empty()) held_->put(worker_, loaders::hold_ahead(std::exchange(next_first_, {})));
   return std::nullopt;
 }
 

@@ -293,7 +293,7 @@ struct Engine::State {
 
   void worker_main(int id, WorkerCtl& c, StageQueue<Task>& queue) {
     if (opt.placement) apply_placement(*opt.placement);
-    WorkerInfo info{id, W, opt.seed, 0};
+    WorkerInfo info{id, W, opt.seed, 0, opt.next_epoch_ahead};
     std::exception_ptr init_error;
     c.stage.enter(Stage::WorkerInit);
     try {
@@ -530,7 +530,7 @@ struct Engine::State {
 
   // Makes one batch of a num_workers = 0 epoch on the calling thread; throws the wrapped error.
   Payload make_inline(const Job& job, EpochState& epoch, StageMeter& stage) {
-    WorkerInfo info{0, 1, opt.seed, epoch.epoch};
+    WorkerInfo info{0, 1, opt.seed, epoch.epoch, opt.next_epoch_ahead};
     JobContext ctx(info, stage, epoch.cancelled, epoch.streams[0]);
     stage.trace(opt.trace, job.batch, TraceRecorder::kInlineTrack);
     stage.enter(Stage::Fetch);

@@ -290,6 +290,7 @@ TEST_CASE("a stream's reads sent ahead arrive while its worker waits for its nex
   o.batch_size = 2;
   o.num_workers = 1;
   o.prefetch_factor = 1;
+  o.prefetch_next_epoch = false;  // no read for the next epoch beside the shard's three
   ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
   const ObjectStoreStats before = object_store_stats();
   DataLoader loader(sizes, o);
@@ -305,6 +306,60 @@ TEST_CASE("a stream's reads sent ahead arrive while its worker waits for its nex
     records += it->numel();
   }
   CHECK(records == 20);
+  ::unsetenv("FERRY_S3_HEDGE_AFTER");
+}
+
+TEST_CASE("a stream's next epoch opens its first shard from the read sent as this epoch ended", "[s3][tar]") {
+  // One shard of 9.5 MB: two requests an epoch (its open's 8 MiB and the rest). With
+  // prefetch_next_epoch, the next epoch's first 16 MiB are asked for as the epoch's last shard
+  // opens, and kept for the next epoch's stream, on whatever thread it runs: that epoch then reads
+  // its whole shard with no request, as the store, now unreachable, shows.
+  const Data& d = data();
+  const std::string shard = d.url("shards/train-002.tar");
+  TarShardsOptions so;
+  so.shuffle = false;
+  auto keys = TarShards({shard}, so).map([](TarRecord r) { return r.key + ":" + std::to_string(r.field("jpg").size()); });
+  const auto epoch = [](auto& loader) {
+    std::multiset<std::string> all;
+    for (auto& batch : loader) all.insert(batch.begin(), batch.end());
+    return all;
+  };
+  ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+  std::multiset<std::string> expected;
+  for (const auto& [workers, persistent] : {std::pair{0, false}, std::pair{1, false}, std::pair{1, true}, std::pair{3, false}}) {
+    INFO(workers << " workers" << (persistent ? ", persistent" : ""));
+    DataLoaderOptions o;
+    o.batch_size = 3;
+    o.num_workers = workers;
+    o.persistent_workers = persistent;
+    o.io_retries = 0;
+    DataLoader loader(keys, o, [](std::vector<std::string> v) { return v; });
+    const ObjectStoreStats before = object_store_stats();
+    const auto first = epoch(loader);
+    CHECK(first.size() == 7);
+    if (expected.empty()) expected = first;
+    CHECK(first == expected);
+    CHECK(object_store_stats().since(before).requests == 3);  // the shard's two, and the next epoch's
+    ::setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1", 1);  // nothing listens there
+    ::setenv("AWS_MAX_ATTEMPTS", "1", 1);
+    CHECK(epoch(loader) == expected);
+    ::unsetenv("AWS_MAX_ATTEMPTS");
+    ObjectStore::get().use();
+  }
+  {
+    // Without it, each epoch reads only its own: the second epoch asks the store again.
+    DataLoaderOptions o;
+    o.batch_size = 3;
+    o.num_workers = 1;
+    o.prefetch_next_epoch = false;
+    DataLoader loader(keys, o, [](std::vector<std::string> v) { return v; });
+    const ObjectStoreStats before = object_store_stats();
+    CHECK(epoch(loader) == expected);
+    CHECK(object_store_stats().since(before).requests == 2);
+    const ObjectStoreStats mid = object_store_stats();
+    CHECK(epoch(loader) == expected);
+    CHECK(object_store_stats().since(mid).requests == 2);
+  }
   ::unsetenv("FERRY_S3_HEDGE_AFTER");
 }
 

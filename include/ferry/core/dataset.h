@@ -67,6 +67,9 @@ struct WorkerInfo {
   int num_workers = 1;
   std::uint64_t seed = 0;   ///< the loader's seed
   std::uint64_t epoch = 0;  ///< the epoch being produced (0 outside an epoch, e.g. in worker_init_fn)
+  /// The loader starts the next epoch's work ahead (DataLoaderOptions::prefetch_next_epoch): a
+  /// stream may send its next epoch's first reads (epoch + 1) as this epoch ends.
+  bool next_epoch_ahead = false;
 };
 
 /// The share [begin, end) of `n` items that worker `id` of `count` should read: contiguous,

@@ -177,6 +177,8 @@ struct EngineOptions {
   bool redispatch_stuck = false;
   int max_redispatch = 3;
   std::uint64_t seed = 0;
+  /// WorkerInfo::next_epoch_ahead (DataLoaderOptions::prefetch_next_epoch).
+  bool next_epoch_ahead = false;
   TraceRecorder* trace = nullptr;  ///< per-batch timelines (may be null)
   /// Where the workers run (Note [NUMA placement] in ferry/detail/numa.h); null: anywhere.
   std::shared_ptr<const Placement> placement;

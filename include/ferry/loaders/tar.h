@@ -116,6 +116,7 @@ class TarShards : public DatasetBase<TarShards> {
   /// by the worker that reads them.
   explicit TarShards(std::vector<std::string> shards, TarShardsOptions options = {});
 
+  struct Held;  // opening reads sent for the next epoch, by worker (tar.cpp)
   class Stream {
    public:
     std::optional<TarRecord> next();
@@ -132,8 +133,16 @@ class TarShards : public DatasetBase<TarShards> {
     std::optional<TarReader> reader_;
     std::optional<TarMember> pending_;  // first member of the next record
     std::exception_ptr deferred_;        // a damaged member met after a complete record: thrown next
+    std::shared_ptr<Held> held_;         // the dataset's (null without next_epoch_ahead)
+    int worker_ = 0;
+    bool started_ = false;
+    std::string next_first_;  // the worker's first shard of the next epoch (sent for as the last is read)
   };
-  /// The stream of `worker`'s shards for this rank and the worker's epoch.
+  /// The stream of `worker`'s shards for this rank and the worker's epoch. Over s3://, with
+  /// WorkerInfo::next_epoch_ahead, the opening read of the worker's first shard of the next epoch
+  /// (its first 16 MiB) is sent as the stream opens its last shard, and kept by the dataset for the
+  /// next epoch's stream of that worker, on whichever thread (one read a worker; it is dropped
+  /// unused when the next epoch does not follow or opens another shard first).
   Stream open(const WorkerInfo& worker) const;
   /// The shard indices read by (rank, worker) in `epoch`.
   std::vector<std::size_t> assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const;
@@ -142,6 +151,7 @@ class TarShards : public DatasetBase<TarShards> {
  private:
   std::vector<std::string> shards_;
   TarShardsOptions options_;
+  std::shared_ptr<Held> held_;
 };
 
 /// A shard pattern expanded as WebDataset writes them: "train-{000..127}.tar" gives 128 names
