@@ -61,9 +61,9 @@ class LocalBlob final : public Blob {
 
 }  // namespace
 
-// An opening read sent ahead (open_ahead), and the object it is for. This thread's lives with the
-// thread: the next open_ahead() replaces a read not taken, Blob::open() takes or drops it, and
-// the thread's end closes its connection; hold_ahead() takes it off the thread.
+// An opening read sent ahead (open_ahead, send_open), and the object it is for. This thread's
+// lives with the thread: the next open_ahead() or resume_ahead() replaces a read not taken,
+// Blob::open() takes or drops it, and the thread's end closes its connection.
 struct SentOpen {
   std::string path;  // empty: none in flight
   std::size_t first_piece = 0;
@@ -269,12 +269,19 @@ void open_ahead(const std::string& path, std::size_t first_piece) {
   }
 }
 
-HeldOpen hold_ahead(const std::string& path) {
-  SentOpen& ahead = pending_open();
-  if (ahead.path.empty() || ahead.path != path) return nullptr;
-  HeldOpen held(new SentOpen{std::exchange(ahead.path, {}), ahead.first_piece, std::move(ahead.read)});
+HeldOpen send_open(const std::string& path, std::size_t first_piece) {
+  if (!is_remote(path) || first_piece == 0) return nullptr;
+  if (cache::enabled() && cache::contains(cache::size_key(path))) return nullptr;  // its open reads the disk
+  HeldOpen held(new SentOpen{path, first_piece, std::make_unique<s3::ReadAhead>()});
+  try {
+    held->read->start_first(s3::parse(path), first_piece);
+  } catch (const Error&) {  // a bad URL: its own open names it
+    return nullptr;
+  }
   return held;
 }
+
+bool progress_held(SentOpen& held) { return held.read && held.read->progress(); }
 
 const std::string& held_path(const SentOpen& held) noexcept { return held.path; }
 

@@ -65,18 +65,19 @@ void open_ahead(const std::string& path, std::size_t first_piece);
 /// while it is still on its way.
 bool progress_ahead();
 
-/// An open_ahead() read taken off its thread (HeldOpen), for another thread's open of the object:
-/// a stream sends its next epoch's first opening read as this epoch ends, and the next epoch's
-/// worker may be a new thread. A held read is not moved along; its connection closes when it is
-/// dropped.
+/// An opening read held by its caller instead of a thread (HeldOpen), for an open of the object on
+/// another thread: a stream sends its next epoch's first opening read as this epoch ends, and the
+/// next epoch's worker may be a new thread. Its connection closes when it is dropped.
 struct SentOpen;
 struct SentOpenDelete {
   void operator()(SentOpen* p) const noexcept;
 };
 using HeldOpen = std::unique_ptr<SentOpen, SentOpenDelete>;
-/// This thread's open_ahead() read of `path`, taken off the thread; null when the thread has none
-/// for it.
-HeldOpen hold_ahead(const std::string& path);
+/// Sends the opening read of `path` (as open_ahead) and returns it held; null for a local path or
+/// one whose size the disk cache holds.
+HeldOpen send_open(const std::string& path, std::size_t first_piece);
+/// Moves a held read along without waiting (one thread at a time); true while it is on its way.
+bool progress_held(SentOpen& held);
 /// Makes `held` this thread's open_ahead() read (dropping the one it had), for Blob::open.
 void resume_ahead(HeldOpen held);
 /// The object a held read is for.

@@ -296,11 +296,21 @@ const std::vector<std::byte>& TarRecord::field(const std::string& name) const {
   throw DataError(shard, offset, "record '" + key + "' has no '" + name + "' field (it has: " + have + ")");
 }
 
-// Opening reads sent for the next epoch, one a worker: put by a stream as it ends (on its worker's
-// thread), taken by the next epoch's stream of that worker (on its own).
+// Opening reads sent for the next epoch, one a worker: put by a stream as it ends, moved along by
+// the workers whose streams have ended while they wait (Stream::progress), taken by the next
+// epoch's stream of that worker (on whichever thread).
 struct TarShards::Held {
   std::mutex mu;
   std::map<int, loaders::HeldOpen> by_worker;
+  // True while some are on their way (false also when another thread is moving them now).
+  bool progress() {
+    std::unique_lock l(mu, std::try_to_lock);
+    if (!l) return false;
+    bool moving = false;
+    for (auto& [w, read] : by_worker)
+      if (read && loaders::progress_held(*read)) moving = true;
+    return moving;
+  }
   void put(int worker, loaders::HeldOpen read) {
     std::lock_guard l(mu);
     by_worker[worker] = std::move(read);  // one not taken is dropped (its connection closes)
@@ -360,7 +370,11 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
 
 std::optional<TarRecord> TarShards::Stream::next() { return advance(true); }
 
-bool TarShards::Stream::progress() { return reader_ && reader_->progress(); }
+bool TarShards::Stream::progress() {
+  bool moving = reader_ && reader_->progress();
+  if (held_ && held_->progress()) moving = true;
+  return moving;
+}
 
 std::size_t TarShards::Stream::skip(std::size_t n) {
   // Headers only (the members' data seeked past), except the last record: reading it finds the
@@ -385,10 +399,8 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
     try {
       if (!reader_) {
         reader_.emplace(shards_[current_]);
-        // The next shard's opening read goes out now, and arrives while this one is parsed; from
-        // the last, the next epoch's first shard's.
+        // The next shard's opening read goes out now, and arrives while this one is parsed.
         if (current_ + 1 < shards_.size()) loaders::open_ahead(shards_[current_ + 1], kObjectPiece);
-        else if (!next_first_.empty()) loaders::open_ahead(next_first_, kNextEpochPiece);
       }
       std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next(read_data);
       pending_.reset();
@@ -439,8 +451,9 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
       throw;
     }
   }
-  // The stream's end, on its worker's thread: the next epoch's opening read is kept for it.
-  if (!next_first_.empty()) held_->put(worker_, loaders::hold_ahead(std::exchange(next_first_, {})));
+  // The stream's end: the next epoch's first opening read goes out, held for its stream. Sent no
+  // sooner, it does not slow this epoch's last shards; it arrives while the other workers finish.
+  if (!next_first_.empty()) held_->put(worker_, loaders::send_open(std::exchange(next_first_, {}), kNextEpochPiece));
   return std::nullopt;
 }
 

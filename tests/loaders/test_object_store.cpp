@@ -311,9 +311,9 @@ TEST_CASE("a stream's reads sent ahead arrive while its worker waits for its nex
 
 TEST_CASE("a stream's next epoch opens its first shard from the read sent as this epoch ended", "[s3][tar]") {
   // One shard of 9.5 MB: two requests an epoch (its open's 8 MiB and the rest). With
-  // prefetch_next_epoch, the next epoch's first 16 MiB are asked for as the epoch's last shard
-  // opens, and kept for the next epoch's stream, on whatever thread it runs: that epoch then reads
-  // its whole shard with no request, as the store, now unreachable, shows.
+  // prefetch_next_epoch, the next epoch's first 16 MiB are asked for as the epoch's stream ends,
+  // and kept for the next epoch's stream, on whatever thread it runs: that epoch then reads its
+  // whole shard with no request, as the store, now unreachable, shows.
   const Data& d = data();
   const std::string shard = d.url("shards/train-002.tar");
   TarShardsOptions so;

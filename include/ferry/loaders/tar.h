@@ -122,7 +122,8 @@ class TarShards : public DatasetBase<TarShards> {
     std::optional<TarRecord> next();
     /// Skips n records reading only their headers (a resumed epoch); returns how many it skipped.
     std::size_t skip(std::size_t n);
-    /// TarReader::progress() of the shard being read (the loader calls it while the worker waits).
+    /// TarReader::progress() of the shard being read, and the next epoch's opening reads sent as
+    /// streams ended (the loader calls it while the worker waits).
     bool progress();
 
    private:
@@ -140,9 +141,9 @@ class TarShards : public DatasetBase<TarShards> {
   };
   /// The stream of `worker`'s shards for this rank and the worker's epoch. Over s3://, with
   /// WorkerInfo::next_epoch_ahead, the opening read of the worker's first shard of the next epoch
-  /// (its first 16 MiB) is sent as the stream opens its last shard, and kept by the dataset for the
-  /// next epoch's stream of that worker, on whichever thread (one read a worker; it is dropped
-  /// unused when the next epoch does not follow or opens another shard first).
+  /// (its first 16 MiB) is sent as the stream ends, and kept by the dataset for the next epoch's
+  /// stream of that worker, on whichever thread (one read a worker; it is dropped unused when the
+  /// next epoch does not follow or opens another shard first).
   Stream open(const WorkerInfo& worker) const;
   /// The shard indices read by (rank, worker) in `epoch`.
   std::vector<std::size_t> assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const;
