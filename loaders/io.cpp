@@ -61,13 +61,30 @@ class LocalBlob final : public Blob {
 
 }  // namespace
 
-// An opening read sent ahead (open_ahead, send_open), and the object it is for. This thread's
+// An opening read sent ahead (open_ahead, hold_ahead), and the object it is for. This thread's
 // lives with the thread: the next open_ahead() or resume_ahead() replaces a read not taken,
-// Blob::open() takes or drops it, and the thread's end closes its connection.
+// Blob::open() takes or drops it, and the thread's end closes its connection. One asked for with
+// open_ahead_later() waits (`later`) until the thread's object being read has asked for its last
+// piece.
 struct SentOpen {
   std::string path;  // empty: none in flight
   std::size_t first_piece = 0;
   std::unique_ptr<s3::ReadAhead> read;  // made at the thread's first open_ahead()
+  bool later = false;                   // not sent yet
+
+  // Sends a read asked for later; false when it cannot be (a bad URL: its own open names it).
+  bool send() {
+    if (!read) read = std::make_unique<s3::ReadAhead>();
+    later = false;
+    try {
+      read->start_first(s3::parse(path), first_piece);
+      return true;
+    } catch (const Error&) {
+      read->cancel();
+      path.clear();
+      return false;
+    }
+  }
 };
 
 void SentOpenDelete::operator()(SentOpen* p) const noexcept { delete p; }
@@ -116,7 +133,8 @@ class ObjectBlob final : public Blob {
     // Pieces inside the first piece (an opening read larger than the reader's pieces) are here.
     std::array<std::pair<std::uint64_t, std::size_t>, kAhead> wanted{};
     std::size_t count = 0;
-    for (std::uint64_t next = offset + n; count < kAhead && next < size_;) {
+    std::uint64_t next = offset + n;
+    for (; count < kAhead && next < size_;) {
       const auto m = static_cast<std::size_t>(std::min<std::uint64_t>(n, size_ - next));
       if (next + m > first_.size()) wanted[count++] = {next, m};
       next += m;
@@ -139,6 +157,11 @@ class ObjectBlob final : public Blob {
           a.sent = true, a.offset = at, a.n = m;
           break;
         }
+    }
+    // Every piece to this object's end asked for: an opening read asked for later goes now.
+    if (next >= size_) {
+      SentOpen& later = pending_open();
+      if (later.later && !later.path.empty()) later.send();
     }
     return n;
   }
@@ -227,8 +250,9 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
     const bool caching = cache::enabled();
     if (!caching || !cache::load(cache::size_key(path), reinterpret_cast<std::byte*>(&size), sizeof size)) {
       SentOpen& ahead = pending_open();
-      const bool sent = ahead.path == path && ahead.first_piece >= first_piece && first_piece > 0;
+      const bool sent = ahead.path == path && !ahead.later && ahead.first_piece >= first_piece && first_piece > 0;
       ahead.path.clear();
+      ahead.later = false;
       if (!sent || !ahead.read->take_first(url, ahead.first_piece, first, size)) {
         if (first_piece > 0)
           size = s3::first_piece(url, first_piece, first);
@@ -251,33 +275,37 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
 
 bool progress_ahead() {
   SentOpen& ahead = pending_open();
-  return !ahead.path.empty() && ahead.read->progress();
+  return !ahead.path.empty() && !ahead.later && ahead.read->progress();
 }
 
-void open_ahead(const std::string& path, std::size_t first_piece) {
-  if (!is_remote(path) || first_piece == 0) return;
-  if (cache::enabled() && cache::contains(cache::size_key(path))) return;  // its open reads the disk
+namespace {
+// This thread's opening read of `path` replaced by a new one, sent now or later; false (and none
+// kept) where no read goes ahead.
+bool ask_ahead(const std::string& path, std::size_t first_piece) {
   SentOpen& ahead = pending_open();
   ahead.path.clear();
-  try {
-    if (!ahead.read) ahead.read = std::make_unique<s3::ReadAhead>();
-    ahead.read->start_first(s3::parse(path), first_piece);
-    ahead.path = path;
-    ahead.first_piece = first_piece;
-  } catch (const Error&) {  // a bad URL: its own open names it
-    if (ahead.read) ahead.read->cancel();
-  }
+  ahead.later = false;
+  if (ahead.read) ahead.read->cancel();
+  if (!is_remote(path) || first_piece == 0) return false;
+  if (cache::enabled() && cache::contains(cache::size_key(path))) return false;  // its open reads the disk
+  ahead.path = path;
+  ahead.first_piece = first_piece;
+  ahead.later = true;
+  return true;
+}
+}  // namespace
+
+void open_ahead(const std::string& path, std::size_t first_piece) {
+  if (ask_ahead(path, first_piece)) pending_open().send();
 }
 
-HeldOpen send_open(const std::string& path, std::size_t first_piece) {
-  if (!is_remote(path) || first_piece == 0) return nullptr;
-  if (cache::enabled() && cache::contains(cache::size_key(path))) return nullptr;  // its open reads the disk
-  HeldOpen held(new SentOpen{path, first_piece, std::make_unique<s3::ReadAhead>()});
-  try {
-    held->read->start_first(s3::parse(path), first_piece);
-  } catch (const Error&) {  // a bad URL: its own open names it
-    return nullptr;
-  }
+void open_ahead_later(const std::string& path, std::size_t first_piece) { ask_ahead(path, first_piece); }
+
+HeldOpen hold_ahead(const std::string& path) {
+  SentOpen& ahead = pending_open();
+  if (ahead.path.empty() || ahead.path != path) return nullptr;
+  if (ahead.later && !ahead.send()) return nullptr;
+  HeldOpen held(new SentOpen{std::exchange(ahead.path, {}), ahead.first_piece, std::move(ahead.read)});
   return held;
 }
 

@@ -65,17 +65,21 @@ void open_ahead(const std::string& path, std::size_t first_piece);
 /// while it is still on its way.
 bool progress_ahead();
 
-/// An opening read held by its caller instead of a thread (HeldOpen), for an open of the object on
-/// another thread: a stream sends its next epoch's first opening read as this epoch ends, and the
-/// next epoch's worker may be a new thread. Its connection closes when it is dropped.
+/// open_ahead(), the read sent once the object this thread reads now has asked for its last piece
+/// (at once when it has; it is never sent while the thread reads no object): a stream asks for its
+/// next epoch's first shard as it opens its last, and the read goes when that shard's reads have.
+void open_ahead_later(const std::string& path, std::size_t first_piece);
+
+/// An opening read taken off its thread (HeldOpen), for an open of the object on another thread:
+/// the next epoch's worker may be a new thread. Its connection closes when it is dropped.
 struct SentOpen;
 struct SentOpenDelete {
   void operator()(SentOpen* p) const noexcept;
 };
 using HeldOpen = std::unique_ptr<SentOpen, SentOpenDelete>;
-/// Sends the opening read of `path` (as open_ahead) and returns it held; null for a local path or
-/// one whose size the disk cache holds.
-HeldOpen send_open(const std::string& path, std::size_t first_piece);
+/// This thread's open_ahead() or open_ahead_later() read of `path`, sent now if it was not, taken
+/// off the thread; null when the thread has none for it.
+HeldOpen hold_ahead(const std::string& path);
 /// Moves a held read along without waiting (one thread at a time); true while it is on its way.
 bool progress_held(SentOpen& held);
 /// Makes `held` this thread's open_ahead() read (dropping the one it had), for Blob::open.

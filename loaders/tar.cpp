@@ -296,7 +296,8 @@ const std::vector<std::byte>& TarRecord::field(const std::string& name) const {
   throw DataError(shard, offset, "record '" + key + "' has no '" + name + "' field (it has: " + have + ")");
 }
 
-// Opening reads sent for the next epoch, one a worker: put by a stream as it ends, moved along by
+// Opening reads sent for the next epoch, one a worker: sent as a stream's last shard has asked for
+// all its pieces, put here by the stream as it ends, moved along by
 // the workers whose streams have ended while they wait (Stream::progress), taken by the next
 // epoch's stream of that worker (on whichever thread).
 struct TarShards::Held {
@@ -399,8 +400,10 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
     try {
       if (!reader_) {
         reader_.emplace(shards_[current_]);
-        // The next shard's opening read goes out now, and arrives while this one is parsed.
+        // The next shard's opening read goes out now, and arrives while this one is parsed; from
+        // the last shard, the next epoch's first shard's, once this one's pieces are all asked for.
         if (current_ + 1 < shards_.size()) loaders::open_ahead(shards_[current_ + 1], kObjectPiece);
+        else if (!next_first_.empty()) loaders::open_ahead_later(next_first_, kNextEpochPiece);
       }
       std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next(read_data);
       pending_.reset();
@@ -451,9 +454,8 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
       throw;
     }
   }
-  // The stream's end: the next epoch's first opening read goes out, held for its stream. Sent no
-  // sooner, it does not slow this epoch's last shards; it arrives while the other workers finish.
-  if (!next_first_.empty()) held_->put(worker_, loaders::send_open(std::exchange(next_first_, {}), kNextEpochPiece));
+  // The stream's end: the next epoch's first opening read, held for the next epoch's stream.
+  if (!next_first_.empty()) held_->put(worker_, loaders::hold_ahead(std::exchange(next_first_, {})));
   return std::nullopt;
 }
 

@@ -141,9 +141,10 @@ class TarShards : public DatasetBase<TarShards> {
   };
   /// The stream of `worker`'s shards for this rank and the worker's epoch. Over s3://, with
   /// WorkerInfo::next_epoch_ahead, the opening read of the worker's first shard of the next epoch
-  /// (its first 16 MiB) is sent as the stream ends, and kept by the dataset for the next epoch's
-  /// stream of that worker, on whichever thread (one read a worker; it is dropped unused when the
-  /// next epoch does not follow or opens another shard first).
+  /// (its first 16 MiB) is sent once the stream's last shard has asked for all its pieces, and kept
+  /// by the dataset for the next epoch's stream of that worker, on whichever thread (one read a
+  /// worker; it is dropped unused when the next epoch does not follow or opens another shard
+  /// first).
   Stream open(const WorkerInfo& worker) const;
   /// The shard indices read by (rank, worker) in `epoch`.
   std::vector<std::size_t> assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const;
