@@ -15,7 +15,8 @@
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
 //       [--persistent | --loader-per-epoch] [--prefetch N] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
 // --no-next-epoch-ahead: prefetch_next_epoch = false (a stream then sends no read for the next
-// epoch's first shard as an epoch ends).
+// epoch's first shard as an epoch ends). With --server-cpus the latency proxy runs on the server's
+// CPUs (it stands for the store), or with --proxy-with-loader on the loader's.
 #include <dirent.h>
 #include <execinfo.h>
 #include <sched.h>
@@ -258,6 +259,7 @@ int main(int argc, char** argv) {
   o.persistent_workers = flag(argc, argv, "--persistent");
   o.prefetch_factor = arg(argc, argv, "--prefetch", o.prefetch_factor);
   o.prefetch_next_epoch = !flag(argc, argv, "--no-next-epoch-ahead");
+  const bool proxy_with_loader = flag(argc, argv, "--proxy-with-loader");
   const auto count = [](const auto& b) -> std::size_t {
     if constexpr (std::is_same_v<std::decay_t<decltype(b)>, Tensor>) return static_cast<std::size_t>(b.numel());
     else return static_cast<std::size_t>(b.label.numel());
@@ -351,8 +353,9 @@ int main(int argc, char** argv) {
   std::printf("%d JPEGs of 500x375 (%.0f MB) in %d tar shards; RandomResizedCrop 224 + flip, uint8, batch 64, %d workers; "
               "SeaweedFS %s on loopback; %u CPUs (%s); %s; median of %d epochs\n\n",
               images, bytes / 1e6, shards, workers, "4.48", std::thread::hardware_concurrency(), u.machine,
-              server_cpus > 0 ? ("the server on " + std::to_string(server_cpus) + " CPUs of its own, the loader on the other " +
-                                 std::to_string(cpus - server_cpus)).c_str()
+              server_cpus > 0 ? (std::string(proxy_with_loader ? "the server" : "the server and the latency proxy") + " on " +
+                                 std::to_string(server_cpus) + " CPUs of their own, the loader on the other " + std::to_string(cpus - server_cpus))
+                                    .c_str()
                               : "the server and the loader share every CPU",
               runs);
   std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores | "
@@ -387,7 +390,13 @@ int main(int argc, char** argv) {
                 r.images_per_second / l.images_per_second, r.busy, r.images_per_second / r.busy, r.server, r.mid, l.mid > 0 ? r.mid / l.mid : 0.0);
     std::fflush(stdout);
     {
+      // The proxy stands for the store's side (its first-byte latency): with --server-cpus it runs
+      // on the server's CPUs (its threads inherit the CPUs of the thread that starts them), unless
+      // --proxy-with-loader puts it on the loader's (where it relays every byte on the loader's
+      // CPUs: this benchmark's placement before 2026-11-26).
+      if (server_cpus > 0 && !proxy_with_loader) use_cpus(cpus - server_cpus, server_cpus);
       test::FaultProxy proxy(store.port());
+      if (server_cpus > 0) use_cpus(0, cpus - server_cpus);
       proxy.delay(std::chrono::milliseconds(latency));
       ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
       const Result p = run(remote);
