@@ -261,7 +261,12 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
       }
       if (caching && size > 0) {
         cache::store(cache::size_key(path), reinterpret_cast<const std::byte*>(&size), sizeof size);
-        if (!first.empty()) cache::store(cache::range_key(path, 0, first.size()), first.data(), first.size());
+        // In the reader's pieces (an opening read sent ahead may hold several), as its reads look.
+        const std::size_t piece = first_piece > 0 ? first_piece : first.size();
+        for (std::size_t at = 0; at < first.size(); at += piece) {
+          const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(piece, size - at));
+          if (at + n <= first.size()) cache::store(cache::range_key(path, at, n), first.data() + at, n);
+        }
       }
     }
     if (size == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");

@@ -23,9 +23,11 @@ namespace ferry {
 namespace {
 // An object is read in pieces of this size (each read is a request); local files in 1 MiB reads.
 constexpr std::size_t kObjectPiece = std::size_t{8} << 20;
-// The next epoch's first opening read: the open's piece and the one after, so that the epoch's
-// first batches are here when it starts (a batch of 64 ImageNet JPEGs is 7-11 MB).
-constexpr std::size_t kNextEpochPiece = 2 * kObjectPiece;
+// An opening read sent ahead (the next shard's, the next epoch's first): the open's piece and the
+// one after, so that a shard's reads start with two pieces in hand and the next asked for (over a
+// store's first-byte latency, one piece in hand left the reader waiting at each shard's start),
+// and an epoch's first batches are here when it starts (a batch of 64 ImageNet JPEGs is 7-11 MB).
+constexpr std::size_t kAheadPiece = 2 * kObjectPiece;
 }  // namespace
 
 // --- TarReader ----------------------------------------------------------------------------------
@@ -402,8 +404,8 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
         reader_.emplace(shards_[current_]);
         // The next shard's opening read goes out now, and arrives while this one is parsed; from
         // the last shard, the next epoch's first shard's, once this one's pieces are all asked for.
-        if (current_ + 1 < shards_.size()) loaders::open_ahead(shards_[current_ + 1], kObjectPiece);
-        else if (!next_first_.empty()) loaders::open_ahead_later(next_first_, kNextEpochPiece);
+        if (current_ + 1 < shards_.size()) loaders::open_ahead(shards_[current_ + 1], kAheadPiece);
+        else if (!next_first_.empty()) loaders::open_ahead_later(next_first_, kAheadPiece);
       }
       std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next(read_data);
       pending_.reset();
