@@ -1,6 +1,7 @@
 // The device stage: see Note [Device stage] in include/ferry/pinning/device.h.
 #include "ferry/pinning/device.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <deque>
 #include <map>
@@ -113,6 +114,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     launched.push_back(std::move(e));
   }
   std::mutex stats_mu;                    // counters and timings (end() and stats() may run on two threads)
+  std::atomic<std::uint64_t> delivered_serial{0};  // the fence deliver() last had the consumer's stream wait on
   // GPU decode (decode_images): the decoder, made on first use, and the batch's decodes.
   struct PendingDecode {
     Tensor bytes, index;
@@ -372,14 +374,13 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     mark_gather_launch();
     for (const detail::GatherField& f : fields) counters.rows_gathered += static_cast<std::uint64_t>(f.rows);
     ++counters.gather_launches;
-    std::shared_ptr<EventFence> last;
-    for (std::size_t k = 0; k < n; ++k) {
-      cuda::Event done = cuda::Event::create(opt.device, k + 1 == n);  // the last times the launch
-      done.record(copy);
-      last = std::make_shared<EventFence>(std::move(done));
-      out.push_back(last);
-    }
-    timings.push_back({std::move(started), std::move(copied), last, true});
+    // One event after the launch covers every batch it wrote: the batches share its fence, and
+    // the consumer's stream waits on it once (deliver).
+    cuda::Event done = cuda::Event::create(opt.device, true);  // it also times the launch
+    done.record(copy);
+    auto fence = std::make_shared<EventFence>(std::move(done));
+    out.assign(n, fence);
+    timings.push_back({std::move(started), std::move(copied), fence, true});
     poll_timings();
     counters.batches += n;
     return out;
@@ -563,9 +564,13 @@ std::shared_ptr<const EventFence> DeviceStage::end() { return impl_->end(); }
 bool DeviceStage::end_held() { return impl_->end_held(); }
 std::vector<std::shared_ptr<const EventFence>> DeviceStage::issue_held() { return impl_->issue_held(); }
 void DeviceStage::deliver(const EventFence& copied) {
+  // Batches issued in one launch share a fence (issue_held): once the consumer's stream waits on
+  // it, all that stream runs later is ordered after it, so the next ones need no wait.
+  if (copied.serial() == impl_->delivered_serial.load(std::memory_order_relaxed)) return;
   cuda::DeviceGuard g(impl_->opt.device);
   impl_->consumer.wait(copied.event());  // a GPU decode's fence: waits for its thread to issue the decode first
   if (std::exception_ptr error = copied.error()) std::rethrow_exception(error);
+  impl_->delivered_serial.store(copied.serial(), std::memory_order_relaxed);
 }
 
 Tensor DeviceStage::to_device(const Tensor& host) {

@@ -401,9 +401,16 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
     std::vector<std::shared_ptr<const EventFence>> fences = stage.issue_held();
     REQUIRE(fences.size() == 3);
     CHECK(stage.stats().gather_launches == launches + 1);
+    // One launch, one event: its batches share a fence, which the consumer's stream waits on once.
+    CHECK(fences[0] == fences[1]);
+    CHECK(fences[1] == fences[2]);
+    // The next launch runs behind 20 ms of other work: its batch must wait for its own fence, not
+    // pass with the one its consumer's stream waited on last.
+    test::launch_spin(stage.copy_stream().native(), 20.0);
     REQUIRE(stage.end_held());
     std::vector<std::shared_ptr<const EventFence>> more = stage.issue_held();
     REQUIRE(more.size() == 1);
+    CHECK(more[0]->serial() != fences[0]->serial());
     CHECK(stage.issue_held().empty());
     test::launch_spin(stage.copy_stream().native(), 20.0);  // later work on the copy stream must not matter
     for (std::size_t k = 0; k < held.size(); ++k) {

@@ -88,7 +88,8 @@ class DeviceStage {
 
   /// Batch protocol (used by ferry::to_device through PinContext): begin with the batch's total
   /// bytes (64-byte aligned per tensor), move() each tensor, then end() issues the copies and
-  /// returns their completion event; deliver(event) orders the consumer stream after it.
+  /// returns their completion event; deliver(event) orders the consumer stream after it (once a
+  /// fence: delivering the fence it delivered last again does nothing).
   void begin(std::size_t bytes);
   Tensor move(const Tensor& host);
   std::shared_ptr<const EventFence> end();
@@ -101,9 +102,10 @@ class DeviceStage {
   /// end_held() again or end().
   bool end_held();
   /// Issues the held batches' gathers, one kernel for all, and returns their fences in the order
-  /// they were held (empty when none was). A held batch's tensors must not be used before its
-  /// fence is delivered; a batch dropped meanwhile is still written, and its buffer reused only
-  /// after. Throws CudaError on a failed launch (the held batches are then dropped).
+  /// they were held (empty when none was): one fence, shared, as one event follows the kernel
+  /// (deliver() has the consumer's stream wait on it once). A held batch's tensors must not be
+  /// used before its fence is delivered; a batch dropped meanwhile is still written, and its buffer
+  /// reused only after. Throws CudaError on a failed launch (the held batches are then dropped).
   std::vector<std::shared_ptr<const EventFence>> issue_held();
   /// Drops a batch begun but not ended (after an exception mid-batch); issues nothing.
   void abort() noexcept;

@@ -7,7 +7,9 @@
 // Thread safety: ready() and wait() may be called from any thread, concurrently with open().
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -63,7 +65,7 @@ class ManualFence final : public Fence {
 /// event() and error() block.
 class EventFence final : public Fence {
  public:
-  EventFence(cuda::Event event) : event_(std::move(event)) {}  // NOLINT
+  EventFence(cuda::Event event) : event_(std::move(event)), serial_(next_serial()) {}  // NOLINT
   /// A fence whose event another thread records, then says so with recorded().
   static std::shared_ptr<EventFence> deferred(cuda::Event event) {
     auto f = std::make_shared<EventFence>(std::move(event));
@@ -87,6 +89,9 @@ class EventFence final : public Fence {
     return event_.ready();
   }
   void wait() const override { event().synchronize(); }
+  /// Distinct for every EventFence made in the process (a fence shared by several batches is
+  /// waited for once: DeviceStage::deliver).
+  std::uint64_t serial() const noexcept { return serial_; }
   const cuda::Event& event() const {
     await_record();
     return event_;
@@ -111,7 +116,12 @@ class EventFence final : public Fence {
     std::unique_lock l(pending_->mu);
     pending_->cv.wait(l, [&] { return pending_->recorded; });
   }
+  static std::uint64_t next_serial() noexcept {
+    static std::atomic<std::uint64_t> n{0};
+    return n.fetch_add(1, std::memory_order_relaxed) + 1;
+  }
   cuda::Event event_;
+  std::uint64_t serial_;
   std::shared_ptr<Pending> pending_;  // deferred fences only
 };
 
