@@ -299,9 +299,9 @@ const std::vector<std::byte>& TarRecord::field(const std::string& name) const {
 }
 
 // Opening reads sent for the next epoch, one a worker: sent as a stream's last shard has asked for
-// all its pieces, put here by the stream as it ends, moved along by
-// the workers whose streams have ended while they wait (Stream::progress), taken by the next
-// epoch's stream of that worker (on whichever thread).
+// all its pieces, put here by the stream as it ends, moved along by the workers whose streams have
+// ended while they wait (Stream::progress), taken by the next epoch's stream of that worker (on
+// whichever thread).
 struct TarShards::Held {
   std::mutex mu;
   std::map<int, loaders::HeldOpen> by_worker;

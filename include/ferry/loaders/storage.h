@@ -12,9 +12,10 @@
 //
 // How bytes are read: an image, an .npy or an IDX file is one GET; a tar stream is read front to
 // back in 8 MiB ranged GETs, the next two requested while this one is parsed and moved along
-// while the worker waits (a shard's first piece brings its size, and the next shard's is
-// requested while this shard is read); an indexed tar shard's headers are read that way once, then each record is one ranged GET, a batch's records
-// requested together. Each worker thread keeps its own connections (libcurl, reused from
+// while the worker waits (a shard's first piece brings its size; the next shard's first two are
+// requested in one GET while this shard is read, and with prefetch_next_epoch a worker's first
+// shard of the next epoch as its last shard's reads are); an indexed tar shard's headers are read
+// that way once, then each record is one ranged GET, a batch's records requested together. Each worker thread keeps its own connections (libcurl, reused from
 // request to request). A request is retried with jittered exponential backoff on a 5xx, a 429, a
 // refused or reset connection or a stall; when its first byte is late, a second request for the
 // same bytes is sent and the first answer wins (a hedge). A request that fails every attempt is a
