@@ -11,18 +11,19 @@
 //   ferry::DataLoader loader(train, {.batch_size = 256, .shuffle = true, .num_workers = 16});
 //
 // How bytes are read: an image, an .npy or an IDX file is one GET; a tar stream is read front to
-// back in 8 MiB ranged GETs, the next two requested while this one is parsed and moved along
-// while the worker waits (a shard's first piece brings its size; the next shard's first two are
-// requested in one GET while this shard is read, and with prefetch_next_epoch a worker's first
-// shard of the next epoch as its last shard's reads are); an indexed tar shard's headers are read
-// that way once, then each record is one ranged GET, a batch's records requested together. Each worker thread keeps its own connections (libcurl, reused from
-// request to request). A request is retried with jittered exponential backoff on a 5xx, a 429, a
-// refused or reset connection or a stall; when its first byte is late, a second request for the
-// same bytes is sent and the first answer wins (a hedge). A request that fails every attempt is a
-// transient IoError (DataLoaderOptions::io_retries then applies, and on_error after that); a 403,
-// a 404 or a missing bucket is a DataError naming the URL. A read whose batch the loader gives up
-// on (its worker abandoned at DataLoaderOptions::timeout, or the epoch ending) stops within 0.1 s
-// and closes its connections, rather than at its stall limit. Credentials never appear in an error.
+// back in 8 MiB ranged GETs, the next two requested while this one is parsed and moved along while
+// the worker waits (a shard's first piece brings its size; the next shard's first two are requested
+// in one GET while this shard is read, and with prefetch_next_epoch a worker's first shard of the
+// next epoch as its last shard's reads are); an indexed tar shard's headers are read that way once,
+// then each record is one ranged GET, a batch's records requested together. Each worker thread
+// keeps its own connections (libcurl, reused from request to request). A request is retried with
+// jittered exponential backoff on a 5xx, a 429, a refused or reset connection or a stall; when its
+// first byte is late, a second request for the same bytes is sent and the first answer wins (a
+// hedge). A request that fails every attempt is a transient IoError (DataLoaderOptions::io_retries
+// then applies, and on_error after that); a 403, a 404 or a missing bucket is a DataError naming
+// the URL. A read whose batch the loader gives up on (its worker abandoned at
+// DataLoaderOptions::timeout, or the epoch ending) stops within 0.1 s and closes its connections,
+// rather than at its stall limit. Credentials never appear in an error.
 //
 // Settings, read as AWS's own SDKs and CLI read them:
 //   endpoint     AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's endpoint_url, else

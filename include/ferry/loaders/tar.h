@@ -25,8 +25,8 @@
 // Shards may live in S3-compatible storage: "s3://bucket/train-{000..127}.tar" (expand_braces)
 // reads each shard front to back in 8 MiB ranged GETs, the next two on their way while one is
 // parsed and while the worker waits for its next batch, and the next shard's first two in one GET
-// (settings: ferry/loaders/storage.h, read from AWS's environment variables and ~/.aws files). Decoded on the GPU, a stream's records are
-// EncodedImages (encode_labeled_image).
+// (settings: ferry/loaders/storage.h, read from AWS's environment variables and ~/.aws files).
+// Decoded on the GPU, a stream's records are EncodedImages (encode_labeled_image).
 //
 // Thread safety: TarShards is immutable but for the next epoch's opening reads it keeps for its
 // streams (behind a mutex); each stream belongs to one worker.
