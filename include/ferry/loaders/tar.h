@@ -144,8 +144,9 @@ class TarShards : public DatasetBase<TarShards> {
   /// WorkerInfo::next_epoch_ahead, the opening read of the worker's first shard of the next epoch
   /// (its first 16 MiB) is sent once the stream's last shard has asked for all its pieces, and kept
   /// by the dataset for the next epoch's stream of that worker, on whichever thread (one read a
-  /// worker; it is dropped unused when the next epoch does not follow or opens another shard
-  /// first).
+  /// worker; it is dropped unused when the next epoch opens another shard first). The dataset and
+  /// its copies share what they keep: after the last epoch, up to one 16 MiB read and its
+  /// connection a worker, until the last copy of the dataset is destroyed.
   Stream open(const WorkerInfo& worker) const;
   /// The shard indices read by (rank, worker) in `epoch`.
   std::vector<std::size_t> assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const;
