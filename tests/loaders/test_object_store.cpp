@@ -380,6 +380,30 @@ TEST_CASE("a stream's next epoch opens its first shard from the read sent as thi
     ObjectStore::get().use();
   }
   {
+    // A read kept for an epoch that never comes ends with the dataset: its connection closes. A
+    // shard of one piece: its open, then the next epoch's read, one after the other.
+    FaultProxy proxy(ObjectStore::get().port());
+    ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+    using F = FaultProxy::Fault;
+    proxy.inject({F::None, F::Hang});  // the shard's open passes; the next epoch's read hangs
+    {
+      auto held = TarShards({d.url("shards/train-000.tar")}, so).map([](TarRecord r) { return r.key; });
+      DataLoaderOptions o;
+      o.batch_size = 3;
+      o.num_workers = 1;
+      DataLoader loader(held, o, [](std::vector<std::string> v) { return v; });
+      std::size_t records = 0;
+      for (auto& batch : loader) records += batch.size();
+      CHECK(records == 7);
+      CHECK(proxy.hangs_ended_by_client() == 0);  // kept while the dataset lives
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (proxy.hangs_ended_by_client() == 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(proxy.hangs_ended_by_client() == 1);
+    ObjectStore::get().use();
+  }
+  {
     // Without it, each epoch reads only its own: the second epoch asks the store again.
     DataLoaderOptions o;
     o.batch_size = 3;
