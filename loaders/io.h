@@ -65,9 +65,10 @@ void open_ahead(const std::string& path, std::size_t first_piece);
 /// while it is still on its way.
 bool progress_ahead();
 
-/// open_ahead(), the read sent once the object this thread reads now has asked for its last piece
-/// (at once when it has; it is never sent while the thread reads no object): a stream asks for its
-/// next epoch's first shard as it opens its last, and the read goes when that shard's reads have.
+/// open_ahead(), the read sent at the first read of the object this thread reads now that finds
+/// every piece to its end asked for (never while the thread reads no object; hold_ahead() sends
+/// it at the latest): a stream asks for its next epoch's first shard as it opens its last, and the
+/// read goes when that shard's reads have.
 void open_ahead_later(const std::string& path, std::size_t first_piece);
 
 /// An opening read taken off its thread (HeldOpen), for an open of the object on another thread:

@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include "ferry/detail/numa.h"
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <string>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "ferry/detail/engine.h"
+#include "ferry/pinning/fence.h"
 
 #ifdef FERRY_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -283,3 +285,14 @@ Placement placement_for_device(int device) {
   return p;
 }
 }  // namespace ferry::detail
+
+namespace ferry {
+
+// Defined once, in this library, so that fences made in any of ferry's libraries draw from one
+// counter.
+std::uint64_t EventFence::next_serial() noexcept {
+  static std::atomic<std::uint64_t> n{0};
+  return n.fetch_add(1, std::memory_order_relaxed) + 1;
+}
+
+}  // namespace ferry

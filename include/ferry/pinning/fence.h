@@ -7,7 +7,6 @@
 // Thread safety: ready() and wait() may be called from any thread, concurrently with open().
 #pragma once
 
-#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -116,10 +115,7 @@ class EventFence final : public Fence {
     std::unique_lock l(pending_->mu);
     pending_->cv.wait(l, [&] { return pending_->recorded; });
   }
-  static std::uint64_t next_serial() noexcept {
-    static std::atomic<std::uint64_t> n{0};
-    return n.fetch_add(1, std::memory_order_relaxed) + 1;
-  }
+  static std::uint64_t next_serial() noexcept;  // one counter for the process (pinning/cuda.cpp)
   cuda::Event event_;
   std::uint64_t serial_;
   std::shared_ptr<Pending> pending_;  // deferred fences only
