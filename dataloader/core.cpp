@@ -308,8 +308,9 @@ Payload LoaderCore::Parts::gather_batch(const Tensor& index, bool hold) {
   const bool in_launch = index.size(0) <= DeviceStage::gather_index_in_launch;
   std::size_t bytes = in_launch ? 0 : aligned(index.nbytes());
   for (const HostRows& f : gather_fields) bytes += aligned(rows * f.row_bytes * (f.transform ? itemsize(f.transform->dtype) : 1));
-  device_stage->begin(bytes);
+  device_stage->begin(bytes, hold);  // held batches: small, several to a launch and to a buffer
   std::vector<Tensor> fields;
+  fields.reserve(gather_fields.size());
   try {
     const Tensor index_dev = in_launch ? index : device_stage->move(index);
     for (std::size_t k = 0; k < gather_fields.size(); ++k) {

@@ -2,12 +2,14 @@
 #include "ferry/pinning/device.h"
 
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include "ferry/collate/collate.h"
 #include "ferry/detail/engine.h"
@@ -77,10 +79,19 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   std::mutex mu;
   std::vector<std::unique_ptr<Buffer>> buffers;  // guarded by mu
   DeviceStageStats counters;
-  // The batch being moved (consumer thread only).
+  // The batch being moved (the thread that begins batches only): its buffer, which it holds from
+  // cur_begin to cur_end, and the end of what it has placed so far.
   Buffer* cur = nullptr;
-  std::size_t cur_size = 0, used = 0;
+  std::size_t cur_begin = 0, cur_end = 0, used = 0;
   std::shared_ptr<void> cur_owner;
+  // Shared batches (begin(bytes, true)): carved one after another from one buffer of up to
+  // kSharedBatches of them, which the stage holds while it carves and which returns to the pool,
+  // behind one release event, once the stage has moved on and its last batch is dropped. Small
+  // batches then cost one buffer lease, one copy-stream wait and one release a buffer, not a batch.
+  static constexpr std::size_t kSharedBatches = 8;
+  Buffer* shared = nullptr;
+  std::shared_ptr<void> shared_owner;
+  std::size_t shared_used = 0;
   std::vector<Pending> pending;
   // Sources not from `pool` stay alive until the copy that read them completes.
   std::deque<std::pair<std::shared_ptr<EventFence>, std::vector<Storage>>> keepalive;
@@ -92,26 +103,36 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   };
   std::deque<Timing> timings;
   std::vector<cuda::Event> spare_starts;  // timing events already counted, reused
-  // Gather launches issued and maybe not finished, a blocking-sync event each (throttle_gathers):
-  // popped once waited for; the rest go back to the event pool with the stage.
-  std::deque<cuda::Event> launched;
-  static constexpr std::size_t kLaunchesAhead = 3;
+  // Gather launches issued and maybe not finished, each one's fence (throttle_gathers): popped
+  // once waited for.
+  std::deque<std::shared_ptr<const EventFence>> launched;
+  static constexpr std::size_t kLaunchesAhead = 4, kLaunchesLeft = 2;
 
-  // Before a gather launch (on the pin thread): at most kLaunchesAhead launches queued on the
-  // copy stream, waiting for the oldest in a sleep. Left alone, the pin thread runs ahead until
-  // the driver's queue is full, and the driver then holds it in cudaMemcpyBatchAsync or the
-  // launch spinning and yielding: a whole core busy waiting for the link. Three launches queued
-  // keep the copy stream busy for a wake-up's time and more.
+  // Before a gather launch (on the pin thread): once kLaunchesAhead launches are queued on the
+  // copy stream, sleeps until kLaunchesLeft are. Left alone, the pin thread runs ahead until the
+  // driver's queue is full, and the driver then holds it in cudaMemcpyBatchAsync or the launch
+  // spinning and yielding: a whole core busy waiting for the link. It checks the launch's fence
+  // after sleeps of 50 us, each half again as long as the last, up to 1 ms: the two launches
+  // still queued keep the copy stream busy past the last sleep's overshoot. Not a blocking-sync
+  // event: each one recorded wakes CUDA's event thread when it completes, whoever waits (0.1 to
+  // 0.2 of a core at 7,000 launches a second, bench/RESULTS.md), and waiting for two launches at
+  // a time wakes the pin thread once every other launch.
   void throttle_gathers() {
-    while (launched.size() >= kLaunchesAhead) {
-      launched.front().synchronize();
-      launched.pop_front();
+    if (launched.size() < kLaunchesAhead) return;
+    const EventFence& target = *launched[launched.size() - 1 - kLaunchesLeft];
+    std::chrono::microseconds sleep(50);
+    while (!target.ready()) {
+      std::this_thread::sleep_for(sleep);
+      sleep = std::min(sleep * 3 / 2, std::chrono::microseconds(1000));
     }
+    launched.erase(launched.begin(), launched.end() - kLaunchesLeft);
   }
+  // A gather launch's completion, for the throttle: the fence itself where one follows the launch.
+  void mark_gather_launch(std::shared_ptr<const EventFence> done) { launched.push_back(std::move(done)); }
   void mark_gather_launch() {
-    cuda::Event e = cuda::Event::create(opt.device, false, true);
+    cuda::Event e = cuda::Event::create(opt.device, false);
     e.record(copy);
-    launched.push_back(std::move(e));
+    mark_gather_launch(std::make_shared<EventFence>(std::move(e)));
   }
   std::mutex stats_mu;                    // counters and timings (end() and stats() may run on two threads)
   std::atomic<std::uint64_t> delivered_serial{0};  // the fence deliver() last had the consumer's stream wait on
@@ -180,7 +201,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       shape.insert(shape.end(), row_shape.begin(), row_shape.end());
     }
     const std::size_t bytes = static_cast<std::size_t>(rows) * out_row_bytes;
-    if (used + align_up(bytes) > cur_size) throw Error("DeviceStage::gather_rows: more than begin() reserved");
+    if (used + align_up(bytes) > cur_end) throw Error("DeviceStage::gather_rows: more than begin() reserved");
     Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), dtype, shape, used);
     gathers.push_back({index, field});
     used += align_up(bytes);
@@ -205,7 +226,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       decoder = std::move(made);
     }
     const std::size_t bytes_out = DeviceStage::decoded_bytes(index);
-    if (used + align_up(bytes_out) > cur_size) throw Error("DeviceStage::decode_images: more than begin() reserved");
+    if (used + align_up(bytes_out) > cur_end) throw Error("DeviceStage::decode_images: more than begin() reserved");
     const std::int64_t* row = index.data<std::int64_t>();
     const std::int64_t rows = index.size(0), OH = row[detail::EncodedRow::kOutHeight], OW = row[detail::EncodedRow::kOutWidth], C = row[detail::EncodedRow::kChannels];
     const std::int64_t kind = row[detail::EncodedRow::kOutput];
@@ -221,9 +242,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     return out;
   }
 
-  void begin(std::size_t bytes) {
-    if (cur) throw Error("DeviceStage::begin: the previous batch was not ended");
-    const std::size_t want = std::max<std::size_t>(bytes, 1);
+  // A free buffer of `want` bytes or up to twice as many, else a new one; the copy stream waits
+  // (on the device) for its last release before anything is written into it.
+  Buffer* lease(std::size_t want) {
     Buffer* best = nullptr;
     {
       std::lock_guard l(mu);
@@ -250,11 +271,42 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
         copy.wait(best->released);  // reuse only behind the consumer's release
       }
     }
-    cur = best;
-    cur_size = bytes;
-    used = 0;
+    return best;
+  }
+  // The reference that returns `b` to the pool when its last batch is dropped.
+  std::shared_ptr<void> owner_of(Buffer* b) {
     std::shared_ptr<Impl> self = shared_from_this();
-    cur_owner = std::shared_ptr<void>(best, [self](void* p) { self->release(static_cast<Buffer*>(p)); });
+    return std::shared_ptr<void>(b, [self](void* p) { self->release(static_cast<Buffer*>(p)); });
+  }
+
+  void begin(std::size_t bytes, bool share) {
+    if (cur) throw Error("DeviceStage::begin: the previous batch was not ended");
+    const std::size_t want = std::max<std::size_t>(bytes, 1);
+    if (share && align_up(want) <= kHeldBytes / 2) {
+      const std::size_t need = align_up(want);
+      if (!shared_owner || shared_used + need > shared->size) {
+        close_shared();
+        shared = lease(std::min(kSharedBatches * need, kHeldBytes));
+        shared_owner = owner_of(shared);
+        shared_used = 0;
+      }
+      cur = shared;
+      cur_owner = shared_owner;
+      used = cur_begin = shared_used;
+      cur_end = shared_used + bytes;
+      shared_used += need;
+      return;
+    }
+    cur = lease(want);
+    cur_owner = owner_of(cur);
+    used = cur_begin = 0;
+    cur_end = bytes;
+  }
+  // The stage lets go of the shared buffer it was carving (it returns once its batches are gone).
+  void close_shared() noexcept {
+    shared_owner.reset();
+    shared = nullptr;
+    shared_used = 0;
   }
 
   void release(Buffer* b) noexcept {
@@ -283,7 +335,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       throw Error("DeviceStage: " + host.str() + " is on another device than cuda:" + std::to_string(opt.device));
     }
     const std::size_t bytes = align_up(host.nbytes());
-    if (used + bytes > cur_size)
+    if (used + bytes > cur_end)
       throw Error("DeviceStage: the batch moved more bytes than begin() reserved; a custom pin_memory must only call ctx.pin()");
     if (!host.is_pinned())
       detail::warn_once("device-pageable", "DeviceStage: copying from pageable host memory (slower, and the copy "
@@ -302,6 +354,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
         counters.copy_ms += cuda::Event::elapsed_ms(t.started, t.copied);
         if (t.gather) counters.gather_ms += cuda::Event::elapsed_ms(t.copied, t.done->event());  // a decode's: decoder->busy_ms()
         spare_starts.push_back(std::move(t.copied));
+      } else if (t.gather) {  // a held launch: no copies before the gather
+        counters.gather_ms += cuda::Event::elapsed_ms(t.started, t.done->event());
       } else {
         counters.copy_ms += cuda::Event::elapsed_ms(t.started, t.done->event());
       }
@@ -320,7 +374,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
 
   bool end_held() {
     if (!cur) throw Error("DeviceStage::end_held: no batch begun");
-    if (!pending.empty() || !decodes.empty() || gathers.empty() || used > kHeldBytes ||
+    if (!pending.empty() || !decodes.empty() || gathers.empty() || used - cur_begin > kHeldBytes ||
         gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields))
       return false;
     std::size_t rows = 0;
@@ -330,7 +384,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     }
     if (rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch)) return false;
     if (held_index.size() + rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch) ||
-        held_fields.size() + gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields) || held_bytes + used > kHeldBytes)
+        held_fields.size() + gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields) || held_bytes + (used - cur_begin) > kHeldBytes)
       return false;
     std::int64_t offset = 0;
     for (std::size_t i = 0; i < gathers.size(); ++i) {
@@ -346,7 +400,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       f.index_offset = offset;
       held_fields.push_back(f);
     }
-    held_bytes += used;
+    held_bytes += used - cur_begin;
     ++held_batches;
     gathers.clear();
     cur_owner.reset();
@@ -357,30 +411,37 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   std::vector<std::shared_ptr<const EventFence>> issue_held() {
     std::vector<std::shared_ptr<const EventFence>> out;
     if (held_batches == 0) return out;
-    const std::vector<detail::GatherField> fields = std::move(held_fields);
-    const std::vector<std::int64_t> index = std::move(held_index);
     const std::size_t n = held_batches;
-    held_fields.clear();
-    held_index.clear();
-    held_batches = held_bytes = 0;
+    // Emptied however the launch goes (a failed one drops its batches); the vectors keep their
+    // capacity for the next launch.
+    struct Clear {
+      Impl& s;
+      ~Clear() {
+        s.held_fields.clear();
+        s.held_index.clear();
+        s.held_batches = s.held_bytes = 0;
+      }
+    } clear{*this};
+    const std::vector<detail::GatherField>& fields = held_fields;
+    const std::vector<std::int64_t>& index = held_index;
     cuda::DeviceGuard device_guard(opt.device);
     throttle_gathers();
     std::lock_guard stats_lock(stats_mu);
-    cuda::Event started = timing_event(), copied = timing_event();
-    started.record(copy);
-    copied.record(copy);  // no copies: the interval after it is the gather's
+    cuda::Event started = timing_event();
+    started.record(copy);  // no copies: the interval after it is the gather's
     detail::launch_gather(index.data(), static_cast<std::int64_t>(index.size()), fields.data(), static_cast<int>(fields.size()),
                           copy.native());
-    mark_gather_launch();
     for (const detail::GatherField& f : fields) counters.rows_gathered += static_cast<std::uint64_t>(f.rows);
     ++counters.gather_launches;
     // One event after the launch covers every batch it wrote: the batches share its fence, and
-    // the consumer's stream waits on it once (deliver).
-    cuda::Event done = cuda::Event::create(opt.device, true);  // it also times the launch
+    // the consumer's stream waits on it once (deliver). It also times the launch and is what the
+    // throttle checks.
+    cuda::Event done = cuda::Event::create(opt.device, true);
     done.record(copy);
     auto fence = std::make_shared<EventFence>(std::move(done));
+    mark_gather_launch(fence);
     out.assign(n, fence);
-    timings.push_back({std::move(started), std::move(copied), fence, true});
+    timings.push_back({std::move(started), cuda::Event(), fence, true});
     poll_timings();
     counters.batches += n;
     return out;
@@ -439,7 +500,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       }
       i = j;
     }
-    if (gathered && !decode_error) mark_gather_launch();
+    // The throttle's mark: the batch's fence where it follows the gather (no decode after it).
+    const bool mark = gathered && !decode_error;
+    if (mark && !decodes.empty()) mark_gather_launch();
     gathers.clear();
     cuda::Event done = cuda::Event::create(opt.device, true);
     std::shared_ptr<EventFence> fence;
@@ -477,6 +540,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     if (!fence) {
       done.record(copy);
       fence = std::make_shared<EventFence>(std::move(done));
+      if (mark) mark_gather_launch(fence);
     }
     timings.push_back({std::move(started), std::move(copied), fence, gathered});
     poll_timings();
@@ -510,6 +574,7 @@ void DeviceStage::abort() noexcept {
 
 DeviceStage::~DeviceStage() {
   abort();
+  impl_->close_shared();  // the stage's hold on the shared buffer (it refers to the stage's state)
   // Sources kept alive for in-flight copies: wait for those copies before dropping them.
   for (auto& [fence, storages] : impl_->keepalive) {
     try {
@@ -558,7 +623,7 @@ DeviceStageStats DeviceStage::stats() const {
   s.decode_threads = impl_->decoder ? impl_->decoder->threads() : impl_->opt.decode_threads;
   return s;
 }
-void DeviceStage::begin(std::size_t bytes) { impl_->begin(bytes); }
+void DeviceStage::begin(std::size_t bytes, bool shared) { impl_->begin(bytes, shared); }
 Tensor DeviceStage::move(const Tensor& host) { return impl_->move(host); }
 std::shared_ptr<const EventFence> DeviceStage::end() { return impl_->end(); }
 bool DeviceStage::end_held() { return impl_->end_held(); }
@@ -574,7 +639,7 @@ void DeviceStage::deliver(const EventFence& copied) {
 }
 
 Tensor DeviceStage::to_device(const Tensor& host) {
-  begin(align_up(host.nbytes()));
+  begin(align_up(host.nbytes()), false);
   Tensor t;
   try {
     t = move(host);

@@ -141,7 +141,7 @@ int sm_count() {
 template <int N>
 void launch(const std::int64_t* host_index, std::int64_t host_rows, const GatherField* fields, int nfields, cudaStream_t stream) {
   static_assert(sizeof(Args<N>) <= 32764, "CUDA's kernel parameter limit");
-  Args<N> a{};
+  Args<N> a;  // the fields and indices past nfields and host_rows are never read: not zeroed
   a.nfields = nfields;
   std::size_t words = 0;
   bool transformed = false;
@@ -246,6 +246,7 @@ void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const
   if (host_rows <= 0) launch<0>(nullptr, 0, rest, nrest, s);
   else if (host_rows <= 256) launch<256>(host_index, host_rows, rest, nrest, s);
   else if (host_rows <= 1024) launch<1024>(host_index, host_rows, rest, nrest, s);
+  else if (host_rows <= 2048) launch<2048>(host_index, host_rows, rest, nrest, s);
   else launch<kGatherIndexInLaunch>(host_index, host_rows, rest, nrest, s);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)

@@ -406,13 +406,13 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
     CHECK(fences[1] == fences[2]);
     // The next launch runs behind 20 ms of other work: its batch must wait for its own fence, not
     // pass with the one its consumer's stream waited on last.
-    test::launch_spin(stage.copy_stream().native(), 20.0);
+    test::launch_spin(stage.copy_stream().native(), 20000.0);
     REQUIRE(stage.end_held());
     std::vector<std::shared_ptr<const EventFence>> more = stage.issue_held();
     REQUIRE(more.size() == 1);
     CHECK(more[0]->serial() != fences[0]->serial());
     CHECK(stage.issue_held().empty());
-    test::launch_spin(stage.copy_stream().native(), 20.0);  // later work on the copy stream must not matter
+    test::launch_spin(stage.copy_stream().native(), 20000.0);  // later work on the copy stream must not matter
     for (std::size_t k = 0; k < held.size(); ++k) {
       stage.deliver(*fences[k]);
       check(held[k]);
@@ -446,4 +446,72 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
   CHECK(s.batches == batches);
   CHECK(s.gather_launches < batches);
   CHECK(s.gather_launches > 0);
+}
+
+TEST_CASE("device gather: small batches share a device buffer, reused only behind the consumer's use of its last batch",
+          "[gpu][gather][shared]") {
+  // 16 ids a batch (int64 rows: row i holds i), 8 batches a shared buffer.
+  const std::int64_t n = 4096, rows = 16;
+  Tensor ids = Tensor::empty(DType::Int64, {n});
+  for (std::int64_t i = 0; i < n; ++i) ids.data<std::int64_t>()[i] = i;
+  HostRows h;
+  h.data = ids.raw();
+  h.rows = n;
+  h.row_bytes = 8;
+  h.dtype = DType::Int64;
+  h.name = "ids";
+  RowRegistration reg({h}, 0, std::size_t{1} << 30);
+  DeviceStage stage;
+  const std::size_t bytes = rows * 8;  // one 64-byte-aligned field
+  // Batch k of round r gathers rows first(r, k) + 0..15; its expected ids wait on the device.
+  auto first = [](int r, int k) { return static_cast<std::int64_t>((r * 8 + k) * 16 % 4000); };
+  std::vector<std::int64_t*> want;
+  for (int r = 0; r < 10; ++r)
+    for (int k = 0; k < 8; ++k) {
+      Tensor w = Tensor::empty(DType::Int64, {rows});
+      for (std::int64_t j = 0; j < rows; ++j) w.data<std::int64_t>()[j] = first(r, k) + j;
+      auto* d = static_cast<std::int64_t*>(cuda::device_alloc(w.nbytes()));
+      cuda::memcpy_async(d, w.raw(), w.nbytes(), cuda::CopyKind::HostToDevice, stage.consumer_stream());
+      want.push_back(d);
+    }
+  stage.consumer_stream().synchronize();
+  unsigned long long* bad = test::alloc_counter();
+  for (int r = 0; r < 10; ++r) {
+    std::vector<Tensor> batch;
+    for (int k = 0; k < 8; ++k) {
+      Tensor index = Tensor::empty(DType::Int64, {rows});
+      for (std::int64_t j = 0; j < rows; ++j) index.data<std::int64_t>()[j] = first(r, k) + j;
+      stage.begin(bytes, true);
+      batch.push_back(stage.gather_rows(index, reg.device_rows(0), 8, DType::Int64, {}));
+      stage.deliver(*stage.end());
+    }
+    // One buffer holds the round's 8 batches, one after another.
+    for (int k = 1; k < 8; ++k) {
+      CHECK(batch[static_cast<std::size_t>(k)].storage().owner() == batch[0].storage().owner());
+      CHECK(static_cast<const std::byte*>(batch[static_cast<std::size_t>(k)].raw()) ==
+            static_cast<const std::byte*>(batch[static_cast<std::size_t>(k) - 1].raw()) + bytes);
+    }
+    // The consumer reads each batch 20 ms from now, then drops them all: the next round's gathers
+    // into the same buffer must wait for those reads.
+    test::launch_spin(stage.consumer_stream().native(), 20000.0);
+    for (int k = 0; k < 8; ++k)
+      test::launch_count_differences(stage.consumer_stream().native(), static_cast<const std::int64_t*>(batch[static_cast<std::size_t>(k)].raw()),
+                                     want[static_cast<std::size_t>(r * 8 + k)], static_cast<int>(rows), bad);
+  }
+  CHECK(test::read_counter(bad) == 0);
+  // The buffer came back each round (the stage moved on to a new one with its batches dropped).
+  CHECK(stage.stats().device_allocations == 1);
+  CHECK(stage.stats().batches == 80);
+  // A batch begun unshared has a buffer of its own.
+  {
+    Tensor index = Tensor::empty(DType::Int64, {rows});
+    for (std::int64_t j = 0; j < rows; ++j) index.data<std::int64_t>()[j] = j;
+    stage.begin(bytes);
+    const Tensor own = stage.gather_rows(index, reg.device_rows(0), 8, DType::Int64, {});
+    stage.deliver(*stage.end());
+    CHECK(stage.stats().device_allocations == 2);
+    stage.consumer_stream().synchronize();
+  }
+  test::free_counter(bad);
+  for (std::int64_t* d : want) cuda::device_free(d);
 }

@@ -1,16 +1,17 @@
 // ferry/pinning/device.h — host-to-device copies on a side stream that overlap compute.
 //
 // Note [Device stage]
-// For each batch the stage leases one device buffer sized to the whole batch, makes its copy
-// stream wait (on the device, not the host) until the consumer's stream has passed the event
-// recorded when that buffer was last released, issues cudaMemcpyAsync for the batch's tensors
-// (with `pack`, tensors adjacent in one pinned slab go as one copy), records an event E and
-// attaches E as a fence to every pinned block it read (the pool will not reuse them before E).
-// When the batch is handed to the consumer (deliver), the consumer's stream waits on E: its
-// kernels are ordered after the copy, the host never blocks, and copies issued ahead for later
-// batches never delay the batch being computed (the wait is per batch, at hand-over). When the
-// consumer drops a device batch, an event is recorded on the consumer stream and the buffer
-// returns to the stage's pool, to be reused only behind that event.
+// For each batch the stage leases one device buffer sized to the whole batch (small batches of
+// the device gather share one, begun `shared`), makes its copy stream wait (on the device, not
+// the host) until the consumer's stream has passed the event recorded when that buffer was last
+// released, issues cudaMemcpyAsync for the batch's tensors (with `pack`, tensors adjacent in one
+// pinned slab go as one copy), records an event E and attaches E as a fence to every pinned block
+// it read (the pool will not reuse them before E). When the batch is handed to the consumer
+// (deliver), the consumer's stream waits on E: its kernels are ordered after the copy, the host
+// never blocks, and copies issued ahead for later batches never delay the batch being computed
+// (the wait is per batch, at hand-over). When the consumer drops the last batch of a buffer, an
+// event is recorded on the consumer stream and the buffer returns to the stage's pool, to be
+// reused only behind that event.
 //
 //   ferry::DeviceStage stage({.device = 0});
 //   ferry::Tensor on_gpu = stage.to_device(pinned_tensor);      // async; ordered on stage.consumer_stream()
@@ -89,8 +90,12 @@ class DeviceStage {
   /// Batch protocol (used by ferry::to_device through PinContext): begin with the batch's total
   /// bytes (64-byte aligned per tensor), move() each tensor, then end() issues the copies and
   /// returns their completion event; deliver(event) orders the consumer stream after it (once a
-  /// fence: delivering the fence it delivered last again does nothing).
-  void begin(std::size_t bytes);
+  /// fence: delivering the fence it delivered last again does nothing). `shared`: a small batch
+  /// (8 MiB or less) is placed in one device buffer after the shared batches begun before it,
+  /// up to 8 of them a buffer, which returns to the pool once the stage has moved on to another and
+  /// every batch in it is dropped (one lease and one release a buffer, not a batch; a batch kept
+  /// keeps its buffer's neighbours' memory too). Else each batch has a buffer of its own.
+  void begin(std::size_t bytes, bool shared = false);
   Tensor move(const Tensor& host);
   std::shared_ptr<const EventFence> end();
   void deliver(const EventFence& copied);

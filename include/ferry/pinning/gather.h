@@ -18,7 +18,8 @@
 // cannot take it, the loader says why once, as a warning).
 // Two refinements: small batches that are ready together share one launch (the pin thread holds
 // their gathers, DeviceStage::end_held, and issues them at once, issue_held: a launch and its
-// events cost about what a 0.8 MB batch takes the link), and rows of 64 KiB and more,
+// events cost about what a 0.8 MB batch takes the link; they also share device buffers, up to 8
+// batches to one, begun `shared`: one lease and one release a buffer), and rows of 64 KiB and more,
 // untransformed, go by the copy engines instead of the kernel (one cudaMemcpyBatchAsync a field,
 // a copy a row: 0.99 of the link, where SM loads of mapped memory stop near 0.87).
 //
