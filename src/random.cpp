@@ -2,6 +2,10 @@
 
 #include <cmath>
 
+#include <immintrin.h>
+
+#include "random_bulk.h"
+
 namespace ferry {
 namespace {
 constexpr std::uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;  // Philox4x32 multipliers
@@ -31,20 +35,105 @@ void Generator::refill() noexcept {
   ++counter_[0];
 }
 
-std::uint64_t Generator::randint(std::uint64_t n) noexcept {
-  // Lemire, "Fast random integer generation in an interval" (2019).
-  std::uint64_t x = next_u64();
-  __uint128_t m = static_cast<__uint128_t>(x) * n;
-  std::uint64_t low = static_cast<std::uint64_t>(m);
-  if (low < n) {
-    const std::uint64_t threshold = (0 - n) % n;
-    while (low < threshold) {
-      x = next_u64();
-      m = static_cast<__uint128_t>(x) * n;
-      low = static_cast<std::uint64_t>(m);
-    }
+namespace {
+// kLanes consecutive blocks of (key, counter), counter[0] counting up from `counter`'s, into
+// `out` (4 words a block, in order), the rounds run on all lanes at once, lane by lane in each
+// step: Generator::fill where the CPU lacks AVX2.
+constexpr int kLanes = 8;
+void philox_lanes_base(const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
+                       std::uint32_t* out) noexcept {
+  std::uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+  for (int l = 0; l < kLanes; ++l) {
+    c0[l] = counter[0] + static_cast<std::uint32_t>(l);
+    c1[l] = counter[1];
+    c2[l] = counter[2];
+    c3[l] = counter[3];
   }
-  return static_cast<std::uint64_t>(m >> 64);
+  std::uint32_t k0 = key[0], k1 = key[1];
+  for (int round = 0; round < 10; ++round) {
+    for (int l = 0; l < kLanes; ++l) {
+      const std::uint64_t p0 = static_cast<std::uint64_t>(kMul0) * c0[l], p1 = static_cast<std::uint64_t>(kMul1) * c2[l];
+      const std::uint32_t n0 = static_cast<std::uint32_t>(p1 >> 32) ^ c1[l] ^ k0, n2 = static_cast<std::uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
+      c0[l] = n0;
+      c1[l] = static_cast<std::uint32_t>(p1);
+      c2[l] = n2;
+      c3[l] = static_cast<std::uint32_t>(p0);
+    }
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+  for (int l = 0; l < kLanes; ++l) {
+    out[4 * l] = c0[l];
+    out[4 * l + 1] = c1[l];
+    out[4 * l + 2] = c2[l];
+    out[4 * l + 3] = c3[l];
+  }
+}
+// (hi, lo) of m * c for the 8 words of c (m: a multiplier in each 64-bit half).
+[[gnu::target("avx2"), gnu::always_inline]] inline void mul_avx2(__m256i m, __m256i c, __m256i& hi, __m256i& lo) noexcept {
+  const __m256i even = _mm256_mul_epu32(m, c), odd = _mm256_mul_epu32(m, _mm256_srli_epi64(c, 32));
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+// The same with AVX2, the kLanes lanes in one register a word. The multiplies take the even
+// words of a register, so the odd ones are shifted down for a second multiply and the halves
+// blended back.
+[[gnu::target("avx2")]] void philox_lanes_avx2(const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
+                                               std::uint32_t* out) noexcept {
+  static_assert(kLanes == 8);
+  const __m256i m0 = _mm256_set1_epi64x(kMul0), m1 = _mm256_set1_epi64x(kMul1);
+  __m256i c0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(counter[0])), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i c1 = _mm256_set1_epi32(static_cast<int>(counter[1])), c2 = _mm256_set1_epi32(static_cast<int>(counter[2])),
+          c3 = _mm256_set1_epi32(static_cast<int>(counter[3]));
+  std::uint32_t k0 = key[0], k1 = key[1];
+  for (int round = 0; round < 10; ++round) {
+    __m256i hi0, lo0, hi1, lo1;
+    mul_avx2(m0, c0, hi0, lo0);
+    mul_avx2(m1, c2, hi1, lo1);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi1, c1), _mm256_set1_epi32(static_cast<int>(k0)));
+    c1 = lo1;
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi0, c3), _mm256_set1_epi32(static_cast<int>(k1)));
+    c3 = lo0;
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+  // Lanes to blocks: word j of block l at out[4 * l + j].
+  alignas(32) std::uint32_t w[4][kLanes];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w[0]), c0);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w[1]), c1);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w[2]), c2);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w[3]), c3);
+  for (int l = 0; l < kLanes; ++l)
+    for (int j = 0; j < 4; ++j) out[4 * l + j] = w[j][l];
+}
+}  // namespace
+
+namespace detail {
+bool philox_avx2() noexcept {
+  static const bool avx2 = __builtin_cpu_supports("avx2");
+  return avx2;
+}
+void philox_lanes(bool avx2, const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
+                  std::uint32_t* out) noexcept {
+  static_assert(kPhiloxLanes == kLanes);
+  if (avx2) philox_lanes_avx2(key, counter, out);
+  else philox_lanes_base(key, counter, out);
+}
+}  // namespace detail
+
+void Generator::fill(std::span<std::uint32_t> words) noexcept {
+  const bool avx2 = detail::philox_avx2();
+  std::size_t i = 0;
+  while (i < words.size() && used_ < 4) words[i++] = block_[used_++];
+  for (; words.size() - i >= 4 * kLanes; i += 4 * kLanes) {
+    detail::philox_lanes(avx2, key_, counter_, words.data() + i);
+    counter_[0] += kLanes;
+  }
+  while (i < words.size()) words[i++] = (*this)();
+}
+
+std::uint64_t Generator::randint(std::uint64_t n) noexcept {
+  return detail::lemire(n, [this] { return next_u64(); });
 }
 
 double Generator::normal() noexcept {

@@ -7,6 +7,7 @@
 
 #include "ferry/core/error.h"
 #include "ferry/core/random.h"
+#include "random_bulk.h"
 
 namespace ferry {
 namespace {
@@ -18,8 +19,10 @@ Generator epoch_generator(std::uint64_t seed, std::uint64_t epoch, std::uint64_t
   return Generator(mix_seed(seed, salt), kSamplerStream, epoch);
 }
 
+// Fisher-Yates; `g` is used up (its words are drawn ahead).
 void shuffle(std::vector<std::size_t>& v, Generator& g) {
-  for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[g.randint(i)]);
+  detail::BulkDraws d(g);
+  for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[d.randint(i)]);
 }
 }  // namespace
 
@@ -42,7 +45,8 @@ std::vector<std::size_t> RandomSampler::indices(std::uint64_t epoch) const {
   Generator g = epoch_generator(seed_, epoch, 1);
   if (replacement_) {
     std::vector<std::size_t> v(num_samples_);
-    for (auto& x : v) x = static_cast<std::size_t>(g.randint(n_));
+    detail::BulkDraws d(g);
+    for (auto& x : v) x = static_cast<std::size_t>(d.randint(n_));
     return v;
   }
   std::vector<std::size_t> v(n_);

@@ -3,9 +3,12 @@
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
+#include <vector>
 #include <set>
 
 #include "ferry/core/random.h"
+#include "random_bulk.h"
 
 using ferry::Generator;
 
@@ -72,4 +75,42 @@ TEST_CASE("Generator works with std::shuffle", "[unit][random]") {
   std::sort(v.begin(), v.end());
   CHECK(v == std::vector<int>{1, 2, 3, 4, 5, 6, 7, 8});
   CHECK(ferry::mix_seed(1, 2) != ferry::mix_seed(2, 1));
+}
+
+TEST_CASE("fill gives the words operator() gives, with AVX2 and without; bulk draws are randint's", "[unit][random]") {
+  // fill after 0 to 3 words already taken from a block, for lengths around the 8 blocks it
+  // computes at a time; the words after it continue the same stream.
+  for (int taken = 0; taken < 4; ++taken)
+    for (std::size_t n : {0, 1, 3, 4, 5, 31, 32, 33, 63, 64, 65, 1000}) {
+      Generator a(99, 5, 12345), b(99, 5, 12345);
+      for (int k = 0; k < taken; ++k) REQUIRE(a() == b());
+      std::vector<std::uint32_t> bulk(n);
+      a.fill(bulk);
+      for (std::size_t k = 0; k < n; ++k) REQUIRE(bulk[k] == b());
+      for (int k = 0; k < 9; ++k) REQUIRE(a() == b());
+    }
+  // Both paths of the lanes, also where the block counter wraps inside them, against the
+  // generator's own blocks (a Generator's first word counts blocks from 0: `skip` blocks in).
+  for (std::uint64_t seed : {0ull, 7ull, 0xFFFFFFFFFFFFFFFFull}) {
+    const std::array<std::uint32_t, 2> key{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
+    for (std::uint32_t first : {0u, 1000u, 0xFFFFFFFCu}) {
+      const std::array<std::uint32_t, 4> counter{first, 17, 3, 4};
+      std::uint32_t base[4 * ferry::detail::kPhiloxLanes], avx2[4 * ferry::detail::kPhiloxLanes];
+      ferry::detail::philox_lanes(false, key, counter, base);
+      if (ferry::detail::philox_avx2()) {
+        ferry::detail::philox_lanes(true, key, counter, avx2);
+        for (int k = 0; k < 4 * ferry::detail::kPhiloxLanes; ++k) REQUIRE(avx2[k] == base[k]);
+      }
+      if (first == 0) {  // Generator(seed, stream 3 + 4 << 32, substream 17) starts at this counter
+        Generator g(seed, 3 + (std::uint64_t{4} << 32), 17);
+        for (int k = 0; k < 4 * ferry::detail::kPhiloxLanes; ++k) REQUIRE(base[k] == g());
+      }
+    }
+  }
+  // Draws from words computed ahead are randint's draws, rejections included (n near 2^64).
+  for (std::uint64_t n : {1ull, 10ull, 60000ull, (1ull << 63) + 5, 0xFFFFFFFFFFFFFFF0ull}) {
+    Generator a(3, 1, 2), b(3, 1, 2);
+    ferry::detail::BulkDraws d(a);
+    for (int k = 0; k < 3000; ++k) REQUIRE(d.randint(n) == b.randint(n));
+  }
 }

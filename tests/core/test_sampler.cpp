@@ -54,6 +54,12 @@ TEST_CASE("RandomSampler with replacement and num_samples", "[unit][sampler]") {
   CHECK_THROWS_WITH(RandomSampler(10, 1, false, 11), Catch::Contains("num_samples=11 exceeds the dataset size 10"));
 }
 
+TEST_CASE("RandomSampler's orders stay what they were: a saved epoch resumes the same samples", "[unit][sampler]") {
+  // Known answers (2026-11-26): a change to the draws or their order would move every resumed epoch.
+  CHECK(RandomSampler(60000, 3, true, 6).indices(2) == std::vector<std::size_t>{41739, 8204, 38913, 23207, 45308, 53802});
+  CHECK(RandomSampler(10, 7, false).indices(1) == std::vector<std::size_t>{3, 6, 7, 4, 0, 1, 2, 9, 5, 8});
+}
+
 TEST_CASE("SubsetRandomSampler permutes exactly the subset", "[unit][sampler]") {
   std::vector<std::size_t> subset{3, 9, 27, 81};
   SubsetRandomSampler s(subset, 5);

@@ -21,6 +21,7 @@
 #include <array>
 #include <cstdint>
 #include <limits>
+#include <span>
 
 namespace ferry {
 
@@ -56,6 +57,9 @@ class Generator {
   double uniform() noexcept { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
   /// Uniform float in [lo, hi).
   float uniform(float lo, float hi) noexcept { return lo + static_cast<float>(uniform()) * (hi - lo); }
+  /// The next words.size() words, the same as that many calls of operator() give, computed
+  /// several blocks at a time (for draws by the million: a sampler's epoch).
+  void fill(std::span<std::uint32_t> words) noexcept;
   /// Uniform integer in [0, n) without modulo bias (Lemire's method); n must be > 0.
   std::uint64_t randint(std::uint64_t n) noexcept;
   /// True with probability p.
