@@ -125,7 +125,7 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
   row_of("host path (gather = Host)", Gather::Host, workers);
   row_of("device gather (gather = Device)", Gather::Device, 0);
   row_of("device gather (gather = Device)", Gather::Device, 1);
-  if (batch_bytes < (std::size_t{4} << 20)) row_of("device gather, pin_depth 14 (up to 16 batches a launch)", Gather::Device, 0, 14);
+  if (batch_bytes < (std::size_t{4} << 20)) row_of("device gather, pin_depth 14", Gather::Device, 0, 14);
   cuda::device_free(dev);
 }
 

@@ -67,7 +67,7 @@ struct LoaderCore::Parts {
   void choose_gather(std::vector<HostRows> fields, std::string why);
   void setup_gather();
   /// The device gather's batches in flight, for small batches (setup_gather).
-  static constexpr std::size_t kGatherDepthMax = 16, kGatherDepthBytes = std::size_t{32} << 20;
+  static constexpr std::size_t kGatherDepthMax = 24, kGatherDepthBytes = std::size_t{32} << 20;
   void setup_pinning();
   /// `hold`: the batch may join the held launch (DeviceStage::end_held); its fence is then set by
   /// flush_held(), before the pin stage hands it over.

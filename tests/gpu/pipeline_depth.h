@@ -36,10 +36,10 @@ inline std::size_t max_device_buffers(const DataLoaderOptions& o, int depth = 0)
 }
 
 /// The device gather's depth for batches of `batch_bytes` (options.h, pin_depth): deeper than
-/// pin_depth + device_prefetch for small batches, up to 16 batches or 32 MiB of them.
+/// pin_depth + device_prefetch for small batches, up to 24 batches or 32 MiB of them.
 inline int gather_depth(const DataLoaderOptions& o, std::size_t batch_bytes) {
   const std::size_t by_bytes = (std::size_t{32} << 20) / (batch_bytes ? batch_bytes : 1);
-  return std::max(o.pin_depth + o.device_prefetch, static_cast<int>(std::min<std::size_t>(by_bytes, 16)));
+  return std::max(o.pin_depth + o.device_prefetch, static_cast<int>(std::min<std::size_t>(by_bytes, 24)));
 }
 
 }  // namespace ferry::test

@@ -103,7 +103,7 @@ struct DataLoaderOptions {
   /// Threads that copy one large batch into pinned memory (one thread's memcpy is ~12 GB/s).
   int pin_threads = 4;
   /// Batches the pin thread may run ahead of the consumer. The device gather runs small batches
-  /// deeper than pin_depth + device_prefetch: up to 16 batches, or 32 MiB of them, in flight.
+  /// deeper than pin_depth + device_prefetch: up to 24 batches, or 32 MiB of them, in flight.
   int pin_depth = 2;
   /// Use this pool instead of creating one (share it across loaders, or inject one in tests).
   std::shared_ptr<PinnedPool> pinned_pool;
