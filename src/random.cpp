@@ -2,7 +2,9 @@
 
 #include <cmath>
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include "random_bulk.h"
 
@@ -69,6 +71,7 @@ void philox_lanes_base(const std::array<std::uint32_t, 2>& key, const std::array
     out[4 * l + 3] = c3[l];
   }
 }
+#if defined(__x86_64__)
 // (hi, lo) of m * c for the 8 words of c (m: a multiplier in each 64-bit half).
 [[gnu::target("avx2"), gnu::always_inline]] inline void mul_avx2(__m256i m, __m256i c, __m256i& hi, __m256i& lo) noexcept {
   const __m256i even = _mm256_mul_epu32(m, c), odd = _mm256_mul_epu32(m, _mm256_srli_epi64(c, 32));
@@ -106,18 +109,27 @@ void philox_lanes_base(const std::array<std::uint32_t, 2>& key, const std::array
   for (int l = 0; l < kLanes; ++l)
     for (int j = 0; j < 4; ++j) out[4 * l + j] = w[j][l];
 }
+#endif
 }  // namespace
 
 namespace detail {
 bool philox_avx2() noexcept {
+#if defined(__x86_64__)
   static const bool avx2 = __builtin_cpu_supports("avx2");
   return avx2;
+#else
+  return false;
+#endif
 }
 void philox_lanes(bool avx2, const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
                   std::uint32_t* out) noexcept {
   static_assert(kPhiloxLanes == kLanes);
-  if (avx2) philox_lanes_avx2(key, counter, out);
-  else philox_lanes_base(key, counter, out);
+#if defined(__x86_64__)
+  if (avx2) return philox_lanes_avx2(key, counter, out);
+#else
+  (void)avx2;
+#endif
+  philox_lanes_base(key, counter, out);
 }
 }  // namespace detail
 

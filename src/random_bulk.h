@@ -14,7 +14,8 @@ constexpr int kPhiloxLanes = 8;
 /// Whether this CPU takes the AVX2 path of philox_lanes.
 bool philox_avx2() noexcept;
 /// kPhiloxLanes consecutive blocks of (key, counter), counter[0] counting up (wrapping) from
-/// `counter`'s, into `out` (4 words a block, in order), with AVX2 or without (any x86-64 CPU).
+/// `counter`'s, into `out` (4 words a block, in order), with AVX2 (x86-64 CPUs that have it) or
+/// without (any CPU); `avx2` only where philox_avx2() says so.
 void philox_lanes(bool avx2, const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
                   std::uint32_t* out) noexcept;
 
