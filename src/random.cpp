@@ -1,5 +1,6 @@
 #include "ferry/core/random.h"
 
+#include <algorithm>
 #include <cmath>
 
 #if defined(__x86_64__)
@@ -18,11 +19,9 @@ inline void mulhilo(std::uint32_t a, std::uint32_t b, std::uint32_t& hi, std::ui
   hi = static_cast<std::uint32_t>(p >> 32);
   lo = static_cast<std::uint32_t>(p);
 }
-}  // namespace
 
-void Generator::refill() noexcept {
-  std::array<std::uint32_t, 4> c = counter_;
-  std::array<std::uint32_t, 2> k = key_;
+// One Philox4x32-10 block of (key, counter).
+std::array<std::uint32_t, 4> philox_block(std::array<std::uint32_t, 4> c, std::array<std::uint32_t, 2> k) noexcept {
   for (int round = 0; round < 10; ++round) {
     std::uint32_t hi0, lo0, hi1, lo1;
     mulhilo(kMul0, c[0], hi0, lo0);
@@ -31,7 +30,12 @@ void Generator::refill() noexcept {
     k[0] += kWeyl0;
     k[1] += kWeyl1;
   }
-  block_ = c;
+  return c;
+}
+}  // namespace
+
+void Generator::refill() noexcept {
+  block_ = philox_block(counter_, key_);
   used_ = 0;
   // The first word counts blocks drawn from this (stream, substream).
   ++counter_[0];
@@ -39,36 +43,14 @@ void Generator::refill() noexcept {
 
 namespace {
 // kLanes consecutive blocks of (key, counter), counter[0] counting up from `counter`'s, into
-// `out` (4 words a block, in order), the rounds run on all lanes at once, lane by lane in each
-// step: Generator::fill where the CPU lacks AVX2.
+// `out` (4 words a block, in order), one block at a time: Generator::fill where the CPU lacks AVX2.
 constexpr int kLanes = 8;
 void philox_lanes_base(const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
                        std::uint32_t* out) noexcept {
-  std::uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-  for (int l = 0; l < kLanes; ++l) {
-    c0[l] = counter[0] + static_cast<std::uint32_t>(l);
-    c1[l] = counter[1];
-    c2[l] = counter[2];
-    c3[l] = counter[3];
-  }
-  std::uint32_t k0 = key[0], k1 = key[1];
-  for (int round = 0; round < 10; ++round) {
-    for (int l = 0; l < kLanes; ++l) {
-      const std::uint64_t p0 = static_cast<std::uint64_t>(kMul0) * c0[l], p1 = static_cast<std::uint64_t>(kMul1) * c2[l];
-      const std::uint32_t n0 = static_cast<std::uint32_t>(p1 >> 32) ^ c1[l] ^ k0, n2 = static_cast<std::uint32_t>(p0 >> 32) ^ c3[l] ^ k1;
-      c0[l] = n0;
-      c1[l] = static_cast<std::uint32_t>(p1);
-      c2[l] = n2;
-      c3[l] = static_cast<std::uint32_t>(p0);
-    }
-    k0 += kWeyl0;
-    k1 += kWeyl1;
-  }
-  for (int l = 0; l < kLanes; ++l) {
-    out[4 * l] = c0[l];
-    out[4 * l + 1] = c1[l];
-    out[4 * l + 2] = c2[l];
-    out[4 * l + 3] = c3[l];
+  std::array<std::uint32_t, 4> c = counter;
+  for (int l = 0; l < kLanes; ++l, ++c[0]) {
+    const std::array<std::uint32_t, 4> block = philox_block(c, key);
+    std::copy(block.begin(), block.end(), out + 4 * l);
   }
 }
 #if defined(__x86_64__)

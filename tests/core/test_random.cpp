@@ -89,8 +89,8 @@ TEST_CASE("fill gives the words operator() gives, with AVX2 and without; bulk dr
       for (std::size_t k = 0; k < n; ++k) REQUIRE(bulk[k] == b());
       for (int k = 0; k < 9; ++k) REQUIRE(a() == b());
     }
-  // Both paths of the lanes, also where the block counter wraps inside them, against the
-  // generator's own blocks (a Generator's first word counts blocks from 0: `skip` blocks in).
+  // Both paths of the lanes, also where the block counter wraps inside them, and against the
+  // generator's own blocks where the counter starts where a Generator's does (0).
   for (std::uint64_t seed : {0ull, 7ull, 0xFFFFFFFFFFFFFFFFull}) {
     const std::array<std::uint32_t, 2> key{static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)};
     for (std::uint32_t first : {0u, 1000u, 0xFFFFFFFCu}) {
