@@ -10,12 +10,23 @@
 // Without a GPU, the same loader delivers pageable batches on the host (to try the probe).
 // With --images DIR it probes GPU decode instead: an ImageFolder of DIR's JPEGs, decode=gpu
 // (RandomResizedCrop 224 + flip + normalize), batch 256, 4 workers, with 1 and then 2 decode threads.
-// Usage: probe_thread_cpu [--seconds 4] [--interval-us 200] [--images DIR]
+// With --epoch-batches N it probes (b) in epochs of N batches (bench_gather's passes are epochs of
+// 4,000), where threads start and end with each epoch: samples then come from one process-wide
+// timer on the process's CPU clock (ITIMER_PROF, delivered to the thread that ran) and are grouped
+// by thread name; each epoch is split into its start (begin() to the first batch in hand), its
+// middle and its end (the last batch in hand to the loop's end and the stream synchronized), each
+// with the process's CPU time. Rows: 0 workers over bench_gather's sampler; a plan with no draws
+// (index i mod 60,000: what the plan's random draws cost); no plan made ahead
+// (prefetch_next_epoch = false); 1 worker, persistent (bench_gather's 1-worker row).
+// Usage: probe_thread_cpu [--seconds 4] [--interval-us 200] [--images DIR] [--epoch-batches N]
 #include <cxxabi.h>
 #include <dirent.h>
 #include <dlfcn.h>
 #include <execinfo.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/time.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -43,6 +54,7 @@ constexpr std::size_t kMaxSamples = 1 << 18;
 
 struct Sample {
   pid_t tid;
+  char name[16];
   int depth;
   void* frames[kDepth];
 };
@@ -57,6 +69,7 @@ void on_prof(int, siginfo_t*, void*) {
   if (k >= kMaxSamples) return;
   Sample& s = g_samples[k];
   s.tid = static_cast<pid_t>(::syscall(SYS_gettid));
+  ::prctl(PR_GET_NAME, s.name, 0, 0, 0);
   s.depth = ::backtrace(s.frames, kDepth);
 }
 
@@ -102,6 +115,35 @@ double cpu_of(pid_t tid) {
   return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
+// The functions `ss`'s samples were in: innermost (where the time is spent) and the first frame in
+// ferry (who spent it), the ten most frequent of each.
+void summarize(const std::vector<const Sample*>& ss) {
+  std::map<std::string, int> leaf, owner;
+  for (const Sample* s : ss) {
+    // frames[0] is the handler, [1] the signal trampoline.
+    if (s->depth > 2) ++leaf[symbol(s->frames[2])];
+    std::string who = "(no ferry frame)";
+    for (int f = 2; f < s->depth; ++f) {
+      const std::string sym = symbol(s->frames[f]);
+      if (in_ferry(sym)) {
+        who = sym;
+        break;
+      }
+    }
+    ++owner[who];
+  }
+  const auto top = [&](const char* title, const std::map<std::string, int>& m) {
+    std::vector<std::pair<int, std::string>> v;
+    for (const auto& [k, c] : m) v.emplace_back(c, k);
+    std::sort(v.rbegin(), v.rend());
+    std::printf("%s:\n", title);
+    for (std::size_t i = 0; i < std::min<std::size_t>(v.size(), 10); ++i)
+      std::printf("  %5.1f%%  %s\n", 100.0 * v[i].first / static_cast<double>(ss.size()), v[i].second.c_str());
+  };
+  top("innermost frame", leaf);
+  top("first frame in ferry", owner);
+}
+
 void report(const char* what, double seconds, const std::vector<pid_t>& tids, const std::map<pid_t, double>& cpu) {
   const std::size_t n = std::min(g_count.load(), kMaxSamples);
   std::map<pid_t, std::vector<const Sample*>> by;
@@ -118,30 +160,7 @@ void report(const char* what, double seconds, const std::vector<pid_t>& tids, co
     const bool consumer = tid == static_cast<pid_t>(::getpid());
     std::printf("\n### %s%s: %.2f busy cores, %zu samples\n\n", thread_name(tid).c_str(), consumer ? ", the consumer" : "",
                 cpu.at(tid) / seconds, ss.size());
-    std::map<std::string, int> leaf, owner;
-    for (const Sample* s : ss) {
-      // frames[0] is the handler, [1] the signal trampoline.
-      if (s->depth > 2) ++leaf[symbol(s->frames[2])];
-      std::string who = "(no ferry frame)";
-      for (int f = 2; f < s->depth; ++f) {
-        const std::string sym = symbol(s->frames[f]);
-        if (in_ferry(sym)) {
-          who = sym;
-          break;
-        }
-      }
-      ++owner[who];
-    }
-    const auto top = [&](const char* title, const std::map<std::string, int>& m) {
-      std::vector<std::pair<int, std::string>> v;
-      for (const auto& [k, c] : m) v.emplace_back(c, k);
-      std::sort(v.rbegin(), v.rend());
-      std::printf("%s:\n", title);
-      for (std::size_t i = 0; i < std::min<std::size_t>(v.size(), 10); ++i)
-        std::printf("  %5.1f%%  %s\n", 100.0 * v[i].first / static_cast<double>(ss.size()), v[i].second.c_str());
-    };
-    top("innermost frame", leaf);
-    top("first frame in ferry", owner);
+    summarize(ss);
   }
 }
 
@@ -199,6 +218,130 @@ void run(const char* what, const Tensor& data, double seconds, long interval_us,
   probe(what, loader, seconds, interval_us, gpu);
 }
 
+double process_cpu() {
+  timespec ts{};
+  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
+}
+
+// index i mod n for i < size: a plan that draws nothing.
+class ModuloSampler final : public Sampler {
+ public:
+  ModuloSampler(std::size_t n, std::size_t size) : n_(n), size_(size) {}
+  std::size_t size() const override { return size_; }
+  std::vector<std::size_t> indices(std::uint64_t) const override {
+    std::vector<std::size_t> v(size_);
+    for (std::size_t i = 0; i < size_; ++i) v[i] = i % n_;
+    return v;
+  }
+
+ private:
+  std::size_t n_, size_;
+};
+
+// `data` in epochs of `epoch_batches` batches for `seconds` (after two epochs of warm-up): each
+// epoch's start, middle and end with the process's CPU time, and the samples by thread name.
+void run_epochs(const char* what, const Tensor& data, std::size_t epoch_batches, double seconds, long interval_us, bool gpu,
+                std::shared_ptr<const Sampler> sampler, bool ahead, int workers) {
+  using C = std::chrono::steady_clock;
+  DataLoaderOptions o;
+  o.batch_size = 256;
+  o.sampler = std::move(sampler);
+  o.prefetch_next_epoch = ahead;
+  o.num_workers = workers;
+  o.persistent_workers = workers > 0;
+  if (gpu) {
+    o.device = 0;
+    o.gather = Gather::Device;
+  }
+  DataLoader loader(TensorDataset({data}), o);
+  struct Phase {
+    double wall = 0, cpu = 0;
+  };
+  Phase phase[3];  // start, middle, end
+  std::size_t epochs = 0, batches = 0;
+  long faults = 0;  // the process's minor page faults over the measured epochs
+  const auto minor_faults = [] {
+    rusage u{};
+    ::getrusage(RUSAGE_SELF, &u);
+    return u.ru_minflt;
+  };
+  const auto epoch = [&](bool measured) {
+    const long f0 = minor_faults();
+    const double c0 = process_cpu();
+    const auto w0 = C::now();
+    double c1 = 0, c2 = 0;
+    C::time_point w1, w2;
+    std::size_t n = 0;
+    {
+      auto it = loader.begin();
+      (void)(it != loader.end());  // the first batch, in hand
+      c1 = process_cpu();
+      w1 = C::now();
+      c2 = c1;
+      w2 = w1;
+      for (; it != loader.end(); ++it) {
+        if (++n == epoch_batches) {
+          c2 = process_cpu();
+          w2 = C::now();
+        }
+      }
+    }  // the iterator ends the epoch
+    if (gpu) loader.stream()->synchronize();
+    const double c3 = process_cpu();
+    const auto w3 = C::now();
+    if (!measured) return;
+    const auto sec = [](C::duration d) { return std::chrono::duration<double>(d).count(); };
+    phase[0].wall += sec(w1 - w0), phase[0].cpu += c1 - c0;
+    phase[1].wall += sec(w2 - w1), phase[1].cpu += c2 - c1;
+    phase[2].wall += sec(w3 - w2), phase[2].cpu += c3 - c2;
+    ++epochs;
+    batches += n;
+    faults += minor_faults() - f0;
+  };
+  epoch(false);
+  epoch(false);
+  itimerval spec{};
+  spec.it_interval.tv_usec = interval_us;
+  spec.it_value.tv_usec = interval_us;
+  g_count = 0;
+  g_on = true;
+  ::setitimer(ITIMER_PROF, &spec, nullptr);
+  const auto t0 = C::now();
+  while (C::now() - t0 < std::chrono::duration<double>(seconds)) epoch(true);
+  const itimerval off{};
+  ::setitimer(ITIMER_PROF, &off, nullptr);
+  g_on = false;
+  double wall = 0, cpu = 0;
+  for (const Phase& p : phase) wall += p.wall, cpu += p.cpu;
+  std::printf("\n## %s: epochs of %zu batches, %zu epochs in %.1f s\n\n%.0f batches/s, %.2f busy cores (the process's CPU time over the "
+              "epochs' wall time), %.0f minor page faults an epoch\n\n| part of an epoch | ms an epoch | CPU ms an epoch | busy cores |\n"
+              "|---|---:|---:|---:|\n",
+              what, epoch_batches, epochs, wall, static_cast<double>(batches) / wall, cpu / wall,
+              static_cast<double>(faults) / static_cast<double>(epochs));
+  const char* names[3] = {"start: begin() to the first batch in hand", "middle: to the last batch in hand",
+                          "end: the epoch ended, the stream synchronized"};
+  for (int k = 0; k < 3; ++k)
+    std::printf("| %s | %.3f | %.3f | %.2f |\n", names[k], 1e3 * phase[k].wall / static_cast<double>(epochs),
+                1e3 * phase[k].cpu / static_cast<double>(epochs), phase[k].wall > 0 ? phase[k].cpu / phase[k].wall : 0.0);
+  const std::size_t n = std::min(g_count.load(), kMaxSamples);
+  std::map<std::string, std::vector<const Sample*>> by;
+  for (std::size_t k = 0; k < n; ++k) by[g_samples[k].name].push_back(&g_samples[k]);
+  std::printf("\n%zu samples on the process's CPU clock, by thread name (a thread's busy cores: its share of the samples times "
+              "the process's; names of fewer than 20 samples not listed):\n",
+              n);
+  std::vector<std::pair<std::size_t, std::string>> order;
+  for (const auto& [name, ss] : by) order.emplace_back(ss.size(), name);
+  std::sort(order.rbegin(), order.rend());
+  for (const auto& [count, name] : order) {
+    if (count < 20) continue;
+    std::printf("\n### %s: %.2f busy cores, %zu samples\n\n", name.c_str(),
+                cpu / wall * static_cast<double>(count) / static_cast<double>(n), count);
+    summarize(by[name]);
+  }
+  std::fflush(stdout);
+}
+
 // GPU decode of the JPEGs under `dir` (RandomResizedCrop 224 + flip + normalize, float32), batch
 // 256, 4 workers, `threads` decode threads.
 void run_images(const std::string& dir, int threads, double seconds, long interval_us) {
@@ -224,11 +367,13 @@ int main(int argc, char** argv) {
   double seconds = 4;
   long interval_us = 200;
   std::string images;
+  std::size_t epoch_batches = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--seconds") seconds = std::atof(argv[i + 1]);
     else if (k == "--interval-us") interval_us = std::atol(argv[i + 1]);
     else if (k == "--images") images = argv[i + 1];
+    else if (k == "--epoch-batches") epoch_batches = static_cast<std::size_t>(std::atol(argv[i + 1]));
   }
   const bool gpu = cuda::available();
   g_samples = new Sample[kMaxSamples];
@@ -251,6 +396,18 @@ int main(int argc, char** argv) {
               gpu ? "device gather" : "no GPU: pageable batches on the host", std::thread::hardware_concurrency());
   Tensor b = Tensor::empty(DType::Float32, {60000, 784});
   std::memset(b.raw(), 1, b.nbytes());
+  if (epoch_batches > 0) {
+    const std::size_t draws = 256 * epoch_batches;
+    run_epochs("(b) 784 float32, 0 workers", b, epoch_batches, seconds, interval_us, gpu,
+               std::make_shared<RandomSampler>(60000, 3, true, draws), true, 0);
+    run_epochs("(b), 0 workers, a plan that draws nothing (i mod 60,000)", b, epoch_batches, seconds, interval_us, gpu,
+               std::make_shared<ModuloSampler>(60000, draws), true, 0);
+    run_epochs("(b), 0 workers, prefetch_next_epoch = false", b, epoch_batches, seconds, interval_us, gpu,
+               std::make_shared<RandomSampler>(60000, 3, true, draws), false, 0);
+    run_epochs("(b), 1 worker, persistent", b, epoch_batches, seconds, interval_us, gpu,
+               std::make_shared<RandomSampler>(60000, 3, true, draws), true, 1);
+    return 0;
+  }
   run("(b) 784 float32", b, seconds, interval_us, gpu);
   Tensor a = Tensor::empty(DType::UInt8, {2048, 3, 224, 224});
   std::memset(a.raw(), 7, a.nbytes());

@@ -680,7 +680,7 @@ struct Engine::State {
   bool ready() {
     if (!live || W == 0) return true;
     for (;;) {
-      auto [r, timed_out] = ep->results.pop_for(std::chrono::microseconds(0));
+      auto [r, timed_out] = ep->results.try_pop();
       if (timed_out || !r) break;
       receive(std::move(*r));
     }

@@ -63,6 +63,18 @@ class StageQueue {
     return {accept(std::move(item)), false};
   }
 
+  /// As pop_for() with no wait: the item queued now, if any. pop_for(0) would not do: moodycamel's
+  /// semaphore spins (MAX_SEMA_SPINS checks, 10,000 by default: 10-30 us) before any timed wait,
+  /// a zero one included.
+  std::pair<std::optional<T>, bool> try_pop() {
+    std::optional<T> item;
+    if (!q_.try_dequeue(item)) {
+      if (closed_.load(std::memory_order_acquire)) return {std::nullopt, false};
+      return {std::nullopt, true};
+    }
+    return {accept(std::move(item)), false};
+  }
+
   /// Sticky: wakes every current and future pop(). Idempotent.
   void close() {
     if (!closed_.exchange(true, std::memory_order_acq_rel)) q_.enqueue(std::optional<T>());

@@ -78,3 +78,23 @@ TEST_CASE("pop_for reports a timeout on an empty open queue", "[unit][queue]") {
   CHECK(*item2 == 3);
   CHECK_FALSE(timed_out2);
 }
+
+TEST_CASE("try_pop takes what is queued and reports an empty or closed queue", "[unit][queue]") {
+  StageQueue<int> q;
+  auto [none, empty] = q.try_pop();
+  CHECK_FALSE(none.has_value());
+  CHECK(empty);
+  q.push(4);
+  q.push(5);
+  auto [a, a_empty] = q.try_pop();
+  REQUIRE(a.has_value());
+  CHECK(*a == 4);
+  CHECK_FALSE(a_empty);
+  q.close();
+  auto [b, b_empty] = q.try_pop();  // closed: what was queued is dropped, as pop() drops it
+  CHECK_FALSE(b.has_value());
+  CHECK_FALSE(b_empty);
+  auto [c, c_empty] = q.try_pop();  // sticky
+  CHECK_FALSE(c.has_value());
+  CHECK_FALSE(c_empty);
+}
