@@ -120,16 +120,14 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
     throw Error("DataLoaderOptions: on_error=Skip needs a batch type that can drop rows (a Tensor, a "
                 "std::vector<Tensor>, or a member truncate_rows(std::size_t)); this dataset's direct batch has "
                 "none: use OnError::Replace, or add truncate_rows");
-  if (opt.trace) {
-    opt.trace->name_track(TraceRecorder::kConsumerTrack, "consumer");
-    if (opt.num_workers == 0) opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (num_workers = 0)");
-  }
+  if (opt.trace) opt.trace->name_track(TraceRecorder::kConsumerTrack, "consumer");
   if (opt.device && !cuda::available())  // the options' own rules: normalize_options
     throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
                     cuda::unavailable_reason() + ")");
   if (gather_refused) s.choose_gather(std::move(gather), std::move(*gather_refused));
   if (s.gathering) s.setup_gather();
   else if (opt.pin_memory) s.setup_pinning();
+  if (opt.trace && s.producers() == 0) opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (no workers)");
   if (!opt.allocator && s.allocator == &pageable_allocator()) {
     // Batches on the host: recycle their buffers too. A fresh buffer over glibc's mmap
     // threshold (32 MiB) is mapped anew, and first-touching its pages cost 3x the collate
@@ -204,6 +202,17 @@ void LoaderCore::Parts::choose_gather(std::vector<HostRows> fields, std::string 
 }
 
 void LoaderCore::Parts::setup_gather() {
+  // A batch is its indices here: a worker would only write them, and its hand-over to the pin
+  // thread costs more than the writing (bench_gather, (b) with 1 worker: 0.85 of the link on 1.2
+  // busy cores, where the pin thread writing them reaches the link on 0.6). So no worker starts.
+  if (opt.num_workers > 0) {
+    engine.without_workers();
+    if (opt.worker_init_fn)
+      warn_once("gather-workers", "DataLoader: the device gather writes each batch's indices on the pin thread; num_workers=" +
+                                      std::to_string(opt.num_workers) + " starts no worker, and worker_init_fn is not called");
+    log_debug("DataLoader: device gather: num_workers=" + std::to_string(opt.num_workers) +
+              " starts no worker (the pin thread writes each batch's indices)");
+  }
   make_pinned_pool();
   allocator = pinned_pool.get();  // index blocks of batches too large for the gather's launch
   // The pin thread issues each batch's index copy and gathers, so the consumer's thread only

@@ -75,6 +75,9 @@ struct LoaderCore::Parts {
   /// Issues the held batches' gathers and gives each held batch its fence.
   void flush_held();
   Payload last_stage_next();
+  /// The worker threads that make batches: num_workers, or 0 where they are made inline (the
+  /// device gather makes them on the pin thread whatever num_workers says).
+  int producers() const noexcept { return gathering ? 0 : opt.num_workers; }
   // Resume (resume.cpp).
   std::shared_ptr<const DistributedSampler> distributed() const;
   std::shared_ptr<const BatchPlan> plan_of(std::uint64_t epoch, std::size_t segment_start) const;

@@ -163,7 +163,7 @@ LoaderStats LoaderCore::stats() const {
   LoaderStats s;
   s.wall_seconds = c.stats.origin_ns ? static_cast<double>(now_ns() - c.stats.origin_ns) / 1e9 : 0.0;
   s.batches = c.stats.delivered_batches;
-  s.workers = std::max(c.opt.num_workers, 1);
+  s.workers = std::max(c.producers(), 1);
   s.numa_node = c.placement ? c.placement->node : -1;
   auto secs = [&](Stage st) { return static_cast<double>(c.engine.stage_ns(st) - c.stats.base.stage_ns[static_cast<std::size_t>(st)]) / 1e9; };
   s.fetch_seconds = secs(Stage::Fetch);

@@ -126,7 +126,7 @@ struct Engine::State {
 
   const EngineOptions opt;
   Producer& producer;
-  const int W;
+  int W;  // opt.num_workers, or 0 after without_workers()
 
   // Workers (see Note [Shutdown order] and Note [Abandoned workers]).
   std::vector<std::shared_ptr<StageQueue<Task>>> queues;  // 1 shared (map-style) or W (streams)
@@ -817,6 +817,12 @@ bool Engine::prefetches_next() const noexcept { return state_->can_prefetch_next
 std::shared_ptr<const BatchPlan> Engine::plan_made_ahead(std::uint64_t epoch) const noexcept {
   const State& s = *state_;
   return s.ahead && s.ahead->epoch == epoch ? s.ahead->plan : nullptr;
+}
+
+void Engine::without_workers() {
+  State& s = *state_;
+  if (s.live || s.ahead || !s.threads.empty()) throw Error("Engine::without_workers: after the workers started");
+  s.W = 0;
 }
 
 Payload Engine::next() { return state_->next(); }

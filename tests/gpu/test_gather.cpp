@@ -1,16 +1,20 @@
 // The device gather (Note [Device gather], ferry/pinning/gather.h) on the GPU: batches bitwise
 // equal to the host path's for every row width (16-, 8-, 4- and 1-byte words, and rows of 64 KiB
-// and more, which the copy engines move), any num_workers,
+// and more, which the copy engines move), any num_workers (none starts: the pin thread writes the indices),
 // TensorDataset and a mapped .npy of 2 GiB; 100,000 batches intact and in order while the copy
 // stream is delayed; registered memory constant, pinned and device memory recycled within the
 // pipeline's depth; every
 // registration undone when the loader goes, mid-epoch too, and kept while another loader uses it.
 #include <catch2/catch.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <thread>
 
 #include "ferry/ferry.h"
 #include "kernels.h"
@@ -126,6 +130,54 @@ TEST_CASE("device gather: batches bitwise equal to the host path's, for any num_
     check_equal(epochs(rows_72k, options(Gather::Device, workers), &gathered), wide_host);
     CHECK(gathered);
   }
+}
+
+namespace {
+// Threads of this process whose name starts with `prefix` (Linux: /proc/self/task/*/comm).
+int threads_named(const std::string& prefix) {
+  int n = 0;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream in(t.path() / "comm");
+    std::string name;
+    std::getline(in, name);
+    n += name.rfind(prefix, 0) == 0;
+  }
+  return n;
+}
+}  // namespace
+
+TEST_CASE("device gather: num_workers > 0 starts no worker; the pin thread writes the indices, the batches the host path's",
+          "[gpu][gather]") {
+  const TensorDataset ds = mixed(1000);
+  const auto host = epochs(ds, options(Gather::Host, 2));
+  for (const bool persistent : {false, true}) {
+    INFO((persistent ? "persistent workers" : "workers each epoch"));
+    DataLoaderOptions o = options(Gather::Device, 3);
+    o.persistent_workers = persistent;
+    auto inits = std::make_shared<std::atomic<int>>(0);
+    o.worker_init_fn = [inits](const WorkerInfo&) { inits->fetch_add(1); };
+    DataLoader loader(ds, o);
+    std::vector<std::vector<Tensor>> got;
+    for (int e = 0; e < 2; ++e) {
+      for (auto& b : loader) {
+        CHECK(threads_named("ferry-w") == 0);  // the engine's workers are ferry-w0, ferry-w1, ...
+        std::vector<Tensor> fields;
+        for (const Tensor& t : b) fields.push_back(to_host(t, *loader.stream()).get());
+        got.push_back(std::move(fields));
+      }
+    }
+    check_equal(got, host);
+    CHECK(loader.stats().device_gather);
+    CHECK(loader.stats().workers == 1);
+    CHECK(inits->load() == 0);
+  }
+  // The host path, for contrast, starts its workers.
+  DataLoader hosted(ds, options(Gather::Host, 3));
+  auto it = hosted.begin();
+  (void)(it != hosted.end());
+  for (int k = 0; k < 400 && threads_named("ferry-w") < 3; ++k)  // each names itself as it starts
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  CHECK(threads_named("ferry-w") == 3);
 }
 
 TEST_CASE("device gather: IdxDataset's images and labels, equal to the host path", "[gpu][gather][idx]") {

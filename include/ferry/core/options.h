@@ -33,6 +33,7 @@ struct DataLoaderOptions {
   std::shared_ptr<const BatchSampler> batch_sampler;
   /// Worker threads; 0 produces batches on the consumer thread (on the pin thread when pinning;
   /// on a helper thread while the consumer runs `wait_poll`, so an interruption ends its wait).
+  /// The device gather starts none (`gather`): its pin thread writes each batch's indices.
   int num_workers = 0;
   /// Drop the epoch's last batch when it is smaller than batch_size.
   bool drop_last = false;
@@ -118,7 +119,8 @@ struct DataLoaderOptions {
   bool device_pack = true;
   /// With `device`: how batches of row datasets (TensorDataset, NpyDataset, IdxDataset without a transform, any RowGatherDataset)
   /// are made. Auto and Device: the GPU gathers each batch's rows straight from the registered host
-  /// arrays, with no worker copy, pin thread or pinned staging (Note [Device gather] in
+  /// arrays, with no worker copy or pinned staging, the pin thread writing each batch's indices
+  /// (no worker starts, whatever num_workers says; Note [Device gather] in
   /// ferry/pinning/gather.h); Auto falls back to the host path where that cannot apply and says
   /// why once (a warning), Device throws an Error saying why. Host: always the host path.
   Gather gather = Gather::Auto;

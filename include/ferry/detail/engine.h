@@ -210,6 +210,9 @@ class Engine {
   bool prefetches_next() const noexcept;
   /// The plan of `epoch` if its batches are being made ahead, else null.
   std::shared_ptr<const BatchPlan> plan_made_ahead(std::uint64_t epoch) const noexcept;
+  /// Every batch made on next()'s thread (as with num_workers = 0) whatever num_workers says: for
+  /// the device gather, whose batches are their indices. Before the first epoch (ferry::Error after).
+  void without_workers();
   /// The key of the next batch to deliver (batches are keyed 0, 1, ... in plan or round-robin
   /// order), or -1 when that is not defined (delivered out of order).
   std::int64_t next_key() const noexcept;

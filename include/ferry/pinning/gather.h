@@ -6,9 +6,10 @@
 // runs per sample, a batch needs no CPU copy at all. The
 // loader registers each array once with CUDA (RowRegistration: cudaHostRegister, mapped, read-only
 // where the device allows it, within DataLoaderOptions::register_memory_limit), and per batch
-// sends only the sample indices: a worker (the consumer's thread, with num_workers = 0) writes
-// them into a small pinned block; the pin thread, which copies nothing on this path, issues the
-// block's copy and one kernel a field on the copy stream, which reads each row through the mapped
+// sends only the sample indices: the pin thread writes them (whatever num_workers says: a worker
+// would only write them, and its hand-over costs more, so no worker starts and worker_init_fn is
+// not called), and, copying nothing on this path, issues one kernel a field on the copy stream
+// (the indices in its launch, or a pinned block's copy first for a batch too large for that), which reads each row through the mapped
 // address straight into the batch's device buffer (DeviceStage::gather_rows), and the consumer's
 // thread only takes finished batches. Ordering, events, buffer reuse and hand-over are the device
 // stage's (Note [Device stage]); the rows cross host memory once, read by the GPU over the link,
@@ -25,7 +26,7 @@
 //
 //   ferry::DataLoaderOptions o;
 //   o.device = 0;
-//   o.num_workers = 0;                     // nothing for workers to do
+//   o.num_workers = 0;                     // nothing for workers to do (none would start)
 //   o.gather = ferry::Gather::Device;      // an Error naming the reason where it cannot apply
 //   ferry::DataLoader loader(ferry::TensorDataset({images, labels}), o);
 //
