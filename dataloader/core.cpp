@@ -204,7 +204,8 @@ void LoaderCore::Parts::choose_gather(std::vector<HostRows> fields, std::string 
 void LoaderCore::Parts::setup_gather() {
   // A batch is its indices here: a worker would only write them, and its hand-over to the pin
   // thread costs more than the writing (bench_gather, (b) with 1 worker: 0.85 of the link on 1.2
-  // busy cores, where the pin thread writing them reaches the link on 0.6). So no worker starts.
+  // busy cores, where the pin thread writing them reaches the link on 0.5-0.6; bench/RESULTS.md
+  // "Device gather: no workers for batches of indices"). So no worker starts.
   if (opt.num_workers > 0) {
     engine.without_workers();
     if (opt.worker_init_fn)

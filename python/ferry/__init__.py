@@ -189,7 +189,8 @@ class DataLoader:
         gather: with device, how batches of rows (idx, npy) are made: "auto" (the GPU gathers
             them where it can; the host path for a memory-mapped .npy), "host" (workers copy rows
             into pinned blocks), "device" (the GPU gathers them from registered memory, idx's flip
-            and normalize included, or an error saying why it cannot).
+            and normalize included, or an error saying why it cannot). A loader the GPU gathers for
+            starts no worker whatever num_workers says: its pin thread writes each batch's indices.
         pinned_memory_limit: bytes of page-locked memory the loader may hold. Unset (None), the
             budget starts at 2 GiB and grows once, at the first batch, to hold every batch the
             pipeline may keep alive (prefetch_factor x num_workers and the stages behind them),

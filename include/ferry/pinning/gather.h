@@ -8,8 +8,9 @@
 // where the device allows it, within DataLoaderOptions::register_memory_limit), and per batch
 // sends only the sample indices: the pin thread writes them (whatever num_workers says: a worker
 // would only write them, and its hand-over costs more, so no worker starts and worker_init_fn is
-// not called), and, copying nothing on this path, issues one kernel a field on the copy stream
-// (the indices in its launch, or a pinned block's copy first for a batch too large for that), which reads each row through the mapped
+// not called) and, copying nothing on this path, issues one kernel a field on the copy stream
+// (the indices in its launch, or first a pinned block's copy for a batch too large for that),
+// which reads each row through the mapped
 // address straight into the batch's device buffer (DeviceStage::gather_rows), and the consumer's
 // thread only takes finished batches. Ordering, events, buffer reuse and hand-over are the device
 // stage's (Note [Device stage]); the rows cross host memory once, read by the GPU over the link,
