@@ -94,13 +94,20 @@ _python_loaders: "weakref.WeakSet[DataLoader]" = weakref.WeakSet()
 
 @atexit.register
 def _release_python_loaders() -> None:
+    abandoned = False
     for loader in list(_python_loaders):
+        # A worker abandoned inside the dataset may return while Python finalizes; Python then ends
+        # its thread, which keeps its objects (Note [Threads Python ends at exit] in module.cpp):
+        # no leak report for those.
+        abandoned = abandoned or loader._loader.stats()["abandoned_workers"] > 0
         loader._loader.release()
         if loader._pool is not None:
             loader._pool.close(exiting=True)
         # A worker still inside the dataset (abandoned by a timeout or Ctrl-C) keeps the cycle's
         # Python half alive; let the C++ objects go now.
         loader._loader = loader._options = None
+    if abandoned:
+        _ferry.quiet_leak_warnings()
 
 
 class _PythonBatches:

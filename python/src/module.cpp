@@ -15,6 +15,7 @@
 // kDLCUDA on the loader's device, ordered on the consumer stream the Python side passes
 // (torch.cuda.current_stream()), the stream ferry's device stage makes wait on each batch's copy.
 #include <Python.h>
+#include <cxxabi.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -28,6 +29,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -58,6 +60,16 @@ namespace {
 // destruction, restore) runs with the GIL released: a worker waiting for the GIL would otherwise
 // wait for the very call that waits for it.
 
+// Whether the interpreter is finalizing: a thread of ferry's that asked for the GIL now would be
+// ended (Note [Threads Python ends at exit]).
+bool finalizing() noexcept {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 // A strong reference to a Python object that any thread may drop (the GIL is taken to drop it).
 class PyRef {
  public:
@@ -77,7 +89,9 @@ class PyRef {
 
   void reset() noexcept {
     PyObject* p = std::exchange(p_, nullptr);
-    if (!p || !Py_IsInitialized()) return;  // after finalization there is nothing left to free
+    // After finalization there is nothing left to free; while it runs, a thread of ferry's asking
+    // for the GIL here (a noexcept frame) would be ended, which aborts: the reference is left.
+    if (!p || !Py_IsInitialized() || finalizing()) return;
     PyGILState_STATE s = PyGILState_Ensure();
     Py_DECREF(p);
     PyGILState_Release(s);
@@ -139,18 +153,12 @@ class ThreadStateKeeper {
   ThreadStateKeeper& operator=(const ThreadStateKeeper&) = delete;
 
  private:
-  static bool finalizing() noexcept {
-#if PY_VERSION_HEX >= 0x030D0000
-    return Py_IsFinalizing() != 0;
-#else
-    return _Py_IsFinalizing() != 0;
-#endif
-  }
   PyGILState_STATE state_{};
   PyThreadState* saved_ = nullptr;
 };
 
-// The GIL, for a call into Python from any thread (see ThreadStateKeeper).
+// The GIL, for a call into Python from any thread (see ThreadStateKeeper). Taken through
+// with_gil on threads ferry made.
 class Gil {
  public:
   Gil() {
@@ -165,17 +173,46 @@ class Gil {
   PyGILState_STATE state_;
 };
 
+// Note [Threads Python ends at exit]
+// A thread that asks for the GIL once the interpreter is finalizing is ended by Python
+// (3.11-3.13: PyThread_exit_thread, which unwinds the thread's stack as pthread_exit does): a
+// worker abandoned inside the dataset (a timeout, Ctrl-C) whose call returns while the program
+// exits. Unwinding ferry's frames would release a GIL the thread does not hold ("Fatal Python
+// error: PyGILState_Release: thread state ... must be current when releasing") and meet handlers
+// that may not swallow the unwind; either aborts the process. The thread waits here instead, its
+// stack as it was, until the process exits (Python 3.14 parks such threads the same way).
+[[noreturn]] void park_until_exit() noexcept {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
+// fn() with the GIL held, on any thread; a thread Python ends meanwhile parks (Note [Threads
+// Python ends at exit]). The Gil lives outside the try, so that the unwind does not release it.
+template <class F>
+auto with_gil(F&& fn) -> decltype(fn()) {
+  std::optional<Gil> gil;
+  try {
+    gil.emplace();
+    return fn();
+  } catch (abi::__forced_unwind&) {
+    park_until_exit();
+  }
+}
+
 using Callable = std::shared_ptr<PyRef>;  // shared by the copies a loader makes of its dataset
 
 Callable callable(nb::object f) { return std::make_shared<PyRef>(std::move(f)); }
 
-// Calls f(args...) with the GIL taken; a Python exception becomes PyException.
+// Calls f(args...) with the GIL taken; a Python exception becomes PyException. A thread Python
+// ends during the call parks here, its caller's objects untouched (Note [Threads Python ends at
+// exit]).
 template <class... A>
 nb::object call(const Callable& f, A&&... args) {
   try {
     return f->get()(std::forward<A>(args)...);
   } catch (nb::python_error& e) {
     throw PyException(e);
+  } catch (abi::__forced_unwind&) {
+    park_until_exit();
   }
 }
 
@@ -188,25 +225,25 @@ struct PyMap {
 
   std::size_t size() const { return n; }
   std::vector<PyRef> get_batch(std::span<const std::size_t> idx, const ferry::WorkerInfo& w) const {
-    Gil gil;
-    nb::list indices;
-    for (std::size_t i : idx) indices.append(i);
-    nb::object got = call(fetch, indices, w.seed, w.epoch);
-    std::vector<PyRef> out;
-    out.reserve(idx.size());
-    try {
-      for (nb::handle sample : got) out.emplace_back(nb::borrow(sample));
-    } catch (nb::python_error& e) {
-      throw PyException(e);
-    }
-    if (out.size() != idx.size())
-      throw ferry::Error("dataset: __getitems__ returned " + std::to_string(out.size()) + " samples for " +
-                         std::to_string(idx.size()) + " indices");
-    return out;
+    return with_gil([&] {
+      nb::list indices;
+      for (std::size_t i : idx) indices.append(i);
+      nb::object got = call(fetch, indices, w.seed, w.epoch);
+      std::vector<PyRef> out;
+      out.reserve(idx.size());
+      try {
+        for (nb::handle sample : got) out.emplace_back(nb::borrow(sample));
+      } catch (nb::python_error& e) {
+        throw PyException(e);
+      }
+      if (out.size() != idx.size())
+        throw ferry::Error("dataset: __getitems__ returned " + std::to_string(out.size()) + " samples for " +
+                           std::to_string(idx.size()) + " indices");
+      return out;
+    });
   }
   PyRef get(std::size_t i, ferry::SampleContext& ctx) const {
-    Gil gil;
-    return PyRef(call(fetch_one, i, ctx.worker().seed, ctx.epoch()));
+    return with_gil([&] { return PyRef(call(fetch_one, i, ctx.worker().seed, ctx.epoch())); });
   }
 };
 
@@ -217,19 +254,19 @@ struct PyIter {
   struct Stream {
     PyRef it;
     std::optional<PyRef> next() {
-      Gil gil;
-      PyObject* item = PyIter_Next(it.get().ptr());
-      if (item) return PyRef(nb::steal(item));
-      if (PyErr_Occurred()) {
-        nb::python_error e;
-        throw PyException(e);
-      }
-      return std::nullopt;
+      return with_gil([&]() -> std::optional<PyRef> {
+        PyObject* item = PyIter_Next(it.get().ptr());
+        if (item) return PyRef(nb::steal(item));
+        if (PyErr_Occurred()) {
+          nb::python_error e;
+          throw PyException(e);
+        }
+        return std::nullopt;
+      });
     }
   };
   Stream open(const ferry::WorkerInfo& w) const {
-    Gil gil;
-    return Stream{PyRef(call(open_fn, w.id, w.num_workers, w.seed, w.epoch))};
+    return with_gil([&] { return Stream{PyRef(call(open_fn, w.id, w.num_workers, w.seed, w.epoch))}; });
   }
 };
 
@@ -237,10 +274,11 @@ struct PyIter {
 struct PyCollate {
   Callable finish;  // finish(list of samples) -> batch
   PyRef operator()(std::vector<PyRef>&& samples) const {
-    Gil gil;
-    nb::list list;
-    for (PyRef& s : samples) list.append(s.take());
-    return PyRef(call(finish, list));
+    return with_gil([&] {
+      nb::list list;
+      for (PyRef& s : samples) list.append(s.take());
+      return PyRef(call(finish, list));
+    });
   }
 };
 
@@ -438,8 +476,7 @@ class PyLoader {
       if (dataset.py_sampler) options.batch_sampler = dataset.py_sampler;
       if (dataset.py_worker_start)
         options.worker_init_fn = [start = dataset.py_worker_start](const ferry::WorkerInfo& w) {
-          Gil gil;
-          call(start, w.id, w.num_workers, w.seed);
+          with_gil([&] { call(start, w.id, w.num_workers, w.seed); });
         };
       if (dataset.py_map) impl_ = std::make_unique<LoaderOf<PyMap, PyCollate>>(*dataset.py_map, options, *dataset.py_collate);
       else impl_ = std::make_unique<LoaderOf<PyIter, PyCollate>>(*dataset.py_iter, options, *dataset.py_collate);
@@ -760,6 +797,9 @@ NB_MODULE(_ferry, m) {
         "fetch"_a.none(), "fetch_one"_a.none(), "size"_a.none(), "open"_a.none(), "finish"_a, "plan"_a.none(), "plan_batches"_a,
         "worker_start"_a.none(), "name"_a,
         "A Python dataset run on ferry's threads (ferry/_python.py makes the callables).");
+  m.def("quiet_leak_warnings", [] { nb::set_leak_warnings(false); },
+        "No leak report at exit: a worker ended inside the dataset while the program exited keeps its "
+        "objects (Note [Threads Python ends at exit] in module.cpp).");
   m.def("sample_seed", [](std::uint64_t seed, std::uint64_t epoch, std::uint64_t index) {
           return ferry::Generator(seed, epoch, index).next_u64();
         }, "seed"_a, "epoch"_a, "index"_a,

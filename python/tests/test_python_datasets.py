@@ -515,6 +515,34 @@ def test_a_module_level_loader_exits_cleanly(tmp_path, kind):
     assert err == "", err
 
 
+def test_a_worker_back_in_python_while_the_program_exits_ends_without_a_fatal_error(tmp_path):
+    # A worker abandoned inside the dataset whose sample comes back into Python once the interpreter
+    # is finalizing: Python ends its thread, which ferry parks (Note [Threads Python ends at exit]
+    # in module.cpp) instead of unwinding it into "Fatal Python error: PyGILState_Release".
+    proc = run_script(tmp_path, """
+        class Stuck:
+            def __len__(self): return 12
+            def __getitem__(self, i):
+                if i == 5:
+                    while not sys.is_finalizing():  # each sleep gives up the GIL, each wake asks for it
+                        time.sleep(0.001)
+                return i
+        if __name__ == "__main__":
+            loader = ferry.DataLoader(Stuck(), batch_size=2, num_workers=2, worker_type="thread", timeout=0.3)
+            it = iter(loader)
+            print(next(it).tolist(), next(it).tolist(), flush=True)
+            try:
+                next(it)
+            except ferry.TimeoutError:
+                print("timed out", flush=True)
+            print(next(it).tolist(), flush=True)
+    """)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (out, err)
+    assert out.splitlines() == ["[0, 1] [2, 3]", "timed out", "[6, 7]"], (out, err)
+    assert "Fatal" not in err and "leaked" not in err, err
+
+
 def test_worker_processes_die_with_a_sigkilled_main_process(tmp_path):
     proc = run_script(tmp_path, """
         if __name__ == "__main__":
