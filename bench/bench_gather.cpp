@@ -11,7 +11,8 @@
 // the process's CPU time (user + system) over the passes' wall time.
 //   link: one pinned batch copied back to back (cudaMemcpyAsync), the ceiling;
 //   host path: gather = Host (workers copy rows into pinned blocks, the copy engine moves them);
-//   device gather: gather = Device, 0 workers.
+//   device gather: gather = Device, 0 workers (and 1, which starts none: the pin thread writes
+//   the indices either way).
 // Then a training loop: each step a fixed amount of arithmetic on every SM (about --step-ms alone)
 // on the loader's stream, then a synchronize. GPU waiting = 1 - steps x (step alone) / wall; the
 // step's slowdown = its GPU time (events) in the loop over its GPU time alone, which shows what

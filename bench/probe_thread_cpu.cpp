@@ -43,6 +43,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu_time.h"
 #include "ferry/ferry.h"
 
 using namespace ferry;
@@ -218,12 +219,6 @@ void run(const char* what, const Tensor& data, double seconds, long interval_us,
   probe(what, loader, seconds, interval_us, gpu);
 }
 
-double process_cpu() {
-  timespec ts{};
-  ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
-}
-
 // index i mod n for i < size: a plan that draws nothing.
 class ModuloSampler final : public Sampler {
  public:
@@ -268,7 +263,7 @@ void run_epochs(const char* what, const Tensor& data, std::size_t epoch_batches,
   };
   const auto epoch = [&](bool measured) {
     const long f0 = minor_faults();
-    const double c0 = process_cpu();
+    const double c0 = bench::cpu_seconds();
     const auto w0 = C::now();
     double c1 = 0, c2 = 0;
     C::time_point w1, w2;
@@ -276,19 +271,19 @@ void run_epochs(const char* what, const Tensor& data, std::size_t epoch_batches,
     {
       auto it = loader.begin();
       (void)(it != loader.end());  // the first batch, in hand
-      c1 = process_cpu();
+      c1 = bench::cpu_seconds();
       w1 = C::now();
       c2 = c1;
       w2 = w1;
       for (; it != loader.end(); ++it) {
         if (++n == epoch_batches) {
-          c2 = process_cpu();
+          c2 = bench::cpu_seconds();
           w2 = C::now();
         }
       }
     }  // the iterator ends the epoch
     if (gpu) loader.stream()->synchronize();
-    const double c3 = process_cpu();
+    const double c3 = bench::cpu_seconds();
     const auto w3 = C::now();
     if (!measured) return;
     const auto sec = [](C::duration d) { return std::chrono::duration<double>(d).count(); };

@@ -56,11 +56,8 @@ class StageQueue {
   /// As pop(), giving up after `timeout`: returns {std::nullopt, true} on timeout.
   std::pair<std::optional<T>, bool> pop_for(std::chrono::microseconds timeout) {
     std::optional<T> item;
-    if (!q_.wait_dequeue_timed(item, timeout)) {
-      if (closed_.load(std::memory_order_acquire)) return {std::nullopt, false};
-      return {std::nullopt, true};
-    }
-    return {accept(std::move(item)), false};
+    const bool got = q_.wait_dequeue_timed(item, timeout);
+    return taken(got, std::move(item));
   }
 
   /// As pop_for() with no wait: the item queued now, if any. pop_for(0) would not do: moodycamel's
@@ -68,11 +65,8 @@ class StageQueue {
   /// a zero one included.
   std::pair<std::optional<T>, bool> try_pop() {
     std::optional<T> item;
-    if (!q_.try_dequeue(item)) {
-      if (closed_.load(std::memory_order_acquire)) return {std::nullopt, false};
-      return {std::nullopt, true};
-    }
-    return {accept(std::move(item)), false};
+    const bool got = q_.try_dequeue(item);
+    return taken(got, std::move(item));
   }
 
   /// Sticky: wakes every current and future pop(). Idempotent.
@@ -84,6 +78,11 @@ class StageQueue {
   std::size_t size_approx() const { return q_.size_approx(); }
 
  private:
+  // pop_for's and try_pop's answer: the item, or none and whether that was a timeout (an open queue).
+  std::pair<std::optional<T>, bool> taken(bool got, std::optional<T> item) {
+    if (!got) return {std::nullopt, !closed_.load(std::memory_order_acquire)};
+    return {accept(std::move(item)), false};
+  }
   std::optional<T> accept(std::optional<T> item) {
     if (!item) {
       q_.enqueue(std::optional<T>());  // pass the sentinel on to the next waiter

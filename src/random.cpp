@@ -44,7 +44,7 @@ void Generator::refill() noexcept {
 namespace {
 // kLanes consecutive blocks of (key, counter), counter[0] counting up from `counter`'s, into
 // `out` (4 words a block, in order), one block at a time: Generator::fill where the CPU lacks AVX2.
-constexpr int kLanes = 8;
+constexpr int kLanes = detail::kPhiloxLanes;
 void philox_lanes_base(const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
                        std::uint32_t* out) noexcept {
   std::array<std::uint32_t, 4> c = counter;
@@ -105,7 +105,6 @@ bool philox_avx2() noexcept {
 }
 void philox_lanes(bool avx2, const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
                   std::uint32_t* out) noexcept {
-  static_assert(kPhiloxLanes == kLanes);
 #if defined(__x86_64__)
   if (avx2) return philox_lanes_avx2(key, counter, out);
 #else
