@@ -240,6 +240,10 @@ class DecodeMemory {
 // a second loader decoding on the GPU in the same process opens its decoder beside the first's
 // decodes ungated (not seen to hang; a process-wide gate would make one loader's start wait for
 // the other's decodes, and those can wait for the other loader's consumer).
+// Still open: with two threads, decodes have stopped for good (both threads in nvjpegDecodeBatched,
+// in cuEventSynchronize) in about 1 of 100 loaders destroyed mid-epoch while the process took
+// profiling signals, on an H100 with nvJPEG 13.0; never with one thread or with loaders that end
+// their epochs (bench/stress_gpu_decode; bench/RESULTS.md "GPU decode: the two-thread stall").
 // The decode threads chosen from the hardware (DataLoaderOptions::gpu_decode_threads = 0): 2 where
 // nvJPEG's hardware backend has JPEG engines (`engines` > 0: A100, H100, H200) and the machine has
 // 8 CPUs or more, else 1. Two threads give 1.5-1.7x one thread's images on an H100, within 0.89
