@@ -27,6 +27,7 @@ import atexit
 import collections
 import multiprocessing.util  # noqa: F401  (its exit handler is registered first, so it runs after ferry's)
 import numbers
+import threading
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional
@@ -106,7 +107,12 @@ def _release_python_loaders() -> None:
         # A worker still inside the dataset (abandoned by a timeout or Ctrl-C) keeps the cycle's
         # Python half alive; let the C++ objects go now.
         loader._loader = loader._options = None
-    if abandoned:
+    # A daemon thread still running (a loop over a loader) is ended by Python wherever it next
+    # takes the GIL, inside one of ferry's calls (where it parks: the same Note) or in Python code,
+    # and keeps the objects it holds: no leak report for those either.
+    daemons = any(t.daemon and t.is_alive() and not t.name.startswith("ferry:")  # ferry's own hold no user objects
+                  for t in threading.enumerate() if t is not threading.current_thread())
+    if abandoned or daemons:
         _ferry.quiet_leak_warnings()
 
 

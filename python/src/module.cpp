@@ -177,8 +177,9 @@ class Gil {
 // A thread that asks for the GIL once the interpreter is finalizing is ended by Python
 // (3.11-3.13: PyThread_exit_thread, which unwinds the thread's stack as pthread_exit does): a
 // worker abandoned inside the dataset (a timeout, Ctrl-C) whose call returns while the program
-// exits. Unwinding ferry's frames would release a GIL the thread does not hold ("Fatal Python
-// error: PyGILState_Release: thread state ... must be current when releasing") and meet handlers
+// exits, or a daemon thread of the user's that comes back from a loader's call (NoGil). Unwinding
+// ferry's frames would release a GIL the thread does not hold ("Fatal Python error:
+// PyGILState_Release: thread state ... must be current when releasing") and meet handlers
 // that may not swallow the unwind; either aborts the process. The thread waits here instead, its
 // stack as it was, until the process exits (Python 3.14 parks such threads the same way).
 [[noreturn]] void park_until_exit() noexcept {
@@ -197,6 +198,31 @@ auto with_gil(F&& fn) -> decltype(fn()) {
     park_until_exit();
   }
 }
+
+// Takes the GIL back for NoGil. Not noexcept: the unwind of a thread Python ends is caught here
+// (a noexcept frame on its way would abort the process), and the thread parks.
+void restore_thread(PyThreadState* state) {
+  try {
+    PyEval_RestoreThread(state);
+  } catch (abi::__forced_unwind&) {
+    park_until_exit();
+  }
+}
+
+// Releases the GIL for its scope, as nb::gil_scoped_release does, for any thread that calls into
+// ferry: a thread of the user's (a daemon thread inside a loop) that comes back while the
+// interpreter finalizes is ended by Python as it takes the GIL back, and parks instead of aborting
+// (Note [Threads Python ends at exit]).
+class NoGil {
+ public:
+  NoGil() noexcept : state_(PyEval_SaveThread()) {}
+  ~NoGil() { restore_thread(state_); }
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
 
 using Callable = std::shared_ptr<PyRef>;  // shared by the copies a loader makes of its dataset
 
@@ -463,10 +489,9 @@ class PyLoader {
  public:
   PyLoader(const PyDataset& dataset, ferry::DataLoaderOptions options, nb::object convert)
       : convert_(std::move(convert)), has_size_(dataset.has_size()), trace_(options.trace) {
-    options.wait_poll = [] {
-      nb::gil_scoped_acquire gil;
-      return PyErr_CheckSignals() != 0;  // a handler raised (KeyboardInterrupt): stop waiting
-    };
+    // A handler raised (KeyboardInterrupt): stop waiting. A daemon thread polling as the program
+    // exits parks (with_gil).
+    options.wait_poll = [] { return with_gil([] { return PyErr_CheckSignals() != 0; }); };
     options.wait_poll_period = std::chrono::milliseconds(50);
     if (dataset.py_map || dataset.py_iter) {
       // Without workers the dataset runs on this (Python's main) thread, as in PyTorch: no thread
@@ -490,13 +515,13 @@ class PyLoader {
 
   // Workers of a Python dataset take the GIL: whatever may wait for them runs without it.
   ~PyLoader() {
-    nb::gil_scoped_release nogil;
+    NoGil nogil;
     impl_.reset();
   }
 
   PyLoader& iter() {
     Loader& loader = impl();
-    nb::gil_scoped_release nogil;
+    NoGil nogil;
     loader.begin();
     return *this;
   }
@@ -506,7 +531,7 @@ class PyLoader {
   // its class -> the module's globals -> the loader) form a cycle the collector cannot see into.
   void release() {
     std::unique_ptr<Loader> gone = std::move(impl_);
-    nb::gil_scoped_release nogil;
+    NoGil nogil;
     gone.reset();
   }
 
@@ -515,11 +540,11 @@ class PyLoader {
     Delivery batch;
     bool got = false;
     try {
-      nb::gil_scoped_release nogil;
+      NoGil nogil;
       got = impl_->next(batch);
     } catch (const ferry::Interrupted&) {
       {
-        nb::gil_scoped_release nogil;
+        NoGil nogil;
         impl_->end();  // Ctrl-C: the workers stop; the loader can start another epoch
       }
       if (PyErr_Occurred()) throw nb::python_error();
@@ -529,7 +554,7 @@ class PyLoader {
       // this thread): not a failed batch but the program's own exit; end the epoch and re-raise.
       if (nb::handle exit = base_exception_of(e)) {
         {
-          nb::gil_scoped_release nogil;
+          NoGil nogil;
           impl_->end();
         }
         PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exit.ptr())), exit.ptr());
@@ -572,7 +597,7 @@ class PyLoader {
   }
   void end() {
     if (!impl_) return;
-    nb::gil_scoped_release nogil;
+    NoGil nogil;
     impl_->end();
   }
   Loader& impl() {
@@ -653,7 +678,7 @@ std::vector<std::vector<nb::bytes>> reference_batches(const PyDataset& dataset, 
   if (!dynamic) throw ferry::Error("_reference_batches: registry datasets only");
   std::vector<std::vector<ferry::Tensor>> batches;
   {
-    nb::gil_scoped_release nogil;
+    NoGil nogil;
     ferry::DataLoader loader(*dynamic, options);
     loader.set_epoch(epoch);
     for (std::vector<ferry::Tensor>& b : loader) batches.push_back(std::move(b));
@@ -672,7 +697,7 @@ std::vector<std::vector<nb::bytes>> reference_batches(const PyDataset& dataset, 
 // Python-against-C++ ratio. Device batches are dropped as they come (their buffers are reused
 // behind the consumer stream's events), so the caller synchronizes the device after.
 double cpp_seconds(const PyDataset& dataset, const ferry::DataLoaderOptions& options, std::size_t warmup, std::size_t batches) {
-  nb::gil_scoped_release nogil;
+  NoGil nogil;
   auto run = [&](auto&& loader) {
     auto t0 = std::chrono::steady_clock::now();
     std::size_t n = 0;
@@ -805,14 +830,14 @@ NB_MODULE(_ferry, m) {
         }, "seed"_a, "epoch"_a, "index"_a,
         "The first 64 bits of the sample's own generator, keyed by (seed, epoch, index), as C++'s ctx.rng().");
   m.def("host_register", [](std::uintptr_t address, std::size_t bytes) {
-          nb::gil_scoped_release unlocked;
+          NoGil unlocked;
           ferry::cuda::host_register(reinterpret_cast<void*>(address), bytes);
         }, "address"_a, "bytes"_a, "Pins a mapping made elsewhere (cudaHostRegister, portable); raises ferry.CudaError.");
   m.attr("DEFAULT_PINNED_MEMORY_LIMIT") = ferry::DataLoaderOptions::kDefaultPinnedMemoryLimit;
   m.def("pinned_growth_cap", &ferry::detail::pinned_growth_cap,
         "How far an unset pinned budget may grow (half the machine's memory, at most 3/4 of what is free; 0: unknown).");
   m.def("host_unregister", [](std::uintptr_t address) {
-          nb::gil_scoped_release unlocked;
+          NoGil unlocked;
           ferry::cuda::host_unregister(reinterpret_cast<void*>(address));
         }, "address"_a, "Undoes host_register.");
   m.def("registered", [] { return ferry::DatasetRegistry::global().names(); }, "Dataset names the registry knows.");
@@ -837,13 +862,13 @@ NB_MODULE(_ferry, m) {
       .def("end", &PyLoader::end, "Ends the epoch in progress (its workers stop).")
       .def("release", &PyLoader::release, "Stops the workers and drops every Python reference (at exit).")
       .def("set_epoch", [](PyLoader& l, std::uint64_t e) { l.impl().set_epoch(e); }, "epoch"_a,
-           nb::call_guard<nb::gil_scoped_release>())
+           nb::call_guard<NoGil>())
       .def_prop_ro("next_epoch", [](PyLoader& l) { return l.impl().next_epoch(); })
       .def("stats", [](PyLoader& l) { return stats_dict(l.impl().stats()); })
       .def("reset_stats", [](PyLoader& l) { l.impl().reset_stats(); })
-      .def("state", [](PyLoader& l) { return l.impl().state().to_string(); }, nb::call_guard<nb::gil_scoped_release>())
+      .def("state", [](PyLoader& l) { return l.impl().state().to_string(); }, nb::call_guard<NoGil>())
       .def("restore", [](PyLoader& l, const std::string& text) { l.impl().restore(ferry::LoaderState::from_string(text)); },
-           "state"_a, nb::call_guard<nb::gil_scoped_release>())
+           "state"_a, nb::call_guard<NoGil>())
       .def("write_trace", &PyLoader::write_trace, "path"_a, "Writes the recorded batches' timelines as a Chrome trace.")
       .def("last_pointers", &PyLoader::last_pointers, "The data pointers of the last batch's tensors (tests).");
 

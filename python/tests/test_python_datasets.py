@@ -543,6 +543,68 @@ def test_a_worker_back_in_python_while_the_program_exits_ends_without_a_fatal_er
     assert "Fatal" not in err and "leaked" not in err, err
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=kind_id)
+def test_a_daemon_thread_iterating_a_loader_when_the_program_exits_ends_cleanly(tmp_path, kind):
+    # The main thread returns while a daemon thread is inside the loop (its worker processes, if
+    # any, started): the program exits with status 0, without a fatal error or a leak report, and
+    # leaves no worker process behind.
+    proc = run_script(tmp_path, f"""
+        import threading
+
+        class Quick:
+            def __len__(self): return 100000
+            def __getitem__(self, i):
+                time.sleep(0.002)
+                return i
+
+        def consume(loader):
+            for batch in loader:
+                pass
+
+        if __name__ == "__main__":
+            loader = ferry.DataLoader(Quick(), batch_size=4, num_workers={kind[0]}, worker_type="{kind[1]}")
+            threading.Thread(target=consume, args=(loader,), daemon=True).start()
+            pool = getattr(loader, "_pool", None)
+            deadline = time.monotonic() + 60  # a forkserver process may take seconds to start
+            while pool is not None and len(pool.pids()) < {kind[0]} and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.5)
+            print(" ".join(str(p) for p in (pool.pids() if pool is not None else [])), flush=True)
+    """)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, (out, err)
+    assert "Fatal" not in err and "leaked" not in err and "Traceback" not in err, err
+    pids = [int(p) for p in out.split()]
+    assert len(pids) == (kind[0] if kind[1] == "process" else 0)
+    assert wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_daemon_thread_in_a_native_loader_when_the_program_exits_ends_cleanly(tmp_path, workers):
+    # The daemon thread waits in the loader's call without the GIL; Python ends it as it takes the
+    # GIL back, and ferry parks it (Note [Threads Python ends at exit] in module.cpp) where the
+    # unwind used to abort the process ("terminate called without an active exception").
+    proc = run_script(tmp_path, f"""
+        import threading
+        import ferry.datasets
+
+        def consume(loader):
+            for batch in loader:
+                pass
+
+        if __name__ == "__main__":
+            data = ferry.datasets.synthetic(n=10 ** 7, shape=(3, 64, 64))
+            loader = ferry.DataLoader(data, batch_size=64, num_workers={workers})
+            threading.Thread(target=consume, args=(loader,), daemon=True).start()
+            time.sleep(0.5)
+            print("exiting", flush=True)
+    """)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, (out, err)
+    assert out.splitlines() == ["exiting"], (out, err)
+    assert "terminate" not in err and "Fatal" not in err and "leaked" not in err, err
+
+
 def test_worker_processes_die_with_a_sigkilled_main_process(tmp_path):
     proc = run_script(tmp_path, """
         if __name__ == "__main__":
