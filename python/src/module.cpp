@@ -23,6 +23,7 @@
 
 #include <dlpack/dlpack.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <fstream>
@@ -489,9 +490,11 @@ class PyLoader {
  public:
   PyLoader(const PyDataset& dataset, ferry::DataLoaderOptions options, nb::object convert)
       : convert_(std::move(convert)), has_size_(dataset.has_size()), trace_(options.trace) {
-    // A handler raised (KeyboardInterrupt): stop waiting. A daemon thread polling as the program
-    // exits parks (with_gil).
-    options.wait_poll = [] { return with_gil([] { return PyErr_CheckSignals() != 0; }); };
+    // A handler raised (KeyboardInterrupt), or release() asks: stop waiting. A daemon thread
+    // polling as the program exits parks (with_gil).
+    options.wait_poll = [releasing = releasing_] {
+      return releasing->load() || with_gil([] { return PyErr_CheckSignals() != 0; });
+    };
     options.wait_poll_period = std::chrono::milliseconds(50);
     if (dataset.py_map || dataset.py_iter) {
       // Without workers the dataset runs on this (Python's main) thread, as in PyTorch: no thread
@@ -520,6 +523,8 @@ class PyLoader {
   }
 
   PyLoader& iter() {
+    const Busy busy(busy_);
+    if (releasing_->load()) throw nb::stop_iteration();
     Loader& loader = impl();
     NoGil nogil;
     loader.begin();
@@ -529,14 +534,22 @@ class PyLoader {
   // Stops the workers and drops every reference into Python; the loader is unusable after. The
   // Python half calls it at exit for loaders of Python datasets, whose references (dataset ->
   // its class -> the module's globals -> the loader) form a cycle the collector cannot see into.
+  // Another thread may be inside next() (a daemon thread's loop): it leaves at its next wait poll
+  // (its loop ends, StopIteration), or once its sample is done where the dataset runs on it, and
+  // the loader goes after. One still inside after a second (a long sample) keeps the loader: the
+  // thread parks with it as the program exits (Note [Threads Python ends at exit]).
   void release() {
-    std::unique_ptr<Loader> gone = std::move(impl_);
+    releasing_->store(true);
     NoGil nogil;
+    for (int k = 0; k < 100 && busy_.load() > 0; ++k) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    if (busy_.load() > 0) return;
+    std::unique_ptr<Loader> gone = std::move(impl_);  // a thread coming in now sees releasing_ first
     gone.reset();
   }
 
   nb::object next() {
-    if (!impl_ || !impl_->live()) throw nb::stop_iteration();
+    const Busy busy(busy_);
+    if (releasing_->load() || !impl_ || !impl_->live()) throw nb::stop_iteration();
     Delivery batch;
     bool got = false;
     try {
@@ -547,6 +560,7 @@ class PyLoader {
         NoGil nogil;
         impl_->end();  // Ctrl-C: the workers stop; the loader can start another epoch
       }
+      if (releasing_->load()) throw nb::stop_iteration();  // release() asked (at exit)
       if (PyErr_Occurred()) throw nb::python_error();
       throw;
     } catch (const ferry::WorkerError& e) {
@@ -618,6 +632,15 @@ class PyLoader {
     return std::make_unique<LoaderOf<D>>(std::move(dataset), options);
   }
 
+  // Threads inside next() or iter(); release() waits for them to leave (sequentially consistent
+  // with releasing_: either release() sees a thread here, or the thread sees releasing_ set).
+  struct Busy {
+    explicit Busy(std::atomic<int>& n) noexcept : n_(n) { ++n_; }
+    ~Busy() { --n_; }
+    std::atomic<int>& n_;
+  };
+  std::atomic<int> busy_{0};
+  std::shared_ptr<std::atomic<bool>> releasing_ = std::make_shared<std::atomic<bool>>(false);
   std::unique_ptr<Loader> impl_;
   static nb::object torch_bool() {
     static nb::object* b = new nb::object(nb::module_::import_("torch").attr("bool"));  // never freed: outlives finalization

@@ -579,6 +579,35 @@ def test_a_daemon_thread_iterating_a_loader_when_the_program_exits_ends_cleanly(
     assert wait_gone(pids) == []
 
 
+def test_a_daemon_thread_inside_a_long_sample_when_the_program_exits_ends_cleanly(tmp_path):
+    # Without workers the dataset runs on the daemon thread: release() at exit waits a second for it
+    # to leave the loader, then leaves the loader to it (it parks as Python ends it).
+    proc = run_script(tmp_path, """
+        import threading
+
+        class Long:
+            def __len__(self): return 100
+            def __getitem__(self, i):
+                if i == 2:
+                    print("inside", flush=True)
+                    time.sleep(5)
+                return i
+
+        def consume(loader):
+            for batch in loader:
+                pass
+
+        if __name__ == "__main__":
+            loader = ferry.DataLoader(Long(), batch_size=2, num_workers=0)
+            threading.Thread(target=consume, args=(loader,), daemon=True).start()
+            time.sleep(0.5)
+    """)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, (out, err)
+    assert out.splitlines() == ["inside"], (out, err)
+    assert "terminate" not in err and "Fatal" not in err and "leaked" not in err and "Traceback" not in err, err
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_daemon_thread_in_a_native_loader_when_the_program_exits_ends_cleanly(tmp_path, workers):
     # The daemon thread waits in the loader's call without the GIL; Python ends it as it takes the
