@@ -540,10 +540,15 @@ class PyLoader {
   // thread parks with it as the program exits (Note [Threads Python ends at exit]).
   void release() {
     releasing_->store(true);
-    NoGil nogil;
-    for (int k = 0; k < 100 && busy_.load() > 0; ++k) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    {
+      NoGil nogil;  // the thread inside may need the GIL to leave
+      for (int k = 0; k < 100 && busy_.load() > 0; ++k) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
     if (busy_.load() > 0) return;
-    std::unique_ptr<Loader> gone = std::move(impl_);  // a thread coming in now sees releasing_ first
+    // Moved with the GIL held, as every reader of impl_ holds it; a thread coming in now sees
+    // releasing_ first.
+    std::unique_ptr<Loader> gone = std::move(impl_);
+    NoGil nogil;
     gone.reset();
   }
 
