@@ -20,7 +20,6 @@
 // (prefetch_next_epoch = false); 1 worker, persistent (bench_gather's 1-worker row).
 // Usage: probe_thread_cpu [--seconds 4] [--interval-us 200] [--images DIR] [--epoch-batches N]
 #include <cxxabi.h>
-#include <dirent.h>
 #include <dlfcn.h>
 #include <execinfo.h>
 #include <signal.h>
@@ -44,6 +43,7 @@
 #include <vector>
 
 #include "cpu_time.h"
+#include "proc_threads.h"
 #include "ferry/ferry.h"
 
 using namespace ferry;
@@ -82,16 +82,6 @@ std::string thread_name(pid_t tid) {
   std::string n;
   std::getline(in, n);
   return n + " (" + std::to_string(tid) + ")";
-}
-
-std::vector<pid_t> threads() {
-  std::vector<pid_t> out;
-  if (DIR* d = ::opendir("/proc/self/task")) {
-    while (dirent* e = ::readdir(d))
-      if (e->d_name[0] != '.') out.push_back(static_cast<pid_t>(std::atoi(e->d_name)));
-    ::closedir(d);
-  }
-  return out;
 }
 
 std::string symbol(void* addr) {
@@ -170,7 +160,7 @@ template <class Loader>
 void probe(const char* what, Loader& loader, double seconds, long interval_us, bool gpu) {
   auto it = loader.begin();
   for (int k = 0; k < 200; ++k) ++it;  // warm: threads started, buffers made
-  std::vector<pid_t> tids = threads();
+  std::vector<pid_t> tids = bench::thread_ids();
   std::vector<timer_t> timers;
   for (pid_t tid : tids) {
     sigevent ev{};

@@ -14,21 +14,21 @@
 // profiler sampling each thread does. The handler only counts.
 // Usage: stress_gpu_decode --images DIR [--loaders 20] [--batches 40] [--threads 2] [--stall-s 15]
 //        [--stall-exit-s 60] [--prof-us 0] [--signal-us 0]
-#include <atomic>
-#include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <string>
-#include <vector>
-#include <thread>
-
-#include <dirent.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
 #include "ferry/ferry.h"
+#include "proc_threads.h"
 
 using namespace ferry;
 using Clock = std::chrono::steady_clock;
@@ -70,13 +70,14 @@ int main(int argc, char** argv) {
     itimerval spec{{0, prof_us}, {0, prof_us}};
     ::setitimer(ITIMER_PROF, &spec, nullptr);
   }
-  std::atomic<long> last_ns{Clock::now().time_since_epoch().count()};
+  std::atomic<Clock::rep> last{Clock::now().time_since_epoch().count()};  // the last batch (or loader's end)
+  const auto mark = [&] { last = Clock::now().time_since_epoch().count(); };
   std::atomic<int> at_loader{0}, at_batch{0};
   std::atomic<bool> done{false};
   std::thread watchdog([&] {
     while (!done.load()) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      const double idle = std::chrono::duration<double>(Clock::now().time_since_epoch()).count() - static_cast<double>(last_ns.load()) / 1e9;
+      const double idle = std::chrono::duration<double>(Clock::now() - Clock::time_point(Clock::duration(last.load()))).count();
       if (idle < stall_s) continue;
       std::printf("STALL: loader %d, batch %d: no batch for %.0f s (pid %d, %ld profiling signals)\n", at_loader.load(),
                   at_batch.load(), idle, static_cast<int>(::getpid()), g_signals.load());
@@ -93,18 +94,24 @@ int main(int argc, char** argv) {
       auto found = Clock::now() - std::chrono::seconds(1);
       while (!done.load()) {
         if (Clock::now() - found > std::chrono::milliseconds(50)) {
-          tids.clear();
-          if (DIR* d = ::opendir("/proc/self/task")) {
-            while (dirent* e = ::readdir(d))
-              if (e->d_name[0] != '.' && std::atoi(e->d_name) != self) tids.push_back(std::atoi(e->d_name));
-            ::closedir(d);
-          }
+          tids = bench::thread_ids();
           found = Clock::now();
         }
-        for (pid_t t : tids) ::syscall(SYS_tgkill, pid, t, SIGPROF);
+        for (pid_t t : tids)
+          if (t != self) ::syscall(SYS_tgkill, pid, t, SIGPROF);
         std::this_thread::sleep_for(std::chrono::microseconds(signal_us));
       }
     });
+  struct EndHelpers {  // the watchdog and the storm end with main, however it leaves
+    std::atomic<bool>& done;
+    std::thread& watchdog;
+    std::thread& storm;
+    ~EndHelpers() {
+      done = true;
+      watchdog.join();
+      if (storm.joinable()) storm.join();
+    }
+  } end_helpers{done, watchdog, storm};
   ImageFolderOptions fo;
   fo.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
   fo.decode = ImageFolderOptions::Decode::Gpu;
@@ -127,18 +134,15 @@ int main(int argc, char** argv) {
         (void)b;
         ++n;
         at_batch = n;
-        last_ns = Clock::now().time_since_epoch().count();
+        mark();
         if (n == batches) break;
       }
     }  // left mid-epoch: the loader ends its workers, pin thread and decoder here
-    last_ns = Clock::now().time_since_epoch().count();
+    mark();
     total += n;
     std::printf("loader %d: %d batches, %.2f s\n", l, n, std::chrono::duration<double>(Clock::now() - t0).count());
     std::fflush(stdout);
   }
-  done = true;
-  watchdog.join();
-  if (storm.joinable()) storm.join();
   std::printf("loaders %d, batches %ld, stalls 0, %ld profiling signals\n", loaders, total, g_signals.load());
   return 0;
 }

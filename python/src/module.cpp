@@ -523,8 +523,7 @@ class PyLoader {
   }
 
   PyLoader& iter() {
-    const Busy busy(busy_);
-    if (releasing_->load()) throw nb::stop_iteration();
+    const Busy busy(busy_);  // release() waits for it; next() then ends the loop
     Loader& loader = impl();
     NoGil nogil;
     loader.begin();

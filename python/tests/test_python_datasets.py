@@ -451,7 +451,10 @@ def test_state_dict_resumes_mid_epoch_at_another_worker_count(before, after):
 # --- Ctrl-C, exits and cleanup -------------------------------------------------------------------------
 
 SCRIPT_HEAD = """
-import os, sys, time, ferry
+import os, sys, threading, time, ferry
+
+def loop_in_a_daemon_thread(loader):
+    threading.Thread(target=lambda: [None for batch in loader], daemon=True).start()
 
 class Slow:
     def __len__(self): return 100
@@ -549,21 +552,15 @@ def test_a_daemon_thread_iterating_a_loader_when_the_program_exits_ends_cleanly(
     # any, started): the program exits with status 0, without a fatal error or a leak report, and
     # leaves no worker process behind.
     proc = run_script(tmp_path, f"""
-        import threading
-
         class Quick:
             def __len__(self): return 100000
             def __getitem__(self, i):
                 time.sleep(0.002)
                 return i
 
-        def consume(loader):
-            for batch in loader:
-                pass
-
         if __name__ == "__main__":
             loader = ferry.DataLoader(Quick(), batch_size=4, num_workers={kind[0]}, worker_type="{kind[1]}")
-            threading.Thread(target=consume, args=(loader,), daemon=True).start()
+            loop_in_a_daemon_thread(loader)
             pool = getattr(loader, "_pool", None)
             deadline = time.monotonic() + 60  # a forkserver process may take seconds to start
             while pool is not None and len(pool.pids()) < {kind[0]} and time.monotonic() < deadline:
@@ -583,8 +580,6 @@ def test_a_daemon_thread_inside_a_long_sample_when_the_program_exits_ends_cleanl
     # Without workers the dataset runs on the daemon thread: release() at exit waits a second for it
     # to leave the loader, then leaves the loader to it (it parks as Python ends it).
     proc = run_script(tmp_path, """
-        import threading
-
         class Long:
             def __len__(self): return 100
             def __getitem__(self, i):
@@ -593,13 +588,9 @@ def test_a_daemon_thread_inside_a_long_sample_when_the_program_exits_ends_cleanl
                     time.sleep(5)
                 return i
 
-        def consume(loader):
-            for batch in loader:
-                pass
-
         if __name__ == "__main__":
             loader = ferry.DataLoader(Long(), batch_size=2, num_workers=0)
-            threading.Thread(target=consume, args=(loader,), daemon=True).start()
+            loop_in_a_daemon_thread(loader)
             time.sleep(0.5)
     """)
     out, err = proc.communicate(timeout=60)
@@ -614,17 +605,12 @@ def test_a_daemon_thread_in_a_native_loader_when_the_program_exits_ends_cleanly(
     # GIL back, and ferry parks it (Note [Threads Python ends at exit] in module.cpp) where the
     # unwind used to abort the process ("terminate called without an active exception").
     proc = run_script(tmp_path, f"""
-        import threading
         import ferry.datasets
-
-        def consume(loader):
-            for batch in loader:
-                pass
 
         if __name__ == "__main__":
             data = ferry.datasets.synthetic(n=10 ** 7, shape=(3, 64, 64))
             loader = ferry.DataLoader(data, batch_size=64, num_workers={workers})
-            threading.Thread(target=consume, args=(loader,), daemon=True).start()
+            loop_in_a_daemon_thread(loader)
             time.sleep(0.5)
             print("exiting", flush=True)
     """)
