@@ -17,8 +17,6 @@
 // --no-next-epoch-ahead: prefetch_next_epoch = false (a stream then sends no read for the next
 // epoch's first shard as an epoch ends). With --server-cpus the latency proxy runs on the server's
 // CPUs (it stands for the store), or with --proxy-with-loader on the loader's.
-#include <dirent.h>
-#include <execinfo.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -41,6 +39,7 @@
 #include <vector>
 
 #include "cpu_time.h"
+#include "proc_threads.h"
 #include "ferry/ferry.h"
 #include "loaders/fault_proxy.h"
 #include "loaders/files.h"
@@ -69,22 +68,9 @@ pid_t g_server = 0;  // the object-store server's process
 std::atomic<std::int64_t> g_last_batch_ns{0};
 std::atomic<bool> g_watchdog_off{false};
 
-void dump_stack(int) {
-  void* frames[40];
-  const int n = ::backtrace(frames, 40);
-  char head[64];
-  const int len = std::snprintf(head, sizeof head, "== thread %ld\n", static_cast<long>(::syscall(SYS_gettid)));
-  if (::write(2, head, static_cast<std::size_t>(len)) < 0) return;
-  ::backtrace_symbols_fd(frames, n, 2);
-}
-
 void start_watchdog(int seconds) {
   if (seconds <= 0) return;
-  void* warm[2];
-  ::backtrace(warm, 2);  // loads the unwinder now, not in the handler
-  struct sigaction sa {};
-  sa.sa_handler = dump_stack;
-  ::sigaction(SIGUSR2, &sa, nullptr);
+  ferry::bench::install_stack_dump();
   g_last_batch_ns = Clock::now().time_since_epoch().count();
   std::thread([seconds] {
     for (;;) {
@@ -92,23 +78,7 @@ void start_watchdog(int seconds) {
       if (g_watchdog_off || Clock::now().time_since_epoch().count() - g_last_batch_ns.load() < std::int64_t{seconds} * 1000000000)
         continue;
       std::fprintf(stderr, "watchdog: no batch for %d s; every thread's stack:\n", seconds);
-      if (DIR* d = ::opendir("/proc/self/task")) {
-        while (dirent* e = ::readdir(d)) {
-          const long tid = std::atol(e->d_name);
-          if (tid <= 0 || tid == ::syscall(SYS_gettid)) continue;
-          char path[64], name[32] = {0};
-          std::snprintf(path, sizeof path, "/proc/self/task/%ld/comm", tid);
-          if (FILE* f = std::fopen(path, "r")) {
-            if (!std::fgets(name, sizeof name, f)) name[0] = 0;
-            std::fclose(f);
-          }
-          std::fprintf(stderr, "-- %ld %s", tid, name);
-          std::fflush(stderr);
-          ::syscall(SYS_tgkill, ::getpid(), tid, SIGUSR2);
-          std::this_thread::sleep_for(std::chrono::milliseconds(100));
-        }
-        ::closedir(d);
-      }
+      ferry::bench::dump_every_stack();
       if (g_server > 0) ::kill(g_server, SIGKILL);  // the server goes with the benchmark
       std::_Exit(3);
     }

@@ -15,8 +15,16 @@
 // With --blocking-sync the device's context is made with cudaDeviceScheduleBlockingSync (a host
 // thread waiting on the device sleeps instead of spinning): how much of a decoding thread's busy
 // core is a wait.
+// With --race KIND it only decodes, on --threads host threads (2; each its own handle, state and
+// stream) back to back for --seconds, while one more thread does KIND in a loop: "none",
+// "free-host" (cudaHostAlloc and cudaFreeHost of 16 MiB), "free-device" (cudaMalloc and cudaFree of
+// 64 MiB), "state" (nvjpegJpegStateCreate and nvjpegJpegStateDestroy on a handle of its own). With
+// --signal-us N a thread sends SIGPROF to every thread every N us. A watchdog prints "STALL" when
+// no batch is decoded for 10 s and ends the process with status 3: which of those the hardware
+// decode survives beside it (Note [Decode threads]).
 // Usage: probe_nvjpeg DIR [--batch 256] [--blocks-per-sm 4] [--no-ordering] [--alone-only]
 //                         [--ceiling [--seconds 1.5]] [--blocking-sync]
+//                         [--race KIND [--threads 2] [--seconds 1.5] [--signal-us 0]]
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
 
@@ -32,9 +40,13 @@
 #include <thread>
 #include <vector>
 
+#include <signal.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "kernels.h"
+#include "proc_threads.h"
 
 using Clock = std::chrono::steady_clock;
 static double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
@@ -49,6 +61,9 @@ static double cpu_seconds() {
 }
 
 struct Image { std::vector<unsigned char> bytes; int w = 0, h = 0; };
+
+static std::atomic<long> g_signals{0};
+static void on_signal(int) { g_signals.fetch_add(1, std::memory_order_relaxed); }
 
 struct Decoder {
   nvjpegHandle_t h{};
@@ -94,6 +109,9 @@ int main(int argc, char** argv) {
   int B = 256, bps = 4;
   bool ordering = true, alone_only = false, ceiling = false, blocking = false;
   double seconds = 1.5;
+  std::string race;
+  int race_threads = 2;
+  long signal_us = 0;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--batch" && i + 1 < argc) B = std::atoi(argv[++i]);
@@ -103,6 +121,13 @@ int main(int argc, char** argv) {
     else if (a == "--ceiling") ceiling = true;
     else if (a == "--seconds" && i + 1 < argc) seconds = std::atof(argv[++i]);
     else if (a == "--blocking-sync") blocking = true;
+    else if (a == "--race" && i + 1 < argc) race = argv[++i];
+    else if (a == "--threads" && i + 1 < argc) race_threads = std::atoi(argv[++i]);
+    else if (a == "--signal-us" && i + 1 < argc) signal_us = std::atol(argv[++i]);
+  }
+  if (!race.empty() && race != "none" && race != "free-host" && race != "free-device" && race != "state") {
+    std::fprintf(stderr, "probe_nvjpeg: --race takes none, free-host, free-device or state, not %s\n", race.c_str());
+    return 2;
   }
   if (blocking) CK(cudaSetDeviceFlags(cudaDeviceScheduleBlockingSync));  // before the context exists
   CK(cudaSetDevice(0));
@@ -139,6 +164,80 @@ int main(int argc, char** argv) {
   for (auto& im : batch) { std::memcpy(pinned + off, im.bytes.data(), im.bytes.size()); data.push_back(pinned + off); len.push_back(im.bytes.size()); off += im.bytes.size(); }
   std::printf("# probe_nvjpeg: %zu files, batch %d, %.1f KB an image, %d SMs%s\n", files.size(), B, bytes / 1024.0 / B, sms,
               blocking ? ", blocking sync" : "");
+  if (!race.empty()) {
+    // Decodes back to back on race_threads threads beside one thread doing `race` in a loop.
+    struct sigaction sa{};
+    sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART;
+    ::sigaction(SIGPROF, &sa, nullptr);
+    std::vector<Decoder*> decs;
+    for (int t = 0; t < race_threads; ++t) decs.push_back(new Decoder(batch, true, nullptr));
+    for (auto* d : decs) { d->decode(data, len); CK(cudaStreamSynchronize(d->s)); }
+    std::atomic<bool> stop{false};
+    std::atomic<long> batches{0}, races{0};
+    std::atomic<Clock::rep> last{Clock::now().time_since_epoch().count()};
+    std::vector<std::thread> ts;
+    for (int t = 0; t < race_threads; ++t)
+      ts.emplace_back([&, t] {
+        cudaSetDevice(0);
+        while (!stop.load()) {
+          decs[t]->decode(data, len);
+          CK(cudaStreamSynchronize(decs[t]->s));
+          ++batches;
+          last = Clock::now().time_since_epoch().count();
+        }
+      });
+    ts.emplace_back([&] {
+      cudaSetDevice(0);
+      nvjpegHandle_t own = nullptr;
+      if (race == "state") NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &own));
+      while (!stop.load()) {
+        if (race == "free-host") {
+          void* p = nullptr;
+          CK(cudaHostAlloc(&p, 16 << 20, cudaHostAllocPortable));
+          std::memset(p, 1, 4096);
+          CK(cudaFreeHost(p));
+        } else if (race == "free-device") {
+          void* p = nullptr;
+          CK(cudaMalloc(&p, 64 << 20));
+          CK(cudaFree(p));
+        } else if (race == "state") {
+          nvjpegJpegState_t st = nullptr;
+          NJ(nvjpegJpegStateCreate(own, &st));
+          NJ(nvjpegJpegStateDestroy(st));
+        }
+        ++races;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    });
+    if (signal_us > 0)
+      ts.emplace_back([&] {
+        const pid_t self = static_cast<pid_t>(::syscall(SYS_gettid)), pid = ::getpid();
+        const std::vector<pid_t> tids = ferry::bench::thread_ids();  // every thread is made by now
+        while (!stop.load()) {
+          for (pid_t id : tids)
+            if (id != self) ::syscall(SYS_tgkill, pid, id, SIGPROF);
+          std::this_thread::sleep_for(std::chrono::microseconds(signal_us));
+        }
+      });
+    const auto t0 = Clock::now();
+    while (ms_since(t0) < seconds * 1000) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      const double idle = std::chrono::duration<double>(Clock::now() - Clock::time_point(Clock::duration(last.load()))).count();
+      if (idle > 10) {
+        std::printf("race %s, %d threads, signals every %ld us: STALL after %.1f s (%ld batches, %ld of the race, %ld signals)\n",
+                    race.c_str(), race_threads, signal_us, ms_since(t0) / 1000 - idle, batches.load(), races.load(), g_signals.load());
+        std::fflush(stdout);
+        std::_Exit(3);
+      }
+    }
+    stop = true;
+    for (auto& t : ts) t.join();
+    std::printf("race %s, %d threads, signals every %ld us: no stall in %.0f s (%ld batches, %ld of the race, %ld signals)\n",
+                race.c_str(), race_threads, signal_us, ms_since(t0) / 1000, batches.load(), races.load(), g_signals.load());
+    for (auto* d : decs) delete d;
+    return 0;
+  }
   if (ceiling) {
     // The engines' ceiling: T threads, each its own handle, state, stream and output, decoding
     // back to back for `seconds`; nothing else on the GPU.

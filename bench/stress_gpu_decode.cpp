@@ -4,8 +4,8 @@
 // 4 workers, --threads decode threads; the consumer takes --batches batches (the whole epoch where
 // it has fewer: 41 batches for the 10,260 images of the 500x375 set) and drops the loader.
 // A watchdog reports a batch that takes more than --stall-s seconds, with the loader and batch it
-// stopped at, and then leaves the process as it is (for a debugger) until --stall-exit-s more
-// seconds have passed, when it ends it with status 3.
+// stopped at and every thread's name and stack (stderr), and then leaves the process as it is
+// (for a debugger) until --stall-exit-s more seconds have passed, when it ends it with status 3.
 // Prints one line per loader (its batches and wall time) and a last line: "loaders N, batches M,
 // stalls 0" or the stall.
 // With --prof-us N, a process-wide profiling timer (ITIMER_PROF) signals the process every N us
@@ -70,6 +70,7 @@ int main(int argc, char** argv) {
     itimerval spec{{0, prof_us}, {0, prof_us}};
     ::setitimer(ITIMER_PROF, &spec, nullptr);
   }
+  bench::install_stack_dump();
   std::atomic<Clock::rep> last{Clock::now().time_since_epoch().count()};  // the last batch (or loader's end)
   const auto mark = [&] { last = Clock::now().time_since_epoch().count(); };
   std::atomic<int> at_loader{0}, at_batch{0};
@@ -82,6 +83,7 @@ int main(int argc, char** argv) {
       std::printf("STALL: loader %d, batch %d: no batch for %.0f s (pid %d, %ld profiling signals)\n", at_loader.load(),
                   at_batch.load(), idle, static_cast<int>(::getpid()), g_signals.load());
       std::fflush(stdout);
+      bench::dump_every_stack();
       std::this_thread::sleep_for(std::chrono::duration<double>(stall_exit_s));
       std::_Exit(3);
     }

@@ -97,6 +97,7 @@ LoaderCore::Parts::~Parts() {
 void LoaderCore::Parts::stop() noexcept {
   plan_ahead.reset();  // joins the thread making the next plan (Parts may outlive the loader: an abandoned worker keeps it)
   device_queue.clear();
+  awaiting = Payload();
   if (pin_stage) pin_stage->stop();
   engine.shutdown();
 }
@@ -368,12 +369,20 @@ Payload LoaderCore::Parts::last_stage_next() {
     case Route::DeviceIssued: {
       // The pin thread has issued the batch's copies and gathers or decode; the consumer's stream
       // waits on them here, at hand-over (Note [Device stage]).
-      Payload p = pin_stage->next();
-      if (!p) return p;
-      DeviceBatch& d = p.get<DeviceBatch>();
+      if (!awaiting) {
+        awaiting = pin_stage->next();
+        if (!awaiting) return {};
+      }
       // A gathered batch always has its fence (flush_held sets a held one's before hand-over).
-      if (!d.copied && gathering) throw Error("DataLoader: a gathered batch reached the consumer without its fence");
-      if (d.copied) device_stage->deliver(*d.copied);
+      if (!awaiting.get<DeviceBatch>().copied && gathering) {
+        awaiting = Payload();
+        throw Error("DataLoader: a gathered batch reached the consumer without its fence");
+      }
+      if (awaiting.get<DeviceBatch>().copied) await_issued(*awaiting.get<DeviceBatch>().copied);  // an interruption keeps it
+      Payload p = std::move(awaiting);
+      awaiting = Payload();
+      DeviceBatch& d = p.get<DeviceBatch>();
+      if (d.copied) device_stage->deliver(*d.copied);  // rethrows a decode's error, at the batch's position
       return std::move(d.batch);
     }
     case Route::PinnedToDevice: break;
@@ -406,6 +415,30 @@ Payload LoaderCore::Parts::last_stage_next() {
   if (item.error) std::rethrow_exception(item.error);
   if (item.copied) device_stage->deliver(*item.copied);  // order the consumer after this copy only
   return std::move(item.batch);
+}
+
+void LoaderCore::Parts::await_issued(const EventFence& copied) {
+  const WaitPoll& poll = engine.wait_poll();
+  if (!poll && opt.timeout.count() == 0) return;  // deliver() waits, unbounded
+  using std::chrono::microseconds;
+  const microseconds limit = opt.timeout.count() > 0 ? std::chrono::duration_cast<microseconds>(opt.timeout) * 2 : microseconds::max();
+  const auto since = std::chrono::steady_clock::now();
+  for (;;) {
+    const auto waited = std::chrono::duration_cast<microseconds>(std::chrono::steady_clock::now() - since);
+    microseconds slice = limit == microseconds::max() ? microseconds(100000) : std::max(limit - waited, microseconds(0));
+    if (poll) slice = std::min(slice, poll.period);
+    if (copied.wait_recorded(slice)) return;
+    if (poll) poll.check();  // Interrupted: the batch stays in `awaiting` for the next call
+    if (limit != microseconds::max() && std::chrono::steady_clock::now() - since >= limit) {
+      TimeoutError error("DataLoader timed out after " + std::to_string(2 * opt.timeout.count()) + " ms waiting for the GPU decode of batch " +
+                         std::to_string(epoch_delivered - 1) +
+                         ": a decode thread has not come back from nvJPEG (gpu_decode_threads = 1 avoids the known two-thread "
+                         "stall; see DataLoaderOptions::gpu_decode_threads)");
+      timed_out.push_back(std::move(awaiting));  // the batch fails at its position; the next call takes the next one
+      awaiting = Payload();
+      throw error;
+    }
+  }
 }
 
 // --- Epochs (consumer thread) ---
@@ -457,6 +490,7 @@ void LoaderCore::begin_epoch() {
   }
   if (s.pin_stage) s.pin_stage->start();
   s.device_queue.clear();
+  s.awaiting = Payload();
   s.device_end = false;
   ++s.next_epoch;
 }
@@ -509,6 +543,7 @@ void LoaderCore::end_epoch() noexcept {
   s.stopped_mid_epoch = s.engine.epoch_live() && !s.epoch_exhausted;
   s.stats.last_delivered_ns = 0;
   s.device_queue.clear();
+  s.awaiting = Payload();
   if (s.pin_stage) s.pin_stage->stop();  // the pin thread, which also calls the engine, is gone after this
   if (s.stopped_mid_epoch) s.stopped_key = s.engine.next_key();
   s.engine.end_epoch();

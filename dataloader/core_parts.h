@@ -151,6 +151,16 @@ struct LoaderCore::Parts {
   };
   std::deque<DeviceItem> device_queue;  // copies issued, not yet delivered (consumer thread)
   bool device_end = false;
+  // Route::DeviceIssued: the batch taken from the pin thread whose GPU decode the consumer waits
+  // for its decode thread to issue; kept across an interruption (consumer thread).
+  Payload awaiting;
+  // Batches whose decode timed out (await_issued): never delivered, and kept until the loader goes,
+  // so that their device buffers are not reused while a decode may still come back and write them.
+  std::vector<Payload> timed_out;
+  // Waits until `copied` (a GPU decode's deferred fence) is recorded, running the wait poll and
+  // bounded by twice the timeout (TimeoutError): a decode thread that never returns does not hold
+  // the consumer for good.
+  void await_issued(const EventFence& copied);
 };
 
 }  // namespace ferry::detail

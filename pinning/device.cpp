@@ -61,7 +61,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   }
   ~Impl() {
     // Every device batch is gone (each holds a reference); the decode threads finish the decodes
-    // queued (into these buffers), then wait for the streams, then free.
+    // queued (into these buffers), then wait for the streams, then free. A decode that never came
+    // back may still write a buffer: then nothing is freed (Note [A decode that never returns]).
+    if (decoder && !decoder->stop()) return;
     decoder.reset();
     std::optional<cuda::DeviceGuard> g;
     try {
@@ -575,6 +577,9 @@ void DeviceStage::abort() noexcept {
 DeviceStage::~DeviceStage() {
   abort();
   impl_->close_shared();  // the stage's hold on the shared buffer (it refers to the stage's state)
+  // The decodes queued are issued first (their fences recorded, or given an error where a decode
+  // never came back: Note [A decode that never returns]), so no wait below is on one never recorded.
+  if (impl_->decoder) impl_->decoder->stop();
   // Sources kept alive for in-flight copies: wait for those copies before dropping them.
   for (auto& [fence, storages] : impl_->keepalive) {
     try {

@@ -8,9 +8,11 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <deque>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "ferry/core/error.h"
@@ -241,9 +243,11 @@ class DecodeMemory {
 // decodes ungated (not seen to hang; a process-wide gate would make one loader's start wait for
 // the other's decodes, and those can wait for the other loader's consumer).
 // Still open: with two threads, decodes have stopped for good (both threads in nvjpegDecodeBatched,
-// in cuEventSynchronize) in about 1 of 100 loaders destroyed mid-epoch while the process took
-// profiling signals, on an H100 with nvJPEG 13.0; never with one thread or with loaders that end
-// their epochs (bench/stress_gpu_decode; bench/RESULTS.md "GPU decode: the two-thread stall").
+// in cuEventSynchronize; nvcuvid's own thread in a timed wait) in 7 of 1,204 loaders of 30 batches
+// while the process took profiling signals, on an H100 with nvJPEG 13.0, in a process's first
+// loader too; never with one thread or without signals (bench/stress_gpu_decode; bench/RESULTS.md
+// "GPU decode: the two-thread stall"). Note [A decode that never returns] keeps it from holding
+// the program.
 // The decode threads chosen from the hardware (DataLoaderOptions::gpu_decode_threads = 0): 2 where
 // nvJPEG's hardware backend has JPEG engines (`engines` > 0: A100, H100, H200) and the machine has
 // 8 CPUs or more, else 1. Two threads give 1.5-1.7x one thread's images on an H100, within 0.89
@@ -251,9 +255,25 @@ class DecodeMemory {
 // core while it decodes, so more are left to the user.
 int decode_threads_for(unsigned engines, unsigned cpus) noexcept { return engines > 0 && cpus >= 8 ? 2 : 1; }
 
-class NvJpegDecoder final : public GpuJpegDecoder {
+// Note [A decode that never returns]
+// A call into nvJPEG that never comes back (the two-thread stall of Note [Decode threads]) must not
+// take the program with it. Two waits could otherwise last for good:
+//  * the consumer's, for the batch's decode to be issued: with a timeout or a wait poll it waits in
+//    slices (LoaderCore::Parts::await_issued): the poll can interrupt it (Ctrl-C in Python) and
+//    the timeout ends it with TimeoutError after twice `timeout`;
+//  * the loader's destruction, which waits for the decode threads: stop() waits while they issue
+//    what is queued, but once a thread has been inside one decode for kStuckDecodeSeconds, it
+//    gives up on it. That thread is detached and the decoder, its nvJPEG handles, memory and the
+//    batch's host bytes are left to it, never freed (it may come back and write into them); the
+//    fences of its batch and of the jobs still queued (never issued) are recorded with an error, so
+//    nothing waits on them; and the DeviceStage frees none of its device buffers (the decode may
+//    still write one) and does not synchronize. A warning says so. What is left is a leak, once.
+// FERRY_TEST_GPU_DECODE_STALL_MS=N (tests only) holds the decoder's third decode N ms before it
+// calls nvJPEG, inside the gate, as a call that does not return would.
+class NvJpegDecoder {
  public:
   NvJpegDecoder(int device, int threads, bool high_priority) : device_(device), mem_(device) {
+    if (const char* v = std::getenv("FERRY_TEST_GPU_DECODE_STALL_MS")) stall_ms_ = std::atol(v);
     cuda::DeviceGuard guard(device_);
     contexts_.resize(static_cast<std::size_t>(std::max(threads, 1)));
     try {
@@ -271,8 +291,22 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     // The other threads open their own contexts (about 0.2 s each on an H100: nvJPEG's handle and
     // state) once the first batch is decoded, while no decode runs (Note [Decode threads]): the
     // first batch does not wait for them, the next ones wait for their opens.
-    for (std::size_t i = 0; i < contexts_.size(); ++i)
+    for (std::size_t i = 0; i < contexts_.size(); ++i) {
+      {
+        std::lock_guard l(mu_);
+        ++running_;
+      }
       threads_.emplace_back("ferry-decode-" + std::to_string(i), [this, i, high_priority] {
+        struct Ended {  // however the thread ends: stop() counts it out
+          NvJpegDecoder& d;
+          ~Ended() {
+            {
+              std::lock_guard l(d.mu_);
+              --d.running_;
+            }
+            d.ended_.notify_all();
+          }
+        } ended{*this};
         cudaSetDevice(device_);  // this thread's device, for good
         if (i > 0) {
           // After the first batch is decoded, and while no decode runs (Note [Decode threads]).
@@ -291,8 +325,18 @@ class NvJpegDecoder final : public GpuJpegDecoder {
         }
         serve(contexts_[i]);
       });
+    }
   }
-  ~NvJpegDecoder() override {
+  // Only once every thread has ended (stop_threads() returned true).
+  ~NvJpegDecoder() {
+    for (Thread& t : threads_) t.join();
+    cuda::DeviceGuard guard(device_);
+    for (auto c = contexts_.rbegin(); c != contexts_.rend(); ++c) close(*c);
+  }
+
+  // GpuJpegDecoder::stop(), less the freeing: true once every thread has ended, false when one has
+  // been inside a decode too long (Note [A decode that never returns]).
+  bool stop_threads() noexcept {
     {
       std::lock_guard l(mu_);
       stop_ = true;
@@ -303,12 +347,48 @@ class NvJpegDecoder final : public GpuJpegDecoder {
       gate_stop_ = true;
     }
     gate_cv_.notify_all();
-    for (Thread& t : threads_) t.join();  // each finishes the jobs queued
-    cuda::DeviceGuard guard(device_);
-    for (auto c = contexts_.rbegin(); c != contexts_.rend(); ++c) close(*c);
+    std::vector<std::shared_ptr<EventFence>> stuck;
+    std::deque<DecodeJob> queued;
+    {
+      std::unique_lock l(mu_);
+      const auto limit = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+          std::chrono::duration<double>(GpuJpegDecoder::kStuckDecodeSeconds));
+      while (!ended_.wait_for(l, std::chrono::milliseconds(100), [&] { return running_ == 0; })) {
+        const auto now = std::chrono::steady_clock::now();
+        for (Context& c : contexts_)
+          if (c.current && now - c.since > limit) stuck.push_back(c.current);
+        if (stuck.empty()) continue;  // each finishes the jobs queued
+        queued.swap(jobs_);
+        break;
+      }
+    }
+    if (stuck.empty()) {
+      for (Thread& t : threads_) t.join();
+      return true;
+    }
+    try {
+      give_up(stuck, queued);
+    } catch (...) {  // out of memory for the error's text: the fences are left as they are
+    }
+    for (Thread& t : threads_) t.detach();  // the decoder stays theirs, never freed
+    return false;
   }
 
-  void submit(DecodeJob job) override {
+  // stop_threads() gives up on the decodes of `stuck` (their fences) and on the jobs `queued`.
+  void give_up(const std::vector<std::shared_ptr<EventFence>>& stuck, std::deque<DecodeJob>& queued) {
+    const auto error = std::make_exception_ptr(CudaError(
+        "GPU decode: a decode has not come back from nvJPEG in " + std::to_string(static_cast<int>(GpuJpegDecoder::kStuckDecodeSeconds)) +
+        " s; the loader stopped without it (Note [A decode that never returns] in pinning/gpu_decode.cu)"));
+    for (auto& f : stuck) f->recorded(error);
+    for (DecodeJob& j : queued) j.fence->recorded(error);  // never issued: their host bytes go back now
+    queued.clear();
+    warn_once("gpu-decode-stuck", "GPU decode: a decode thread has been inside nvJPEG for over " +
+                                      std::to_string(static_cast<int>(GpuJpegDecoder::kStuckDecodeSeconds)) +
+                                      " s; the loader is destroyed without it, leaving its nvJPEG state, its batch and the "
+                                      "stage's device buffers unfreed (set gpu_decode_threads = 1 to avoid the known two-thread stall)");
+  }
+
+  void submit(DecodeJob job) {
     {
       std::lock_guard l(mu_);
       jobs_.push_back(std::move(job));
@@ -316,10 +396,10 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     cv_.notify_one();
   }
 
-  std::string backend() const override { return backend_; }
-  double busy_ms() const override { return static_cast<double>(busy_ns_.load()) / 1e6; }
-  std::uint64_t allocations() const override { return allocations_.load() + mem_.pinned_allocations(); }
-  int threads() const override { return static_cast<int>(contexts_.size()) - failed_threads_.load(); }
+  std::string backend() const { return backend_; }
+  double busy_ms() const { return static_cast<double>(busy_ns_.load()) / 1e6; }
+  std::uint64_t allocations() const { return allocations_.load() + mem_.pinned_allocations(); }
+  int threads() const { return static_cast<int>(contexts_.size()) - failed_threads_.load(); }
 
  private:
   struct Context {
@@ -338,6 +418,10 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     Scratch scratch[2];
     int turn = 0;  // the scratch the next decode writes
     int initialized_rows = -1;
+    // The job being issued and since when (guarded by mu_; null between jobs): what stop() gives
+    // up on (Note [A decode that never returns]).
+    std::shared_ptr<EventFence> current;
+    std::chrono::steady_clock::time_point since;
     std::vector<const unsigned char*> data;
     std::vector<std::size_t> lengths;
     std::vector<nvjpegImage_t> images;
@@ -392,8 +476,12 @@ class NvJpegDecoder final : public GpuJpegDecoder {
         if (jobs_.empty()) return;  // stopping, and nothing is left
         job = std::move(jobs_.front());
         jobs_.pop_front();
+        c.current = job.fence;
+        c.since = std::chrono::steady_clock::now();
       }
       run(c, job);
+      std::lock_guard l(mu_);
+      c.current.reset();
     }
   }
 
@@ -406,6 +494,7 @@ class NvJpegDecoder final : public GpuJpegDecoder {
     bool inputs_waited = false;
     try {
       cuda::DeviceGuard guard(device_);
+      if (stall_ms_ > 0 && stalls_.fetch_add(1) == 2) std::this_thread::sleep_for(std::chrono::milliseconds(stall_ms_));  // tests
       for (DecodeWork& w : job.work) {
         const int rows = w.rows;
         const std::int64_t* index = w.index;
@@ -553,6 +642,10 @@ class NvJpegDecoder final : public GpuJpegDecoder {
   std::condition_variable cv_;
   std::deque<DecodeJob> jobs_;  // guarded by mu_
   bool stop_ = false;           // guarded by mu_
+  int running_ = 0;             // guarded by mu_: decode threads not yet ended
+  std::condition_variable ended_;  // a decode thread ended
+  long stall_ms_ = 0;              // FERRY_TEST_GPU_DECODE_STALL_MS (Note [A decode that never returns])
+  std::atomic<int> stalls_{0};
   std::atomic<std::uint64_t> allocations_{0};
   std::atomic<std::int64_t> busy_ns_{0};
   std::atomic<int> failed_threads_{0};  // decode threads that could not open their context (and ended)
@@ -578,8 +671,37 @@ std::size_t lay_out_decode_scratch(std::int64_t* index, int rows) {
   return total;
 }
 
+namespace {
+// The decoder as DeviceStage holds it: frees it once its threads have ended, else leaves it to the
+// thread still inside nvJPEG (Note [A decode that never returns]).
+class Decoder final : public GpuJpegDecoder {
+ public:
+  explicit Decoder(std::unique_ptr<NvJpegDecoder> d) : d_(d.release()) {}
+  ~Decoder() override { stop(); }
+  void submit(DecodeJob job) override {
+    if (!d_) throw Error("GPU decode: submit() after stop()");
+    d_->submit(std::move(job));
+  }
+  std::string backend() const override { return d_ ? d_->backend() : std::string(); }
+  double busy_ms() const override { return d_ ? d_->busy_ms() : 0; }
+  std::uint64_t allocations() const override { return d_ ? d_->allocations() : 0; }
+  int threads() const override { return d_ ? d_->threads() : 0; }
+  bool stop() noexcept override {
+    if (!d_) return clean_;
+    clean_ = d_->stop_threads();
+    if (clean_) delete d_;
+    d_ = nullptr;  // else its stuck thread keeps it, for good
+    return clean_;
+  }
+
+ private:
+  NvJpegDecoder* d_;
+  bool clean_ = true;
+};
+}  // namespace
+
 std::unique_ptr<GpuJpegDecoder> make_gpu_jpeg_decoder(int device, int threads, bool high_priority) {
-  return std::make_unique<NvJpegDecoder>(device, threads, high_priority);
+  return std::make_unique<Decoder>(std::make_unique<NvJpegDecoder>(device, threads, high_priority));
 }
 
 }  // namespace ferry::detail

@@ -10,9 +10,14 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <string>
+#include <thread>
 #include <vector>
 
+#include <stdlib.h>
+
 #include "ferry/ferry.h"
+#include "gpu_decode.h"
 #include "kernels.h"
 #include "loaders/files.h"
 #include "pipeline_depth.h"
@@ -202,6 +207,111 @@ TEST_CASE("GPU decode: loaders started one after another, two decode threads eac
     CHECK(images == 160);
     CHECK(loader.stats().decode_threads == 2);
   }
+}
+
+// Note [A decode that never returns] in pinning/gpu_decode.cu. FERRY_TEST_GPU_DECODE_STALL_MS holds
+// the decoder's third decode (batch 2, with one decode thread) before it calls nvJPEG, as a call
+// that does not come back would. The variable is read when the decoder starts (the first batch).
+namespace {
+struct StalledDecodes {
+  explicit StalledDecodes(int ms) { ::setenv("FERRY_TEST_GPU_DECODE_STALL_MS", std::to_string(ms).c_str(), 1); }
+  ~StalledDecodes() { ::unsetenv("FERRY_TEST_GPU_DECODE_STALL_MS"); }
+};
+
+std::vector<std::vector<std::int64_t>> labels_of(DataLoader<ImageFolder>& loader) {
+  std::vector<std::vector<std::int64_t>> out;
+  for (LabeledBatch& b : loader) {
+    const Tensor l = to_host(b.label, *loader.stream()).get();
+    out.emplace_back(l.data<std::int64_t>(), l.data<std::int64_t>() + l.numel());
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("GPU decode held up: the consumer's wait polls, is interrupted and loses no batch", "[gpu][decode][stuck]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 20);  // 80 images, 5 batches
+  ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
+  DataLoaderOptions o = loader_options(2);
+  o.gpu_decode_threads = 1;
+  DataLoader reference(gpu, o);
+  const auto expected = labels_of(reference);
+  REQUIRE(expected.size() == 5);
+  // After the first batch (the decoder's start), the poll interrupts a wait once it has lasted
+  // 200 ms (40 polls), twice in all: only the held decode makes a wait that long.
+  std::atomic<int> polls{0}, interruptions{0};
+  std::atomic<bool> armed{false};
+  o.wait_poll = [&] {
+    if (!armed.load() || ++polls < 40 || interruptions.load() >= 2) return false;
+    polls = 0;
+    ++interruptions;
+    return true;
+  };
+  o.wait_poll_period = std::chrono::milliseconds(5);
+  StalledDecodes stall(1500);
+  DataLoader loader(gpu, o);
+  std::vector<std::vector<std::int64_t>> got;
+  std::vector<std::size_t> interrupted_at;
+  auto it = loader.begin();
+  for (bool more = true; more;) {
+    try {
+      more = it != loader.end();
+      if (!more) break;
+      const Tensor l = to_host(it->label, *loader.stream()).get();
+      got.emplace_back(l.data<std::int64_t>(), l.data<std::int64_t>() + l.numel());
+      polls = 0;
+      armed = true;
+      ++it;
+    } catch (const Interrupted&) {
+      interrupted_at.push_back(got.size());
+      CHECK(loader.state().batches == got.size());  // none taken
+    }
+  }
+  REQUIRE(interrupted_at.size() == 2);
+  CHECK(interrupted_at[0] == interrupted_at[1]);  // both in the held batch's wait
+  CHECK(interrupted_at[0] >= 2);                  // the decoder's third decode or later
+  CHECK(got == expected);                         // every batch, in order
+}
+
+TEST_CASE("GPU decode that does not come back: TimeoutError at its batch, and the loader's destruction leaves it", "[gpu][decode][stuck]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 20);
+  ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
+  DataLoaderOptions o = loader_options(2);
+  o.gpu_decode_threads = 1;
+  o.timeout = std::chrono::milliseconds(1500);  // twice that, past the decoder's start (nvJPEG's handles, on the pin thread)
+  const auto held = std::chrono::milliseconds(static_cast<int>(detail::GpuJpegDecoder::kStuckDecodeSeconds * 1000) + 5000);  // past stop()'s patience
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    StalledDecodes stall(static_cast<int>(held.count()));
+    DataLoader loader(gpu, o);
+    auto it = loader.begin();
+    std::size_t taken = 0;
+    std::string what;
+    try {
+      for (; it != loader.end(); ++it) {
+        CHECK(it->label.numel() == 16);
+        ++taken;
+      }
+    } catch (const TimeoutError& e) {
+      what = e.what();
+    }
+    INFO(what);
+    CHECK(taken >= 2);  // the decoder's third decode or later is held
+    CHECK(taken < 5);
+    CHECK(what.find("GPU decode of batch " + std::to_string(taken) + ":") != std::string::npos);
+    CHECK(what.find("3000 ms") != std::string::npos);
+  }  // the destruction gives up on the held decode after kStuckDecodeSeconds instead of waiting for it
+  const auto destroyed = std::chrono::steady_clock::now() - t0;
+  CHECK(destroyed < held);
+  // The held thread comes back later into the memory left to it; let it, before the next test.
+  std::this_thread::sleep_for(held - destroyed + std::chrono::seconds(2));
+  // A loader made afterwards decodes as usual.
+  o.timeout = std::chrono::milliseconds(0);
+  DataLoader after(gpu, o);
+  CHECK(labels_of(after).size() == 5);
 }
 
 TEST_CASE("GPU decode writes float16, bfloat16 and channels_last batches as the CPU path does", "[gpu][decode]") {

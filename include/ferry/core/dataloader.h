@@ -23,12 +23,15 @@
 // its late result is dropped), a fresh worker takes its slot, and the batch fails at its position
 // with ferry::TimeoutError naming worker, batch, sample, stage and time (or, with Skip/Replace, is
 // made again without the stuck sample). Streams cannot be read past a call that never returns:
-// there TimeoutError ends the stream's epoch, and the next begin() starts afresh.
+// there TimeoutError ends the stream's epoch, and the next begin() starts afresh. A stage after the
+// workers that stalls (the pin thread, a GPU decode's nvJPEG call) fails the batch at hand with
+// TimeoutError after twice `timeout`.
 //
 // Lifetime: one iterator at a time per loader (begin() while one is live throws ferry::Error).
 // Destroying the iterator mid-epoch cancels the rest of the epoch; destroying the loader joins its
 // threads. Either returns as soon as user code already running in a worker returns, and with a
-// timeout, after at most `timeout` past the start of the stuck job (the worker is abandoned).
+// timeout, after at most `timeout` past the start of the stuck job (the worker is abandoned). A GPU
+// decode inside nvJPEG for over 10 s is left the same way (its memory is never freed).
 //
 // Thread safety: a DataLoader and its iterator belong to one consumer thread. The dataset's get()
 // (and get_batch, get_into, open) and the collate_fn are called from several workers at once.

@@ -155,10 +155,12 @@ struct DataLoaderOptions {
   /// H100's engines give (3-4 threads, a busy core each). Beside a step, set
   /// CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts: at CUDA's default of 8,
   /// nvJPEG's kernels wait behind the step's (a warning says so). Known issue: two decode threads
-  /// have stopped for good (both inside nvjpegDecodeBatched) on an H100 with nvJPEG 13.0, in about
-  /// 1 of 100 loaders destroyed in the middle of an epoch while the process took profiling signals
-  /// (SIGPROF); not seen with 1 thread, nor with loaders that end their epochs (bench/RESULTS.md
-  /// "GPU decode: the two-thread stall"). Where that matters, set 1.
+  /// have stopped for good (both inside nvjpegDecodeBatched) on an H100 with nvJPEG 13.0, in 7 of
+  /// 1,204 loaders of 30 batches while the process took profiling signals (SIGPROF); not seen with
+  /// 1 thread, nor without signals (bench/RESULTS.md "GPU decode: the two-thread stall"). A decode
+  /// that stops does not stop the program: with `timeout` its batch fails with TimeoutError after
+  /// twice the timeout, `wait_poll` (Ctrl-C in Python) interrupts the wait, and destroying the
+  /// loader gives up on it after 10 s, leaving its memory unfreed. Where that matters, set 1.
   int gpu_decode_threads = 0;
   /// Called on the consumer thread about every `wait_poll_period` while it waits for a batch;
   /// returning true (or throwing) ends that wait with ferry::Interrupted (or the exception), and

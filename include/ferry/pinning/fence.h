@@ -7,6 +7,7 @@
 // Thread safety: ready() and wait() may be called from any thread, concurrently with open().
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -88,6 +89,13 @@ class EventFence final : public Fence {
     return event_.ready();
   }
   void wait() const override { event().synchronize(); }
+  /// Waits at most `limit` for the recording thread's recorded(); true once it has come (at once
+  /// for a fence that is not deferred). Lets a waiter bound its wait or check for an interruption.
+  bool wait_recorded(std::chrono::microseconds limit) const {
+    if (!pending_) return true;
+    std::unique_lock l(pending_->mu);
+    return pending_->cv.wait_for(l, limit, [&] { return pending_->recorded; });
+  }
   /// Distinct for every EventFence made in the process (a fence shared by several batches is
   /// waited for once: DeviceStage::deliver).
   std::uint64_t serial() const noexcept { return serial_; }
