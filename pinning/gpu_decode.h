@@ -53,7 +53,7 @@ class GpuJpegDecoder {
   /// Its decode threads (as asked, or as chosen from the hardware), less any that could not start.
   virtual int threads() const = 0;
   /// Stops the decode threads once the jobs queued are issued, and frees the decoder. False when a
-  /// thread has been inside one decode longer than kStuckDecode (nvJPEG's call has not come
+  /// thread has been inside one decode longer than kStuckDecodeSeconds (nvJPEG's call has not come
   /// back): that thread, the decoder and the batch's host memory are then left as they are, never
   /// freed; the batch's fence and those of the jobs still queued carry an error; and the device
   /// may still be working for that decode, so the caller frees none of its device memory either

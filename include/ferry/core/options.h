@@ -39,7 +39,9 @@ struct DataLoaderOptions {
   bool drop_last = false;
   /// Longest a batch may take in a worker while the consumer waits for data; 0: no limit. A worker
   /// stuck longer is abandoned and replaced (see "Timeouts" in ferry/core/dataloader.h). With
-  /// num_workers = 0 there is no worker to abandon and it does not apply (as in PyTorch).
+  /// num_workers = 0 there is no worker to abandon and it does not apply (as in PyTorch). The
+  /// stages after the workers get twice as long: the pin thread (with GPU decode, the first batch's
+  /// includes nvJPEG's start there, over 0.6 s on an H100) and a GPU decode's nvJPEG call.
   std::chrono::milliseconds timeout{0};
   /// What a damaged or stuck sample costs: its batch (Raise), itself (Skip: the batch comes one
   /// row short) or nothing (Replace: another sample of the epoch takes its row, by a rule of
