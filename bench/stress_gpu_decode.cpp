@@ -12,8 +12,12 @@
 // of its CPU time, as a sampling profiler's does; with --signal-us N, a thread sends SIGPROF to
 // every other thread of the process every N us (threads made since are found every 50 ms), as a
 // profiler sampling each thread does. The handler only counts.
+// With --timeout-ms N the loaders have that timeout: a decode that stops then fails its batch with
+// TimeoutError after 2N ms, and the loader's destruction gives up on it after 10 s (Note [A decode
+// that never returns]); the run counts it ("TIMEOUT" lines) and goes on with the next loader. Give
+// --stall-s more than 2N ms + 10 s then.
 // Usage: stress_gpu_decode --images DIR [--loaders 20] [--batches 40] [--threads 2] [--stall-s 15]
-//        [--stall-exit-s 60] [--prof-us 0] [--signal-us 0]
+//        [--stall-exit-s 60] [--prof-us 0] [--signal-us 0] [--timeout-ms 0]
 #include <signal.h>
 #include <sys/syscall.h>
 #include <sys/time.h>
@@ -42,7 +46,7 @@ int main(int argc, char** argv) {
   std::string images;
   int loaders = 20, batches = 40, threads = 2;
   double stall_s = 15, stall_exit_s = 60;
-  long prof_us = 0, signal_us = 0;
+  long prof_us = 0, signal_us = 0, timeout_ms = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--images") images = argv[i + 1];
@@ -53,6 +57,7 @@ int main(int argc, char** argv) {
     else if (k == "--stall-exit-s") stall_exit_s = std::atof(argv[i + 1]);
     else if (k == "--prof-us") prof_us = std::atol(argv[i + 1]);
     else if (k == "--signal-us") signal_us = std::atol(argv[i + 1]);
+    else if (k == "--timeout-ms") timeout_ms = std::atol(argv[i + 1]);
     else {
       std::fprintf(stderr, "stress_gpu_decode: unknown option %s\n", k.c_str());
       return 2;
@@ -118,7 +123,7 @@ int main(int argc, char** argv) {
   fo.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
   fo.decode = ImageFolderOptions::Decode::Gpu;
   ImageFolder folder(images, fo);
-  long total = 0;
+  long total = 0, timeouts = 0;
   for (int l = 0; l < loaders; ++l) {
     at_loader = l;
     const auto t0 = Clock::now();
@@ -129,8 +134,9 @@ int main(int argc, char** argv) {
     o.gpu_decode_threads = threads;
     o.shuffle = true;
     o.seed = static_cast<std::uint64_t>(l);
+    o.timeout = std::chrono::milliseconds(timeout_ms);
     int n = 0;
-    {
+    try {
       DataLoader loader(folder, o);
       for (auto& b : loader) {
         (void)b;
@@ -139,12 +145,15 @@ int main(int argc, char** argv) {
         mark();
         if (n == batches) break;
       }
+    } catch (const TimeoutError& e) {  // the loader is gone by now (its destruction bounded)
+      ++timeouts;
+      std::printf("TIMEOUT: loader %d, batch %d: %s\n", l, n, e.what());
     }  // left mid-epoch: the loader ends its workers, pin thread and decoder here
     mark();
     total += n;
     std::printf("loader %d: %d batches, %.2f s\n", l, n, std::chrono::duration<double>(Clock::now() - t0).count());
     std::fflush(stdout);
   }
-  std::printf("loaders %d, batches %ld, stalls 0, %ld profiling signals\n", loaders, total, g_signals.load());
+  std::printf("loaders %d, batches %ld, stalls 0, timeouts %ld, %ld profiling signals\n", loaders, total, timeouts, g_signals.load());
   return 0;
 }
