@@ -42,6 +42,11 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     cuda::Event released;      // recorded on the consumer stream when the batch was dropped
     bool has_release = false;  // guarded by mu
     bool free = true;          // guarded by mu
+    // Guarded by mu: the fence of the last GPU decode that writes into it, until a lease has put
+    // the copy stream behind it. A batch dropped before its hand-over (an epoch left early) frees
+    // its buffer while its decode may still be queued: the buffer is reused only once that decode
+    // is issued, and behind it (lease).
+    std::shared_ptr<const EventFence> writer;
   };
   struct Pending {
     const std::byte* src;
@@ -251,7 +256,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     {
       std::lock_guard l(mu);
       for (auto& b : buffers)
-        if (b->free && b->size >= want && b->size <= 2 * want && (!best || b->size < best->size)) best = b.get();
+        if (b->free && b->size >= want && b->size <= 2 * want && (!best || b->size < best->size) &&
+            (!b->writer || b->writer->wait_recorded(std::chrono::microseconds(0))))
+          best = b.get();
       if (best) best->free = false;
     }
     if (!best) {
@@ -271,6 +278,11 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       if (best->has_release) {
         cuda::DeviceGuard g(opt.device);
         copy.wait(best->released);  // reuse only behind the consumer's release
+      }
+      if (best->writer) {
+        cuda::DeviceGuard g(opt.device);
+        copy.wait(best->writer->event());  // and behind the last decode into it (issued: see above)
+        best->writer.reset();
       }
     }
     return best;
@@ -525,6 +537,10 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
         job.done = done.native();
         fence = EventFence::deferred(std::move(done));
         job.fence = fence;
+        {
+          std::lock_guard l(mu);
+          cur->writer = fence;
+        }
         decoder->submit(std::move(job));
       } catch (...) {
         decode_error = std::current_exception();

@@ -454,7 +454,11 @@ SCRIPT_HEAD = """
 import os, sys, threading, time, ferry
 
 def loop_in_a_daemon_thread(loader):
-    threading.Thread(target=lambda: [None for batch in loader], daemon=True).start()
+    # Keeps every batch: a torch tensor freed on a daemon thread while the interpreter finalizes
+    # aborts the process inside torch itself (its dealloc releases the GIL; pytorch/pytorch#38228),
+    # whatever made the tensor. What is tested is the loader's own calls.
+    kept = []
+    threading.Thread(target=lambda: [kept.append(batch) for batch in loader], daemon=True).start()
 
 class Slow:
     def __len__(self): return 100
@@ -608,7 +612,7 @@ def test_a_daemon_thread_in_a_native_loader_when_the_program_exits_ends_cleanly(
         import ferry.datasets
 
         if __name__ == "__main__":
-            data = ferry.datasets.synthetic(n=10 ** 7, shape=(3, 64, 64))
+            data = ferry.datasets.synthetic(n=10 ** 7, shape=(3, 4, 4))  # small: the thread keeps every batch
             loader = ferry.DataLoader(data, batch_size=64, num_workers={workers})
             loop_in_a_daemon_thread(loader)
             time.sleep(0.5)

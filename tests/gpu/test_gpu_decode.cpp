@@ -314,6 +314,47 @@ TEST_CASE("GPU decode that does not come back: TimeoutError at its batch, and th
   CHECK(labels_of(after).size() == 5);
 }
 
+// An epoch left early drops the batches whose decodes are still queued, and their device buffers
+// go back to the stage while those decodes may be unissued; the next epoch must not get a buffer
+// that such a decode will write later (DeviceStage's Buffer::writer). The decoder's third decode is
+// held 300 ms, so the next epoch starts while it is queued and its batches decode on the other
+// thread; the consumer holds each of them 40 ms before reading it, so that held decode, when it
+// comes, would land in a batch being read if its buffer had been handed out again.
+TEST_CASE("GPU decode: an epoch left early, the next epoch's batches are its own", "[gpu][decode][stuck]") {
+  REQUIRE(DeviceStage::can_decode_images());
+  TempDir dir;
+  make_folder(dir, 40);  // 160 images, 10 batches
+  ImageFolder gpu(dir / "root", train_options(ImageFolderOptions::Decode::Gpu));
+  DataLoaderOptions o = loader_options(2);
+  o.gpu_decode_threads = 2;
+  auto images_of_epoch = [&](DataLoader<ImageFolder>& loader) {
+    std::vector<Tensor> out;
+    for (LabeledBatch& b : loader) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(40));
+      out.push_back(to_host(b.image, *loader.stream()).get());
+    }
+    return out;
+  };
+  DataLoader reference(gpu, o);
+  reference.set_epoch(1);
+  const std::vector<Tensor> expected = images_of_epoch(reference);
+  REQUIRE(expected.size() == 10);
+  StalledDecodes stall(300);
+  DataLoader loader(gpu, o);
+  {
+    auto it = loader.begin();  // epoch 0: one batch, then left with the rest queued
+    CHECK(it->label.numel() == 16);
+  }
+  const std::vector<Tensor> got = images_of_epoch(loader);  // epoch 1
+  REQUIRE(got.size() == expected.size());
+  for (std::size_t k = 0; k < got.size(); ++k) {
+    INFO("batch " << k);
+    REQUIRE(got[k].nbytes() == expected[k].nbytes());
+    CHECK(std::memcmp(got[k].raw(), expected[k].raw(), got[k].nbytes()) == 0);
+  }
+  CHECK(loader.stats().decode_threads == 2);
+}
+
 TEST_CASE("GPU decode writes float16, bfloat16 and channels_last batches as the CPU path does", "[gpu][decode]") {
   REQUIRE(DeviceStage::can_decode_images());
   TempDir dir;
