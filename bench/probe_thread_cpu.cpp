@@ -4,7 +4,8 @@
 // every thread of the process is sampled on its own CPU clock (a POSIX timer a thread, on the
 // thread's CPU-time clock, signalling that thread): each sample is the thread's stack. Prints,
 // per thread (by name) and workload, its busy cores and the functions its samples were in:
-// innermost (where the time is spent) and the first frame in ferry (who spent it). The kernel
+// innermost (where the time is spent), the first frame in ferry (who spent it) and each of ferry's
+// functions anywhere on the stack (hidden ones named from the library's symbol table). The kernel
 // checks a thread's CPU clock at its ticks (250 a second here), so a thread busy all the time gives
 // that many samples a second; busy cores come from the threads' CPU clocks themselves.
 // Without a GPU, the same loader delivers pageable batches on the host (to try the probe).
@@ -84,16 +85,47 @@ std::string thread_name(pid_t tid) {
   return n + " (" + std::to_string(tid) + ")";
 }
 
+// The symbols of the shared object at `path` from its symbol table (`nm`, which also lists the
+// hidden functions dladdr cannot name): start offset -> name, read once per object.
+const std::map<std::uintptr_t, std::string>& symbol_table(const std::string& path) {
+  static std::map<std::string, std::map<std::uintptr_t, std::string>> tables;
+  auto [it, fresh] = tables.try_emplace(path);
+  if (!fresh) return it->second;
+  const std::string cmd = "nm -C --defined-only '" + path + "' 2>/dev/null";
+  if (FILE* f = ::popen(cmd.c_str(), "r")) {
+    char line[4096];
+    while (std::fgets(line, sizeof line, f)) {
+      char* end = nullptr;
+      const unsigned long long off = std::strtoull(line, &end, 16);
+      if (end == line || !end || std::strlen(end) < 4 || (end[1] != 't' && end[1] != 'T' && end[1] != 'W' && end[1] != 'w')) continue;
+      std::string name = end + 3;
+      while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+      it->second[static_cast<std::uintptr_t>(off)] = name;
+    }
+    ::pclose(f);
+  }
+  return it->second;
+}
+
 std::string symbol(void* addr) {
   Dl_info info{};
   if (!::dladdr(addr, &info) || !info.dli_fname) return "?";
   std::string lib = info.dli_fname;
+  const std::string path = lib;
   lib = lib.substr(lib.rfind('/') + 1);
-  if (!info.dli_sname) return lib;
-  int status = 0;
-  char* dem = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
-  std::string name = status == 0 && dem ? dem : info.dli_sname;
-  std::free(dem);
+  std::string name;
+  if (info.dli_sname) {
+    int status = 0;
+    char* dem = abi::__cxa_demangle(info.dli_sname, nullptr, nullptr, &status);
+    name = status == 0 && dem ? dem : info.dli_sname;
+    std::free(dem);
+  } else if (path.find("libferry") != std::string::npos) {  // a hidden function: from the symbol table
+    const auto& table = symbol_table(path);
+    const auto off = reinterpret_cast<std::uintptr_t>(addr) - reinterpret_cast<std::uintptr_t>(info.dli_fbase);
+    auto it = table.upper_bound(off);
+    if (it != table.begin()) name = std::prev(it)->second;
+  }
+  if (name.empty()) return lib;
   if (name.size() > 110) name = name.substr(0, 110) + "...";
   return lib + ": " + name;
 }
@@ -109,10 +141,17 @@ double cpu_of(pid_t tid) {
 // The functions `ss`'s samples were in: innermost (where the time is spent) and the first frame in
 // ferry (who spent it), the ten most frequent of each.
 void summarize(const std::vector<const Sample*>& ss) {
-  std::map<std::string, int> leaf, owner;
+  std::map<std::string, int> leaf, owner, inclusive;
   for (const Sample* s : ss) {
     // frames[0] is the handler, [1] the signal trampoline.
     if (s->depth > 2) ++leaf[symbol(s->frames[2])];
+    std::vector<std::string> seen;
+    for (int f = 2; f < s->depth; ++f) {
+      std::string sym = symbol(s->frames[f]);
+      if (!in_ferry(sym) || std::find(seen.begin(), seen.end(), sym) != seen.end()) continue;
+      ++inclusive[sym];
+      seen.push_back(std::move(sym));
+    }
     std::string who = "(no ferry frame)";
     for (int f = 2; f < s->depth; ++f) {
       const std::string sym = symbol(s->frames[f]);
@@ -128,11 +167,12 @@ void summarize(const std::vector<const Sample*>& ss) {
     for (const auto& [k, c] : m) v.emplace_back(c, k);
     std::sort(v.rbegin(), v.rend());
     std::printf("%s:\n", title);
-    for (std::size_t i = 0; i < std::min<std::size_t>(v.size(), 10); ++i)
+    for (std::size_t i = 0; i < std::min<std::size_t>(v.size(), &m == &inclusive ? 25 : 10); ++i)
       std::printf("  %5.1f%%  %s\n", 100.0 * v[i].first / static_cast<double>(ss.size()), v[i].second.c_str());
   };
   top("innermost frame", leaf);
   top("first frame in ferry", owner);
+  top("ferry's functions anywhere on the stack (a sample counts once for each)", inclusive);
 }
 
 void report(const char* what, double seconds, const std::vector<pid_t>& tids, const std::map<pid_t, double>& cpu) {

@@ -56,8 +56,7 @@ struct PinStage::State {
     } catch (...) {
       item.error = std::current_exception();  // already a WorkerError / TimeoutError
     }
-    stage.enter(Stage::Idle);
-    return item;
+    return item;  // still in 'pin' (or 'fetch'): run() marks the group's end, after its flush
   }
 
   void run() {
@@ -81,6 +80,7 @@ struct PinStage::State {
         items.push_back(take(first + static_cast<std::int64_t>(items.size())));
       }
       if (group.flush) {
+        stage.enter(Stage::Pin);
         try {
           group.flush();  // also when stopping: what pin() left is finished before its batches go
         } catch (...) {
@@ -92,6 +92,7 @@ struct PinStage::State {
           }
         }
       }
+      stage.enter(Stage::Idle);  // once a group: a clock read saved a batch
       if (stopping.load()) return;
       for (Item& item : items) {
         ++batches;

@@ -1,3 +1,4 @@
+#include <cstring>
 #include <sstream>
 
 #include "ferry/core/error.h"
@@ -78,13 +79,29 @@ std::string describe_options(const DataLoaderOptions& o, bool streaming) {
 Tensor gather_index(std::span<const std::size_t> indices, std::size_t n, BatchAllocator& allocator, const RowFlips& flips) {
   Tensor index = empty(DType::Int64, {static_cast<std::int64_t>(indices.size())}, allocator);
   std::int64_t* out = index.data<std::int64_t>();
-  for (std::size_t k = 0; k < indices.size(); ++k) {
-    if (indices[k] >= n)
-      throw Error("device gather: index " + std::to_string(indices[k]) + " out of range for a dataset of " + std::to_string(n) +
-                  " samples (at position " + std::to_string(k) + " of the batch)");
-    out[k] = static_cast<std::int64_t>(indices[k]);
-    if (flips.p > 0 && Generator(flips.seed, flips.epoch, indices[k]).bernoulli(flips.p)) out[k] |= kRowFlipBit;
+  const std::size_t* in = indices.data();
+  const std::size_t m = indices.size();
+  // The range check first, four independent lanes (no branch a row), then the words: a plain
+  // copy where no flip is drawn (size_t and int64 share their representation).
+  std::size_t bad0 = 0, bad1 = 0, bad2 = 0, bad3 = 0, k = 0;
+  for (; k + 4 <= m; k += 4) {
+    bad0 |= static_cast<std::size_t>(in[k] >= n);
+    bad1 |= static_cast<std::size_t>(in[k + 1] >= n);
+    bad2 |= static_cast<std::size_t>(in[k + 2] >= n);
+    bad3 |= static_cast<std::size_t>(in[k + 3] >= n);
   }
+  for (; k < m; ++k) bad0 |= static_cast<std::size_t>(in[k] >= n);
+  if (bad0 | bad1 | bad2 | bad3) {
+    for (k = 0; k < m && in[k] < n; ++k) {
+    }
+    throw Error("device gather: index " + std::to_string(in[k]) + " out of range for a dataset of " + std::to_string(n) +
+                " samples (at position " + std::to_string(k) + " of the batch)");
+  }
+  static_assert(sizeof(std::size_t) == sizeof(std::int64_t));
+  if (m) std::memcpy(out, in, m * sizeof(std::int64_t));
+  if (flips.p > 0)
+    for (k = 0; k < m; ++k)
+      if (Generator(flips.seed, flips.epoch, in[k]).bernoulli(flips.p)) out[k] |= kRowFlipBit;
   return index;
 }
 

@@ -1,9 +1,13 @@
 #include "ferry/core/tensor.h"
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
+#include <mutex>
 #include <new>
 #include <sstream>
+#include <vector>
 
 #include "ferry/core/allocator.h"
 #include "ferry/core/error.h"
@@ -57,12 +61,96 @@ std::string shape_str(std::span<const std::int64_t> shape) {
   return s + "]";
 }
 
+namespace {
+
+constexpr std::size_t kAlign = 64;
+
+// Host blocks of 1 to 32 KiB, kept when their last Storage goes for the next allocation of their
+// size class. glibc's malloc serves these sizes past its per-thread cache, from its arena under a
+// lock (and aligned_alloc splits a larger chunk each time): about a tenth of the pin thread's time
+// in the device gather went to a small batch's 2 KiB index tensor, allocated and freed tens of
+// thousands of times a second (bench/RESULTS.md). At most kKeep blocks a class are kept (2 MiB in
+// all); the rest go back to the allocator.
+class SmallBlocks {
+ public:
+#if defined(__SANITIZE_ADDRESS__)
+  static constexpr std::size_t kKeep = 0;  // AddressSanitizer sees every block's use after its free
+#else
+  static constexpr std::size_t kKeep = 32;
+#endif
+  static constexpr std::size_t kMin = 1024, kMax = 32 * 1024;
+  // The class of a block of `n` bytes (n <= kMax): its size, a power of two, at least kMin.
+  static std::size_t class_size(std::size_t n) noexcept {
+    std::size_t c = kMin;
+    while (c < n) c *= 2;
+    return c;
+  }
+  void* take(std::size_t size) {
+    Class& c = of(size);
+    {
+      std::lock_guard l(c.mu);
+      if (!c.free.empty()) {
+        void* p = c.free.back();
+        c.free.pop_back();
+        return p;
+      }
+    }
+    return std::aligned_alloc(kAlign, size);
+  }
+  void give(void* p, std::size_t size) noexcept {
+    Class& c = of(size);
+    {
+      std::lock_guard l(c.mu);
+      if (c.free.size() < kKeep) {
+        c.free.push_back(p);  // capacity reserved: never allocates
+        return;
+      }
+    }
+    std::free(p);
+  }
+
+ private:
+  struct Class {
+    std::mutex mu;
+    std::vector<void*> free;
+  };
+  Class& of(std::size_t size) noexcept {
+    std::size_t k = 0;
+    for (std::size_t c = kMin; c < size; c *= 2) ++k;
+    return classes_[k];
+  }
+  static constexpr std::size_t kClasses = 6;  // 1, 2, 4, 8, 16, 32 KiB
+  Class classes_[kClasses];
+
+ public:
+  SmallBlocks() {
+    for (Class& c : classes_) c.free.reserve(kKeep);
+  }
+};
+
+SmallBlocks& small_blocks() {
+  static SmallBlocks* blocks = new SmallBlocks;  // outlives every Storage, those of static objects too
+  return *blocks;
+}
+
+}  // namespace
+
+// 64-byte aligned. Up to 32 KiB from SmallBlocks; otherwise from malloc with the alignment made
+// here (glibc's aligned_alloc takes a slower path: a larger chunk split, its remainders freed).
 Storage Storage::allocate(std::size_t nbytes) {
-  constexpr std::size_t kAlign = 64;
-  const std::size_t rounded = (std::max<std::size_t>(nbytes, 1) + kAlign - 1) / kAlign * kAlign;
-  void* p = std::aligned_alloc(kAlign, rounded);
-  if (!p) throw Error("Storage::allocate: out of host memory allocating " + std::to_string(nbytes) + " bytes");
-  return wrap(p, nbytes, Device::host(), std::shared_ptr<void>(p, [](void* q) { std::free(q); }));
+  if (nbytes > SmallBlocks::kMin - kAlign && nbytes <= SmallBlocks::kMax) {
+    const std::size_t size = SmallBlocks::class_size(nbytes);
+    void* p = small_blocks().take(size);
+    if (!p) throw Error("Storage::allocate: out of host memory allocating " + std::to_string(nbytes) + " bytes");
+    // (shared_ptr's constructor gives the block back itself if it throws)
+    return wrap(p, nbytes, Device::host(), std::shared_ptr<void>(p, [size](void* q) { small_blocks().give(q, size); }));
+  }
+  if (nbytes > std::numeric_limits<std::size_t>::max() - kAlign)
+    throw Error("Storage::allocate: " + std::to_string(nbytes) + " bytes is more than host memory can hold");
+  void* base = std::malloc(std::max<std::size_t>(nbytes, 1) + kAlign - 1);
+  if (!base) throw Error("Storage::allocate: out of host memory allocating " + std::to_string(nbytes) + " bytes");
+  const auto at = (reinterpret_cast<std::uintptr_t>(base) + kAlign - 1) / kAlign * kAlign;
+  return wrap(reinterpret_cast<void*>(at), nbytes, Device::host(), std::shared_ptr<void>(base, [](void* q) { std::free(q); }));
 }
 
 Storage Storage::wrap(void* data, std::size_t nbytes, Device device, std::shared_ptr<void> owner) {

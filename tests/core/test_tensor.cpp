@@ -2,6 +2,10 @@
 // was wrong when they refuse.
 #include <catch2/catch.hpp>
 
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
 #include "ferry/ferry.h"
 
 using namespace ferry;
@@ -80,4 +84,40 @@ TEST_CASE("the empty() of an allocator takes its memory from it", "[unit][tensor
   CHECK(alloc.calls == 1);
   CHECK(t.nbytes() == 72);
   CHECK(reinterpret_cast<std::uintptr_t>(t.raw()) % 64 == 0);
+}
+
+TEST_CASE("host storage is 64-byte aligned and its own at every size, small blocks kept and used again", "[unit][tensor]") {
+  // Sizes around the small-block classes (1 to 32 KiB) and past them.
+  const std::size_t sizes[] = {0, 1, 63, 960, 961, 1024, 1025, 2048, 2049, 16384, 32767, 32768, 32769, std::size_t{1} << 20};
+  for (int round = 0; round < 3; ++round) {
+    std::vector<Storage> live;
+    for (std::size_t n : sizes) {
+      Storage s = Storage::allocate(n);
+      INFO(n << " bytes");
+      CHECK(reinterpret_cast<std::uintptr_t>(s.data()) % 64 == 0);
+      CHECK(s.nbytes() == n);
+      CHECK(s.device() == Device::host());
+      if (n) std::memset(s.data(), static_cast<int>(n & 0xff), n);  // every byte writable (ASan checks the bounds)
+      live.push_back(std::move(s));
+    }
+    // No two live storages overlap, and each kept its bytes.
+    for (std::size_t i = 0; i < live.size(); ++i) {
+      const auto* a = reinterpret_cast<const unsigned char*>(live[i].data());
+      if (live[i].nbytes()) CHECK(a[live[i].nbytes() - 1] == static_cast<unsigned char>(live[i].nbytes() & 0xff));
+      for (std::size_t j = i + 1; j < live.size(); ++j) {
+        const auto* b = reinterpret_cast<const unsigned char*>(live[j].data());
+        CHECK((a + live[i].nbytes() <= b || b + live[j].nbytes() <= a));
+      }
+    }
+  }
+  // A view keeps a small block alive after its storage is dropped; a block dropped is used again.
+  Tensor keep;
+  {
+    Tensor t = Tensor::empty(DType::Int64, {256});
+    t.data<std::int64_t>()[255] = 42;
+    keep = t.narrow(255, 1);
+  }
+  std::vector<Tensor> others;
+  for (int k = 0; k < 64; ++k) others.push_back(Tensor::empty(DType::Int64, {256}));  // may reuse freed blocks, never keep's
+  CHECK(keep.data<std::int64_t>()[0] == 42);
 }

@@ -110,6 +110,17 @@ TEST_CASE("device gather: a batch's indices in one int64 block; an index past th
   const std::vector<std::size_t> bad{1, 10};
   CHECK_THROWS_WITH(detail::gather_index(bad, 10, pageable_allocator()),
                     Catch::Contains("index 10 out of range for a dataset of 10 samples") && Catch::Contains("position 1"));
+  // Longer batches: the check runs four lanes at a time, then the rest one by one.
+  std::vector<std::size_t> many(11);
+  for (std::size_t k = 0; k < many.size(); ++k) many[k] = (k * 7) % 10;
+  Tensor m = detail::gather_index(many, 10, pageable_allocator());
+  for (std::size_t k = 0; k < many.size(); ++k) CHECK(m.data<std::int64_t>()[k] == static_cast<std::int64_t>(many[k]));
+  for (std::size_t at : {std::size_t{2}, std::size_t{6}, std::size_t{10}}) {
+    std::vector<std::size_t> one_bad = many;
+    one_bad[at] = 12;
+    CHECK_THROWS_WITH(detail::gather_index(one_bad, 10, pageable_allocator()),
+                      Catch::Contains("index 12 out of range") && Catch::Contains("position " + std::to_string(at) + " "));
+  }
 }
 
 TEST_CASE("device gather: registration over the budget is refused before CUDA, and without CUDA clearly", "[unit][gather]") {
