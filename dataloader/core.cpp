@@ -215,6 +215,7 @@ void LoaderCore::Parts::setup_gather() {
     log_debug("DataLoader: device gather: num_workers=" + std::to_string(opt.num_workers) +
               " starts no worker (the pin thread writes each batch's indices)");
   }
+  pool.reset();  // no samples are made: an intra-batch pool (intra_batch_threads) would sit idle
   make_pinned_pool();
   allocator = pinned_pool.get();  // index blocks of batches too large for the gather's launch
   // The pin thread issues each batch's index copy and gathers, so the consumer's thread only

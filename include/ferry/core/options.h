@@ -179,7 +179,8 @@ struct DataLoaderOptions {
   /// parallel parts and large collate copies (>= 4 MiB) are split, on one oneTBB arena of
   /// intra_batch_threads x num_workers threads (at most the hardware's). 1: each worker does its
   /// batch alone. For few, large batches (38 MB images) few workers with several threads each
-  /// gather faster than many single-threaded ones (bench/RESULTS.md).
+  /// gather faster than many single-threaded ones (bench/RESULTS.md). A loader whose batches the
+  /// device gather makes fetches no samples and starts none of these threads.
   int intra_batch_threads = 1;
   /// Where batch buffers come from; null means pageable host memory.
   std::shared_ptr<BatchAllocator> allocator;
