@@ -1,5 +1,7 @@
 #include "ferry/core/tensor.h"
 
+#include <pthread.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -126,12 +128,28 @@ class SmallBlocks {
   SmallBlocks() {
     for (Class& c : classes_) c.free.reserve(kKeep);
   }
+  // fork() while another thread holds a class's lock would leave it held in the child, whose
+  // next small allocation would wait for good: the locks are taken around fork(), as glibc's
+  // malloc does with its own (registered once the blocks are made: small_blocks()).
+  void lock_all() noexcept {
+    for (Class& c : classes_) c.mu.lock();
+  }
+  void unlock_all() noexcept {
+    for (std::size_t k = kClasses; k-- > 0;) classes_[k].mu.unlock();
+  }
 };
 
 SmallBlocks& small_blocks() {
-  static SmallBlocks* blocks = new SmallBlocks;  // outlives every Storage, those of static objects too
+  static SmallBlocks* blocks = [] {
+    auto* b = new SmallBlocks;  // outlives every Storage, those of static objects too
+    ::pthread_atfork([] { small_blocks().lock_all(); }, [] { small_blocks().unlock_all(); }, [] { small_blocks().unlock_all(); });
+    return b;
+  }();
   return *blocks;
 }
+// Made as the library loads, before any thread of its: a fork() while a first allocation was
+// making them would leave the child waiting on the static's guard.
+[[maybe_unused]] SmallBlocks& small_blocks_made_at_load = small_blocks();
 
 }  // namespace
 

@@ -2,8 +2,13 @@
 // was wrong when they refuse.
 #include <catch2/catch.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "ferry/ferry.h"
@@ -120,4 +125,40 @@ TEST_CASE("host storage is 64-byte aligned and its own at every size, small bloc
   std::vector<Tensor> others;
   for (int k = 0; k < 64; ++k) others.push_back(Tensor::empty(DType::Int64, {256}));  // may reuse freed blocks, never keep's
   CHECK(keep.data<std::int64_t>()[0] == 42);
+}
+
+TEST_CASE("a fork while other threads allocate small host blocks leaves the child able to allocate", "[unit][tensor][fork]") {
+#if defined(__SANITIZE_THREAD__)
+  WARN("skipped under ThreadSanitizer, whose runtime does not support fork() beside running threads");
+  return;
+#endif
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> hammers;
+  for (int k = 0; k < 3; ++k)
+    hammers.emplace_back([&stop] {
+      while (!stop.load(std::memory_order_relaxed)) {
+        Storage a = Storage::allocate(2048);
+        Storage b = Storage::allocate(5000);
+      }
+    });
+  int hung = 0, failed = 0;
+  for (int k = 0; k < 200; ++k) {
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::alarm(2);  // a lock left held by the fork: the child never gets its block
+      Storage a = Storage::allocate(2048);
+      Storage b = Storage::allocate(5000);
+      ::_exit(a.data() && b.data() ? 0 : 1);
+    }
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    if (WIFSIGNALED(status)) ++hung;
+    else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+    if (hung + failed > 0) break;  // one is enough (and a hang costs its 2 s)
+  }
+  stop = true;
+  for (std::thread& t : hammers) t.join();
+  CHECK(hung == 0);
+  CHECK(failed == 0);
 }
