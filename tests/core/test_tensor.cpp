@@ -129,7 +129,7 @@ TEST_CASE("host storage is 64-byte aligned and its own at every size, small bloc
 
 TEST_CASE("a fork while other threads allocate small host blocks leaves the child able to allocate", "[unit][tensor][fork]") {
 #if defined(__SANITIZE_THREAD__)
-  WARN("skipped under ThreadSanitizer, whose runtime does not support fork() beside running threads");
+  WARN("skipped under ThreadSanitizer: its runtime supports fork() in a process of several threads only in part");
   return;
 #endif
   std::atomic<bool> stop{false};
