@@ -81,6 +81,10 @@ class SmallBlocks {
   static constexpr std::size_t kKeep = 32;
 #endif
   static constexpr std::size_t kMin = 1024, kMax = 32 * 1024;
+
+  SmallBlocks() {
+    for (Class& c : classes_) c.free.reserve(kKeep);
+  }
   // The class of a block of `n` bytes (n <= kMax): its size, a power of two, at least kMin.
   static std::size_t class_size(std::size_t n) noexcept {
     std::size_t c = kMin;
@@ -110,24 +114,6 @@ class SmallBlocks {
     }
     std::free(p);
   }
-
- private:
-  struct Class {
-    std::mutex mu;
-    std::vector<void*> free;
-  };
-  Class& of(std::size_t size) noexcept {
-    std::size_t k = 0;
-    for (std::size_t c = kMin; c < size; c *= 2) ++k;
-    return classes_[k];
-  }
-  static constexpr std::size_t kClasses = 6;  // 1, 2, 4, 8, 16, 32 KiB
-  Class classes_[kClasses];
-
- public:
-  SmallBlocks() {
-    for (Class& c : classes_) c.free.reserve(kKeep);
-  }
   // fork() while another thread holds a class's lock would leave it held in the child, whose
   // next small allocation would wait for good: the locks are taken around fork(), as glibc's
   // malloc does with its own (registered once the blocks are made: small_blocks()).
@@ -137,6 +123,19 @@ class SmallBlocks {
   void unlock_all() noexcept {
     for (std::size_t k = kClasses; k-- > 0;) classes_[k].mu.unlock();
   }
+
+ private:
+  struct Class {
+    std::mutex mu;
+    std::vector<void*> free;
+  };
+  static constexpr std::size_t kClasses = 6;  // 1, 2, 4, 8, 16, 32 KiB
+  Class& of(std::size_t size) noexcept {
+    std::size_t k = 0;
+    for (std::size_t c = kMin; c < size; c *= 2) ++k;
+    return classes_[k];
+  }
+  Class classes_[kClasses];
 };
 
 SmallBlocks& small_blocks() {
@@ -153,8 +152,9 @@ SmallBlocks& small_blocks() {
 
 }  // namespace
 
-// 64-byte aligned. Up to 32 KiB from SmallBlocks; otherwise from malloc with the alignment made
-// here (glibc's aligned_alloc takes a slower path: a larger chunk split, its remainders freed).
+// 64-byte aligned. From 961 bytes to 32 KiB from SmallBlocks; otherwise from malloc (whose
+// per-thread cache holds the smaller ones) with the alignment made here (glibc's aligned_alloc
+// takes a slower path: a larger chunk split, its remainders freed).
 Storage Storage::allocate(std::size_t nbytes) {
   if (nbytes > SmallBlocks::kMin - kAlign && nbytes <= SmallBlocks::kMax) {
     const std::size_t size = SmallBlocks::class_size(nbytes);
