@@ -375,13 +375,12 @@ Payload LoaderCore::Parts::last_stage_next() {
         if (!awaiting) return {};
       }
       // A gathered batch always has its fence (flush_held sets a held one's before hand-over).
-      if (!awaiting.get<DeviceBatch>().copied && gathering) {
+      if (const auto& copied = awaiting.get<DeviceBatch>().copied) await_issued(*copied);  // an interruption keeps it
+      else if (gathering) {
         awaiting = Payload();
         throw Error("DataLoader: a gathered batch reached the consumer without its fence");
       }
-      if (awaiting.get<DeviceBatch>().copied) await_issued(*awaiting.get<DeviceBatch>().copied);  // an interruption keeps it
-      Payload p = std::move(awaiting);
-      awaiting = Payload();
+      Payload p = std::move(awaiting);  // leaves `awaiting` empty
       DeviceBatch& d = p.get<DeviceBatch>();
       if (d.copied) device_stage->deliver(*d.copied);  // rethrows a decode's error, at the batch's position
       return std::move(d.batch);
@@ -435,8 +434,7 @@ void LoaderCore::Parts::await_issued(const EventFence& copied) {
                          std::to_string(epoch_delivered - 1) +
                          ": a decode thread has not come back from nvJPEG (gpu_decode_threads = 1 avoids the known two-thread "
                          "stall; see DataLoaderOptions::gpu_decode_threads)");
-      timed_out.push_back(std::move(awaiting));  // the batch fails at its position; the next call takes the next one
-      awaiting = Payload();
+      timed_out.push_back(std::move(awaiting));  // (leaves it empty) the batch fails at its position; the next call takes the next one
       throw error;
     }
   }

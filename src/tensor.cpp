@@ -2,6 +2,8 @@
 
 #include <pthread.h>
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -86,11 +88,7 @@ class SmallBlocks {
     for (Class& c : classes_) c.free.reserve(kKeep);
   }
   // The class of a block of `n` bytes (n <= kMax): its size, a power of two, at least kMin.
-  static std::size_t class_size(std::size_t n) noexcept {
-    std::size_t c = kMin;
-    while (c < n) c *= 2;
-    return c;
-  }
+  static std::size_t class_size(std::size_t n) noexcept { return std::bit_ceil(std::max(n, kMin)); }
   void* take(std::size_t size) {
     Class& c = of(size);
     {
@@ -130,11 +128,7 @@ class SmallBlocks {
     std::vector<void*> free;
   };
   static constexpr std::size_t kClasses = 6;  // 1, 2, 4, 8, 16, 32 KiB
-  Class& of(std::size_t size) noexcept {
-    std::size_t k = 0;
-    for (std::size_t c = kMin; c < size; c *= 2) ++k;
-    return classes_[k];
-  }
+  Class& of(std::size_t size) noexcept { return classes_[std::countr_zero(size / kMin)]; }  // size: a class_size()
   Class classes_[kClasses];
 };
 
