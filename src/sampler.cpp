@@ -1,6 +1,7 @@
 #include "ferry/core/sampler.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <numeric>
 #include <string>
@@ -19,10 +20,16 @@ Generator epoch_generator(std::uint64_t seed, std::uint64_t epoch, std::uint64_t
   return Generator(mix_seed(seed, salt), kSamplerStream, epoch);
 }
 
-// Fisher-Yates; `g` is used up (its words are drawn ahead).
+// Fisher-Yates; `g` is used up (its words are drawn ahead). Position i - 1 swaps with
+// randint(i), for i from v.size() down to 2; the draws are made a chunk at a time.
 void shuffle(std::vector<std::size_t>& v, Generator& g) {
   detail::BulkDraws d(g);
-  for (std::size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[d.randint(i)]);
+  std::array<std::size_t, 1024> j;
+  for (std::size_t i = v.size(); i > 1;) {
+    const std::span<std::size_t> draws(j.data(), std::min(j.size(), i - 1));
+    d.randints(i, true, draws);
+    for (const std::size_t x : draws) std::swap(v[--i], v[x]);
+  }
 }
 }  // namespace
 
@@ -45,8 +52,7 @@ std::vector<std::size_t> RandomSampler::indices(std::uint64_t epoch) const {
   Generator g = epoch_generator(seed_, epoch, 1);
   if (replacement_) {
     std::vector<std::size_t> v(num_samples_);
-    detail::BulkDraws d(g);
-    for (auto& x : v) x = static_cast<std::size_t>(d.randint(n_));
+    detail::BulkDraws(g).randints(n_, false, v);
     return v;
   }
   std::vector<std::size_t> v(n_);
