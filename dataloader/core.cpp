@@ -226,8 +226,9 @@ void LoaderCore::Parts::setup_gather() {
   // takes the link (Note [Device gather]).
   // Small batches run deeper: a launch of several and the link kept busy between them need more
   // batches in flight than pin_depth + device_prefetch (4 by default) give, and they cost little
-  // device memory. Up to kGatherDepthMax batches (24: 256-row batches then fill two launches of
-  // 3,072 indices a group, where 16 made launches of 12 and 4), or kGatherDepthBytes of them.
+  // device memory. Up to kGatherDepthMax batches (24: 256-row batches of rows below 2^31 then
+  // fill one launch of 6,144 narrow indices a group, or two of 3,072 wide ones; 16 made launches
+  // of 12 and 4), or kGatherDepthBytes of them.
   std::size_t batch_bytes = 0;
   for (const HostRows& f : gather_fields)
     batch_bytes += static_cast<std::size_t>(opt.batch_size) * f.row_bytes * (f.transform ? itemsize(f.transform->dtype) : 1);

@@ -159,10 +159,15 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   };
   std::vector<PendingGather> gathers;
   // Batches ended by end_held(): their fields and host indices, for one launch at issue_held().
-  static constexpr std::size_t kHeldBytes = std::size_t{16} << 20;
+  // A batch of more than kHeldBytes is never held (and a shared buffer is at most that: begin);
+  // a held launch writes at most kHeldLaunchBytes (24 batches of 256 rows of 784 float32 take
+  // 19.3 MB), and carries twice the indices while every row fits a 32-bit index word (held_wide
+  // false).
+  static constexpr std::size_t kHeldBytes = std::size_t{16} << 20, kHeldLaunchBytes = std::size_t{32} << 20;
   std::vector<detail::GatherField> held_fields;
   std::vector<std::int64_t> held_index;
   std::size_t held_batches = 0, held_bytes = 0;
+  bool held_wide = false;
 
   Tensor gather_rows(const Tensor& index, const void* src, std::size_t row_bytes, DType dtype, const Shape& row_shape,
                      const RowTransform* t) {
@@ -399,14 +404,25 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
         gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields))
       return false;
     std::size_t rows = 0;
+    bool wide = held_wide;
     for (std::size_t i = 0; i < gathers.size(); ++i) {
-      if (!gathers[i].index.device().is_host()) return false;
-      if (i == 0 || gathers[i].index.raw() != gathers[i - 1].index.raw()) rows += static_cast<std::size_t>(gathers[i].index.size(0));
+      const Tensor& index = gathers[i].index;
+      if (!index.device().is_host()) return false;
+      if (i == 0 || index.raw() != gathers[i - 1].index.raw()) {
+        const std::int64_t n = index.size(0);
+        rows += static_cast<std::size_t>(n);
+        std::int64_t rows_or = 0;
+        const std::int64_t* d = index.data<std::int64_t>();
+        for (std::int64_t k = 0; k < n; ++k) rows_or |= d[k] & ~detail::kGatherFlipBit;
+        wide = wide || rows_or > detail::kGatherNarrowRowMax;
+      }
     }
     if (rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch)) return false;
-    if (held_index.size() + rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch) ||
-        held_fields.size() + gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields) || held_bytes + (used - cur_begin) > kHeldBytes)
+    const auto room = static_cast<std::size_t>(wide ? detail::kGatherIndexInLaunch : detail::kGatherNarrowIndexInLaunch);
+    if (held_index.size() + rows > room || held_fields.size() + gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields) ||
+        held_bytes + (used - cur_begin) > kHeldLaunchBytes)
       return false;
+    held_wide = wide;
     std::int64_t offset = 0;
     for (std::size_t i = 0; i < gathers.size(); ++i) {
       const Tensor& index = gathers[i].index;
@@ -441,6 +457,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
         s.held_fields.clear();
         s.held_index.clear();
         s.held_batches = s.held_bytes = 0;
+        s.held_wide = false;
       }
     } clear{*this};
     const std::vector<detail::GatherField>& fields = held_fields;

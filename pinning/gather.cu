@@ -1,8 +1,12 @@
 // The device gather's kernel: a batch's rows read from mapped host memory into device memory.
 //
 // One launch gathers every field of a batch, or of several batches (DeviceStage::end_held), and
-// for up to kGatherIndexInLaunch rows the indices travel in the launch's parameters (no index
-// copy, no pinned block to fence), which is what a small-row batch's host time is made of.
+// the indices travel in the launch's parameters (no index copy, no pinned block to fence), which
+// is what a small-row batch's host time is made of: as 32-bit words (the row, the flip in the top
+// bit) where every row fits 31 bits, up to kGatherNarrowIndexInLaunch of them, else as the
+// 64-bit index words, up to kGatherIndexInLaunch. A launch costs the pin thread more the more
+// parameters it carries (about 4 us with 64 bytes, 9 us with 28 KB on an H100 host,
+// bench/probe_launch), so the narrow words let one launch carry twice the batches.
 // Each word (16, 8, 4 or 1 bytes: the widest every row start and both buffers align to) of the
 // batch is one element; consecutive threads take consecutive words of a row, so the link sees
 // long runs. Reads of mapped host memory take a round trip over the link, so what sets the rate is
@@ -36,20 +40,27 @@ namespace {
 constexpr int kUnroll = 8;
 
 // A launch's arguments: its fields (one batch's, or several batches'), and the host indices in
-// the parameters themselves (N > 0), which fields without an index_dev read from their offset.
-template <int N>
+// the parameters themselves (N > 0), which fields without an index_dev read from their offset:
+// the index words themselves (Index = std::int64_t) or narrow ones (std::uint32_t: the row, and
+// kNarrowFlip for kGatherFlipBit).
+template <int N, class Index>
 struct Args {
   int nfields;
   GatherField field[kMaxGatherFields];
   int width[kMaxGatherFields];  // bytes a word: 16, 8, 4 or 1
-  std::int64_t index[N > 0 ? N : 1];
+  Index index[N > 0 ? N : 1];
 };
+constexpr std::uint32_t kNarrowFlip = 0x80000000u;
 
 // Row r's index word of field f: the row, and kGatherFlipBit.
-template <int N>
-__device__ __forceinline__ std::int64_t row_word(const Args<N>& a, const GatherField& f, std::size_t r) {
+template <int N, class Index>
+__device__ __forceinline__ std::int64_t row_word(const Args<N, Index>& a, const GatherField& f, std::size_t r) {
   if constexpr (N > 0) {
-    if (!f.index_dev) return a.index[static_cast<std::size_t>(f.index_offset) + r];
+    if (!f.index_dev) {
+      const Index w = a.index[static_cast<std::size_t>(f.index_offset) + r];
+      if constexpr (sizeof(Index) == 4) return static_cast<std::int64_t>(w & ~kNarrowFlip) | ((w & kNarrowFlip) ? kGatherFlipBit : 0);
+      else return w;
+    }
   }
   return f.index_dev[r];
 }
@@ -57,8 +68,8 @@ __device__ __forceinline__ std::int64_t row_word(const Args<N>& a, const GatherF
 // Reads field f's words kUnroll at a time, every load in flight before any store, and hands each
 // to store(e, r, w, v, flip): word e of the batch, word w of row r, its value, and whether the
 // row's index carries kGatherFlipBit.
-template <class Word, int N, class Store>
-__device__ __forceinline__ void for_each_word(const Args<N>& a, const GatherField& f, Store&& store) {
+template <class Word, int N, class Index, class Store>
+__device__ __forceinline__ void for_each_word(const Args<N, Index>& a, const GatherField& f, Store&& store) {
   const std::size_t words = f.row_bytes / sizeof(Word), total = static_cast<std::size_t>(f.rows) * words;
   const Word* __restrict__ src = static_cast<const Word*>(f.src);
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
@@ -86,14 +97,14 @@ __device__ __forceinline__ void for_each_word(const Args<N>& a, const GatherFiel
   }
 }
 
-template <class Word, int N>
-__device__ void gather_field(const Args<N>& a, const GatherField& f) {
+template <class Word, int N, class Index>
+__device__ void gather_field(const Args<N, Index>& a, const GatherField& f) {
   Word* __restrict__ dst = static_cast<Word*>(f.dst);
   for_each_word<Word>(a, f, [&](std::size_t e, std::size_t, std::size_t, const Word& v, bool) { dst[e] = v; });
 }
 
-template <class Word, int N>
-__device__ void gather_transformed(const Args<N>& a, const GatherField& f) {
+template <class Word, int N, class Index>
+__device__ void gather_transformed(const Args<N, Index>& a, const GatherField& f) {
   constexpr int kBytes = sizeof(Word);
   const int H = static_cast<int>(f.height), W = static_cast<int>(f.width), C = static_cast<int>(f.channels);
   for_each_word<Word>(a, f, [&](std::size_t, std::size_t r, std::size_t w, const Word& v, bool flipped) {
@@ -109,8 +120,8 @@ __device__ void gather_transformed(const Args<N>& a, const GatherField& f) {
   });
 }
 
-template <int N>
-__global__ void gather_fields(const __grid_constant__ Args<N> a) {
+template <int N, class Index>
+__global__ void gather_fields(const __grid_constant__ Args<N, Index> a) {
   for (int k = 0; k < a.nfields; ++k) {
     if (a.field[k].out_kind >= 0) {
       switch (a.width[k]) {
@@ -138,10 +149,24 @@ int sm_count() {
   return sms > 0 ? sms : 16;
 }
 
-template <int N>
+// `host_index`'s words as a launch's Index: narrow ones only where every row fits 31 bits
+// (launch_gather checks).
+template <class Index>
+void put_index(const std::int64_t* host_index, std::int64_t host_rows, Index* out) {
+  if constexpr (sizeof(Index) == 4) {
+    for (std::int64_t i = 0; i < host_rows; ++i) {
+      const std::int64_t w = host_index[i];
+      out[i] = static_cast<std::uint32_t>(w & ~kGatherFlipBit) | ((w & kGatherFlipBit) ? kNarrowFlip : 0u);
+    }
+  } else {
+    std::copy(host_index, host_index + host_rows, out);
+  }
+}
+
+template <int N, class Index = std::uint32_t>
 void launch(const std::int64_t* host_index, std::int64_t host_rows, const GatherField* fields, int nfields, cudaStream_t stream) {
-  static_assert(sizeof(Args<N>) <= 32764, "CUDA's kernel parameter limit");
-  Args<N> a;  // the fields and indices past nfields and host_rows are never read: not zeroed
+  static_assert(sizeof(Args<N, Index>) <= 32764, "CUDA's kernel parameter limit");
+  Args<N, Index> a;  // the fields and indices past nfields and host_rows are never read: not zeroed
   a.nfields = nfields;
   std::size_t words = 0;
   bool transformed = false;
@@ -157,13 +182,13 @@ void launch(const std::int64_t* host_index, std::int64_t host_rows, const Gather
     // The grid is sized by all the fields' words: several batches in one launch fill more SMs.
     words += static_cast<std::size_t>(fields[k].rows) * fields[k].row_bytes / static_cast<std::size_t>(a.width[k]) * per_word;
   }
-  if constexpr (N > 0) std::copy(host_index, host_index + host_rows, a.index);
+  if constexpr (N > 0) put_index(host_index, host_rows, a.index);
   if (words == 0) return;
   thread_local const int sms = sm_count();
   // Transforms compute as well as wait on the link: two blocks a SM.
   const std::size_t cap = static_cast<std::size_t>(sms) * (transformed ? 2 : 1);
   const std::size_t blocks = std::min<std::size_t>((words + 256 * kUnroll - 1) / (256 * kUnroll), cap);
-  gather_fields<N><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
+  gather_fields<N, Index><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(a);
 }
 
 // Whether this device reads registered host memory at its host address (then a mapped row's
@@ -233,8 +258,13 @@ void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const
     if (!fields[k].index_dev && (fields[k].rows < 0 || fields[k].index_offset < 0 || fields[k].index_offset + fields[k].rows > host_rows))
       throw CudaError("device gather: field " + std::to_string(k) + "'s rows lie outside the launch's " + std::to_string(host_rows) +
                       " host indices");
-  if (host_rows > kGatherIndexInLaunch)
-    throw CudaError("device gather: " + std::to_string(host_rows) + " host indices do not fit a launch's parameters");
+  // Narrow words where every row fits them (a scan of the words, which put_index copies next).
+  std::int64_t rows_or = 0;
+  for (std::int64_t i = 0; i < host_rows; ++i) rows_or |= host_index[i] & ~kGatherFlipBit;
+  const bool narrow = rows_or <= kGatherNarrowRowMax;
+  if (host_rows > (narrow ? kGatherNarrowIndexInLaunch : kGatherIndexInLaunch))
+    throw CudaError("device gather: " + std::to_string(host_rows) + " host indices do not fit a launch's parameters" +
+                    (narrow ? "" : " (rows past 2^31 take 64 bits an index)"));
   // Large untransformed rows with host indices go by the copy engines; the rest by one kernel.
   GatherField rest[kMaxGatherFields];
   int nrest = 0;
@@ -244,10 +274,11 @@ void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const
   }
   if (nrest == 0) return;
   if (host_rows <= 0) launch<0>(nullptr, 0, rest, nrest, s);
+  else if (!narrow) launch<kGatherIndexInLaunch, std::int64_t>(host_index, host_rows, rest, nrest, s);
   else if (host_rows <= 256) launch<256>(host_index, host_rows, rest, nrest, s);
   else if (host_rows <= 1024) launch<1024>(host_index, host_rows, rest, nrest, s);
-  else if (host_rows <= 2048) launch<2048>(host_index, host_rows, rest, nrest, s);
-  else launch<kGatherIndexInLaunch>(host_index, host_rows, rest, nrest, s);
+  else if (host_rows <= 3072) launch<3072>(host_index, host_rows, rest, nrest, s);
+  else launch<kGatherNarrowIndexInLaunch>(host_index, host_rows, rest, nrest, s);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     throw CudaError(std::string("device gather: kernel launch failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");

@@ -10,8 +10,14 @@ namespace ferry::detail {
 /// Fields one launch gathers at most (several batches' fields when a launch carries several).
 constexpr int kMaxGatherFields = 32;
 /// Rows whose indices travel in the launch's own parameters (CUDA takes 32 KB of them on Volta
-/// and later): no copy of the index, no pinned block to fence.
+/// and later): no copy of the index, no pinned block to fence. A batch's, and a launch's where
+/// an index's row needs more than 31 bits.
 constexpr std::int64_t kGatherIndexInLaunch = 3072;
+/// A launch's rows where every row fits 31 bits: the indices then travel as 32-bit words (the
+/// row, and the flip in the top bit), twice as many in the same parameters.
+constexpr std::int64_t kGatherNarrowIndexInLaunch = 6144;
+/// The largest row a 32-bit index word holds.
+constexpr std::int64_t kGatherNarrowRowMax = (std::int64_t{1} << 31) - 1;
 
 /// Set in a row's index: the sample draws a flip (fields with `flip` mirror that row). The rest
 /// of the word is the row.
@@ -41,8 +47,9 @@ bool gather_built() noexcept;
 /// On `stream` (a cudaStream_t), one kernel: for each field, dst row i = src row index[i] &
 /// ~kGatherFlipBit, i < field.rows (transformed where the field says so), index being the field's
 /// index_dev, or `host_index` + field.index_offset when index_dev is null. `host_index` (host
-/// memory, read at the call: host_rows <= kGatherIndexInLaunch) travels in the launch's
-/// parameters. Throws CudaError on a failed launch.
+/// memory, read at the call) travels in the launch's parameters: host_rows <=
+/// kGatherNarrowIndexInLaunch where every row is at most kGatherNarrowRowMax, else <=
+/// kGatherIndexInLaunch. Throws CudaError on a failed launch.
 void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const GatherField* fields, int nfields, void* stream);
 
 }  // namespace ferry::detail

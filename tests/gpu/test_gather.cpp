@@ -4,7 +4,9 @@
 // TensorDataset and a mapped .npy of 2 GiB; 100,000 batches intact and in order while the copy
 // stream is delayed; registered memory constant, pinned and device memory recycled within the
 // pipeline's depth; every
-// registration undone when the loader goes, mid-epoch too, and kept while another loader uses it.
+// registration undone when the loader goes, mid-epoch too, and kept while another loader uses it;
+// small batches held for one launch, 6,144 rows of 32-bit index words, or 3,072 of 64-bit ones
+// where a row is past 2^31.
 #include <catch2/catch.hpp>
 
 #include <atomic>
@@ -442,20 +444,22 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
       }
     };
     std::vector<Made> held;
-    for (std::int64_t count : {256, 3, 700}) {
+    for (std::int64_t count : {256, 3, 700, 2200}) {
       held.push_back(make(index_of(count, count)));
       REQUIRE(stage.end_held());
     }
-    // 3072 rows a launch: 959 held, so 2200 more do not fit; alone they do.
-    Made big = make(index_of(11, 2200));
+    // 6,144 rows a launch while every row fits a 32-bit index word: 3,159 held, so 3,000 more
+    // do not fit; alone they do.
+    Made big = make(index_of(11, 3000));
     CHECK_FALSE(stage.end_held());
     const std::uint64_t launches = stage.stats().gather_launches;
     std::vector<std::shared_ptr<const EventFence>> fences = stage.issue_held();
-    REQUIRE(fences.size() == 3);
+    REQUIRE(fences.size() == 4);
     CHECK(stage.stats().gather_launches == launches + 1);
     // One launch, one event: its batches share a fence, which the consumer's stream waits on once.
     CHECK(fences[0] == fences[1]);
     CHECK(fences[1] == fences[2]);
+    CHECK(fences[2] == fences[3]);
     // The next launch runs behind 20 ms of other work: its batch must wait for its own fence, not
     // pass with the one its consumer's stream waited on last.
     test::launch_spin(stage.copy_stream().native(), 20000.0);
@@ -498,6 +502,80 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
   CHECK(s.batches == batches);
   CHECK(s.gather_launches < batches);
   CHECK(s.gather_launches > 0);
+}
+
+// A launch's indices travel as 32-bit words (the row, the flip in the top bit) while every row
+// fits 31 bits, 6,144 of them; a row of 2^31 or more takes the 64-bit words, and the launch then
+// holds 3,072. One-byte rows of a 2 GiB array, its last 4,096 rows past 2^31; only the rows read
+// are written.
+TEST_CASE("device gather: rows past 2^31 travel as 64-bit index words, 3,072 of them a launch", "[gpu][gather][held][wide]") {
+  constexpr std::int64_t kWide = std::int64_t{1} << 31, n = kWide + 4096;
+  Tensor bytes = Tensor::empty(DType::UInt8, {n});
+  auto value = [](std::int64_t i) { return static_cast<std::uint8_t>(i * 131 + (i >> 31) * 7 + 3); };
+  auto index_of = [&](std::int64_t count, std::int64_t first, bool wide) {
+    Tensor t = Tensor::empty(DType::Int64, {count});
+    for (std::int64_t k = 0; k < count; ++k) {
+      // Every other row of a wide batch past 2^31; the flip bit set on some (a copied field ignores it).
+      const std::int64_t row = wide && k % 2 ? kWide + (first + k * 7) % 4096 : (first + k * 37) % 100000;
+      t.data<std::int64_t>()[k] = row | (k % 5 == 0 ? DeviceStage::gather_flip_bit : 0);
+      bytes.data<std::uint8_t>()[row] = value(row);
+    }
+    return t;
+  };
+  HostRows h;
+  h.data = bytes.raw();
+  h.rows = n;
+  h.row_bytes = 1;
+  h.dtype = DType::UInt8;
+  h.name = "bytes";
+  RowRegistration reg({h}, 0, std::size_t{4} << 30);
+  DeviceStage stage;
+  struct Made {
+    Tensor index, out;
+  };
+  auto make = [&](const Tensor& index) {
+    stage.begin(static_cast<std::size_t>((index.size(0) + 63) / 64 * 64));
+    return Made{index, stage.gather_rows(index, reg.device_rows(0), 1, DType::UInt8, {})};
+  };
+  auto check = [&](const Made& m) {
+    const Tensor out = to_host(m.out, stage.consumer_stream()).get();
+    for (std::int64_t k = 0; k < m.index.size(0); ++k) {
+      const std::int64_t row = m.index.data<std::int64_t>()[k] & ~DeviceStage::gather_flip_bit;
+      REQUIRE(out.data<std::uint8_t>()[k] == value(row));
+    }
+  };
+  // Narrow, then wide: 3,000 rows held; 100 more no longer fit a launch of 64-bit words.
+  Made a = make(index_of(2000, 1, false));
+  REQUIRE(stage.end_held());
+  Made b = make(index_of(1000, 5, true));
+  REQUIRE(stage.end_held());
+  Made c = make(index_of(100, 9, false));
+  CHECK_FALSE(stage.end_held());
+  const std::uint64_t launches = stage.stats().gather_launches;
+  std::vector<std::shared_ptr<const EventFence>> first = stage.issue_held();
+  REQUIRE(first.size() == 2);
+  // After that launch the held one is narrow again: 100 + 3,000 + 3,000 rows fit, 45 more (6,145) do not.
+  REQUIRE(stage.end_held());
+  Made d = make(index_of(3000, 13, false));
+  REQUIRE(stage.end_held());
+  Made e = make(index_of(3000, 17, false));
+  REQUIRE(stage.end_held());
+  Made f = make(index_of(45, 19, false));
+  CHECK_FALSE(stage.end_held());
+  std::vector<std::shared_ptr<const EventFence>> second = stage.issue_held();
+  REQUIRE(second.size() == 3);
+  // A wide batch alone, at the most rows a batch may have.
+  REQUIRE(stage.end_held());
+  std::vector<std::shared_ptr<const EventFence>> third = stage.issue_held();
+  REQUIRE(third.size() == 1);
+  Made g = make(index_of(DeviceStage::gather_index_in_launch, 23, true));
+  REQUIRE(stage.end_held());
+  std::vector<std::shared_ptr<const EventFence>> fourth = stage.issue_held();
+  REQUIRE(fourth.size() == 1);
+  CHECK(stage.stats().gather_launches == launches + 4);
+  stage.deliver(*fourth[0]);
+  for (const Made* m : {&a, &b, &c, &d, &e, &f, &g}) check(*m);
+  stage.consumer_stream().synchronize();
 }
 
 TEST_CASE("device gather: small batches share a device buffer, reused only behind the consumer's use of its last batch",

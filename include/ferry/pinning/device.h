@@ -102,9 +102,10 @@ class DeviceStage {
   /// Several small batches in one launch (the loader's pin thread, with the device gather): ends
   /// the batch without issuing it. Its gathers join the held launch, which issue_held() issues
   /// with every batch held before it. False, the batch still begun and nothing changed, when it
-  /// cannot join: it copies or decodes, an index is on the device, or the held launch has no room
-  /// left (gather_index_in_launch rows, 32 fields, 16 MiB of output); then issue_held(), and
-  /// end_held() again or end().
+  /// cannot join: it copies or decodes, an index is on the device, it writes more than 16 MiB,
+  /// or the held launch has no room left (32 fields, 32 MiB of output, and 6,144 rows, or
+  /// gather_index_in_launch where a row is 2^31 or more); then issue_held(), and end_held() again
+  /// or end().
   bool end_held();
   /// Issues the held batches' gathers, one kernel for all, and returns their fences in the order
   /// they were held (empty when none was): one fence, shared, as one event follows the kernel
