@@ -414,7 +414,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
         std::int64_t rows_or = 0;
         const std::int64_t* d = index.data<std::int64_t>();
         for (std::int64_t k = 0; k < n; ++k) rows_or |= d[k] & ~detail::kGatherFlipBit;
-        wide = wide || rows_or > detail::kGatherNarrowRowMax;
+        wide = wide || static_cast<std::uint64_t>(rows_or) > static_cast<std::uint64_t>(detail::kGatherNarrowRowMax);
       }
     }
     if (rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch)) return false;

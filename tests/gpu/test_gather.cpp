@@ -94,6 +94,18 @@ void check_equal(const std::vector<std::vector<Tensor>>& a, const std::vector<st
   }
 }
 
+// One host array of `rows` rows of `row_bytes` for RowRegistration, its rows `shape` of `dtype`.
+HostRows host_array(const Tensor& t, std::int64_t rows, std::size_t row_bytes, DType dtype, Shape shape, const char* name) {
+  HostRows h;
+  h.data = t.raw();
+  h.rows = rows;
+  h.row_bytes = row_bytes;
+  h.dtype = dtype;
+  h.row_shape = std::move(shape);
+  h.name = name;
+  return h;
+}
+
 }  // namespace
 
 TEST_CASE("device gather: batches bitwise equal to the host path's, for any num_workers", "[gpu][gather]") {
@@ -407,17 +419,7 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
       label.data<std::int64_t>()[i] = 7 * i + 1;
       for (int c = 0; c < 5; ++c) rows.data<std::int32_t>()[i * 5 + c] = static_cast<std::int32_t>(i * 10 + c);
     }
-    auto host_rows = [n](const Tensor& t, std::size_t row_bytes, DType dtype, Shape shape, const char* name) {
-      HostRows h;
-      h.data = t.raw();
-      h.rows = n;
-      h.row_bytes = row_bytes;
-      h.dtype = dtype;
-      h.row_shape = std::move(shape);
-      h.name = name;
-      return h;
-    };
-    const std::vector<HostRows> arrays = {host_rows(rows, 20, DType::Int32, {5}, "rows"), host_rows(label, 8, DType::Int64, {}, "label")};
+    const std::vector<HostRows> arrays = {host_array(rows, n, 20, DType::Int32, {5}, "rows"), host_array(label, n, 8, DType::Int64, {}, "label")};
     RowRegistration reg(arrays, 0, std::size_t{1} << 30);
     DeviceStage stage;
     auto index_of = [](std::int64_t first, std::int64_t count) {
@@ -522,13 +524,7 @@ TEST_CASE("device gather: rows past 2^31 travel as 64-bit index words, 3,072 of 
     }
     return t;
   };
-  HostRows h;
-  h.data = bytes.raw();
-  h.rows = n;
-  h.row_bytes = 1;
-  h.dtype = DType::UInt8;
-  h.name = "bytes";
-  RowRegistration reg({h}, 0, std::size_t{4} << 30);
+  RowRegistration reg({host_array(bytes, n, 1, DType::UInt8, {}, "bytes")}, 0, std::size_t{4} << 30);
   DeviceStage stage;
   struct Made {
     Tensor index, out;
@@ -584,13 +580,7 @@ TEST_CASE("device gather: small batches share a device buffer, reused only behin
   const std::int64_t n = 4096, rows = 16;
   Tensor ids = Tensor::empty(DType::Int64, {n});
   for (std::int64_t i = 0; i < n; ++i) ids.data<std::int64_t>()[i] = i;
-  HostRows h;
-  h.data = ids.raw();
-  h.rows = n;
-  h.row_bytes = 8;
-  h.dtype = DType::Int64;
-  h.name = "ids";
-  RowRegistration reg({h}, 0, std::size_t{1} << 30);
+  RowRegistration reg({host_array(ids, n, 8, DType::Int64, {}, "ids")}, 0, std::size_t{1} << 30);
   DeviceStage stage;
   const std::size_t bytes = rows * 8;  // one 64-byte-aligned field
   // Batch k of round r gathers rows first(r, k) + 0..15; its expected ids wait on the device.
