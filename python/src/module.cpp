@@ -71,6 +71,8 @@ bool finalizing() noexcept {
 #endif
 }
 
+[[noreturn]] void park_until_exit() noexcept;
+
 // A strong reference to a Python object that any thread may drop (the GIL is taken to drop it).
 class PyRef {
  public:
@@ -90,12 +92,18 @@ class PyRef {
 
   void reset() noexcept {
     PyObject* p = std::exchange(p_, nullptr);
-    // After finalization there is nothing left to free; while it runs, a thread of ferry's asking
-    // for the GIL here (a noexcept frame) would be ended, which aborts: the reference is left.
+    // After finalization there is nothing left to free; while it runs, a thread asking for the
+    // GIL here would be ended by Python (Note [Threads Python ends at exit]): the reference is
+    // left. Finalization may also begin between the check and the GIL; the thread then parks
+    // rather than let Python's unwind reach this noexcept frame, which would abort the process.
     if (!p || !Py_IsInitialized() || finalizing()) return;
-    PyGILState_STATE s = PyGILState_Ensure();
-    Py_DECREF(p);
-    PyGILState_Release(s);
+    try {
+      PyGILState_STATE s = PyGILState_Ensure();
+      Py_DECREF(p);
+      PyGILState_Release(s);
+    } catch (abi::__forced_unwind&) {
+      park_until_exit();
+    }
   }
   /// The object, as a new reference (GIL held); this PyRef is empty after.
   nb::object take() noexcept { return nb::steal(std::exchange(p_, nullptr)); }
