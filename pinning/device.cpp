@@ -411,10 +411,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       if (i == 0 || index.raw() != gathers[i - 1].index.raw()) {
         const std::int64_t n = index.size(0);
         rows += static_cast<std::size_t>(n);
-        std::int64_t rows_or = 0;
-        const std::int64_t* d = index.data<std::int64_t>();
-        for (std::int64_t k = 0; k < n; ++k) rows_or |= d[k] & ~detail::kGatherFlipBit;
-        wide = wide || static_cast<std::uint64_t>(rows_or) > static_cast<std::uint64_t>(detail::kGatherNarrowRowMax);
+        wide = wide || !detail::narrow_rows(index.data<std::int64_t>(), n);
       }
     }
     if (rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch)) return false;

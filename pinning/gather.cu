@@ -258,10 +258,7 @@ void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const
     if (!fields[k].index_dev && (fields[k].rows < 0 || fields[k].index_offset < 0 || fields[k].index_offset + fields[k].rows > host_rows))
       throw CudaError("device gather: field " + std::to_string(k) + "'s rows lie outside the launch's " + std::to_string(host_rows) +
                       " host indices");
-  // Narrow words where every row fits them (a scan of the words, which put_index copies next).
-  std::int64_t rows_or = 0;
-  for (std::int64_t i = 0; i < host_rows; ++i) rows_or |= host_index[i] & ~kGatherFlipBit;
-  const bool narrow = static_cast<std::uint64_t>(rows_or) <= static_cast<std::uint64_t>(kGatherNarrowRowMax);
+  const bool narrow = narrow_rows(host_index, host_rows);  // then put_index writes 32-bit words
   if (host_rows > (narrow ? kGatherNarrowIndexInLaunch : kGatherIndexInLaunch))
     throw CudaError("device gather: " + std::to_string(host_rows) + " host indices do not fit a launch's parameters" +
                     (narrow ? "" : " (rows past 2^31 take 64 bits an index)"));

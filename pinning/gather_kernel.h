@@ -23,6 +23,13 @@ constexpr std::int64_t kGatherNarrowRowMax = (std::int64_t{1} << 31) - 1;
 /// of the word is the row.
 constexpr std::int64_t kGatherFlipBit = std::int64_t{1} << 62;
 
+/// Whether every row of `n` index words fits a 32-bit index word (at most kGatherNarrowRowMax).
+inline bool narrow_rows(const std::int64_t* index, std::int64_t n) noexcept {
+  std::uint64_t rows = 0;
+  for (std::int64_t i = 0; i < n; ++i) rows |= static_cast<std::uint64_t>(index[i] & ~kGatherFlipBit);
+  return rows <= static_cast<std::uint64_t>(kGatherNarrowRowMax);
+}
+
 struct GatherField {
   const void* src = nullptr;  ///< a device-mapped host address: row 0 of the array
   void* dst = nullptr;        ///< device memory: row 0 of the batch's field
