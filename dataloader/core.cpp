@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "core_parts.h"
+#include "thread.h"
 
 namespace ferry::detail {
 
@@ -484,6 +485,7 @@ void LoaderCore::begin_epoch() {
       // A plan takes a few ns an index (bench_plan: a million-index epoch, 2.7-3.5 ms on a
       // 2-core machine), which would otherwise hold up the next epoch's start.
       s.plan_ahead = Parts::PlanAhead{next, std::async(std::launch::async, [sampler = s.batch_sampler, next] {
+                                        name_this_thread("ferry-plan");  // else it shows as the consumer, its maker
                                         return std::make_shared<const BatchPlan>(sampler->plan(next));
                                       })};
     }

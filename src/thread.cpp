@@ -22,11 +22,13 @@ namespace detail {
 StopScope::StopScope(const std::atomic<bool>* flag) noexcept : previous_(t_stop_flag) { t_stop_flag = flag; }
 StopScope::~StopScope() { t_stop_flag = previous_; }
 
+void name_this_thread(const std::string& name) noexcept { pthread_setname_np(pthread_self(), name.substr(0, 15).c_str()); }
+
 Thread::Thread(std::string name, std::function<void()> body) {
   g_live_threads.fetch_add(1);
   try {
     t_ = std::thread([name = std::move(name), body = std::move(body)] {
-      pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
+      name_this_thread(name);
       struct Count {
         ~Count() { g_live_threads.fetch_sub(1); }
       } count;

@@ -40,6 +40,10 @@ class NoWaitPoll {
   bool previous_;
 };
 
+/// Names the calling thread (15 characters at most are kept), as `ps -L`, `top -H`, debuggers and
+/// profilers show it.
+void name_this_thread(const std::string& name) noexcept;
+
 class Thread {
  public:
   Thread() = default;

@@ -5,8 +5,10 @@
 #include <catch2/catch.hpp>
 
 #include <mutex>
+#include <pthread.h>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "ferry/ferry.h"
@@ -162,19 +164,22 @@ TEST_CASE("the next epoch made ahead through the pin thread and direct-mode batc
 }
 
 namespace {
-// A batch sampler that logs each plan(): its epoch and whether it ran on the thread that made the
-// sampler (the consumer's); epoch `fail` throws.
+// A batch sampler that logs each plan(): its epoch, whether it ran on the thread that made the
+// sampler (the consumer's), and its thread's name; epoch `fail` throws.
 struct LoggedPlans final : BatchSampler {
   struct Entry {
     std::uint64_t epoch;
     bool on_consumer;
+    std::string thread;
   };
   explicit LoggedPlans(bool ahead) : BatchSampler(std::make_shared<SequentialSampler>(16), 4, false), ahead_(ahead) {}
   bool plans_ahead() const noexcept override { return ahead_; }
   BatchPlan plan(std::uint64_t epoch) const override {
     {
       std::lock_guard lock(mu);
-      log.push_back({epoch, std::this_thread::get_id() == consumer});
+      char name[16] = {};
+      pthread_getname_np(pthread_self(), name, sizeof name);
+      log.push_back({epoch, std::this_thread::get_id() == consumer, name});
     }
     if (epoch == fail) throw std::runtime_error("no plan for epoch " + std::to_string(epoch));
     return BatchSampler::plan(epoch);
@@ -218,8 +223,12 @@ TEST_CASE("without workers to make it, the next epoch's plan is made on a thread
       // Epoch 0 (no epoch before it), epoch 7 (set_epoch: not the one planned) and every plan of
       // a sampler asked in its turn: the consumer's.
       INFO("epoch " << e.epoch);
-      if (!ahead || e.epoch == 0 || e.epoch == 7) CHECK(e.on_consumer);
-      else CHECK_FALSE(e.on_consumer);
+      if (!ahead || e.epoch == 0 || e.epoch == 7) {
+        CHECK(e.on_consumer);
+      } else {
+        CHECK_FALSE(e.on_consumer);
+        CHECK(e.thread == "ferry-plan");  // named, not shown as the consumer that made it
+      }
     }
     std::sort(epochs.begin(), epochs.end());
     // Once each epoch; ahead, also epoch 2 (dropped) and epoch 8 (after the last).
