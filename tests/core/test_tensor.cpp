@@ -134,6 +134,14 @@ TEST_CASE("a fork while other threads allocate small host blocks leaves the chil
 #endif
   std::atomic<bool> stop{false};
   std::vector<std::thread> hammers;
+  struct Joined {  // on every way out, a failed REQUIRE's too
+    std::atomic<bool>& stop;
+    std::vector<std::thread>& threads;
+    ~Joined() {
+      stop = true;
+      for (std::thread& t : threads) t.join();
+    }
+  } joined{stop, hammers};
   for (int k = 0; k < 3; ++k)
     hammers.emplace_back([&stop] {
       while (!stop.load(std::memory_order_relaxed)) {
@@ -157,8 +165,6 @@ TEST_CASE("a fork while other threads allocate small host blocks leaves the chil
     else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
     if (hung + failed > 0) break;  // one is enough (and a hang costs its 2 s)
   }
-  stop = true;
-  for (std::thread& t : hammers) t.join();
   CHECK(hung == 0);
   CHECK(failed == 0);
 }
