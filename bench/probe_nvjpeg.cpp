@@ -15,6 +15,12 @@
 // With --blocking-sync the device's context is made with cudaDeviceScheduleBlockingSync (a host
 // thread waiting on the device sleeps instead of spinning): how much of a decoding thread's busy
 // core is a wait.
+// With --backend hardware-device the bitstreams are in device memory (NVJPEG_BACKEND_HARDWARE_DEVICE,
+// copied there once), and --flags N passes nvJPEG flags to every handle (1: HW_DECODE_NO_PIPELINE):
+// what each does to the decoding threads' busy cores. --batches and --thread-counts (comma lists)
+// narrow the ceiling's rows. --backend gpu-hybrid decodes on the SMs (Huffman on the GPU) instead of
+// the JPEG engines; --thread-backends hardware,gpu-hybrid gives the ceiling's threads backends in
+// turn (both at once: what the SMs add to the engines, and on how many cores).
 // With --race KIND it only decodes, on --threads host threads (2; each its own handle, state and
 // stream) back to back for --seconds, while one more thread does KIND in a loop: "none",
 // "free-host" (cudaHostAlloc and cudaFreeHost of 16 MiB), "free-device" (cudaMalloc and cudaFree of
@@ -23,7 +29,9 @@
 // no batch is decoded for 10 s and ends the process with status 3: which of those the hardware
 // decode survives beside it (Note [Decode threads]).
 // Usage: probe_nvjpeg DIR [--batch 256] [--blocks-per-sm 4] [--no-ordering] [--alone-only]
-//                         [--ceiling [--seconds 1.5]] [--blocking-sync]
+//                         [--ceiling [--seconds 1.5] [--batches 64,128,256,512] [--thread-counts 1,2,3,4,6,8]]
+//                         [--blocking-sync] [--backend hardware|hardware-device|gpu-hybrid] [--flags 0]
+//                         [--thread-backends B,B,...]
 //                         [--race KIND [--threads 2] [--seconds 1.5] [--signal-us 0]]
 #include <cuda_runtime.h>
 #include <nvjpeg.h>
@@ -62,6 +70,32 @@ static double cpu_seconds() {
 
 struct Image { std::vector<unsigned char> bytes; int w = 0, h = 0; };
 
+static nvjpegBackend_t g_backend = NVJPEG_BACKEND_HARDWARE;  // --backend
+static std::vector<nvjpegBackend_t> g_thread_backends;       // --thread-backends: the ceiling's thread t takes [t % size]
+
+static bool parse_backend(const std::string& b, nvjpegBackend_t* out) {
+  if (b == "hardware") *out = NVJPEG_BACKEND_HARDWARE;
+  else if (b == "hardware-device") *out = NVJPEG_BACKEND_HARDWARE_DEVICE;
+  else if (b == "gpu-hybrid") *out = NVJPEG_BACKEND_GPU_HYBRID;
+  else return false;
+  return true;
+}
+static const char* backend_name(nvjpegBackend_t b) {
+  return b == NVJPEG_BACKEND_HARDWARE_DEVICE ? "hardware-device" : b == NVJPEG_BACKEND_GPU_HYBRID ? "gpu-hybrid" : "hardware";
+}
+static unsigned g_flags = 0;                                  // --flags
+
+static std::vector<int> int_list(const char* s) {
+  std::vector<int> v;
+  for (const char* p = s; *p;) {
+    char* end = nullptr;
+    v.push_back(static_cast<int>(std::strtol(p, &end, 10)));
+    if (end == p) break;
+    p = *end == ',' ? end + 1 : end;
+  }
+  return v;
+}
+
 static std::atomic<long> g_signals{0};
 static void on_signal(int) { g_signals.fetch_add(1, std::memory_order_relaxed); }
 
@@ -73,8 +107,9 @@ struct Decoder {
   std::vector<nvjpegImage_t> imgs;
   nvjpegOutputFormat_t fmt;
   ~Decoder() { cudaStreamSynchronize(s); cudaFree(out); nvjpegJpegStateDestroy(st); }
-  Decoder(const std::vector<Image>& batch, bool own_handle, nvjpegHandle_t shared, nvjpegOutputFormat_t f = NVJPEG_OUTPUT_RGBI, bool high = false) : fmt(f) {
-    if (own_handle) NJ(nvjpegCreateEx(NVJPEG_BACKEND_HARDWARE, nullptr, nullptr, 0, &h)); else h = shared;
+  Decoder(const std::vector<Image>& batch, bool own_handle, nvjpegHandle_t shared, nvjpegOutputFormat_t f = NVJPEG_OUTPUT_RGBI, bool high = false,
+          nvjpegBackend_t backend = g_backend) : fmt(f) {
+    if (own_handle) NJ(nvjpegCreateEx(backend, nullptr, nullptr, g_flags, &h)); else h = shared;
     NJ(nvjpegJpegStateCreate(h, &st));
     int lo = 0, hi = 0; cudaDeviceGetStreamPriorityRange(&lo, &hi);
     CK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high ? hi : lo));
@@ -110,6 +145,7 @@ int main(int argc, char** argv) {
   bool ordering = true, alone_only = false, ceiling = false, blocking = false;
   double seconds = 1.5;
   std::string race;
+  std::vector<int> batches{64, 128, 256, 512}, thread_counts{1, 2, 3, 4, 6, 8};
   int race_threads = 2;
   long signal_us = 0;
   for (int i = 2; i < argc; ++i) {
@@ -124,6 +160,22 @@ int main(int argc, char** argv) {
     else if (a == "--race" && i + 1 < argc) race = argv[++i];
     else if (a == "--threads" && i + 1 < argc) race_threads = std::atoi(argv[++i]);
     else if (a == "--signal-us" && i + 1 < argc) signal_us = std::atol(argv[++i]);
+    else if (a == "--batches" && i + 1 < argc) batches = int_list(argv[++i]);
+    else if (a == "--thread-counts" && i + 1 < argc) thread_counts = int_list(argv[++i]);
+    else if (a == "--flags" && i + 1 < argc) g_flags = static_cast<unsigned>(std::atoi(argv[++i]));
+    else if ((a == "--backend" || a == "--thread-backends") && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (std::size_t at = 0; at <= list.size();) {
+        const std::size_t comma = std::min(list.find(',', at), list.size());
+        nvjpegBackend_t b;
+        if (!parse_backend(list.substr(at, comma - at), &b)) {
+          std::fprintf(stderr, "probe_nvjpeg: %s takes hardware, hardware-device or gpu-hybrid, not %s\n", a.c_str(), list.c_str());
+          return 2;
+        }
+        if (a == "--backend") g_backend = b; else g_thread_backends.push_back(b);
+        at = comma + 1;
+      }
+    }
   }
   if (!race.empty() && race != "none" && race != "free-host" && race != "free-device" && race != "state") {
     std::fprintf(stderr, "probe_nvjpeg: --race takes none, free-host, free-device or state, not %s\n", race.c_str());
@@ -150,7 +202,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "probe_nvjpeg: no JPEG nvJPEG can read under %s\n", argv[1]);
     return 1;
   }
-  if (ceiling) B = 512;  // the largest batch; smaller ones take its first images
+  if (ceiling) B = *std::max_element(batches.begin(), batches.end());  // smaller batches take its first images
   std::vector<Image> batch;
   for (int i = 0; i < B; ++i) batch.push_back(files[i % files.size()]);
   // pinned copies of the bytes, as ferry's workers give them
@@ -162,8 +214,24 @@ int main(int argc, char** argv) {
   std::vector<size_t> len;
   size_t off = 0;
   for (auto& im : batch) { std::memcpy(pinned + off, im.bytes.data(), im.bytes.size()); data.push_back(pinned + off); len.push_back(im.bytes.size()); off += im.bytes.size(); }
-  std::printf("# probe_nvjpeg: %zu files, batch %d, %.1f KB an image, %d SMs%s\n", files.size(), B, bytes / 1024.0 / B, sms,
-              blocking ? ", blocking sync" : "");
+  if (!g_thread_backends.empty() && (g_backend == NVJPEG_BACKEND_HARDWARE_DEVICE ||
+                                     std::count(g_thread_backends.begin(), g_thread_backends.end(), NVJPEG_BACKEND_HARDWARE_DEVICE))) {
+    std::fprintf(stderr, "probe_nvjpeg: --thread-backends takes host-input backends only\n");
+    return 2;
+  }
+  if (g_backend == NVJPEG_BACKEND_HARDWARE_DEVICE) {  // the bitstreams in device memory, copied once
+    unsigned char* on_device = nullptr;
+    CK(cudaMalloc(&on_device, bytes));
+    CK(cudaMemcpy(on_device, pinned, bytes, cudaMemcpyHostToDevice));
+    for (auto& p : data) p = on_device + (p - pinned);
+  }
+  std::string backends = backend_name(g_backend);
+  if (!g_thread_backends.empty()) {
+    backends = "by thread:";
+    for (nvjpegBackend_t b : g_thread_backends) backends += std::string(" ") + backend_name(b);
+  }
+  std::printf("# probe_nvjpeg: %zu files, batch %d, %.1f KB an image, %d SMs%s, backend %s, flags %u\n", files.size(), B,
+              bytes / 1024.0 / B, sms, blocking ? ", blocking sync" : "", backends.c_str(), g_flags);
   if (!race.empty()) {
     // Decodes back to back on race_threads threads beside one thread doing `race` in a loop.
     struct sigaction sa{};
@@ -174,7 +242,7 @@ int main(int argc, char** argv) {
     for (int t = 0; t < race_threads; ++t) decs.push_back(new Decoder(batch, true, nullptr));
     for (auto* d : decs) { d->decode(data, len); CK(cudaStreamSynchronize(d->s)); }
     std::atomic<bool> stop{false};
-    std::atomic<long> batches{0}, races{0};
+    std::atomic<long> decoded{0}, races{0};
     std::atomic<Clock::rep> last{Clock::now().time_since_epoch().count()};
     std::vector<std::thread> ts;
     for (int t = 0; t < race_threads; ++t)
@@ -183,7 +251,7 @@ int main(int argc, char** argv) {
         while (!stop.load()) {
           decs[t]->decode(data, len);
           CK(cudaStreamSynchronize(decs[t]->s));
-          ++batches;
+          ++decoded;
           last = Clock::now().time_since_epoch().count();
         }
       });
@@ -226,7 +294,7 @@ int main(int argc, char** argv) {
       const double idle = std::chrono::duration<double>(Clock::now() - Clock::time_point(Clock::duration(last.load()))).count();
       if (idle > 10) {
         std::printf("race %s, %d threads, signals every %ld us: STALL after %.1f s (%ld batches, %ld of the race, %ld signals)\n",
-                    race.c_str(), race_threads, signal_us, ms_since(t0) / 1000 - idle, batches.load(), races.load(), g_signals.load());
+                    race.c_str(), race_threads, signal_us, ms_since(t0) / 1000 - idle, decoded.load(), races.load(), g_signals.load());
         std::fflush(stdout);
         std::_Exit(3);
       }
@@ -234,7 +302,7 @@ int main(int argc, char** argv) {
     stop = true;
     for (auto& t : ts) t.join();
     std::printf("race %s, %d threads, signals every %ld us: no stall in %.0f s (%ld batches, %ld of the race, %ld signals)\n",
-                race.c_str(), race_threads, signal_us, ms_since(t0) / 1000, batches.load(), races.load(), g_signals.load());
+                race.c_str(), race_threads, signal_us, ms_since(t0) / 1000, decoded.load(), races.load(), g_signals.load());
     for (auto* d : decs) delete d;
     return 0;
   }
@@ -242,16 +310,28 @@ int main(int argc, char** argv) {
     // The engines' ceiling: T threads, each its own handle, state, stream and output, decoding
     // back to back for `seconds`; nothing else on the GPU.
     std::printf("\n| batch | host threads | images/s | busy cores | images/s a busy core |\n|---:|---:|---:|---:|---:|\n");
-    for (int b : {64, 128, 256, 512}) {
+    for (int b : batches) {
       const std::vector<Image> sub(batch.begin(), batch.begin() + b);
       const std::vector<const unsigned char*> sub_data(data.begin(), data.begin() + b);
       const std::vector<size_t> sub_len(len.begin(), len.begin() + b);
-      for (int threads : {1, 2, 3, 4, 6, 8}) {
+      for (int threads : thread_counts) {
         std::vector<Decoder*> decs;
-        for (int t = 0; t < threads; ++t) decs.push_back(new Decoder(sub, true, nullptr));
+        for (int t = 0; t < threads; ++t)
+          decs.push_back(new Decoder(sub, true, nullptr, NVJPEG_OUTPUT_RGBI, false,
+                                     g_thread_backends.empty() ? g_backend : g_thread_backends[t % g_thread_backends.size()]));
         for (auto* d : decs) { d->decode(sub_data, sub_len); CK(cudaStreamSynchronize(d->s)); }
+        if (b == batches.front() && threads == thread_counts.front()) {  // the output's checksum, to compare backends by
+          size_t total = 0;
+          for (auto& im : sub) total += (size_t)im.w * im.h * 3;
+          std::vector<unsigned char> host(total);
+          CK(cudaMemcpy(host.data(), decs[0]->out, total, cudaMemcpyDeviceToHost));
+          unsigned long long sum = 1469598103934665603ull;
+          for (unsigned char c : host) sum = (sum ^ c) * 1099511628211ull;
+          std::printf("output of batch %d: %zu bytes, FNV-1a %016llx\n", b, total, sum);
+        }
         std::atomic<bool> stop{false};
         std::atomic<long> images{0};
+        std::vector<long> by_thread(static_cast<std::size_t>(threads), 0);
         const double c0 = cpu_seconds();
         const auto t0 = Clock::now();
         std::vector<std::thread> ts;
@@ -262,6 +342,7 @@ int main(int argc, char** argv) {
               decs[t]->decode(sub_data, sub_len);
               CK(cudaStreamSynchronize(decs[t]->s));
               images += b;
+              by_thread[static_cast<std::size_t>(t)] += b;
             }
           });
         std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
@@ -269,7 +350,11 @@ int main(int argc, char** argv) {
         for (auto& t : ts) t.join();
         const double wall = ms_since(t0) / 1000.0, cores = (cpu_seconds() - c0) / wall;
         const double rate = images.load() / wall;
-        std::printf("| %d | %d | %.0f | %.2f | %.0f |\n", b, threads, rate, cores, rate / std::max(cores, 1e-9));
+        std::string split;
+        if (!g_thread_backends.empty())
+          for (long n : by_thread) split += (split.empty() ? " (by thread: " : " / ") + std::to_string(static_cast<long>(n / wall));
+        if (!split.empty()) split += ")";
+        std::printf("| %d | %d | %.0f%s | %.2f | %.0f |\n", b, threads, rate, split.c_str(), cores, rate / std::max(cores, 1e-9));
         std::fflush(stdout);
         for (auto* d : decs) delete d;
       }
