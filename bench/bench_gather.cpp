@@ -16,9 +16,10 @@
 // Then a training loop: each step a fixed amount of arithmetic on every SM (about --step-ms alone)
 // on the loader's stream, then a synchronize. GPU waiting = 1 - steps x (step alone) / wall; the
 // step's slowdown = its GPU time (events) in the loop over its GPU time alone, which shows what
-// sharing the SMs with the gather kernel costs.
+// sharing the SMs with the gather kernel costs. --loop-reps N runs the loop's rows N times (2);
+// --loop-only 1 leaves out the (a) and (b) rows and the host path's loops.
 // Usage: bench_gather [--batches 200] [--runs 5] [--workers-a 8] [--workers-b 10] [--workers-t 14] [--step-ms 10]
-//                     [--steps 200]
+//                     [--steps 200] [--loop-reps 2] [--loop-only 0|1]
 
 #include <algorithm>
 #include <chrono>
@@ -40,8 +41,9 @@ namespace {
 
 struct Args {
   std::size_t batches = 200;
-  int runs = 5, workers_a = 8, workers_b = 10, workers_t = 14, steps = 200;
+  int runs = 5, workers_a = 8, workers_b = 10, workers_t = 14, steps = 200, loop_reps = 2;
   double step_ms = 10;
+  bool loop_only = false;  // --loop-only 1: the transformed rows and the device gather's training loops only
 };
 
 using bench::cpu_seconds;
@@ -202,6 +204,8 @@ int main(int argc, char** argv) {
     else if (k == "--workers-t") a.workers_t = std::stoi(v);
     else if (k == "--step-ms") a.step_ms = std::stod(v);
     else if (k == "--steps") a.steps = std::stoi(v);
+    else if (k == "--loop-only") a.loop_only = v == "1";
+    else if (k == "--loop-reps") a.loop_reps = std::stoi(v);
     else {
       std::fprintf(stderr, "bench_gather: unknown option %s\n", k.c_str());
       return 2;
@@ -214,8 +218,10 @@ int main(int argc, char** argv) {
   std::printf("# bench_gather — %u hardware threads, median of %d passes\n", std::thread::hardware_concurrency(), a.runs);
   const Tensor wa = filled(DType::UInt8, {2048, 3, 224, 224});
   const Tensor wb = filled(DType::Float32, {60000, 784});
-  workload("(a) 3x224x224 uint8", wa, a.batches, a.workers_a, a);
-  workload("(b) 784 float32", wb, a.batches * 20, a.workers_b, a);
+  if (!a.loop_only) {
+    workload("(a) 3x224x224 uint8", wa, a.batches, a.workers_a, a);
+    workload("(b) 784 float32", wb, a.batches * 20, a.workers_b, a);
+  }
   const Tensor hwc = filled(DType::UInt8, {2048, 224, 224, 3});
   transformed(hwc, a.batches / 4, a);
   std::printf("\n## training loop: (a) batches, plain and flipped + normalized to float32, a step of fixed arithmetic on every SM, synchronize each step\n\n");
@@ -223,10 +229,10 @@ int main(int argc, char** argv) {
               "|---|---:|---:|---:|---:|---:|---:|\n");
   const TensorDataset rows({wa});
   const IdxDataset images(hwc, Tensor::zeros(DType::Int64, {hwc.size(0)}), {imagenet()});
-  for (int rep = 0; rep < 2; ++rep) {
-    training_loop(rows, "(a)", Gather::Host, a.workers_a, a);
+  for (int rep = 0; rep < a.loop_reps; ++rep) {
+    if (!a.loop_only) training_loop(rows, "(a)", Gather::Host, a.workers_a, a);
     training_loop(rows, "(a)", Gather::Device, 0, a);
-    training_loop(images, "(a) + flip + normalize", Gather::Host, a.workers_t, a);
+    if (!a.loop_only) training_loop(images, "(a) + flip + normalize", Gather::Host, a.workers_t, a);
     training_loop(images, "(a) + flip + normalize", Gather::Device, 0, a);
   }
   return 0;

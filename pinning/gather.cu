@@ -66,58 +66,91 @@ __device__ __forceinline__ std::int64_t row_word(const Args<N, Index>& a, const 
 }
 
 // Reads field f's words kUnroll at a time, every load in flight before any store, and hands each
-// to store(e, r, w, v, flip): word e of the batch, word w of row r, its value, and whether the
-// row's index carries kGatherFlipBit.
+// to store(r, w, v, flip): word w of row r, its value, and whether the row's index carries
+// kGatherFlipBit. A thread's words lie a grid's stride apart; their rows and words are stepped
+// from one to the next (no division in the loop: a 64-bit one is about a hundred instructions, and
+// every instruction here is one the training step on the same SMs does not issue).
 template <class Word, int N, class Index, class Store>
 __device__ __forceinline__ void for_each_word(const Args<N, Index>& a, const GatherField& f, Store&& store) {
   const std::size_t words = f.row_bytes / sizeof(Word), total = static_cast<std::size_t>(f.rows) * words;
   const Word* __restrict__ src = static_cast<const Word*>(f.src);
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t base = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x; base < total; base += stride * kUnroll) {
+  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (first >= total) return;
+  const std::size_t step_rows = stride / words, step_words = stride - step_rows * words;
+  std::size_t r = first / words, w = first - r * words;  // where `base` is
+  for (std::size_t base = first; base < total; base += stride * kUnroll) {
     Word v[kUnroll];
     bool flip[kUnroll];
+    std::size_t rs[kUnroll], ws[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const std::size_t e = base + u * stride;
-      if (e < total) {
-        const std::size_t r = e / words, w = e - r * words;
+      if (base + u * stride < total) {
+        rs[u] = r, ws[u] = w;
         const std::int64_t word = row_word(a, f, r);
         flip[u] = (word & kGatherFlipBit) != 0;
         v[u] = src[static_cast<std::size_t>(word & ~kGatherFlipBit) * words + w];
       }
+      r += step_rows, w += step_words;
+      if (w >= words) w -= words, ++r;
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const std::size_t e = base + u * stride;
-      if (e < total) {
-        const std::size_t r = e / words;
-        store(e, r, e - r * words, v[u], flip[u]);
-      }
-    }
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * stride < total) store(rs[u], ws[u], v[u], flip[u]);
   }
 }
 
 template <class Word, int N, class Index>
 __device__ void gather_field(const Args<N, Index>& a, const GatherField& f) {
   Word* __restrict__ dst = static_cast<Word*>(f.dst);
-  for_each_word<Word>(a, f, [&](std::size_t e, std::size_t, std::size_t, const Word& v, bool) { dst[e] = v; });
+  const std::size_t words = f.row_bytes / sizeof(Word);
+  for_each_word<Word>(a, f, [&](std::size_t r, std::size_t w, const Word& v, bool) { dst[r * words + w] = v; });
+}
+
+// A word's bytes in order, each to where the transform puts it. The output's kind is a constant
+// (pass_store's switch folds away), and the element a byte goes to is stepped from the last one's:
+// the next channel is a plane (CHW) or one element (HWC) on; after the last channel, the next
+// pixel's first is one pixel on or back (mirrored); only a new image row is worked out again.
+template <int Kind, class Word, int N, class Index>
+__device__ void gather_transformed_as(const Args<N, Index>& a, const GatherField& f) {
+  constexpr int kBytes = sizeof(Word);
+  const int H = static_cast<int>(f.height), W = static_cast<int>(f.width), C = static_cast<int>(f.channels);
+  const bool chw = f.chw;
+  const int c_step = chw ? H * W : 1;
+  for_each_word<Word>(a, f, [&](std::size_t r, std::size_t w, const Word& v, bool flipped) {
+    char* out = static_cast<char*>(f.dst) + r * f.out_row_bytes;
+    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v);
+    const bool flip = f.flip && flipped;
+    const int pixel_step = (chw ? 1 : C) * (flip ? -1 : 1), wrap = pixel_step - (C - 1) * c_step;
+    RowCursor at(static_cast<int>(w * kBytes), H, W, C);
+    int o = at.out(flip, chw);
+#pragma unroll
+    for (int k = 0; k < kBytes; ++k) {
+      pass_store(out, o, Kind, static_cast<float>(bytes[k]), f.a[at.c], f.b[at.c]);
+      if (++at.c < C) {
+        o += c_step;
+        continue;
+      }
+      at.c = 0;
+      if (++at.x < W) {
+        o += wrap;
+        continue;
+      }
+      at.x = 0;
+      ++at.y;
+      o = at.out(flip, chw);
+    }
+  });
 }
 
 template <class Word, int N, class Index>
 __device__ void gather_transformed(const Args<N, Index>& a, const GatherField& f) {
-  constexpr int kBytes = sizeof(Word);
-  const int H = static_cast<int>(f.height), W = static_cast<int>(f.width), C = static_cast<int>(f.channels);
-  for_each_word<Word>(a, f, [&](std::size_t, std::size_t r, std::size_t w, const Word& v, bool flipped) {
-    char* out = static_cast<char*>(f.dst) + r * f.out_row_bytes;
-    const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v);
-    const bool flip = f.flip && flipped;
-    RowCursor at(static_cast<int>(w * kBytes), H, W, C);
-#pragma unroll
-    for (int k = 0; k < kBytes; ++k) {
-      pass_store(out, at.out(flip, f.chw), f.out_kind, static_cast<float>(bytes[k]), f.a[at.c], f.b[at.c]);
-      at.next();
-    }
-  });
+  switch (f.out_kind) {
+    case kPassFloat32: gather_transformed_as<kPassFloat32, Word>(a, f); break;
+    case kPassFloat16: gather_transformed_as<kPassFloat16, Word>(a, f); break;
+    case kPassBFloat16: gather_transformed_as<kPassBFloat16, Word>(a, f); break;
+    default: gather_transformed_as<kPassUInt8, Word>(a, f); break;
+  }
 }
 
 template <int N, class Index>
