@@ -252,7 +252,10 @@ class DecodeMemory {
 // nvJPEG's hardware backend has JPEG engines (`engines` > 0: A100, H100, H200) and the machine has
 // 8 CPUs or more, else 1. Two threads give 1.5-1.7x one thread's images on an H100, within 0.89
 // of all its engines give (bench/RESULTS.md "The JPEG engines' ceiling"); each thread is a busy
-// core while it decodes, so more are left to the user.
+// core while it decodes, so more are left to the user. That core is nvJPEG's: bitstreams in device
+// memory (NVJPEG_BACKEND_HARDWARE_DEVICE), no pipelining, a context made for blocking waits and the
+// GPU hybrid backend each hold their thread as busy (bench/RESULTS.md "GPU decode: what holds a
+// decode thread's core").
 int decode_threads_for(unsigned engines, unsigned cpus) noexcept { return engines > 0 && cpus >= 8 ? 2 : 1; }
 
 // Note [A decode that never returns]

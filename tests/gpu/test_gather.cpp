@@ -212,8 +212,9 @@ TEST_CASE("device gather: IdxDataset's images and labels, equal to the host path
 }
 
 TEST_CASE("device gather: flips, to_float and normalize in the kernel, equal to the CPU transform", "[gpu][gather][idx]") {
-  // Gray 28x28 (784 B rows: 16-byte words) and RGB 5x7 (105 B rows: bytes), every output type,
-  // CHW and HWC; the flips drawn per (seed, epoch, index) as the CPU transform draws them.
+  // Gray 28x28 (784 B rows: 16-byte words), RGB 5x7 (105 B rows: bytes) and RGB 8x8 and 40x48
+  // (16-byte words), every output type, CHW and HWC; the flips drawn per (seed, epoch, index) as
+  // the CPU transform draws them.
   const std::int64_t n = 1000;
   auto images = [&](std::int64_t h, std::int64_t w, std::int64_t c) { return test::pattern_images(n, h, w, c); };
   Tensor labels = Tensor::empty(DType::Int64, {n});
@@ -229,6 +230,12 @@ TEST_CASE("device gather: flips, to_float and normalize in the kernel, equal to 
   cases.push_back({"rgb, bfloat16", images(5, 7, 3), ImageTransform().horizontal_flip().to_float(DType::BFloat16).normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
   cases.push_back({"rgb, float16 channels_last", images(5, 7, 3), ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()});
   cases.push_back({"rgb, float32, no flip", images(5, 7, 3), ImageTransform().to_float().normalize({0.5f}, {0.25f})});
+  // 16-byte words through the kernel's shared-memory tiles: rows shorter than a block's step of
+  // bytes (8x8x3: 192 B), and longer, with pixels split across tiles (40x48x3: 5,760 B).
+  cases.push_back({"rgb 8x8, float32 CHW, flip + normalize", images(8, 8, 3), ImageTransform().horizontal_flip().to_float().normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
+  cases.push_back({"rgb 40x48, float32 CHW, flip + normalize", images(40, 48, 3), ImageTransform().horizontal_flip().to_float().normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
+  cases.push_back({"rgb 40x48, float16 channels_last, flip", images(40, 48, 3), ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()});
+  cases.push_back({"rgb 40x48, uint8 flip only", images(40, 48, 3), ImageTransform().horizontal_flip(0.5)});
   for (const Case& c : cases) {
     INFO(c.name);
     const IdxDataset ds(c.img, labels, {c.t});
