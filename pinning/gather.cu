@@ -107,38 +107,20 @@ __device__ void gather_field(const Args<N, Index>& a, const GatherField& f) {
   for_each_word<Word>(a, f, [&](std::size_t r, std::size_t w, const Word& v, bool) { dst[r * words + w] = v; });
 }
 
-// A word's bytes in order, each to where the transform puts it. The output's kind is a constant
-// (pass_store's switch folds away), and the element a byte goes to is stepped from the last one's:
-// the next channel is a plane (CHW) or one element (HWC) on; after the last channel, the next
-// pixel's first is one pixel on or back (mirrored); only a new image row is worked out again.
+// A word's bytes in order, each to where the transform puts it (RowCursor steps the element). The
+// output's kind is a constant, so pass_store's switch folds away.
 template <int Kind, class Word, int N, class Index>
 __device__ void gather_transformed_as(const Args<N, Index>& a, const GatherField& f) {
   constexpr int kBytes = sizeof(Word);
   const int H = static_cast<int>(f.height), W = static_cast<int>(f.width), C = static_cast<int>(f.channels);
-  const bool chw = f.chw;
-  const int c_step = chw ? H * W : 1;
   for_each_word<Word>(a, f, [&](std::size_t r, std::size_t w, const Word& v, bool flipped) {
     char* out = static_cast<char*>(f.dst) + r * f.out_row_bytes;
     const unsigned char* bytes = reinterpret_cast<const unsigned char*>(&v);
-    const bool flip = f.flip && flipped;
-    const int pixel_step = (chw ? 1 : C) * (flip ? -1 : 1), wrap = pixel_step - (C - 1) * c_step;
-    RowCursor at(static_cast<int>(w * kBytes), H, W, C);
-    int o = at.out(flip, chw);
+    RowCursor at(static_cast<int>(w * kBytes), H, W, C, f.flip && flipped, f.chw);
 #pragma unroll
     for (int k = 0; k < kBytes; ++k) {
-      pass_store(out, o, Kind, static_cast<float>(bytes[k]), f.a[at.c], f.b[at.c]);
-      if (++at.c < C) {
-        o += c_step;
-        continue;
-      }
-      at.c = 0;
-      if (++at.x < W) {
-        o += wrap;
-        continue;
-      }
-      at.x = 0;
-      ++at.y;
-      o = at.out(flip, chw);
+      pass_store(out, at.o, Kind, static_cast<float>(bytes[k]), f.a[at.c], f.b[at.c]);
+      at.next();
     }
   });
 }

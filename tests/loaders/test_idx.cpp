@@ -273,15 +273,19 @@ Tensor gather_on_host(const HostRows& rows, const Tensor& index) {
   Tensor out = Tensor::empty(t.dtype, shape);
   const int kind = detail::pass_output_of(t.dtype);
   const bool chw = t.dtype != DType::UInt8 && !t.channels_last;
+  bool stepped = true;
   for (std::int64_t k = 0; k < index.size(0); ++k) {
     const std::int64_t word = index.data<std::int64_t>()[k];
     const bool flip = (word & detail::kRowFlipBit) != 0;
     const auto* src = static_cast<const std::uint8_t*>(rows.data) + (word & ~detail::kRowFlipBit) * static_cast<std::int64_t>(rows.row_bytes);
     std::byte* dst = static_cast<std::byte*>(out.raw()) + k * static_cast<std::int64_t>(rows.row_bytes * itemsize(t.dtype));
-    detail::RowCursor at(0, static_cast<int>(t.height), static_cast<int>(t.width), static_cast<int>(t.channels));
-    for (std::size_t p = 0; p < rows.row_bytes; ++p, at.next())
-      detail::pass_store(dst, at.out(flip, chw), kind, static_cast<float>(src[p]), t.a[at.c], t.b[at.c]);
+    detail::RowCursor at(0, static_cast<int>(t.height), static_cast<int>(t.width), static_cast<int>(t.channels), flip, chw);
+    for (std::size_t p = 0; p < rows.row_bytes; ++p, at.next()) {
+      stepped = stepped && at.o == at.out();  // the stepped element is the one worked out afresh
+      detail::pass_store(dst, at.o, kind, static_cast<float>(src[p]), t.a[at.c], t.b[at.c]);
+    }
   }
+  CHECK(stepped);
   return out;
 }
 }  // namespace

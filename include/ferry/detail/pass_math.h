@@ -112,21 +112,36 @@ FERRY_HD inline std::uint16_t pass_bf16_bits(float f) {
 }
 
 /// The device gather's row transform (ferry::RowTransform): walks the elements of a uint8 HWC row
-/// of H x W x C (H * W * C < 2^31) in order and says where each lands in the output row, mirrored
-/// left-right when `flip`, CHW when `chw`. Increments, so the kernel divides once a word.
+/// of H x W x C (H * W * C < 2^31) in order from element p, and `o` is where the current one lands
+/// in the output row, mirrored left-right when `flip`, CHW when `chw`. `o` is stepped, not worked
+/// out again: the next channel is a plane (CHW) or one element (HWC) on; after the last channel,
+/// the next pixel's first is one pixel on or back; only a new image row computes it afresh. So the
+/// kernel divides once a word, and the CPU check of its values (test_idx) walks the same way.
 struct RowCursor {
   int H, W, C, c, x, y;
-  FERRY_HD RowCursor(int p, int h, int w, int ch) : H(h), W(w), C(ch), c(p % ch), x((p / ch) % w), y(p / ch / w) {}
-  FERRY_HD int out(bool flip, bool chw) const {
+  bool flip, chw;
+  int c_step, wrap;  // o's step to the next channel, and from the last channel to the next pixel's first
+  int o;
+  FERRY_HD RowCursor(int p, int h, int w, int ch, bool mirror, bool planes)
+      : H(h), W(w), C(ch), c(p % ch), x((p / ch) % w), y(p / ch / w), flip(mirror), chw(planes),
+        c_step(planes ? h * w : 1), wrap((planes ? 1 : ch) * (mirror ? -1 : 1) - (ch - 1) * c_step), o(out()) {}
+  FERRY_HD int out() const {
     const int xx = flip ? W - 1 - x : x;
     return chw ? (c * H + y) * W + xx : (y * W + xx) * C + c;
   }
   FERRY_HD void next() {
-    if (++c < C) return;
+    if (++c < C) {
+      o += c_step;
+      return;
+    }
     c = 0;
-    if (++x < W) return;
+    if (++x < W) {
+      o += wrap;
+      return;
+    }
     x = 0;
     ++y;
+    o = out();
   }
 };
 
