@@ -177,6 +177,11 @@ int main(int argc, char** argv) {
       }
     }
   }
+  auto positive = [](const std::vector<int>& v) { return !v.empty() && *std::min_element(v.begin(), v.end()) > 0; };
+  if (!positive(batches) || !positive(thread_counts)) {
+    std::fprintf(stderr, "probe_nvjpeg: --batches and --thread-counts take comma lists of positive numbers\n");
+    return 2;
+  }
   if (!race.empty() && race != "none" && race != "free-host" && race != "free-device" && race != "state") {
     std::fprintf(stderr, "probe_nvjpeg: --race takes none, free-host, free-device or state, not %s\n", race.c_str());
     return 2;
