@@ -192,6 +192,16 @@ class ByteSource {
   std::unique_ptr<ZStream> zstream_;
 };
 
+/// A .npy file's header (its dict), as written: the dtype's descr ("<u2"), the shape, where the
+/// data start; DataError for a header that does not parse. The caller checks the data's size.
+struct NpyLayout {
+  std::string descr;
+  std::vector<std::int64_t> shape;
+  std::uint64_t data_offset = 0;
+  std::uint64_t header_offset = 0;  // of the dict's text, for errors
+};
+NpyLayout npy_layout(std::span<const std::byte> bytes, const std::string& name);
+
 /// Checked a * b for sizes taken from file headers; DataError on overflow.
 std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const std::string& file, const char* what);
 

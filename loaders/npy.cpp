@@ -64,6 +64,8 @@ struct NpyHeader {
   std::uint64_t data_offset, nbytes;
 };
 
+NpyHeader parse_header(std::span<const std::byte> b, const std::string& name);
+
 DType descr_dtype(const std::string& d, const HeaderParser& p) {
   if (d.size() < 2) p.fail("unsupported dtype '" + d + "'");
   const char order = d[0];
@@ -83,7 +85,7 @@ DType descr_dtype(const std::string& d, const HeaderParser& p) {
   p.fail("unsupported dtype '" + d + "' (supported: bool, int8/16/32/64, uint8, float16/32/64)");
 }
 
-NpyHeader parse_header(std::span<const std::byte> b, const std::string& name) {
+loaders::NpyLayout parse_layout(std::span<const std::byte> b, const std::string& name) {
   static constexpr char kMagic[] = "\x93NUMPY";
   if (b.size() < 10 || std::memcmp(b.data(), kMagic, 6) != 0) {
     if (b.size() < 10 && b.size() >= 6 && std::memcmp(b.data(), kMagic, 6) == 0)
@@ -107,7 +109,7 @@ NpyHeader parse_header(std::span<const std::byte> b, const std::string& name) {
     throw DataError(name, text_at, "truncated .npy header: it declares " + std::to_string(len) + " bytes, the file has " +
                                        std::to_string(b.size() - text_at));
   HeaderParser p{std::string_view(reinterpret_cast<const char*>(b.data()) + text_at, len), 0, name, text_at};
-  NpyHeader h{DType::UInt8, {}, text_at + len, 0};
+  loaders::NpyLayout h{{}, {}, text_at + len, text_at};
   bool have_descr = false, have_order = false, have_shape = false;
   p.expect('{');
   while (!p.eat('}')) {
@@ -116,7 +118,7 @@ NpyHeader parse_header(std::span<const std::byte> b, const std::string& name) {
     if (key == "descr") {
       p.skip_ws();
       if (p.pos < p.s.size() && p.s[p.pos] == '[') p.fail("structured arrays are not supported");
-      h.dtype = descr_dtype(p.str(), p);
+      h.descr = p.str();
       have_descr = true;
     } else if (key == "fortran_order") {
       if (p.boolean()) p.fail("Fortran-order arrays are not supported (save with np.ascontiguousarray)");
@@ -140,6 +142,13 @@ NpyHeader parse_header(std::span<const std::byte> b, const std::string& name) {
     }
   }
   if (!have_descr || !have_order || !have_shape) p.fail("missing one of 'descr', 'fortran_order', 'shape'");
+  return h;
+}
+
+NpyHeader parse_header(std::span<const std::byte> b, const std::string& name) {
+  loaders::NpyLayout l = parse_layout(b, name);
+  const HeaderParser p{{}, 0, name, l.header_offset};
+  NpyHeader h{descr_dtype(l.descr, p), std::move(l.shape), l.data_offset, 0};
   std::uint64_t numel = 1;
   for (std::int64_t d : h.shape) numel = loaders::checked_mul(numel, static_cast<std::uint64_t>(d), name, ".npy element count");
   h.nbytes = loaders::checked_mul(numel, itemsize(h.dtype), name, ".npy data size");
@@ -152,6 +161,8 @@ NpyHeader parse_header(std::span<const std::byte> b, const std::string& name) {
 }
 
 }  // namespace
+
+loaders::NpyLayout loaders::npy_layout(std::span<const std::byte> bytes, const std::string& name) { return parse_layout(bytes, name); }
 
 Tensor parse_npy(std::span<const std::byte> bytes, const std::string& name) {
   if (bytes.empty()) throw DataError(name, DataError::kNoOffset, "is empty (0 bytes)");

@@ -82,6 +82,18 @@ constexpr const char* kTarIndexHelp =
     "resumable, GPU decode): dir=<folder of .tar> or shards=a.tar:b.tar, and image_folder's size=, channels=, "
     "random_crop=, float=, mean=, std=, dct_scaling=, decode=cpu|gpu (gpu: see ferry::make_tar_index)";
 
+constexpr const char* kTokensHelp =
+    "a flat token file as language-model sequences (input_ids, labels[, position_ids, cu_seqlens]): path=<file> "
+    "(nanoGPT's raw .bin, llm.c's .bin, a 1-D .npy), dtype=uint16|uint32|int32|... (a raw file's token type; a headed "
+    "file's is read from its header), format=auto|raw|llmc|npy, eod=<end-of-document token id>, seq_len=1024, "
+    "packed=0|1 (position_ids and cu_seqlens by document; needs eod), random_offset=0|1 (nanoGPT's random windows), "
+    "num_samples= (random_offset), vocab=<vocabulary size, checked>, out_dtype=int64|int32";
+
+constexpr const char* kMegatronHelp =
+    "a Megatron-LM indexed dataset (prefix.bin + prefix.idx) as language-model sequences: prefix=<path without "
+    ".bin/.idx>, seq_len=1024, packed=0|1 (position_ids and cu_seqlens by document), random_offset=0|1, num_samples=, "
+    "vocab=<vocabulary size, checked>, out_dtype=int64|int32";
+
 std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) {
   std::vector<float> out;
   const std::string text = c.str(key);
@@ -138,6 +150,8 @@ void add_builtins(DatasetRegistry& r) {
   };
   r.add("image_folder", images("make_image_folder", make_image_folder), kImageFolderHelp);
   r.add("tar_index", images("make_tar_index", make_tar_index), kTarIndexHelp);
+  r.add("tokens", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, kTokensHelp);
+  r.add("megatron", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, kMegatronHelp);
   r.add("synthetic", [](const DatasetConfig& c) {
     const std::int64_t n = c.integer("n", 10000);
     if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
@@ -274,6 +288,54 @@ ImageFolder make_image_folder(const DatasetConfig& c) {
   const std::string root = c.str("root");
   c.finish();
   return ImageFolder(root, std::move(o));
+}
+
+TokenSequences make_token_sequences(const DatasetConfig& c) {
+  TokenSequenceOptions o;
+  const std::int64_t seq_len = c.integer("seq_len", 1024);
+  if (seq_len < 1) throw Error("dataset '" + c.dataset() + "': option 'seq_len' must be >= 1, got " + std::to_string(seq_len));
+  o.seq_len = static_cast<std::size_t>(seq_len);
+  o.packed = c.integer("packed", 0) != 0;
+  o.random_offset = c.integer("random_offset", 0) != 0;
+  if (c.has("num_samples")) {
+    const std::int64_t n = c.integer("num_samples");
+    if (n < 0) throw Error("dataset '" + c.dataset() + "': option 'num_samples' must be >= 0");
+    o.num_samples = static_cast<std::size_t>(n);
+  }
+  const std::string out = c.str("out_dtype", "int64");
+  if (out != "int64" && out != "int32") throw Error("dataset '" + c.dataset() + "': option 'out_dtype' must be int64 or int32, got '" + out + "'");
+  o.dtype = out == "int64" ? DType::Int64 : DType::Int32;
+  std::optional<std::int64_t> vocab;
+  if (c.has("vocab")) {
+    vocab = c.integer("vocab");
+    if (*vocab < 1) throw Error("dataset '" + c.dataset() + "': option 'vocab' must be >= 1");
+  }
+  std::shared_ptr<const TokenCorpus> corpus;
+  if (c.dataset() == "megatron") {
+    const std::string prefix = c.str("prefix");
+    c.finish();
+    corpus = open_megatron(prefix, {.vocab_size = vocab});
+  } else {
+    TokenFileOptions f;
+    f.vocab_size = vocab;
+    if (c.has("dtype")) {
+      try {
+        f.type = parse_token_type(c.str("dtype"));
+      } catch (const Error& e) {
+        throw Error("dataset '" + c.dataset() + "': option 'dtype': " + e.what());
+      }
+    }
+    if (c.has("eod")) f.eod = c.integer("eod");
+    const std::string format = c.str("format", "auto");
+    if (format == "raw") f.format = TokenFileOptions::Format::Raw;
+    else if (format == "llmc") f.format = TokenFileOptions::Format::LlmC;
+    else if (format == "npy") f.format = TokenFileOptions::Format::Npy;
+    else if (format != "auto") throw Error("dataset '" + c.dataset() + "': option 'format' must be auto, raw, llmc or npy, got '" + format + "'");
+    const std::string path = c.str("path");
+    c.finish();
+    corpus = open_token_file(path, f);
+  }
+  return TokenSequences(std::move(corpus), o);
 }
 
 TarImages make_tar_index(const DatasetConfig& c) {

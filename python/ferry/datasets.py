@@ -14,12 +14,13 @@ Every dataset yields samples as a tuple of fields; the loader stacks them into b
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _ferry
 from ._ferry import Dataset
 
-__all__ = ["Dataset", "image_folder", "idx", "npy", "tar", "synthetic", "registry", "load_plugin", "registered"]
+__all__ = ["Dataset", "image_folder", "idx", "npy", "tar", "tokens", "megatron", "mixture", "synthetic", "registry",
+           "load_plugin", "registered"]
 
 Floats = Union[float, Sequence[float]]
 
@@ -113,6 +114,56 @@ def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size:
         raise ValueError("tar: float, mean, std and dct_scaling need index=True")
     return _ferry.make_dataset("tar", _config(dir=dir, shards=shard_list, size=size, random_crop=random_crop,
                                               channels=channels, shuffle=shuffle, decode=decode))
+
+
+def tokens(path: str, seq_len: int = 1024, dtype: Optional[str] = None, eod: Optional[int] = None,
+           packed: bool = False, random_offset: bool = False, num_samples: Optional[int] = None,
+           vocab_size: Optional[int] = None, out_dtype: str = "int64", format: str = "auto") -> Dataset:
+    """A flat token file as language-model sequences (C++ ``ferry::TokenSequences``): nanoGPT's raw
+    ``.bin`` (give ``dtype``, e.g. "uint16"), llm.c's ``.bin`` or a 1-D ``.npy`` (their dtype from the
+    header), memory-mapped, or an ``s3://`` object read by ranged requests.
+
+    Batches are dicts: ``input_ids`` and ``labels`` ``[B, seq_len]`` (int64, or int32 with
+    ``out_dtype``), labels shifted by one. The file is cut into ``(tokens - 1) // seq_len`` windows,
+    each token an input of exactly one window an epoch; ``DataLoader(shuffle=True)`` shuffles them,
+    the same for any ``num_workers`` and on resume. ``random_offset=True``: nanoGPT's random windows
+    (``num_samples`` a epoch, default as many as windows), keyed by (seed, epoch, index).
+    ``eod``: the end-of-document token id; with ``packed=True`` batches also hold ``position_ids``
+    (restarting at 0 at each document) and ``cu_seqlens`` ``[B, seq_len + 1]`` int32 (each sequence's
+    document offsets, then seq_len, padded by repeating seq_len). ``vocab_size``: a token id at or
+    past it is a ferry.DataError naming the file and offset."""
+    return _ferry.make_dataset("tokens", _config(
+        path=path, seq_len=seq_len, dtype=dtype, eod=eod, packed=packed or None, random_offset=random_offset or None,
+        num_samples=num_samples, vocab=vocab_size, out_dtype=out_dtype, format=format))
+
+
+def megatron(prefix: str, seq_len: int = 1024, packed: bool = False, random_offset: bool = False,
+             num_samples: Optional[int] = None, vocab_size: Optional[int] = None, out_dtype: str = "int64") -> Dataset:
+    """A Megatron-LM indexed dataset (``prefix.bin`` + ``prefix.idx``, as megatron-core's
+    ``IndexedDatasetBuilder`` writes them; local or ``s3://``) as sequences, like ``tokens``: each of
+    its sequences is a document, so ``packed=True`` needs no eod id. Opening reads only the index's
+    header (no pass over the corpus): the first batch comes as fast at any corpus size."""
+    return _ferry.make_dataset("megatron", _config(
+        prefix=prefix, seq_len=seq_len, packed=packed or None, random_offset=random_offset or None,
+        num_samples=num_samples, vocab=vocab_size, out_dtype=out_dtype))
+
+
+def mixture(sources: Sequence[Tuple[Dataset, float]], seed: int = 0, block: int = 1000, size: Optional[int] = None,
+            schedule: Sequence[Tuple[int, Sequence[float]]] = ()) -> Dataset:
+    """Weighted sources as one dataset (C++ ``ferry::Mixture``): ``mixture([(web, 0.7), (code, 0.3)])``.
+
+    Which source global sample ``g = epoch * len(mixture) + index`` comes from is a function of
+    (seed, g) alone: each block of ``block`` samples gives every source its weight's share (largest
+    remainder), in a shuffled order; each source shuffles its own samples per its own epoch and
+    starts the next when it runs out. ``size``: samples an epoch (default: the sources' total).
+    ``schedule``: ``[(from_index, weights), ...]``, weights that apply from a global index on (a
+    run resumed with new weights: every sample before that index is unchanged). Use
+    ``DataLoader(shuffle=False)``: the order is already random; ``state_dict()`` resumes it exactly."""
+    pairs = list(sources)
+    if not pairs:
+        raise ValueError("mixture: no sources")
+    return _ferry.make_mixture([d for d, _ in pairs], [float(w) for _, w in pairs], seed, block, size,
+                               [(int(i), [float(x) for x in w]) for i, w in schedule])
 
 
 def synthetic(n: int = 10000, shape: Sequence[int] = (3, 224, 224), dtype: str = "uint8",

@@ -18,6 +18,7 @@
 #include <cxxabi.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -367,6 +368,7 @@ class PyBatchSampler final : public ferry::BatchSampler {
 struct PyDataset {
   std::string name, config;
   std::optional<ferry::OpenedDataset> opened;  // ferry's own datasets (DatasetRegistry::open)
+  std::vector<std::string> fields;             // named fields: batches are dicts (token sequences)
   // A Python dataset (Note [Python datasets]).
   std::optional<PyMap> py_map;
   std::optional<PyIter> py_iter;
@@ -393,7 +395,42 @@ PyDataset make_dataset(const std::string& name, const std::string& config) {
   PyDataset d;
   d.name = name;
   d.config = config;
+  if (name == "tokens" || name == "megatron") {  // typed, for its field names
+    ferry::TokenSequences seqs = ferry::make_token_sequences(ferry::DatasetConfig(name, config));
+    d.fields = seqs.field_names();
+    d.opened.emplace(ferry::DynamicDataset(std::move(seqs)));
+    return d;
+  }
   d.opened.emplace(ferry::DatasetRegistry::global().open(name, config));
+  return d;
+}
+
+// A weighted mixture of ferry datasets (ferry::Mixture); `schedule` holds later weights, each
+// with the global index it applies from.
+PyDataset make_mixture(const std::vector<const PyDataset*>& sources, const std::vector<double>& weights, std::uint64_t seed,
+                       std::size_t block, std::optional<std::size_t> size,
+                       const std::vector<std::pair<std::uint64_t, std::vector<double>>>& schedule) {
+  std::vector<ferry::DynamicDataset> datasets;
+  PyDataset d;
+  d.name = "mixture";
+  for (std::size_t k = 0; k < sources.size(); ++k) {
+    const PyDataset* s = sources[k];
+    const auto* dynamic = s && s->opened ? std::get_if<ferry::DynamicDataset>(&*s->opened) : nullptr;
+    if (!dynamic)
+      throw nb::type_error(("mixture: source " + std::to_string(k) + " is not a map-style ferry dataset (ferry.datasets.tokens, megatron, npy, ...)").c_str());
+    if (k > 0 && s->fields != d.fields)
+      throw nb::value_error(("mixture: source " + std::to_string(k) + "'s fields differ from source 0's (packed and unpacked sequences, or other datasets)").c_str());
+    d.fields = s->fields;
+    datasets.push_back(*dynamic);
+    d.config += (k ? "; " : "") + s->name + "(" + s->config + ")";
+  }
+  ferry::MixtureOptions o;
+  o.seed = seed;
+  o.block = block;
+  o.size = size;
+  ferry::Mixture m(std::move(datasets), weights, o);
+  for (const auto& [from, w] : schedule) m = m.reweighted(w, from);
+  d.opened.emplace(ferry::DynamicDataset(std::move(m)));
   return d;
 }
 
@@ -497,7 +534,7 @@ nb::object capsule_of(const ferry::Tensor& t, bool as_uint8 = false) {
 class PyLoader {
  public:
   PyLoader(const PyDataset& dataset, ferry::DataLoaderOptions options, nb::object convert)
-      : convert_(std::move(convert)), has_size_(dataset.has_size()), trace_(options.trace) {
+      : convert_(std::move(convert)), has_size_(dataset.has_size()), trace_(options.trace), fields_(dataset.fields) {
     // A handler raised (KeyboardInterrupt), or release() asks: stop waiting. A daemon thread
     // polling as the program exits parks (with_gil).
     options.wait_poll = [releasing = releasing_] {
@@ -600,6 +637,11 @@ class PyLoader {
       else if (as_bool) out.append(convert_(cap).attr("view")(torch_bool()));  // see capsule_of
       else out.append(convert_(cap));
     }
+    if (!fields_.empty() && fields_.size() == out.size()) {
+      nb::dict named;
+      for (std::size_t k = 0; k < fields_.size(); ++k) named[fields_[k].c_str()] = out[k];
+      return named;
+    }
     return nb::tuple(out);
   }
 
@@ -662,6 +704,7 @@ class PyLoader {
   bool has_size_;
   std::shared_ptr<ferry::TraceRecorder> trace_;
   std::vector<std::uintptr_t> last_pointers_;
+  std::vector<std::string> fields_;  // non-empty: a batch is a dict of these names
 };
 
 // --- options --------------------------------------------------------------------------------------
@@ -838,7 +881,10 @@ NB_MODULE(_ferry, m) {
       .def("__len__", &PyDataset::size)
       .def("__repr__", &PyDataset::repr)
       .def_ro("name", &PyDataset::name)
-      .def_ro("config", &PyDataset::config);
+      .def_ro("config", &PyDataset::config)
+      .def_ro("fields", &PyDataset::fields, "Field names when batches are dicts (token sequences), else empty.");
+  m.def("make_mixture", &make_mixture, "sources"_a, "weights"_a, "seed"_a, "block"_a, "size"_a.none(), "schedule"_a,
+        "A weighted mixture of ferry datasets (C++ ferry::Mixture).");
   m.def("make_dataset", &make_dataset, "name"_a, "config"_a,
         "The registry's dataset `name` from a 'key=value,...' configuration (and 'tar', and "
         "image_folder with decode=gpu).");

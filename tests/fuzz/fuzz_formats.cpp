@@ -1,5 +1,5 @@
 // libFuzzer targets for the loaders' parsers: one binary per format, chosen at compile time
-// (FERRY_FUZZ_IDX, _NPY, _S3 (an object store's XML answers), _TAR (the reader, and TarImages' index over the same bytes), _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
+// (FERRY_FUZZ_IDX, _NPY, _TOKENS (a Megatron index and an llm.c header), _S3 (an object store's XML answers), _TAR (the reader, and TarImages' index over the same bytes), _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
 // transform plan whose every tap must lie inside the image). Any input must either parse or raise ferry::DataError
 // (a clear error); anything else (a crash, an ASan/UBSan report, another exception) is a finding.
 #include <sys/mman.h>
@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -46,6 +47,28 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (const auto& o : page.objects)
       if (o.key.empty()) __builtin_trap();
     if (page.truncated && page.next_token.empty()) __builtin_trap();
+#elif defined(FERRY_FUZZ_TOKENS)
+    // A Megatron index (ferry/loaders/tokens.h) over a .bin of the size its first 4 bytes say (the
+    // rest is the .idx), every token and document boundary read back; and the same bytes as an
+    // llm.c header. The index is checked where samples read it, so every window is read.
+    try {
+      const ferry::LlmcHeader h = ferry::parse_llmc_header(bytes, "fuzz.bin");
+      if (h.type != ferry::TokenType::UInt16 && h.type != ferry::TokenType::UInt32) __builtin_trap();
+    } catch (const ferry::DataError&) {
+    }
+    if (size < 4) return 0;
+    std::uint32_t bin_size = 0;
+    std::memcpy(&bin_size, data, 4);
+    static std::vector<std::byte> bin;
+    bin.assign(bin_size % (1u << 16), std::byte{1});
+    const auto corpus = ferry::megatron_from_memory(bytes.subspan(4), bin, "fuzz");
+    if (corpus->size() < 8) return 0;  // fewer tokens than one window: TokenSequences refuses it (not a data error)
+    const ferry::TokenSequences seqs(corpus, {.seq_len = 7, .packed = true});
+    ferry::SampleContext ctx(0, 1, 0, ferry::WorkerInfo{});
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      const std::vector<ferry::Tensor> s = seqs.get(i, ctx);
+      if (s.size() != 4 || s[3].numel() != 8) __builtin_trap();
+    }
 #elif defined(FERRY_FUZZ_NPY)
     (void)ferry::parse_npy(bytes, "fuzz.npy");
 #elif defined(FERRY_FUZZ_TAR)

@@ -1,5 +1,7 @@
 // Writes a small seed corpus per fuzz target (valid files of each format), so the fuzzers start
-// from real structure: make_seeds <dir> creates <dir>/{idx,npy,tar,image,state,s3}/.
+// from real structure: make_seeds <dir> creates <dir>/{idx,npy,tokens,tar,image,state,s3}/.
+#include <cstdint>
+#include <cstring>
 #include <filesystem>
 #include <string>
 
@@ -24,6 +26,34 @@ int main(int argc, char** argv) {
   write_file(root + "/image/gray.jpg", encode_jpeg(gradient(8, 8, 1), 8, 8, 1, 80));
   write_file(root + "/image/rgba.png", encode_png(gradient(9, 5, 4), 9, 5, 4));
   write_file(root + "/image/gray.png", encode_png(gradient(4, 4, 1), 4, 4, 1));
+  // Token data: a Megatron index of 3 documents of 10 uint16 tokens after the .bin's size (60, 4
+  // bytes), and an llm.c header.
+  {
+    Bytes t;
+    auto put = [&](const void* p, std::size_t n) {
+      const auto* c = static_cast<const std::byte*>(p);
+      t.insert(t.end(), c, c + n);
+    };
+    const std::uint32_t bin = 60;
+    const std::uint64_t version = 1, seqs = 3, docs = 4;
+    const std::uint8_t code = 8;
+    const std::int32_t lengths[3] = {10, 10, 10};
+    const std::int64_t pointers[3] = {0, 20, 40}, doc_index[4] = {0, 1, 2, 3};
+    put(&bin, 4);
+    put("MMIDIDX\0\0", 9);
+    put(&version, 8);
+    put(&code, 1);
+    put(&seqs, 8);
+    put(&docs, 8);
+    put(lengths, sizeof lengths);
+    put(pointers, sizeof pointers);
+    put(doc_index, sizeof doc_index);
+    write_file(root + "/tokens/megatron", t);
+    Bytes h(1024);
+    const std::int32_t header[3] = {20240520, 1, 0};
+    std::memcpy(h.data(), header, sizeof header);
+    write_file(root + "/tokens/llmc", h);
+  }
   // A loader state (ferry/core/state.h), in the text format.
   write_file(root + "/state/mid-epoch", bytes_of("ferry.LoaderState 1\nseed 42\nepoch 3\nbatches 17\nbatches_per_epoch 100\n"
                                                   "samples_per_epoch 6400\ndataset_size 6400\nplan_hash 00ff00ff00ff00ff\n"

@@ -135,6 +135,71 @@ TEST_CASE("npy, IDX and single images read over s3:// equal the local files", "[
   CHECK(read_image(d.url("images/train/class-b/1.png")).equal(read_image(d.local("images/train/class-b/1.png"))));
 }
 
+TEST_CASE("token files and Megatron indexed datasets over s3:// equal the local files", "[s3][tokens]") {
+  const Data& d = data();
+  ObjectStore& store = ObjectStore::get();
+  // 997 uint16 tokens; a Megatron index of 3 documents (500, 400, 97 tokens) over the same bytes.
+  std::vector<std::uint16_t> tokens(997);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::uint16_t>(i * 13 % 50000);
+  Bytes bin(tokens.size() * 2);
+  std::memcpy(bin.data(), tokens.data(), bin.size());
+  Bytes idx;
+  auto put = [&](const void* p, std::size_t n) {
+    const auto* c = static_cast<const std::byte*>(p);
+    idx.insert(idx.end(), c, c + n);
+  };
+  const std::uint64_t version = 1, seqs = 3, docs = 4;
+  const std::uint8_t code = 8;
+  const std::int32_t lengths[3] = {500, 400, 97};
+  const std::int64_t pointers[3] = {0, 1000, 1800}, doc_index[4] = {0, 1, 2, 3};
+  put("MMIDIDX\0\0", 9);
+  put(&version, 8);
+  put(&code, 1);
+  put(&seqs, 8);
+  put(&docs, 8);
+  put(lengths, sizeof lengths);
+  put(pointers, sizeof pointers);
+  put(doc_index, sizeof doc_index);
+  for (const auto& [rel, bytes] : std::vector<std::pair<std::string, Bytes>>{{"tok/t.bin", bin}, {"tok/m.bin", bin}, {"tok/m.idx", idx}}) {
+    write_file(d.local(rel), bytes);
+    store.put(std::string(kBucket) + "/" + rel, bytes);
+  }
+  TokenFileOptions u16;
+  u16.type = TokenType::UInt16;
+  TokenSequenceOptions windows;
+  windows.seq_len = 32;
+  const TokenSequences remote(open_token_file(d.url("tok/t.bin"), u16), windows);
+  const TokenSequences local(open_token_file(d.local("tok/t.bin"), u16), windows);
+  TokenSequenceOptions packed;
+  packed.seq_len = 32;
+  packed.packed = true;
+  const TokenSequences mremote(open_megatron(d.url("tok/m")), packed), mlocal(open_megatron(d.local("tok/m")), packed);
+  const auto fields = [](const TokenSequences& ds, const DataLoaderOptions& o) {  // each batch's fields' bytes
+    std::vector<std::vector<std::byte>> out;
+    DataLoader loader(ds, o);
+    for (auto& b : loader) {
+      std::vector<std::byte> row;
+      for (const Tensor& t : b) {
+        const auto x = bytes(t);
+        row.insert(row.end(), x.begin(), x.end());
+      }
+      out.push_back(std::move(row));
+    }
+    return out;
+  };
+  for (int workers : {0, 3}) {
+    INFO(workers << " workers");
+    const DataLoaderOptions o = shuffled(8, workers, 5);
+    const auto a = fields(remote, o), b = fields(local, o);
+    CHECK(a.size() == 4);
+    CHECK(a == b);
+    const auto ma = fields(mremote, o), mb = fields(mlocal, o);
+    CHECK(ma.size() == 4);
+    CHECK(ma == mb);
+  }
+  CHECK_THROWS_WITH(open_megatron(d.url("tok/none")), Catch::Contains("s3://") && Catch::Contains("tok/none.idx"));
+}
+
 TEST_CASE("an image folder under an s3:// prefix: the local folder's classes, files and batches", "[s3][image]") {
   const Data& d = data();
   ImageFolderOptions io;

@@ -30,6 +30,7 @@
 #include "ferry/core/tensor.h"
 #include "ferry/loaders/image.h"
 #include "ferry/loaders/tar.h"
+#include "ferry/loaders/tokens.h"
 
 namespace ferry {
 
@@ -66,6 +67,12 @@ ImageFolder make_image_folder(const DatasetConfig& config);
 /// dataset; registry().help("tar_index") lists the keys), as the typed dataset, for decode=gpu as
 /// make_image_folder.
 TarImages make_tar_index(const DatasetConfig& config);
+
+/// The token sequences "tokens" (a flat token file: path=, dtype= for a raw file, format=, eod=)
+/// or "megatron" (prefix=) make from `config`, as the typed dataset (its field_names()); both take
+/// seq_len=1024, packed=0|1, random_offset=0|1, num_samples= (random_offset), vocab=, and
+/// out_dtype=int64|int32 (registry().help(name) lists the keys).
+TokenSequences make_token_sequences(const DatasetConfig& config);
 
 /// The shards a "tar" or "tar_index" configuration names: dir=<folder> (its .tar files, sorted) or
 /// shards=a.tar:b.tar. ferry::Error for a missing folder or an empty list.

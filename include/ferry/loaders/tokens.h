@@ -1,0 +1,238 @@
+// ferry/loaders/tokens.h — language-model data: token files, Megatron-LM indexed datasets,
+// fixed-length sequences (windows, or packed documents with their boundaries) and weighted
+// mixtures of sources, every sample a pure function of (seed, epoch, index) found in O(1) or
+// O(log documents): no pass over the corpus before the first batch, and a loader state of a few
+// numbers (ferry/core/state.h) that resumes at any worker count or world size.
+//
+//   auto corpus = ferry::open_token_file("train.bin", {.type = ferry::TokenType::UInt16});  // nanoGPT
+//   ferry::TokenSequences seqs(corpus, {.seq_len = 1024});
+//   ferry::DataLoader loader(seqs, {.batch_size = 64, .shuffle = true, .num_workers = 4});
+//   for (auto& batch : loader) { batch[0];  /* input_ids [64, 1024] int64 */  batch[1]; /* labels */ }
+//
+//   auto web = ferry::open_megatron("s3://corpus/web_text_document");        // prefix.bin + prefix.idx
+//   auto code = ferry::open_megatron("/data/code_text_document");
+//   ferry::Mixture mix({ferry::TokenSequences(web, {.seq_len = 2048, .packed = true}),
+//                       ferry::TokenSequences(code, {.seq_len = 2048, .packed = true})},
+//                      {0.7, 0.3}, {.seed = 1234});
+//
+// Token sources (TokenCorpus: one stream of token ids, cut into documents):
+// * open_token_file: a flat file of token ids: raw (nanoGPT's .bin: no header, the type given),
+//   llm.c's .bin (a 1024-byte header of 256 int32: magic 20240520, version 1 for uint16 or 2 for
+//   uint32 tokens, the token count), or a 1-D .npy (its dtype from the header). Documents are the
+//   runs ended by an end-of-document token id when one is given (TokenFileOptions::eod).
+// * open_megatron: a Megatron-LM indexed dataset (prefix.idx: "MMIDIDX\0\0", version 1, a dtype
+//   code, the sequence and document counts, then int32 sequence lengths, int64 byte pointers into
+//   prefix.bin, int64 document indices), read from that published layout; each of its sequences is
+//   a document. Only the index's header is checked at open (O(1)); the lengths and pointers a
+//   sample touches are checked when it reads them, so opening a corpus of any size is immediate.
+// Local files are memory-mapped; an "s3://bucket/key" object is read by ranged GETs, one a sample
+// (ferry/loaders/storage.h: credentials, retries, the disk cache). Bad input (a truncated file, a
+// wrong magic, version or dtype, counts that overflow or pointers that run past the .bin, a token
+// id at or past TokenFileOptions::vocab_size) is a DataError naming the file and the byte offset.
+//
+// Sequences (TokenSequences: a map-style dataset; the loader's sampler shuffles them):
+// * windows: the corpus cut into size() = (tokens - 1) / seq_len windows, window w covering tokens
+//   [w * seq_len, w * seq_len + seq_len + 1): input_ids are its first seq_len tokens, labels its
+//   last seq_len (shifted by one), so every token is an input of exactly one window an epoch.
+// * random_offset: nanoGPT's get_batch, each sample a window at an offset drawn from the sample's
+//   generator (seed, epoch, index): the same for any worker count and on resume.
+// * packed: the windows carry their documents' boundaries: position_ids that restart at 0 at the
+//   window's first token and at each document's first token (as Megatron-LM's reset_position_ids),
+//   and cu_seqlens, the offsets in the sequence where its documents start,
+//   then seq_len (FlashAttention's varlen layout for one sequence), padded to seq_len + 1 entries
+//   by repeating seq_len (empty sequences, which varlen kernels skip). Documents stay in corpus
+//   order inside a window; the sampler shuffles the windows.
+// labels are the next token everywhere, across a document's end too (as Megatron-LM's without
+// eod_mask_loss); a loss that should not cross documents masks labels[k] where
+// position_ids[k + 1] == 0.
+// Samples are std::vector<Tensor>: input_ids, labels [seq_len] (int64, or int32 with
+// TokenSequenceOptions::dtype), and when packed position_ids [seq_len] (same dtype) and
+// cu_seqlens [seq_len + 1] (int32); field_names() names them.
+//
+// Mixture (weighted sources, each any map-style dataset of std::vector<Tensor> samples): which
+// source global sample g = epoch * size() + index comes from is a pure function of (seed, g): in
+// each block of `block` samples a source has its weight's share by largest remainder (so the
+// realized proportions are within one sample a block of the weights), the slots shuffled within
+// the block. A source's k-th sample is its own shuffle of its epoch k / source.size(): a source
+// that runs out starts its next epoch on its own. reweighted(w, from) keeps every sample before
+// global index `from` and applies new weights from there (a run that resumes with new weights).
+// Use the loader with shuffle = false over a mixture: its order is already random.
+//
+// Thread safety: everything here is immutable after construction and safe to read from many
+// threads (the loader's workers).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "ferry/core/dataset.h"
+#include "ferry/core/tensor.h"
+
+namespace ferry {
+
+/// How token ids are stored in a file.
+enum class TokenType : std::uint8_t { UInt8, Int8, Int16, UInt16, Int32, UInt32, Int64 };
+/// Bytes per token.
+std::size_t token_size(TokenType type) noexcept;
+/// "uint16", ...
+const char* token_type_name(TokenType type) noexcept;
+/// The type named `name` ("uint16", "uint32", "int32", ...); ferry::Error otherwise.
+TokenType parse_token_type(const std::string& name);
+
+/// A stream of token ids cut into documents (open_token_file, open_megatron).
+class TokenCorpus {
+ public:
+  virtual ~TokenCorpus() = default;
+  /// Tokens in the stream.
+  virtual std::uint64_t size() const noexcept = 0;
+  virtual TokenType type() const noexcept = 0;
+  /// The file (or the Megatron prefix), for errors and reports.
+  virtual const std::string& name() const noexcept = 0;
+  /// Tokens [begin, begin + out.size()) widened into `out`. DataError naming the file and offset
+  /// for a token at or past the vocabulary size, a range past the end, or a failed read.
+  virtual void read(std::uint64_t begin, std::span<std::int64_t> out) const = 0;
+  /// Appends to `out` the positions p in (begin, begin + tokens.size()) where a document starts
+  /// (tokens are the stream's from `begin`, as read()). Nothing when the corpus has no documents.
+  virtual void document_starts(std::uint64_t begin, std::span<const std::int64_t> tokens,
+                               std::vector<std::uint64_t>& out) const = 0;
+  /// True when the corpus knows its documents (an end-of-document id, or a Megatron index).
+  virtual bool has_documents() const noexcept = 0;
+  /// Documents in the corpus when known without reading it (a Megatron index), else 0.
+  virtual std::uint64_t documents() const noexcept { return 0; }
+};
+
+/// Options of open_token_file.
+struct TokenFileOptions {
+  enum class Format : std::uint8_t { Auto, Raw, LlmC, Npy };
+  /// Auto: a .npy by its magic string, an llm.c file by its magic number, else raw.
+  Format format = Format::Auto;
+  /// The token type of a raw file (required there); for a headed file, when given, it must match
+  /// the header's (a DataError otherwise).
+  std::optional<TokenType> type;
+  /// The end-of-document token id: a document ends after each such token.
+  std::optional<std::int64_t> eod;
+  /// Token ids must be below this (checked as samples read them); unset: not checked.
+  std::optional<std::int64_t> vocab_size;
+};
+
+/// Opens a flat token file (local or s3://). DataError for a missing, empty or malformed file.
+std::shared_ptr<const TokenCorpus> open_token_file(const std::string& path, const TokenFileOptions& options = {});
+
+/// Options of open_megatron.
+struct MegatronOptions {
+  std::optional<std::int64_t> vocab_size;  ///< as TokenFileOptions::vocab_size
+};
+
+/// Opens a Megatron-LM indexed dataset: `prefix`.idx and `prefix`.bin (local or s3://).
+std::shared_ptr<const TokenCorpus> open_megatron(const std::string& prefix, const MegatronOptions& options = {});
+
+/// The same over bytes in memory (tests, fuzzing); both spans must outlive the corpus.
+std::shared_ptr<const TokenCorpus> megatron_from_memory(std::span<const std::byte> idx, std::span<const std::byte> bin,
+                                                        const std::string& name, const MegatronOptions& options = {});
+
+/// The token type and count in an llm.c header (its first 1024 bytes); DataError otherwise.
+struct LlmcHeader {
+  TokenType type;
+  std::uint64_t tokens;
+};
+LlmcHeader parse_llmc_header(std::span<const std::byte> header, const std::string& name);
+
+/// Options of TokenSequences.
+struct TokenSequenceOptions {
+  /// Tokens a sample's input_ids hold.
+  std::size_t seq_len = 1024;
+  /// nanoGPT's random windows instead of the corpus cut in order (size() stays the same unless
+  /// num_samples says otherwise).
+  bool random_offset = false;
+  /// Windows with their documents' position_ids and cu_seqlens (the corpus must know its
+  /// documents: an eod id, or a Megatron index).
+  bool packed = false;
+  /// Int64 (torch's token dtype) or Int32.
+  DType dtype = DType::Int64;
+  /// random_offset only: samples an epoch (default: as many as windows).
+  std::optional<std::size_t> num_samples;
+};
+
+/// Fixed-length sequences over a TokenCorpus (see the top of this file).
+class TokenSequences : public DatasetBase<TokenSequences> {
+ public:
+  TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenSequenceOptions options = {});
+  std::size_t size() const noexcept { return size_; }
+  std::vector<Tensor> get(std::size_t index, SampleContext& ctx) const;
+  /// The first stream position of sample `index`'s window (its input_ids; labels start one after).
+  std::uint64_t window_start(std::size_t index, SampleContext& ctx) const;
+  /// "input_ids", "labels", and when packed "position_ids", "cu_seqlens".
+  std::vector<std::string> field_names() const;
+  const TokenCorpus& corpus() const noexcept { return *corpus_; }
+  const TokenSequenceOptions& options() const noexcept { return options_; }
+
+ private:
+  std::shared_ptr<const TokenCorpus> corpus_;
+  TokenSequenceOptions options_;
+  std::size_t size_ = 0;
+};
+
+/// Options of Mixture.
+struct MixtureOptions {
+  /// Keys the slots of each block and each source's shuffle.
+  std::uint64_t seed = 0;
+  /// Samples a block: the weights are met within one sample per block.
+  std::size_t block = 1000;
+  /// Samples an epoch; default: the sum of the sources' sizes.
+  std::optional<std::size_t> size;
+};
+
+/// Weighted sources as one dataset (see the top of this file).
+class Mixture : public DatasetBase<Mixture> {
+ public:
+  /// `weights`: one per source, finite, >= 0, a positive sum (ferry::Error names a bad one);
+  /// every source must have at least one sample.
+  Mixture(std::vector<AnyDataset<std::vector<Tensor>>> sources, std::vector<double> weights, MixtureOptions options = {});
+  /// A mixture that gives the same samples as this one before global index `from` and draws with
+  /// `weights` from there (global index: epoch * size() + index in the epoch). `from` must not be
+  /// before the start of this mixture's last weights.
+  Mixture reweighted(std::vector<double> weights, std::uint64_t from) const;
+
+  std::size_t size() const noexcept { return size_; }
+  std::vector<Tensor> get(std::size_t index, SampleContext& ctx) const;
+
+  /// Where global sample `global` comes from.
+  struct Pick {
+    std::size_t source = 0;   ///< which source
+    std::uint64_t draw = 0;   ///< the source's draws before this one (its k-th sample)
+    std::size_t sample = 0;   ///< the source's sample index
+  };
+  Pick pick(std::uint64_t global) const;
+  /// Samples each source gives in [0, global) (for reports and tests).
+  std::vector<std::uint64_t> counts_before(std::uint64_t global) const;
+  std::size_t sources() const noexcept { return sources_.size(); }
+
+ private:
+  struct Phase;
+  std::vector<AnyDataset<std::vector<Tensor>>> sources_;
+  std::vector<std::size_t> source_sizes_;
+  std::shared_ptr<const std::vector<Phase>> phases_;
+  MixtureOptions options_;
+  std::size_t size_ = 0;
+};
+
+/// A seeded random permutation of [0, n), evaluated one position at a time in O(1) expected
+/// time and no memory (a Feistel network with cycle walking): at(i) for i in [0, n).
+class IndexPermutation {
+ public:
+  IndexPermutation(std::uint64_t n, std::uint64_t key) noexcept;
+  std::uint64_t at(std::uint64_t i) const noexcept;
+  std::uint64_t size() const noexcept { return n_; }
+
+ private:
+  std::uint64_t round(std::uint64_t half, int r) const noexcept;
+  std::uint64_t n_, key_;
+  int half_bits_ = 1;
+};
+
+}  // namespace ferry

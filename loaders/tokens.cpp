@@ -1,0 +1,674 @@
+// Token files, Megatron-LM indexed datasets, sequences and mixtures (ferry/loaders/tokens.h).
+//
+// Note [Token positions in O(1)]
+// Nothing here reads a corpus before its first sample: a flat file's windows are arithmetic on
+// the token count, a Megatron corpus's document boundaries come from a binary search of its
+// pointer array (memory-mapped), and a mixture's source for a global index comes from the block's
+// counts (largest remainder) and a permutation evaluated at one position (IndexPermutation). So
+// the first batch costs what one batch costs whatever the corpus size, and a resume is the same
+// arithmetic from another index. The index is checked where it is read: a sample that touches a
+// pointer checks it against its neighbour and the .bin's size, so a damaged index is a DataError
+// naming the .idx and the entry's byte offset, found when a sample reaches it (fuzzed: FERRY_FUZZ_TOKENS).
+#include "ferry/loaders/tokens.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "io.h"
+
+namespace ferry {
+
+std::size_t token_size(TokenType type) noexcept {
+  switch (type) {
+    case TokenType::UInt8:
+    case TokenType::Int8: return 1;
+    case TokenType::Int16:
+    case TokenType::UInt16: return 2;
+    case TokenType::Int32:
+    case TokenType::UInt32: return 4;
+    case TokenType::Int64: return 8;
+  }
+  return 0;
+}
+
+const char* token_type_name(TokenType type) noexcept {
+  switch (type) {
+    case TokenType::UInt8: return "uint8";
+    case TokenType::Int8: return "int8";
+    case TokenType::Int16: return "int16";
+    case TokenType::UInt16: return "uint16";
+    case TokenType::Int32: return "int32";
+    case TokenType::UInt32: return "uint32";
+    case TokenType::Int64: return "int64";
+  }
+  return "?";
+}
+
+TokenType parse_token_type(const std::string& name) {
+  for (TokenType t : {TokenType::UInt8, TokenType::Int8, TokenType::Int16, TokenType::UInt16, TokenType::Int32, TokenType::UInt32,
+                      TokenType::Int64})
+    if (name == token_type_name(t)) return t;
+  throw Error("token type '" + name + "' is not one of uint8, int8, int16, uint16, int32, uint32, int64");
+}
+
+namespace {
+
+std::uint64_t le64(const std::byte* p) {
+  std::uint64_t v;
+  std::memcpy(&v, p, 8);
+  return v;  // the formats are little-endian, as is every host ferry builds for
+}
+std::int64_t le_i64(const std::byte* p) {
+  std::int64_t v;
+  std::memcpy(&v, p, 8);
+  return v;
+}
+std::int32_t le_i32(const std::byte* p) {
+  std::int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+template <class T>
+void widen_as(const std::byte* src, std::span<std::int64_t> out) {
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    T v;
+    std::memcpy(&v, src + i * sizeof(T), sizeof(T));
+    out[i] = static_cast<std::int64_t>(v);
+  }
+}
+
+void widen(TokenType type, const std::byte* src, std::span<std::int64_t> out) {
+  switch (type) {
+    case TokenType::UInt8: return widen_as<std::uint8_t>(src, out);
+    case TokenType::Int8: return widen_as<std::int8_t>(src, out);
+    case TokenType::Int16: return widen_as<std::int16_t>(src, out);
+    case TokenType::UInt16: return widen_as<std::uint16_t>(src, out);
+    case TokenType::Int32: return widen_as<std::int32_t>(src, out);
+    case TokenType::UInt32: return widen_as<std::uint32_t>(src, out);
+    case TokenType::Int64: return widen_as<std::int64_t>(src, out);
+  }
+}
+
+// A file's bytes: a local file mapped, an object read by ranged GETs, or bytes in memory.
+class Bytes {
+ public:
+  static Bytes open(const std::string& path) {
+    Bytes b;
+    b.name_ = path;
+    if (loaders::is_remote(path)) {
+      b.size_ = loaders::Blob::open(path)->size();
+      b.ranges_ = std::make_shared<loaders::RangeReader>(path);
+    } else {
+      b.map_ = loaders::MappedFile::open(path);
+      b.memory_ = b.map_->bytes();
+      b.size_ = b.memory_.size();
+    }
+    return b;
+  }
+  static Bytes wrap(std::span<const std::byte> bytes, std::string name) {
+    Bytes b;
+    b.name_ = std::move(name);
+    b.memory_ = bytes;
+    b.size_ = bytes.size();
+    return b;
+  }
+  /// An object read whole into memory (an index searched many times a sample).
+  void load_whole() {
+    if (!ranges_) return;
+    auto owned = std::make_shared<std::vector<std::byte>>();
+    loaders::read_file(name_, *owned);
+    owned_ = owned;
+    memory_ = *owned;
+    size_ = memory_.size();
+    ranges_.reset();
+  }
+  /// n bytes at `offset`: in place, or read into `scratch`. DataError when they run past the end.
+  const std::byte* view(std::uint64_t offset, std::size_t n, std::vector<std::byte>& scratch) const {
+    if (offset > size_ || n > size_ - offset)
+      throw DataError(name_, offset, "needs " + std::to_string(n) + " bytes here, the file has " + std::to_string(size_) + " (truncated?)");
+    if (!ranges_) return memory_.data() + offset;
+    ranges_->read(offset, n, scratch);
+    return scratch.data();
+  }
+  std::uint64_t size() const noexcept { return size_; }
+  const std::string& name() const noexcept { return name_; }
+
+ private:
+  std::string name_;
+  std::uint64_t size_ = 0;
+  std::shared_ptr<const loaders::MappedFile> map_;
+  std::shared_ptr<loaders::RangeReader> ranges_;
+  std::shared_ptr<const std::vector<std::byte>> owned_;
+  std::span<const std::byte> memory_;
+};
+
+thread_local std::vector<std::byte> t_scratch;
+
+// Tokens [data_offset, data_offset + tokens * size) of a file, checked against a vocabulary.
+class TokenBytes {
+ public:
+  TokenBytes(Bytes bytes, std::uint64_t data_offset, std::uint64_t tokens, TokenType type, std::optional<std::int64_t> vocab)
+      : bytes_(std::move(bytes)), offset_(data_offset), tokens_(tokens), type_(type), vocab_(vocab) {}
+  void read(std::uint64_t begin, std::span<std::int64_t> out) const {
+    const std::size_t isz = token_size(type_);
+    if (begin > tokens_ || out.size() > tokens_ - begin)
+      throw DataError(bytes_.name(), offset_ + begin * isz, "tokens [" + std::to_string(begin) + ", " + std::to_string(begin + out.size()) +
+                                                                ") run past the file's " + std::to_string(tokens_) + " tokens");
+    widen(type_, bytes_.view(offset_ + begin * isz, out.size() * isz, t_scratch), out);
+    if (vocab_)
+      for (std::size_t i = 0; i < out.size(); ++i)
+        if (out[i] < 0 || out[i] >= *vocab_)
+          throw DataError(bytes_.name(), offset_ + (begin + i) * isz, "token id " + std::to_string(out[i]) + " (token " + std::to_string(begin + i) +
+                                                                          ") is outside the vocabulary [0, " + std::to_string(*vocab_) + ")");
+  }
+  std::uint64_t tokens() const noexcept { return tokens_; }
+  TokenType type() const noexcept { return type_; }
+  const Bytes& bytes() const noexcept { return bytes_; }
+
+ private:
+  Bytes bytes_;
+  std::uint64_t offset_, tokens_;
+  TokenType type_;
+  std::optional<std::int64_t> vocab_;
+};
+
+class FlatCorpus final : public TokenCorpus {
+ public:
+  FlatCorpus(TokenBytes tokens, std::optional<std::int64_t> eod) : tokens_(std::move(tokens)), eod_(eod) {}
+  std::uint64_t size() const noexcept override { return tokens_.tokens(); }
+  TokenType type() const noexcept override { return tokens_.type(); }
+  const std::string& name() const noexcept override { return tokens_.bytes().name(); }
+  void read(std::uint64_t begin, std::span<std::int64_t> out) const override { tokens_.read(begin, out); }
+  void document_starts(std::uint64_t begin, std::span<const std::int64_t> tokens, std::vector<std::uint64_t>& out) const override {
+    if (!eod_) return;
+    for (std::size_t k = 1; k < tokens.size(); ++k)
+      if (tokens[k - 1] == *eod_) out.push_back(begin + k);
+  }
+  bool has_documents() const noexcept override { return eod_.has_value(); }
+
+ private:
+  TokenBytes tokens_;
+  std::optional<std::int64_t> eod_;
+};
+
+TokenType npy_token_type(const std::string& descr, const std::string& name, std::uint64_t at) {
+  static const std::pair<const char*, TokenType> kTypes[] = {{"u1", TokenType::UInt8},  {"i1", TokenType::Int8},   {"i2", TokenType::Int16},
+                                                             {"u2", TokenType::UInt16}, {"i4", TokenType::Int32},  {"u4", TokenType::UInt32},
+                                                             {"i8", TokenType::Int64}};
+  if (descr.size() == 3 && (descr[0] == '<' || descr[0] == '|' || (descr[0] == '>' && descr[2] == '1') || descr[0] == '='))
+    for (auto& [code, type] : kTypes)
+      if (descr.compare(1, 2, code) == 0) return type;
+  throw DataError(name, at, "a token .npy must hold little-endian integers (uint8/16/32, int8/16/32/64), not '" + descr + "'");
+}
+
+}  // namespace
+
+LlmcHeader parse_llmc_header(std::span<const std::byte> header, const std::string& name) {
+  constexpr std::int32_t kMagic = 20240520;
+  if (header.size() < 1024) throw DataError(name, header.size(), "truncated llm.c header: it is 1024 bytes, the file has " + std::to_string(header.size()));
+  if (le_i32(header.data()) != kMagic)
+    throw DataError(name, 0, "not an llm.c token file: magic " + std::to_string(le_i32(header.data())) + ", expected 20240520");
+  const std::int32_t version = le_i32(header.data() + 4);
+  if (version != 1 && version != 2)
+    throw DataError(name, 4, "unsupported llm.c token file version " + std::to_string(version) + " (1: uint16 tokens, 2: uint32)");
+  const std::int32_t count = le_i32(header.data() + 8);
+  if (count < 0) throw DataError(name, 8, "llm.c header: negative token count " + std::to_string(count));
+  return {version == 1 ? TokenType::UInt16 : TokenType::UInt32, static_cast<std::uint64_t>(count)};
+}
+
+std::shared_ptr<const TokenCorpus> open_token_file(const std::string& path, const TokenFileOptions& o) {
+  Bytes bytes = Bytes::open(path);
+  if (bytes.size() == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
+  std::vector<std::byte> head_buf;
+  const std::size_t head_n = static_cast<std::size_t>(std::min<std::uint64_t>(bytes.size(), 65536));
+  const std::byte* head = bytes.view(0, head_n, head_buf);
+  const std::span<const std::byte> head_span(head, head_n);
+  using Format = TokenFileOptions::Format;
+  Format format = o.format;
+  if (format == Format::Auto) {
+    if (head_n >= 6 && std::memcmp(head, "\x93NUMPY", 6) == 0) format = Format::Npy;
+    else if (head_n >= 4 && le_i32(head) == 20240520) format = Format::LlmC;
+    else format = Format::Raw;
+  }
+  auto check_type = [&](TokenType found) {
+    if (o.type && *o.type != found)
+      throw DataError(path, 0, std::string("holds ") + token_type_name(found) + " tokens, and " + token_type_name(*o.type) + " was asked for");
+  };
+  std::uint64_t offset = 0, tokens = 0;
+  TokenType type = TokenType::UInt16;
+  if (format == Format::Npy) {
+    const loaders::NpyLayout l = loaders::npy_layout(head_span, path);
+    type = npy_token_type(l.descr, path, l.header_offset);
+    if (l.shape.size() != 1)
+      throw DataError(path, l.header_offset, "a token .npy must be 1-D, this one has shape of " + std::to_string(l.shape.size()) + " dimensions");
+    offset = l.data_offset;
+    tokens = static_cast<std::uint64_t>(l.shape[0]);
+    check_type(type);
+  } else if (format == Format::LlmC) {
+    const LlmcHeader h = parse_llmc_header(head_span, path);
+    type = h.type;
+    offset = 1024;
+    tokens = h.tokens;
+    check_type(type);
+  } else {
+    if (!o.type) throw Error(path + ": a raw token file needs its token type (uint16 for nanoGPT's .bin)");
+    type = *o.type;
+    if (bytes.size() % token_size(type) != 0)
+      throw DataError(path, bytes.size() - bytes.size() % token_size(type),
+                      std::to_string(bytes.size()) + " bytes is not a whole number of " + token_type_name(type) + " tokens (truncated?)");
+    tokens = bytes.size() / token_size(type);
+  }
+  const std::uint64_t need = offset + loaders::checked_mul(tokens, token_size(type), path, "token data size");
+  if (need != bytes.size())
+    throw DataError(path, std::min(need, bytes.size()), "the header declares " + std::to_string(tokens) + " " + token_type_name(type) + " tokens (" +
+                                                            std::to_string(need) + " bytes in all), the file has " + std::to_string(bytes.size()) +
+                                                            (need > bytes.size() ? " (truncated)" : " (trailing bytes)"));
+  return std::make_shared<FlatCorpus>(TokenBytes(std::move(bytes), offset, tokens, type, o.vocab_size), o.eod);
+}
+
+// --- Megatron-LM indexed datasets ---------------------------------------------------------------
+
+namespace {
+
+// prefix.idx, as megatron-core's _IndexWriter writes it (little-endian):
+//   9 bytes  "MMIDIDX\0\0"
+//   u64      version (1)
+//   u8       dtype code: 1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
+//   u64      sequence count S
+//   u64      document count D (entries of the document index: documents + 1)
+//   i32[S]   sequence lengths, in tokens
+//   i64[S]   sequence pointers, byte offsets into prefix.bin
+//   i64[D]   document indices: the first sequence of each document, then S
+//   (i8[S]   sequence modes, multimodal datasets only)
+constexpr std::size_t kIdxHeader = 9 + 8 + 1 + 8 + 8;
+
+class MegatronCorpus final : public TokenCorpus {
+ public:
+  MegatronCorpus(Bytes idx, Bytes bin, std::string name, const MegatronOptions& o) : idx_(std::move(idx)), name_(std::move(name)) {
+    std::vector<std::byte> buf;
+    const std::string& in = idx_.name();
+    if (idx_.size() < kIdxHeader) throw DataError(in, idx_.size(), "truncated Megatron index: " + std::to_string(idx_.size()) + " bytes, the header is 34");
+    const std::byte* h = idx_.view(0, kIdxHeader, buf);
+    if (std::memcmp(h, "MMIDIDX\0\0", 9) != 0) throw DataError(in, 0, "not a Megatron index (the magic MMIDIDX\\0\\0 is missing)");
+    if (le64(h + 9) != 1) throw DataError(in, 9, "unsupported Megatron index version " + std::to_string(le64(h + 9)) + " (1 is read)");
+    const auto code = std::to_integer<unsigned>(h[17]);
+    static const std::optional<TokenType> kCodes[] = {std::nullopt,    TokenType::UInt8, TokenType::Int8, TokenType::Int16, TokenType::Int32,
+                                                      TokenType::Int64, std::nullopt,    std::nullopt,    TokenType::UInt16};
+    if (code >= 9 || !kCodes[code])
+      throw DataError(in, 17, "Megatron dtype code " + std::to_string(code) + (code == 6 || code == 7 ? " is a float type, not tokens" : " is unknown"));
+    type_ = *kCodes[code];
+    sequences_ = le64(h + 18);
+    doc_entries_ = le64(h + 26);
+    if (sequences_ == 0) throw DataError(in, 18, "the index holds no sequences");
+    const std::uint64_t per_seq = 4 + 8;
+    if (sequences_ > (std::numeric_limits<std::uint64_t>::max() - kIdxHeader) / 16 || doc_entries_ > std::numeric_limits<std::uint64_t>::max() / 16)
+      throw DataError(in, 18, "counts overflow: " + std::to_string(sequences_) + " sequences, " + std::to_string(doc_entries_) + " document entries");
+    lengths_at_ = kIdxHeader;
+    pointers_at_ = lengths_at_ + sequences_ * 4;
+    docs_at_ = pointers_at_ + sequences_ * 8;
+    const std::uint64_t end = docs_at_ + doc_entries_ * 8;
+    if (end < docs_at_ || (idx_.size() != end && idx_.size() != end + sequences_))
+      throw DataError(in, std::min<std::uint64_t>(idx_.size(), end),
+                      std::to_string(sequences_) + " sequences (" + std::to_string(per_seq) + " bytes each) and " + std::to_string(doc_entries_) +
+                          " document entries need an index of " + std::to_string(end) + " bytes, it has " + std::to_string(idx_.size()));
+    if (doc_entries_ < 2) throw DataError(in, 26, "the document index has " + std::to_string(doc_entries_) + " entries (at least 2: 0 and the sequence count)");
+    idx_.load_whole();  // an object's index is searched a sample at a time: read it once (a local one is mapped)
+    const std::size_t isz = token_size(type_);
+    if (bin.size() % isz != 0)
+      throw DataError(bin.name(), bin.size(), std::to_string(bin.size()) + " bytes is not a whole number of " + token_type_name(type_) + " tokens");
+    // The stream is the whole .bin: the first sequence at 0, the last ending at its end.
+    if (pointer(0) != 0) throw DataError(in, pointers_at_, "the first sequence starts at byte " + std::to_string(pointer(0)) + " of the .bin, not 0");
+    const std::uint64_t last = sequences_ - 1;
+    const std::uint64_t last_end = pointer(last) + length(last) * isz;
+    if (last_end != bin.size())
+      throw DataError(in, pointers_at_ + last * 8, "the last sequence ends at byte " + std::to_string(last_end) + " of the .bin, which has " +
+                                                      std::to_string(bin.size()) + " bytes" + (last_end > bin.size() ? " (pointers run past the .bin)" : ""));
+    if (doc_index(0) != 0 || doc_index(doc_entries_ - 1) != sequences_)
+      throw DataError(in, docs_at_, "the document index must run from 0 to the sequence count " + std::to_string(sequences_));
+    tokens_.emplace(std::move(bin), 0, bin_tokens(last_end), type_, o.vocab_size);
+  }
+  std::uint64_t size() const noexcept override { return tokens_->tokens(); }
+  TokenType type() const noexcept override { return type_; }
+  const std::string& name() const noexcept override { return name_; }
+  void read(std::uint64_t begin, std::span<std::int64_t> out) const override { tokens_->read(begin, out); }
+  bool has_documents() const noexcept override { return true; }
+  std::uint64_t documents() const noexcept override { return sequences_; }
+  void document_starts(std::uint64_t begin, std::span<const std::int64_t> tokens, std::vector<std::uint64_t>& out) const override {
+    const std::size_t isz = token_size(type_);
+    const std::uint64_t lo = begin * isz, hi = (begin + tokens.size()) * isz;
+    // The first sequence starting after `lo`: a binary search over the pointers (checked where read).
+    std::uint64_t a = 0, b = sequences_;
+    while (a < b) {
+      const std::uint64_t m = a + (b - a) / 2;
+      if (pointer(m) <= lo) a = m + 1;
+      else b = m;
+    }
+    for (std::uint64_t j = a; j < sequences_; ++j) {
+      const std::uint64_t p = pointer(j);
+      if (j > 0) check_follows(j);
+      if (p >= hi) break;
+      out.push_back(p / isz);
+    }
+  }
+
+ private:
+  std::uint64_t bin_tokens(std::uint64_t bytes) const { return bytes / token_size(type_); }
+  std::uint64_t pointer(std::uint64_t j) const {
+    const std::int64_t p = le_i64(idx_.view(pointers_at_ + j * 8, 8, t_scratch));
+    if (p < 0 || static_cast<std::uint64_t>(p) % token_size(type_) != 0)
+      throw DataError(idx_.name(), pointers_at_ + j * 8, "sequence " + std::to_string(j) + "'s pointer " + std::to_string(p) +
+                                                            " is negative or not a whole token's offset");
+    return static_cast<std::uint64_t>(p);
+  }
+  std::uint64_t length(std::uint64_t j) const {
+    const std::int32_t n = le_i32(idx_.view(lengths_at_ + j * 4, 4, t_scratch));
+    if (n < 0) throw DataError(idx_.name(), lengths_at_ + j * 4, "sequence " + std::to_string(j) + " has a negative length " + std::to_string(n));
+    return static_cast<std::uint64_t>(n);
+  }
+  std::uint64_t doc_index(std::uint64_t k) const { return static_cast<std::uint64_t>(le_i64(idx_.view(docs_at_ + k * 8, 8, t_scratch))); }
+  // Sequence j starts where sequence j - 1 ends: the stream is the .bin read front to back.
+  void check_follows(std::uint64_t j) const {
+    const std::uint64_t prev = pointer(j - 1), len = length(j - 1), p = pointer(j);
+    if (len > (std::numeric_limits<std::uint64_t>::max() - prev) / token_size(type_) || prev + len * token_size(type_) != p)
+      throw DataError(idx_.name(), pointers_at_ + j * 8, "sequence " + std::to_string(j) + " starts at byte " + std::to_string(p) + " of the .bin, sequence " +
+                                                            std::to_string(j - 1) + " ends at " + std::to_string(prev + len * token_size(type_)) +
+                                                            " (ferry reads indices whose sequences follow each other, as megatron-core writes them)");
+  }
+
+  Bytes idx_;
+  std::string name_;
+  TokenType type_ = TokenType::UInt16;
+  std::uint64_t sequences_ = 0, doc_entries_ = 0, lengths_at_ = 0, pointers_at_ = 0, docs_at_ = 0;
+  std::optional<TokenBytes> tokens_;
+};
+
+}  // namespace
+
+std::shared_ptr<const TokenCorpus> open_megatron(const std::string& prefix, const MegatronOptions& o) {
+  Bytes idx = Bytes::open(prefix + ".idx");  // the index first: a missing dataset is named by it
+  Bytes bin = Bytes::open(prefix + ".bin");
+  return std::make_shared<MegatronCorpus>(std::move(idx), std::move(bin), prefix, o);
+}
+
+std::shared_ptr<const TokenCorpus> megatron_from_memory(std::span<const std::byte> idx, std::span<const std::byte> bin, const std::string& name,
+                                                        const MegatronOptions& o) {
+  return std::make_shared<MegatronCorpus>(Bytes::wrap(idx, name + ".idx"), Bytes::wrap(bin, name + ".bin"), name, o);
+}
+
+// --- sequences ----------------------------------------------------------------------------------
+
+TokenSequences::TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenSequenceOptions options)
+    : corpus_(std::move(corpus)), options_(options) {
+  if (!corpus_) throw Error("TokenSequences: no corpus");
+  const std::string& n = corpus_->name();
+  if (options_.seq_len < 1 || options_.seq_len > (std::size_t{1} << 30))
+    throw Error("TokenSequences(" + n + "): seq_len must be in [1, 2^30], got " + std::to_string(options_.seq_len));
+  if (options_.dtype != DType::Int64 && options_.dtype != DType::Int32)
+    throw Error("TokenSequences(" + n + "): dtype must be int64 or int32, got " + dtype_name(options_.dtype));
+  if (options_.packed && !corpus_->has_documents())
+    throw Error("TokenSequences(" + n + "): packed sequences need the corpus's documents: give the end-of-document token id (eod), or read a Megatron index");
+  if (options_.num_samples && !options_.random_offset)
+    throw Error("TokenSequences(" + n + "): num_samples is for random_offset windows (ordered windows are as many as the corpus holds)");
+  if (corpus_->size() < options_.seq_len + 1)
+    throw Error("TokenSequences(" + n + "): the corpus has " + std::to_string(corpus_->size()) + " tokens, fewer than one window of seq_len + 1 = " +
+                std::to_string(options_.seq_len + 1));
+  size_ = static_cast<std::size_t>((corpus_->size() - 1) / options_.seq_len);
+  if (options_.num_samples) size_ = *options_.num_samples;
+}
+
+std::uint64_t TokenSequences::window_start(std::size_t index, SampleContext& ctx) const {
+  if (index >= size_) throw Error(corpus_->name() + ": window " + std::to_string(index) + " out of range for " + std::to_string(size_));
+  if (options_.random_offset) return ctx.rng().randint(corpus_->size() - options_.seq_len);
+  return static_cast<std::uint64_t>(index) * options_.seq_len;
+}
+
+std::vector<std::string> TokenSequences::field_names() const {
+  if (options_.packed) return {"input_ids", "labels", "position_ids", "cu_seqlens"};
+  return {"input_ids", "labels"};
+}
+
+namespace {
+template <class T>
+void store(const std::int64_t* src, std::size_t n, Tensor& t) {
+  T* dst = static_cast<T*>(t.raw());
+  for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+}  // namespace
+
+std::vector<Tensor> TokenSequences::get(std::size_t index, SampleContext& ctx) const {
+  const std::size_t seq = options_.seq_len;
+  const std::uint64_t start = window_start(index, ctx);
+  thread_local std::vector<std::int64_t> window;
+  window.resize(seq + 1);
+  corpus_->read(start, window);
+  const auto len = static_cast<std::int64_t>(seq);
+  std::vector<Tensor> out;
+  out.reserve(4);
+  auto field = [&](const std::int64_t* src) {
+    Tensor t = Tensor::empty(options_.dtype, {len});
+    if (options_.dtype == DType::Int64) store<std::int64_t>(src, seq, t);
+    else store<std::int32_t>(src, seq, t);
+    out.push_back(std::move(t));
+  };
+  field(window.data());
+  field(window.data() + 1);
+  if (options_.packed) {
+    thread_local std::vector<std::uint64_t> starts;
+    starts.clear();
+    corpus_->document_starts(start, std::span<const std::int64_t>(window.data(), seq), starts);
+    thread_local std::vector<std::int64_t> positions;
+    positions.resize(seq);
+    Tensor cu = Tensor::empty(DType::Int32, {len + 1});
+    auto* c = static_cast<std::int32_t*>(cu.raw());
+    std::size_t docs = 0, next = 0, first = 0;
+    c[docs++] = 0;
+    for (std::size_t k = 0; k < seq; ++k) {
+      if (next < starts.size() && starts[next] == start + k) {
+        first = k;
+        ++next;
+        if (k > 0) c[docs++] = static_cast<std::int32_t>(k);
+      }
+      positions[k] = static_cast<std::int64_t>(k - first);
+    }
+    while (docs <= seq) c[docs++] = static_cast<std::int32_t>(seq);
+    field(positions.data());
+    out.push_back(std::move(cu));
+  }
+  return out;
+}
+
+// --- permutations -------------------------------------------------------------------------------
+
+IndexPermutation::IndexPermutation(std::uint64_t n, std::uint64_t key) noexcept : n_(n), key_(key) {
+  const int bits = n <= 4 ? 2 : std::bit_width(n - 1);
+  half_bits_ = (bits + 1) / 2;
+}
+
+std::uint64_t IndexPermutation::round(std::uint64_t half, int r) const noexcept {
+  return mix_seed(key_, half, static_cast<std::uint64_t>(r)) & ((std::uint64_t{1} << half_bits_) - 1);
+}
+
+std::uint64_t IndexPermutation::at(std::uint64_t i) const noexcept {
+  if (n_ <= 1) return i;
+  const std::uint64_t mask = (std::uint64_t{1} << half_bits_) - 1;
+  std::uint64_t x = i;
+  do {  // cycle walking: a bijection of [0, 4^half_bits) applied until it lands in [0, n)
+    std::uint64_t l = x >> half_bits_, r = x & mask;
+    for (int k = 0; k < 4; ++k) {
+      const std::uint64_t t = l ^ round(r, k);
+      l = r;
+      r = t;
+    }
+    x = (l << half_bits_) | r;
+  } while (x >= n_);
+  return x;
+}
+
+// --- mixtures -----------------------------------------------------------------------------------
+
+// Note [Mixture draws]
+// Within a phase (weights in force from `start`), position j of block b takes the slot
+// IndexPermutation(block)(j); the slots [slot_begin[s], slot_begin[s + 1]) are source s's, so
+// block b gives source s its k-th draws for k in [b * counts[s], (b + 1) * counts[s]), in the
+// order of the permuted slots: O(1) a sample. Weights changed at an index inside a block leave
+// some of that block's k unused; their draws wait in `pending` (sorted) and are the next phase's
+// first, and the phase's draw k is pending[k], then next + (k - pending.size()): every draw of a
+// source is taken once, in a block or two of where it would have been, whatever the changes.
+struct Mixture::Phase {
+  std::uint64_t start = 0;                        // the first global index drawn with these weights
+  std::vector<std::size_t> counts;                // a block's samples of each source
+  std::vector<std::size_t> slot_begin;            // each source's first slot in a block (prefix sums), then the block size
+  std::vector<std::vector<std::uint64_t>> pending;  // each source's draws left by the phase before, sorted
+  std::vector<std::uint64_t> next;                // each source's first draw after the pending ones
+  std::vector<std::uint64_t> taken;               // each source's samples before `start`
+  std::uint64_t draw(std::size_t s, std::uint64_t k) const {
+    return k < pending[s].size() ? pending[s][k] : next[s] + (k - pending[s].size());
+  }
+};
+
+namespace {
+
+std::vector<std::size_t> block_counts(const std::vector<double>& w, std::size_t block) {
+  const double sum = std::accumulate(w.begin(), w.end(), 0.0);
+  std::vector<std::size_t> counts(w.size());
+  std::vector<std::pair<double, std::size_t>> frac;
+  std::size_t given = 0;
+  for (std::size_t s = 0; s < w.size(); ++s) {
+    const double exact = static_cast<double>(block) * (w[s] / sum);
+    counts[s] = std::min(block, static_cast<std::size_t>(std::floor(exact)));
+    given += counts[s];
+    frac.emplace_back(-(exact - std::floor(exact)), s);  // largest remainder first; ties to the lower source
+  }
+  std::sort(frac.begin(), frac.end());
+  for (std::size_t k = 0; given < block && k < frac.size(); ++k, ++given) ++counts[frac[k].second];
+  for (std::size_t k = 0; given < block; ++k, ++given) ++counts[k % counts.size()];  // rounding left a slot over (never in practice)
+  return counts;
+}
+
+void check_weights(const std::vector<double>& w, std::size_t sources) {
+  if (w.size() != sources)
+    throw Error("Mixture: " + std::to_string(w.size()) + " weights for " + std::to_string(sources) + " sources (one weight each)");
+  double sum = 0;
+  for (std::size_t s = 0; s < w.size(); ++s) {
+    if (!std::isfinite(w[s]) || w[s] < 0) throw Error("Mixture: weight " + std::to_string(s) + " is " + std::to_string(w[s]) + " (finite and >= 0 needed)");
+    sum += w[s];
+  }
+  if (!(sum > 0)) throw Error("Mixture: the weights sum to 0");
+}
+
+}  // namespace
+
+Mixture::Mixture(std::vector<AnyDataset<std::vector<Tensor>>> sources, std::vector<double> weights, MixtureOptions options)
+    : sources_(std::move(sources)), options_(options) {
+  if (sources_.empty()) throw Error("Mixture: no sources");
+  check_weights(weights, sources_.size());
+  if (options_.block < 1) throw Error("Mixture: block must be >= 1");
+  std::size_t total = 0;
+  for (std::size_t s = 0; s < sources_.size(); ++s) {
+    source_sizes_.push_back(sources_[s].size());
+    if (source_sizes_.back() == 0) throw Error("Mixture: source " + std::to_string(s) + " has no samples");
+    total += source_sizes_.back();
+  }
+  size_ = options_.size.value_or(total);
+  Phase p;
+  p.counts = block_counts(weights, options_.block);
+  p.slot_begin.assign(1, 0);
+  for (std::size_t c : p.counts) p.slot_begin.push_back(p.slot_begin.back() + c);
+  p.pending.assign(sources_.size(), {});
+  p.next.assign(sources_.size(), 0);
+  p.taken.assign(sources_.size(), 0);
+  phases_ = std::make_shared<const std::vector<Phase>>(std::vector<Phase>{std::move(p)});
+}
+
+namespace {
+// The slot that position j of block b (of phase `phase`) takes: a permutation of the block.
+std::uint64_t block_slot(std::uint64_t seed, std::size_t phase, std::uint64_t b, std::size_t block, std::uint64_t j) {
+  return IndexPermutation(block, mix_seed(seed ^ 0x6d69787475726531ull, phase, b)).at(j);
+}
+std::size_t slot_source(const std::vector<std::size_t>& slot_begin, std::uint64_t slot) {
+  return static_cast<std::size_t>(std::upper_bound(slot_begin.begin(), slot_begin.end(), slot) - slot_begin.begin() - 1);
+}
+}  // namespace
+
+std::vector<std::uint64_t> Mixture::counts_before(std::uint64_t global) const {
+  const auto& phases = *phases_;
+  std::size_t k = phases.size() - 1;
+  while (k > 0 && phases[k].start > global) --k;
+  const Phase& p = phases[k];
+  const std::uint64_t r = global - p.start, blocks = r / options_.block, rem = r % options_.block;
+  std::vector<std::uint64_t> out(sources_.size());
+  for (std::size_t s = 0; s < out.size(); ++s) out[s] = p.taken[s] + blocks * p.counts[s];
+  for (std::uint64_t j = 0; j < rem; ++j) ++out[slot_source(p.slot_begin, block_slot(options_.seed, k, blocks, options_.block, j))];
+  return out;
+}
+
+Mixture Mixture::reweighted(std::vector<double> weights, std::uint64_t from) const {
+  check_weights(weights, sources_.size());
+  const auto& phases = *phases_;
+  if (from < phases.back().start)
+    throw Error("Mixture::reweighted: index " + std::to_string(from) + " is before the last weights' start " + std::to_string(phases.back().start));
+  // Where `from` falls in the last phase: its draws k below b * counts are taken, and of block b's
+  // the slots of positions [0, rem) (Note [Mixture draws]).
+  const std::size_t last = phases.size() - 1;
+  const Phase& old = phases.back();
+  const std::uint64_t r = from - old.start, b = r / options_.block, rem = r % options_.block;
+  std::vector<std::vector<bool>> used(sources_.size());
+  for (std::size_t s = 0; s < used.size(); ++s) used[s].assign(old.counts[s], false);
+  for (std::uint64_t j = 0; j < rem; ++j) {
+    const std::uint64_t slot = block_slot(options_.seed, last, b, options_.block, j);
+    const std::size_t s = slot_source(old.slot_begin, slot);
+    used[s][slot - old.slot_begin[s]] = true;
+  }
+  Phase p;
+  p.start = from;
+  p.counts = block_counts(weights, options_.block);
+  p.slot_begin.assign(1, 0);
+  for (std::size_t c : p.counts) p.slot_begin.push_back(p.slot_begin.back() + c);
+  p.taken = counts_before(from);
+  for (std::size_t s = 0; s < sources_.size(); ++s) {
+    const std::uint64_t first = b * old.counts[s], end = first + old.counts[s];  // block b's k
+    std::vector<std::uint64_t> pending;
+    for (std::uint64_t k = first; k < end; ++k)
+      if (!used[s][k - first]) pending.push_back(old.draw(s, k));
+    for (std::uint64_t k = end; k < old.pending[s].size(); ++k) pending.push_back(old.pending[s][k]);
+    std::sort(pending.begin(), pending.end());
+    p.pending.push_back(std::move(pending));
+    p.next.push_back(old.next[s] + (end > old.pending[s].size() ? end - old.pending[s].size() : 0));
+  }
+  auto next = phases;
+  if (next.back().start == from) next.back() = std::move(p);  // new weights at the same index replace the last
+  else next.push_back(std::move(p));
+  Mixture m = *this;
+  m.phases_ = std::make_shared<const std::vector<Phase>>(std::move(next));
+  return m;
+}
+
+Mixture::Pick Mixture::pick(std::uint64_t global) const {
+  const auto& phases = *phases_;
+  std::size_t k = phases.size() - 1;
+  while (k > 0 && phases[k].start > global) --k;
+  const Phase& p = phases[k];
+  const std::uint64_t r = global - p.start, b = r / options_.block, j = r % options_.block;
+  const std::uint64_t slot = block_slot(options_.seed, k, b, options_.block, j);
+  Pick out;
+  out.source = slot_source(p.slot_begin, slot);
+  out.draw = p.draw(out.source, b * p.counts[out.source] + (slot - p.slot_begin[out.source]));
+  const std::uint64_t n = source_sizes_[out.source];
+  out.sample = static_cast<std::size_t>(IndexPermutation(n, mix_seed(options_.seed, out.source + 1, out.draw / n)).at(out.draw % n));
+  return out;
+}
+
+std::vector<Tensor> Mixture::get(std::size_t index, SampleContext& ctx) const {
+  if (index >= size_) throw Error("Mixture: index " + std::to_string(index) + " out of range for " + std::to_string(size_));
+  const Pick p = pick(ctx.epoch() * size_ + index);
+  // The source's own randomness (random_offset windows, transforms) keyed by its epoch and sample.
+  SampleContext sub(p.sample, mix_seed(options_.seed, p.source + 1), p.draw / source_sizes_[p.source], ctx.worker());
+  return sources_[p.source].get(p.sample, sub);
+}
+
+}  // namespace ferry

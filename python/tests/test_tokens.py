@@ -1,0 +1,117 @@
+"""Language-model data from Python: ferry.datasets.tokens / megatron / mixture as dict batches of
+torch tensors, every window once an epoch, the same batches for any worker count, a mixture
+resumed exactly from state_dict() (and with new weights from that index on), s3:// equal to local,
+and damaged files as ferry.DataError naming the file."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import ferry
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "megatron")
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory):
+    tokens = (np.arange(16 * 40 + 5, dtype=np.int64) * 7 + 3) % 65521
+    path = tmp_path_factory.mktemp("tokens") / "train.bin"
+    tokens.astype(np.uint16).tofile(path)
+    return str(path), tokens
+
+
+def epoch(loader):
+    return [{k: v.clone() for k, v in b.items()} for b in loader]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_windows_as_dicts_every_token_once(token_file, workers):
+    path, tokens = token_file
+    ds = ferry.datasets.tokens(path, seq_len=16, dtype="uint16")
+    assert len(ds) == 40 and ds.fields == ["input_ids", "labels"]
+    batches = epoch(ferry.DataLoader(ds, batch_size=8, shuffle=True, num_workers=workers, seed=3))
+    assert len(batches) == 5
+    starts = []
+    for b in batches:
+        assert set(b) == {"input_ids", "labels"}
+        assert b["input_ids"].dtype == torch.int64 and b["input_ids"].shape == (8, 16)
+        for row, lab in zip(b["input_ids"].numpy(), b["labels"].numpy()):
+            at = int(np.nonzero(tokens == row[0])[0][0])
+            assert at % 16 == 0
+            assert np.array_equal(row, tokens[at:at + 16]) and np.array_equal(lab, tokens[at + 1:at + 17])
+            starts.append(at)
+    assert sorted(starts) == list(range(0, 640, 16))
+    ref = epoch(ferry.DataLoader(ds, batch_size=8, shuffle=True, num_workers=0, seed=3))
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, ref))
+
+
+def test_megatron_fixture_packed(tmp_path):
+    meta = json.load(open(os.path.join(FIXTURES, "u16.json")))
+    ds = ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=32, packed=True, out_dtype="int32")
+    assert ds.fields == ["input_ids", "labels", "position_ids", "cu_seqlens"]
+    assert len(ds) == (sum(meta["lengths"]) - 1) // 32
+    b = next(iter(ferry.DataLoader(ds, batch_size=4)))
+    assert b["input_ids"].dtype == torch.int32 and b["cu_seqlens"].shape == (4, 33)
+    # The first window starts the first document: its positions count up to the second's start.
+    first = meta["lengths"][0]
+    pos = b["position_ids"][0].tolist()
+    assert pos[:min(first, 32)] == list(range(min(first, 32)))
+    if first < 32:
+        assert pos[first] == 0 and b["cu_seqlens"][0, 1].item() == first
+    tok = b["input_ids"][0].tolist()
+    assert tok[:3] == [(t * 31) % meta["vocab"] for t in range(3)]
+
+
+def test_mixture_resumes_from_state_dict_and_takes_new_weights(token_file):
+    path, _ = token_file
+    a = ferry.datasets.tokens(path, seq_len=16, dtype="uint16")
+    b = ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=16)
+    mix = ferry.datasets.mixture([(a, 0.75), (b, 0.25)], seed=9, block=8, size=96)
+    assert len(mix) == 96 and mix.fields == ["input_ids", "labels"]
+    whole = epoch(ferry.DataLoader(mix, batch_size=8, num_workers=2, seed=1))
+    loader = ferry.DataLoader(mix, batch_size=8, num_workers=1, seed=1)
+    it = iter(loader)
+    first = [next(it) for _ in range(5)]
+    state = loader.state_dict()
+    del it
+    resumed = ferry.DataLoader(mix, batch_size=8, num_workers=3, seed=1)
+    resumed.load_state_dict(state)
+    rest = epoch(resumed)
+    got = [x["input_ids"] for x in first] + [x["input_ids"] for x in rest]
+    assert len(got) == len(whole) == 12
+    assert all(torch.equal(x, y["input_ids"]) for x, y in zip(got, whole))
+    # New weights from sample 40 on: the first 5 batches are unchanged, the rest differ.
+    changed = ferry.datasets.mixture([(a, 0.75), (b, 0.25)], seed=9, block=8, size=96, schedule=[(40, [0.0, 1.0])])
+    other = epoch(ferry.DataLoader(changed, batch_size=8, seed=1))
+    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(other[:5], whole[:5]))
+    assert not torch.equal(other[6]["input_ids"], whole[6]["input_ids"])
+    with pytest.raises(ValueError, match="fields differ"):
+        ferry.datasets.mixture([(a, 1), (ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=16, packed=True), 1)])
+
+
+def test_damaged_token_files_are_data_errors(tmp_path):
+    bad = tmp_path / "odd.bin"
+    bad.write_bytes(b"\x01\x02\x03")
+    with pytest.raises(ferry.DataError, match="odd.bin: at byte 2"):
+        ferry.datasets.tokens(str(bad), seq_len=4, dtype="uint16")
+    with pytest.raises(ferry.Error, match="needs its token type"):
+        ferry.datasets.tokens(str(bad), seq_len=4)
+    with pytest.raises(ferry.DataError, match="nothing.idx"):
+        ferry.datasets.megatron(str(tmp_path / "nothing"))
+
+
+def test_tokens_and_megatron_over_s3_equal_local(object_store, token_file):
+    path, _ = token_file
+    url = object_store(path, "tokens/train.bin")
+    idx = object_store(os.path.join(FIXTURES, "u16.idx"), "mega/u16.idx")
+    object_store(os.path.join(FIXTURES, "u16.bin"), "mega/u16.bin")
+    for remote, local in ((ferry.datasets.tokens(url, seq_len=16, dtype="uint16"), ferry.datasets.tokens(path, seq_len=16, dtype="uint16")),
+                          (ferry.datasets.megatron(idx[:-4], seq_len=16, packed=True),
+                           ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=16, packed=True))):
+        r = epoch(ferry.DataLoader(remote, batch_size=8, shuffle=True, num_workers=2, seed=5))
+        loc = epoch(ferry.DataLoader(local, batch_size=8, shuffle=True, num_workers=2, seed=5))
+        assert len(r) == len(loc) > 0
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(r, loc) for k in x)
