@@ -417,6 +417,7 @@ void DatasetRegistry::add(const std::string& name, Factory factory, std::string 
 }
 
 OpenedDataset DatasetRegistry::open(const std::string& name, const std::string& config) const {
+  if (name == "tokens" || name == "megatron") return make_token_sequences(DatasetConfig(name, config));
   if (name == "tar") {
     const DatasetConfig c("tar", config);
     if (c.str("decode", "cpu") == "gpu") return make_tar_gpu_stream(c);

@@ -434,52 +434,65 @@ std::vector<std::string> TokenSequences::field_names() const {
 
 namespace {
 template <class T>
-void store(const std::int64_t* src, std::size_t n, Tensor& t) {
-  T* dst = static_cast<T*>(t.raw());
-  for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+void store(const std::int64_t* src, std::size_t n, void* dst) {
+  T* d = static_cast<T*>(dst);
+  for (std::size_t i = 0; i < n; ++i) d[i] = static_cast<T>(src[i]);
 }
 }  // namespace
 
+std::vector<Tensor> TokenSequences::make_batch(std::size_t rows, BatchAllocator& allocator) const {
+  const auto n = static_cast<std::int64_t>(rows), len = static_cast<std::int64_t>(options_.seq_len);
+  std::vector<Tensor> b;
+  b.reserve(4);
+  b.push_back(empty(options_.dtype, {n, len}, allocator));
+  b.push_back(empty(options_.dtype, {n, len}, allocator));
+  if (options_.packed) {
+    b.push_back(empty(options_.dtype, {n, len}, allocator));
+    b.push_back(empty(DType::Int32, {n, len + 1}, allocator));
+  }
+  return b;
+}
+
 std::vector<Tensor> TokenSequences::get(std::size_t index, SampleContext& ctx) const {
+  std::vector<Tensor> b = make_batch(1, pageable_allocator());
+  get_into(index, b, 0, ctx);
+  for (Tensor& t : b) t = t.select(0);
+  return b;
+}
+
+void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const {
   const std::size_t seq = options_.seq_len;
   const std::uint64_t start = window_start(index, ctx);
   thread_local std::vector<std::int64_t> window;
   window.resize(seq + 1);
   corpus_->read(start, window);
-  const auto len = static_cast<std::int64_t>(seq);
-  std::vector<Tensor> out;
-  out.reserve(4);
-  auto field = [&](const std::int64_t* src) {
-    Tensor t = Tensor::empty(options_.dtype, {len});
-    if (options_.dtype == DType::Int64) store<std::int64_t>(src, seq, t);
-    else store<std::int32_t>(src, seq, t);
-    out.push_back(std::move(t));
+  const auto r = static_cast<std::int64_t>(row);
+  auto field = [&](std::size_t k, const std::int64_t* src) {
+    void* dst = batch[k].select(r).raw();
+    if (options_.dtype == DType::Int64) std::memcpy(dst, src, seq * sizeof(std::int64_t));
+    else store<std::int32_t>(src, seq, dst);
   };
-  field(window.data());
-  field(window.data() + 1);
-  if (options_.packed) {
-    thread_local std::vector<std::uint64_t> starts;
-    starts.clear();
-    corpus_->document_starts(start, std::span<const std::int64_t>(window.data(), seq), starts);
-    thread_local std::vector<std::int64_t> positions;
-    positions.resize(seq);
-    Tensor cu = Tensor::empty(DType::Int32, {len + 1});
-    auto* c = static_cast<std::int32_t*>(cu.raw());
-    std::size_t docs = 0, next = 0, first = 0;
-    c[docs++] = 0;
-    for (std::size_t k = 0; k < seq; ++k) {
-      if (next < starts.size() && starts[next] == start + k) {
-        first = k;
-        ++next;
-        if (k > 0) c[docs++] = static_cast<std::int32_t>(k);
-      }
-      positions[k] = static_cast<std::int64_t>(k - first);
+  field(0, window.data());
+  field(1, window.data() + 1);
+  if (!options_.packed) return;
+  thread_local std::vector<std::uint64_t> starts;
+  starts.clear();
+  corpus_->document_starts(start, std::span<const std::int64_t>(window.data(), seq), starts);
+  thread_local std::vector<std::int64_t> positions;
+  positions.resize(seq);
+  auto* c = static_cast<std::int32_t*>(batch[3].select(r).raw());
+  std::size_t docs = 0, next = 0, first = 0;
+  c[docs++] = 0;
+  for (std::size_t k = 0; k < seq; ++k) {
+    if (next < starts.size() && starts[next] == start + k) {
+      first = k;
+      ++next;
+      if (k > 0) c[docs++] = static_cast<std::int32_t>(k);
     }
-    while (docs <= seq) c[docs++] = static_cast<std::int32_t>(seq);
-    field(positions.data());
-    out.push_back(std::move(cu));
+    positions[k] = static_cast<std::int64_t>(k - first);
   }
-  return out;
+  while (docs <= seq) c[docs++] = static_cast<std::int32_t>(seq);
+  field(2, positions.data());
 }
 
 // --- permutations -------------------------------------------------------------------------------

@@ -395,13 +395,8 @@ PyDataset make_dataset(const std::string& name, const std::string& config) {
   PyDataset d;
   d.name = name;
   d.config = config;
-  if (name == "tokens" || name == "megatron") {  // typed, for its field names
-    ferry::TokenSequences seqs = ferry::make_token_sequences(ferry::DatasetConfig(name, config));
-    d.fields = seqs.field_names();
-    d.opened.emplace(ferry::DynamicDataset(std::move(seqs)));
-    return d;
-  }
   d.opened.emplace(ferry::DatasetRegistry::global().open(name, config));
+  if (const auto* seqs = std::get_if<ferry::TokenSequences>(&*d.opened)) d.fields = seqs->field_names();  // dict batches
   return d;
 }
 
@@ -416,12 +411,13 @@ PyDataset make_mixture(const std::vector<const PyDataset*>& sources, const std::
   for (std::size_t k = 0; k < sources.size(); ++k) {
     const PyDataset* s = sources[k];
     const auto* dynamic = s && s->opened ? std::get_if<ferry::DynamicDataset>(&*s->opened) : nullptr;
-    if (!dynamic)
+    const auto* seqs = s && s->opened ? std::get_if<ferry::TokenSequences>(&*s->opened) : nullptr;
+    if (!dynamic && !seqs)
       throw nb::type_error(("mixture: source " + std::to_string(k) + " is not a map-style ferry dataset (ferry.datasets.tokens, megatron, npy, ...)").c_str());
     if (k > 0 && s->fields != d.fields)
       throw nb::value_error(("mixture: source " + std::to_string(k) + "'s fields differ from source 0's (packed and unpacked sequences, or other datasets)").c_str());
     d.fields = s->fields;
-    datasets.push_back(*dynamic);
+    datasets.push_back(dynamic ? *dynamic : ferry::DynamicDataset(*seqs));
     d.config += (k ? "; " : "") + s->name + "(" + s->config + ")";
   }
   ferry::MixtureOptions o;

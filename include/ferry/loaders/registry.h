@@ -128,9 +128,10 @@ using TarGpuStream = decltype(make_tar_gpu_stream(std::declval<const DatasetConf
 /// A named dataset as the loader takes it: a map-style DynamicDataset (every registered name), the
 /// labeled-image streams of "tar" (decoded on the CPU, or on the device with decode=gpu), or, with
 /// decode=gpu, the typed ImageFolder ("image_folder") or TarImages ("tar_index") whose batches the
-/// device decodes (the loader's direct mode). Use with
+/// device decodes (the loader's direct mode), or the typed TokenSequences of "tokens" and
+/// "megatron" (direct mode: each window written into its batch row, no collate copy). Use with
 /// std::visit: `std::visit([&](auto& ds) { ferry::DataLoader loader(std::move(ds), options); ... }, opened)`.
-using OpenedDataset = std::variant<DynamicDataset, TarImageStream, TarGpuStream, ImageFolder, TarImages>;
+using OpenedDataset = std::variant<DynamicDataset, TarImageStream, TarGpuStream, ImageFolder, TarImages, TokenSequences>;
 
 class DatasetRegistry {
  public:

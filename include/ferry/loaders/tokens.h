@@ -70,6 +70,7 @@
 #include <string>
 #include <vector>
 
+#include "ferry/core/allocator.h"
 #include "ferry/core/dataset.h"
 #include "ferry/core/tensor.h"
 
@@ -164,6 +165,9 @@ class TokenSequences : public DatasetBase<TokenSequences> {
   TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenSequenceOptions options = {});
   std::size_t size() const noexcept { return size_; }
   std::vector<Tensor> get(std::size_t index, SampleContext& ctx) const;
+  /// Direct mode (the loader writes each sample into its batch's rows: no collate copy).
+  std::vector<Tensor> make_batch(std::size_t rows, BatchAllocator& allocator) const;
+  void get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const;
   /// The first stream position of sample `index`'s window (its input_ids; labels start one after).
   std::uint64_t window_start(std::size_t index, SampleContext& ctx) const;
   /// "input_ids", "labels", and when packed "position_ids", "cu_seqlens".

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Language-model tokens delivered on cuda:0, side by side in one run: ferry.datasets.tokens
+through ferry.DataLoader(device=0), nanoGPT's get_batch recipe, PyTorch's DataLoader over a memmap
+Dataset of windows, and turboloader's TokenDataLoader(device="cuda") (when importable).
+
+One flat uint16 token file (--tokens, random ids below 50,257, written once). Each row is a fresh
+loader: --warmup batches, then --batches timed ones; the batch's input_ids and labels are on
+cuda:0 (int64) before the next is taken, and the device is synchronized before the clock stops.
+Tokens/s counts input_ids tokens. Busy cores: every process's CPU time (/proc/stat, all cores) over
+the timed wall time. Each row runs --runs times; the table gives the median and the range.
+
+Rows:
+  ferry-wN      ferry.DataLoader(tokens(path, seq_len, dtype="uint16"), shuffle=True, num_workers=N,
+                device=0, persistent_workers=True): workers write each window into its batch's
+                pinned rows (int64), the device stage copies the batch on a side stream
+  nanogpt       the recipe of nanoGPT's get_batch: random offsets, np.memmap, torch.stack of
+                int64 windows, pin_memory(), .to(cuda, non_blocking=True), on the training thread
+  torch-w4      torch.utils.data.DataLoader over a map-style Dataset of the same windows (memmap),
+                shuffle=True, 4 workers, pin_memory=True, persistent_workers=True, .to(cuda, non_blocking=True)
+  turboloader   turboloader.TokenDataLoader(path, seq_len, batch_size, dtype="uint16", device="cuda")
+
+Usage: tokens_loaders.py [--tokens 200000000] [--shapes 1024x64,2048x32,8192x8] [--batches 300]
+       [--warmup 20] [--runs 3] [--rows nanogpt,torch-w4,turboloader,ferry-w1,ferry-w2,ferry-w4] [--dir /tmp]
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+import ferry
+
+
+def busy_jiffies():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v[:8]) - v[3] - v[4]
+
+
+class Windows(torch.utils.data.Dataset):
+    """The token file cut into windows of seq_len + 1 (inputs and labels shifted by one)."""
+
+    def __init__(self, path, seq_len):
+        self.path, self.seq_len = path, seq_len
+        self.n = (os.path.getsize(path) // 2 - 1) // seq_len
+        self.data = None
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.data is None:  # opened in the worker
+            self.data = np.memmap(self.path, dtype=np.uint16, mode="r")
+        w = torch.from_numpy(self.data[i * self.seq_len:(i + 1) * self.seq_len + 1].astype(np.int64))
+        return w[:-1], w[1:]
+
+
+def ferry_rows(path, seq, batch, workers):
+    ds = ferry.datasets.tokens(path, seq_len=seq, dtype="uint16")
+    loader = ferry.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, device=0,
+                              persistent_workers=workers > 0, seed=1)
+    while True:
+        for b in loader:
+            yield b["input_ids"], b["labels"]
+
+
+def nanogpt_rows(path, seq, batch):
+    data = np.memmap(path, dtype=np.uint16, mode="r")
+    while True:  # the recipe: a fresh memmap view, random offsets, stack, pin, copy
+        ix = torch.randint(len(data) - seq - 1, (batch,))
+        x = torch.stack([torch.from_numpy(data[i:i + seq].astype(np.int64)) for i in ix.tolist()])
+        y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + seq].astype(np.int64)) for i in ix.tolist()])
+        yield x.pin_memory().to("cuda", non_blocking=True), y.pin_memory().to("cuda", non_blocking=True)
+
+
+def torch_rows(path, seq, batch, workers):
+    loader = torch.utils.data.DataLoader(Windows(path, seq), batch_size=batch, shuffle=True, num_workers=workers,
+                                         pin_memory=True, persistent_workers=True, drop_last=True)
+    while True:
+        for x, y in loader:
+            yield x.to("cuda", non_blocking=True), y.to("cuda", non_blocking=True)
+
+
+def turbo_rows(path, seq, batch):
+    import turboloader
+    loader = turboloader.TokenDataLoader(path, seq, batch_size=batch, dtype="uint16", device="cuda")
+    while True:
+        for x, y in loader:
+            yield x, y
+
+
+def measure(make, warmup, batches):
+    rows = make()
+    for _ in range(warmup):
+        next(rows)
+    torch.cuda.synchronize()
+    j0, t0 = busy_jiffies(), time.perf_counter()
+    tokens = 0
+    for _ in range(batches):
+        x, y = next(rows)
+        assert x.is_cuda and x.dtype == torch.int64 and y.shape == x.shape
+        tokens += x.numel()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t0
+    busy = (busy_jiffies() - j0) / os.sysconf("SC_CLK_TCK") / wall
+    rows.close()
+    return tokens / wall, busy
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=200_000_000)
+    p.add_argument("--shapes", default="1024x64,2048x32,8192x8")
+    p.add_argument("--batches", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--rows", default="nanogpt,torch-w4,turboloader,ferry-w1,ferry-w2,ferry-w4")
+    p.add_argument("--dir", default="/tmp")
+    a = p.parse_args()
+    path = os.path.join(a.dir, f"tokens-{a.tokens}.bin")
+    if not os.path.exists(path) or os.path.getsize(path) != 2 * a.tokens:
+        rng = np.random.default_rng(0)
+        rng.integers(0, 50257, a.tokens, dtype=np.uint16).tofile(path)
+    print(f"# tokens delivered on cuda:0 ({torch.cuda.get_device_name(0)}, {os.cpu_count()} CPUs), torch {torch.__version__}, "
+          f"ferry {ferry.__version__}, {a.tokens:,} uint16 tokens, {a.batches} batches after {a.warmup}, median of {a.runs}")
+    print("| seq x batch | loader | M tokens/s (median) | range | busy cores | vs nanogpt |")
+    print("|---|---|---:|---:|---:|---:|")
+    for shape in a.shapes.split(","):
+        seq, batch = (int(v) for v in shape.split("x"))
+        results = {}
+        for row in a.rows.split(","):
+            if row.startswith("ferry-w"):
+                make = lambda w=int(row[7:]): ferry_rows(path, seq, batch, w)
+            elif row == "nanogpt":
+                make = lambda: nanogpt_rows(path, seq, batch)
+            elif row.startswith("torch-w"):
+                make = lambda w=int(row[7:]): torch_rows(path, seq, batch, w)
+            elif row == "turboloader":
+                try:
+                    import turboloader  # noqa: F401
+                except ImportError as e:
+                    print(f"| {shape} | turboloader | not importable: {e} | | | |")
+                    continue
+                make = lambda: turbo_rows(path, seq, batch)
+            else:
+                sys.exit(f"unknown row {row}")
+            runs = [measure(make, a.warmup, a.batches) for _ in range(a.runs)]
+            rates = sorted(r[0] for r in runs)
+            med = statistics.median(rates)
+            results[row] = med
+            busy = statistics.median(r[1] for r in runs)
+            base = results.get("nanogpt")
+            print(f"| {seq}x{batch} | {row} | {med / 1e6:,.1f} | {rates[0] / 1e6:,.1f}-{rates[-1] / 1e6:,.1f} | {busy:.2f} | "
+                  f"{'' if base is None else f'{med / base:.2f}x'} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
