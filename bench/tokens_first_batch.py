@@ -17,7 +17,6 @@ Usage: tokens_first_batch.py [--totals 3e8,3e9,3e10] [--doc 1000] [--seq 2048] [
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,11 @@ def write_corpus(folder, tokens, doc):
     return prefixes
 
 
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 1024
+
+
 def child(kind, prefixes, seq, batch):
     # The libraries are imported first (torch with them): the clock and the memory count from there.
     import torch
@@ -56,7 +60,7 @@ def child(kind, prefixes, seq, batch):
     else:
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss0 = rss_mb()
     t0 = time.perf_counter()
     if kind == "ferry":
         sources = [(ferry.datasets.megatron(p, seq_len=seq), w) for p, w in zip(prefixes, (0.5, 0.3, 0.2))]
@@ -70,8 +74,10 @@ def child(kind, prefixes, seq, batch):
             vocab_size, eod, pad = 50257, 50256, -1
             unique_identifiers = OrderedDict({"class": "bench"})
 
+        if not torch.distributed.is_initialized():  # its builder asks the process group (one rank here)
+            torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=0, world_size=1)
         cache = tempfile.mkdtemp(prefix="megatron-cache-")
-        cfg = GPTDatasetConfig(random_seed=1234, sequence_length=seq, blend=(prefixes, [0.5, 0.3, 0.2]), split="100,0,0",
+        cfg = GPTDatasetConfig(random_seed=1234, sequence_length=seq, blend_per_split=[(prefixes, [0.5, 0.3, 0.2]), None, None],
                                tokenizer=Tok(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
                                path_to_cache=cache)
         total = sum(os.path.getsize(p + ".bin") // 2 for p in prefixes)
@@ -79,7 +85,7 @@ def child(kind, prefixes, seq, batch):
         b = torch.utils.data.default_collate([train[i] for i in range(batch)])
         shape = tuple(b["tokens"].shape)
     seconds = time.perf_counter() - t0
-    rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024
+    rss = rss_mb() - rss0
     print(json.dumps({"seconds": seconds, "rss_mb": rss, "shape": shape}))
 
 
@@ -102,7 +108,7 @@ def main():
         print(f"# megatron-core not importable here: {type(e).__name__}: {e}")
     print(f"# first batch of a 3-source mixture (0.5/0.3/0.2), documents of {a.doc} tokens, seq {a.seq}, batch {a.batch}, "
           f"{os.cpu_count()} CPUs; a fresh process each")
-    print("| corpus tokens | documents | loader | first batch (s) | peak RSS growth (MB) |")
+    print("| corpus tokens | documents | loader | first batch (s) | RSS growth (MB) |")
     print("|---:|---:|---|---:|---:|")
     for total in (int(float(t)) for t in a.totals.split(",")):
         prefixes = write_corpus(os.path.join(a.dir, f"c{total}"), total, a.doc)
