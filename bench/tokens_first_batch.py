@@ -13,6 +13,7 @@ corpus once (ferry: the mixture's size, the sources' total; megatron-core: as ma
 start a new run pays).
 
 Usage: tokens_first_batch.py [--totals 3e8,3e9,3e10] [--doc 1000] [--seq 2048] [--batch 8] [--dir /tmp/ferry-first]
+       [--rows ferry,megatron-core] [--mixture-size N]
 """
 import argparse
 import json
@@ -52,7 +53,7 @@ def rss_mb():
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 1024
 
 
-def child(kind, prefixes, seq, batch):
+def child(kind, prefixes, seq, batch, size):
     # The libraries are imported first (torch with them): the clock and the memory count from there.
     import torch
     if kind == "ferry":
@@ -64,7 +65,7 @@ def child(kind, prefixes, seq, batch):
     t0 = time.perf_counter()
     if kind == "ferry":
         sources = [(ferry.datasets.megatron(p, seq_len=seq), w) for p, w in zip(prefixes, (0.5, 0.3, 0.2))]
-        mix = ferry.datasets.mixture(sources, seed=1234)
+        mix = ferry.datasets.mixture(sources, seed=1234, size=size)
         b = next(iter(ferry.DataLoader(mix, batch_size=batch)))
         shape = tuple(b["input_ids"].shape)
     else:
@@ -96,15 +97,17 @@ def main():
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dir", default="/tmp/ferry-first")
+    p.add_argument("--mixture-size", type=int, default=None, help="ferry: samples an epoch of the mixture (default: the sources' total)")
+    p.add_argument("--rows", default="ferry,megatron-core")
     p.add_argument("--child", nargs="*")
     a = p.parse_args()
     if a.child:
-        return child(a.child[0], a.child[1:], a.seq, a.batch)
+        return child(a.child[0], a.child[1:], a.seq, a.batch, a.mixture_size)
     try:
         import megatron.core  # noqa: F401
-        kinds = ["ferry", "megatron-core"]
+        kinds = a.rows.split(",")
     except Exception as e:  # noqa: BLE001 (any import failure: say it and go on)
-        kinds = ["ferry"]
+        kinds = [k for k in a.rows.split(",") if k != "megatron-core"]
         print(f"# megatron-core not importable here: {type(e).__name__}: {e}")
     print(f"# first batch of a 3-source mixture (0.5/0.3/0.2), documents of {a.doc} tokens, seq {a.seq}, batch {a.batch}, "
           f"{os.cpu_count()} CPUs; a fresh process each")
@@ -113,7 +116,8 @@ def main():
     for total in (int(float(t)) for t in a.totals.split(",")):
         prefixes = write_corpus(os.path.join(a.dir, f"c{total}"), total, a.doc)
         for kind in kinds:
-            r = subprocess.run([sys.executable, __file__, "--seq", str(a.seq), "--batch", str(a.batch), "--child", kind, *prefixes],
+            extra = [] if a.mixture_size is None else ["--mixture-size", str(a.mixture_size)]
+            r = subprocess.run([sys.executable, __file__, "--seq", str(a.seq), "--batch", str(a.batch), *extra, "--child", kind, *prefixes],
                                capture_output=True, text=True, timeout=600)
             if r.returncode != 0:
                 print(f"| {total:,} | {total // a.doc:,} | {kind} | failed: {r.stderr.strip().splitlines()[-1:]} | |")
