@@ -101,7 +101,7 @@ bool pins(const Flags& f) {
 }
 
 void add_loader_flags(CLI::App& app, Flags& f) {
-  app.add_option("dataset", f.dataset, "dataset name: idx, npy, image_folder, synthetic, tar, or one a plugin registers")
+  app.add_option("dataset", f.dataset, "dataset name: idx, npy, image_folder, tar_index, tar, tokens, megatron, synthetic, or one a plugin registers")
       ->required();
   app.add_option("-c,--config", f.config, "dataset options, key=value,key=value (see `ferry list`)");
   app.add_option("--plugin", f.plugins, "load a dataset plugin library first (repeatable)");
