@@ -139,14 +139,16 @@ void LoaderCore::restore_state(const LoaderState& st) {
       if (st.position > st.dataset_size) differs("position in the epoch", st.position, st.dataset_size);
       segment = static_cast<std::size_t>(st.position);
       k = 0;
-    } else if (d && st.rank != d->rank()) {
-      differs("rank", st.rank, d->rank());
     } else if (!d && segment != 0) {
       differs("segment start (a DistributedSampler's)", st.segment_start, 0);
     }
+    // Another rank's state at the same world size: the ranks step together, so this rank goes on
+    // with its own share of the same segment from the same batch (its plan is its own: the hash
+    // is the saving rank's, the counts are every rank's).
+    const bool other_rank = d && !elastic && st.rank != d->rank();
     auto plan = s.plan_of(st.epoch, segment);
     if (!elastic && (plan->size() != st.batches_per_epoch || plan->indices.size() != st.samples_per_epoch ||
-                     hash_plan(*plan) != st.plan_hash))
+                     (!other_rank && hash_plan(*plan) != st.plan_hash)))
       throw Error("DataLoader::restore(): epoch " + std::to_string(st.epoch) + "'s batches differ from the saved loader's (" +
                   std::to_string(plan->size()) + " batches of " + std::to_string(plan->indices.size()) + " samples here, " +
                   std::to_string(st.batches_per_epoch) + " of " + std::to_string(st.samples_per_epoch) +

@@ -59,7 +59,7 @@ _CUDA_STREAM_LEGACY = 0x1  # cudaStreamLegacy (driver_types.h)
 
 # PyTorch DataLoader arguments a ferry dataset does not take (a Python dataset takes them all), and why.
 _NOT_FOR_FERRY_DATASETS = {
-    "sampler": "ferry samples by shuffle=/seed=; for several processes use ferry's DistributedEnv (C++)",
+    "sampler": "ferry samples by shuffle=/seed=; for several processes pass num_replicas= and rank=",
     "batch_sampler": "ferry batches by batch_size=/drop_last=",
     "collate_fn": "ferry collates in C++ (the dataset's fields, stacked)",
     "worker_init_fn": "ferry's workers are C++ threads that run no Python for a ferry dataset",
@@ -212,6 +212,15 @@ class DataLoader:
             Batches are recycled from this pool: holding many batches alive (e.g. list(loader))
             with pin_memory or device makes the loader wait for one to be freed.
         trace_batches: record the first N batches' timelines (write_trace(path) saves them).
+        num_replicas, rank: for a ferry dataset in data-parallel training: this process reads rank
+            `rank`'s share of every epoch, split over `num_replicas` processes as torch's
+            DistributedSampler splits it (each rank every num_replicas-th sample of one seeded
+            order, padded to equal counts, or cut with drop_last; C++ ferry::DistributedSampler);
+            shuffle, seed and drop_last apply to the whole order. A state_dict() saved at one
+            num_replicas restores at another: the epoch goes on from where the whole group stood,
+            split over the new ranks, so with the same global batch size (batch_size x num_replicas)
+            the global batches are those the uninterrupted run would have given. Under torchrun:
+            num_replicas=int(os.environ["WORLD_SIZE"]), rank=int(os.environ["RANK"]).
         gpu_decode_threads: with device and a dataset that decodes on the GPU
             (``image_folder(..., decode="gpu")``, ``tar_index``), how many batches nvJPEG decodes at
             once, each on a thread of its own that is busy for the whole decode (C++
@@ -254,6 +263,8 @@ class DataLoader:
         pin_memory_device: str = "",
         worker_type: Optional[str] = None,
         sample_seeding: bool = False,
+        num_replicas: Optional[int] = None,
+        rank: Optional[int] = None,
     ) -> None:
         python = not isinstance(dataset, _ferry.Dataset)
         if worker_type is None:
@@ -352,6 +363,17 @@ class DataLoader:
             in_order=in_order, on_error=on_error, max_errors=max_errors, max_error_fraction=max_error_fraction,
             gather=gather, pinned_memory_limit=pinned_memory_limit, stream=0 if python else stream_handle,
             trace_batches=trace_batches, gpu_decode_threads=gpu_decode_threads)
+        if num_replicas is not None or rank is not None:
+            if python:
+                raise TypeError("DataLoader: num_replicas= and rank= are for ferry datasets; a Python dataset takes "
+                                "sampler=torch.utils.data.DistributedSampler(dataset)")
+            if num_replicas is None or rank is None:
+                raise ValueError("DataLoader: pass num_replicas= and rank= together")
+            for name, value in (("num_replicas", num_replicas), ("rank", rank)):
+                if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                    raise ValueError(f"DataLoader: {name} must be an int >= 0, got {value!r}")
+            options = _ferry.with_distributed_sampler(options, cpp_dataset, int(num_replicas), int(rank))
+        self.num_replicas, self.rank = num_replicas, rank
         self._options = options
         self._loader = _ferry.Loader(cpp_dataset, options, convert)
         if python:

@@ -924,6 +924,16 @@ NB_MODULE(_ferry, m) {
         "path"_a, "Loads a dataset plugin library; returns the names it registered.");
 
   nb::class_<ferry::DataLoaderOptions>(m, "Options");
+  m.def("with_distributed_sampler",
+        [](ferry::DataLoaderOptions o, const PyDataset& dataset, std::size_t num_replicas, std::size_t rank) {
+          // Conversions only: DistributedSampler checks the rank against the world.
+          if (!dataset.has_size()) throw nb::type_error("DataLoader: num_replicas/rank are for map-style ferry datasets, not a stream");
+          o.sampler = std::make_shared<ferry::DistributedSampler>(dataset.size(), num_replicas, rank, o.shuffle, o.seed, o.drop_last);
+          o.shuffle = false;  // the sampler shuffles
+          return o;
+        },
+        "options"_a, "dataset"_a, "num_replicas"_a, "rank"_a,
+        "The options with this rank's DistributedSampler over the dataset (C++ ferry::DistributedSampler).");
   m.def("make_options", &make_options, "batch_size"_a, "shuffle"_a, "num_workers"_a, "pin_memory"_a, "drop_last"_a,
         "timeout"_a, "prefetch_factor"_a, "persistent_workers"_a, "seed"_a, "device"_a.none(), "in_order"_a,
         "on_error"_a, "max_errors"_a, "max_error_fraction"_a, "gather"_a, "pinned_memory_limit"_a.none(),

@@ -131,3 +131,86 @@ def test_device_batches_equal_the_host_batches(token_file, workers):
     assert all(torch.equal(x[k], y[k]) for x, y in zip(dev, host) for k in x)
     on_gpu = next(iter(ferry.DataLoader(ferry.datasets.tokens(path, seq_len=16, dtype="uint16"), batch_size=4, device=0)))
     assert on_gpu["input_ids"].is_cuda and on_gpu["labels"].device == on_gpu["input_ids"].device
+
+
+def _global_batches(ds, world, steps, state=None, per_global=8, workers=0):
+    """The global batches (each row's first input token, in the group's order) of `world` ranks
+    simulated in one process, each running `steps` batches (all when None) from `state`; and rank
+    0's state after."""
+    per_rank = per_global // world
+    ranks, out_state = [], None
+    for r in range(world):
+        loader = ferry.DataLoader(ds, batch_size=per_rank, shuffle=True, seed=5, num_workers=workers,
+                                  num_replicas=world, rank=r)
+        if state is not None:
+            loader.load_state_dict(state)
+        got = []
+        for i, b in enumerate(loader):
+            got.append(b["input_ids"][:, 0].tolist())
+            if steps is not None and i + 1 == steps:
+                break
+        ranks.append(got)
+        if r == 0:
+            out_state = loader.state_dict()
+    # position in the group's order: step * G + k * world + rank
+    return [[ranks[r][b][k] for k in range(per_rank) for r in range(world)] for b in range(len(ranks[0]))], out_state
+
+
+def test_mixture_resumed_at_world_sizes_4_2_1_gives_the_uninterrupted_global_batches(token_file):
+    path, _ = token_file
+    mix = ferry.datasets.mixture([(ferry.datasets.tokens(path, seq_len=16, dtype="uint16"), 0.6),
+                                  (ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=16), 0.4)],
+                                 seed=2, block=16, size=96)
+    whole, _ = _global_batches(mix, 4, None)
+    assert len(whole) == 12
+    got, state = _global_batches(mix, 4, 3, workers=2)
+    more, state = _global_batches(mix, 2, 4, state)
+    rest, _ = _global_batches(mix, 1, None, state, workers=3)
+    assert got + more + rest == whole
+    with pytest.raises(TypeError, match="for ferry datasets"):
+        ferry.DataLoader([1, 2, 3], num_replicas=2, rank=0)
+    with pytest.raises(ferry.Error, match="rank"):
+        ferry.DataLoader(mix, batch_size=4, num_replicas=2, rank=2)
+
+
+def test_torchrun_two_ranks_checkpoint_and_resume_on_one_and_on_two(token_file, tmp_path):
+    # Two processes under torchrun run 3 steps and save rank 0's state; the epoch is then finished
+    # by one process, and again by two: every global batch equals the uninterrupted run's.
+    import subprocess
+    import sys
+
+    path, _ = token_file
+    script = os.path.join(os.path.dirname(__file__), "dist_tokens.py")
+    env = dict(os.environ, FERRY_TEST_TOKENS=path)
+
+    def run(nproc, phase, steps):
+        # torchrun itself where FERRY_TORCHRUN=1 (Debian's torch 1.13 torchrun fails on Python 3.11),
+        # else a process per rank with the variables torchrun sets.
+        args = [script, str(tmp_path), phase, str(steps)]
+        if os.environ.get("FERRY_TORCHRUN") == "1":
+            procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       f"--nproc_per_node={nproc}", *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)]
+        else:
+            procs = [subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=dict(env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
+                                               LOCAL_WORLD_SIZE=str(nproc)))
+                     for r in range(nproc)]
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, out[-2000:] + err[-3000:]
+
+    run(2, "first", 3)
+    run(1, "rest1", 0)
+    run(2, "rest2", 0)
+
+    def read(phase, world):
+        ranks = [json.load(open(tmp_path / f"{phase}-{r}.json")) for r in range(world)]
+        per = len(ranks[0][0]) if ranks[0] else 0
+        return [[ranks[r][b][k] for k in range(per) for r in range(world)] for b in range(len(ranks[0]))]
+
+    whole, _ = _global_batches(ferry.datasets.tokens(path, seq_len=16, dtype="uint16"), 2, None, per_global=8)
+    first = read("first", 2)
+    assert len(first) == 3
+    assert first + read("rest1", 1) == whole
+    assert first + read("rest2", 2) == whole

@@ -26,6 +26,8 @@
 // Elastic data parallelism: a DistributedSampler state restored at another world size continues
 // the epoch from the position the whole group had reached (every rank steps together, so any
 // rank's state holds it), split over the new ranks as DistributedSampler::indices_from says.
+// At the same world size any rank's state restores every rank (each goes on with its own share
+// from the same batch), so a checkpoint may keep rank 0's state alone.
 //
 // The text format (to_string), version 1: a first line "ferry.LoaderState 1", then one
 // "key value" line per field below, values decimal (plan_hash: 16 hex digits). Readers of version
