@@ -53,7 +53,7 @@ __all__ = [
     "sample_seed",
     "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted", "object_store_stats",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _CUDA_STREAM_LEGACY = 0x1  # cudaStreamLegacy (driver_types.h)
 

@@ -109,6 +109,10 @@ inline auto make_tar_stream(const DatasetConfig& config) {
     return std::vector<Tensor>{std::move(s.image), Tensor::scalar(s.label)};
   });
 }
+/// The name make_tar_stream had before 0.2.0 (CHANGELOG.md); kept for one minor version at least.
+[[deprecated("renamed ferry::make_tar_stream in 0.2.0")]] inline auto make_tar_images(const DatasetConfig& config) {
+  return make_tar_stream(config);
+}
 /// The same stream with decode=gpu: each record's JPEG left compressed (encode_labeled_image) for
 /// the loader's device stage to decode; LabeledBatch batches. ferry::Error unless channels=3.
 inline auto make_tar_gpu_stream(const DatasetConfig& config) {

@@ -175,6 +175,11 @@ struct TarRecordDecodeOptions {
   bool dct_scaling = false;  ///< DecodeOptions::dct_scaling
 };
 
+/// The name TarRecordDecodeOptions had before 0.2.0 (CHANGELOG.md); kept for one minor version at
+/// least. Not TarImagesOptions, which is the indexed dataset's options.
+using TarImageOptions [[deprecated("renamed ferry::TarRecordDecodeOptions in 0.2.0 (TarImagesOptions is another type)")]] =
+    TarRecordDecodeOptions;
+
 /// Decodes a record's image (and transform) and its integer label. DataError names the shard and
 /// the record when a field is missing or malformed.
 LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecodeOptions& options, Generator& rng);
