@@ -2,7 +2,7 @@
 """A GPT-2-small-sized transformer (124M parameters, written here in plain torch) trained on one GPU,
 fed by each loader in turn, side by side in one run: training tokens/s, and the GPU's wait for
 data as 1 - (tokens/s with the loader) / (tokens/s of the same steps on one batch already on the
-GPU, "gpu-alone").
+GPU, "gpu-alone"); busy cores: every process's CPU time (/proc/stat) over the timed wall time.
 
 Model: 12 layers, 12 heads, width 768, vocabulary 50,304, context --seq, bf16 autocast, fused
 AdamW, scaled_dot_product_attention (causal). Rows (each a fresh loader; --warmup steps, then
@@ -111,6 +111,12 @@ def batches(row, a, path, docs_path):
         raise SystemExit(f"unknown row {row}")
 
 
+def busy_jiffies():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v[:8]) - v[3] - v[4]
+
+
 def run(row, a, path, docs_path, model, opt):
     src = batches(row, a, path, docs_path)
     step_times = []
@@ -126,13 +132,14 @@ def run(row, a, path, docs_path, model, opt):
     for _ in range(a.warmup):
         step()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    j0, t0 = busy_jiffies(), time.perf_counter()
     for _ in range(a.steps):
         step()
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
+    busy = (busy_jiffies() - j0) / os.sysconf("SC_CLK_TCK") / wall
     src.close()
-    return a.steps * a.batch * a.seq / wall
+    return a.steps * a.batch * a.seq / wall, busy
 
 
 def main():
@@ -163,24 +170,26 @@ def main():
     print(f"# GPT {params / 1e6:.0f}M params, seq {a.seq}, batch {a.batch}, bf16, {torch.cuda.get_device_name(0)}, "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, ferry {ferry.__version__}; {a.steps} steps after {a.warmup}, "
           f"median of {a.runs}")
-    print("| loader | training tokens/s (median) | range | vs gpu-alone | GPU waiting |")
-    print("|---|---:|---:|---:|---:|")
+    print("| loader | training tokens/s (median) | range | vs gpu-alone | GPU waiting | busy cores |")
+    print("|---|---:|---:|---:|---:|---:|")
     alone = {}
     for row in a.rows.split(","):
         if row == "turboloader":
             try:
                 import turboloader  # noqa: F401
             except ImportError as e:
-                print(f"| turboloader | not importable: {e} | | | |")
+                print(f"| turboloader | not importable: {e} | | | | |")
                 continue
-        rates = sorted(run(row, a, path, docs_path, model, opt) for _ in range(a.runs))
+        runs = [run(row, a, path, docs_path, model, opt) for _ in range(a.runs)]
+        rates = sorted(r[0] for r in runs)
         med = statistics.median(rates)
+        busy = statistics.median(r[1] for r in runs)
         base = alone.get("packed" if "packed" in row else "plain")
         if row.startswith("gpu-alone"):
             alone["packed" if "packed" in row else "plain"] = med
         ratio = "" if base is None else f"{med / base:.3f}"
         wait = "" if base is None else f"{max(0.0, 1 - med / base) * 100:.2f}%"
-        print(f"| {row} | {med:,.0f} | {rates[0]:,.0f}-{rates[-1]:,.0f} | {ratio} | {wait} |", flush=True)
+        print(f"| {row} | {med:,.0f} | {rates[0]:,.0f}-{rates[-1]:,.0f} | {ratio} | {wait} | {busy:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
