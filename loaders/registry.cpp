@@ -91,7 +91,8 @@ constexpr const char* kTokensHelp =
 
 constexpr const char* kMegatronHelp =
     "a Megatron-LM indexed dataset (prefix.bin + prefix.idx) as language-model sequences: prefix=<path without "
-    ".bin/.idx>, seq_len=1024, packed=0|1 (position_ids and cu_seqlens by document), random_offset=0|1, num_samples=, "
+    ".bin/.idx>, seq_len=1024, packed=0|1 (position_ids and cu_seqlens by document), shuffle_documents=0|1 (documents in "
+    "an order shuffled each epoch, within blocks of document_block=256), random_offset=0|1, num_samples=, "
     "vocab=<vocabulary size, checked>, out_dtype=int64|int32";
 
 std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) {
@@ -297,6 +298,10 @@ TokenSequences make_token_sequences(const DatasetConfig& c) {
   o.seq_len = static_cast<std::size_t>(seq_len);
   o.packed = c.integer("packed", 0) != 0;
   o.random_offset = c.integer("random_offset", 0) != 0;
+  o.shuffle_documents = c.integer("shuffle_documents", 0) != 0;
+  const std::int64_t block = c.integer("document_block", 256);
+  if (block < 1) throw Error("dataset '" + c.dataset() + "': option 'document_block' must be >= 1, got " + std::to_string(block));
+  o.document_block = static_cast<std::size_t>(block);
   if (c.has("num_samples")) {
     const std::int64_t n = c.integer("num_samples");
     if (n < 0) throw Error("dataset '" + c.dataset() + "': option 'num_samples' must be >= 0");

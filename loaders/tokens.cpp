@@ -55,6 +55,10 @@ TokenType parse_token_type(const std::string& name) {
   throw Error("token type '" + name + "' is not one of uint8, int8, int16, uint16, int32, uint32, int64");
 }
 
+std::uint64_t TokenCorpus::document_offset(std::uint64_t) const {
+  throw Error(name() + ": its documents are not indexed (a Megatron index is)");
+}
+
 namespace {
 
 std::uint64_t le64(const std::byte* p) {
@@ -338,6 +342,11 @@ class MegatronCorpus final : public TokenCorpus {
   void read(std::uint64_t begin, std::span<std::int64_t> out) const override { tokens_->read(begin, out); }
   bool has_documents() const noexcept override { return true; }
   std::uint64_t documents() const noexcept override { return sequences_; }
+  std::uint64_t document_offset(std::uint64_t d) const override {
+    if (d >= sequences_) return tokens_->tokens();
+    if (d > 0) check_follows(d);
+    return pointer(d) / token_size(type_);
+  }
   void document_starts(std::uint64_t begin, std::span<const std::int64_t> tokens, std::vector<std::uint64_t>& out) const override {
     const std::size_t isz = token_size(type_);
     const std::uint64_t lo = begin * isz, hi = (begin + tokens.size()) * isz;
@@ -412,6 +421,13 @@ TokenSequences::TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenS
     throw Error("TokenSequences(" + n + "): dtype must be int64 or int32, got " + dtype_name(options_.dtype));
   if (options_.packed && !corpus_->has_documents())
     throw Error("TokenSequences(" + n + "): packed sequences need the corpus's documents: give the end-of-document token id (eod), or read a Megatron index");
+  if (options_.shuffle_documents && corpus_->documents() == 0)
+    throw Error("TokenSequences(" + n + "): shuffle_documents needs an indexed corpus (a Megatron index): a flat file's documents are "
+                "found only by reading it");
+  if (options_.shuffle_documents && options_.random_offset)
+    throw Error("TokenSequences(" + n + "): shuffle_documents and random_offset do not go together (random windows have no order)");
+  if (options_.shuffle_documents && options_.document_block < 1)
+    throw Error("TokenSequences(" + n + "): document_block must be >= 1");
   if (options_.num_samples && !options_.random_offset)
     throw Error("TokenSequences(" + n + "): num_samples is for random_offset windows (ordered windows are as many as the corpus holds)");
   if (corpus_->size() < options_.seq_len + 1)
@@ -460,12 +476,64 @@ std::vector<Tensor> TokenSequences::get(std::size_t index, SampleContext& ctx) c
   return b;
 }
 
-void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const {
+void TokenSequences::read_window(std::size_t index, SampleContext& ctx, std::span<std::int64_t> window,
+                                 std::vector<std::size_t>* starts) const {
   const std::size_t seq = options_.seq_len;
   const std::uint64_t start = window_start(index, ctx);
+  if (!options_.shuffle_documents) {
+    corpus_->read(start, window);
+    if (!starts) return;
+    thread_local std::vector<std::uint64_t> at;
+    at.clear();
+    corpus_->document_starts(start, window.first(seq), at);
+    for (std::uint64_t p : at) starts->push_back(static_cast<std::size_t>(p - start));
+    return;
+  }
+  // Note [Documents shuffled in blocks]: block b holds documents [b * D, (b + 1) * D) in the
+  // order IndexPermutation(D', key(seed, epoch, b)); its tokens start where the corpus order's do
+  // (a block's length does not change with its order), so the block holding stream position p is
+  // a binary search over block starts, and its documents are walked in their order from there.
+  const std::uint64_t docs = corpus_->documents(), D = options_.document_block;
+  const std::uint64_t blocks = (docs + D - 1) / D;
+  auto block_start = [&](std::uint64_t b) { return corpus_->document_offset(std::min(b * D, docs)); };
+  std::uint64_t lo = 0, hi = blocks;  // the last block whose start <= start
+  while (hi - lo > 1) {
+    const std::uint64_t m = lo + (hi - lo) / 2;
+    if (block_start(m) <= start) lo = m;
+    else hi = m;
+  }
+  std::size_t filled = 0;
+  std::uint64_t b = lo, pos = block_start(b);  // stream position of the walk
+  while (filled < window.size() && b < blocks) {
+    const std::uint64_t first = b * D, count = std::min(D, docs - first);
+    const IndexPermutation order(count, mix_seed(ctx.seed() ^ 0x646f637368756666ull, ctx.epoch(), b));
+    for (std::uint64_t j = 0; j < count && filled < window.size(); ++j) {
+      const std::uint64_t d = first + order.at(j);
+      const std::uint64_t off = corpus_->document_offset(d), len = corpus_->document_offset(d + 1) - off;
+      if (pos + len <= start + filled) {  // before the window
+        pos += len;
+        continue;
+      }
+      const std::uint64_t skip = start + filled - pos;  // > 0 only for the document the window starts in
+      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(len - skip, window.size() - filled));
+      if (starts && skip == 0 && filled > 0 && filled < seq) starts->push_back(filled);
+      corpus_->read(off + skip, window.subspan(filled, take));
+      filled += take;
+      pos += len;
+    }
+    ++b;
+  }
+  if (filled < window.size())
+    throw Error(corpus_->name() + ": window " + std::to_string(index) + " runs past the stream's end (the index changed?)");
+}
+
+void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const {
+  const std::size_t seq = options_.seq_len;
   thread_local std::vector<std::int64_t> window;
+  thread_local std::vector<std::size_t> starts;
   window.resize(seq + 1);
-  corpus_->read(start, window);
+  starts.clear();
+  read_window(index, ctx, window, options_.packed ? &starts : nullptr);
   const auto r = static_cast<std::int64_t>(row);
   auto field = [&](std::size_t k, const std::int64_t* src) {
     void* dst = batch[k].select(r).raw();
@@ -475,19 +543,16 @@ void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std
   field(0, window.data());
   field(1, window.data() + 1);
   if (!options_.packed) return;
-  thread_local std::vector<std::uint64_t> starts;
-  starts.clear();
-  corpus_->document_starts(start, std::span<const std::int64_t>(window.data(), seq), starts);
   thread_local std::vector<std::int64_t> positions;
   positions.resize(seq);
   auto* c = static_cast<std::int32_t*>(batch[3].select(r).raw());
   std::size_t docs = 0, next = 0, first = 0;
   c[docs++] = 0;
   for (std::size_t k = 0; k < seq; ++k) {
-    if (next < starts.size() && starts[next] == start + k) {
+    if (next < starts.size() && starts[next] == k) {
       first = k;
       ++next;
-      if (k > 0) c[docs++] = static_cast<std::int32_t>(k);
+      c[docs++] = static_cast<std::int32_t>(k);
     }
     positions[k] = static_cast<std::int64_t>(k - first);
   }

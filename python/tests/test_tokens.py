@@ -63,6 +63,11 @@ def test_megatron_fixture_packed(tmp_path):
         assert pos[first] == 0 and b["cu_seqlens"][0, 1].item() == first
     tok = b["input_ids"][0].tolist()
     assert tok[:3] == [(t * 31) % meta["vocab"] for t in range(3)]
+    shuffled = ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=32, packed=True, shuffle_documents=True,
+                                       document_block=16)
+    assert len(shuffled) == len(ds)
+    first = [epoch(ferry.DataLoader(shuffled, batch_size=4, seed=s))[0]["input_ids"] for s in (1, 1, 2)]
+    assert torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])
 
 
 def test_mixture_resumes_from_state_dict_and_takes_new_weights(token_file):

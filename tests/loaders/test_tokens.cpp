@@ -340,6 +340,49 @@ TEST_CASE("packed sequences: position ids restart at each document, cu_seqlens a
   }
 }
 
+TEST_CASE("documents shuffled each epoch: every token once, documents whole between their starts, another order each epoch",
+          "[unit][tokens][megatron]") {
+  const Fixture f = fixture("u16");
+  TokenSequences seqs(open_megatron(f.prefix), {.seq_len = 64, .packed = true, .shuffle_documents = true, .document_block = 8});
+  auto corpus = open_megatron(f.prefix);
+  std::vector<std::int64_t> all(corpus->size());
+  corpus->read(0, all);
+  const std::multiset<std::int64_t> whole(all.begin(), all.end());
+  auto doc_of = [&](std::int64_t first_token) {  // the fixture's documents start with d * 7919 % vocab
+    for (std::int64_t d = 0; d < static_cast<std::int64_t>(f.lengths.size()); ++d)
+      if ((d * 7919) % f.vocab == first_token) return d;
+    return std::int64_t{-1};
+  };
+  std::vector<std::vector<std::int64_t>> orders;
+  for (std::uint64_t e : {0, 1}) {
+    const auto ref = epoch(seqs, opts(5, 0, false), e);
+    CHECK(epoch(seqs, opts(5, 3, false), e) == ref);  // any worker count
+    std::vector<std::int64_t> stream, order;
+    for (const auto& b : ref)
+      for (std::size_t r = 0; r < b[0].size() / 64; ++r)
+        for (std::size_t k = 0; k < 64; ++k) {
+          const std::int64_t t = b[0][r * 64 + k], p = b[2][r * 64 + k];
+          // Inside a document each token is the one before + 31 (mod vocab): pieces are whole.
+          if (p > 0) CHECK(t == (stream.back() + 31) % f.vocab);
+          if (p == 0 && k > 0) order.push_back(doc_of(t));
+          stream.push_back(t);
+        }
+    REQUIRE(stream.size() == seqs.size() * 64);
+    std::multiset<std::int64_t> seen(stream.begin(), stream.end());
+    for (std::int64_t t : seen) CHECK(seen.count(t) <= whole.count(t));  // nothing read twice
+    CHECK(whole.size() - seen.size() < 64);                             // only the tail past the last window
+    CHECK(std::count(order.begin(), order.end(), -1) == 0);
+    orders.push_back(order);
+  }
+  CHECK(orders[0] != orders[1]);
+  std::vector<std::int64_t> sorted = orders[0];
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(sorted != orders[0]);  // not the corpus order
+  CHECK_THROWS_WITH(TokenSequences(open_token_file(std::string(FERRY_TEST_FIXTURES) + "/megatron/u16.bin", {.type = TokenType::UInt16}),
+                                   {.shuffle_documents = true}),
+                    Catch::Contains("needs an indexed corpus"));
+}
+
 TEST_CASE("a flat file's documents are the runs ended by the end-of-document id", "[unit][tokens]") {
   TempDir dir;
   // Documents of 5, 9, 3 and 20 tokens, each ended by 0 (the eod id).

@@ -120,6 +120,8 @@ class SampleContext {
   /// The sample's index as the sampler produced it.
   std::size_t index() const noexcept { return index_; }
   std::uint64_t epoch() const noexcept { return epoch_; }
+  /// The seed the sample's generator is keyed by (the loader's seed).
+  std::uint64_t seed() const noexcept { return seed_; }
   const WorkerInfo& worker() const noexcept { return worker_; }
   /// The sample's generator, keyed by (seed, epoch, index); created on first use.
   Generator& rng() noexcept {

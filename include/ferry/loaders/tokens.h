@@ -36,6 +36,8 @@
 //   last seq_len (shifted by one), so every token is an input of exactly one window an epoch.
 // * random_offset: nanoGPT's get_batch, each sample a window at an offset drawn from the sample's
 //   generator (seed, epoch, index): the same for any worker count and on resume.
+// * shuffle_documents (an indexed corpus): the stream cut into windows is the documents in an order
+//   shuffled each epoch (within blocks of document_block documents), not the corpus order.
 // * packed: the windows carry their documents' boundaries: position_ids that restart at 0 at the
 //   window's first token and at each document's first token (as Megatron-LM's reset_position_ids),
 //   and cu_seqlens, the offsets in the sequence where its documents start,
@@ -105,6 +107,9 @@ class TokenCorpus {
   virtual bool has_documents() const noexcept = 0;
   /// Documents in the corpus when known without reading it (a Megatron index), else 0.
   virtual std::uint64_t documents() const noexcept { return 0; }
+  /// The stream position where document `d` starts (d == documents(): size()), for a corpus whose
+  /// documents() is not 0; DataError for a damaged index entry.
+  virtual std::uint64_t document_offset(std::uint64_t d) const;
 };
 
 /// Options of open_token_file.
@@ -153,6 +158,13 @@ struct TokenSequenceOptions {
   /// Windows with their documents' position_ids and cu_seqlens (the corpus must know its
   /// documents: an eod id, or a Megatron index).
   bool packed = false;
+  /// With an indexed corpus (a Megatron index): the stream is the documents in a shuffled order,
+  /// each epoch another, instead of the corpus order. The documents are shuffled within blocks of
+  /// `document_block` (consecutive in the index; the loader's sampler shuffles the windows across
+  /// the whole corpus), so a window's place costs a binary search and one block's walk, and no
+  /// pass over the corpus is made.
+  bool shuffle_documents = false;
+  std::size_t document_block = 256;
   /// Int64 (torch's token dtype) or Int32.
   DType dtype = DType::Int64;
   /// random_offset only: samples an epoch (default: as many as windows).
@@ -170,6 +182,9 @@ class TokenSequences : public DatasetBase<TokenSequences> {
   void get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const;
   /// The first stream position of sample `index`'s window (its input_ids; labels start one after).
   std::uint64_t window_start(std::size_t index, SampleContext& ctx) const;
+  /// Sample `index`'s seq_len + 1 tokens into `window` (seq_len + 1 of them), and with `starts`
+  /// the offsets k in (0, seq_len) where a document starts inside its input_ids.
+  void read_window(std::size_t index, SampleContext& ctx, std::span<std::int64_t> window, std::vector<std::size_t>* starts) const;
   /// "input_ids", "labels", and when packed "position_ids", "cu_seqlens".
   std::vector<std::string> field_names() const;
   const TokenCorpus& corpus() const noexcept { return *corpus_; }
