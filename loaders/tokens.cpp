@@ -131,14 +131,18 @@ class Bytes {
     size_ = memory_.size();
     ranges_.reset();
   }
-  /// n bytes at `offset`: in place, or read into `scratch`. DataError when they run past the end.
+  /// n bytes at `offset`: in place, or read into `scratch` (taken from this thread's prefetch when
+  /// it holds them). DataError when they run past the end.
   const std::byte* view(std::uint64_t offset, std::size_t n, std::vector<std::byte>& scratch) const {
     if (offset > size_ || n > size_ - offset)
       throw DataError(name_, offset, "needs " + std::to_string(n) + " bytes here, the file has " + std::to_string(size_) + " (truncated?)");
     if (!ranges_) return memory_.data() + offset;
+    if (loaders::take_prefetched(name_, offset, n, scratch) && scratch.size() == n) return scratch.data();
     ranges_->read(offset, n, scratch);
     return scratch.data();
   }
+  /// Whether reads are requests (an object), which prefetch() can send ahead.
+  bool remote() const noexcept { return ranges_ != nullptr; }
   std::uint64_t size() const noexcept { return size_; }
   const std::string& name() const noexcept { return name_; }
 
@@ -173,6 +177,15 @@ class TokenBytes {
   std::uint64_t tokens() const noexcept { return tokens_; }
   TokenType type() const noexcept { return type_; }
   const Bytes& bytes() const noexcept { return bytes_; }
+  void prefetch(std::span<const std::pair<std::uint64_t, std::uint64_t>> ranges) const {
+    if (!bytes_.remote()) return;
+    const std::size_t isz = token_size(type_);
+    std::vector<loaders::Wanted> wanted;
+    for (const auto& [begin, count] : ranges)
+      if (begin <= tokens_ && count <= tokens_ - begin && count > 0)
+        wanted.push_back({bytes_.name(), offset_ + begin * isz, static_cast<std::size_t>(count * isz)});
+    loaders::prefetch(wanted);
+  }
 
  private:
   Bytes bytes_;
@@ -194,6 +207,7 @@ class FlatCorpus final : public TokenCorpus {
       if (tokens[k - 1] == *eod_) out.push_back(begin + k);
   }
   bool has_documents() const noexcept override { return eod_.has_value(); }
+  void prefetch(std::span<const std::pair<std::uint64_t, std::uint64_t>> ranges) const override { tokens_.prefetch(ranges); }
 
  private:
   TokenBytes tokens_;
@@ -340,6 +354,7 @@ class MegatronCorpus final : public TokenCorpus {
   TokenType type() const noexcept override { return type_; }
   const std::string& name() const noexcept override { return name_; }
   void read(std::uint64_t begin, std::span<std::int64_t> out) const override { tokens_->read(begin, out); }
+  void prefetch(std::span<const std::pair<std::uint64_t, std::uint64_t>> ranges) const override { tokens_->prefetch(ranges); }
   bool has_documents() const noexcept override { return true; }
   std::uint64_t documents() const noexcept override { return sequences_; }
   std::uint64_t document_offset(std::uint64_t d) const override {
@@ -467,6 +482,15 @@ std::vector<Tensor> TokenSequences::make_batch(std::size_t rows, BatchAllocator&
     b.push_back(empty(DType::Int32, {n, len + 1}, allocator));
   }
   return b;
+}
+
+void TokenSequences::prefetch(std::span<const std::size_t> indices) const {
+  if (options_.random_offset || options_.shuffle_documents) return;
+  thread_local std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+  ranges.clear();
+  for (std::size_t i : indices)
+    if (i < size_) ranges.emplace_back(static_cast<std::uint64_t>(i) * options_.seq_len, options_.seq_len + 1);
+  corpus_->prefetch(ranges);
 }
 
 std::vector<Tensor> TokenSequences::get(std::size_t index, SampleContext& ctx) const {

@@ -25,8 +25,8 @@
 //   prefix.bin, int64 document indices), read from that published layout; each of its sequences is
 //   a document. Only the index's header is checked at open (O(1)); the lengths and pointers a
 //   sample touches are checked when it reads them, so opening a corpus of any size is immediate.
-// Local files are memory-mapped; an "s3://bucket/key" object is read by ranged GETs, one a sample
-// (ferry/loaders/storage.h: credentials, retries, the disk cache). Bad input (a truncated file, a
+// Local files are memory-mapped; an "s3://bucket/key" object is read by ranged GETs, one a sample,
+// a batch's sent together (ferry/loaders/storage.h: credentials, retries, the disk cache). Bad input (a truncated file, a
 // wrong magic, version or dtype, counts that overflow or pointers that run past the .bin, a token
 // id at or past TokenFileOptions::vocab_size) is a DataError naming the file and the byte offset.
 //
@@ -70,6 +70,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/core/allocator.h"
@@ -105,6 +106,9 @@ class TokenCorpus {
                                std::vector<std::uint64_t>& out) const = 0;
   /// True when the corpus knows its documents (an end-of-document id, or a Megatron index).
   virtual bool has_documents() const noexcept = 0;
+  /// Sends the reads of these token ranges ([begin, begin + count) each) ahead, all at once, for
+  /// read() calls on this thread to take (an object in S3-compatible storage; nothing locally).
+  virtual void prefetch(std::span<const std::pair<std::uint64_t, std::uint64_t>> ranges) const { (void)ranges; }
   /// Documents in the corpus when known without reading it (a Megatron index), else 0.
   virtual std::uint64_t documents() const noexcept { return 0; }
   /// The stream position where document `d` starts (d == documents(): size()), for a corpus whose
@@ -177,6 +181,9 @@ class TokenSequences : public DatasetBase<TokenSequences> {
   TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenSequenceOptions options = {});
   std::size_t size() const noexcept { return size_; }
   std::vector<Tensor> get(std::size_t index, SampleContext& ctx) const;
+  /// Over s3://: the batch's windows are requested together before they are read (ordered windows
+  /// of a corpus in its own order; random and shuffled-document windows read one at a time).
+  void prefetch(std::span<const std::size_t> indices) const;
   /// Direct mode (the loader writes each sample into its batch's rows: no collate copy).
   std::vector<Tensor> make_batch(std::size_t rows, BatchAllocator& allocator) const;
   void get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const;
