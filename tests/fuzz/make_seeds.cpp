@@ -29,25 +29,11 @@ int main(int argc, char** argv) {
   // Token data: a Megatron index of 3 documents of 10 uint16 tokens after the .bin's size (60, 4
   // bytes), and an llm.c header.
   {
-    Bytes t;
-    auto put = [&](const void* p, std::size_t n) {
-      const auto* c = static_cast<const std::byte*>(p);
-      t.insert(t.end(), c, c + n);
-    };
     const std::uint32_t bin = 60;
-    const std::uint64_t version = 1, seqs = 3, docs = 4;
-    const std::uint8_t code = 8;
-    const std::int32_t lengths[3] = {10, 10, 10};
-    const std::int64_t pointers[3] = {0, 20, 40}, doc_index[4] = {0, 1, 2, 3};
-    put(&bin, 4);
-    put("MMIDIDX\0\0", 9);
-    put(&version, 8);
-    put(&code, 1);
-    put(&seqs, 8);
-    put(&docs, 8);
-    put(lengths, sizeof lengths);
-    put(pointers, sizeof pointers);
-    put(doc_index, sizeof doc_index);
+    Bytes t(4);
+    std::memcpy(t.data(), &bin, 4);
+    const Bytes idx = megatron_idx_bytes(8, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 3});
+    t.insert(t.end(), idx.begin(), idx.end());
     write_file(root + "/tokens/megatron", t);
     Bytes h(1024);
     const std::int32_t header[3] = {20240520, 1, 0};

@@ -154,6 +154,36 @@ class TarBuilder {
   Bytes out_;
 };
 
+/// The bytes of a vector's elements, as a file stores them.
+template <class T>
+Bytes raw_bytes(const std::vector<T>& v) {
+  Bytes b(v.size() * sizeof(T));
+  std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+/// A Megatron-LM index (prefix.idx) in the published MMIDIDX layout: version 1, the dtype code (8:
+/// uint16, 4: int32, ...), then the sequence lengths, their byte pointers into prefix.bin and the
+/// document indices.
+inline Bytes megatron_idx_bytes(std::uint8_t code, const std::vector<std::int32_t>& lengths, const std::vector<std::int64_t>& pointers,
+                                const std::vector<std::int64_t>& docs) {
+  Bytes b;
+  auto put = [&](const void* p, std::size_t n) {
+    const auto* c = static_cast<const std::byte*>(p);
+    b.insert(b.end(), c, c + n);
+  };
+  put("MMIDIDX\0\0", 9);
+  const std::uint64_t version = 1, s = lengths.size(), d = docs.size();
+  put(&version, 8);
+  put(&code, 1);
+  put(&s, 8);
+  put(&d, 8);
+  put(lengths.data(), lengths.size() * 4);
+  put(pointers.data(), pointers.size() * 8);
+  put(docs.data(), docs.size() * 8);
+  return b;
+}
+
 /// JPEG bytes of an RGB or gray image (quality q; chroma subsampling `ss` as TurboJPEG's TJSAMP_*,
 /// 4:4:4 unless given; TJFLAG_* flags such as TJFLAG_PROGRESSIVE).
 inline Bytes encode_jpeg(const std::vector<std::uint8_t>& pixels, int w, int h, int channels, int q = 95, int ss = TJSAMP_444,

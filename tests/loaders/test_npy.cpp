@@ -8,25 +8,17 @@
 using namespace ferry;
 using namespace ferry::test;
 
-namespace {
-template <class T>
-Bytes raw(const std::vector<T>& v) {
-  Bytes b(v.size() * sizeof(T));
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
-}  // namespace
 
 TEST_CASE(".npy files of the common dtypes read as mapped tensors", "[unit][npy]") {
   TempDir dir;
   std::vector<float> f(15);
   for (std::size_t i = 0; i < f.size(); ++i) f[i] = static_cast<float>(i) * 0.5f;
-  write_file(dir / "f.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (5, 3), }", raw(f)));
+  write_file(dir / "f.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (5, 3), }", raw_bytes(f)));
   Tensor t = read_npy(dir / "f.npy");
   CHECK(t.dtype() == DType::Float32);
   CHECK(t.shape() == Shape{5, 3});
   CHECK(t.item<float>(7) == 3.5f);
-  write_file(dir / "v2.npy", npy_bytes("{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", raw(std::vector<std::int64_t>{-1, 1LL << 40}), 2));
+  write_file(dir / "v2.npy", npy_bytes("{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", raw_bytes(std::vector<std::int64_t>{-1, 1LL << 40}), 2));
   Tensor v2 = read_npy(dir / "v2.npy");
   CHECK(v2.shape() == Shape{2});
   CHECK(v2.item<std::int64_t>(1) == (1LL << 40));
@@ -41,7 +33,7 @@ TEST_CASE(".npy files of the common dtypes read as mapped tensors", "[unit][npy]
     Tensor x = parse_npy(npy_bytes(std::string("{'descr': '") + d.descr + "', 'fortran_order': False, 'shape': (4,), }", data), "mem");
     CHECK(x.dtype() == d.dtype);
   }
-  Tensor scalar = parse_npy(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", raw(std::vector<float>{2.f})), "mem");
+  Tensor scalar = parse_npy(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", raw_bytes(std::vector<float>{2.f})), "mem");
   CHECK(scalar.dim() == 0);
   CHECK_THROWS_WITH(NpyDataset(scalar), Catch::Contains("at least one dimension"));
 }
@@ -83,7 +75,7 @@ TEST_CASE("NpyDataset rows reach the loader intact, in direct mode", "[loader][n
   TempDir dir;
   std::vector<std::int32_t> v(40 * 3);
   for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<std::int32_t>(i);
-  write_file(dir / "x.npy", npy_bytes("{'descr': '<i4', 'fortran_order': False, 'shape': (40, 3), }", raw(v)));
+  write_file(dir / "x.npy", npy_bytes("{'descr': '<i4', 'fortran_order': False, 'shape': (40, 3), }", raw_bytes(v)));
   NpyDataset ds(dir / "x.npy");
   CHECK(ds.size() == 40);
   DataLoaderOptions o;

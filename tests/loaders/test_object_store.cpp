@@ -143,23 +143,7 @@ TEST_CASE("token files and Megatron indexed datasets over s3:// equal the local 
   for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::uint16_t>(i * 13 % 50000);
   Bytes bin(tokens.size() * 2);
   std::memcpy(bin.data(), tokens.data(), bin.size());
-  Bytes idx;
-  auto put = [&](const void* p, std::size_t n) {
-    const auto* c = static_cast<const std::byte*>(p);
-    idx.insert(idx.end(), c, c + n);
-  };
-  const std::uint64_t version = 1, seqs = 3, docs = 4;
-  const std::uint8_t code = 8;
-  const std::int32_t lengths[3] = {500, 400, 97};
-  const std::int64_t pointers[3] = {0, 1000, 1800}, doc_index[4] = {0, 1, 2, 3};
-  put("MMIDIDX\0\0", 9);
-  put(&version, 8);
-  put(&code, 1);
-  put(&seqs, 8);
-  put(&docs, 8);
-  put(lengths, sizeof lengths);
-  put(pointers, sizeof pointers);
-  put(doc_index, sizeof doc_index);
+  const Bytes idx = megatron_idx_bytes(8, {500, 400, 97}, {0, 1000, 1800}, {0, 1, 2, 3});
   for (const auto& [rel, bytes] : std::vector<std::pair<std::string, Bytes>>{{"tok/t.bin", bin}, {"tok/m.bin", bin}, {"tok/m.idx", idx}}) {
     write_file(d.local(rel), bytes);
     store.put(std::string(kBucket) + "/" + rel, bytes);

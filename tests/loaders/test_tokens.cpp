@@ -26,12 +26,6 @@ using namespace ferry::test;
 
 namespace {
 
-template <class T>
-Bytes raw(const std::vector<T>& v) {
-  Bytes b(v.size() * sizeof(T));
-  std::memcpy(b.data(), v.data(), b.size());
-  return b;
-}
 
 std::vector<std::uint16_t> pattern(std::size_t n) {
   std::vector<std::uint16_t> v(n);
@@ -69,26 +63,6 @@ DataLoaderOptions opts(std::size_t batch, int workers, bool shuffle = true) {
   return o;
 }
 
-// A Megatron index in the published layout, for damaged variants.
-Bytes megatron_idx(std::uint8_t code, const std::vector<std::int32_t>& lengths, const std::vector<std::int64_t>& pointers,
-                   const std::vector<std::int64_t>& docs) {
-  Bytes b;
-  auto put = [&](const void* p, std::size_t n) {
-    const auto* c = static_cast<const std::byte*>(p);
-    b.insert(b.end(), c, c + n);
-  };
-  put("MMIDIDX\0\0", 9);
-  const std::uint64_t version = 1, s = lengths.size(), d = docs.size();
-  put(&version, 8);
-  put(&code, 1);
-  put(&s, 8);
-  put(&d, 8);
-  put(lengths.data(), lengths.size() * 4);
-  put(pointers.data(), pointers.size() * 8);
-  put(docs.data(), docs.size() * 8);
-  return b;
-}
-
 struct Fixture {
   std::string prefix;
   std::int64_t vocab;
@@ -107,11 +81,11 @@ Fixture fixture(const std::string& name) {
 TEST_CASE("raw, llm.c and .npy token files read back token for token", "[unit][tokens]") {
   TempDir dir;
   const auto tokens = pattern(1000);
-  write_file(dir / "raw.bin", raw(tokens));
+  write_file(dir / "raw.bin", raw_bytes(tokens));
   Bytes llmc(1024);
   const std::int32_t header[3] = {20240520, 1, 1000};
   std::memcpy(llmc.data(), header, sizeof header);
-  const Bytes body = raw(tokens);
+  const Bytes body = raw_bytes(tokens);
   llmc.insert(llmc.end(), body.begin(), body.end());
   write_file(dir / "llmc.bin", llmc);
   write_file(dir / "t.npy", npy_bytes("{'descr': '<u2', 'fortran_order': False, 'shape': (1000,), }", body));
@@ -120,7 +94,7 @@ TEST_CASE("raw, llm.c and .npy token files read back token for token", "[unit][t
   Bytes llmc2(1024);
   const std::int32_t header2[3] = {20240520, 2, 1000};
   std::memcpy(llmc2.data(), header2, sizeof header2);
-  const Bytes body2 = raw(wide);
+  const Bytes body2 = raw_bytes(wide);
   llmc2.insert(llmc2.end(), body2.begin(), body2.end());
   write_file(dir / "llmc2.bin", llmc2);
 
@@ -146,7 +120,7 @@ TEST_CASE("raw, llm.c and .npy token files read back token for token", "[unit][t
 
 TEST_CASE("damaged token files are DataErrors naming the file and the offset", "[errors][tokens]") {
   TempDir dir;
-  const Bytes body = raw(pattern(100));
+  const Bytes body = raw_bytes(pattern(100));
   auto error_of = [](auto&& f) -> std::string {
     try {
       f();
@@ -203,7 +177,7 @@ TEST_CASE("windows hold every token once an epoch, labels shifted by one, the sa
           "[unit][tokens][ordering]") {
   TempDir dir;
   const auto tokens = pattern(16 * 50 + 7);
-  write_file(dir / "t.bin", raw(tokens));
+  write_file(dir / "t.bin", raw_bytes(tokens));
   TokenSequences seqs(open_token_file(dir / "t.bin", {.type = TokenType::UInt16}), {.seq_len = 16});
   REQUIRE(seqs.size() == 50);
   CHECK(seqs.field_names() == std::vector<std::string>{"input_ids", "labels"});
@@ -246,7 +220,7 @@ TEST_CASE("windows hold every token once an epoch, labels shifted by one, the sa
 TEST_CASE("random-offset windows are the same for any worker count and are windows of the file", "[unit][tokens][ordering]") {
   TempDir dir;
   const auto tokens = pattern(3000);
-  write_file(dir / "t.bin", raw(tokens));
+  write_file(dir / "t.bin", raw_bytes(tokens));
   TokenSequences seqs(open_token_file(dir / "t.bin", {.type = TokenType::UInt16}), {.seq_len = 32, .random_offset = true, .num_samples = 40});
   REQUIRE(seqs.size() == 40);
   const auto ref = epoch(seqs, opts(8, 0, false));
@@ -391,7 +365,7 @@ TEST_CASE("a flat file's documents are the runs ended by the end-of-document id"
     for (int k = 1; k < n; ++k) t.push_back(static_cast<std::uint16_t>(100 + k));
     t.push_back(0);
   }
-  write_file(dir / "eod.bin", raw(t));
+  write_file(dir / "eod.bin", raw_bytes(t));
   TokenSequences seqs(open_token_file(dir / "eod.bin", {.type = TokenType::UInt16, .eod = 0}), {.seq_len = 12, .packed = true});
   WorkerInfo w;
   SampleContext ctx(0, 0, 0, w);
@@ -409,7 +383,7 @@ TEST_CASE("a flat file's documents are the runs ended by the end-of-document id"
 
 TEST_CASE("damaged Megatron indices are DataErrors naming the .idx and the offset", "[errors][tokens][megatron]") {
   TempDir dir;
-  const Bytes bin = raw(pattern(30));  // 3 documents of 10 uint16 tokens
+  const Bytes bin = raw_bytes(pattern(30));  // 3 documents of 10 uint16 tokens
   auto make = [&](const std::string& name, const Bytes& idx, const Bytes& b) {
     write_file(dir / (name + ".idx"), idx);
     write_file(dir / (name + ".bin"), b);
@@ -431,25 +405,25 @@ TEST_CASE("damaged Megatron indices are DataErrors naming the .idx and the offse
     }
     return "no error";
   };
-  const Bytes good = megatron_idx(8, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 3});
+  const Bytes good = megatron_idx_bytes(8, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 3});
   CHECK(error_of(make("good", good, bin), true) == "no error");
   Bytes magic = good;
   magic[0] = std::byte{'X'};
   CHECK(error_of(make("magic", magic, bin)).find("magic.idx: at byte 0: not a Megatron index") != std::string::npos);
-  CHECK(error_of(make("float", megatron_idx(7, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 3}), bin)).find("float.idx: at byte 17") != std::string::npos);
+  CHECK(error_of(make("float", megatron_idx_bytes(7, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 3}), bin)).find("float.idx: at byte 17") != std::string::npos);
   Bytes overflow = good;
   const std::uint64_t huge = ~std::uint64_t{0} / 4;
   std::memcpy(overflow.data() + 18, &huge, 8);
   CHECK(error_of(make("overflow", overflow, bin)).find("overflow.idx: at byte 18: counts overflow") != std::string::npos);
   CHECK(error_of(make("short", Bytes(good.begin(), good.end() - 8), bin)).find("short.idx") != std::string::npos);
   // Pointers past the .bin; a .bin shorter than the index says.
-  CHECK(error_of(make("past", megatron_idx(8, {10, 10, 20}, {0, 20, 40}, {0, 1, 2, 3}), bin)).find("pointers run past the .bin") != std::string::npos);
+  CHECK(error_of(make("past", megatron_idx_bytes(8, {10, 10, 20}, {0, 20, 40}, {0, 1, 2, 3}), bin)).find("pointers run past the .bin") != std::string::npos);
   CHECK(error_of(make("trunc", good, Bytes(bin.begin(), bin.end() - 2))).find("trunc.idx") != std::string::npos);
   // A gap between sequences is found when a sample reads there, named at the pointer's offset.
-  const std::string gap = error_of(make("gap", megatron_idx(8, {10, 8, 10}, {0, 20, 40}, {0, 1, 2, 3}), bin), true);
+  const std::string gap = error_of(make("gap", megatron_idx_bytes(8, {10, 8, 10}, {0, 20, 40}, {0, 1, 2, 3}), bin), true);
   CHECK(gap.find("gap.idx: at byte " + std::to_string(34 + 3 * 4 + 2 * 8)) != std::string::npos);
-  CHECK(error_of(make("docs", megatron_idx(8, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 5}), bin)).find("document index") != std::string::npos);
-  CHECK(error_of(make("odd", megatron_idx(8, {10, 10, 10}, {0, 21, 40}, {0, 1, 2, 3}), bin), true).find("not a whole token") != std::string::npos);
+  CHECK(error_of(make("docs", megatron_idx_bytes(8, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 5}), bin)).find("document index") != std::string::npos);
+  CHECK(error_of(make("odd", megatron_idx_bytes(8, {10, 10, 10}, {0, 21, 40}, {0, 1, 2, 3}), bin), true).find("not a whole token") != std::string::npos);
   CHECK(error_of(dir / "nothing").find("nothing.idx") != std::string::npos);
 }
 
@@ -620,7 +594,7 @@ TEST_CASE("a mixture resumed at world sizes 4 -> 3 -> 2 -> 1 and other worker co
 
 TEST_CASE("token sequences through the registry: tokens and megatron, with their keys checked", "[unit][tokens][registry]") {
   TempDir dir;
-  write_file(dir / "t.bin", raw(pattern(1000)));
+  write_file(dir / "t.bin", raw_bytes(pattern(1000)));
   auto& reg = DatasetRegistry::global();
   DynamicDataset d = reg.create("tokens", "path=" + (dir / "t.bin") + ",dtype=uint16,seq_len=10");
   CHECK(d.size() == 99);
