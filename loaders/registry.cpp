@@ -87,13 +87,14 @@ constexpr const char* kTokensHelp =
     "(nanoGPT's raw .bin, llm.c's .bin, a 1-D .npy), dtype=uint16|uint32|int32|... (a raw file's token type; a headed "
     "file's is read from its header), format=auto|raw|llmc|npy, eod=<end-of-document token id>, seq_len=1024, "
     "packed=0|1 (position_ids and cu_seqlens by document; needs eod), random_offset=0|1 (nanoGPT's random windows), "
-    "num_samples= (random_offset), vocab=<vocabulary size, checked>, out_dtype=int64|int32";
+    "num_samples= (random_offset), vocab=<vocabulary size, checked>, out_dtype=int64|int32, raw=0|1 (one field of "
+    "the window's seq_len + 1 tokens as stored)";
 
 constexpr const char* kMegatronHelp =
     "a Megatron-LM indexed dataset (prefix.bin + prefix.idx) as language-model sequences: prefix=<path without "
     ".bin/.idx>, seq_len=1024, packed=0|1 (position_ids and cu_seqlens by document), shuffle_documents=0|1 (documents in "
     "an order shuffled each epoch, within blocks of document_block=256), random_offset=0|1, num_samples=, "
-    "vocab=<vocabulary size, checked>, out_dtype=int64|int32";
+    "vocab=<vocabulary size, checked>, out_dtype=int64|int32, raw=0|1";
 
 std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) {
   std::vector<float> out;
@@ -298,6 +299,7 @@ TokenSequences make_token_sequences(const DatasetConfig& c) {
   o.seq_len = static_cast<std::size_t>(seq_len);
   o.packed = c.integer("packed", 0) != 0;
   o.random_offset = c.integer("random_offset", 0) != 0;
+  o.raw = c.integer("raw", 0) != 0;
   o.shuffle_documents = c.integer("shuffle_documents", 0) != 0;
   const std::int64_t block = c.integer("document_block", 256);
   if (block < 1) throw Error("dataset '" + c.dataset() + "': option 'document_block' must be >= 1, got " + std::to_string(block));

@@ -459,8 +459,25 @@ std::uint64_t TokenSequences::window_start(std::size_t index, SampleContext& ctx
 }
 
 std::vector<std::string> TokenSequences::field_names() const {
-  if (options_.packed) return {"input_ids", "labels", "position_ids", "cu_seqlens"};
-  return {"input_ids", "labels"};
+  std::vector<std::string> names = options_.raw ? std::vector<std::string>{"tokens"} : std::vector<std::string>{"input_ids", "labels"};
+  if (options_.packed) {
+    names.emplace_back("position_ids");
+    names.emplace_back("cu_seqlens");
+  }
+  return names;
+}
+
+DType TokenSequences::raw_dtype() const noexcept {
+  switch (corpus_->type()) {
+    case TokenType::UInt8: return DType::UInt8;
+    case TokenType::Int8: return DType::Int8;
+    case TokenType::Int16:
+    case TokenType::UInt16: return DType::Int16;
+    case TokenType::Int32:
+    case TokenType::UInt32: return DType::Int32;
+    case TokenType::Int64: return DType::Int64;
+  }
+  return DType::Int64;
 }
 
 namespace {
@@ -475,10 +492,14 @@ std::vector<Tensor> TokenSequences::make_batch(std::size_t rows, BatchAllocator&
   const auto n = static_cast<std::int64_t>(rows), len = static_cast<std::int64_t>(options_.seq_len);
   std::vector<Tensor> b;
   b.reserve(4);
-  b.push_back(empty(options_.dtype, {n, len}, allocator));
-  b.push_back(empty(options_.dtype, {n, len}, allocator));
-  if (options_.packed) {
+  if (options_.raw) {
+    b.push_back(empty(raw_dtype(), {n, len + 1}, allocator));
+  } else {
     b.push_back(empty(options_.dtype, {n, len}, allocator));
+    b.push_back(empty(options_.dtype, {n, len}, allocator));
+  }
+  if (options_.packed) {
+    b.push_back(empty(options_.raw ? DType::Int32 : options_.dtype, {n, len}, allocator));
     b.push_back(empty(DType::Int32, {n, len + 1}, allocator));
   }
   return b;
@@ -559,17 +580,28 @@ void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std
   starts.clear();
   read_window(index, ctx, window, options_.packed ? &starts : nullptr);
   const auto r = static_cast<std::int64_t>(row);
-  auto field = [&](std::size_t k, const std::int64_t* src) {
+  auto field = [&](std::size_t k, const std::int64_t* src, std::size_t n) {
     void* dst = batch[k].select(r).raw();
-    if (options_.dtype == DType::Int64) std::memcpy(dst, src, seq * sizeof(std::int64_t));
-    else store<std::int32_t>(src, seq, dst);
+    switch (batch[k].dtype()) {
+      case DType::Int64: std::memcpy(dst, src, n * sizeof(std::int64_t)); break;
+      case DType::Int32: store<std::int32_t>(src, n, dst); break;
+      case DType::Int16: store<std::int16_t>(src, n, dst); break;  // uint16 ids keep their bits
+      case DType::Int8: store<std::int8_t>(src, n, dst); break;
+      default: store<std::uint8_t>(src, n, dst); break;
+    }
   };
-  field(0, window.data());
-  field(1, window.data() + 1);
+  std::size_t next_field = 2;
+  if (options_.raw) {
+    field(0, window.data(), seq + 1);
+    next_field = 1;
+  } else {
+    field(0, window.data(), seq);
+    field(1, window.data() + 1, seq);
+  }
   if (!options_.packed) return;
   thread_local std::vector<std::int64_t> positions;
   positions.resize(seq);
-  auto* c = static_cast<std::int32_t*>(batch[3].select(r).raw());
+  auto* c = static_cast<std::int32_t*>(batch[next_field + 1].select(r).raw());
   std::size_t docs = 0, next = 0, first = 0;
   c[docs++] = 0;
   for (std::size_t k = 0; k < seq; ++k) {
@@ -581,7 +613,7 @@ void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std
     positions[k] = static_cast<std::int64_t>(k - first);
   }
   while (docs <= seq) c[docs++] = static_cast<std::int32_t>(seq);
-  field(2, positions.data());
+  field(next_field, positions.data(), seq);
 }
 
 // --- permutations -------------------------------------------------------------------------------

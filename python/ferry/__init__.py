@@ -331,6 +331,16 @@ class DataLoader:
                 raise ValueError("DataLoader: gather= is for ferry's datasets of rows (idx, npy)")
         else:
             cpp_dataset = dataset
+        # Note [Token windows widened on the GPU]: with a device, a token dataset's windows cross
+        # the link as the file stores them (2 bytes a token of a uint16 file, not 16 for int64
+        # input_ids and labels) and are widened and shifted on the GPU, on the consumer's stream,
+        # as each batch is handed over (_widened): the same batches, a fraction of the host's work.
+        self._widen = None
+        if (not python and self.device is not None and getattr(dataset, "name", "") in ("tokens", "megatron")
+                and "raw=" not in dataset.config):
+            cpp_dataset = _ferry.make_dataset(dataset.name, dataset.config + ",raw=1")
+            out_dtype = "int32" if "out_dtype=int32" in dataset.config else "int64"
+            self._widen = (dataset.token_type, out_dtype)
         stream_handle = 0
         if self.device is not None:
             torch = _torch()
@@ -417,7 +427,25 @@ class DataLoader:
         batches = self._loader.begin()
         if self._python and (self.device is not None or self._pool is not None):
             return self._python_batches(batches)
+        if self._widen is not None:
+            return self._widened(batches)
         return batches
+
+    def _widened(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """A token dataset's raw windows as input_ids and labels (Note [Token windows widened on the GPU])."""
+        torch = _torch()
+        token_type, out_dtype = self._widen
+        out = torch.int32 if out_dtype == "int32" else torch.int64
+        mask = {"uint16": 0xFFFF, "uint32": 0xFFFFFFFF}.get(token_type)
+        for b in batches:
+            t = b.pop("tokens")
+            if mask is not None:  # unsigned ids came in a signed type of their width, their bits kept
+                t = t.to(torch.int64 if token_type == "uint32" else torch.int32).bitwise_and_(mask)
+            widened = {"input_ids": t[:, :-1].to(out).contiguous(), "labels": t[:, 1:].to(out).contiguous()}
+            if "position_ids" in b:
+                widened["position_ids"] = b.pop("position_ids").to(out)
+                widened["cu_seqlens"] = b.pop("cu_seqlens")
+            yield widened
 
     def _python_batches(self, batches: Iterator[Any]) -> Iterator[Any]:
         move = None

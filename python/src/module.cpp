@@ -369,6 +369,7 @@ struct PyDataset {
   std::string name, config;
   std::optional<ferry::OpenedDataset> opened;  // ferry's own datasets (DatasetRegistry::open)
   std::vector<std::string> fields;             // named fields: batches are dicts (token sequences)
+  std::string token_type;                      // token sequences: the file's token type ("uint16", ...)
   // A Python dataset (Note [Python datasets]).
   std::optional<PyMap> py_map;
   std::optional<PyIter> py_iter;
@@ -396,7 +397,10 @@ PyDataset make_dataset(const std::string& name, const std::string& config) {
   d.name = name;
   d.config = config;
   d.opened.emplace(ferry::DatasetRegistry::global().open(name, config));
-  if (const auto* seqs = std::get_if<ferry::TokenSequences>(&*d.opened)) d.fields = seqs->field_names();  // dict batches
+  if (const auto* seqs = std::get_if<ferry::TokenSequences>(&*d.opened)) {  // dict batches
+    d.fields = seqs->field_names();
+    d.token_type = ferry::token_type_name(seqs->corpus().type());
+  }
   return d;
 }
 
@@ -878,7 +882,8 @@ NB_MODULE(_ferry, m) {
       .def("__repr__", &PyDataset::repr)
       .def_ro("name", &PyDataset::name)
       .def_ro("config", &PyDataset::config)
-      .def_ro("fields", &PyDataset::fields, "Field names when batches are dicts (token sequences), else empty.");
+      .def_ro("fields", &PyDataset::fields, "Field names when batches are dicts (token sequences), else empty.")
+      .def_ro("token_type", &PyDataset::token_type, "Token sequences: the file's token type (\"uint16\", ...); else empty.");
   m.def("make_mixture", &make_mixture, "sources"_a, "weights"_a, "seed"_a, "block"_a, "size"_a.none(), "schedule"_a,
         "A weighted mixture of ferry datasets (C++ ferry::Mixture).");
   m.def("make_dataset", &make_dataset, "name"_a, "config"_a,

@@ -219,3 +219,22 @@ def test_torchrun_two_ranks_checkpoint_and_resume_on_one_and_on_two(token_file, 
     assert len(first) == 3
     assert first + read("rest1", 1) == whole
     assert first + read("rest2", 2) == whole
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_raw_windows_widened_as_the_device_path_does_equal_the_host_batches(packed):
+    # With device=, a token dataset's windows cross as stored and are widened on the GPU
+    # (DataLoader._widened); here the same widening on the CPU against the host path's batches.
+    import types
+
+    prefix = os.path.join(FIXTURES, "u16")
+    ds = ferry.datasets.megatron(prefix, seq_len=32, packed=packed)
+    raw = ferry._ferry.make_dataset("megatron", ds.config + ",raw=1")
+    assert raw.fields[0] == "tokens" and raw.token_type == "uint16"
+    host = epoch(ferry.DataLoader(ds, batch_size=8, shuffle=True, seed=3))
+    fake = types.SimpleNamespace(_widen=(raw.token_type, "int64"))
+    widened = list(ferry.DataLoader._widened(fake, iter(ferry.DataLoader(raw, batch_size=8, shuffle=True, seed=3))))
+    assert len(widened) == len(host) > 0
+    for w, h in zip(widened, host):
+        assert set(w) == set(h)
+        assert all(w[k].dtype == h[k].dtype and torch.equal(w[k], h[k]) for k in h)

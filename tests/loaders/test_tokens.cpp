@@ -35,8 +35,12 @@ std::vector<std::uint16_t> pattern(std::size_t n) {
 
 std::vector<std::int64_t> values(const Tensor& t) {
   std::vector<std::int64_t> out(static_cast<std::size_t>(t.numel()));
-  for (std::size_t i = 0; i < out.size(); ++i)
-    out[i] = t.dtype() == DType::Int64 ? t.item<std::int64_t>(static_cast<std::int64_t>(i)) : t.item<std::int32_t>(static_cast<std::int64_t>(i));
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    const auto k = static_cast<std::int64_t>(i);
+    out[i] = t.dtype() == DType::Int64   ? t.item<std::int64_t>(k)
+             : t.dtype() == DType::Int16 ? t.item<std::int16_t>(k)
+                                         : t.item<std::int32_t>(k);
+  }
   return out;
 }
 
@@ -204,6 +208,18 @@ TEST_CASE("windows hold every token once an epoch, labels shifted by one, the sa
   CHECK(epoch(seqs, opts(8, 1)) == ref);
   CHECK(epoch(seqs, opts(8, 4)) == ref);
   CHECK(epoch(seqs, opts(8, 4), 1) != ref);  // another epoch, another order
+  // Raw windows: the seq_len + 1 tokens as the file stores them (uint16 bits in an int16 tensor).
+  TokenSequences raw(open_token_file(dir / "t.bin", {.type = TokenType::UInt16}), {.seq_len = 16, .raw = true});
+  CHECK(raw.field_names() == std::vector<std::string>{"tokens"});
+  CHECK(raw.raw_dtype() == DType::Int16);
+  const auto raw_batches = epoch(raw, opts(8, 2));
+  REQUIRE(raw_batches.size() == ref.size());
+  for (std::size_t b = 0; b < ref.size(); ++b)
+    for (std::size_t r = 0; r < ref[b][0].size() / 16; ++r)
+      for (std::size_t k = 0; k < 17; ++k) {
+        const auto v = static_cast<std::uint16_t>(raw_batches[b][0][r * 17 + k]);
+        CHECK(v == (k < 16 ? ref[b][0][r * 16 + k] : ref[b][1][r * 16 + 15]));
+      }
   // int32 output
   TokenSequences narrow(open_token_file(dir / "t.bin", {.type = TokenType::UInt16}), {.seq_len = 16, .dtype = DType::Int32});
   DataLoader l(narrow, opts(4, 0));

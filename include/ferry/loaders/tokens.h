@@ -173,6 +173,12 @@ struct TokenSequenceOptions {
   DType dtype = DType::Int64;
   /// random_offset only: samples an epoch (default: as many as windows).
   std::optional<std::size_t> num_samples;
+  /// The window's seq_len + 1 tokens as the file stores them, in one field "tokens" (raw_dtype():
+  /// uint16 and uint32 ids keep their bits in an int16 / int32 tensor), for a consumer that widens
+  /// them where they are used (the Python loader does on the GPU, with device=): 2 bytes a token of
+  /// a uint16 file cross the link instead of 16 for int64 input_ids and labels. Packed: position_ids
+  /// as int32, and cu_seqlens, beside it.
+  bool raw = false;
 };
 
 /// Fixed-length sequences over a TokenCorpus (see the top of this file).
@@ -192,8 +198,11 @@ class TokenSequences : public DatasetBase<TokenSequences> {
   /// Sample `index`'s seq_len + 1 tokens into `window` (seq_len + 1 of them), and with `starts`
   /// the offsets k in (0, seq_len) where a document starts inside its input_ids.
   void read_window(std::size_t index, SampleContext& ctx, std::span<std::int64_t> window, std::vector<std::size_t>* starts) const;
-  /// "input_ids", "labels", and when packed "position_ids", "cu_seqlens".
+  /// "input_ids", "labels" (raw: "tokens"), and when packed "position_ids", "cu_seqlens".
   std::vector<std::string> field_names() const;
+  /// The dtype of a raw window's field: the file's token type, unsigned ids in the signed type of
+  /// their width (their bits unchanged).
+  DType raw_dtype() const noexcept;
   const TokenCorpus& corpus() const noexcept { return *corpus_; }
   const TokenSequenceOptions& options() const noexcept { return options_; }
 
