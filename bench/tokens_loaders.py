@@ -18,6 +18,8 @@ Rows:
   torch-w4      torch.utils.data.DataLoader over a map-style Dataset of the same windows (memmap),
                 shuffle=True, 4 workers, pin_memory=True, persistent_workers=True, .to(cuda, non_blocking=True)
   turboloader   turboloader.TokenDataLoader(path, seq_len, batch_size, dtype="uint16", device="cuda")
+  ferry-gpu-wN  ferry-wN with gather="device": each window crosses as stored (uint16) and is widened
+                and shifted on the GPU by the Python loader, on the consumer's stream
 
 Usage: tokens_loaders.py [--tokens 200000000] [--shapes 1024x64,2048x32,8192x8] [--batches 300]
        [--warmup 20] [--runs 3] [--rows nanogpt,torch-w4,turboloader,ferry-w1,ferry-w2,ferry-w4] [--dir /tmp]
@@ -58,10 +60,10 @@ class Windows(torch.utils.data.Dataset):
         return w[:-1], w[1:]
 
 
-def ferry_rows(path, seq, batch, workers):
+def ferry_rows(path, seq, batch, workers, gather="auto"):
     ds = ferry.datasets.tokens(path, seq_len=seq, dtype="uint16")
     loader = ferry.DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, device=0,
-                              persistent_workers=workers > 0, seed=1)
+                              persistent_workers=workers > 0, seed=1, gather=gather)
     while True:
         for b in loader:
             yield b["input_ids"], b["labels"]
@@ -132,7 +134,9 @@ def main():
         seq, batch = (int(v) for v in shape.split("x"))
         results = {}
         for row in a.rows.split(","):
-            if row.startswith("ferry-w"):
+            if row.startswith("ferry-gpu-w"):
+                make = lambda w=int(row[11:]): ferry_rows(path, seq, batch, w, "device")
+            elif row.startswith("ferry-w"):
                 make = lambda w=int(row[7:]): ferry_rows(path, seq, batch, w)
             elif row == "nanogpt":
                 make = lambda: nanogpt_rows(path, seq, batch)

@@ -204,6 +204,9 @@ class DataLoader:
             into pinned blocks), "device" (the GPU gathers them from registered memory, idx's flip
             and normalize included, or an error saying why it cannot). A loader the GPU gathers for
             starts no worker whatever num_workers says: its pin thread writes each batch's indices.
+            For token windows (``datasets.tokens``, ``megatron``): "auto" has workers write int64
+            (or int32) input_ids and labels into pinned batches; "device" moves each window as the
+            file stores it and widens it on the GPU (the same batches; see bench/RESULTS.md).
         pinned_memory_limit: bytes of page-locked memory the loader may hold. Unset (None), the
             budget starts at 2 GiB and grows once, at the first batch, to hold every batch the
             pipeline may keep alive (prefetch_factor x num_workers and the stages behind them),
@@ -331,16 +334,21 @@ class DataLoader:
                 raise ValueError("DataLoader: gather= is for ferry's datasets of rows (idx, npy)")
         else:
             cpp_dataset = dataset
-        # Note [Token windows widened on the GPU]: with a device, a token dataset's windows cross
-        # the link as the file stores them (2 bytes a token of a uint16 file, not 16 for int64
-        # input_ids and labels) and are widened and shifted on the GPU, on the consumer's stream,
-        # as each batch is handed over (_widened): the same batches, a fraction of the host's work.
+        # Note [Token windows widened on the GPU]: with a device and gather="device", a token
+        # dataset's windows cross the link as the file stores them (2 bytes a token of a uint16
+        # file, not 16 for int64 input_ids and labels) and are widened and shifted on the GPU, on
+        # the consumer's stream, as each batch is handed over (_widened): the same batches, with
+        # less host memory traffic but a few torch operations a batch on this thread, which caps
+        # the rate below the host path's with several workers (bench/RESULTS.md "Language-model tokens").
         self._widen = None
-        if (not python and self.device is not None and getattr(dataset, "name", "") in ("tokens", "megatron")
-                and "raw=" not in dataset.config):
-            cpp_dataset = _ferry.make_dataset(dataset.name, dataset.config + ",raw=1")
-            out_dtype = "int32" if "out_dtype=int32" in dataset.config else "int64"
-            self._widen = (dataset.token_type, out_dtype)
+        if not python and getattr(dataset, "name", "") in ("tokens", "megatron") and gather == "device":
+            if self.device is None:
+                raise ValueError("DataLoader: gather='device' for token windows needs device=")
+            if "raw=" not in dataset.config:
+                cpp_dataset = _ferry.make_dataset(dataset.name, dataset.config + ",raw=1")
+                out_dtype = "int32" if "out_dtype=int32" in dataset.config else "int64"
+                self._widen = (dataset.token_type, out_dtype)
+            gather = "auto"
         stream_handle = 0
         if self.device is not None:
             torch = _torch()

@@ -130,10 +130,11 @@ def test_device_batches_equal_the_host_batches(token_file, workers):
     path, _ = token_file
     ds = ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=32, packed=True)
     host = epoch(ferry.DataLoader(ds, batch_size=8, shuffle=True, seed=4))
-    dev = [{k: v.cpu() for k, v in b.items()} for b in ferry.DataLoader(ds, batch_size=8, shuffle=True, seed=4, device=0,
-                                                                         num_workers=workers)]
-    assert len(dev) == len(host) > 0
-    assert all(torch.equal(x[k], y[k]) for x, y in zip(dev, host) for k in x)
+    for gather in ("auto", "device"):
+        dev = [{k: v.cpu() for k, v in b.items()} for b in ferry.DataLoader(ds, batch_size=8, shuffle=True, seed=4, device=0,
+                                                                             num_workers=workers, gather=gather)]
+        assert len(dev) == len(host) > 0
+        assert all(set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in y) for x, y in zip(dev, host))
     on_gpu = next(iter(ferry.DataLoader(ferry.datasets.tokens(path, seq_len=16, dtype="uint16"), batch_size=4, device=0)))
     assert on_gpu["input_ids"].is_cuda and on_gpu["labels"].device == on_gpu["input_ids"].device
 
