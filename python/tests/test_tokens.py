@@ -220,6 +220,8 @@ def test_torchrun_two_ranks_checkpoint_and_resume_on_one_and_on_two(token_file, 
     assert len(first) == 3
     assert first + read("rest1", 1) == whole
     assert first + read("rest2", 2) == whole
+    if os.environ.get("FERRY_REQUIRE_GPUS") == "2":  # each rank of two on its own GPU
+        assert [open(tmp_path / f"first-{r}.device").read() for r in (0, 1)] == ["cuda:0", "cuda:1"]
 
 
 @pytest.mark.parametrize("packed", [False, True])
