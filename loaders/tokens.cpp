@@ -61,29 +61,17 @@ std::uint64_t TokenCorpus::document_offset(std::uint64_t) const {
 
 namespace {
 
-std::uint64_t le64(const std::byte* p) {
-  std::uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;  // the formats are little-endian, as is every host ferry builds for
-}
-std::int64_t le_i64(const std::byte* p) {
-  std::int64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
-std::int32_t le_i32(const std::byte* p) {
-  std::int32_t v;
-  std::memcpy(&v, p, 4);
+// A T stored at `p` (the formats are little-endian, as is every host ferry builds for).
+template <class T>
+T load(const std::byte* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
   return v;
 }
 
 template <class T>
 void widen_as(const std::byte* src, std::span<std::int64_t> out) {
-  for (std::size_t i = 0; i < out.size(); ++i) {
-    T v;
-    std::memcpy(&v, src + i * sizeof(T), sizeof(T));
-    out[i] = static_cast<std::int64_t>(v);
-  }
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = static_cast<std::int64_t>(load<T>(src + i * sizeof(T)));
 }
 
 void widen(TokenType type, const std::byte* src, std::span<std::int64_t> out) {
@@ -229,12 +217,12 @@ TokenType npy_token_type(const std::string& descr, const std::string& name, std:
 LlmcHeader parse_llmc_header(std::span<const std::byte> header, const std::string& name) {
   constexpr std::int32_t kMagic = 20240520;
   if (header.size() < 1024) throw DataError(name, header.size(), "truncated llm.c header: it is 1024 bytes, the file has " + std::to_string(header.size()));
-  if (le_i32(header.data()) != kMagic)
-    throw DataError(name, 0, "not an llm.c token file: magic " + std::to_string(le_i32(header.data())) + ", expected 20240520");
-  const std::int32_t version = le_i32(header.data() + 4);
+  if (load<std::int32_t>(header.data()) != kMagic)
+    throw DataError(name, 0, "not an llm.c token file: magic " + std::to_string(load<std::int32_t>(header.data())) + ", expected 20240520");
+  const std::int32_t version = load<std::int32_t>(header.data() + 4);
   if (version != 1 && version != 2)
     throw DataError(name, 4, "unsupported llm.c token file version " + std::to_string(version) + " (1: uint16 tokens, 2: uint32)");
-  const std::int32_t count = le_i32(header.data() + 8);
+  const std::int32_t count = load<std::int32_t>(header.data() + 8);
   if (count < 0) throw DataError(name, 8, "llm.c header: negative token count " + std::to_string(count));
   return {version == 1 ? TokenType::UInt16 : TokenType::UInt32, static_cast<std::uint64_t>(count)};
 }
@@ -250,7 +238,7 @@ std::shared_ptr<const TokenCorpus> open_token_file(const std::string& path, cons
   Format format = o.format;
   if (format == Format::Auto) {
     if (head_n >= 6 && std::memcmp(head, "\x93NUMPY", 6) == 0) format = Format::Npy;
-    else if (head_n >= 4 && le_i32(head) == 20240520) format = Format::LlmC;
+    else if (head_n >= 4 && load<std::int32_t>(head) == 20240520) format = Format::LlmC;
     else format = Format::Raw;
   }
   auto check_type = [&](TokenType found) {
@@ -313,15 +301,15 @@ class MegatronCorpus final : public TokenCorpus {
     if (idx_.size() < kIdxHeader) throw DataError(in, idx_.size(), "truncated Megatron index: " + std::to_string(idx_.size()) + " bytes, the header is 34");
     const std::byte* h = idx_.view(0, kIdxHeader, buf);
     if (std::memcmp(h, "MMIDIDX\0\0", 9) != 0) throw DataError(in, 0, "not a Megatron index (the magic MMIDIDX\\0\\0 is missing)");
-    if (le64(h + 9) != 1) throw DataError(in, 9, "unsupported Megatron index version " + std::to_string(le64(h + 9)) + " (1 is read)");
+    if (load<std::uint64_t>(h + 9) != 1) throw DataError(in, 9, "unsupported Megatron index version " + std::to_string(load<std::uint64_t>(h + 9)) + " (1 is read)");
     const auto code = std::to_integer<unsigned>(h[17]);
     static const std::optional<TokenType> kCodes[] = {std::nullopt,    TokenType::UInt8, TokenType::Int8, TokenType::Int16, TokenType::Int32,
                                                       TokenType::Int64, std::nullopt,    std::nullopt,    TokenType::UInt16};
     if (code >= 9 || !kCodes[code])
       throw DataError(in, 17, "Megatron dtype code " + std::to_string(code) + (code == 6 || code == 7 ? " is a float type, not tokens" : " is unknown"));
     type_ = *kCodes[code];
-    sequences_ = le64(h + 18);
-    doc_entries_ = le64(h + 26);
+    sequences_ = load<std::uint64_t>(h + 18);
+    doc_entries_ = load<std::uint64_t>(h + 26);
     if (sequences_ == 0) throw DataError(in, 18, "the index holds no sequences");
     const std::uint64_t per_seq = 4 + 8;
     if (sequences_ > (std::numeric_limits<std::uint64_t>::max() - kIdxHeader) / 16 || doc_entries_ > std::numeric_limits<std::uint64_t>::max() / 16)
@@ -383,18 +371,18 @@ class MegatronCorpus final : public TokenCorpus {
  private:
   std::uint64_t bin_tokens(std::uint64_t bytes) const { return bytes / token_size(type_); }
   std::uint64_t pointer(std::uint64_t j) const {
-    const std::int64_t p = le_i64(idx_.view(pointers_at_ + j * 8, 8, t_scratch));
+    const std::int64_t p = load<std::int64_t>(idx_.view(pointers_at_ + j * 8, 8, t_scratch));
     if (p < 0 || static_cast<std::uint64_t>(p) % token_size(type_) != 0)
       throw DataError(idx_.name(), pointers_at_ + j * 8, "sequence " + std::to_string(j) + "'s pointer " + std::to_string(p) +
                                                             " is negative or not a whole token's offset");
     return static_cast<std::uint64_t>(p);
   }
   std::uint64_t length(std::uint64_t j) const {
-    const std::int32_t n = le_i32(idx_.view(lengths_at_ + j * 4, 4, t_scratch));
+    const std::int32_t n = load<std::int32_t>(idx_.view(lengths_at_ + j * 4, 4, t_scratch));
     if (n < 0) throw DataError(idx_.name(), lengths_at_ + j * 4, "sequence " + std::to_string(j) + " has a negative length " + std::to_string(n));
     return static_cast<std::uint64_t>(n);
   }
-  std::uint64_t doc_index(std::uint64_t k) const { return static_cast<std::uint64_t>(le_i64(idx_.view(docs_at_ + k * 8, 8, t_scratch))); }
+  std::uint64_t doc_index(std::uint64_t k) const { return static_cast<std::uint64_t>(load<std::int64_t>(idx_.view(docs_at_ + k * 8, 8, t_scratch))); }
   // Sequence j starts where sequence j - 1 ends: the stream is the .bin read front to back.
   void check_follows(std::uint64_t j) const {
     const std::uint64_t prev = pointer(j - 1), len = length(j - 1), p = pointer(j);
@@ -697,10 +685,26 @@ void check_weights(const std::vector<double>& w, std::size_t sources) {
 
 }  // namespace
 
+Mixture::Phase Mixture::make_phase(const std::vector<double>& weights, std::uint64_t start) const {
+  check_weights(weights, sources_.size());
+  Phase p;
+  p.start = start;
+  p.counts = block_counts(weights, options_.block);
+  p.slot_begin.assign(1, 0);
+  for (std::size_t c : p.counts) p.slot_begin.push_back(p.slot_begin.back() + c);
+  return p;
+}
+
+std::size_t Mixture::phase_of(std::uint64_t global) const noexcept {
+  const auto& phases = *phases_;
+  std::size_t k = phases.size() - 1;
+  while (k > 0 && phases[k].start > global) --k;
+  return k;
+}
+
 Mixture::Mixture(std::vector<AnyDataset<std::vector<Tensor>>> sources, std::vector<double> weights, MixtureOptions options)
     : sources_(std::move(sources)), options_(options) {
   if (sources_.empty()) throw Error("Mixture: no sources");
-  check_weights(weights, sources_.size());
   if (options_.block < 1) throw Error("Mixture: block must be >= 1");
   std::size_t total = 0;
   for (std::size_t s = 0; s < sources_.size(); ++s) {
@@ -709,10 +713,7 @@ Mixture::Mixture(std::vector<AnyDataset<std::vector<Tensor>>> sources, std::vect
     total += source_sizes_.back();
   }
   size_ = options_.size.value_or(total);
-  Phase p;
-  p.counts = block_counts(weights, options_.block);
-  p.slot_begin.assign(1, 0);
-  for (std::size_t c : p.counts) p.slot_begin.push_back(p.slot_begin.back() + c);
+  Phase p = make_phase(weights, 0);
   p.pending.assign(sources_.size(), {});
   p.next.assign(sources_.size(), 0);
   p.taken.assign(sources_.size(), 0);
@@ -730,10 +731,8 @@ std::size_t slot_source(const std::vector<std::size_t>& slot_begin, std::uint64_
 }  // namespace
 
 std::vector<std::uint64_t> Mixture::counts_before(std::uint64_t global) const {
-  const auto& phases = *phases_;
-  std::size_t k = phases.size() - 1;
-  while (k > 0 && phases[k].start > global) --k;
-  const Phase& p = phases[k];
+  const std::size_t k = phase_of(global);
+  const Phase& p = (*phases_)[k];
   const std::uint64_t r = global - p.start, blocks = r / options_.block, rem = r % options_.block;
   std::vector<std::uint64_t> out(sources_.size());
   for (std::size_t s = 0; s < out.size(); ++s) out[s] = p.taken[s] + blocks * p.counts[s];
@@ -742,7 +741,6 @@ std::vector<std::uint64_t> Mixture::counts_before(std::uint64_t global) const {
 }
 
 Mixture Mixture::reweighted(std::vector<double> weights, std::uint64_t from) const {
-  check_weights(weights, sources_.size());
   const auto& phases = *phases_;
   if (from < phases.back().start)
     throw Error("Mixture::reweighted: index " + std::to_string(from) + " is before the last weights' start " + std::to_string(phases.back().start));
@@ -758,11 +756,7 @@ Mixture Mixture::reweighted(std::vector<double> weights, std::uint64_t from) con
     const std::size_t s = slot_source(old.slot_begin, slot);
     used[s][slot - old.slot_begin[s]] = true;
   }
-  Phase p;
-  p.start = from;
-  p.counts = block_counts(weights, options_.block);
-  p.slot_begin.assign(1, 0);
-  for (std::size_t c : p.counts) p.slot_begin.push_back(p.slot_begin.back() + c);
+  Phase p = make_phase(weights, from);
   p.taken = counts_before(from);
   for (std::size_t s = 0; s < sources_.size(); ++s) {
     const std::uint64_t first = b * old.counts[s], end = first + old.counts[s];  // block b's k
@@ -783,10 +777,8 @@ Mixture Mixture::reweighted(std::vector<double> weights, std::uint64_t from) con
 }
 
 Mixture::Pick Mixture::pick(std::uint64_t global) const {
-  const auto& phases = *phases_;
-  std::size_t k = phases.size() - 1;
-  while (k > 0 && phases[k].start > global) --k;
-  const Phase& p = phases[k];
+  const std::size_t k = phase_of(global);
+  const Phase& p = (*phases_)[k];
   const std::uint64_t r = global - p.start, b = r / options_.block, j = r % options_.block;
   const std::uint64_t slot = block_slot(options_.seed, k, b, options_.block, j);
   Pick out;

@@ -344,9 +344,8 @@ class DataLoader:
         if not python and getattr(dataset, "name", "") in ("tokens", "megatron") and gather == "device":
             if self.device is None:
                 raise ValueError("DataLoader: gather='device' for token windows needs device=")
-            if "raw=" not in dataset.config:
-                cpp_dataset = _ferry.make_dataset(dataset.name, dataset.config + ",raw=1")
-                out_dtype = "int32" if "out_dtype=int32" in dataset.config else "int64"
+            if dataset.fields[:1] != ["tokens"]:  # not raw already
+                cpp_dataset, out_dtype = _ferry.raw_token_windows(dataset)
                 self._widen = (dataset.token_type, out_dtype)
             gather = "auto"
         stream_handle = 0

@@ -404,6 +404,23 @@ PyDataset make_dataset(const std::string& name, const std::string& config) {
   return d;
 }
 
+// The same token sequences with raw windows (TokenSequenceOptions::raw), over the corpus already
+// open, and the dtype the loader widens them to (Note [Token windows widened on the GPU]).
+std::pair<PyDataset, std::string> raw_token_windows(const PyDataset& tokens) {
+  const auto* seqs = tokens.opened ? std::get_if<ferry::TokenSequences>(&*tokens.opened) : nullptr;
+  if (!seqs) throw nb::type_error("raw_token_windows: not a ferry token dataset (ferry.datasets.tokens or megatron)");
+  ferry::TokenSequenceOptions o = seqs->options();
+  o.raw = true;
+  PyDataset d;
+  d.name = tokens.name;
+  d.config = tokens.config;
+  ferry::TokenSequences raw(seqs->shared_corpus(), o);
+  d.fields = raw.field_names();
+  d.token_type = tokens.token_type;
+  d.opened.emplace(std::move(raw));
+  return {std::move(d), ferry::dtype_name(seqs->options().dtype)};
+}
+
 // A weighted mixture of ferry datasets (ferry::Mixture); `schedule` holds later weights, each
 // with the global index it applies from.
 PyDataset make_mixture(const std::vector<const PyDataset*>& sources, const std::vector<double>& weights, std::uint64_t seed,
@@ -884,6 +901,8 @@ NB_MODULE(_ferry, m) {
       .def_ro("config", &PyDataset::config)
       .def_ro("fields", &PyDataset::fields, "Field names when batches are dicts (token sequences), else empty.")
       .def_ro("token_type", &PyDataset::token_type, "Token sequences: the file's token type (\"uint16\", ...); else empty.");
+  m.def("raw_token_windows", &raw_token_windows, "dataset"_a,
+        "A token dataset with raw windows over the same open corpus, and the dtype they widen to.");
   m.def("make_mixture", &make_mixture, "sources"_a, "weights"_a, "seed"_a, "block"_a, "size"_a.none(), "schedule"_a,
         "A weighted mixture of ferry datasets (C++ ferry::Mixture).");
   m.def("make_dataset", &make_dataset, "name"_a, "config"_a,
@@ -930,12 +949,13 @@ NB_MODULE(_ferry, m) {
 
   nb::class_<ferry::DataLoaderOptions>(m, "Options");
   m.def("with_distributed_sampler",
-        [](ferry::DataLoaderOptions o, const PyDataset& dataset, std::size_t num_replicas, std::size_t rank) {
-          // Conversions only: DistributedSampler checks the rank against the world.
+        [](const ferry::DataLoaderOptions& o, const PyDataset& dataset, std::size_t num_replicas, std::size_t rank) {
+          // Conversions only: DistributedEnv makes the sampler (DistributedSampler checks the rank).
           if (!dataset.has_size()) throw nb::type_error("DataLoader: num_replicas/rank are for map-style ferry datasets, not a stream");
-          o.sampler = std::make_shared<ferry::DistributedSampler>(dataset.size(), num_replicas, rank, o.shuffle, o.seed, o.drop_last);
-          o.shuffle = false;  // the sampler shuffles
-          return o;
+          ferry::DistributedEnv env;
+          env.world_size = num_replicas;
+          env.rank = rank;
+          return env.loader_options(dataset.size(), o, /*use_device=*/false);
         },
         "options"_a, "dataset"_a, "num_replicas"_a, "rank"_a,
         "The options with this rank's DistributedSampler over the dataset (C++ ferry::DistributedSampler).");

@@ -202,9 +202,15 @@ def test_torchrun_two_ranks_checkpoint_and_resume_on_one_and_on_two(token_file, 
                                       env=dict(env, RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_RANK=str(r),
                                                LOCAL_WORLD_SIZE=str(nproc)))
                      for r in range(nproc)]
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, out[-2000:] + err[-3000:]
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=240)
+                assert p.returncode == 0, out[-2000:] + err[-3000:]
+        finally:  # a failed or stuck rank leaves no process behind
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
 
     run(2, "first", 3)
     run(1, "rest1", 0)

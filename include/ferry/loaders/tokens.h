@@ -195,18 +195,21 @@ class TokenSequences : public DatasetBase<TokenSequences> {
   void get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const;
   /// The first stream position of sample `index`'s window (its input_ids; labels start one after).
   std::uint64_t window_start(std::size_t index, SampleContext& ctx) const;
-  /// Sample `index`'s seq_len + 1 tokens into `window` (seq_len + 1 of them), and with `starts`
-  /// the offsets k in (0, seq_len) where a document starts inside its input_ids.
-  void read_window(std::size_t index, SampleContext& ctx, std::span<std::int64_t> window, std::vector<std::size_t>* starts) const;
   /// "input_ids", "labels" (raw: "tokens"), and when packed "position_ids", "cu_seqlens".
   std::vector<std::string> field_names() const;
   /// The dtype of a raw window's field: the file's token type, unsigned ids in the signed type of
   /// their width (their bits unchanged).
   DType raw_dtype() const noexcept;
   const TokenCorpus& corpus() const noexcept { return *corpus_; }
+  /// The corpus, shared: more sequences over it (other options) open nothing again.
+  const std::shared_ptr<const TokenCorpus>& shared_corpus() const noexcept { return corpus_; }
   const TokenSequenceOptions& options() const noexcept { return options_; }
 
  private:
+  /// Sample `index`'s seq_len + 1 tokens into `window` (seq_len + 1 of them), and with `starts`
+  /// the offsets k in (0, seq_len) where a document starts inside its input_ids.
+  void read_window(std::size_t index, SampleContext& ctx, std::span<std::int64_t> window, std::vector<std::size_t>* starts) const;
+
   std::shared_ptr<const TokenCorpus> corpus_;
   TokenSequenceOptions options_;
   std::size_t size_ = 0;
@@ -249,6 +252,10 @@ class Mixture : public DatasetBase<Mixture> {
 
  private:
   struct Phase;
+  /// A phase with these weights (checked) from global index `start`: its block counts and slots.
+  Phase make_phase(const std::vector<double>& weights, std::uint64_t start) const;
+  /// The phase global index `global` is drawn in.
+  std::size_t phase_of(std::uint64_t global) const noexcept;
   std::vector<AnyDataset<std::vector<Tensor>>> sources_;
   std::vector<std::size_t> source_sizes_;
   std::shared_ptr<const std::vector<Phase>> phases_;
