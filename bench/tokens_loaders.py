@@ -18,11 +18,15 @@ Rows:
   torch-w4      torch.utils.data.DataLoader over a map-style Dataset of the same windows (memmap),
                 shuffle=True, 4 workers, pin_memory=True, persistent_workers=True, .to(cuda, non_blocking=True)
   turboloader   turboloader.TokenDataLoader(path, seq_len, batch_size, dtype="uint16", device="cuda")
-  ferry-gpu-wN  ferry-wN with gather="device": each window crosses as stored (uint16) and is widened
-                and shifted on the GPU by the Python loader, on the consumer's stream
+  ferry-gpu-wN  ferry-wN with gather="device": the GPU reads each window through the file's mapping
+                (registered with CUDA) and writes int64 input_ids and labels itself; the pin thread
+                writes the window starts, and no worker starts whatever N says
+
+Each timed run takes --batches batches, and more until --seconds have passed (busy cores are
+counted in 1/100 s ticks).
 
 Usage: tokens_loaders.py [--tokens 200000000] [--shapes 1024x64,2048x32,8192x8] [--batches 300]
-       [--warmup 20] [--runs 3] [--rows nanogpt,torch-w4,turboloader,ferry-w1,ferry-w2,ferry-w4] [--dir /tmp]
+       [--seconds 0] [--warmup 20] [--runs 3] [--rows nanogpt,torch-w4,turboloader,ferry-w1,ferry-w2,ferry-w4] [--dir /tmp]
 """
 import argparse
 import os
@@ -94,17 +98,18 @@ def turbo_rows(path, seq, batch):
             yield x, y
 
 
-def measure(make, warmup, batches):
+def measure(make, warmup, batches, seconds=0.0):
     rows = make()
     for _ in range(warmup):
         next(rows)
     torch.cuda.synchronize()
     j0, t0 = busy_jiffies(), time.perf_counter()
-    tokens = 0
-    for _ in range(batches):
+    tokens = taken = 0
+    while taken < batches or time.perf_counter() - t0 < seconds:
         x, y = next(rows)
         assert x.is_cuda and x.dtype == torch.int64 and y.shape == x.shape
         tokens += x.numel()
+        taken += 1
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
     busy = (busy_jiffies() - j0) / os.sysconf("SC_CLK_TCK") / wall
@@ -117,6 +122,7 @@ def main():
     p.add_argument("--tokens", type=int, default=200_000_000)
     p.add_argument("--shapes", default="1024x64,2048x32,8192x8")
     p.add_argument("--batches", type=int, default=300)
+    p.add_argument("--seconds", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--rows", default="nanogpt,torch-w4,turboloader,ferry-w1,ferry-w2,ferry-w4")
@@ -127,7 +133,7 @@ def main():
         rng = np.random.default_rng(0)
         rng.integers(0, 50257, a.tokens, dtype=np.uint16).tofile(path)
     print(f"# tokens delivered on cuda:0 ({torch.cuda.get_device_name(0)}, {os.cpu_count()} CPUs), torch {torch.__version__}, "
-          f"ferry {ferry.__version__}, {a.tokens:,} uint16 tokens, {a.batches} batches after {a.warmup}, median of {a.runs}")
+          f"ferry {ferry.__version__}, {a.tokens:,} uint16 tokens, {a.batches} batches (and {a.seconds} s) after {a.warmup}, median of {a.runs}")
     print("| seq x batch | loader | M tokens/s (median) | range | busy cores | vs nanogpt |")
     print("|---|---|---:|---:|---:|---:|")
     for shape in a.shapes.split(","):
@@ -151,7 +157,7 @@ def main():
                 make = lambda: turbo_rows(path, seq, batch)
             else:
                 sys.exit(f"unknown row {row}")
-            runs = [measure(make, a.warmup, a.batches) for _ in range(a.runs)]
+            runs = [measure(make, a.warmup, a.batches, a.seconds) for _ in range(a.runs)]
             rates = sorted(r[0] for r in runs)
             med = statistics.median(rates)
             results[row] = med

@@ -232,7 +232,7 @@ void LoaderCore::Parts::setup_gather() {
   // of 12 and 4), or kGatherDepthBytes of them.
   std::size_t batch_bytes = 0;
   for (const HostRows& f : gather_fields)
-    batch_bytes += static_cast<std::size_t>(opt.batch_size) * f.row_bytes * (f.transform ? itemsize(f.transform->dtype) : 1);
+    batch_bytes += static_cast<std::size_t>(opt.batch_size) * gathered_row_bytes(f);
   const std::size_t by_bytes = kGatherDepthBytes / std::max<std::size_t>(batch_bytes, 1);
   const int depth = std::max(opt.pin_depth + opt.device_prefetch, static_cast<int>(std::min<std::size_t>(by_bytes, kGatherDepthMax)));
   pin_stage = std::make_unique<PinStage>(engine, [this](Payload& p, std::int64_t batch) {
@@ -322,7 +322,7 @@ Payload LoaderCore::Parts::gather_batch(const Tensor& index, bool hold) {
   // batch's go to the device first (from their pinned block).
   const bool in_launch = index.size(0) <= DeviceStage::gather_index_in_launch;
   std::size_t bytes = in_launch ? 0 : aligned(index.nbytes());
-  for (const HostRows& f : gather_fields) bytes += aligned(rows * f.row_bytes * (f.transform ? itemsize(f.transform->dtype) : 1));
+  for (const HostRows& f : gather_fields) bytes += aligned(rows * gathered_row_bytes(f));
   device_stage->begin(bytes, hold);  // held batches: small, several to a launch and to a buffer
   std::vector<Tensor> fields;
   fields.reserve(gather_fields.size());
@@ -330,8 +330,11 @@ Payload LoaderCore::Parts::gather_batch(const Tensor& index, bool hold) {
     const Tensor index_dev = in_launch ? index : device_stage->move(index);
     for (std::size_t k = 0; k < gather_fields.size(); ++k) {
       const HostRows& f = gather_fields[k];
-      fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape,
-                                                 f.transform ? &*f.transform : nullptr));
+      if (f.window)
+        fields.push_back(device_stage->gather_windows(index_dev, registration->device_rows(k), f.dtype, f.rows, *f.window));
+      else
+        fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape,
+                                                   f.transform ? &*f.transform : nullptr));
     }
     Payload p = Payload::make(DeviceBatch{typed.from_fields(std::move(fields)), nullptr});
     DeviceBatch& d = p.get<DeviceBatch>();  // on the heap: a held batch's slot stays put
@@ -361,7 +364,21 @@ Payload LoaderCore::gather_index(const Job& job, JobContext& ctx) {
   BatchAllocator& a =
       job.indices.size() <= static_cast<std::size_t>(DeviceStage::gather_index_in_launch) ? pageable_allocator() : *s.allocator;
   const RowFlips flips{s.gather_flip_p, s.opt.seed, ctx.worker.epoch};
-  return Payload::make(GatherIndex{detail::gather_index(job.indices, s.traits.dataset_size, a, flips)});
+  Tensor index = detail::gather_index(job.indices, s.traits.dataset_size, a, flips);
+  if (const HostRows& f = s.gather_fields.front(); f.window) {
+    // Windows (RowWindow): each word is the sample's window start, the same for every field
+    // (gather_unavailable refuses fields that mix windows and rows).
+    std::int64_t* word = index.data<std::int64_t>();
+    for (std::size_t k = 0; k < job.indices.size(); ++k) {
+      const std::uint64_t start = f.window->start(job.indices[k], s.opt.seed, ctx.worker.epoch);
+      for (const HostRows& g : s.gather_fields)
+        if (start > static_cast<std::uint64_t>(g.rows - g.window->length - g.window->shift))
+          throw Error("device gather: sample " + std::to_string(job.indices[k]) + "'s window starts at element " + std::to_string(start) +
+                      ", past the last that fits " + g.name + " (" + std::to_string(g.rows) + " elements)");
+      word[k] = static_cast<std::int64_t>(start);
+    }
+  }
+  return Payload::make(GatherIndex{std::move(index)});
 }
 
 // The next batch for the consumer, from the last stage of the route.

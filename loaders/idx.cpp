@@ -175,7 +175,7 @@ void IdxDataset::init() {
 std::vector<HostRows> IdxDataset::host_rows(std::string& why) const {
   const std::size_t row_bytes = size_ ? images_.nbytes() / size_ : 0;
   const Shape one(images_.shape().begin() + 1, images_.shape().end());
-  HostRows images{images_.raw(), images_.size(0), row_bytes, images_.dtype(), one, "IdxDataset images", mapped_, std::nullopt};
+  HostRows images{images_.raw(), images_.size(0), row_bytes, images_.dtype(), one, "IdxDataset images", mapped_, std::nullopt, std::nullopt};
   if (!options_.transform.empty()) {
     // Flips, to_float and normalize run in the gather kernel (RowTransform); anything else on the CPU.
     std::string no;
@@ -189,7 +189,7 @@ std::vector<HostRows> IdxDataset::host_rows(std::string& why) const {
     }
   }
   return {std::move(images),
-          {labels64_.raw(), labels64_.size(0), sizeof(std::int64_t), DType::Int64, Shape{}, "IdxDataset labels", false, std::nullopt}};
+          {labels64_.raw(), labels64_.size(0), sizeof(std::int64_t), DType::Int64, Shape{}, "IdxDataset labels", false, std::nullopt, std::nullopt}};
 }
 
 

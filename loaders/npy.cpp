@@ -182,7 +182,7 @@ Tensor read_npy(const std::string& path) {
 std::vector<HostRows> NpyDataset::host_rows(std::string& why) const {
   (void)why;
   return {{array_.raw(), array_.size(0), array_.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(array_.size(0), 1)),
-           array_.dtype(), Shape(array_.shape().begin() + 1, array_.shape().end()), name_, mapped_, std::nullopt}};
+           array_.dtype(), Shape(array_.shape().begin() + 1, array_.shape().end()), name_, mapped_, std::nullopt, std::nullopt}};
 }
 
 NpyDataset::NpyDataset(const std::string& path) : NpyDataset(read_npy(path)) {

@@ -59,6 +59,11 @@ std::uint64_t TokenCorpus::document_offset(std::uint64_t) const {
   throw Error(name() + ": its documents are not indexed (a Megatron index is)");
 }
 
+TokenCorpus::Array TokenCorpus::in_memory(std::string& why) const {
+  why = name() + " is not one array in memory";
+  return {};
+}
+
 namespace {
 
 // A T stored at `p` (the formats are little-endian, as is every host ferry builds for).
@@ -129,6 +134,9 @@ class Bytes {
     ranges_->read(offset, n, scratch);
     return scratch.data();
   }
+  /// The bytes in this process's memory (null for an object read by requests).
+  const std::byte* memory() const noexcept { return ranges_ ? nullptr : memory_.data(); }
+  bool mapped() const noexcept { return map_ != nullptr; }
   /// Whether reads are requests (an object), which prefetch() can send ahead.
   bool remote() const noexcept { return ranges_ != nullptr; }
   std::uint64_t size() const noexcept { return size_; }
@@ -164,6 +172,17 @@ class TokenBytes {
   }
   std::uint64_t tokens() const noexcept { return tokens_; }
   TokenType type() const noexcept { return type_; }
+  TokenCorpus::Array in_memory(std::string& why) const {
+    if (!bytes_.memory()) {
+      why = bytes_.name() + " is an object in storage, read by requests, not an array in memory";
+      return {};
+    }
+    if (vocab_) {
+      why = "token ids are checked against vocab_size as the host reads them";
+      return {};
+    }
+    return {bytes_.memory() + offset_, bytes_.mapped()};
+  }
   const Bytes& bytes() const noexcept { return bytes_; }
   void prefetch(std::span<const std::pair<std::uint64_t, std::uint64_t>> ranges) const {
     if (!bytes_.remote()) return;
@@ -196,6 +215,7 @@ class FlatCorpus final : public TokenCorpus {
   }
   bool has_documents() const noexcept override { return eod_.has_value(); }
   void prefetch(std::span<const std::pair<std::uint64_t, std::uint64_t>> ranges) const override { tokens_.prefetch(ranges); }
+  Array in_memory(std::string& why) const override { return tokens_.in_memory(why); }
 
  private:
   TokenBytes tokens_;
@@ -344,6 +364,7 @@ class MegatronCorpus final : public TokenCorpus {
   void read(std::uint64_t begin, std::span<std::int64_t> out) const override { tokens_->read(begin, out); }
   void prefetch(std::span<const std::pair<std::uint64_t, std::uint64_t>> ranges) const override { tokens_->prefetch(ranges); }
   bool has_documents() const noexcept override { return true; }
+  Array in_memory(std::string& why) const override { return tokens_->in_memory(why); }  // the .bin, read front to back
   std::uint64_t documents() const noexcept override { return sequences_; }
   std::uint64_t document_offset(std::uint64_t d) const override {
     if (d >= sequences_) return tokens_->tokens();
@@ -444,6 +465,53 @@ std::uint64_t TokenSequences::window_start(std::size_t index, SampleContext& ctx
   if (index >= size_) throw Error(corpus_->name() + ": window " + std::to_string(index) + " out of range for " + std::to_string(size_));
   if (options_.random_offset) return ctx.rng().randint(corpus_->size() - options_.seq_len);
   return static_cast<std::uint64_t>(index) * options_.seq_len;
+}
+
+// Note [Token windows on the GPU] (ferry/loaders/tokens.h): input_ids and labels are two windows
+// of the corpus's one array, at shift 0 and 1, from the sample's window_start.
+std::vector<HostRows> TokenSequences::host_rows(std::string& why) const {
+  if (options_.packed) {
+    why = "packed windows' position_ids and cu_seqlens are made on the host";
+    return {};
+  }
+  if (options_.shuffle_documents) {
+    why = "a window of shuffled documents is not one run of the file";
+    return {};
+  }
+  const TokenCorpus::Array array = corpus_->in_memory(why);
+  if (!array.data) return {};
+  const TokenType type = corpus_->type();
+  HostRows base;
+  base.data = array.data;
+  base.rows = static_cast<std::int64_t>(corpus_->size());
+  base.row_bytes = token_size(type);
+  base.dtype = raw_dtype();
+  base.name = corpus_->name();
+  base.mapped_file = array.mapped_file;
+  RowWindow w;
+  w.is_unsigned = type == TokenType::UInt8 || type == TokenType::UInt16 || type == TokenType::UInt32;
+  const std::uint64_t seq = options_.seq_len, tokens = corpus_->size();
+  // window_start's rule, without a SampleContext (the same generator: Generator(seed, epoch, index)).
+  if (options_.random_offset)
+    w.start = [seq, tokens](std::size_t i, std::uint64_t seed, std::uint64_t epoch) { return Generator(seed, epoch, i).randint(tokens - seq); };
+  else
+    w.start = [seq](std::size_t i, std::uint64_t, std::uint64_t) { return static_cast<std::uint64_t>(i) * seq; };
+  std::vector<HostRows> fields;
+  if (options_.raw) {
+    w.length = static_cast<std::int64_t>(seq + 1);
+    w.dtype = raw_dtype();
+    fields.push_back(base);
+    fields.back().window = w;
+    return fields;
+  }
+  w.length = static_cast<std::int64_t>(seq);
+  w.dtype = options_.dtype;
+  for (std::int64_t shift : {0, 1}) {
+    fields.push_back(base);
+    fields.back().window = w;
+    fields.back().window->shift = shift;
+  }
+  return fields;
 }
 
 std::vector<std::string> TokenSequences::field_names() const {

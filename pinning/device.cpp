@@ -174,13 +174,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     if (!cur) throw Error("DeviceStage::gather_rows: no batch begun");
     if (!detail::gather_built())
       throw CudaError("DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
-    if (!index.defined() || index.dtype() != DType::Int64 || index.dim() != 1 ||
-        (!index.device().is_host() && index.device() != Device::cuda(opt.device)))
-      throw Error("DeviceStage::gather_rows: expected an int64 [B] index on the host or on cuda:" + std::to_string(opt.device) +
-                  ", got " + index.str());
-    if (index.device().is_host() && index.size(0) > DeviceStage::gather_index_in_launch)
-      throw Error("DeviceStage::gather_rows: a host index of " + std::to_string(index.size(0)) + " rows is more than a launch carries (" +
-                  std::to_string(DeviceStage::gather_index_in_launch) + "); move it to the device first");
+    check_gather_index(index, "gather_rows");
     std::int64_t per_row = 1;
     for (std::int64_t d : row_shape) per_row *= d;
     if (static_cast<std::size_t>(per_row) * itemsize(dtype) != row_bytes)
@@ -218,6 +212,54 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     gathers.push_back({index, field});
     used += align_up(bytes);
     return out;
+  }
+
+  Tensor gather_windows(const Tensor& index, const void* src, DType dtype, std::int64_t elements, const RowWindow& w) {
+    if (!cur) throw Error("DeviceStage::gather_windows: no batch begun");
+    if (!detail::gather_built())
+      throw CudaError("DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
+    check_gather_index(index, "gather_windows");
+    HostRows rows;
+    rows.rows = elements;
+    rows.row_bytes = itemsize(dtype);
+    rows.dtype = dtype;
+    rows.name = "DeviceStage::gather_windows";
+    rows.window = w;
+    rows.window->start = [](std::size_t, std::uint64_t, std::uint64_t) -> std::uint64_t { return 0; };  // the index holds the starts
+    if (std::string why = detail::row_window_problem(rows); !why.empty()) throw Error(why);
+    if (index.device().is_host()) {
+      const std::int64_t* word = index.data<std::int64_t>();
+      for (std::int64_t i = 0; i < index.size(0); ++i)
+        if (word[i] < 0 || word[i] > elements - w.length - w.shift)
+          throw Error("DeviceStage::gather_windows: window " + std::to_string(i) + " starts at element " + std::to_string(word[i]) +
+                      ", past the last that fits an array of " + std::to_string(elements));
+    }
+    const std::int64_t n = index.size(0);
+    detail::GatherField field;
+    field.src = src;
+    field.dst = cur->ptr + used;
+    field.row_bytes = itemsize(dtype);
+    field.rows = n;
+    field.window = w.length;
+    field.shift = w.shift;
+    field.out_elem_bytes = static_cast<int>(itemsize(w.dtype));
+    field.src_signed = !w.is_unsigned;
+    const std::size_t bytes = static_cast<std::size_t>(n * w.length) * itemsize(w.dtype);
+    if (used + align_up(bytes) > cur_end) throw Error("DeviceStage::gather_windows: more than begin() reserved");
+    Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), w.dtype, Shape{n, w.length}, used);
+    gathers.push_back({index, field});
+    used += align_up(bytes);
+    return out;
+  }
+
+  void check_gather_index(const Tensor& index, const char* what) const {
+    if (!index.defined() || index.dtype() != DType::Int64 || index.dim() != 1 ||
+        (!index.device().is_host() && index.device() != Device::cuda(opt.device)))
+      throw Error(std::string("DeviceStage::") + what + ": expected an int64 [B] index on the host or on cuda:" + std::to_string(opt.device) +
+                  ", got " + index.str());
+    if (index.device().is_host() && index.size(0) > DeviceStage::gather_index_in_launch)
+      throw Error(std::string("DeviceStage::") + what + ": a host index of " + std::to_string(index.size(0)) +
+                  " rows is more than a launch carries (" + std::to_string(DeviceStage::gather_index_in_launch) + "); move it to the device first");
   }
 
   Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_dev) {
@@ -644,6 +686,11 @@ Tensor DeviceStage::gather_rows(const Tensor& index, const void* device_rows, st
   static_assert(gather_flip_bit == detail::kGatherFlipBit && gather_flip_bit == detail::kRowFlipBit);
   static_assert(RowTransform::kMaxChannels == 4);  // GatherField's a and b
   return impl_->gather_rows(index, device_rows, row_bytes, dtype, row_shape, transform);
+}
+
+Tensor DeviceStage::gather_windows(const Tensor& index, const void* device_elements, DType dtype, std::int64_t elements,
+                                   const RowWindow& window) {
+  return impl_->gather_windows(index, device_elements, dtype, elements, window);
 }
 
 bool DeviceStage::can_gather() noexcept { return detail::gather_built(); }

@@ -26,6 +26,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include <string>
@@ -135,9 +136,56 @@ __device__ void gather_transformed(const Args<N, Index>& a, const GatherField& f
   }
 }
 
+// A window field (GatherField::window): element j of row r is element index[r] + shift + j of the
+// source, widened to Dst (sign- or zero-extended by Src's type). Consecutive threads take
+// consecutive elements of a window, so a warp reads one run of the source; each thread has
+// kUnroll loads in flight before it stores any, as for_each_word. The output is [rows, window]
+// in order, so element e of the grid's walk is written at dst[e].
+template <class Src, class Dst, int N, class Index>
+__device__ void gather_window_as(const Args<N, Index>& a, const GatherField& f) {
+  const std::size_t L = static_cast<std::size_t>(f.window), total = static_cast<std::size_t>(f.rows) * L;
+  const Src* __restrict__ src = static_cast<const Src*>(f.src) + f.shift;
+  Dst* __restrict__ dst = static_cast<Dst*>(f.dst);
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  const std::size_t first = blockIdx.x * static_cast<std::size_t>(blockDim.x) + threadIdx.x;
+  if (first >= total) return;
+  const std::size_t step_rows = stride / L, step_elems = stride - step_rows * L;
+  std::size_t r = first / L, j = first - r * L;
+  for (std::size_t base = first; base < total; base += stride * kUnroll) {
+    Src v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * stride < total) v[u] = src[static_cast<std::size_t>(row_word(a, f, r) & ~kGatherFlipBit) + j];
+      r += step_rows, j += step_elems;
+      if (j >= L) j -= L, ++r;
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (base + u * stride < total) dst[base + u * stride] = static_cast<Dst>(v[u]);
+  }
+}
+
+template <class Dst, int N, class Index>
+__device__ void gather_window_to(const Args<N, Index>& a, const GatherField& f) {
+  switch (f.row_bytes * 2 + (f.src_signed ? 1 : 0)) {
+    case 2: gather_window_as<std::uint8_t, Dst>(a, f); break;
+    case 3: gather_window_as<std::int8_t, Dst>(a, f); break;
+    case 4: gather_window_as<std::uint16_t, Dst>(a, f); break;
+    case 5: gather_window_as<std::int16_t, Dst>(a, f); break;
+    case 8: gather_window_as<std::uint32_t, Dst>(a, f); break;
+    case 9: gather_window_as<std::int32_t, Dst>(a, f); break;
+    default: gather_window_as<std::int64_t, Dst>(a, f); break;
+  }
+}
+
 template <int N, class Index>
 __global__ void gather_fields(const __grid_constant__ Args<N, Index> a) {
   for (int k = 0; k < a.nfields; ++k) {
+    if (a.field[k].window > 0) {
+      if (a.field[k].out_elem_bytes == 4) gather_window_to<std::int32_t>(a, a.field[k]);
+      else gather_window_to<std::int64_t>(a, a.field[k]);
+      continue;
+    }
     if (a.field[k].out_kind >= 0) {
       switch (a.width[k]) {
         case 16: gather_transformed<uint4>(a, a.field[k]); break;
@@ -187,6 +235,11 @@ void launch(const std::int64_t* host_index, std::int64_t host_rows, const Gather
   bool transformed = false;
   for (int k = 0; k < nfields; ++k) {
     a.field[k] = fields[k];
+    if (fields[k].window > 0) {  // element by element
+      a.width[k] = 1;
+      words += static_cast<std::size_t>(fields[k].rows) * static_cast<std::size_t>(fields[k].window);
+      continue;
+    }
     // A transformed field writes element by element: only its source's alignment counts.
     const std::uintptr_t dst = fields[k].out_kind >= 0 ? 0 : reinterpret_cast<std::uintptr_t>(fields[k].dst);
     const std::uintptr_t m = reinterpret_cast<std::uintptr_t>(fields[k].src) | dst | fields[k].row_bytes;
@@ -255,7 +308,7 @@ void copy_rows(const std::int64_t* index, const GatherField& f, cudaStream_t str
 
 bool by_copy_engines(const GatherField& f) {
 #if CUDART_VERSION >= 13000
-  return !f.index_dev && f.out_kind < 0 && f.row_bytes >= kCopyEngineRowBytes && f.rows > 0 && host_pointers_usable();
+  return !f.index_dev && f.out_kind < 0 && f.window == 0 && f.row_bytes >= kCopyEngineRowBytes && f.rows > 0 && host_pointers_usable();
 #else
   (void)f;
   return false;

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a GPU host: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-loop|images-peers|multi|gather|rows|python]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-loop|images-peers|multi|gather|rows|python|tokens]
+# tokens: the device gather's GPU tests over token files, then `ferry bench tokens` with the GPU
+# gathering the windows and with the host path (TOKEN_BATCHES batches a row).
 # python: the Python package as a user installs it (pip install --no-build-isolation ., into the
 # host's Python environment, which has torch, torchvision, nanobind and scikit-build-core), its
 # pytest suite with FERRY_REQUIRE_GPU=1, the demo in Python on the GPU,
@@ -128,6 +130,20 @@ if { [ "$what" = bench ] || [ "$what" = all ]; } && [ -d build/bench-data/photos
   timeout 200 build/gpu/bench/bench_gpu_decode --photos $P --runs 3 --step-ms 20 --steps 100 2>&1 | tee "$OUT/bench_gpu_decode.md"
   PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers_gpu_decode.py $P --runs 3 2>&1 | tee "$OUT/peers_gpu_decode.md"
   timeout 110 build/gpu/bench/bench_faults --photos $P --runs 3 --trials 12 2>&1 | grep -v "\[warning\]" | tee "$OUT/bench_faults.md"
+fi
+if [ "$what" = tokens ]; then
+  # Token windows: the GPU tests of the device gather over token files (a registration that never
+  # returns is killed, not waited for), then `ferry bench tokens` on 200M uint16 tokens with the
+  # GPU gathering the windows and with the host path. BUILD_TARGETS="test_gpu ferry_cli" suffices.
+  (FERRY_REQUIRE_GPU=1 timeout -s KILL 180 build/gpu/tests/test_gpu "[tokens]" 2>&1 | tail -20) | tee "$OUT/test_gpu_tokens.txt"
+  grep -q "All tests passed" "$OUT/test_gpu_tokens.txt" || rc=1
+  T=/tmp/tokens-200000000.bin
+  [ -f $T ] || python3 -c "import numpy as np; np.random.default_rng(0).integers(0, 50257, 200_000_000, dtype=np.uint16).tofile('$T')"
+  { for shape in "1024 64" "2048 32" "8192 8"; do set -- $shape
+      for how in "--gather device -w 0" "--gather host -w 4"; do
+        echo "## ferry bench tokens -c path=$T,dtype=uint16,seq_len=$1 -b $2 --device 0 $how -n ${TOKEN_BATCHES:-4000}"
+        timeout -s KILL 120 build/gpu/ferry bench tokens -c path=$T,dtype=uint16,seq_len=$1 -b $2 --device 0 $how -n ${TOKEN_BATCHES:-4000} 2>&1
+        echo; done; done; } | tee "$OUT/ferry-bench-tokens.txt"
 fi
 if [ "$what" = images ]; then
   # GPU_TESTS: a Catch filter for the suite (e.g. "[decode]"), for short device time.

@@ -59,7 +59,7 @@ std::vector<HostRows> TensorDataset::host_rows(std::string& why) const {
   for (std::size_t k = 0; k < tensors_.size(); ++k) {
     const Tensor& t = tensors_[k];
     out.push_back({t.raw(), t.size(0), t.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(t.size(0), 1)), t.dtype(),
-                   Shape(t.shape().begin() + 1, t.shape().end()), "TensorDataset's tensor " + std::to_string(k), false, std::nullopt});
+                   Shape(t.shape().begin() + 1, t.shape().end()), "TensorDataset's tensor " + std::to_string(k), false, std::nullopt, std::nullopt});
   }
   return out;
 }

@@ -128,6 +128,29 @@ std::string row_transform_problem(const RowTransform& t, DType dtype, std::size_
   return "";
 }
 
+std::size_t gathered_row_bytes(const HostRows& r) noexcept {
+  if (r.window) return static_cast<std::size_t>(r.window->length) * itemsize(r.window->dtype);
+  if (r.transform) return r.row_bytes * itemsize(r.transform->dtype);
+  return r.row_bytes;
+}
+
+std::string row_window_problem(const HostRows& r) {
+  if (!r.window) return "";
+  const RowWindow& w = *r.window;
+  auto problem = [&](const std::string& what) { return r.name + "'s windows: " + what; };
+  auto integer = [](DType d) { return d == DType::UInt8 || d == DType::Int8 || d == DType::Int16 || d == DType::Int32 || d == DType::Int64; };
+  if (r.transform) return problem("a row transform and windows together");
+  if (!integer(r.dtype) || r.row_bytes != itemsize(r.dtype)) return problem("the array must be of integers, row_bytes one element's");
+  if (!integer(w.dtype) || itemsize(w.dtype) < itemsize(r.dtype))
+    return problem("they are written as " + std::string(dtype_name(w.dtype)) + ", which must be an integer type at least as wide as the array's " +
+                   dtype_name(r.dtype));
+  if (w.length < 1 || w.shift < 0 || w.length + w.shift > r.rows)
+    return problem("a window of " + std::to_string(w.length) + " elements at shift " + std::to_string(w.shift) + " in an array of " +
+                   std::to_string(r.rows));
+  if (!w.start) return problem("no start function");
+  return "";
+}
+
 int pass_output_of(DType dtype) noexcept {
   switch (dtype) {
     case DType::Float32: return kPassFloat32;

@@ -205,8 +205,11 @@ class DataLoader:
             and normalize included, or an error saying why it cannot). A loader the GPU gathers for
             starts no worker whatever num_workers says: its pin thread writes each batch's indices.
             For token windows (``datasets.tokens``, ``megatron``): "auto" has workers write int64
-            (or int32) input_ids and labels into pinned batches; "device" moves each window as the
-            file stores it and widens it on the GPU (the same batches; see bench/RESULTS.md).
+            (or int32) input_ids and labels into pinned batches; "device" has the GPU read ordered
+            or random-offset windows of a local file through its mapping and write input_ids and
+            labels itself (no worker starts), and moves other windows (packed, shuffled documents,
+            s3://, a vocab check) as the file stores them, widened on the GPU. The same batches
+            either way (bench/RESULTS.md "Language-model tokens").
         pinned_memory_limit: bytes of page-locked memory the loader may hold. Unset (None), the
             budget starts at 2 GiB and grows once, at the first batch, to hold every batch the
             pipeline may keep alive (prefetch_factor x num_workers and the stages behind them),
@@ -334,20 +337,24 @@ class DataLoader:
                 raise ValueError("DataLoader: gather= is for ferry's datasets of rows (idx, npy)")
         else:
             cpp_dataset = dataset
-        # Note [Token windows widened on the GPU]: with a device and gather="device", a token
-        # dataset's windows cross the link as the file stores them (2 bytes a token of a uint16
-        # file, not 16 for int64 input_ids and labels) and are widened and shifted on the GPU, on
-        # the consumer's stream, as each batch is handed over (_widened): the same batches, with
-        # less host memory traffic but a few torch operations a batch on this thread, which caps
-        # the rate below the host path's with several workers (bench/RESULTS.md "Language-model tokens").
+        # Token windows with a device and gather="device": where the windows are runs of a local
+        # file (ordered or random-offset windows), the GPU reads them through the file's mapping
+        # and writes input_ids and labels itself (Note [Token windows on the GPU] in
+        # ferry/loaders/tokens.h), and gather="device" passes through. Elsewhere (packed or
+        # shuffled-document windows, an object in storage, a vocab check), Note [Token windows
+        # widened on the GPU]: the windows cross the link as the file stores them (2 bytes a token
+        # of a uint16 file, not 16 for int64 input_ids and labels) and are widened and shifted on
+        # the GPU, on the consumer's stream, as each batch is handed over (_widened): a few torch
+        # operations a batch on this thread (bench/RESULTS.md "Language-model tokens").
         self._widen = None
         if not python and getattr(dataset, "name", "") in ("tokens", "megatron") and gather == "device":
             if self.device is None:
                 raise ValueError("DataLoader: gather='device' for token windows needs device=")
-            if dataset.fields[:1] != ["tokens"]:  # not raw already
-                cpp_dataset, out_dtype = _ferry.raw_token_windows(dataset)
-                self._widen = (dataset.token_type, out_dtype)
-            gather = "auto"
+            if _ferry.token_gather_problem(dataset):
+                if dataset.fields[:1] != ["tokens"]:  # not raw already
+                    cpp_dataset, out_dtype = _ferry.raw_token_windows(dataset)
+                    self._widen = (dataset.token_type, out_dtype)
+                gather = "auto"
         stream_handle = 0
         if self.device is not None:
             torch = _torch()

@@ -421,6 +421,15 @@ std::pair<PyDataset, std::string> raw_token_windows(const PyDataset& tokens) {
   return {std::move(d), ferry::dtype_name(seqs->options().dtype)};
 }
 
+// Why the GPU cannot gather this token dataset's windows from the file's mapping ("" when it can:
+// Note [Token windows on the GPU], ferry/loaders/tokens.h).
+std::string token_gather_problem(const PyDataset& tokens) {
+  const auto* seqs = tokens.opened ? std::get_if<ferry::TokenSequences>(&*tokens.opened) : nullptr;
+  if (!seqs) throw nb::type_error("token_gather_problem: not a ferry token dataset (ferry.datasets.tokens or megatron)");
+  std::string why;
+  return seqs->host_rows(why).empty() ? why : std::string();
+}
+
 // A weighted mixture of ferry datasets (ferry::Mixture); `schedule` holds later weights, each
 // with the global index it applies from.
 PyDataset make_mixture(const std::vector<const PyDataset*>& sources, const std::vector<double>& weights, std::uint64_t seed,
@@ -903,6 +912,8 @@ NB_MODULE(_ferry, m) {
       .def_ro("token_type", &PyDataset::token_type, "Token sequences: the file's token type (\"uint16\", ...); else empty.");
   m.def("raw_token_windows", &raw_token_windows, "dataset"_a,
         "A token dataset with raw windows over the same open corpus, and the dtype they widen to.");
+  m.def("token_gather_problem", &token_gather_problem, "dataset"_a,
+        "Why the GPU cannot gather a token dataset's windows from its file's mapping ('' when it can).");
   m.def("make_mixture", &make_mixture, "sources"_a, "weights"_a, "seed"_a, "block"_a, "size"_a.none(), "schedule"_a,
         "A weighted mixture of ferry datasets (C++ ferry::Mixture).");
   m.def("make_dataset", &make_dataset, "name"_a, "config"_a,

@@ -26,6 +26,10 @@
 
 using namespace ferry;
 
+// The token options below are written with designated initializers, which GCC 12 reports under
+// -Wextra for every member left to its default.
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+
 namespace {
 
 // Fields of every word width the kernel picks: uint8 [3,16,16] (768 B rows: 16-byte words),
@@ -641,4 +645,57 @@ TEST_CASE("device gather: small batches share a device buffer, reused only behin
   }
   test::free_counter(bad);
   for (std::int64_t* d : want) cuda::device_free(d);
+}
+
+// Note [Token windows on the GPU] (ferry/loaders/tokens.h): windows of a mapped token file (uint16
+// and uint32) and of a Megatron .bin in memory, ordered and random-offset, int64 and int32, raw:
+// the device gather's batches equal the host path's; packed windows and a vocab_size check are
+// refused under Gather::Device with their reason.
+TEST_CASE("device gather: token windows equal the host path's", "[gpu][gather][tokens]") {
+  test::TempDir dir;
+  std::vector<std::uint16_t> narrow(50000);
+  std::vector<std::uint32_t> wide(50000);
+  for (std::size_t i = 0; i < narrow.size(); ++i) {
+    narrow[i] = static_cast<std::uint16_t>((i * 7919 + 3) % 65536);  // ids past 32767: zero-extended
+    wide[i] = static_cast<std::uint32_t>(i * 2654435761u);          // ids past 2^31
+  }
+  test::write_file(dir / "u16.bin", test::raw_bytes(narrow));
+  test::write_file(dir / "u32.bin", test::raw_bytes(wide));
+  const test::Bytes idx = test::megatron_idx_bytes(8, {20000, 30000}, {0, 40000}, {0, 1, 2});
+  const test::Bytes bin = test::raw_bytes(narrow);
+  std::vector<std::shared_ptr<const TokenCorpus>> corpora = {
+      open_token_file(dir / "u16.bin", {.type = TokenType::UInt16}), open_token_file(dir / "u32.bin", {.type = TokenType::UInt32}),
+      megatron_from_memory(idx, bin, "mem")};
+  for (const auto& corpus : corpora)
+    for (const TokenSequenceOptions& so : {TokenSequenceOptions{.seq_len = 128}, TokenSequenceOptions{.seq_len = 100, .random_offset = true},
+                                           TokenSequenceOptions{.seq_len = 64, .dtype = DType::Int32},
+                                           TokenSequenceOptions{.seq_len = 96, .raw = true}}) {
+      INFO(corpus->name() << " seq_len " << so.seq_len);
+      const TokenSequences seqs(corpus, so);
+      DataLoaderOptions o = options(Gather::Host, 2);
+      o.batch_size = 24;
+      bool gathered = true;
+      const auto host = epochs(seqs, o, &gathered);
+      CHECK_FALSE(gathered);
+      o.gather = Gather::Device;
+      check_equal(epochs(seqs, o, &gathered), host);
+      CHECK(gathered);
+    }
+  // Auto leaves a mapped file to the host path, as for a .npy.
+  bool gathered = true;
+  (void)epochs(TokenSequences(corpora[0], {.seq_len = 128}), options(Gather::Auto, 1), &gathered);
+  CHECK_FALSE(gathered);
+  auto refused = [&](std::shared_ptr<const TokenCorpus> c, TokenSequenceOptions so) {
+    try {
+      DataLoader loader(TokenSequences(std::move(c), so), options(Gather::Device, 0));
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(refused(open_token_file(dir / "u16.bin", {.type = TokenType::UInt16, .eod = 7}), {.seq_len = 64, .packed = true}),
+             Catch::Contains("gather = Device") && Catch::Contains("position_ids"));
+  CHECK_THAT(refused(open_token_file(dir / "u16.bin", {.type = TokenType::UInt16, .vocab_size = 65536}), {.seq_len = 64}),
+             Catch::Contains("vocab_size"));
+  CHECK(RowRegistration::registered_bytes_now() == 0);
 }

@@ -253,6 +253,70 @@ TEST_CASE("random-offset windows are the same for any worker count and are windo
   CHECK(std::any_of(offsets.begin(), offsets.end(), [](std::size_t p) { return p % 32 != 0; }));
 }
 
+// Note [Token windows on the GPU]: what the device gather is given (the GPU test checks what it
+// makes): input_ids and labels as windows of the file at shifts 0 and 1, starting where
+// window_start says, and a reason wherever the windows are not runs of one array in memory.
+TEST_CASE("token windows offered to the device gather are the host path's windows of the file", "[unit][tokens][gather]") {
+  TempDir dir;
+  const auto tokens = pattern(3000);
+  write_file(dir / "t.bin", raw_bytes(tokens));
+  const auto corpus = open_token_file(dir / "t.bin", {.type = TokenType::UInt16});
+  for (bool random : {false, true}) {
+    INFO("random_offset " << random);
+    TokenSequences seqs(corpus, {.seq_len = 32, .random_offset = random, .dtype = DType::Int32});
+    std::string why;
+    const std::vector<HostRows> rows = seqs.host_rows(why);
+    REQUIRE(rows.size() == 2);
+    CHECK(why.empty());
+    for (std::size_t k = 0; k < 2; ++k) {
+      const HostRows& r = rows[k];
+      CHECK(detail::row_window_problem(r).empty());
+      CHECK(r.rows == 3000);
+      CHECK(r.row_bytes == 2);
+      CHECK(r.mapped_file);
+      REQUIRE(r.window);
+      CHECK(r.window->length == 32);
+      CHECK(r.window->shift == static_cast<std::int64_t>(k));
+      CHECK(r.window->dtype == DType::Int32);
+      CHECK(r.window->is_unsigned);
+      CHECK(detail::gathered_row_bytes(r) == 32 * 4);
+      const auto* file = static_cast<const std::uint16_t*>(r.data);
+      for (std::size_t i : {std::size_t{0}, std::size_t{7}, seqs.size() - 1}) {
+        const WorkerInfo w{};
+        SampleContext ctx(i, 5, 2, w);
+        const std::uint64_t start = r.window->start(i, 5, 2);
+        CHECK(start == seqs.window_start(i, ctx));
+        SampleContext fresh(i, 5, 2, w);  // ctx's generator has drawn the offset already
+        const std::vector<Tensor> sample = seqs.get(i, fresh);
+        for (std::size_t t = 0; t < 32; ++t) CHECK(sample[k].item<std::int32_t>(static_cast<std::int64_t>(t)) == file[start + k + t]);
+      }
+    }
+  }
+  // Raw windows: one field of seq_len + 1 tokens, as stored.
+  std::string why;
+  const auto raw = TokenSequences(corpus, {.seq_len = 32, .raw = true}).host_rows(why);
+  REQUIRE(raw.size() == 1);
+  CHECK(raw[0].window->length == 33);
+  CHECK(raw[0].window->dtype == DType::Int16);
+  // Declined, each with its reason.
+  auto declined = [&](const TokenSequences& s) {
+    std::string w;
+    CHECK(s.host_rows(w).empty());
+    return w;
+  };
+  CHECK_THAT(declined(TokenSequences(open_token_file(dir / "t.bin", {.type = TokenType::UInt16, .eod = 7}), {.seq_len = 32, .packed = true})),
+             Catch::Contains("position_ids"));
+  CHECK_THAT(declined(TokenSequences(open_token_file(dir / "t.bin", {.type = TokenType::UInt16, .vocab_size = 65536}), {.seq_len = 32})),
+             Catch::Contains("vocab_size"));
+  // A window set by hand that does not fit its array is named.
+  HostRows bad = raw[0];
+  bad.window->length = 3001;
+  CHECK_THAT(detail::row_window_problem(bad), Catch::Contains("a window of 3001 elements"));
+  bad = raw[0];
+  bad.window->dtype = DType::Int8;
+  CHECK_THAT(detail::row_window_problem(bad), Catch::Contains("at least as wide"));
+}
+
 TEST_CASE("Megatron indexed datasets written by megatron-core read back document for document", "[unit][tokens][megatron]") {
   for (const char* name : {"u16", "i32"}) {
     INFO(name);

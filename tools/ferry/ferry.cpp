@@ -28,6 +28,7 @@
 #include <variant>
 #include <vector>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "ferry/ferry.h"
@@ -173,10 +174,18 @@ struct Run {
   ferry::ObjectStoreStats store;  // what this run read from object storage (s3:// paths)
   std::uint64_t samples = 0, bytes = 0, errors = 0;
   double seconds = 0;
+  double cpu_seconds = 0;  // the process's CPU time (user + system, every thread) over the timed run
   std::string first_error;
   double samples_per_second() const { return seconds > 0 ? samples / seconds : 0; }
   double mb_per_second() const { return seconds > 0 ? bytes / seconds / 1e6 : 0; }
 };
+
+// The process's CPU time so far (user + system, all threads), in seconds.
+double process_cpu_seconds() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
+}
 
 // Iterates the loader (f.batches batches, or f.epochs epochs); a progress line on stderr when
 // `progress`. Bad samples (DataError) are counted and skipped, as a training loop would.
@@ -185,6 +194,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
   Run r;
   const ferry::ObjectStoreStats store0 = ferry::object_store_stats();
   auto t0 = Clock::now();
+  double cpu0 = process_cpu_seconds();
   auto last_print = t0;
   std::size_t seen = 0;
   bool warm = warmup == 0;
@@ -212,6 +222,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
           seen = 0;
           loader.reset_stats();
           t0 = Clock::now();
+          cpu0 = process_cpu_seconds();
           Run fresh;  // the warm-up's errors stay counted
           fresh.errors = r.errors;
           fresh.first_error = r.first_error;
@@ -252,7 +263,10 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
       throw ferry::Error("the dataset produced no batches (is it empty, or smaller than one batch with --drop-last?)");
     }
   }
+  // Device batches: the run ends when the GPU has written the last of them.
+  if (const ferry::cuda::Stream* stream = loader.stream()) stream->synchronize();
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  r.cpu_seconds = process_cpu_seconds() - cpu0;
   r.stats = loader.stats();
   const ferry::ObjectStoreStats store1 = ferry::object_store_stats();
   r.store = store1.since(store0);
@@ -284,7 +298,7 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
           {"batches", s.batches},
           {"samples", r.samples},
           {"bytes", r.bytes},
-          {"seconds", r.seconds},
+          {"seconds", r.seconds}, {"cpu_seconds", r.cpu_seconds},
           {"batches_per_second", s.batches / std::max(r.seconds, 1e-9)},
           {"samples_per_second", r.samples_per_second()},
           {"mb_per_second", r.mb_per_second()},
@@ -300,8 +314,9 @@ void print_report(const Run& r, const Flags& f) {
   std::printf("dataset %s%s%s, batch %zu, %d workers, prefetch %d, %s%s\n", f.dataset.c_str(), f.config.empty() ? "" : " ",
               f.config.c_str(), f.batch_size, f.workers, f.prefetch, pin.c_str(),
               f.device >= 0 ? (", device cuda:" + std::to_string(f.device)).c_str() : "");
-  std::printf("%.1f batches/s, %.0f samples/s, %.1f MB/s over %.2f s\n", r.stats.batches / std::max(r.seconds, 1e-9),
-              r.samples_per_second(), r.mb_per_second(), r.seconds);
+  std::printf("%.1f batches/s, %.0f samples/s, %.1f MB/s over %.2f s, %.2f busy cores (the process's CPU time over that)\n",
+              r.stats.batches / std::max(r.seconds, 1e-9), r.samples_per_second(), r.mb_per_second(), r.seconds,
+              r.cpu_seconds / std::max(r.seconds, 1e-9));
   if (r.errors)
     std::printf("%llu batch%s failed with bad data (--on-error skip or replace costs a bad sample only itself); the first: %s\n",
                 static_cast<unsigned long long>(r.errors), r.errors == 1 ? "" : "es", r.first_error.c_str());

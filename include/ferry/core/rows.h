@@ -3,6 +3,7 @@
 #pragma once
 
 #include <concepts>
+#include <functional>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -41,9 +42,27 @@ struct RowTransform {
   Shape shape;                   ///< a sample's field in the batch (the host path's shape)
 };
 
+/// A field whose rows are windows of one host array of integers, not its rows: sample i's field is
+/// the `length` elements from element start(i) + `shift`, written as `dtype` (an integer type at
+/// least as wide as the array's; values of an `is_unsigned` array zero-extended, else
+/// sign-extended). start(i) is `start(i, seed, epoch)`, the same function for every window field of
+/// a dataset (token windows: input_ids at shift 0, labels at shift 1; Note [Token windows on the
+/// GPU] in ferry/loaders/tokens.h).
+struct RowWindow {
+  std::int64_t length = 0;
+  std::int64_t shift = 0;
+  DType dtype = DType::Int64;
+  bool is_unsigned = false;
+  /// The first element of sample `index`'s window (before `shift`); it must leave the window
+  /// inside the array. Called on the thread that writes a batch's indices.
+  std::function<std::uint64_t(std::size_t index, std::uint64_t seed, std::uint64_t epoch)> start;
+};
+
 /// One field of a dataset as rows of one host array: sample i's field is the `row_bytes` bytes at
 /// `data + i * row_bytes`, of type `dtype` and shape `row_shape` (with a `transform`, the batch's
-/// field is transform->shape of transform->dtype instead).
+/// field is transform->shape of transform->dtype instead; with a `window`, `rows` counts the
+/// array's elements, `row_bytes` is an element's, and the field is [window->length] of
+/// window->dtype).
 struct HostRows {
   const void* data = nullptr;
   std::int64_t rows = 0;
@@ -56,6 +75,8 @@ struct HostRows {
   bool mapped_file = false;
   /// Run on each row by the gather kernel (uint8 rows of height * width * channels bytes), or none.
   std::optional<RowTransform> transform;
+  /// The field is windows of the array (RowWindow), not its rows; no `transform` with it.
+  std::optional<RowWindow> window;
 };
 
 /// A dataset whose batch fields are rows of host arrays (see the Note). host_rows() gives one
@@ -99,6 +120,10 @@ std::string row_transform_problem(const RowTransform& t, DType dtype, std::size_
 /// The kernels' output kind (ferry/detail/pass_math.h's PassOutput) of a uint8, float32, float16 or
 /// bfloat16 output: what the gather kernel and the GPU decode's encoded index carry.
 int pass_output_of(DType dtype) noexcept;
+/// Bytes one sample of `rows` takes in a gathered batch (its transform's or window's output).
+std::size_t gathered_row_bytes(const HostRows& rows) noexcept;
+/// Why `rows`' window cannot be gathered ("" when it can, or has none).
+std::string row_window_problem(const HostRows& rows);
 }  // namespace detail
 
 }  // namespace ferry

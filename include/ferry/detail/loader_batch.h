@@ -81,12 +81,20 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
           return "the dataset's batch has " + std::to_string(Batch::kGatheredFields) + " fields but host_rows() gave " +
                  std::to_string(rows.size());
       int flipping = 0;
+      std::size_t windows = 0;
       for (const HostRows& r : rows) {
+        if (r.window) {
+          if (std::string bad = row_window_problem(r); !bad.empty()) return bad;
+          ++windows;
+          continue;
+        }
         if (r.rows != static_cast<std::int64_t>(ds.size()))
           return r.name + " has " + std::to_string(r.rows) + " rows for a dataset of " + std::to_string(ds.size()) + " samples";
         if (std::string bad = row_transform_problem(r); !bad.empty()) return bad;
         flipping += r.transform && r.transform->flip_p > 0;
       }
+      // A batch's index words are rows or window starts, one kind for all its fields.
+      if (windows && windows != rows.size()) return "the dataset's fields mix windows and rows";
       if (flipping > 1) return "more than one field's row transform flips (a sample draws one flip)";
       if (o.gather == Gather::Auto)
         for (const HostRows& r : rows)

@@ -51,6 +51,19 @@
 // TokenSequenceOptions::dtype), and when packed position_ids [seq_len] (same dtype) and
 // cu_seqlens [seq_len + 1] (int32); field_names() names them.
 //
+// Note [Token windows on the GPU]
+// With DataLoaderOptions::device and gather = Device, windows of a token file or a Megatron .bin
+// in this process's memory (a local file's mapping; TokenCorpus::in_memory) are made by the GPU:
+// the loader registers the mapping with CUDA (RowRegistration, Note [Device gather] in
+// ferry/pinning/gather.h), the pin thread writes each batch's window starts (window_start's rule,
+// no worker starts), and one kernel a launch reads each window's tokens through the mapping and
+// writes input_ids and labels (the same tokens one later) widened to TokenSequenceOptions::dtype
+// (uint ids zero-extended) straight into the batch's device buffer (HostRows::window). Only the
+// file's tokens cross the link (2 bytes a token of a uint16 file, read twice), and no CPU touches
+// them. The batches equal the host path's. Packed and shuffled-document windows, objects in
+// storage and a vocab_size check take the host path (gather = Auto) or are an Error naming the
+// reason (gather = Device). gather = Auto leaves a mapped file to the host path, as for a .npy.
+//
 // Mixture (weighted sources, each any map-style dataset of std::vector<Tensor> samples): which
 // source global sample g = epoch * size() + index comes from is a pure function of (seed, g): in
 // each block of `block` samples a source has its weight's share by largest remainder (so the
@@ -75,6 +88,7 @@
 
 #include "ferry/core/allocator.h"
 #include "ferry/core/dataset.h"
+#include "ferry/core/rows.h"
 #include "ferry/core/tensor.h"
 
 namespace ferry {
@@ -114,6 +128,15 @@ class TokenCorpus {
   /// The stream position where document `d` starts (d == documents(): size()), for a corpus whose
   /// documents() is not 0; DataError for a damaged index entry.
   virtual std::uint64_t document_offset(std::uint64_t d) const;
+  /// The stream as one array of type() in this process's memory, stream position p at element p
+  /// (a local file's mapping: `mapped_file`), for the device gather (Note [Token windows on the
+  /// GPU]); `data` null with `why` set where it is not (an object in storage) or where reading
+  /// must check each id (a vocab_size).
+  struct Array {
+    const void* data = nullptr;
+    bool mapped_file = false;
+  };
+  virtual Array in_memory(std::string& why) const;
 };
 
 /// Options of open_token_file.
@@ -193,6 +216,10 @@ class TokenSequences : public DatasetBase<TokenSequences> {
   /// Direct mode (the loader writes each sample into its batch's rows: no collate copy).
   std::vector<Tensor> make_batch(std::size_t rows, BatchAllocator& allocator) const;
   void get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const;
+  /// For the device gather (Note [Token windows on the GPU]): input_ids and labels (raw: tokens)
+  /// as windows of the corpus's array; none, with `why` set, for packed or shuffled-document
+  /// windows and for a corpus not in memory as one array (TokenCorpus::in_memory).
+  std::vector<HostRows> host_rows(std::string& why) const;
   /// The first stream position of sample `index`'s window (its input_ids; labels start one after).
   std::uint64_t window_start(std::size_t index, SampleContext& ctx) const;
   /// "input_ids", "labels" (raw: "tokens"), and when packed "position_ids", "cu_seqlens".

@@ -139,6 +139,13 @@ class DeviceStage {
   /// `gather_flip_bit`; an Error names what does not fit (a row that is not the image's bytes).
   Tensor gather_rows(const Tensor& index, const void* device_rows, std::size_t row_bytes, DType dtype, const Shape& row_shape,
                      const RowTransform* transform = nullptr);
+  /// Device gather of windows (RowWindow, ferry/core/rows.h), within a batch: reserves [B,
+  /// window.length] of window.dtype in the batch's buffer and returns it; at end(), in the same
+  /// launch as the batch's other gathers, row i is elements index[i] + window.shift onward of the
+  /// host array of `elements` integers of `dtype` mapped at `device_elements` (RowRegistration),
+  /// widened. `index` as gather_rows', its words window starts; an Error names a window that does
+  /// not fit the array.
+  Tensor gather_windows(const Tensor& index, const void* device_elements, DType dtype, std::int64_t elements, const RowWindow& window);
   /// Set in an index word of gather_rows: that sample's row is mirrored (the rest is the row).
   static constexpr std::int64_t gather_flip_bit = detail::kRowFlipBit;
   /// The most rows a host index of gather_rows may have.
