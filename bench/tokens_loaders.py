@@ -18,6 +18,10 @@ Rows:
   torch-w4      torch.utils.data.DataLoader over a map-style Dataset of the same windows (memmap),
                 shuffle=True, 4 workers, pin_memory=True, persistent_workers=True, .to(cuda, non_blocking=True)
   turboloader   turboloader.TokenDataLoader(path, seq_len, batch_size, dtype="uint16", device="cuda")
+  litdata       litdata's StreamingDataset(item_loader=TokensLoader(block_size=seq_len + 1), shuffle=True)
+                through its StreamingDataLoader (4 workers, pin_memory=True), over the same tokens
+                written once by litdata.optimize as int32 chunks (litdata stores the tensors it is
+                given; int16 would wrap ids past 32,767), .to(cuda, non_blocking=True)
   ferry-gpu-wN  ferry-wN with gather="device": the GPU reads each window through the file's mapping
                 (registered with CUDA) and writes int64 input_ids and labels itself; the pin thread
                 writes the window starts, and no worker starts whatever N says
@@ -98,6 +102,29 @@ def turbo_rows(path, seq, batch):
             yield x, y
 
 
+def _litdata_slice(item):
+    """litdata.optimize's fn: one slice of the token file as an int32 tensor."""
+    path, begin, end = item
+    yield torch.from_numpy(np.fromfile(path, dtype=np.uint16, count=end - begin, offset=2 * begin).astype(np.int32))
+
+
+def litdata_rows(path, seq, batch, workers=4):
+    import litdata
+    from litdata.streaming.item_loader import TokensLoader
+    out = f"{path}.litdata"
+    if not os.path.exists(os.path.join(out, "index.json")):
+        n = os.path.getsize(path) // 2
+        step = 10_000_000
+        litdata.optimize(fn=_litdata_slice, inputs=[(path, b, min(b + step, n)) for b in range(0, n, step)], output_dir=out,
+                         chunk_size=(8192 + 1) * 1024, item_loader=TokensLoader(), num_workers=8)
+    ds = litdata.StreamingDataset(out, item_loader=TokensLoader(block_size=seq + 1), shuffle=True)
+    loader = litdata.StreamingDataLoader(ds, batch_size=batch, num_workers=workers, pin_memory=True, drop_last=True)
+    while True:
+        for b in loader:
+            b = b.to("cuda", non_blocking=True).long()
+            yield b[:, :-1], b[:, 1:]
+
+
 def measure(make, warmup, batches, seconds=0.0):
     rows = make()
     for _ in range(warmup):
@@ -148,6 +175,13 @@ def main():
                 make = lambda: nanogpt_rows(path, seq, batch)
             elif row.startswith("torch-w"):
                 make = lambda w=int(row[7:]): torch_rows(path, seq, batch, w)
+            elif row == "litdata":
+                try:
+                    import litdata  # noqa: F401
+                except ImportError as e:
+                    print(f"| {shape} | litdata | not importable: {e} | | | |")
+                    continue
+                make = lambda: litdata_rows(path, seq, batch)
             elif row == "turboloader":
                 try:
                     import turboloader  # noqa: F401
@@ -157,7 +191,11 @@ def main():
                 make = lambda: turbo_rows(path, seq, batch)
             else:
                 sys.exit(f"unknown row {row}")
-            runs = [measure(make, a.warmup, a.batches, a.seconds) for _ in range(a.runs)]
+            try:
+                runs = [measure(make, a.warmup, a.batches, a.seconds) for _ in range(a.runs)]
+            except Exception as e:  # a peer that fails is reported, not the end of the table
+                print(f"| {seq}x{batch} | {row} | failed: {type(e).__name__}: {str(e)[:200]} | | | |", flush=True)
+                continue
             rates = sorted(r[0] for r in runs)
             med = statistics.median(rates)
             results[row] = med

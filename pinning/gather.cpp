@@ -10,9 +10,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "ferry/pinning/cuda.h"
 
@@ -85,11 +88,58 @@ std::string cuda_message(cudaError_t e) {
   cudaGetLastError();
   return std::string(cudaGetErrorName(e)) + " (" + cudaGetErrorString(e) + ")";
 }
+
+// A mapped file's bytes copied into `dst`, by up to 8 threads for a large one (the copy is what
+// the first gather waits for).
+void copy_in(void* dst, const void* src, std::size_t n) {
+  constexpr std::size_t kChunk = std::size_t{64} << 20;
+  const std::size_t chunks = (n + kChunk - 1) / kChunk;
+  const std::size_t threads = std::min<std::size_t>({chunks, 8, std::max(1u, std::thread::hardware_concurrency())});
+  if (threads <= 1) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  std::atomic<std::size_t> next{0};
+  auto work = [&] {
+    for (std::size_t c; (c = next.fetch_add(1)) < chunks;) {
+      const std::size_t at = c * kChunk;
+      std::memcpy(static_cast<char*>(dst) + at, static_cast<const char*>(src) + at, std::min(kChunk, n - at));
+    }
+  };
+  std::vector<std::thread> pool;
+  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
 }  // namespace
 
 RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device, std::size_t limit_bytes) : device_(device) {
-  const std::vector<Range> ranges = ranges_of(arrays);
+  // A mapped file (HostRows::mapped_file) is not registered in place but copied into page-locked
+  // memory (Note [Device gather], "mapped files", ferry/pinning/gather.h); arrays over the same
+  // bytes (a token file's input_ids and labels) share one copy.
+  std::vector<HostRows> in_place;      // the arrays registered in place (the others left empty)
+  std::vector<std::size_t> copied;     // arrays[k] read from a copy
+  std::vector<std::size_t> copy_of(arrays.size(), 0);
+  std::vector<std::size_t> unique;     // the first array of each copy
   std::size_t need = 0;
+  auto bytes_of = [&](std::size_t k) { return static_cast<std::size_t>(arrays[k].rows) * arrays[k].row_bytes; };
+  for (std::size_t k = 0; k < arrays.size(); ++k) {
+    if (!(arrays[k].mapped_file && arrays[k].data && arrays[k].rows > 0)) {
+      in_place.push_back(arrays[k]);
+      continue;
+    }
+    in_place.push_back(HostRows{});  // keeps ranges_of's indices those of `arrays`
+    copied.push_back(k);
+    std::size_t c = 0;
+    while (c < unique.size() && !(arrays[unique[c]].data == arrays[k].data && bytes_of(unique[c]) == bytes_of(k))) ++c;
+    if (c == unique.size()) {
+      unique.push_back(k);
+      need += bytes_of(k);
+    }
+    copy_of[k] = c;
+  }
+  const std::vector<Range> ranges = ranges_of(in_place);
   for (const Range& r : ranges) need += r.end - r.begin;
   if (need > limit_bytes)
     throw Error("device gather: the dataset's arrays need " + std::to_string(need) + " bytes registered, over the limit of " +
@@ -141,8 +191,36 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
     throw;
   }
   try {
+    for (std::size_t k : unique) {
+      const std::size_t n = static_cast<std::size_t>(arrays[k].rows) * arrays[k].row_bytes;
+      void* p = nullptr;
+      const cudaError_t e = cudaHostAlloc(&p, n, cudaHostAllocPortable | cudaHostAllocMapped);
+      if (e != cudaSuccess)
+        throw CudaError("device gather: cudaHostAlloc of " + std::to_string(n) + " bytes for a copy of " + arrays[k].name + " failed: " + cuda_message(e));
+      copies_.push_back(p);
+      {
+        std::lock_guard l(g.mu);
+        g.bytes += n;
+      }
+      bytes_ += n;
+      copy_bytes_.push_back(n);
+      copy_in(p, arrays[k].data, n);
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  try {
+    std::size_t next_copy = 0;
     for (std::size_t k = 0; k < arrays.size(); ++k) {
       void* d = nullptr;
+      if (next_copy < copied.size() && copied[next_copy] == k) {
+        ++next_copy;
+        const cudaError_t e = cudaHostGetDevicePointer(&d, copies_[copy_of[k]], 0);
+        if (e != cudaSuccess) throw CudaError("device gather: no device address for the copy of " + arrays[k].name + ": " + cuda_message(e));
+        device_rows_.push_back(d);
+        continue;
+      }
       const cudaError_t e = cudaHostGetDevicePointer(&d, const_cast<void*>(arrays[k].data), 0);
       if (e != cudaSuccess)
         throw CudaError("device gather: no device address for " + arrays[k].name + (foreign[k] ? " (pinned elsewhere, not mapped)" : "") +
@@ -170,6 +248,12 @@ void RowRegistration::release() noexcept {
     g.ranges.erase(it);
   }
   registered_.clear();
+  for (std::size_t i = 0; i < copies_.size(); ++i) {
+    if (cudaFreeHost(copies_[i]) != cudaSuccess) cudaGetLastError();
+    g.bytes -= copy_bytes_[i];
+  }
+  copies_.clear();
+  copy_bytes_.clear();
 }
 
 #else

@@ -182,8 +182,12 @@ template <int N, class Index>
 __global__ void gather_fields(const __grid_constant__ Args<N, Index> a) {
   for (int k = 0; k < a.nfields; ++k) {
     if (a.field[k].window > 0) {
-      if (a.field[k].out_elem_bytes == 4) gather_window_to<std::int32_t>(a, a.field[k]);
-      else gather_window_to<std::int64_t>(a, a.field[k]);
+      switch (a.field[k].out_elem_bytes) {  // as wide as the source (raw windows) or wider
+        case 1: gather_window_to<std::int8_t>(a, a.field[k]); break;
+        case 2: gather_window_to<std::int16_t>(a, a.field[k]); break;
+        case 4: gather_window_to<std::int32_t>(a, a.field[k]); break;
+        default: gather_window_to<std::int64_t>(a, a.field[k]); break;
+      }
       continue;
     }
     if (a.field[k].out_kind >= 0) {

@@ -48,8 +48,9 @@ struct GatherField {
   std::size_t out_row_bytes = 0;
   float a[4] = {1, 1, 1, 1}, b[4] = {0, 0, 0, 0};
   /// Windows (ferry::RowWindow): > 0, row i is `window` elements of `row_bytes` (1, 2, 4 or 8)
-  /// each from element index[i] + `shift` of src, written widened to `out_elem_bytes` (4 or 8)
-  /// each, sign-extended where `src_signed`. out_kind and the transform are unused.
+  /// each from element index[i] + `shift` of src, written as integers of `out_elem_bytes` (1, 2,
+  /// 4 or 8, at least row_bytes), sign-extended where `src_signed`. out_kind and the transform are
+  /// unused.
   std::int64_t window = 0, shift = 0;
   int out_elem_bytes = 8;
   int src_signed = 1;

@@ -681,6 +681,11 @@ TEST_CASE("device gather: token windows equal the host path's", "[gpu][gather][t
       check_equal(epochs(seqs, o, &gathered), host);
       CHECK(gathered);
     }
+  {  // The GPU reads a copy of the mapped file, held while the loader lives (Note [Device gather], "mapped files").
+    DataLoader loader(TokenSequences(corpora[0], {.seq_len = 128}), options(Gather::Device, 0));
+    CHECK(RowRegistration::registered_bytes_now() == 100000);
+  }
+  CHECK(RowRegistration::registered_bytes_now() == 0);
   // Auto leaves a mapped file to the host path, as for a .npy.
   bool gathered = true;
   (void)epochs(TokenSequences(corpora[0], {.seq_len = 128}), options(Gather::Auto, 1), &gathered);

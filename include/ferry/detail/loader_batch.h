@@ -99,8 +99,8 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
       if (o.gather == Gather::Auto)
         for (const HostRows& r : rows)
           if (r.mapped_file)
-            return r.name + " is a memory-mapped file, which gather = Auto leaves to the host path (registering a "
-                            "file's mapping did not return on one host; gather = Device gathers it)";
+            return r.name + " is a memory-mapped file, which gather = Auto leaves to the host path (gather = Device "
+                            "gathers it from a copy in page-locked memory: Note [Device gather])";
       if (!DeviceStage::can_gather()) return "this build of ferry has no gather kernel (CMake found no CUDA compiler)";
       return "";
     }

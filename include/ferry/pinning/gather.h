@@ -32,13 +32,17 @@
 //   ferry::DataLoader loader(ferry::TensorDataset({images, labels}), o);
 //
 // Mapped files: gather = Auto leaves rows that are a file's mapping (HostRows::mapped_file, a
-// .npy) to the host path; gather = Device gathers them. On the H100 VM host cudaHostRegister of a
-// .npy mapping (74 MB and 589 MB, written by another process) did not return: the thread ran in
-// the kernel, killable only by SIGKILL (scripts/npy-register-probe.sh; faulting the pages in
-// first changed nothing), while the suite's 2 GiB file, written by the test itself, registered.
-// That host is a Firecracker VM on Linux 6.18 with a ZONE_MOVABLE (memory hot-plug); a long-term
-// pin must first move each page out of that zone, and page-cache pages that cannot be moved are a
-// plausible cause, not a confirmed one. Until it is understood, the default does not risk it.
+// .npy, a token file) to the host path; gather = Device gathers them from a copy. A mapping is
+// never registered in place: on an H100 host cudaHostRegister of a .npy mapping (74 MB and 589 MB,
+// written by another process) did not return, the thread running in the kernel, killable only by
+// SIGKILL (scripts/npy-register-probe.sh; faulting the pages in first changed nothing), and on an
+// H200 host the same happened to a 400 MB token file, while files the suite wrote itself
+// registered. Those hosts are VMs with a ZONE_MOVABLE (memory hot-plug); a long-term pin must
+// first move each page out of that zone, and page-cache pages that cannot be moved are a
+// plausible cause, not a confirmed one. So RowRegistration copies a mapped file's rows once into
+// page-locked memory of its own (cudaHostAlloc, mapped; within register_memory_limit), and the GPU
+// reads the copy: the file's bytes are read once at the loader's start (by up to 8 threads), and
+// held twice in memory (page cache and copy) while the loader lives.
 //
 // Row transforms: a field's HostRows may carry a RowTransform (ferry/core/rows.h), the transforms
 // image rows usually need: a random horizontal flip, uint8 to float32 / float16 / bfloat16 (CHW,
@@ -75,7 +79,8 @@ namespace ferry {
 
 /// Host arrays registered with CUDA for `device` to read (cudaHostRegister, mapped; read-only
 /// where the device supports it), undone at destruction. Arrays that share pages are registered as
-/// one range; memory CUDA already knows as pinned is used as it is.
+/// one range; memory CUDA already knows as pinned is used as it is; a mapped file's rows
+/// (HostRows::mapped_file) are copied into page-locked memory instead (see the Note).
 class RowRegistration {
  public:
   /// Throws Error when the arrays' pages exceed `limit_bytes` (before any CUDA call), CudaError
@@ -98,6 +103,8 @@ class RowRegistration {
   void release() noexcept;
   std::vector<const void*> device_rows_;
   std::vector<void*> registered_;  // starts of the ranges this object registered (to unregister)
+  std::vector<void*> copies_;      // mapped files' copies (cudaHostAlloc), in the arrays' order
+  std::vector<std::size_t> copy_bytes_;
   std::size_t bytes_ = 0;
   int device_ = 0;
 };
