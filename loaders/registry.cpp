@@ -93,7 +93,8 @@ constexpr const char* kTokensHelp =
 constexpr const char* kMegatronHelp =
     "a Megatron-LM indexed dataset (prefix.bin + prefix.idx) as language-model sequences: prefix=<path without "
     ".bin/.idx>, seq_len=1024, packed=0|1 (position_ids and cu_seqlens by document), shuffle_documents=0|1 (documents in "
-    "an order shuffled each epoch, within blocks of document_block=256), random_offset=0|1, num_samples=, "
+    "an order shuffled each epoch, within blocks of document_block=256), best_fit_group=<sequences; 0: off> (packed: "
+    "documents placed whole by best fit in groups of that many sequences), random_offset=0|1, num_samples=, "
     "vocab=<vocabulary size, checked>, out_dtype=int64|int32, raw=0|1";
 
 std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) {
@@ -304,6 +305,9 @@ TokenSequences make_token_sequences(const DatasetConfig& c) {
   const std::int64_t block = c.integer("document_block", 256);
   if (block < 1) throw Error("dataset '" + c.dataset() + "': option 'document_block' must be >= 1, got " + std::to_string(block));
   o.document_block = static_cast<std::size_t>(block);
+  const std::int64_t group = c.integer("best_fit_group", 0);
+  if (group < 0) throw Error("dataset '" + c.dataset() + "': option 'best_fit_group' must be >= 0, got " + std::to_string(group));
+  o.best_fit_group = static_cast<std::size_t>(group);
   if (c.has("num_samples")) {
     const std::int64_t n = c.integer("num_samples");
     if (n < 0) throw Error("dataset '" + c.dataset() + "': option 'num_samples' must be >= 0");

@@ -12,6 +12,7 @@
 #include "ferry/loaders/tokens.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -452,6 +453,16 @@ TokenSequences::TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenS
     throw Error("TokenSequences(" + n + "): shuffle_documents and random_offset do not go together (random windows have no order)");
   if (options_.shuffle_documents && options_.document_block < 1)
     throw Error("TokenSequences(" + n + "): document_block must be >= 1");
+  if (options_.best_fit_group > 0) {
+    if (!options_.packed) throw Error("TokenSequences(" + n + "): best_fit_group is for packed sequences (packed = true)");
+    if (corpus_->documents() == 0)
+      throw Error("TokenSequences(" + n + "): best-fit packing needs an indexed corpus (a Megatron index): it places documents by "
+                  "their lengths, which a flat file gives only when read");
+    if (options_.random_offset || options_.raw)
+      throw Error("TokenSequences(" + n + "): best-fit packing does not go with random_offset or raw windows");
+    if (options_.best_fit_group > 65536)
+      throw Error("TokenSequences(" + n + "): best_fit_group must be at most 65536, got " + std::to_string(options_.best_fit_group));
+  }
   if (options_.num_samples && !options_.random_offset)
     throw Error("TokenSequences(" + n + "): num_samples is for random_offset windows (ordered windows are as many as the corpus holds)");
   if (corpus_->size() < options_.seq_len + 1)
@@ -459,6 +470,8 @@ TokenSequences::TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenS
                 std::to_string(options_.seq_len + 1));
   size_ = static_cast<std::size_t>((corpus_->size() - 1) / options_.seq_len);
   if (options_.num_samples) size_ = *options_.num_samples;
+  static std::atomic<std::uint64_t> ids{0};
+  id_ = ++ids;
 }
 
 std::uint64_t TokenSequences::window_start(std::size_t index, SampleContext& ctx) const {
@@ -628,13 +641,139 @@ void TokenSequences::read_window(std::size_t index, SampleContext& ctx, std::spa
     throw Error(corpus_->name() + ": window " + std::to_string(index) + " runs past the stream's end (the index changed?)");
 }
 
+template <class Fn>
+void TokenSequences::for_each_document(std::uint64_t lo, std::uint64_t hi, SampleContext& ctx, Fn&& fn) const {
+  const std::uint64_t docs = corpus_->documents();
+  if (!options_.shuffle_documents) {
+    std::uint64_t a = 0, b = docs;  // the last document whose start <= lo
+    while (b - a > 1) {
+      const std::uint64_t m = a + (b - a) / 2;
+      if (corpus_->document_offset(m) <= lo) a = m;
+      else b = m;
+    }
+    for (std::uint64_t d = a, off = corpus_->document_offset(d); d < docs && off < hi; ++d) {
+      const std::uint64_t end = corpus_->document_offset(d + 1);
+      fn(off, end - off, off);
+      off = end;
+    }
+    return;
+  }
+  // Note [Documents shuffled in blocks], as read_window walks them.
+  const std::uint64_t D = options_.document_block, blocks = (docs + D - 1) / D;
+  auto block_start = [&](std::uint64_t b) { return corpus_->document_offset(std::min(b * D, docs)); };
+  std::uint64_t a = 0, b = blocks;
+  while (b - a > 1) {
+    const std::uint64_t m = a + (b - a) / 2;
+    if (block_start(m) <= lo) a = m;
+    else b = m;
+  }
+  std::uint64_t pos = block_start(a);
+  for (std::uint64_t blk = a; blk < blocks && pos < hi; ++blk) {
+    const std::uint64_t first = blk * D, count = std::min(D, docs - first);
+    const IndexPermutation order(count, mix_seed(ctx.seed() ^ 0x646f637368756666ull, ctx.epoch(), blk));
+    for (std::uint64_t j = 0; j < count && pos < hi; ++j) {
+      const std::uint64_t d = first + order.at(j);
+      const std::uint64_t off = corpus_->document_offset(d), len = corpus_->document_offset(d + 1) - off;
+      if (pos + len > lo) fn(off, len, pos);
+      pos += len;
+    }
+  }
+}
+
+// Note [Best-fit packing] (the top of ferry/loaders/tokens.h). A group's pieces are known from the
+// index alone; the sequences of the last group a thread packed are kept, keyed by (sequences,
+// seed, epoch, group), so a sampler that visits a group's sequences together packs it once.
+void TokenSequences::read_best_fit(std::size_t index, SampleContext& ctx, std::span<std::int64_t> inputs, std::span<std::int64_t> labels,
+                                   std::vector<std::size_t>& starts) const {
+  if (index >= size_) throw Error(corpus_->name() + ": window " + std::to_string(index) + " out of range for " + std::to_string(size_));
+  struct Piece {
+    std::uint64_t at;  // corpus offset
+    std::uint64_t len;
+  };
+  struct Packed {
+    std::uint64_t id = 0, seed = 0, epoch = 0, group = ~std::uint64_t{0};
+    std::vector<std::vector<Piece>> bins;
+  };
+  thread_local Packed cache;
+  const std::uint64_t S = options_.seq_len, G = options_.best_fit_group;
+  const std::uint64_t group = index / G;
+  if (cache.id != id_ || cache.seed != ctx.seed() || cache.epoch != ctx.epoch() || cache.group != group) {
+    const std::uint64_t n = std::min<std::uint64_t>(G, size_ - group * G);  // the group's sequences
+    const std::uint64_t lo = group * G * S, hi = lo + n * S;
+    std::vector<Piece> pieces;
+    for_each_document(lo, hi, ctx, [&](std::uint64_t off, std::uint64_t len, std::uint64_t pos) {
+      const std::uint64_t a = std::max(lo, pos), b = std::min(hi, pos + len);
+      for (std::uint64_t p = a; p < b; p += S) pieces.push_back({off + (p - pos), std::min(S, b - p)});
+    });
+    // Best fit decreasing: the longest first (then in stream order), each into the sequence whose
+    // room it fills most closely (the first such).
+    std::vector<std::size_t> order(pieces.size());
+    std::iota(order.begin(), order.end(), std::size_t{0});
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t x, std::size_t y) { return pieces[x].len > pieces[y].len; });
+    std::vector<std::uint64_t> room(n, S);
+    std::vector<std::vector<Piece>> bins(n);
+    std::vector<std::size_t> left;
+    for (std::size_t k : order) {
+      std::size_t best = n;
+      for (std::size_t b = 0; b < n; ++b)
+        if (room[b] >= pieces[k].len && (best == n || room[b] < room[best])) best = b;
+      if (best == n) {
+        left.push_back(k);
+        continue;
+      }
+      bins[best].push_back(pieces[k]);
+      room[best] -= pieces[k].len;
+    }
+    // The pieces that fit nowhere fill the rooms left, in stream order, cut to fit (the rooms
+    // hold exactly their tokens: the group's pieces are n * S tokens).
+    std::sort(left.begin(), left.end());
+    std::size_t b = 0;
+    for (std::size_t k : left) {
+      Piece p = pieces[k];
+      while (p.len > 0) {
+        while (b < n && room[b] == 0) ++b;
+        if (b == n) throw Error(corpus_->name() + ": best-fit packing: group " + std::to_string(group) + " has more tokens than its sequences hold (the index changed?)");
+        const std::uint64_t take = std::min(p.len, room[b]);
+        bins[b].push_back({p.at, take});
+        room[b] -= take;
+        p.at += take;
+        p.len -= take;
+      }
+    }
+    cache.bins = std::move(bins);
+    cache.id = id_, cache.seed = ctx.seed(), cache.epoch = ctx.epoch(), cache.group = group;
+  }
+  const std::vector<Piece>& bin = cache.bins.at(index - group * G);
+  const std::uint64_t tokens = corpus_->size();
+  thread_local std::vector<std::int64_t> buf;
+  std::size_t filled = 0;
+  for (const Piece& p : bin) {
+    if (filled + p.len > S) throw Error(corpus_->name() + ": best-fit packing: a sequence overflows (the index changed?)");
+    const std::uint64_t n = std::min(p.len + 1, tokens - p.at);  // with the token after the piece, where there is one
+    buf.resize(n);
+    corpus_->read(p.at, buf);
+    std::copy_n(buf.begin(), p.len, inputs.begin() + static_cast<std::ptrdiff_t>(filled));
+    std::copy_n(buf.begin() + 1, n - 1, labels.begin() + static_cast<std::ptrdiff_t>(filled));
+    if (n == p.len) labels[filled + p.len - 1] = buf[p.len - 1];  // the corpus's last token: no next one
+    if (filled > 0) starts.push_back(filled);
+    filled += p.len;
+  }
+  if (filled != S) throw Error(corpus_->name() + ": best-fit packing: sequence " + std::to_string(index) + " holds " + std::to_string(filled) + " tokens, not " + std::to_string(S));
+}
+
 void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const {
   const std::size_t seq = options_.seq_len;
   thread_local std::vector<std::int64_t> window;
   thread_local std::vector<std::size_t> starts;
   window.resize(seq + 1);
   starts.clear();
-  read_window(index, ctx, window, options_.packed ? &starts : nullptr);
+  thread_local std::vector<std::int64_t> labels;
+  if (options_.best_fit_group > 0) {
+    labels.resize(seq);
+    read_best_fit(index, ctx, std::span(window).first(seq), labels, starts);
+  } else {
+    read_window(index, ctx, window, options_.packed ? &starts : nullptr);
+  }
   const auto r = static_cast<std::int64_t>(row);
   auto field = [&](std::size_t k, const std::int64_t* src, std::size_t n) {
     void* dst = batch[k].select(r).raw();
@@ -652,7 +791,7 @@ void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std
     next_field = 1;
   } else {
     field(0, window.data(), seq);
-    field(1, window.data() + 1, seq);
+    field(1, options_.best_fit_group > 0 ? labels.data() : window.data() + 1, seq);
   }
   if (!options_.packed) return;
   thread_local std::vector<std::int64_t> positions;

@@ -139,16 +139,20 @@ def tokens(path: str, seq_len: int = 1024, dtype: Optional[str] = None, eod: Opt
 
 def megatron(prefix: str, seq_len: int = 1024, packed: bool = False, random_offset: bool = False,
              num_samples: Optional[int] = None, vocab_size: Optional[int] = None, out_dtype: str = "int64",
-             shuffle_documents: bool = False, document_block: int = 256) -> Dataset:
+             shuffle_documents: bool = False, document_block: int = 256, best_fit_group: int = 0) -> Dataset:
     """A Megatron-LM indexed dataset (``prefix.bin`` + ``prefix.idx``, as megatron-core's
     ``IndexedDatasetBuilder`` writes them; local or ``s3://``) as sequences, like ``tokens``: each of
     its sequences is a document, so ``packed=True`` needs no eod id. Opening reads only the index's
     header (no pass over the corpus): the first batch comes as fast at any corpus size.
     ``shuffle_documents=True``: the windows cut a stream of the documents in an order shuffled each
-    epoch (within blocks of ``document_block`` documents) instead of the corpus order."""
+    epoch (within blocks of ``document_block`` documents) instead of the corpus order.
+    ``best_fit_group=G`` (with ``packed=True``): best-fit packing, each group of G sequences taking
+    the stream's next G * seq_len tokens and placing its documents whole where they fit (no token
+    dropped, no padding; ferry/loaders/tokens.h, Note [Best-fit packing])."""
     return _ferry.make_dataset("megatron", _config(
         prefix=prefix, seq_len=seq_len, packed=packed or None, random_offset=random_offset or None,
         shuffle_documents=shuffle_documents or None, document_block=document_block if shuffle_documents else None,
+        best_fit_group=best_fit_group or None,
         num_samples=num_samples, vocab=vocab_size, out_dtype=out_dtype))
 
 

@@ -70,6 +70,25 @@ def test_megatron_fixture_packed(tmp_path):
     assert torch.equal(first[0], first[1]) and not torch.equal(first[0], first[2])
 
 
+def test_megatron_best_fit_packing_keeps_the_windows_tokens():
+    # Note [Best-fit packing]: in the corpus order, an epoch's inputs are the windows' tokens, placed
+    # differently; every sequence is full and its positions restart where cu_seqlens say.
+    prefix = os.path.join(FIXTURES, "u16")
+    fit = ferry.datasets.megatron(prefix, seq_len=32, packed=True, best_fit_group=4)
+    windows = ferry.datasets.megatron(prefix, seq_len=32, packed=True)
+    assert len(fit) == len(windows)
+    a = epoch(ferry.DataLoader(fit, batch_size=4, num_workers=2))
+    b = epoch(ferry.DataLoader(windows, batch_size=4))
+    ids = lambda e: sorted(torch.cat([x["input_ids"].flatten() for x in e]).tolist())  # noqa: E731
+    assert ids(a) == ids(b) and ids(a) != []
+    for x in a:
+        for pos, cu in zip(x["position_ids"].tolist(), x["cu_seqlens"].tolist()):
+            starts = [k for k, p in enumerate(pos) if p == 0]
+            assert cu == starts + [32] * (33 - len(starts))
+    with pytest.raises(ferry.Error, match="packed"):
+        ferry.datasets.megatron(prefix, seq_len=32, best_fit_group=4)
+
+
 def test_mixture_resumes_from_state_dict_and_takes_new_weights(token_file):
     path, _ = token_file
     a = ferry.datasets.tokens(path, seq_len=16, dtype="uint16")

@@ -394,6 +394,86 @@ TEST_CASE("packed sequences: position ids restart at each document, cu_seqlens a
   }
 }
 
+// Note [Best-fit packing]: a corpus whose token ids are their corpus positions, so every input
+// names where it came from. Every token is an input once an epoch, sequences are full, labels are
+// the next corpus token, positions restart at each piece (cu_seqlens agree), batches are the same
+// for any worker count, and documents of at most seq_len are cut far less often than windows cut them.
+TEST_CASE("best-fit packing: every token once, full sequences, documents whole where they fit, deterministic",
+          "[unit][tokens][packing]") {
+  constexpr std::size_t S = 64;
+  std::vector<std::int32_t> lengths;
+  std::vector<std::int64_t> pointers;
+  std::int64_t total = 0;
+  for (int d = 0; d < 600; ++d) {
+    const int len = 1 + (d * 37 + 11) % (d % 10 == 0 ? 200 : 60);  // most shorter than S, some longer
+    lengths.push_back(len);
+    pointers.push_back(total * 4);
+    total += len;
+  }
+  std::vector<std::int64_t> doc_index(lengths.size() + 1);
+  std::iota(doc_index.begin(), doc_index.end(), std::int64_t{0});
+  std::vector<std::int32_t> ids(static_cast<std::size_t>(total));
+  std::iota(ids.begin(), ids.end(), 0);
+  const Bytes idx = megatron_idx_bytes(4, lengths, pointers, doc_index), bin = raw_bytes(ids);
+  const auto corpus = megatron_from_memory(idx, bin, "bestfit");
+  std::vector<std::int64_t> doc_of(static_cast<std::size_t>(total));
+  for (std::size_t d = 0, at = 0; d < lengths.size(); ++d)
+    for (std::int32_t k = 0; k < lengths[d]; ++k) doc_of[at++] = static_cast<std::int64_t>(d);
+  // Documents of at most S tokens whose tokens do not lie in one run of one sequence.
+  auto cut_short_documents = [&](const std::vector<std::vector<std::vector<std::int64_t>>>& batches) {
+    std::map<std::int64_t, std::set<std::pair<std::size_t, std::size_t>>> runs;  // doc -> (row, first k of a run)
+    std::size_t row = 0;
+    for (const auto& b : batches)
+      for (std::size_t r = 0; r < b[0].size() / S; ++r, ++row)
+        for (std::size_t k = 0; k < S; ++k) {
+          const std::int64_t v = b[0][r * S + k];
+          const bool continues = k > 0 && b[0][r * S + k - 1] == v - 1 && b[2][r * S + k] != 0;
+          if (!continues) runs[doc_of[static_cast<std::size_t>(v)]].insert({row, k});
+        }
+    std::size_t cut = 0;
+    for (const auto& [d, rs] : runs) cut += lengths[static_cast<std::size_t>(d)] <= static_cast<std::int32_t>(S) && rs.size() > 1;
+    return cut;
+  };
+  for (bool shuffled : {false, true}) {
+    INFO("shuffle_documents " << shuffled);
+    const TokenSequences fit(corpus, {.seq_len = S, .packed = true, .shuffle_documents = shuffled, .document_block = 16, .best_fit_group = 16});
+    const TokenSequences windows(corpus, {.seq_len = S, .packed = true, .shuffle_documents = shuffled, .document_block = 16});
+    REQUIRE(fit.size() == windows.size());
+    const auto ref = epoch(fit, opts(16, 0), 1);
+    CHECK(epoch(fit, opts(16, 3), 1) == ref);
+    CHECK(epoch(fit, opts(5, 2, false), 1) != ref);  // the sampler's order, not the sequences, changes with it
+    std::vector<int> seen(static_cast<std::size_t>(total), 0);
+    std::size_t sequences = 0;
+    for (const auto& b : ref) {
+      REQUIRE(b.size() == 4);
+      for (std::size_t r = 0; r < b[0].size() / S; ++r, ++sequences) {
+        std::vector<std::int64_t> cu{0};
+        for (std::size_t k = 0; k < S; ++k) {
+          const std::int64_t v = b[0][r * S + k], label = b[1][r * S + k], pos = b[2][r * S + k];
+          ++seen[static_cast<std::size_t>(v)];
+          CHECK((label == v + 1 || (v == total - 1 && label == v)));
+          if (k == 0) CHECK(pos == 0);
+          else if (pos != 0) CHECK((b[0][r * S + k - 1] == v - 1 && b[2][r * S + k - 1] == pos - 1));
+          else cu.push_back(static_cast<std::int64_t>(k));
+        }
+        while (cu.size() < S + 1) cu.push_back(S);
+        const std::vector<std::int64_t> got(b[3].begin() + static_cast<std::ptrdiff_t>(r * (S + 1)),
+                                            b[3].begin() + static_cast<std::ptrdiff_t>((r + 1) * (S + 1)));
+        CHECK(got == cu);
+      }
+    }
+    CHECK(sequences == fit.size());
+    CHECK(std::accumulate(seen.begin(), seen.end(), std::size_t{0}) == fit.size() * S);  // full sequences
+    CHECK(*std::max_element(seen.begin(), seen.end()) == 1);                            // every token once at most
+    if (!shuffled)  // the corpus order: exactly the windows' tokens
+      for (std::size_t v = 0; v < seen.size(); ++v) REQUIRE(seen[v] == (v < fit.size() * S ? 1 : 0));
+    const std::size_t cut_fit = cut_short_documents(ref), cut_windows = cut_short_documents(epoch(windows, opts(16, 0), 1));
+    INFO("documents of at most seq_len cut: best fit " << cut_fit << ", windows " << cut_windows);
+    CHECK(cut_fit * 3 < cut_windows);
+  }
+  CHECK_THROWS_WITH(TokenSequences(corpus, {.seq_len = S, .best_fit_group = 8}), Catch::Contains("packed"));
+}
+
 TEST_CASE("documents shuffled each epoch: every token once, documents whole between their starts, another order each epoch",
           "[unit][tokens][megatron]") {
   const Fixture f = fixture("u16");

@@ -44,6 +44,18 @@
 //   then seq_len (FlashAttention's varlen layout for one sequence), padded to seq_len + 1 entries
 //   by repeating seq_len (empty sequences, which varlen kernels skip). Documents stay in corpus
 //   order inside a window; the sampler shuffles the windows.
+// * best-fit packing (packed, best_fit_group = G > 0, an indexed corpus; Note [Best-fit packing]):
+//   group g of G sequences takes the stream's tokens [g * G * seq_len, (g + 1) * G * seq_len), cut
+//   at its documents' boundaries and into pieces of at most seq_len; the pieces are placed whole
+//   by best fit decreasing (the longest first, each into the sequence it fills most closely), and
+//   the few that fit nowhere fill the gaps left, cut to fit. Every sequence is full (no padding),
+//   every token is an input once an epoch, and a document of at most seq_len tokens is cut only
+//   where the group's range cuts it or where it is left over; windows cut about one document a
+//   sequence. A sample is its group's packing (the documents' lengths from the index, no tokens
+//   read), found in O(G * pieces) from (seed, epoch, index); the last group a thread packed is
+//   kept. A piece's last label is the token after it in the corpus (the document's next token, or
+//   the next document's first where the piece ends its document, as windows' labels), and
+//   position_ids and cu_seqlens restart at every piece.
 // labels are the next token everywhere, across a document's end too (as Megatron-LM's without
 // eod_mask_loss); a loss that should not cross documents masks labels[k] where
 // position_ids[k + 1] == 0.
@@ -202,6 +214,10 @@ struct TokenSequenceOptions {
   /// a uint16 file cross the link instead of 16 for int64 input_ids and labels. Packed: position_ids
   /// as int32, and cu_seqlens, beside it.
   bool raw = false;
+  /// packed, an indexed corpus (a Megatron index): best-fit packing in groups of this many
+  /// sequences (0: off; Note [Best-fit packing]). Documents are placed whole where they fit,
+  /// instead of cut wherever a window ends; no token is dropped and no sequence padded.
+  std::size_t best_fit_group = 0;
 };
 
 /// Fixed-length sequences over a TokenCorpus (see the top of this file).
@@ -236,10 +252,19 @@ class TokenSequences : public DatasetBase<TokenSequences> {
   /// Sample `index`'s seq_len + 1 tokens into `window` (seq_len + 1 of them), and with `starts`
   /// the offsets k in (0, seq_len) where a document starts inside its input_ids.
   void read_window(std::size_t index, SampleContext& ctx, std::span<std::int64_t> window, std::vector<std::size_t>* starts) const;
+  /// Best-fit packing: sample `index`'s input_ids and labels (seq_len each), and the offsets in
+  /// (0, seq_len) where a piece starts.
+  void read_best_fit(std::size_t index, SampleContext& ctx, std::span<std::int64_t> inputs, std::span<std::int64_t> labels,
+                     std::vector<std::size_t>& starts) const;
+  /// Calls fn(corpus offset, length, stream position) for each document of the stream (corpus
+  /// order, or shuffled) that overlaps stream positions [lo, hi), in stream order.
+  template <class Fn>
+  void for_each_document(std::uint64_t lo, std::uint64_t hi, SampleContext& ctx, Fn&& fn) const;
 
   std::shared_ptr<const TokenCorpus> corpus_;
   TokenSequenceOptions options_;
   std::size_t size_ = 0;
+  std::uint64_t id_ = 0;  // keys a thread's cached best-fit group (copies share it: they pack alike)
 };
 
 /// Options of Mixture.
