@@ -18,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <numeric>
+#include <set>
 
 #include "io.h"
 
@@ -713,16 +714,19 @@ void TokenSequences::read_best_fit(std::size_t index, SampleContext& ctx, std::s
     std::vector<std::uint64_t> room(n, S);
     std::vector<std::vector<Piece>> bins(n);
     std::vector<std::size_t> left;
+    std::set<std::pair<std::uint64_t, std::size_t>> by_room;  // (room, sequence): the closest fit is a lower_bound
+    for (std::size_t b = 0; b < n; ++b) by_room.emplace(S, b);
     for (std::size_t k : order) {
-      std::size_t best = n;
-      for (std::size_t b = 0; b < n; ++b)
-        if (room[b] >= pieces[k].len && (best == n || room[b] < room[best])) best = b;
-      if (best == n) {
+      const auto it = by_room.lower_bound({pieces[k].len, 0});
+      if (it == by_room.end()) {
         left.push_back(k);
         continue;
       }
+      const std::size_t best = it->second;
+      by_room.erase(it);
       bins[best].push_back(pieces[k]);
       room[best] -= pieces[k].len;
+      if (room[best] > 0) by_room.emplace(room[best], best);
     }
     // The pieces that fit nowhere fill the rooms left, in stream order, cut to fit (the rooms
     // hold exactly their tokens: the group's pieces are n * S tokens).
