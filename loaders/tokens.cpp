@@ -604,7 +604,8 @@ void TokenSequences::read_window(std::size_t index, SampleContext& ctx, std::spa
     for (std::uint64_t p : at) starts->push_back(static_cast<std::size_t>(p - start));
     return;
   }
-  // Note [Documents shuffled in blocks]: block b holds documents [b * D, (b + 1) * D) in the
+  // Note [Documents shuffled in blocks]
+  // Block b holds documents [b * D, (b + 1) * D) in the
   // order IndexPermutation(D', key(seed, epoch, b)); its tokens start where the corpus order's do
   // (a block's length does not change with its order), so the block holding stream position p is
   // a binary search over block starts, and its documents are walked in their order from there.
@@ -681,9 +682,9 @@ void TokenSequences::for_each_document(std::uint64_t lo, std::uint64_t hi, Sampl
   }
 }
 
-// Note [Best-fit packing] (the top of ferry/loaders/tokens.h). A group's pieces are known from the
-// index alone; the sequences of the last group a thread packed are kept, keyed by (sequences,
-// seed, epoch, group), so a sampler that visits a group's sequences together packs it once.
+// Best-fit packing (Note [Best-fit packing], ferry/loaders/tokens.h). A group's pieces are known
+// from the index alone; the sequences of the last group a thread packed are kept, keyed by
+// (sequences, seed, epoch, group), so a sampler that visits a group's sequences together packs it once.
 void TokenSequences::read_best_fit(std::size_t index, SampleContext& ctx, std::span<std::int64_t> inputs, std::span<std::int64_t> labels,
                                    std::vector<std::size_t>& starts) const {
   if (index >= size_) throw Error(corpus_->name() + ": window " + std::to_string(index) + " out of range for " + std::to_string(size_));

@@ -341,11 +341,12 @@ class DataLoader:
         # file (ordered or random-offset windows), the GPU reads them through the file's mapping
         # and writes input_ids and labels itself (Note [Token windows on the GPU] in
         # ferry/loaders/tokens.h), and gather="device" passes through. Elsewhere (packed or
-        # shuffled-document windows, an object in storage, a vocab check), Note [Token windows
-        # widened on the GPU]: the windows cross the link as the file stores them (2 bytes a token
-        # of a uint16 file, not 16 for int64 input_ids and labels) and are widened and shifted on
-        # the GPU, on the consumer's stream, as each batch is handed over (_widened): a few torch
-        # operations a batch on this thread (bench/RESULTS.md "Language-model tokens").
+        # shuffled-document windows, an object in storage, a vocab check):
+        # Note [Token windows widened on the GPU]
+        # The windows cross the link as the file stores them (2 bytes a token of a uint16 file,
+        # not 16 for int64 input_ids and labels) and are widened and shifted on the GPU, on the
+        # consumer's stream, as each batch is handed over (_widened): a few torch operations a
+        # batch on this thread (bench/RESULTS.md "Language-model tokens").
         self._widen = None
         if not python and getattr(dataset, "name", "") in ("tokens", "megatron") and gather == "device":
             if self.device is None:

@@ -6,6 +6,7 @@
 //   loader.restore(ferry::LoaderState::from_string(load(checkpoint_dir + "/loader")));
 //   for (auto& batch : loader) ...                   // continues with the next batch
 //
+// Note [Resume]
 // A map-style epoch is a function of (seed, epoch): the sampler's batch plan, and each sample's
 // generator keyed by (seed, epoch, index). So the state is a handful of numbers, and a restore
 // costs one epoch plan (what begin() costs anyway): nothing is replayed, no consumed sample is

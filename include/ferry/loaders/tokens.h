@@ -44,24 +44,27 @@
 //   then seq_len (FlashAttention's varlen layout for one sequence), padded to seq_len + 1 entries
 //   by repeating seq_len (empty sequences, which varlen kernels skip). Documents stay in corpus
 //   order inside a window; the sampler shuffles the windows.
-// * best-fit packing (packed, best_fit_group = G > 0, an indexed corpus; Note [Best-fit packing]):
-//   group g of G sequences takes the stream's tokens [g * G * seq_len, (g + 1) * G * seq_len), cut
-//   at its documents' boundaries and into pieces of at most seq_len; the pieces are placed whole
-//   by best fit decreasing (the longest first, each into the sequence it fills most closely), and
-//   the few that fit nowhere fill the gaps left, cut to fit. Every sequence is full (no padding),
-//   every token is an input once an epoch, and a document of at most seq_len tokens is cut only
-//   where the group's range cuts it or where it is left over; windows cut about one document a
-//   sequence. A sample is its group's packing (the documents' lengths from the index, no tokens
-//   read), found in O(G * pieces) from (seed, epoch, index); the last group a thread packed is
-//   kept. A piece's last label is the token after it in the corpus (the document's next token, or
-//   the next document's first where the piece ends its document, as windows' labels), and
-//   position_ids and cu_seqlens restart at every piece.
+// * best-fit packing (packed, best_fit_group = G > 0, an indexed corpus): documents placed whole
+//   where they fit (Note [Best-fit packing], below).
 // labels are the next token everywhere, across a document's end too (as Megatron-LM's without
 // eod_mask_loss); a loss that should not cross documents masks labels[k] where
 // position_ids[k + 1] == 0.
 // Samples are std::vector<Tensor>: input_ids, labels [seq_len] (int64, or int32 with
 // TokenSequenceOptions::dtype), and when packed position_ids [seq_len] (same dtype) and
 // cu_seqlens [seq_len + 1] (int32); field_names() names them.
+//
+// Note [Best-fit packing]
+// Group g of G sequences takes the stream's tokens [g * G * seq_len, (g + 1) * G * seq_len), cut
+// at its documents' boundaries and into pieces of at most seq_len; the pieces are placed whole by
+// best fit decreasing (the longest first, each into the sequence whose room it fills most
+// closely), and the few that fit nowhere fill the rooms left, cut to fit. Every sequence is full
+// (no padding), every token is an input once an epoch, and a document of at most seq_len tokens
+// is cut only where the group's range cuts it or where it is left over; windows cut about one
+// document a sequence. A sample is its group's packing (the documents' lengths from the index, no
+// tokens read), found in O(pieces log G) from (seed, epoch, index); the last group a thread packed
+// is kept, so sequences read in order pack each group once. A piece's last label is the token
+// after it in the corpus (the document's next token, or the next document's first where the piece
+// ends its document, as windows' labels), and position_ids and cu_seqlens restart at every piece.
 //
 // Note [Token windows on the GPU]
 // With DataLoaderOptions::device and gather = Device, windows of a token file or a Megatron .bin
