@@ -68,15 +68,19 @@ int main(int argc, char** argv) {
   std::size_t overhead_batches = 20000, throughput_batches = 1500;
   for (int i = 1; i + 1 < argc; i += 2) {
     std::string a = argv[i];
-    if (a == "--runs") runs = std::stoi(argv[i + 1]);
-    else if (a == "--batches") overhead_batches = std::stoul(argv[i + 1]);
+    if (a == "--runs")
+      runs = std::stoi(argv[i + 1]);
+    else if (a == "--batches")
+      overhead_batches = std::stoul(argv[i + 1]);
   }
   std::size_t sink = 0;
   std::printf("# bench_engine — %s, %u hardware threads, median of %d runs\n\n", cpu_model().c_str(),
               std::thread::hardware_concurrency(), runs);
 
   std::printf("## (1) engine overhead: empty get(), batch of 64 int64 scalars, %zu batches\n\n", overhead_batches);
-  std::printf("| num_workers | prefetch_factor | batches/s | us per batch (median) | fastest run | slowest run |\n|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "| num_workers | prefetch_factor | batches/s | us per batch (median) | fastest run | slowest run "
+      "|\n|---:|---:|---:|---:|---:|---:|\n");
   for (auto [workers, prefetch] : {std::pair{0, 2}, {1, 2}, {1, 4}, {1, 8}, {2, 2}, {2, 4}}) {
     DataLoaderOptions o;
     o.batch_size = 64;
@@ -131,7 +135,8 @@ int main(int argc, char** argv) {
       std::vector<double> r;
       for (int k = 0; k < runs; ++k) r.push_back(batches_per_second(loader, sink));
       const double m = median(r);
-      std::printf("| get + collate | %d | %.0f | %.0f | %.2f | %.2f |\n", workers, m, m * kBatch, m * batch_mb / 1e3, m / ceiling);
+      std::printf("| get + collate | %d | %.0f | %.0f | %.2f | %.2f |\n", workers, m, m * kBatch, m * batch_mb / 1e3,
+                  m / ceiling);
     }
     {
       DataLoader loader(TensorDataset({data}), o);
@@ -147,7 +152,8 @@ int main(int argc, char** argv) {
         r.push_back(static_cast<double>(batches) / std::chrono::duration<double>(Clock::now() - t0).count());
       }
       const double m = median(r);
-      std::printf("| direct (get_into) | %d | %.0f | %.0f | %.2f | %.2f |\n", workers, m, m * kBatch, m * batch_mb / 1e3, m / ceiling);
+      std::printf("| direct (get_into) | %d | %.0f | %.0f | %.2f | %.2f |\n", workers, m, m * kBatch, m * batch_mb / 1e3,
+                  m / ceiling);
     }
   }
   std::printf("\n(checksum %zu)\n", sink % 1000);

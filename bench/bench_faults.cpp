@@ -42,8 +42,10 @@ void policy_cost(const std::string& photos, int runs) {
   ImageFolderOptions io;
   io.transform.random_resized_crop(224, 224).horizontal_flip().to_float();
   ImageFolder ds(photos, io);
-  std::printf("\n1. policy cost, fault-free: %zu photographs, decode + random_resized_crop 224 + flip + to_float, batch 64, "
-              "%d workers\n", ds.size(), workers_all());
+  std::printf(
+      "\n1. policy cost, fault-free: %zu photographs, decode + random_resized_crop 224 + flip + to_float, batch 64, "
+      "%d workers\n",
+      ds.size(), workers_all());
   const OnError policies[] = {OnError::Raise, OnError::Skip, OnError::Replace};
   std::vector<double> rate[3];
   for (int r = 0; r < runs + 1; ++r) {
@@ -151,9 +153,12 @@ int main(int argc, char** argv) {
   int runs = 5, trials = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--photos" && i + 1 < argc) photos = argv[++i];
-    else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
-    else if (a == "--trials" && i + 1 < argc) trials = std::atoi(argv[++i]);
+    if (a == "--photos" && i + 1 < argc)
+      photos = argv[++i];
+    else if (a == "--runs" && i + 1 < argc)
+      runs = std::atoi(argv[++i]);
+    else if (a == "--trials" && i + 1 < argc)
+      trials = std::atoi(argv[++i]);
     else {
       std::fprintf(stderr, "usage: bench_faults [--photos DIR] [--runs N] [--trials N]\n");
       return 2;

@@ -80,9 +80,12 @@ int main(int argc, char** argv) {
   std::vector<int> workers = {0, 1, 4, 8, 12, 16};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--runs" && i + 1 < argc) runs = std::stoi(argv[++i]);
-    else if (a == "--no-device") device = false;
-    else if (a == "--images" && i + 1 < argc) images = argv[++i];
+    if (a == "--runs" && i + 1 < argc)
+      runs = std::stoi(argv[++i]);
+    else if (a == "--no-device")
+      device = false;
+    else if (a == "--images" && i + 1 < argc)
+      images = argv[++i];
     else if (a == "--workers" && i + 1 < argc) {
       workers.clear();
       std::stringstream list(argv[++i]);
@@ -93,14 +96,17 @@ int main(int argc, char** argv) {
   Tensor x = Tensor::empty(DType::UInt8, {2048, 3, 224, 224});
   std::memset(x.data<std::uint8_t>(), 7, static_cast<std::size_t>(x.numel()));
   const TensorDataset data({x});
-  std::printf("bench_first_batch: 2,048 x 3x224x224 uint8 in memory, batch 256 (38.5 MB), shuffled; %u hardware threads; "
-              "median of %d new loaders\n\n", std::thread::hardware_concurrency(), runs);
+  std::printf(
+      "bench_first_batch: 2,048 x 3x224x224 uint8 in memory, batch 256 (38.5 MB), shuffled; %u hardware threads; "
+      "median of %d new loaders\n\n",
+      std::thread::hardware_concurrency(), runs);
   if (device) {
     const auto t0 = Clock::now();
     (void)one(data, Route::Device, 1);
     std::printf("CUDA's start-up and the first device loader (once a process): %.1f ms\n\n", ms_since(t0));
   }
-  std::printf("| route | workers | make the loader, ms | begin() to the first batch, ms | total, ms |\n|---|---:|---:|---:|---:|\n");
+  std::printf(
+      "| route | workers | make the loader, ms | begin() to the first batch, ms | total, ms |\n|---|---:|---:|---:|---:|\n");
   std::vector<Route> routes = {Route::Pageable};
   if (device) routes.insert(routes.end(), {Route::Pinned, Route::Device});
   for (Route r : routes)
@@ -117,15 +123,16 @@ int main(int argc, char** argv) {
     }
   if (images.empty()) return 0;
   ImageFolderOptions fo;
-  fo.transform = ImageTransform().random_resized_crop(224, 224).horizontal_flip().to_float().normalize(
-      {0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  fo.transform = ImageTransform().random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
+                                                                                                       {0.229f, 0.224f, 0.225f});
   const ImageFolder cpu(images, fo);
   fo.decode = ImageFolderOptions::Decode::Gpu;
   const ImageFolder gpu(images, fo);
-  std::printf("\nImage folder %s (%zu images), RandomResizedCrop 224 + flip + normalize to float32, batch 256, shuffled; "
-              "the folder listed once, outside the rows\n\n| decode | workers | make the loader, ms | begin() to the first batch, ms | "
-              "total, ms |\n|---|---:|---:|---:|---:|\n",
-              images.c_str(), cpu.size());
+  std::printf(
+      "\nImage folder %s (%zu images), RandomResizedCrop 224 + flip + normalize to float32, batch 256, shuffled; "
+      "the folder listed once, outside the rows\n\n| decode | workers | make the loader, ms | begin() to the first batch, ms | "
+      "total, ms |\n|---|---:|---:|---:|---:|\n",
+      images.c_str(), cpu.size());
   for (const bool on_gpu : {false, true}) {
     if (on_gpu && !device) break;
     for (int w : workers) {

@@ -91,8 +91,10 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
   const std::size_t rows = static_cast<std::size_t>(data.size(0)), row = data.nbytes() / rows, batch_bytes = row * 256;
   const double mb = static_cast<double>(batch_bytes) / 1e6;
   std::printf("\n## %s: batch 256 = %.2f MB, %zu batches a pass\n\n", name, mb, batches);
-  std::printf("| pipeline | workers | batches/s | GB/s | of the link | busy CPU cores | of which the consumer's thread | the rest (loader, CUDA) | batches a launch |\n"
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "| pipeline | workers | batches/s | GB/s | of the link | busy CPU cores | of which the consumer's thread | the rest "
+      "(loader, CUDA) | batches a launch |\n"
+      "|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   // The link: one pinned batch, copied back to back.
   auto pool = std::make_shared<PinnedPool>(PinnedPoolOptions{});
   DeviceStage stage({}, pool);
@@ -108,8 +110,9 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
       cuda::memcpy_async(dev, pinned.data(), batch_bytes, cuda::CopyKind::HostToDevice, stage.copy_stream());
     stage.copy_stream().synchronize();
   });
-  std::printf("| cudaMemcpyAsync of one pinned batch, back to back (the link) | - | %.0f | %.1f | 1.00 | %.2f | %.2f | %.2f | - |\n",
-              link.per_second, link.per_second * mb / 1e3, link.cores, link.consumer, link.cores - link.consumer);
+  std::printf(
+      "| cudaMemcpyAsync of one pinned batch, back to back (the link) | - | %.0f | %.1f | 1.00 | %.2f | %.2f | %.2f | - |\n",
+      link.per_second, link.per_second * mb / 1e3, link.cores, link.consumer, link.cores - link.consumer);
   auto row_of = [&](const char* label, Gather g, int w, int pin_depth = 0) {
     DataLoaderOptions o = loader_options(rows, batches, g, w);
     if (pin_depth) o.pin_depth = pin_depth;
@@ -121,8 +124,8 @@ void workload(const char* name, const Tensor& data, std::size_t batches, int wor
     const DeviceStageStats d = loader.device_stage()->stats();
     char per_launch[32] = "-";
     if (d.gather_launches) std::snprintf(per_launch, sizeof per_launch, "%.2f", double(d.batches) / double(d.gather_launches));
-    std::printf("| ferry, %s | %d | %.0f | %.1f | %.2f | %.2f | %.2f | %.2f | %s |\n", label, w, r.per_second, r.per_second * mb / 1e3,
-                r.per_second / link.per_second, r.cores, r.consumer, r.cores - r.consumer, per_launch);
+    std::printf("| ferry, %s | %d | %.0f | %.1f | %.2f | %.2f | %.2f | %.2f | %s |\n", label, w, r.per_second,
+                r.per_second * mb / 1e3, r.per_second / link.per_second, r.cores, r.consumer, r.cores - r.consumer, per_launch);
     std::fflush(stdout);
   };
   row_of("host path (gather = Host)", Gather::Host, workers);
@@ -141,9 +144,10 @@ void transformed(const Tensor& hwc, std::size_t batches, const Args& a) {
   const std::size_t rows = static_cast<std::size_t>(hwc.size(0)), row = hwc.nbytes() / rows;
   const IdxDataset ds(hwc, Tensor::zeros(DType::Int64, {hwc.size(0)}), {imagenet()});
   const double read_mb = static_cast<double>(row) * 256 / 1e6, out_mb = read_mb * 4;
-  std::printf("\n## (a) with flip + to_float + normalize: %.1f MB of uint8 read, %.1f MB of float32 delivered a batch, %zu batches a "
-              "pass\n\n| pipeline | workers | batches/s | images/s | busy CPU cores |\n|---|---:|---:|---:|---:|\n",
-              read_mb, out_mb, batches);
+  std::printf(
+      "\n## (a) with flip + to_float + normalize: %.1f MB of uint8 read, %.1f MB of float32 delivered a batch, %zu batches a "
+      "pass\n\n| pipeline | workers | batches/s | images/s | busy CPU cores |\n|---|---:|---:|---:|---:|\n",
+      read_mb, out_mb, batches);
   auto row_of = [&](const char* label, Gather g, int w) {
     DataLoaderOptions o = loader_options(rows, batches, g, w);
     o.pinned_memory_limit = std::size_t{8} << 30;
@@ -185,9 +189,9 @@ void training_loop(const Dataset& ds, const char* what, Gather g, int workers, c
   }
   const double wall = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
   const int steps = step - 10;
-  std::printf("| %s, ferry, %s | %d | %.2f ms | %.2f ms | %d | %.2f%% | %+.2f%% |\n", what, g == Gather::Host ? "host path" : "device gather", workers,
-              alone_wall, alone_gpu, steps, 100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall),
-              100.0 * (loop_gpu / steps / alone_gpu - 1.0));
+  std::printf("| %s, ferry, %s | %d | %.2f ms | %.2f ms | %d | %.2f%% | %+.2f%% |\n", what,
+              g == Gather::Host ? "host path" : "device gather", workers, alone_wall, alone_gpu, steps,
+              100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall), 100.0 * (loop_gpu / steps / alone_gpu - 1.0));
   std::fflush(stdout);
 }
 
@@ -197,15 +201,24 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--batches") a.batches = std::stoul(v);
-    else if (k == "--runs") a.runs = std::stoi(v);
-    else if (k == "--workers-a") a.workers_a = std::stoi(v);
-    else if (k == "--workers-b") a.workers_b = std::stoi(v);
-    else if (k == "--workers-t") a.workers_t = std::stoi(v);
-    else if (k == "--step-ms") a.step_ms = std::stod(v);
-    else if (k == "--steps") a.steps = std::stoi(v);
-    else if (k == "--loop-only") a.loop_only = v == "1";
-    else if (k == "--loop-reps") a.loop_reps = std::stoi(v);
+    if (k == "--batches")
+      a.batches = std::stoul(v);
+    else if (k == "--runs")
+      a.runs = std::stoi(v);
+    else if (k == "--workers-a")
+      a.workers_a = std::stoi(v);
+    else if (k == "--workers-b")
+      a.workers_b = std::stoi(v);
+    else if (k == "--workers-t")
+      a.workers_t = std::stoi(v);
+    else if (k == "--step-ms")
+      a.step_ms = std::stod(v);
+    else if (k == "--steps")
+      a.steps = std::stoi(v);
+    else if (k == "--loop-only")
+      a.loop_only = v == "1";
+    else if (k == "--loop-reps")
+      a.loop_reps = std::stoi(v);
     else {
       std::fprintf(stderr, "bench_gather: unknown option %s\n", k.c_str());
       return 2;
@@ -224,9 +237,12 @@ int main(int argc, char** argv) {
   }
   const Tensor hwc = filled(DType::UInt8, {2048, 224, 224, 3});
   transformed(hwc, a.batches / 4, a);
-  std::printf("\n## training loop: (a) batches, plain and flipped + normalized to float32, a step of fixed arithmetic on every SM, synchronize each step\n\n");
-  std::printf("| loader | workers | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | step's GPU time vs. alone |\n"
-              "|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "\n## training loop: (a) batches, plain and flipped + normalized to float32, a step of fixed arithmetic on every SM, "
+      "synchronize each step\n\n");
+  std::printf(
+      "| loader | workers | step alone (wall) | step alone (GPU) | steps | GPU waiting for data | step's GPU time vs. alone |\n"
+      "|---|---:|---:|---:|---:|---:|---:|\n");
   const TensorDataset rows({wa});
   const IdxDataset images(hwc, Tensor::zeros(DType::Int64, {hwc.size(0)}), {imagenet()});
   for (int rep = 0; rep < a.loop_reps; ++rep) {

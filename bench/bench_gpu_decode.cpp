@@ -92,7 +92,7 @@ void print(const char* name, Row r, double ceiling) {
 // loader options every row shares.
 ImageTransform train_transform() {
   return ImageTransform().random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
-                                                                                              {0.229f, 0.224f, 0.225f});
+                                                                                               {0.229f, 0.224f, 0.225f});
 }
 
 ImageFolder images(const std::string& photos, ImageFolderOptions::Decode decode) {
@@ -167,8 +167,8 @@ Row loader_row(Dataset dataset, int workers, int runs, int decode_threads = 2) {
 #ifdef FERRY_BENCH_TRAINING_LOOP
 // A step is `kernels` launches of the same arithmetic (one long kernel holds every SM until it
 // ends; a real step is many short kernels, between which the loader's kernels can be scheduled).
-void training_loop(const std::string& photos, ImageFolderOptions::Decode decode, int workers, double step_ms, int steps, int kernels,
-                   int blocks_per_sm, int decode_threads, const std::string& trace_dir) {
+void training_loop(const std::string& photos, ImageFolderOptions::Decode decode, int workers, double step_ms, int steps,
+                   int kernels, int blocks_per_sm, int decode_threads, const std::string& trace_dir) {
   DataLoaderOptions o = options(workers, decode_threads);
   o.persistent_workers = true;
   if (!trace_dir.empty()) o.trace = std::make_shared<TraceRecorder>(1 << 20);
@@ -229,10 +229,12 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
   }
   const double wall = std::chrono::duration<double, std::milli>(last - t0).count();
   const std::string threads = decode == ImageFolderOptions::Decode::Gpu ? std::to_string(decode_threads) : "-";
-  std::printf("| ferry, %s decode, %d workers | %s | %d | %s | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% | %.2f%% |\n",
-              decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, threads.c_str(), kernels, footprint.c_str(), alone_wall, alone_gpu, steps,
-              100.0 * wait / wall, 100.0 * epoch_start_wait / wall, epochs_started, 100.0 * (loop_gpu / steps / alone_gpu - 1.0),
-              100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall));
+  std::printf(
+      "| ferry, %s decode, %d workers | %s | %d | %s | %.2f ms | %.2f ms | %d | %.2f%% | %.2f%% (%d epoch starts) | %+.2f%% | "
+      "%.2f%% |\n",
+      decode == ImageFolderOptions::Decode::Gpu ? "GPU" : "CPU", workers, threads.c_str(), kernels, footprint.c_str(), alone_wall,
+      alone_gpu, steps, 100.0 * wait / wall, 100.0 * epoch_start_wait / wall, epochs_started,
+      100.0 * (loop_gpu / steps / alone_gpu - 1.0), 100.0 * std::max(0.0, 1.0 - steps * alone_wall / wall));
   std::fflush(stdout);
   const LoaderStats st = loader.stats();
   if (st.batches > 0 && st.decode_seconds > 0)
@@ -240,7 +242,8 @@ void training_loop(const std::string& photos, ImageFolderOptions::Decode decode,
                  1e3 * st.decode_seconds / static_cast<double>(st.batches));
   if (o.trace) {
     const std::string path = trace_dir + "/loop-" + (decode == ImageFolderOptions::Decode::Gpu ? "gpu" : "cpu") + "-" +
-                             (mm ? "matmul" : std::to_string(kernels) + "-b" + std::to_string(blocks_per_sm)) + "-t" + threads + ".json";
+                             (mm ? "matmul" : std::to_string(kernels) + "-b" + std::to_string(blocks_per_sm)) + "-t" + threads +
+                             ".json";
     std::ofstream f(path);
     o.trace->write_chrome_json(f);
   }
@@ -360,26 +363,38 @@ int main(int argc, char** argv) {
   double step_ms = 20;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--photos" && i + 1 < argc) photos = argv[++i];
-    else if (a == "--tar" && i + 1 < argc) tar = argv[++i];
-    else if (a == "--loop-only") loop_only = true;
-    else if (a == "--step" && i + 1 < argc) step_kind = argv[++i];
-    else if (a == "--decode-threads" && i + 1 < argc) decode_threads = int_list(argv[++i]);
-    else if (a == "--step-kernels" && i + 1 < argc) step_kernels = int_list(argv[++i]);
-    else if (a == "--step-blocks" && i + 1 < argc) step_blocks = int_list(argv[++i]);
-    else if (a == "--trace-dir" && i + 1 < argc) trace_dir = argv[++i];
-    else if (a == "--runs" && i + 1 < argc) runs = std::atoi(argv[++i]);
-    else if (a == "--step-ms" && i + 1 < argc) step_ms = std::atof(argv[++i]);
-    else if (a == "--steps" && i + 1 < argc) steps = std::atoi(argv[++i]);
+    if (a == "--photos" && i + 1 < argc)
+      photos = argv[++i];
+    else if (a == "--tar" && i + 1 < argc)
+      tar = argv[++i];
+    else if (a == "--loop-only")
+      loop_only = true;
+    else if (a == "--step" && i + 1 < argc)
+      step_kind = argv[++i];
+    else if (a == "--decode-threads" && i + 1 < argc)
+      decode_threads = int_list(argv[++i]);
+    else if (a == "--step-kernels" && i + 1 < argc)
+      step_kernels = int_list(argv[++i]);
+    else if (a == "--step-blocks" && i + 1 < argc)
+      step_blocks = int_list(argv[++i]);
+    else if (a == "--trace-dir" && i + 1 < argc)
+      trace_dir = argv[++i];
+    else if (a == "--runs" && i + 1 < argc)
+      runs = std::atoi(argv[++i]);
+    else if (a == "--step-ms" && i + 1 < argc)
+      step_ms = std::atof(argv[++i]);
+    else if (a == "--steps" && i + 1 < argc)
+      steps = std::atoi(argv[++i]);
   }
   if (photos.empty()) {
     std::fprintf(stderr, "usage: bench_gpu_decode --photos DIR [--runs N]\n");
     return 2;
   }
   const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  std::printf("bench_gpu_decode: %s, %d hardware threads; RandomResizedCrop 224 + flip + to_float + normalize, batch 256, on cuda:0; "
-              "CUDA_DEVICE_MAX_CONNECTIONS=%s\n\n",
-              photos.c_str(), cores, std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"));
+  std::printf(
+      "bench_gpu_decode: %s, %d hardware threads; RandomResizedCrop 224 + flip + to_float + normalize, batch 256, on cuda:0; "
+      "CUDA_DEVICE_MAX_CONNECTIONS=%s\n\n",
+      photos.c_str(), cores, std::getenv("CUDA_DEVICE_MAX_CONNECTIONS"));
   double ceiling = 0;
 #ifdef FERRY_BENCH_NVJPEG
   const Row c = loop_only ? Row{} : nvjpeg_ceiling(photos, runs, 1);
@@ -392,8 +407,8 @@ int main(int argc, char** argv) {
     print("nvJPEG batched decode alone (the ceiling), 1 thread", c, ceiling);
     print("nvJPEG batched decode alone, 2 threads", c2, ceiling);
 #endif
-    print("ferry, GPU decode, 2 workers, 1 decode thread", loader_row(images(photos, ImageFolderOptions::Decode::Gpu), 2, runs, 1),
-          ceiling);
+    print("ferry, GPU decode, 2 workers, 1 decode thread",
+          loader_row(images(photos, ImageFolderOptions::Decode::Gpu), 2, runs, 1), ceiling);
     for (int w : {1, 2, 4}) {
       const std::string name = "ferry, GPU decode, " + std::to_string(w) + " worker" + (w > 1 ? "s" : "") + ", 2 decode threads";
       print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Gpu), w, runs), ceiling);
@@ -410,16 +425,20 @@ int main(int argc, char** argv) {
     print(name.c_str(), loader_row(images(photos, ImageFolderOptions::Decode::Cpu), cores, runs), ceiling);
   }
 #ifdef FERRY_BENCH_TRAINING_LOOP
-  if (steps > 0) std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
+  if (steps > 0)
+    std::printf("\n## training loop: %.0f ms GPU steps of 256 images (%.0f images/s)\n\n", step_ms, 256 * 1000 / step_ms);
   if (steps > 0) {
-    std::printf("| loader | decode threads | kernels a step | step's blocks of 256 a SM, or its products | step alone (wall) | step alone (GPU) | steps | "
-                "GPU waiting for data | of it, for an epoch's first batch | step's GPU time vs. alone | wall lost vs. steps alone |\n"
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    std::printf(
+        "| loader | decode threads | kernels a step | step's blocks of 256 a SM, or its products | step alone (wall) | step "
+        "alone (GPU) | steps | "
+        "GPU waiting for data | of it, for an epoch's first batch | step's GPU time vs. alone | wall lost vs. steps alone |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
     // The step's footprint decides what nvJPEG gets of the GPU (Note [Decode threads]). Matrix
     // products (a model's step: short blocks that fill an SM); then the arithmetic kernel, whose
     // blocks hold 4 or 2 of 8 blocks of 256 a SM for the whole kernel, as one long kernel and as 40.
     if (step_kind != "arith") {
-      for (int threads : decode_threads) training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, 0, 0, threads, trace_dir);
+      for (int threads : decode_threads)
+        training_loop(photos, ImageFolderOptions::Decode::Gpu, 2, step_ms, steps, 0, 0, threads, trace_dir);
       if (!loop_only) training_loop(photos, ImageFolderOptions::Decode::Cpu, cores, step_ms, steps, 0, 0, 2, trace_dir);
     }
     if (step_kind != "matmul") {

@@ -77,7 +77,8 @@ int make_tiles(const std::string& src, const std::string& out, int tw, int th) {
         unsigned long size = 0;
         if (tjCompress2(enc, src_px, tw, W * 3, th, TJPF_RGB, &buf, &size, TJSAMP_420, 90, 0) != 0) return 1;
         fs::create_directories(dir);  // only photographs that give a tile get a class folder
-        std::ofstream((dir / (std::to_string(k++) + ".jpg")).string(), std::ios::binary).write(reinterpret_cast<char*>(buf), static_cast<std::streamsize>(size));
+        std::ofstream((dir / (std::to_string(k++) + ".jpg")).string(), std::ios::binary)
+            .write(reinterpret_cast<char*>(buf), static_cast<std::streamsize>(size));
         tjFree(buf);
         ++written;
       }
@@ -89,7 +90,7 @@ int make_tiles(const std::string& src, const std::string& out, int tw, int th) {
 
 ImageTransform train_transform() {
   return ImageTransform().random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
-                                                                                              {0.229f, 0.224f, 0.225f});
+                                                                                               {0.229f, 0.224f, 0.225f});
 }
 
 void photos(const std::string& dir, int runs) {
@@ -101,9 +102,10 @@ void photos(const std::string& dir, int runs) {
   const unsigned hw = std::thread::hardware_concurrency();
   std::printf("## JPEG decode + random_resized_crop(224) + flip + to_float + normalize\n\n");
   const Tensor first = decode_image(files.at(0), ds.path(0));
-  std::printf("%zu JPEG tiles of %lldx%lld (quality 90) cut from %zu photographs of Debian's mate-backgrounds; "
-              "one thread unless noted; median of %d passes over all files.\n\n", ds.size(), static_cast<long long>(first.size(1)),
-              static_cast<long long>(first.size(0)), ds.classes().size(), runs);
+  std::printf(
+      "%zu JPEG tiles of %lldx%lld (quality 90) cut from %zu photographs of Debian's mate-backgrounds; "
+      "one thread unless noted; median of %d passes over all files.\n\n",
+      ds.size(), static_cast<long long>(first.size(1)), static_cast<long long>(first.size(0)), ds.classes().size(), runs);
   std::printf("| pipeline | images/s | vs. TurboJPEG decode |\n|---|---:|---:|\n");
 
   // Ceiling: a plain TurboJPEG decode of the in-memory files into one reused RGB buffer.
@@ -179,7 +181,8 @@ void photos(const std::string& dir, int runs) {
       DataLoader loader(sds, lo);
       const double m = samples_per_second(loader, runs);
       const char* how = scaled ? ", dct_scaling" : "";
-      std::printf("| DataLoader(ImageFolder%s), %u workers, batch 64: per core | %.0f | %.2f |\n", how, workers, m / workers, m / workers / ceiling);
+      std::printf("| DataLoader(ImageFolder%s), %u workers, batch 64: per core | %.0f | %.2f |\n", how, workers, m / workers,
+                  m / workers / ceiling);
       std::printf("| DataLoader(ImageFolder%s), %u workers, batch 64: total | %.0f | - |\n", how, workers, m);
     }
   }
@@ -198,8 +201,8 @@ void fmnist(const std::string& root, int runs) {
       lo.shuffle = true;
       lo.num_workers = workers;
       DataLoader loader(ds, lo);
-      std::printf("| IdxDataset, shuffled, %s | %d | %.0f |\n",
-                  transform ? "flip + to_float + normalize" : "uint8 as stored", workers, samples_per_second(loader, runs));
+      std::printf("| IdxDataset, shuffled, %s | %d | %.0f |\n", transform ? "flip + to_float + normalize" : "uint8 as stored",
+                  workers, samples_per_second(loader, runs));
     }
   }
 }
@@ -219,13 +222,18 @@ int main(int argc, char** argv) {
       }
       return make_tiles(argv[i + 1], argv[i + 2], tw, th);
     }
-    if (a == "--photos" && i + 1 < argc) photo_dir = argv[++i];
-    else if (a == "--fmnist" && i + 1 < argc) fmnist_dir = argv[++i];
-    else if (a == "--runs" && i + 1 < argc) runs = std::stoi(argv[++i]);
+    if (a == "--photos" && i + 1 < argc)
+      photo_dir = argv[++i];
+    else if (a == "--fmnist" && i + 1 < argc)
+      fmnist_dir = argv[++i];
+    else if (a == "--runs" && i + 1 < argc)
+      runs = std::stoi(argv[++i]);
   }
   std::printf("# bench_loaders — %u hardware threads\n\n", std::thread::hardware_concurrency());
   if (!photo_dir.empty()) photos(photo_dir, runs);
-  if (fs::exists(fmnist_dir + "/train-images-idx3-ubyte.gz")) fmnist(fmnist_dir, runs);
-  else std::printf("\n(no Fashion-MNIST under %s: skipped)\n", fmnist_dir.c_str());
+  if (fs::exists(fmnist_dir + "/train-images-idx3-ubyte.gz"))
+    fmnist(fmnist_dir, runs);
+  else
+    std::printf("\n(no Fashion-MNIST under %s: skipped)\n", fmnist_dir.c_str());
   return 0;
 }

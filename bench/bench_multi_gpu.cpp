@@ -92,7 +92,8 @@ double memcpy_rate(int threads, const Sync& sync, int runs) {
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t)
       pool.emplace_back([&, t] {
-        for (int rep = 0; rep < kReps; ++rep) std::memcpy(dst[static_cast<std::size_t>(t)].data(), src[static_cast<std::size_t>(t)].data(), kBytes);
+        for (int rep = 0; rep < kReps; ++rep)
+          std::memcpy(dst[static_cast<std::size_t>(t)].data(), src[static_cast<std::size_t>(t)].data(), kBytes);
       });
     for (auto& t : pool) t.join();
     if (k > 0) r.push_back(2.0 * kBytes * kReps * threads / 1e9 / std::chrono::duration<double>(Clock::now() - t0).count());
@@ -168,7 +169,8 @@ void run_device(const Args& a, int device, const Sync& sync, std::vector<Result>
     DataLoader loader(TensorDataset({workload_a()}), o);
     out.push_back({"(a) on the host alone: no pinning, no copy, " + std::to_string(a.workers_a) + " workers", device,
                    rate(loader, sync, a.runs, static_cast<double>(a.batches)), "batches/s"});
-    out.push_back({"host memcpy, " + std::to_string(a.workers_a) + " threads of 64 MiB", device, memcpy_rate(a.workers_a, sync, a.runs), "GB/s"});
+    out.push_back({"host memcpy, " + std::to_string(a.workers_a) + " threads of 64 MiB", device,
+                   memcpy_rate(a.workers_a, sync, a.runs), "GB/s"});
   }
   if (want("b")) {
     const std::size_t nb = a.batches * 20;
@@ -179,7 +181,7 @@ void run_device(const Args& a, int device, const Sync& sync, std::vector<Result>
   if (want("image") && !a.photos.empty()) {
     ImageFolderOptions io;
     io.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
-                                                                                     {0.229f, 0.224f, 0.225f});
+                                                                                      {0.229f, 0.224f, 0.225f});
     io.decode = ImageFolderOptions::Decode::Gpu;
     ImageFolder images(a.photos, io);
     DataLoaderOptions o;
@@ -191,8 +193,8 @@ void run_device(const Args& a, int device, const Sync& sync, std::vector<Result>
     o.pinned_memory_limit = std::size_t{8} << 30;
     const double n = static_cast<double>(images.size());
     DataLoader loader(std::move(images), o);
-    out.push_back({"image, GPU decode, " + std::to_string(a.image_workers) + " workers", device, rate(loader, sync, std::min(a.runs, 3), n),
-                   "images/s"});
+    out.push_back({"image, GPU decode, " + std::to_string(a.image_workers) + " workers", device,
+                   rate(loader, sync, std::min(a.runs, 3), n), "images/s"});
   }
 #ifdef FERRY_BENCH_TRAINING_LOOP
   if (want("loop")) {
@@ -222,17 +224,28 @@ int main(int argc, char** argv) {
   Args a;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i], v = argv[i + 1];
-    if (k == "--devices") a.devices = list(v);
-    else if (k == "--workers-a") a.workers_a = std::stoi(v);
-    else if (k == "--workers-b") a.workers_b = std::stoi(v);
-    else if (k == "--image-workers") a.image_workers = std::stoi(v);
-    else if (k == "--runs") a.runs = std::stoi(v);
-    else if (k == "--batches") a.batches = std::stoul(v);
-    else if (k == "--steps") a.steps = std::stoi(v);
-    else if (k == "--step-ms") a.step_ms = std::stod(v);
-    else if (k == "--photos") a.photos = v;
-    else if (k == "--what") a.what = v;
-    else if (k == "--cpu-slices") a.cpu_slices = std::stoi(v);
+    if (k == "--devices")
+      a.devices = list(v);
+    else if (k == "--workers-a")
+      a.workers_a = std::stoi(v);
+    else if (k == "--workers-b")
+      a.workers_b = std::stoi(v);
+    else if (k == "--image-workers")
+      a.image_workers = std::stoi(v);
+    else if (k == "--runs")
+      a.runs = std::stoi(v);
+    else if (k == "--batches")
+      a.batches = std::stoul(v);
+    else if (k == "--steps")
+      a.steps = std::stoi(v);
+    else if (k == "--step-ms")
+      a.step_ms = std::stod(v);
+    else if (k == "--photos")
+      a.photos = v;
+    else if (k == "--what")
+      a.what = v;
+    else if (k == "--cpu-slices")
+      a.cpu_slices = std::stoi(v);
     else {
       std::fprintf(stderr, "bench_multi_gpu: unknown option %s\n", k.c_str());
       return 2;
@@ -273,8 +286,8 @@ int main(int argc, char** argv) {
   }
   const std::string cpus = detail::format_cpu_list(detail::allowed_cpus());
   for (const Result& r : results)
-    std::printf("| %s | %zu GPU%s busy | %s | cuda:%d | %.*f %s | CPUs %s |\n", mode, busy, busy == 1 ? "" : "s", r.row.c_str(), r.device,
-                std::strcmp(r.unit, "%") == 0 ? 2 : 0, r.value, r.unit, cpus.c_str());
+    std::printf("| %s | %zu GPU%s busy | %s | cuda:%d | %.*f %s | CPUs %s |\n", mode, busy, busy == 1 ? "" : "s", r.row.c_str(),
+                r.device, std::strcmp(r.unit, "%") == 0 ? 2 : 0, r.value, r.unit, cpus.c_str());
   std::fflush(stdout);
   return 0;
 }

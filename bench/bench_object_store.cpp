@@ -180,7 +180,8 @@ int main(int argc, char** argv) {
           for (int r = 0; r < per_shard && s * per_shard + r < images; ++r) {
             // 500x375 photographs' size class: smooth gradients with texture, about 171 KB at quality 90.
             std::vector<std::uint8_t> p = test::gradient(500, 375, 3, s * per_shard + r);
-            const std::vector<std::uint8_t> noise = test::textured(500, 375, 3, static_cast<std::uint32_t>(s * per_shard + r + 1));
+            const std::vector<std::uint8_t> noise =
+                test::textured(500, 375, 3, static_cast<std::uint32_t>(s * per_shard + r + 1));
             for (std::size_t k = 0; k < p.size(); ++k) p[k] = static_cast<std::uint8_t>((p[k] * 3 + noise[k]) / 4);
             const std::string key = "s" + std::to_string(s) + "/" + std::to_string(r);
             t.file(key + ".jpg", test::encode_jpeg(p, 500, 375, 3, 90));
@@ -231,8 +232,10 @@ int main(int argc, char** argv) {
   o.prefetch_next_epoch = !flag(argc, argv, "--no-next-epoch-ahead");
   const bool proxy_with_loader = flag(argc, argv, "--proxy-with-loader");
   const auto count = [](const auto& b) -> std::size_t {
-    if constexpr (std::is_same_v<std::decay_t<decltype(b)>, Tensor>) return static_cast<std::size_t>(b.numel());
-    else return static_cast<std::size_t>(b.label.numel());
+    if constexpr (std::is_same_v<std::decay_t<decltype(b)>, Tensor>)
+      return static_cast<std::size_t>(b.numel());
+    else
+      return static_cast<std::size_t>(b.label.numel());
   };
   const auto timed = [detail, count](auto& loader, bool on_gpu) {
     loader.reset_stats();
@@ -276,7 +279,8 @@ int main(int argc, char** argv) {
     };
   };
   const auto indexed = [&](const std::vector<std::string>& paths, bool on_gpu) {
-    const TarImages* ds = on_gpu ? (paths == local ? &*local_gpu : &*remote_gpu) : (paths == local ? &*local_index : &*remote_index);
+    const TarImages* ds =
+        on_gpu ? (paths == local ? &*local_gpu : &*remote_gpu) : (paths == local ? &*local_index : &*remote_index);
     DataLoaderOptions go = o;
     if (on_gpu) go.device = 0;
     return epochs([ds, go] { return DataLoader(*ds, go); }, on_gpu);
@@ -303,16 +307,18 @@ int main(int argc, char** argv) {
       so2.device = 0;
       return epochs(
           [paths, so, tio, so2] {
-            return DataLoader(TarShards(paths, so).map(
-                                  [tio](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), tio, ctx.rng()); }),
+            return DataLoader(TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) {
+              return encode_labeled_image(std::move(r), tio, ctx.rng());
+            }),
                               so2);
           },
           true);
     }
     return epochs(
         [paths, so, tio, so2] {
-          return DataLoader(
-              TarShards(paths, so).map([tio](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, tio, ctx.rng()); }), so2);
+          return DataLoader(TarShards(paths, so).map(
+                                [tio](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, tio, ctx.rng()); }),
+                            so2);
         },
         false);
   };
@@ -320,17 +326,20 @@ int main(int argc, char** argv) {
   utsname u{};
   uname(&u);
   std::printf("## The image pipeline over s3:// against local disk\n\n");
-  std::printf("%d JPEGs of 500x375 (%.0f MB) in %d tar shards; RandomResizedCrop 224 + flip, uint8, batch 64, %d workers; "
-              "SeaweedFS %s on loopback; %u CPUs (%s); %s; median of %d epochs\n\n",
-              images, bytes / 1e6, shards, workers, "4.48", std::thread::hardware_concurrency(), u.machine,
-              server_cpus > 0 ? (std::string(proxy_with_loader ? "the server" : "the server and the latency proxy") + " on " +
-                                 std::to_string(server_cpus) + " CPUs of their own, the loader on the other " + std::to_string(cpus - server_cpus))
-                                    .c_str()
-                              : "the server and the loader share every CPU",
-              runs);
-  std::printf("| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores | "
-              "mid-epoch images/s | of local |\n"
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "%d JPEGs of 500x375 (%.0f MB) in %d tar shards; RandomResizedCrop 224 + flip, uint8, batch 64, %d workers; "
+      "SeaweedFS %s on loopback; %u CPUs (%s); %s; median of %d epochs\n\n",
+      images, bytes / 1e6, shards, workers, "4.48", std::thread::hardware_concurrency(), u.machine,
+      server_cpus > 0
+          ? (std::string(proxy_with_loader ? "the server" : "the server and the latency proxy") + " on " +
+             std::to_string(server_cpus) + " CPUs of their own, the loader on the other " + std::to_string(cpus - server_cpus))
+                .c_str()
+          : "the server and the loader share every CPU",
+      runs);
+  std::printf(
+      "| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores | "
+      "mid-epoch images/s | of local |\n"
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
   start_watchdog(watchdog);
   std::vector<const char*> kinds{"indexed (TarImages)", "stream (TarShards)"};
   if (gpu) kinds.push_back("indexed, decode=gpu (TarImages)"), kinds.push_back("stream, decode=gpu (TarShards)");
@@ -357,7 +366,8 @@ int main(int argc, char** argv) {
     std::fflush(stdout);
     const Result r = run(remote);
     std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", kind, r.images_per_second,
-                r.images_per_second / l.images_per_second, r.busy, r.images_per_second / r.busy, r.server, r.mid, l.mid > 0 ? r.mid / l.mid : 0.0);
+                r.images_per_second / l.images_per_second, r.busy, r.images_per_second / r.busy, r.server, r.mid,
+                l.mid > 0 ? r.mid / l.mid : 0.0);
     std::fflush(stdout);
     {
       // The proxy stands for the store's side (its first-byte latency): with --server-cpus it runs
@@ -371,8 +381,8 @@ int main(int argc, char** argv) {
       ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
       const Result p = run(remote);
       std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", kind, latency,
-                  p.images_per_second, p.images_per_second / l.images_per_second, p.busy, p.images_per_second / p.busy, p.server, p.mid,
-                  l.mid > 0 ? p.mid / l.mid : 0.0);
+                  p.images_per_second, p.images_per_second / l.images_per_second, p.busy, p.images_per_second / p.busy, p.server,
+                  p.mid, l.mid > 0 ? p.mid / l.mid : 0.0);
       std::fflush(stdout);
       if (no_cache_row) {
         store.use();
@@ -385,18 +395,20 @@ int main(int argc, char** argv) {
       const Result c = run(remote);
       ::unsetenv("FERRY_S3_CACHE_DIR");
       store.use();
-      std::printf("| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n",
-                  kind, latency, c.images_per_second, c.images_per_second / l.images_per_second, c.busy, c.images_per_second / c.busy,
-                  c.server, c.mid, l.mid > 0 ? c.mid / l.mid : 0.0);
+      std::printf(
+          "| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n",
+          kind, latency, c.images_per_second, c.images_per_second / l.images_per_second, c.busy, c.images_per_second / c.busy,
+          c.server, c.mid, l.mid > 0 ? c.mid / l.mid : 0.0);
       std::fflush(stdout);
     }
   }
   g_watchdog_off = true;
   const ObjectStoreStats s = object_store_stats();
-  std::printf("\nobject store: %llu requests, %.0f MB, %llu retried, %llu hedged (%llu answered first); %llu reads (%.0f MB) "
-              "from the disk cache\n",
-              static_cast<unsigned long long>(s.requests), s.bytes / 1e6, static_cast<unsigned long long>(s.retries),
-              static_cast<unsigned long long>(s.hedges), static_cast<unsigned long long>(s.hedges_won),
-              static_cast<unsigned long long>(s.cache_hits), s.cache_bytes / 1e6);
+  std::printf(
+      "\nobject store: %llu requests, %.0f MB, %llu retried, %llu hedged (%llu answered first); %llu reads (%.0f MB) "
+      "from the disk cache\n",
+      static_cast<unsigned long long>(s.requests), s.bytes / 1e6, static_cast<unsigned long long>(s.retries),
+      static_cast<unsigned long long>(s.hedges), static_cast<unsigned long long>(s.hedges_won),
+      static_cast<unsigned long long>(s.cache_hits), s.cache_bytes / 1e6);
   return 0;
 }

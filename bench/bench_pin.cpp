@@ -61,7 +61,8 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
   Shape full{w.samples};
   full.insert(full.end(), w.sample.begin(), w.sample.end());
   Tensor data = Tensor::empty(w.dtype, full);
-  for (std::size_t i = 0; i < data.nbytes(); ++i) static_cast<std::uint8_t*>(data.raw())[i] = static_cast<std::uint8_t>(i * 131 + 7);
+  for (std::size_t i = 0; i < data.nbytes(); ++i)
+    static_cast<std::uint8_t*>(data.raw())[i] = static_cast<std::uint8_t>(i * 131 + 7);
   const std::size_t row = data.nbytes() / static_cast<std::size_t>(w.samples);
   const std::size_t batch_bytes = row * kBatch;
   const double mb = batch_bytes / 1e6;
@@ -98,10 +99,13 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
       const int k = static_cast<int>(b % 4);
       if (b >= 4) done[k].synchronize();  // recycle only after its copy completed
       auto* dst = ring[k].data();
-      gather.run(kBatch, [&](std::size_t lo, std::size_t hi) {
-        for (std::size_t r = lo; r < hi; ++r)
-          std::memcpy(dst + r * row, static_cast<const std::byte*>(data.raw()) + idx[b * kBatch + r] * row, row);
-      }, 8);
+      gather.run(
+          kBatch,
+          [&](std::size_t lo, std::size_t hi) {
+            for (std::size_t r = lo; r < hi; ++r)
+              std::memcpy(dst + r * row, static_cast<const std::byte*>(data.raw()) + idx[b * kBatch + r] * row, row);
+          },
+          8);
       cuda::memcpy_async(dev, dst, batch_bytes, cuda::CopyKind::HostToDevice, stage.copy_stream());
       done[k].record(stage.copy_stream());
     }
@@ -109,8 +113,8 @@ void run(const Workload& w, std::size_t batches, const std::vector<int>& worker_
   });
   std::printf("| cudaMemcpyAsync loop, pinned (link ceiling) | - | %.0f | %.1f | %.2f |\n", memcpy_rate, memcpy_rate * mb / 1e3,
               memcpy_rate / probe_rate);
-  std::printf("| bare probe: %d gather threads + 4 pinned buffers | %d | %.0f | %.1f | 1.00 |\n", probe_threads,
-              probe_threads, probe_rate, probe_rate * mb / 1e3);
+  std::printf("| bare probe: %d gather threads + 4 pinned buffers | %d | %.0f | %.1f | 1.00 |\n", probe_threads, probe_threads,
+              probe_rate, probe_rate * mb / 1e3);
   std::fflush(stdout);
 
   // One ferry row: the loader over the workload with `configure` applied, delivering on cuda:0.
@@ -172,9 +176,8 @@ void training_loop(double step_ms, int steps, int workers, int intra) {
   // Baseline: the identical step with no data loading.
   const double base_ms = test::step_alone_ms(loader.stream()->native(), step_ms, 30);
   const double wall = test::training_loop_ms(loader, step_ms, steps);
-  std::printf("| ferry, device=0, direct, %d workers x intra_batch_threads=%d | %.2f ms | %d | %.0f ms | %.2f%% |\n",
-              workers, intra, base_ms, steps, wall,
-              100.0 * std::max(0.0, 1.0 - steps * base_ms / wall));
+  std::printf("| ferry, device=0, direct, %d workers x intra_batch_threads=%d | %.2f ms | %d | %.0f ms | %.2f%% |\n", workers,
+              intra, base_ms, steps, wall, 100.0 * std::max(0.0, 1.0 - steps * base_ms / wall));
 }
 #endif
 

@@ -54,8 +54,8 @@ std::vector<std::size_t> permutation_one_at_a_time(std::size_t n, std::uint64_t 
 }
 
 void row(const char* what, std::size_t indices, double ms, double alone_ms) {
-  std::printf("| %s | %zu | %.2f | %.1f | %.2f | %.1f | %.2fx |\n", what, indices, ms, 1e6 * ms / static_cast<double>(indices), alone_ms,
-              1e6 * alone_ms / static_cast<double>(indices), alone_ms / ms);
+  std::printf("| %s | %zu | %.2f | %.1f | %.2f | %.1f | %.2fx |\n", what, indices, ms, 1e6 * ms / static_cast<double>(indices),
+              alone_ms, 1e6 * alone_ms / static_cast<double>(indices), alone_ms / ms);
 }
 
 }  // namespace
@@ -64,14 +64,17 @@ int main(int argc, char** argv) {
   int runs = 9;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
-    if (k == "--runs") runs = std::atoi(argv[i + 1]);
+    if (k == "--runs")
+      runs = std::atoi(argv[i + 1]);
     else {
       std::fprintf(stderr, "bench_plan: unknown option %s\n", k.c_str());
       return 2;
     }
   }
   std::printf("# bench_plan — %u hardware threads, median of %d\n\n", std::thread::hardware_concurrency(), runs);
-  std::printf("| plan | indices | ms | ns an index | one Generator call at a time: ms | ns an index | ratio |\n|---|---:|---:|---:|---:|---:|---:|\n");
+  std::printf(
+      "| plan | indices | ms | ns an index | one Generator call at a time: ms | ns an index | ratio "
+      "|\n|---|---:|---:|---:|---:|---:|---:|\n");
   constexpr std::size_t kN = 1024000;
   std::uint64_t e = 0;
   const RandomSampler with(60000, 3, true, kN), without(kN, 3);

@@ -34,7 +34,9 @@ namespace {
 struct Samples {
   std::size_t n;
   std::size_t size() const { return n; }
-  std::int64_t get(std::size_t i, SampleContext& ctx) const { return static_cast<std::int64_t>(i) + static_cast<std::int64_t>(ctx.rng().randint(7)); }
+  std::int64_t get(std::size_t i, SampleContext& ctx) const {
+    return static_cast<std::int64_t>(i) + static_cast<std::int64_t>(ctx.rng().randint(7));
+  }
 };
 
 double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
@@ -106,18 +108,22 @@ void tar_rows(int runs, int workers) {
   auto make = [&] {
     return DataLoader(TarShards(paths).map([](TarRecord r, SampleContext& ctx) {
       return static_cast<std::int64_t>(r.field("bin").size()) + static_cast<std::int64_t>(ctx.rng().randint(7));
-    }), o);
+    }),
+                      o);
   };
   const std::size_t batches = 16 * 2000 / 64;  // 500, the shards split evenly
-  std::printf("\n## tar shards: 16 shards of 2,000 records (8 KiB + a label), batch 64, %d workers, %zu batches an epoch\n\n", workers,
-              batches);
-  rows(make, [&](std::size_t k) {  // a stream's state: run to batch k
-    auto loader = make();
-    auto it = loader.begin();
-    for (std::size_t b = 0; b + 1 < k; ++b, ++it) (void)*it;
-    (void)*it;
-    return loader.state();
-  }, batches, runs);
+  std::printf("\n## tar shards: 16 shards of 2,000 records (8 KiB + a label), batch 64, %d workers, %zu batches an epoch\n\n",
+              workers, batches);
+  rows(
+      make,
+      [&](std::size_t k) {  // a stream's state: run to batch k
+        auto loader = make();
+        auto it = loader.begin();
+        for (std::size_t b = 0; b + 1 < k; ++b, ++it) (void)*it;
+        (void)*it;
+        return loader.state();
+      },
+      batches, runs);
   std::filesystem::remove_all(dir);
 }
 
@@ -127,8 +133,10 @@ int main(int argc, char** argv) {
   int runs = 5, workers = static_cast<int>(std::min(8u, std::max(1u, std::thread::hardware_concurrency())));
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--runs" && i + 1 < argc) runs = std::stoi(argv[++i]);
-    else if (a == "--workers" && i + 1 < argc) workers = std::stoi(argv[++i]);
+    if (a == "--runs" && i + 1 < argc)
+      runs = std::stoi(argv[++i]);
+    else if (a == "--workers" && i + 1 < argc)
+      workers = std::stoi(argv[++i]);
   }
   const std::size_t n = 1281167;
   DataLoaderOptions o;
@@ -136,15 +144,18 @@ int main(int argc, char** argv) {
   o.shuffle = true;
   o.seed = 1;
   o.num_workers = workers;
-  std::printf("bench_resume: %zu samples, batch 256, shuffled, %d workers, %u hardware threads; median of %d trials\n\n", n, workers,
-              std::thread::hardware_concurrency(), runs);
+  std::printf("bench_resume: %zu samples, batch 256, shuffled, %d workers, %u hardware threads; median of %d trials\n\n", n,
+              workers, std::thread::hardware_concurrency(), runs);
   auto make = [&] { return DataLoader(Samples{n}, o); };
   const LoaderState start = make().state();
-  rows(make, [&](std::size_t k) {  // a map-style state is a position: the epoch's start, k batches on
-    LoaderState s = start;
-    s.batches = k;
-    return s;
-  }, start.batches_per_epoch, runs);
+  rows(
+      make,
+      [&](std::size_t k) {  // a map-style state is a position: the epoch's start, k batches on
+        LoaderState s = start;
+        s.batches = k;
+        return s;
+      },
+      start.batches_per_epoch, runs);
   tar_rows(runs, workers);
   return 0;
 }

@@ -20,9 +20,9 @@ namespace ferry::bench {
 class MatmulStep {
  public:
   int n = 4096;
-  int count = 1;              ///< products a step
-  double alone_gpu_ms = 0;    ///< one step alone: GPU time (events)
-  double alone_wall_ms = 0;   ///< one step alone, then a synchronize: wall time
+  int count = 1;             ///< products a step
+  double alone_gpu_ms = 0;   ///< one step alone: GPU time (events)
+  double alone_wall_ms = 0;  ///< one step alone, then a synchronize: wall time
 
   MatmulStep(const MatmulStep&) = delete;
   MatmulStep& operator=(const MatmulStep&) = delete;
@@ -37,8 +37,8 @@ class MatmulStep {
     check(cublasSetStream(handle_, static_cast<cudaStream_t>(s.native())), "cublasSetStream");
     const float one = 1.f, zero = 0.f;
     for (int k = 0; k < count; ++k)
-      check(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a_, CUDA_R_16BF, n, b_, CUDA_R_16BF, n, &zero, c_, CUDA_R_16BF,
-                         n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      check(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &one, a_, CUDA_R_16BF, n, b_, CUDA_R_16BF, n, &zero, c_,
+                         CUDA_R_16BF, n, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
             "cublasGemmEx");
   }
 
@@ -78,7 +78,8 @@ class MatmulStep {
     }
   }
   static void check(cublasStatus_t st, const char* what) {
-    if (st != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string("MatmulStep: ") + what + " failed (" + std::to_string(st) + ")");
+    if (st != CUBLAS_STATUS_SUCCESS)
+      throw std::runtime_error(std::string("MatmulStep: ") + what + " failed (" + std::to_string(st) + ")");
   }
   cublasHandle_t handle_ = nullptr;
   void *a_ = nullptr, *b_ = nullptr, *c_ = nullptr;

@@ -80,7 +80,8 @@ int main(int argc, char** argv) {
       for (auto& r : d) r = rng() % rows;
     std::size_t next = 0;
     const Rate link = run(seconds, s, [&] { check(cudaMemcpyAsync(dev, host, B * row, cudaMemcpyHostToDevice, s), "link"); });
-    std::printf("| %zu B | cudaMemcpyAsync of one contiguous batch (the link) | %.0f | 1.00 | %.1f us |\n", row, link.per_second, link.cpu_us);
+    std::printf("| %zu B | cudaMemcpyAsync of one contiguous batch (the link) | %.0f | 1.00 | %.1f us |\n", row, link.per_second,
+                link.cpu_us);
     const Rate each = run(seconds, s, [&] {
       const auto& d = draws[next++ % draws.size()];
       for (int i = 0; i < B; ++i)
@@ -88,8 +89,8 @@ int main(int argc, char** argv) {
                               cudaMemcpyHostToDevice, s),
               "a row");
     });
-    std::printf("| %zu B | cudaMemcpyAsync a row | %.0f | %.2f | %.1f us |\n", row, each.per_second, each.per_second / link.per_second,
-                each.cpu_us);
+    std::printf("| %zu B | cudaMemcpyAsync a row | %.0f | %.2f | %.1f us |\n", row, each.per_second,
+                each.per_second / link.per_second, each.cpu_us);
 #if CUDART_VERSION >= 12080
     std::vector<void*> dsts(B);
     std::vector<const void*> srcs(B);

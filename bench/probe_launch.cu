@@ -24,7 +24,9 @@ __global__ void noop(const __grid_constant__ Params<B> p) {
 }
 
 using Clock = std::chrono::steady_clock;
-double us(Clock::time_point a, Clock::time_point b, int n) { return std::chrono::duration<double, std::micro>(b - a).count() / n; }
+double us(Clock::time_point a, Clock::time_point b, int n) {
+  return std::chrono::duration<double, std::micro>(b - a).count() / n;
+}
 
 template <int B>
 void launches(cudaStream_t s, int n) {

@@ -58,8 +58,22 @@
 
 using Clock = std::chrono::steady_clock;
 static double ms_since(Clock::time_point t) { return std::chrono::duration<double, std::milli>(Clock::now() - t).count(); }
-#define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { std::printf("CUDA %s: %s\n", #x, cudaGetErrorString(e_)); std::exit(1); } } while (0)
-#define NJ(x) do { nvjpegStatus_t s_ = (x); if (s_ != NVJPEG_STATUS_SUCCESS) { std::printf("nvJPEG %s: %d\n", #x, (int)s_); std::exit(1); } } while (0)
+#define CK(x)                                                   \
+  do {                                                          \
+    cudaError_t e_ = (x);                                       \
+    if (e_ != cudaSuccess) {                                    \
+      std::printf("CUDA %s: %s\n", #x, cudaGetErrorString(e_)); \
+      std::exit(1);                                             \
+    }                                                           \
+  } while (0)
+#define NJ(x)                                      \
+  do {                                             \
+    nvjpegStatus_t s_ = (x);                       \
+    if (s_ != NVJPEG_STATUS_SUCCESS) {             \
+      std::printf("nvJPEG %s: %d\n", #x, (int)s_); \
+      std::exit(1);                                \
+    }                                              \
+  } while (0)
 
 static void launch_work(cudaStream_t s, long long iters, int blocks_per_sm) { ferry::test::launch_work(s, iters, blocks_per_sm); }
 static double cpu_seconds() {
@@ -68,22 +82,29 @@ static double cpu_seconds() {
   return r.ru_utime.tv_sec + r.ru_stime.tv_sec + (r.ru_utime.tv_usec + r.ru_stime.tv_usec) * 1e-6;
 }
 
-struct Image { std::vector<unsigned char> bytes; int w = 0, h = 0; };
+struct Image {
+  std::vector<unsigned char> bytes;
+  int w = 0, h = 0;
+};
 
 static nvjpegBackend_t g_backend = NVJPEG_BACKEND_HARDWARE;  // --backend
 static std::vector<nvjpegBackend_t> g_thread_backends;       // --thread-backends: the ceiling's thread t takes [t % size]
 
 static bool parse_backend(const std::string& b, nvjpegBackend_t* out) {
-  if (b == "hardware") *out = NVJPEG_BACKEND_HARDWARE;
-  else if (b == "hardware-device") *out = NVJPEG_BACKEND_HARDWARE_DEVICE;
-  else if (b == "gpu-hybrid") *out = NVJPEG_BACKEND_GPU_HYBRID;
-  else return false;
+  if (b == "hardware")
+    *out = NVJPEG_BACKEND_HARDWARE;
+  else if (b == "hardware-device")
+    *out = NVJPEG_BACKEND_HARDWARE_DEVICE;
+  else if (b == "gpu-hybrid")
+    *out = NVJPEG_BACKEND_GPU_HYBRID;
+  else
+    return false;
   return true;
 }
 static const char* backend_name(nvjpegBackend_t b) {
   return b == NVJPEG_BACKEND_HARDWARE_DEVICE ? "hardware-device" : b == NVJPEG_BACKEND_GPU_HYBRID ? "gpu-hybrid" : "hardware";
 }
-static unsigned g_flags = 0;                                  // --flags
+static unsigned g_flags = 0;  // --flags
 
 static std::vector<int> int_list(const char* s) {
   std::vector<int> v;
@@ -106,12 +127,21 @@ struct Decoder {
   unsigned char* out = nullptr;
   std::vector<nvjpegImage_t> imgs;
   nvjpegOutputFormat_t fmt;
-  ~Decoder() { cudaStreamSynchronize(s); cudaFree(out); nvjpegJpegStateDestroy(st); }
-  Decoder(const std::vector<Image>& batch, bool own_handle, nvjpegHandle_t shared, nvjpegOutputFormat_t f = NVJPEG_OUTPUT_RGBI, bool high = false,
-          nvjpegBackend_t backend = g_backend) : fmt(f) {
-    if (own_handle) NJ(nvjpegCreateEx(backend, nullptr, nullptr, g_flags, &h)); else h = shared;
+  ~Decoder() {
+    cudaStreamSynchronize(s);
+    cudaFree(out);
+    nvjpegJpegStateDestroy(st);
+  }
+  Decoder(const std::vector<Image>& batch, bool own_handle, nvjpegHandle_t shared, nvjpegOutputFormat_t f = NVJPEG_OUTPUT_RGBI,
+          bool high = false, nvjpegBackend_t backend = g_backend)
+      : fmt(f) {
+    if (own_handle)
+      NJ(nvjpegCreateEx(backend, nullptr, nullptr, g_flags, &h));
+    else
+      h = shared;
     NJ(nvjpegJpegStateCreate(h, &st));
-    int lo = 0, hi = 0; cudaDeviceGetStreamPriorityRange(&lo, &hi);
+    int lo = 0, hi = 0;
+    cudaDeviceGetStreamPriorityRange(&lo, &hi);
     CK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, high ? hi : lo));
     size_t total = 0;
     for (auto& im : batch) total += (size_t)im.w * im.h * 3;
@@ -123,7 +153,10 @@ struct Decoder {
       imgs[i].channel[0] = out + off;
       imgs[i].pitch[0] = batch[i].w * 3;
       if (fmt == NVJPEG_OUTPUT_YUV) {
-        for (int c = 0; c < 3; ++c) { imgs[i].channel[c] = out + off + (size_t)c * batch[i].w * batch[i].h; imgs[i].pitch[c] = batch[i].w; }
+        for (int c = 0; c < 3; ++c) {
+          imgs[i].channel[c] = out + off + (size_t)c * batch[i].w * batch[i].h;
+          imgs[i].pitch[c] = batch[i].w;
+        }
       }
       off += (size_t)batch[i].w * batch[i].h * 3;
     }
@@ -150,29 +183,46 @@ int main(int argc, char** argv) {
   long signal_us = 0;
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--batch" && i + 1 < argc) B = std::atoi(argv[++i]);
-    else if (a == "--blocks-per-sm" && i + 1 < argc) bps = std::atoi(argv[++i]);
-    else if (a == "--no-ordering") ordering = false;
-    else if (a == "--alone-only") alone_only = true;
-    else if (a == "--ceiling") ceiling = true;
-    else if (a == "--seconds" && i + 1 < argc) seconds = std::atof(argv[++i]);
-    else if (a == "--blocking-sync") blocking = true;
-    else if (a == "--race" && i + 1 < argc) race = argv[++i];
-    else if (a == "--threads" && i + 1 < argc) race_threads = std::atoi(argv[++i]);
-    else if (a == "--signal-us" && i + 1 < argc) signal_us = std::atol(argv[++i]);
-    else if (a == "--batches" && i + 1 < argc) batches = int_list(argv[++i]);
-    else if (a == "--thread-counts" && i + 1 < argc) thread_counts = int_list(argv[++i]);
-    else if (a == "--flags" && i + 1 < argc) g_flags = static_cast<unsigned>(std::atoi(argv[++i]));
+    if (a == "--batch" && i + 1 < argc)
+      B = std::atoi(argv[++i]);
+    else if (a == "--blocks-per-sm" && i + 1 < argc)
+      bps = std::atoi(argv[++i]);
+    else if (a == "--no-ordering")
+      ordering = false;
+    else if (a == "--alone-only")
+      alone_only = true;
+    else if (a == "--ceiling")
+      ceiling = true;
+    else if (a == "--seconds" && i + 1 < argc)
+      seconds = std::atof(argv[++i]);
+    else if (a == "--blocking-sync")
+      blocking = true;
+    else if (a == "--race" && i + 1 < argc)
+      race = argv[++i];
+    else if (a == "--threads" && i + 1 < argc)
+      race_threads = std::atoi(argv[++i]);
+    else if (a == "--signal-us" && i + 1 < argc)
+      signal_us = std::atol(argv[++i]);
+    else if (a == "--batches" && i + 1 < argc)
+      batches = int_list(argv[++i]);
+    else if (a == "--thread-counts" && i + 1 < argc)
+      thread_counts = int_list(argv[++i]);
+    else if (a == "--flags" && i + 1 < argc)
+      g_flags = static_cast<unsigned>(std::atoi(argv[++i]));
     else if ((a == "--backend" || a == "--thread-backends") && i + 1 < argc) {
       std::string list = argv[++i];
       for (std::size_t at = 0; at <= list.size();) {
         const std::size_t comma = std::min(list.find(',', at), list.size());
         nvjpegBackend_t b;
         if (!parse_backend(list.substr(at, comma - at), &b)) {
-          std::fprintf(stderr, "probe_nvjpeg: %s takes hardware, hardware-device or gpu-hybrid, not %s\n", a.c_str(), list.c_str());
+          std::fprintf(stderr, "probe_nvjpeg: %s takes hardware, hardware-device or gpu-hybrid, not %s\n", a.c_str(),
+                       list.c_str());
           return 2;
         }
-        if (a == "--backend") g_backend = b; else g_thread_backends.push_back(b);
+        if (a == "--backend")
+          g_backend = b;
+        else
+          g_thread_backends.push_back(b);
         at = comma + 1;
       }
     }
@@ -198,9 +248,12 @@ int main(int argc, char** argv) {
     std::ifstream f(e.path(), std::ios::binary);
     Image im;
     im.bytes.assign(std::istreambuf_iterator<char>(f), {});
-    int n = 0; nvjpegChromaSubsampling_t sub; int w[4], h[4];
+    int n = 0;
+    nvjpegChromaSubsampling_t sub;
+    int w[4], h[4];
     if (nvjpegGetImageInfo(shared, im.bytes.data(), im.bytes.size(), &n, &sub, w, h) != NVJPEG_STATUS_SUCCESS) continue;
-    im.w = w[0]; im.h = h[0];
+    im.w = w[0];
+    im.h = h[0];
     files.push_back(std::move(im));
   }
   if (files.empty()) {
@@ -218,9 +271,15 @@ int main(int argc, char** argv) {
   std::vector<const unsigned char*> data;
   std::vector<size_t> len;
   size_t off = 0;
-  for (auto& im : batch) { std::memcpy(pinned + off, im.bytes.data(), im.bytes.size()); data.push_back(pinned + off); len.push_back(im.bytes.size()); off += im.bytes.size(); }
-  if (!g_thread_backends.empty() && (g_backend == NVJPEG_BACKEND_HARDWARE_DEVICE ||
-                                     std::count(g_thread_backends.begin(), g_thread_backends.end(), NVJPEG_BACKEND_HARDWARE_DEVICE))) {
+  for (auto& im : batch) {
+    std::memcpy(pinned + off, im.bytes.data(), im.bytes.size());
+    data.push_back(pinned + off);
+    len.push_back(im.bytes.size());
+    off += im.bytes.size();
+  }
+  if (!g_thread_backends.empty() &&
+      (g_backend == NVJPEG_BACKEND_HARDWARE_DEVICE ||
+       std::count(g_thread_backends.begin(), g_thread_backends.end(), NVJPEG_BACKEND_HARDWARE_DEVICE))) {
     std::fprintf(stderr, "probe_nvjpeg: --thread-backends takes host-input backends only\n");
     return 2;
   }
@@ -239,13 +298,16 @@ int main(int argc, char** argv) {
               bytes / 1024.0 / B, sms, blocking ? ", blocking sync" : "", backends.c_str(), g_flags);
   if (!race.empty()) {
     // Decodes back to back on race_threads threads beside one thread doing `race` in a loop.
-    struct sigaction sa{};
+    struct sigaction sa {};
     sa.sa_handler = on_signal;
     sa.sa_flags = SA_RESTART;
     ::sigaction(SIGPROF, &sa, nullptr);
     std::vector<Decoder*> decs;
     for (int t = 0; t < race_threads; ++t) decs.push_back(new Decoder(batch, true, nullptr));
-    for (auto* d : decs) { d->decode(data, len); CK(cudaStreamSynchronize(d->s)); }
+    for (auto* d : decs) {
+      d->decode(data, len);
+      CK(cudaStreamSynchronize(d->s));
+    }
     std::atomic<bool> stop{false};
     std::atomic<long> decoded{0}, races{0};
     std::atomic<Clock::rep> last{Clock::now().time_since_epoch().count()};
@@ -299,7 +361,8 @@ int main(int argc, char** argv) {
       const double idle = std::chrono::duration<double>(Clock::now() - Clock::time_point(Clock::duration(last.load()))).count();
       if (idle > 10) {
         std::printf("race %s, %d threads, signals every %ld us: STALL after %.1f s (%ld batches, %ld of the race, %ld signals)\n",
-                    race.c_str(), race_threads, signal_us, ms_since(t0) / 1000 - idle, decoded.load(), races.load(), g_signals.load());
+                    race.c_str(), race_threads, signal_us, ms_since(t0) / 1000 - idle, decoded.load(), races.load(),
+                    g_signals.load());
         std::fflush(stdout);
         std::_Exit(3);
       }
@@ -324,7 +387,10 @@ int main(int argc, char** argv) {
         for (int t = 0; t < threads; ++t)
           decs.push_back(new Decoder(sub, true, nullptr, NVJPEG_OUTPUT_RGBI, false,
                                      g_thread_backends.empty() ? g_backend : g_thread_backends[t % g_thread_backends.size()]));
-        for (auto* d : decs) { d->decode(sub_data, sub_len); CK(cudaStreamSynchronize(d->s)); }
+        for (auto* d : decs) {
+          d->decode(sub_data, sub_len);
+          CK(cudaStreamSynchronize(d->s));
+        }
         if (b == batches.front() && threads == thread_counts.front()) {  // the output's checksum, to compare backends by
           size_t total = 0;
           for (auto& im : sub) total += (size_t)im.w * im.h * 3;
@@ -357,7 +423,8 @@ int main(int argc, char** argv) {
         const double rate = images.load() / wall;
         std::string split;
         if (!g_thread_backends.empty())
-          for (long n : by_thread) split += (split.empty() ? " (by thread: " : " / ") + std::to_string(static_cast<long>(n / wall));
+          for (long n : by_thread)
+            split += (split.empty() ? " (by thread: " : " / ") + std::to_string(static_cast<long>(n / wall));
         if (!split.empty()) split += ")";
         std::printf("| %d | %d | %.0f%s | %.2f | %.0f |\n", b, threads, rate, split.c_str(), cores, rate / std::max(cores, 1e-9));
         std::fflush(stdout);
@@ -369,13 +436,23 @@ int main(int argc, char** argv) {
 
   // 1. Alone: the call's time on the host, and what is left for a stream synchronize.
   Decoder d0(batch, false, shared);
-  for (int i = 0; i < 3; ++i) { d0.decode(data, len); CK(cudaStreamSynchronize(d0.s)); }
+  for (int i = 0; i < 3; ++i) {
+    d0.decode(data, len);
+    CK(cudaStreamSynchronize(d0.s));
+  }
   {
-    double call = 0, sync = 0; const int n = 10;
+    double call = 0, sync = 0;
+    const int n = 10;
     auto t0 = Clock::now();
-    for (int i = 0; i < n; ++i) { call += d0.decode(data, len); auto t = Clock::now(); CK(cudaStreamSynchronize(d0.s)); sync += ms_since(t); }
+    for (int i = 0; i < n; ++i) {
+      call += d0.decode(data, len);
+      auto t = Clock::now();
+      CK(cudaStreamSynchronize(d0.s));
+      sync += ms_since(t);
+    }
     double wall = ms_since(t0);
-    std::printf("alone, 1 thread: call %.2f ms, then sync %.2f ms a batch; %.0f images/s\n", call / n, sync / n, n * B * 1000.0 / wall);
+    std::printf("alone, 1 thread: call %.2f ms, then sync %.2f ms a batch; %.0f images/s\n", call / n, sync / n,
+                n * B * 1000.0 / wall);
   }
   if (alone_only) {
     unsigned long long id = 0, legacy = 0;
@@ -388,8 +465,11 @@ int main(int argc, char** argv) {
   if (ordering) {
     int out_of_order = 0;
     for (int k = 0; k < 5; ++k) {
-      CK(cudaMemset(d0.out, 0, 16)); CK(cudaDeviceSynchronize());
-      cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
+      CK(cudaMemset(d0.out, 0, 16));
+      CK(cudaDeviceSynchronize());
+      cudaEvent_t e0, e1;
+      cudaEventCreate(&e0);
+      cudaEventCreate(&e1);
       cudaEventRecord(e0, d0.s);
       launch_work(d0.s, 3000000, 4);
       CK(cudaMemsetAsync(d0.out, 0xAB, 16, d0.s));
@@ -397,32 +477,51 @@ int main(int argc, char** argv) {
       double call = d0.decode(data, len);
       double after = ms_since(t);
       CK(cudaStreamSynchronize(d0.s));
-      cudaEventRecord(e1, d0.s); cudaEventSynchronize(e1);
-      float gpu = 0; cudaEventElapsedTime(&gpu, e0, e1);
-      unsigned char first[16]; CK(cudaMemcpy(first, d0.out, 16, cudaMemcpyDeviceToHost));
+      cudaEventRecord(e1, d0.s);
+      cudaEventSynchronize(e1);
+      float gpu = 0;
+      cudaEventElapsedTime(&gpu, e0, e1);
+      unsigned char first[16];
+      CK(cudaMemcpy(first, d0.out, 16, cudaMemcpyDeviceToHost));
       bool memset_last = true;
       for (int i = 0; i < 16; ++i) memset_last &= first[i] == 0xAB;
       out_of_order += memset_last;
-      std::printf("ordering %d: work+memset queued (%.1f ms GPU in all); decode call %.2f ms (%.2f); output %s\n", k, gpu, call, after,
-                  memset_last ? "is the memset's (decode wrote BEFORE the queued memset)" : "is the decode's");
-      cudaEventDestroy(e0); cudaEventDestroy(e1);
+      std::printf("ordering %d: work+memset queued (%.1f ms GPU in all); decode call %.2f ms (%.2f); output %s\n", k, gpu, call,
+                  after, memset_last ? "is the memset's (decode wrote BEFORE the queued memset)" : "is the decode's");
+      cudaEventDestroy(e0);
+      cudaEventDestroy(e1);
     }
     std::printf("ordering: decode's write overtaken by work queued before it: %d of 5\n", out_of_order);
   }
   // 3. Beside a step: a thread keeps a stream full of work kernels (kernels of `step_ms / kernels`).
-  cudaStream_t step_s; CK(cudaStreamCreateWithFlags(&step_s, cudaStreamNonBlocking));
+  cudaStream_t step_s;
+  CK(cudaStreamCreateWithFlags(&step_s, cudaStreamNonBlocking));
   long long iters = 100000;
   for (int k = 0; k < 3; ++k) {
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-    cudaEventRecord(e0, step_s); launch_work(step_s, iters, bps); cudaEventRecord(e1, step_s); cudaEventSynchronize(e1);
-    float ms; cudaEventElapsedTime(&ms, e0, e1); iters = (long long)(iters * 20.0 / ms);
+    cudaEvent_t e0, e1;
+    cudaEventCreate(&e0);
+    cudaEventCreate(&e1);
+    cudaEventRecord(e0, step_s);
+    launch_work(step_s, iters, bps);
+    cudaEventRecord(e1, step_s);
+    cudaEventSynchronize(e1);
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    iters = (long long)(iters * 20.0 / ms);
   }
-  struct Variant { const char* name; nvjpegOutputFormat_t fmt; bool high; };
+  struct Variant {
+    const char* name;
+    nvjpegOutputFormat_t fmt;
+    bool high;
+  };
   for (Variant v : {Variant{"RGBI", NVJPEG_OUTPUT_RGBI, false}, Variant{"YUV", NVJPEG_OUTPUT_YUV, false},
                     Variant{"RGBI, high-priority stream", NVJPEG_OUTPUT_RGBI, true}}) {
     std::vector<Decoder*> decs;
     for (int t = 0; t < 3; ++t) decs.push_back(new Decoder(batch, true, nullptr, v.fmt, v.high));
-    for (auto* d : decs) { d->decode(data, len); CK(cudaStreamSynchronize(d->s)); }
+    for (auto* d : decs) {
+      d->decode(data, len);
+      CK(cudaStreamSynchronize(d->s));
+    }
     for (int kernels : {0, 1, 40}) {
       for (int threads : {1, 2, 3}) {
         if (kernels == 0 && threads > 2) continue;
@@ -445,15 +544,23 @@ int main(int argc, char** argv) {
         for (int t = 0; t < threads; ++t)
           ts.emplace_back([&, t] {
             cudaSetDevice(0);
-            for (int i = 0; i < per; ++i) { calls[t] += decs[t]->decode(data, len); cudaStreamSynchronize(decs[t]->s); }
+            for (int i = 0; i < per; ++i) {
+              calls[t] += decs[t]->decode(data, len);
+              cudaStreamSynchronize(decs[t]->s);
+            }
           });
         for (auto& t : ts) t.join();
         double wall = ms_since(t0);
         long s1 = steps;
-        stop = true; stepper.join();
-        double call = 0; for (double c : calls) call += c;
-        std::printf("blocks/SM %d, %s: step of %d kernels (20 ms alone), %d threads: %.0f images/s, call %.2f ms; steps done meanwhile %.1f ms each\n",
-                    bps, v.name, kernels, threads, threads * per * B * 1000.0 / wall, call / (threads * per), s1 > s0 ? wall / (s1 - s0) : 0.0);
+        stop = true;
+        stepper.join();
+        double call = 0;
+        for (double c : calls) call += c;
+        std::printf(
+            "blocks/SM %d, %s: step of %d kernels (20 ms alone), %d threads: %.0f images/s, call %.2f ms; steps done meanwhile "
+            "%.1f ms each\n",
+            bps, v.name, kernels, threads, threads * per * B * 1000.0 / wall, call / (threads * per),
+            s1 > s0 ? wall / (s1 - s0) : 0.0);
       }
     }
     for (auto* d : decs) delete d;

@@ -97,7 +97,8 @@ const std::map<std::uintptr_t, std::string>& symbol_table(const std::string& pat
     while (std::fgets(line, sizeof line, f)) {
       char* end = nullptr;
       const unsigned long long off = std::strtoull(line, &end, 16);
-      if (end == line || !end || std::strlen(end) < 4 || (end[1] != 't' && end[1] != 'T' && end[1] != 'W' && end[1] != 'w')) continue;
+      if (end == line || !end || std::strlen(end) < 4 || (end[1] != 't' && end[1] != 'T' && end[1] != 'W' && end[1] != 'w'))
+        continue;
       std::string name = end + 3;
       while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
       it->second[static_cast<std::uintptr_t>(off)] = name;
@@ -182,8 +183,8 @@ void report(const char* what, double seconds, const std::vector<pid_t>& tids, co
   std::printf("\n## %s (%.1f s; samples on each thread's CPU clock, which the kernel checks at its ticks)\n", what, seconds);
   double all = 0;
   for (pid_t tid : tids) all += cpu.at(tid);
-  std::printf("\nthe process: %.2f busy cores over %zu threads (threads of fewer than 20 samples not listed below)\n", all / seconds,
-              tids.size());
+  std::printf("\nthe process: %.2f busy cores over %zu threads (threads of fewer than 20 samples not listed below)\n",
+              all / seconds, tids.size());
   for (pid_t tid : tids) {
     auto it = by.find(tid);
     if (it == by.end() || it->second.size() < 20) continue;
@@ -339,11 +340,12 @@ void run_epochs(const char* what, const Tensor& data, std::size_t epoch_batches,
   g_on = false;
   double wall = 0, cpu = 0;
   for (const Phase& p : phase) wall += p.wall, cpu += p.cpu;
-  std::printf("\n## %s: epochs of %zu batches, %zu epochs in %.1f s\n\n%.0f batches/s, %.2f busy cores (the process's CPU time over the "
-              "epochs' wall time), %.0f minor page faults an epoch\n\n| part of an epoch | ms an epoch | CPU ms an epoch | busy cores |\n"
-              "|---|---:|---:|---:|\n",
-              what, epoch_batches, epochs, wall, static_cast<double>(batches) / wall, cpu / wall,
-              static_cast<double>(faults) / static_cast<double>(epochs));
+  std::printf(
+      "\n## %s: epochs of %zu batches, %zu epochs in %.1f s\n\n%.0f batches/s, %.2f busy cores (the process's CPU time over the "
+      "epochs' wall time), %.0f minor page faults an epoch\n\n| part of an epoch | ms an epoch | CPU ms an epoch | busy cores |\n"
+      "|---|---:|---:|---:|\n",
+      what, epoch_batches, epochs, wall, static_cast<double>(batches) / wall, cpu / wall,
+      static_cast<double>(faults) / static_cast<double>(epochs));
   const char* names[3] = {"start: begin() to the first batch in hand", "middle: to the last batch in hand",
                           "end: the epoch ended, the stream synchronized"};
   for (int k = 0; k < 3; ++k)
@@ -352,9 +354,10 @@ void run_epochs(const char* what, const Tensor& data, std::size_t epoch_batches,
   const std::size_t n = std::min(g_count.load(), kMaxSamples);
   std::map<std::string, std::vector<const Sample*>> by;
   for (std::size_t k = 0; k < n; ++k) by[g_samples[k].name].push_back(&g_samples[k]);
-  std::printf("\n%zu samples on the process's CPU clock, by thread name (a thread's busy cores: its share of the samples times "
-              "the process's; names of fewer than 20 samples not listed):\n",
-              n);
+  std::printf(
+      "\n%zu samples on the process's CPU clock, by thread name (a thread's busy cores: its share of the samples times "
+      "the process's; names of fewer than 20 samples not listed):\n",
+      n);
   std::vector<std::pair<std::size_t, std::string>> order;
   for (const auto& [name, ss] : by) order.emplace_back(ss.size(), name);
   std::sort(order.rbegin(), order.rend());
@@ -371,7 +374,8 @@ void run_epochs(const char* what, const Tensor& data, std::size_t epoch_batches,
 // 256, 4 workers, `threads` decode threads.
 void run_images(const std::string& dir, int threads, double seconds, long interval_us) {
   ImageFolderOptions fo;
-  fo.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  fo.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
+                                                                                    {0.229f, 0.224f, 0.225f});
   fo.decode = ImageFolderOptions::Decode::Gpu;
   ImageFolder folder(dir, fo);
   DataLoaderOptions o;
@@ -382,7 +386,8 @@ void run_images(const std::string& dir, int threads, double seconds, long interv
   o.sampler = std::make_shared<RandomSampler>(folder.size(), 3, true, std::size_t{256} * 300000);
   o.prefetch_next_epoch = false;
   DataLoader loader(folder, o);
-  const std::string what = "GPU decode, " + std::to_string(threads) + " decode thread" + (threads == 1 ? "" : "s") + ", 4 workers";
+  const std::string what =
+      "GPU decode, " + std::to_string(threads) + " decode thread" + (threads == 1 ? "" : "s") + ", 4 workers";
   probe(what.c_str(), loader, seconds, interval_us, true);
 }
 
@@ -395,16 +400,20 @@ int main(int argc, char** argv) {
   std::size_t epoch_batches = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
-    if (k == "--seconds") seconds = std::atof(argv[i + 1]);
-    else if (k == "--interval-us") interval_us = std::atol(argv[i + 1]);
-    else if (k == "--images") images = argv[i + 1];
-    else if (k == "--epoch-batches") epoch_batches = static_cast<std::size_t>(std::atol(argv[i + 1]));
+    if (k == "--seconds")
+      seconds = std::atof(argv[i + 1]);
+    else if (k == "--interval-us")
+      interval_us = std::atol(argv[i + 1]);
+    else if (k == "--images")
+      images = argv[i + 1];
+    else if (k == "--epoch-batches")
+      epoch_batches = static_cast<std::size_t>(std::atol(argv[i + 1]));
   }
   const bool gpu = cuda::available();
   g_samples = new Sample[kMaxSamples];
   void* warm[2];
   ::backtrace(warm, 2);  // loads the unwinder now, not in the handler
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_sigaction = on_prof;
   sa.sa_flags = SA_SIGINFO | SA_RESTART;
   ::sigaction(SIGPROF, &sa, nullptr);
@@ -413,7 +422,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "probe_thread_cpu: --images needs a GPU\n");
       return 1;
     }
-    std::printf("# probe_thread_cpu — GPU decode of %s, batch 256; %u hardware threads\n", images.c_str(), std::thread::hardware_concurrency());
+    std::printf("# probe_thread_cpu — GPU decode of %s, batch 256; %u hardware threads\n", images.c_str(),
+                std::thread::hardware_concurrency());
     for (int threads : {1, 2}) run_images(images, threads, seconds, interval_us);
     return 0;
   }

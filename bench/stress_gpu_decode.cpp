@@ -49,15 +49,24 @@ int main(int argc, char** argv) {
   long prof_us = 0, signal_us = 0, timeout_ms = 0;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
-    if (k == "--images") images = argv[i + 1];
-    else if (k == "--loaders") loaders = std::atoi(argv[i + 1]);
-    else if (k == "--batches") batches = std::atoi(argv[i + 1]);
-    else if (k == "--threads") threads = std::atoi(argv[i + 1]);
-    else if (k == "--stall-s") stall_s = std::atof(argv[i + 1]);
-    else if (k == "--stall-exit-s") stall_exit_s = std::atof(argv[i + 1]);
-    else if (k == "--prof-us") prof_us = std::atol(argv[i + 1]);
-    else if (k == "--signal-us") signal_us = std::atol(argv[i + 1]);
-    else if (k == "--timeout-ms") timeout_ms = std::atol(argv[i + 1]);
+    if (k == "--images")
+      images = argv[i + 1];
+    else if (k == "--loaders")
+      loaders = std::atoi(argv[i + 1]);
+    else if (k == "--batches")
+      batches = std::atoi(argv[i + 1]);
+    else if (k == "--threads")
+      threads = std::atoi(argv[i + 1]);
+    else if (k == "--stall-s")
+      stall_s = std::atof(argv[i + 1]);
+    else if (k == "--stall-exit-s")
+      stall_exit_s = std::atof(argv[i + 1]);
+    else if (k == "--prof-us")
+      prof_us = std::atol(argv[i + 1]);
+    else if (k == "--signal-us")
+      signal_us = std::atol(argv[i + 1]);
+    else if (k == "--timeout-ms")
+      timeout_ms = std::atol(argv[i + 1]);
     else {
       std::fprintf(stderr, "stress_gpu_decode: unknown option %s\n", k.c_str());
       return 2;
@@ -67,7 +76,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "stress_gpu_decode: needs --images DIR and a GPU\n");
     return 2;
   }
-  struct sigaction sa{};
+  struct sigaction sa {};
   sa.sa_handler = on_prof;
   sa.sa_flags = SA_RESTART;
   ::sigaction(SIGPROF, &sa, nullptr);
@@ -120,7 +129,8 @@ int main(int argc, char** argv) {
     }
   } end_helpers{done, watchdog, storm};
   ImageFolderOptions fo;
-  fo.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  fo.transform.random_resized_crop(224, 224).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
+                                                                                    {0.229f, 0.224f, 0.225f});
   fo.decode = ImageFolderOptions::Decode::Gpu;
   ImageFolder folder(images, fo);
   long total = 0, timeouts = 0;
@@ -154,6 +164,7 @@ int main(int argc, char** argv) {
     std::printf("loader %d: %d batches, %.2f s\n", l, n, std::chrono::duration<double>(Clock::now() - t0).count());
     std::fflush(stdout);
   }
-  std::printf("loaders %d, batches %ld, stalls 0, timeouts %ld, %ld profiling signals\n", loaders, total, timeouts, g_signals.load());
+  std::printf("loaders %d, batches %ld, stalls 0, timeouts %ld, %ld profiling signals\n", loaders, total, timeouts,
+              g_signals.load());
   return 0;
 }

@@ -33,7 +33,8 @@ struct WorkStep {
       test::launch_work(s.native(), w.iters, blocks_per_sm);
       e1.record(s);
       e1.synchronize();
-      w.iters = static_cast<long long>(static_cast<double>(w.iters) * step_ms / kernels / std::max(cuda::Event::elapsed_ms(e0, e1), 1e-3));
+      w.iters = static_cast<long long>(static_cast<double>(w.iters) * step_ms / kernels /
+                                       std::max(cuda::Event::elapsed_ms(e0, e1), 1e-3));
     }
     const auto t0 = std::chrono::steady_clock::now();
     for (int k = 0; k < 30; ++k) {

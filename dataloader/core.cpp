@@ -63,8 +63,10 @@ std::shared_ptr<const BatchSampler> make_batch_sampler(const DataLoaderOptions& 
   if (o.batch_sampler) return o.batch_sampler;
   std::shared_ptr<const Sampler> sampler = o.sampler;
   if (!sampler) {
-    if (o.shuffle) sampler = std::make_shared<RandomSampler>(t.dataset_size, o.seed);
-    else sampler = std::make_shared<SequentialSampler>(t.dataset_size);
+    if (o.shuffle)
+      sampler = std::make_shared<RandomSampler>(t.dataset_size, o.seed);
+    else
+      sampler = std::make_shared<SequentialSampler>(t.dataset_size);
   }
   return std::make_shared<BatchSampler>(std::move(sampler), o.batch_size, o.drop_last);
 }
@@ -114,21 +116,25 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
   Parts& s = *p_;
   const DataLoaderOptions& opt = s.opt;
   if (s.traits.gpu_decode && !opt.device)
-    throw Error("DataLoader: the dataset decodes its images on the GPU (decode=gpu), which the device stage does: set "
-                "DataLoaderOptions::device (--device N in the ferry tool, device= in Python)");
+    throw Error(
+        "DataLoader: the dataset decodes its images on the GPU (decode=gpu), which the device stage does: set "
+        "DataLoaderOptions::device (--device N in the ferry tool, device= in Python)");
   if (s.traits.gpu_decode && !s.traits.default_collate)
     throw Error("DataLoader: GPU decode needs the default collate; a collate_fn cannot take compressed images");
   if (s.traits.direct && opt.on_error == OnError::Skip && !s.traits.truncatable)
-    throw Error("DataLoaderOptions: on_error=Skip needs a batch type that can drop rows (a Tensor, a "
-                "std::vector<Tensor>, or a member truncate_rows(std::size_t)); this dataset's direct batch has "
-                "none: use OnError::Replace, or add truncate_rows");
+    throw Error(
+        "DataLoaderOptions: on_error=Skip needs a batch type that can drop rows (a Tensor, a "
+        "std::vector<Tensor>, or a member truncate_rows(std::size_t)); this dataset's direct batch has "
+        "none: use OnError::Replace, or add truncate_rows");
   if (opt.trace) opt.trace->name_track(TraceRecorder::kConsumerTrack, "consumer");
   if (opt.device && !cuda::available())  // the options' own rules: normalize_options
     throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
                     cuda::unavailable_reason() + ")");
   if (gather_refused) s.choose_gather(std::move(gather), std::move(*gather_refused));
-  if (s.gathering) s.setup_gather();
-  else if (opt.pin_memory) s.setup_pinning();
+  if (s.gathering)
+    s.setup_gather();
+  else if (opt.pin_memory)
+    s.setup_pinning();
   if (opt.trace && s.producers() == 0) opt.trace->name_track(TraceRecorder::kInlineTrack, "batches made inline (no workers)");
   if (!opt.allocator && s.allocator == &pageable_allocator()) {
     // Batches on the host: recycle their buffers too. A fresh buffer over glibc's mmap
@@ -146,10 +152,14 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
     d.decode_threads = opt.gpu_decode_threads;
     s.device_stage = std::make_unique<DeviceStage>(d, s.pinned_pool);
   }
-  if (!s.pin_stage) s.route = Route::Workers;
-  else if (!s.device_stage) s.route = Route::Pinned;
-  else if (s.issue_on_pin_thread) s.route = Route::DeviceIssued;
-  else s.route = Route::PinnedToDevice;
+  if (!s.pin_stage)
+    s.route = Route::Workers;
+  else if (!s.device_stage)
+    s.route = Route::Pinned;
+  else if (s.issue_on_pin_thread)
+    s.route = Route::DeviceIssued;
+  else
+    s.route = Route::PinnedToDevice;
   log_debug(describe_options(opt, s.traits.streaming) + "; route: " + route_name(s.route));
 }
 
@@ -231,22 +241,27 @@ void LoaderCore::Parts::setup_gather() {
   // fill one launch of 6,144 narrow indices a group, or two of 3,072 wide ones; 16 made launches
   // of 12 and 4), or kGatherDepthBytes of them.
   std::size_t batch_bytes = 0;
-  for (const HostRows& f : gather_fields)
-    batch_bytes += static_cast<std::size_t>(opt.batch_size) * gathered_row_bytes(f);
+  for (const HostRows& f : gather_fields) batch_bytes += static_cast<std::size_t>(opt.batch_size) * gathered_row_bytes(f);
   const std::size_t by_bytes = kGatherDepthBytes / std::max<std::size_t>(batch_bytes, 1);
-  const int depth = std::max(opt.pin_depth + opt.device_prefetch, static_cast<int>(std::min<std::size_t>(by_bytes, kGatherDepthMax)));
-  pin_stage = std::make_unique<PinStage>(engine, [this](Payload& p, std::int64_t batch) {
-    const std::int64_t t0 = opt.trace ? now_ns() : 0;
-    p = gather_batch(p.get<GatherIndex>().index, true);
-    if (opt.trace && opt.trace->wants(batch)) opt.trace->span(TraceRecorder::kPinTrack, "issue the gather", batch, t0, now_ns());
-  }, depth, opt.timeout, opt.trace.get(), placement, PinGroup{depth, [this] { flush_held(); }});
+  const int depth =
+      std::max(opt.pin_depth + opt.device_prefetch, static_cast<int>(std::min<std::size_t>(by_bytes, kGatherDepthMax)));
+  pin_stage = std::make_unique<PinStage>(
+      engine,
+      [this](Payload& p, std::int64_t batch) {
+        const std::int64_t t0 = opt.trace ? now_ns() : 0;
+        p = gather_batch(p.get<GatherIndex>().index, true);
+        if (opt.trace && opt.trace->wants(batch))
+          opt.trace->span(TraceRecorder::kPinTrack, "issue the gather", batch, t0, now_ns());
+      },
+      depth, opt.timeout, opt.trace.get(), placement, PinGroup{depth, [this] { flush_held(); }});
 }
 
 void LoaderCore::Parts::setup_pinning() {
   if (!make_pinned_pool()) return;
   if (!traits.pinnable)
-    throw Error("DataLoader: pin_memory=true, but the batch type has no pin_memory: give it a member "
-                "`void pin_memory(ferry::PinContext&)` or specialize ferry::PinMemory");
+    throw Error(
+        "DataLoader: pin_memory=true, but the batch type has no pin_memory: give it a member "
+        "`void pin_memory(ferry::PinContext&)` or specialize ferry::PinMemory");
   issue_on_pin_thread = traits.gpu_decode;
   if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads, placement);
   const std::size_t behind =
@@ -262,28 +277,31 @@ void LoaderCore::Parts::setup_pinning() {
     collate_pool = pageable_cache(pinned_pool->limit_bytes());
     allocator = collate_pool.get();
   }
-  pin_stage = std::make_unique<PinStage>(engine, [this](Payload& p, std::int64_t batch) {
-    const std::int64_t t0 = opt.trace ? now_ns() : 0;
-    PinContext ctx(*pin_blocks, pin_copy_pool.get());
-    typed.walk(p, ctx);
-    if (opt.trace && opt.trace->wants(batch)) {
-      char args[96];
-      std::snprintf(args, sizeof args, "\"block\":\"%p\",\"bytes\":%zu", ctx.block(), ctx.bytes_copied());
-      opt.trace->span(TraceRecorder::kPinTrack, ctx.bytes_copied() ? "pin (copy)" : "pin (already pinned: direct)", batch, t0,
-                      now_ns(), args);
-    }
-    if (device_stage && issue_on_pin_thread) {
-      // GPU decode: the copies are issued here and the decode queued to the decoder's threads
-      // (nvJPEG's hardware backend holds the thread that calls it for the whole decode: Note
-      // [Decode threads]), never on the consumer's thread.
-      const std::int64_t t1 = opt.trace ? now_ns() : 0;
-      PinContext dctx(*device_stage);
-      typed.walk(p, dctx);
-      p = Payload::make(DeviceBatch{std::move(p), dctx.device_copy()});
-      if (opt.trace && opt.trace->wants(batch))
-        opt.trace->span(TraceRecorder::kPinTrack, "issue the copies, queue the GPU decode", batch, t1, now_ns());
-    }
-  }, opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get(), placement);
+  pin_stage = std::make_unique<PinStage>(
+      engine,
+      [this](Payload& p, std::int64_t batch) {
+        const std::int64_t t0 = opt.trace ? now_ns() : 0;
+        PinContext ctx(*pin_blocks, pin_copy_pool.get());
+        typed.walk(p, ctx);
+        if (opt.trace && opt.trace->wants(batch)) {
+          char args[96];
+          std::snprintf(args, sizeof args, "\"block\":\"%p\",\"bytes\":%zu", ctx.block(), ctx.bytes_copied());
+          opt.trace->span(TraceRecorder::kPinTrack, ctx.bytes_copied() ? "pin (copy)" : "pin (already pinned: direct)", batch, t0,
+                          now_ns(), args);
+        }
+        if (device_stage && issue_on_pin_thread) {
+          // GPU decode: the copies are issued here and the decode queued to the decoder's threads
+          // (nvJPEG's hardware backend holds the thread that calls it for the whole decode: Note
+          // [Decode threads]), never on the consumer's thread.
+          const std::int64_t t1 = opt.trace ? now_ns() : 0;
+          PinContext dctx(*device_stage);
+          typed.walk(p, dctx);
+          p = Payload::make(DeviceBatch{std::move(p), dctx.device_copy()});
+          if (opt.trace && opt.trace->wants(batch))
+            opt.trace->span(TraceRecorder::kPinTrack, "issue the copies, queue the GPU decode", batch, t1, now_ns());
+        }
+      },
+      opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get(), placement);
 }
 
 // Device gather, several small batches a launch: the held batches' launch, issued, and each held
@@ -296,8 +314,8 @@ void LoaderCore::Parts::flush_held() {
   try {
     fences = device_stage->issue_held();
     if (fences.size() != slots.size())
-      throw Error("DataLoader: " + std::to_string(slots.size()) + " batches held for one launch, " + std::to_string(fences.size()) +
-                  " issued");
+      throw Error("DataLoader: " + std::to_string(slots.size()) + " batches held for one launch, " +
+                  std::to_string(fences.size()) + " issued");
   } catch (...) {
     // Every held batch fails at its hand-over (deliver rethrows the fence's error): none of them
     // may reach the consumer unwritten.
@@ -346,8 +364,10 @@ Payload LoaderCore::Parts::gather_batch(const Tensor& index, bool hold) {
         held = device_stage->end_held();
       }
     }
-    if (held) held_slots.push_back(&d.copied);
-    else d.copied = device_stage->end();
+    if (held)
+      held_slots.push_back(&d.copied);
+    else
+      d.copied = device_stage->end();
     return p;
   } catch (...) {
     device_stage->abort();
@@ -373,8 +393,9 @@ Payload LoaderCore::gather_index(const Job& job, JobContext& ctx) {
       const std::uint64_t start = f.window->start(job.indices[k], s.opt.seed, ctx.worker.epoch);
       for (const HostRows& g : s.gather_fields)
         if (start > static_cast<std::uint64_t>(g.rows - g.window->length - g.window->shift))
-          throw Error("device gather: sample " + std::to_string(job.indices[k]) + "'s window starts at element " + std::to_string(start) +
-                      ", past the last that fits " + g.name + " (" + std::to_string(g.rows) + " elements)");
+          throw Error("device gather: sample " + std::to_string(job.indices[k]) + "'s window starts at element " +
+                      std::to_string(start) + ", past the last that fits " + g.name + " (" + std::to_string(g.rows) +
+                      " elements)");
       word[k] = static_cast<std::int64_t>(start);
     }
   }
@@ -394,7 +415,8 @@ Payload LoaderCore::Parts::last_stage_next() {
         if (!awaiting) return {};
       }
       // A gathered batch always has its fence (flush_held sets a held one's before hand-over).
-      if (const auto& copied = awaiting.get<DeviceBatch>().copied) await_issued(*copied);  // an interruption keeps it
+      if (const auto& copied = awaiting.get<DeviceBatch>().copied)
+        await_issued(*copied);  // an interruption keeps it
       else if (gathering) {
         awaiting = Payload();
         throw Error("DataLoader: a gathered batch reached the consumer without its fence");
@@ -440,7 +462,8 @@ void LoaderCore::Parts::await_issued(const EventFence& copied) {
   const WaitPoll& poll = engine.wait_poll();
   if (!poll && opt.timeout.count() == 0) return;  // deliver() waits, unbounded
   using std::chrono::microseconds;
-  const microseconds limit = opt.timeout.count() > 0 ? std::chrono::duration_cast<microseconds>(opt.timeout) * 2 : microseconds::max();
+  const microseconds limit =
+      opt.timeout.count() > 0 ? std::chrono::duration_cast<microseconds>(opt.timeout) * 2 : microseconds::max();
   const auto since = std::chrono::steady_clock::now();
   for (;;) {
     const auto waited = std::chrono::duration_cast<microseconds>(std::chrono::steady_clock::now() - since);
@@ -449,11 +472,12 @@ void LoaderCore::Parts::await_issued(const EventFence& copied) {
     if (copied.wait_recorded(slice)) return;
     if (poll) poll.check();  // Interrupted: the batch stays in `awaiting` for the next call
     if (limit != microseconds::max() && std::chrono::steady_clock::now() - since >= limit) {
-      TimeoutError error("DataLoader timed out after " + std::to_string(2 * opt.timeout.count()) + " ms waiting for the GPU decode of batch " +
-                         std::to_string(epoch_delivered - 1) +
+      TimeoutError error("DataLoader timed out after " + std::to_string(2 * opt.timeout.count()) +
+                         " ms waiting for the GPU decode of batch " + std::to_string(epoch_delivered - 1) +
                          ": a decode thread has not come back from nvJPEG (gpu_decode_threads = 1 avoids the known two-thread "
                          "stall; see DataLoaderOptions::gpu_decode_threads)");
-      timed_out.push_back(std::move(awaiting));  // (leaves it empty) the batch fails at its position; the next call takes the next one
+      timed_out.push_back(
+          std::move(awaiting));  // (leaves it empty) the batch fails at its position; the next call takes the next one
       throw error;
     }
   }
@@ -476,7 +500,8 @@ void LoaderCore::begin_epoch() {
       // The plan the epoch's first batches were made ahead with (prefetch_next_epoch), if this
       // is that epoch; the engine then takes those batches over.
       plan = s.engine.plan_made_ahead(s.next_epoch);
-      if (!plan && s.plan_ahead && s.plan_ahead->epoch == s.next_epoch) plan = s.plan_ahead->plan.get();  // a sampler's error, here
+      if (!plan && s.plan_ahead && s.plan_ahead->epoch == s.next_epoch)
+        plan = s.plan_ahead->plan.get();  // a sampler's error, here
       s.plan_ahead.reset();
       if (!plan) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
     }

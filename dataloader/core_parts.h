@@ -123,17 +123,17 @@ struct LoaderCore::Parts {
   std::optional<Resume> resume;                 // set by restore(), taken by the next begin()
   std::shared_ptr<const BatchPlan> epoch_plan;  // the live (or last) epoch's plan
   mutable std::optional<std::uint64_t> epoch_plan_hash;
-  std::size_t segment_start = 0;  // DistributedSampler: see LoaderState
-  std::uint64_t live_epoch = 0;   // the epoch the live iterator runs
-  bool epoch_exhausted = false;   // the live iterator reached the epoch's end
+  std::size_t segment_start = 0;   // DistributedSampler: see LoaderState
+  std::uint64_t live_epoch = 0;    // the epoch the live iterator runs
+  bool epoch_exhausted = false;    // the live iterator reached the epoch's end
   bool stopped_mid_epoch = false;  // the last epoch ended early: state() is its position
   std::int64_t stopped_key = 0;    // streams: the engine's next key when it did
   // Streams: the resumed epoch's first key. Written before the epoch's workers start; atomic
   // because a worker abandoned in an earlier epoch's open() may still read it.
   std::atomic<std::uint64_t> stream_resume_key{0};
 
-  Engine engine;                          // built after, and shut down before, everything it calls into
-  std::unique_ptr<PinStage> pin_stage;    // the engine's consumer when pinning; stops first
+  Engine engine;                        // built after, and shut down before, everything it calls into
+  std::unique_ptr<PinStage> pin_stage;  // the engine's consumer when pinning; stops first
   std::unique_ptr<DeviceStage> device_stage;
   Route route = Route::Workers;
   // Device gather: the dataset's fields and their registration (undone after the copy stream has

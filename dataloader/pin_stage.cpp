@@ -20,8 +20,15 @@ struct Item {
 }  // namespace
 
 struct PinStage::State {
-  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t, TraceRecorder* tr, std::shared_ptr<const Placement> pl, PinGroup g)
-      : engine(e), pin(std::move(p)), depth(d < 1 ? 1 : d), timeout(t), trace(tr), placement(std::move(pl)), group(std::move(g)) {}
+  State(Engine& e, PinFn p, int d, std::chrono::milliseconds t, TraceRecorder* tr, std::shared_ptr<const Placement> pl,
+        PinGroup g)
+      : engine(e),
+        pin(std::move(p)),
+        depth(d < 1 ? 1 : d),
+        timeout(t),
+        trace(tr),
+        placement(std::move(pl)),
+        group(std::move(g)) {}
   Engine& engine;
   PinFn pin;
   const int depth;
@@ -134,7 +141,8 @@ Payload PinStage::next() {
     // While the pin thread waits on the workers ('fetch'), the engine's own timeout governs (it
     // abandons stuck workers and may dispatch a batch again); only a pin that stalls is ours.
     using std::chrono::microseconds;
-    const microseconds limit = s.timeout.count() > 0 ? std::chrono::duration_cast<microseconds>(s.timeout) * 2 : microseconds::max();
+    const microseconds limit =
+        s.timeout.count() > 0 ? std::chrono::duration_cast<microseconds>(s.timeout) * 2 : microseconds::max();
     auto since = std::chrono::steady_clock::now();
     for (;;) {
       const auto waited = std::chrono::duration_cast<microseconds>(std::chrono::steady_clock::now() - since);

@@ -101,8 +101,8 @@ bool LoaderCore::Parts::fetch_row(const Job& job, JobContext& ctx, std::size_t r
       faults.report(report);
       return true;
     }
-    throw Error("on_error=Replace: no replacement found for sample " + std::to_string(i) + " (16 candidates failed); it failed with: " +
-                report.message);
+    throw Error("on_error=Replace: no replacement found for sample " + std::to_string(i) +
+                " (16 candidates failed); it failed with: " + report.message);
   }
   report.action = SampleError::Action::Skipped;
   faults.report(report);
@@ -144,23 +144,26 @@ Rows LoaderCore::for_each_sample(const Job& job, JobContext& ctx, bool compact, 
   std::vector<unsigned char> kept(idx.size(), 0);
   std::vector<std::size_t> used(idx.size());
   const std::size_t parts = static_cast<std::size_t>(s.opt.intra_batch_threads);
-  s.pool->run(idx.size(), [&](std::size_t begin, std::size_t end) {
-    for (std::size_t r = begin; r < end; ++r) {
-      if (ctx.cancelled() || failed.load(std::memory_order_relaxed)) return;
-      // No stage meter: it belongs to the worker thread, which waits here in 'fetch'.
-      try {
-        kept[r] = s.fetch_row(job, ctx, r, r, nullptr, fn, &used[r]) ? 1 : 0;
-      } catch (...) {
-        std::lock_guard lock(mu);
-        if (!error) {
-          error = std::current_exception();
-          failing = idx[r];
+  s.pool->run(
+      idx.size(),
+      [&](std::size_t begin, std::size_t end) {
+        for (std::size_t r = begin; r < end; ++r) {
+          if (ctx.cancelled() || failed.load(std::memory_order_relaxed)) return;
+          // No stage meter: it belongs to the worker thread, which waits here in 'fetch'.
+          try {
+            kept[r] = s.fetch_row(job, ctx, r, r, nullptr, fn, &used[r]) ? 1 : 0;
+          } catch (...) {
+            std::lock_guard lock(mu);
+            if (!error) {
+              error = std::current_exception();
+              failing = idx[r];
+            }
+            failed = true;
+            return;
+          }
         }
-        failed = true;
-        return;
-      }
-    }
-  }, (idx.size() + parts - 1) / parts);  // intra_batch_threads parts per batch
+      },
+      (idx.size() + parts - 1) / parts);  // intra_batch_threads parts per batch
   if (error) {
     ctx.set_sample(failing);
     std::rethrow_exception(error);

@@ -16,9 +16,9 @@ std::shared_ptr<const DistributedSampler> LoaderCore::Parts::distributed() const
 // The plan of `epoch` whose order starts at `segment_start` (DistributedSampler; else 0).
 std::shared_ptr<const BatchPlan> LoaderCore::Parts::plan_of(std::uint64_t epoch, std::size_t segment_start) const {
   if (segment_start == 0) return std::make_shared<const BatchPlan>(batch_sampler->plan(epoch));
-  return std::make_shared<const BatchPlan>(make_batches(distributed()->indices_from(epoch, segment_start), opt.batch_size, opt.drop_last));
+  return std::make_shared<const BatchPlan>(
+      make_batches(distributed()->indices_from(epoch, segment_start), opt.batch_size, opt.drop_last));
 }
-
 
 namespace {
 std::uint64_t hash_plan(const BatchPlan& p) {
@@ -47,11 +47,13 @@ LoaderState LoaderCore::save_state() const {
       st.epoch = s.live_epoch;
       const std::int64_t key = live ? s.engine.next_key() : s.stopped_key;
       if (key < 0)
-        throw Error("DataLoader::state(): a stream delivered out of order (in_order = false) has no position to resume "
-                    "from mid-epoch; save the state between epochs, or keep in_order");
+        throw Error(
+            "DataLoader::state(): a stream delivered out of order (in_order = false) has no position to resume "
+            "from mid-epoch; save the state between epochs, or keep in_order");
       if (key > 0 && s.opt.on_error != OnError::Raise)
-        throw Error("DataLoader::state(): a stream resumes mid-epoch under on_error = Raise only (Skip and Replace read a "
-                    "varying number of records per batch); save the state between epochs");
+        throw Error(
+            "DataLoader::state(): a stream resumes mid-epoch under on_error = Raise only (Skip and Replace read a "
+            "varying number of records per batch); save the state between epochs");
       st.batches = static_cast<std::uint64_t>(key);
     } else {
       st.epoch = live ? s.live_epoch + 1 : s.next_epoch;
@@ -104,18 +106,20 @@ void LoaderCore::restore_state(const LoaderState& st) {
     throw Error("DataLoader::restore(): an iterator of this loader is live; restore before begin() or after the epoch");
   s.stopped_mid_epoch = false;
   auto differs = [](const char* what, auto saved, auto here) {
-    throw Error(std::string("DataLoader::restore(): the state is another loader's: its ") + what + " is " + std::to_string(saved) +
-                ", this loader's is " + std::to_string(here));
+    throw Error(std::string("DataLoader::restore(): the state is another loader's: its ") + what + " is " +
+                std::to_string(saved) + ", this loader's is " + std::to_string(here));
   };
   if (s.traits.streaming && st.stream_workers == 0)
     throw Error("DataLoader::restore(): the state is a map-style loader's; this loader reads a stream");
-  if (!s.traits.streaming && st.stream_workers != 0) throw Error("DataLoader::restore(): the state is a stream's; this loader is map-style");
+  if (!s.traits.streaming && st.stream_workers != 0)
+    throw Error("DataLoader::restore(): the state is a stream's; this loader is map-style");
   if (st.seed != s.opt.seed) differs("seed", st.seed, s.opt.seed);
   if (st.dataset_size != s.traits.dataset_size) differs("dataset size", st.dataset_size, s.traits.dataset_size);
   if (s.traits.streaming) {
     if (st.batches > 0) {
       const auto workers = static_cast<std::uint64_t>(std::max(s.opt.num_workers, 1));
-      if (st.stream_workers != workers) differs("number of stream workers (each reads its own shard of the stream)", st.stream_workers, workers);
+      if (st.stream_workers != workers)
+        differs("number of stream workers (each reads its own shard of the stream)", st.stream_workers, workers);
       if (st.batch_size != s.opt.batch_size) differs("batch size", st.batch_size, s.opt.batch_size);
       if (s.opt.on_error != OnError::Raise)
         throw Error("DataLoader::restore(): a stream resumes mid-epoch under on_error = Raise only");
@@ -155,8 +159,10 @@ void LoaderCore::restore_state(const LoaderState& st) {
                   " saved, or the same counts in another order): another sampler, shuffle, batch_size or drop_last, or a "
                   "sampler that is not a function of the epoch");
     s.next_epoch = st.epoch;
-    if (k == 0 && segment == 0) s.resume.reset();
-    else s.resume = Parts::Resume{std::move(plan), k, segment};
+    if (k == 0 && segment == 0)
+      s.resume.reset();
+    else
+      s.resume = Parts::Resume{std::move(plan), k, segment};
   }
 }
 
@@ -167,7 +173,9 @@ LoaderStats LoaderCore::stats() const {
   s.batches = c.stats.delivered_batches;
   s.workers = std::max(c.producers(), 1);
   s.numa_node = c.placement ? c.placement->node : -1;
-  auto secs = [&](Stage st) { return static_cast<double>(c.engine.stage_ns(st) - c.stats.base.stage_ns[static_cast<std::size_t>(st)]) / 1e9; };
+  auto secs = [&](Stage st) {
+    return static_cast<double>(c.engine.stage_ns(st) - c.stats.base.stage_ns[static_cast<std::size_t>(st)]) / 1e9;
+  };
   s.fetch_seconds = secs(Stage::Fetch);
   s.transform_seconds = secs(Stage::Transform);
   s.collate_seconds = secs(Stage::Collate);
@@ -228,6 +236,5 @@ void LoaderCore::reset_stats() {
   s.stats.delivered_batches = 0;
   s.stats.origin_ns = now_ns();
 }
-
 
 }  // namespace ferry::detail

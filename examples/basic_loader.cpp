@@ -14,7 +14,11 @@ int main() {
     labels.data<std::int64_t>()[i] = i % 10;
   }
 
-  struct Sample { ferry::Tensor image; std::int64_t label; bool flipped; };
+  struct Sample {
+    ferry::Tensor image;
+    std::int64_t label;
+    bool flipped;
+  };
   auto dataset = ferry::TensorDataset({images, labels}).map([](std::vector<ferry::Tensor> s, ferry::SampleContext& ctx) {
     return Sample{s[0], s[1].item<std::int64_t>(), ctx.rng().bernoulli(0.5)};
   });
@@ -31,8 +35,8 @@ int main() {
     return Batch{std::get<0>(b), std::get<1>(b), std::get<2>(b)};
   });
 
-  std::printf("ferry demo: %lld samples, batch_size %zu, %d workers, %zu batches per epoch\n",
-              static_cast<long long>(kSamples), options.batch_size, options.num_workers, loader.size());
+  std::printf("ferry demo: %lld samples, batch_size %zu, %d workers, %zu batches per epoch\n", static_cast<long long>(kSamples),
+              options.batch_size, options.num_workers, loader.size());
   for (int epoch = 0; epoch < 2; ++epoch) {
     std::size_t batches = 0, samples = 0, flipped = 0, mismatched = 0;
     for (Batch& batch : loader) {
@@ -46,14 +50,14 @@ int main() {
         flipped += f.data<bool>()[r];
       }
       if (batches == 0)
-        std::printf("  epoch %d, first batch: images %s, labels %s, first labels %lld %lld %lld\n", epoch,
-                    x.str().c_str(), y.str().c_str(), static_cast<long long>(y.item<std::int64_t>(0)),
+        std::printf("  epoch %d, first batch: images %s, labels %s, first labels %lld %lld %lld\n", epoch, x.str().c_str(),
+                    y.str().c_str(), static_cast<long long>(y.item<std::int64_t>(0)),
                     static_cast<long long>(y.item<std::int64_t>(1)), static_cast<long long>(y.item<std::int64_t>(2)));
       ++batches;
       samples += static_cast<std::size_t>(x.size(0));
     }
-    std::printf("  epoch %d: %zu batches, %zu samples, %zu flipped by the seeded transform, %zu image/label mismatches\n",
-                epoch, batches, samples, flipped, mismatched);
+    std::printf("  epoch %d: %zu batches, %zu samples, %zu flipped by the seeded transform, %zu image/label mismatches\n", epoch,
+                batches, samples, flipped, mismatched);
     if (mismatched) return 1;
   }
   return 0;

@@ -55,7 +55,7 @@ int main() {
   o.batch_size = 64;
   o.shuffle = true;
   o.num_workers = 2;
-  o.pin_memory = true;                         // pageable, with one warning, without CUDA
+  o.pin_memory = true;  // pageable, with one warning, without CUDA
   const bool gpu = ferry::cuda::available();
   if (gpu) o.device = 0;
   ferry::DataLoader loader(Sequences{}, o, pad);

@@ -33,7 +33,7 @@ int main() {
     kept = t;  // outlives ferry's batch: the bytes stay alive through DLPack's deleter
   }
   const double expected = 8.0 * 999 * 1000 / 2;
-  std::printf("libtorch summed %.0f over the epoch (expected %.0f); the last batch, kept after the loop: %s\n", total,
-              expected, kept.sizes() == torch::IntArrayRef{100, 8} ? "intact" : "damaged");
+  std::printf("libtorch summed %.0f over the epoch (expected %.0f); the last batch, kept after the loop: %s\n", total, expected,
+              kept.sizes() == torch::IntArrayRef{100, 8} ? "intact" : "damaged");
   return total == expected ? 0 : 1;
 }

@@ -46,10 +46,14 @@ std::uint64_t limit() {
   std::uint64_t scale = 1;
   if (!unit.empty()) {
     switch (unit.front()) {
-      case 'K': case 'k': scale = std::uint64_t{1} << 10; break;
-      case 'M': case 'm': scale = std::uint64_t{1} << 20; break;
-      case 'G': case 'g': scale = std::uint64_t{1} << 30; break;
-      case 'T': case 't': scale = std::uint64_t{1} << 40; break;
+      case 'K':
+      case 'k': scale = std::uint64_t{1} << 10; break;
+      case 'M':
+      case 'm': scale = std::uint64_t{1} << 20; break;
+      case 'G':
+      case 'g': scale = std::uint64_t{1} << 30; break;
+      case 'T':
+      case 't': scale = std::uint64_t{1} << 40; break;
       default: scale = 0;
     }
     unit.remove_prefix(1);
@@ -127,7 +131,7 @@ int open_entry(const std::string& key, std::uint64_t& size) {
   if (!ok) {
     ::close(fd);
     if (!stored.empty() && stored != key) return -1;  // another key's entry (a hash collision): leave it
-    ::unlink(path.c_str());                          // cut short or damaged
+    ::unlink(path.c_str());                           // cut short or damaged
     return -1;
   }
   ::futimens(fd, nullptr);  // recently used: evicted last

@@ -49,7 +49,9 @@ Header read_header(ByteSource& src, std::size_t file_size) {
     const std::uint64_t at = src.offset();
     src.read_exact(b, 4, "IDX dimension field");
     const std::uint32_t v = (std::uint32_t{b[0]} << 24) | (std::uint32_t{b[1]} << 16) | (std::uint32_t{b[2]} << 8) | b[3];
-    if (v > 0x7fffffffu) throw DataError(src.name(), at, "IDX dimension " + std::to_string(d) + " is " + std::to_string(v) + ", larger than 2^31 - 1");
+    if (v > 0x7fffffffu)
+      throw DataError(src.name(), at,
+                      "IDX dimension " + std::to_string(d) + " is " + std::to_string(v) + ", larger than 2^31 - 1");
     h.shape.push_back(v);
     numel = loaders::checked_mul(numel, v, src.name(), "IDX element count");
   }
@@ -57,8 +59,9 @@ Header read_header(ByteSource& src, std::size_t file_size) {
   // A gzip stream inflates at most ~1032:1; a header claiming more cannot be true (and must not
   // make us allocate it).
   if (src.compressed() && h.nbytes > static_cast<std::uint64_t>(file_size) * 1032 + 4096)
-    throw DataError(src.name(), src.offset(), "IDX dimensions " + shape_str(h.shape) + " need " + std::to_string(h.nbytes) +
-                                                  " bytes, more than a " + std::to_string(file_size) + "-byte gzip file can hold");
+    throw DataError(src.name(), src.offset(),
+                    "IDX dimensions " + shape_str(h.shape) + " need " + std::to_string(h.nbytes) + " bytes, more than a " +
+                        std::to_string(file_size) + "-byte gzip file can hold");
   return h;
 }
 
@@ -86,7 +89,8 @@ Tensor parse(std::span<const std::byte> bytes, const std::string& name, const st
     if (rest.size() != h.nbytes) throw DataError(name, data_at, size_mismatch(h, rest.size()));
     if (map && itemsize(h.dtype) == 1) {
       // In place: the tensor keeps the mapping alive.
-      Storage s = Storage::wrap(map->data() + data_at, h.nbytes, Device::host(), std::const_pointer_cast<loaders::MappedFile>(map));
+      Storage s =
+          Storage::wrap(map->data() + data_at, h.nbytes, Device::host(), std::const_pointer_cast<loaders::MappedFile>(map));
       if (mapped) *mapped = true;
       return Tensor(std::move(s), h.dtype, std::move(h.shape));
     }
@@ -97,7 +101,10 @@ Tensor parse(std::span<const std::byte> bytes, const std::string& name, const st
   }
   Tensor t = Tensor::empty(h.dtype, h.shape);
   src.read_exact(t.raw(), h.nbytes, "IDX data");
-  if (!src.at_end()) throw DataError(name, src.offset(), "trailing data after the " + std::to_string(h.nbytes) + " bytes the IDX dimensions " + shape_str(h.shape) + " describe");
+  if (!src.at_end())
+    throw DataError(
+        name, src.offset(),
+        "trailing data after the " + std::to_string(h.nbytes) + " bytes the IDX dimensions " + shape_str(h.shape) + " describe");
   to_host_order(t);
   return t;
 }
@@ -153,7 +160,11 @@ std::int64_t label_at(const Tensor& labels, std::size_t i) {
 
 void IdxDataset::init() {
   switch (labels_.dtype()) {
-    case DType::UInt8: case DType::Int8: case DType::Int16: case DType::Int32: case DType::Int64: break;
+    case DType::UInt8:
+    case DType::Int8:
+    case DType::Int16:
+    case DType::Int32:
+    case DType::Int64: break;
     default: throw Error("IdxDataset: labels must be integers, got " + labels_.str());
   }
   size_ = static_cast<std::size_t>(images_.size(0));
@@ -175,7 +186,8 @@ void IdxDataset::init() {
 std::vector<HostRows> IdxDataset::host_rows(std::string& why) const {
   const std::size_t row_bytes = size_ ? images_.nbytes() / size_ : 0;
   const Shape one(images_.shape().begin() + 1, images_.shape().end());
-  HostRows images{images_.raw(), images_.size(0), row_bytes, images_.dtype(), one, "IdxDataset images", mapped_, std::nullopt, std::nullopt};
+  HostRows images{images_.raw(),       images_.size(0), row_bytes,    images_.dtype(), one,
+                  "IdxDataset images", mapped_,         std::nullopt, std::nullopt};
   if (!options_.transform.empty()) {
     // Flips, to_float and normalize run in the gather kernel (RowTransform); anything else on the CPU.
     std::string no;
@@ -189,9 +201,9 @@ std::vector<HostRows> IdxDataset::host_rows(std::string& why) const {
     }
   }
   return {std::move(images),
-          {labels64_.raw(), labels64_.size(0), sizeof(std::int64_t), DType::Int64, Shape{}, "IdxDataset labels", false, std::nullopt, std::nullopt}};
+          {labels64_.raw(), labels64_.size(0), sizeof(std::int64_t), DType::Int64, Shape{}, "IdxDataset labels", false,
+           std::nullopt, std::nullopt}};
 }
-
 
 LabeledSample IdxDataset::get(std::size_t i, SampleContext& ctx) const {
   if (i >= size_) throw Error("IdxDataset: index " + std::to_string(i) + " out of range for size " + std::to_string(size_));
@@ -213,7 +225,8 @@ void IdxDataset::get_into(std::size_t i, LabeledBatch& batch, std::size_t row, S
   if (i >= size_) throw Error("IdxDataset: index " + std::to_string(i) + " out of range for size " + std::to_string(size_));
   const Tensor img = images_.select(static_cast<std::int64_t>(i));
   const Tensor slot = batch.image.select(static_cast<std::int64_t>(row));
-  if (options_.transform.empty()) std::memcpy(slot.raw(), img.raw(), img.nbytes());
+  if (options_.transform.empty())
+    std::memcpy(slot.raw(), img.raw(), img.nbytes());
   else {
     const Stage prev = ctx.enter(Stage::Transform);
     options_.transform.apply_into(img, slot, ctx.rng());

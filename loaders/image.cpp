@@ -56,15 +56,16 @@ struct Size {
 };
 
 void check_pixels(const std::string& name, std::int64_t w, std::int64_t h, const DecodeOptions& o) {
-  if (w <= 0 || h <= 0) throw DataError(name, DataError::kNoOffset, "image has no pixels (" + std::to_string(w) + "x" + std::to_string(h) + ")");
+  if (w <= 0 || h <= 0)
+    throw DataError(name, DataError::kNoOffset, "image has no pixels (" + std::to_string(w) + "x" + std::to_string(h) + ")");
   if (w * h > o.max_pixels)
-    throw DataError(name, DataError::kNoOffset, "image is " + std::to_string(w) + "x" + std::to_string(h) +
-                                                    ", more than the limit of " + std::to_string(o.max_pixels) + " pixels");
+    throw DataError(name, DataError::kNoOffset,
+                    "image is " + std::to_string(w) + "x" + std::to_string(h) + ", more than the limit of " +
+                        std::to_string(o.max_pixels) + " pixels");
 }
 
 void check_channels(int c) {
-  if (c != 0 && c != 1 && c != 3 && c != 4)
-    throw Error("decode_image: channels must be 0, 1, 3 or 4, got " + std::to_string(c));
+  if (c != 0 && c != 1 && c != 3 && c != 4) throw Error("decode_image: channels must be 0, 1, 3 or 4, got " + std::to_string(c));
 }
 
 // Reads the header and returns the decoded size; `decode` then fills `dst` (h * w * c bytes).
@@ -76,7 +77,8 @@ class JpegDecode {
     if (tjDecompressHeader3(tj_, data(), size(), &w, &h, &subsamp, &cs) != 0) fail("corrupt JPEG header");
     if (w <= 0 || h <= 0) throw DataError(name, DataError::kNoOffset, "corrupt JPEG header: no image size");
     if (cs == TJCS_CMYK || cs == TJCS_YCCK) {
-      if (o.channels != 0 && o.channels != 4) throw DataError(name, DataError::kNoOffset, "CMYK JPEGs cannot be decoded to RGB or grayscale");
+      if (o.channels != 0 && o.channels != 4)
+        throw DataError(name, DataError::kNoOffset, "CMYK JPEGs cannot be decoded to RGB or grayscale");
     }
     const int c = o.channels ? o.channels : (cs == TJCS_GRAY ? 1 : (cs == TJCS_CMYK || cs == TJCS_YCCK) ? 4 : 3);
     pf_ = c == 1 ? TJPF_GRAY : c == 3 ? TJPF_RGB : (cs == TJCS_CMYK || cs == TJCS_YCCK) ? TJPF_CMYK : TJPF_RGBA;
@@ -312,7 +314,8 @@ bool decode_region(std::span<const std::byte> bytes, const std::string& name, co
     fail("corrupt JPEG header");
   const jpeg_decompress_struct& info = j.info();
   if (info.jpeg_color_space == JCS_CMYK || info.jpeg_color_space == JCS_YCCK) return false;
-  if (info.image_width == 0 || info.image_height == 0) throw DataError(name, DataError::kNoOffset, "corrupt JPEG header: no image size");
+  if (info.image_width == 0 || info.image_height == 0)
+    throw DataError(name, DataError::kNoOffset, "corrupt JPEG header: no image size");
   check_pixels(name, info.image_width, info.image_height, o);
   const int C = o.channels ? o.channels : (info.jpeg_color_space == JCS_GRAYSCALE ? 1 : 3);
   if (C != 1 && C != 3) return false;
@@ -334,7 +337,7 @@ bool decode_region(std::span<const std::byte> bytes, const std::string& name, co
   auto [y0, y1] = plan->y.source();
   auto [x0, x1] = plan->x.source();
   if (y0 >= y1 || x0 >= x1) y0 = 0, y1 = 1, x0 = 0, x1 = 1;  // all padding: the pass reads nothing
-  constexpr std::int64_t kMargin = 16;  // one iMCU at most: see the Note
+  constexpr std::int64_t kMargin = 16;                       // one iMCU at most: see the Note
   auto x = static_cast<JDIMENSION>(std::max<std::int64_t>(x0 - kMargin, 0));
   auto width = static_cast<JDIMENSION>(std::min(x1 + kMargin, W) - x);
   if (!j.crop(&x, &width)) fail("corrupt JPEG data");
@@ -377,7 +380,8 @@ ImageFormat sniff_image(std::span<const std::byte> b) noexcept {
   auto at = [&](std::size_t i) { return std::to_integer<unsigned>(b[i]); };
   if (b.size() >= 3 && at(0) == 0xFF && at(1) == 0xD8 && at(2) == 0xFF) return ImageFormat::Jpeg;
   static constexpr unsigned kPng[8] = {0x89, 0x50, 0x4E, 0x47, 0x0D, 0x0A, 0x1A, 0x0A};
-  if (b.size() >= 8 && std::equal(kPng, kPng + 8, b.begin(), [](unsigned x, std::byte y) { return x == std::to_integer<unsigned>(y); }))
+  if (b.size() >= 8 &&
+      std::equal(kPng, kPng + 8, b.begin(), [](unsigned x, std::byte y) { return x == std::to_integer<unsigned>(y); }))
     return ImageFormat::Png;
   return ImageFormat::Unknown;
 }
@@ -464,7 +468,8 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
     }
     if (by_class.empty()) throw DataError(root, DataError::kNoOffset, "holds no class folders (expected root/<class>/<image>)");
     for (auto& [cls, found] : by_class) {
-      if (found.empty()) throw DataError(base + cls + "/", DataError::kNoOffset, "class folder '" + cls + "' holds no image files");
+      if (found.empty())
+        throw DataError(base + cls + "/", DataError::kNoOffset, "class folder '" + cls + "' holds no image files");
       const auto label = static_cast<std::int64_t>(classes_.size());
       classes_.push_back(cls);
       std::sort(found.begin(), found.end());
@@ -507,10 +512,10 @@ ImageFolder::ImageFolder(const std::string& root, ImageFolderOptions options) : 
         found.emplace_back(p.parent_path().string(), p.filename().string());
     }
     if (ec) fs_fail(dir, "cannot list the class folder", ec);
-    if (found.empty()) throw DataError(dir.string(), DataError::kNoOffset, "class folder '" + classes_[label] + "' holds no image files");
+    if (found.empty())
+      throw DataError(dir.string(), DataError::kNoOffset, "class folder '" + classes_[label] + "' holds no image files");
     std::sort(found.begin(), found.end());
-    for (auto& [folder, name] : found)
-      files_.push_back({(fs::path(folder) / name).string(), static_cast<std::int64_t>(label)});
+    for (auto& [folder, name] : found) files_.push_back({(fs::path(folder) / name).string(), static_cast<std::int64_t>(label)});
   }
   if (decodes_on_device()) {
     loaders::check_gpu_decode("ImageFolder", options_.channels, options_.transform);
@@ -542,8 +547,10 @@ void check_gpu_decode(const std::string& who, int channels, const ImageTransform
   if (channels != 3) throw Error(who + ": decode=gpu produces RGB: channels must be 3, got " + std::to_string(channels));
   Generator probe(0);
   if (!transform.fixed_output_shape(3) || !transform.plan(256, 256, 3, probe))
-    throw Error(who + ": decode=gpu needs a transform that runs as one pass and ends in a fixed size (crops, "
-                "flips, one resize, to_float, normalize), got " + transform.str());
+    throw Error(who +
+                ": decode=gpu needs a transform that runs as one pass and ends in a fixed size (crops, "
+                "flips, one resize, to_float, normalize), got " +
+                transform.str());
 }
 
 LabeledSample image_sample(const ImageRows& rows, std::span<const std::byte> bytes, const std::string& name, std::int64_t label,
@@ -572,8 +579,10 @@ LabeledBatch image_batch(const ImageRows& rows, std::size_t n, BatchAllocator& a
   }
   std::optional<Shape> shape = rows.transform.fixed_output_shape(rows.channels);
   if (!shape)
-    throw Error(who + ": batching needs a transform that ends in a fixed size (resize(h, w), center_crop or "
-                "random_resized_crop), so every image fits one batch shape; the transform is " + rows.transform.str());
+    throw Error(who +
+                ": batching needs a transform that ends in a fixed size (resize(h, w), center_crop or "
+                "random_resized_crop), so every image fits one batch shape; the transform is " +
+                rows.transform.str());
   shape->insert(shape->begin(), static_cast<std::int64_t>(n));
   return {empty(rows.transform.output_dtype(DType::UInt8), std::move(*shape), allocator),
           empty(DType::Int64, {static_cast<std::int64_t>(n)}, allocator)};
@@ -601,18 +610,20 @@ JpegPlan plan_jpeg(std::span<const std::byte> bytes, const std::string& name, co
                    std::int64_t max_pixels) {
   const ImageFormat format = sniff_image(bytes);
   if (format != ImageFormat::Jpeg)
-    throw DataError(name, DataError::kNoOffset,
-                    std::string("decode=gpu takes JPEG files only; this is ") + (format == ImageFormat::Png ? "a PNG" : "not a JPEG"));
+    throw DataError(
+        name, DataError::kNoOffset,
+        std::string("decode=gpu takes JPEG files only; this is ") + (format == ImageFormat::Png ? "a PNG" : "not a JPEG"));
   int w = 0, h = 0, subsampling = 0, colorspace = 0;
   tjhandle tj = thread_decoder();
-  if (tjDecompressHeader3(tj, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()), &w, &h,
-                          &subsampling, &colorspace) != 0) {
+  if (tjDecompressHeader3(tj, reinterpret_cast<const unsigned char*>(bytes.data()), static_cast<unsigned long>(bytes.size()), &w,
+                          &h, &subsampling, &colorspace) != 0) {
     const std::string why = tjGetErrorStr2(tj);
     discard_thread_decoder();
     throw DataError(name, DataError::kNoOffset, "corrupt JPEG header: " + why);
   }
   if (w <= 0 || h <= 0 || static_cast<std::int64_t>(w) * h > max_pixels)
-    throw DataError(name, DataError::kNoOffset, "image of " + std::to_string(w) + "x" + std::to_string(h) + " pixels is refused (max_pixels)");
+    throw DataError(name, DataError::kNoOffset,
+                    "image of " + std::to_string(w) + "x" + std::to_string(h) + " pixels is refused (max_pixels)");
   std::optional<ImagePassPlan> plan = transform.plan(h, w, 3, rng);
   if (!plan) throw Error("decode=gpu: the transform " + transform.str() + " needs more than one pass");
   return {h, w, *plan};
@@ -650,17 +661,19 @@ void detail::write_encoded_row(std::int64_t* r, std::size_t offset, std::size_t 
 namespace {
 // GPU decode's row: the compressed bytes at row * slot of the encoded block, and the index row
 // the device stage reads (where the bytes are, the image's size and its transform's plan).
-void encoded_row_into(const loaders::ImageRows& rows, std::span<const std::byte> bytes, const std::string& name, std::int64_t label,
-                      LabeledBatch& batch, std::size_t row, SampleContext& ctx) {
+void encoded_row_into(const loaders::ImageRows& rows, std::span<const std::byte> bytes, const std::string& name,
+                      std::int64_t label, LabeledBatch& batch, std::size_t row, SampleContext& ctx) {
   const Stage prev = ctx.enter(Stage::Transform);
   const JpegPlan jp = plan_jpeg(bytes, name, rows.transform, ctx.rng(), rows.max_pixels);
   ctx.enter(prev);
   if (bytes.size() > rows.slot)
-    throw DataError(name, DataError::kNoOffset, "the file grew after the dataset was indexed (" + std::to_string(bytes.size()) +
-                                                    " bytes, at most " + std::to_string(rows.slot) + " when indexed)");
+    throw DataError(name, DataError::kNoOffset,
+                    "the file grew after the dataset was indexed (" + std::to_string(bytes.size()) + " bytes, at most " +
+                        std::to_string(rows.slot) + " when indexed)");
   std::memcpy(batch.encoded.data<std::uint8_t>() + row * rows.slot, bytes.data(), bytes.size());
-  detail::write_encoded_row(batch.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(row) * detail::kEncodedIndexWords,
-                            row * rows.slot, bytes.size(), jp);
+  detail::write_encoded_row(
+      batch.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(row) * detail::kEncodedIndexWords, row * rows.slot,
+      bytes.size(), jp);
   batch.label.data<std::int64_t>()[row] = label;
 }
 }  // namespace

@@ -392,8 +392,7 @@ void read_file(const std::string& path, std::vector<std::byte>& out) {
   const std::size_t size = open_regular(path, f);
   out.resize(size);
   const std::size_t got = read_at(f.fd, path, 0, out.data(), size);
-  if (got != size)
-    throw DataError(path, got, "file shrank while being read (" + std::to_string(size) + " bytes expected)");
+  if (got != size) throw DataError(path, got, "file shrank while being read (" + std::to_string(size) + " bytes expected)");
 }
 
 RangeReader::RangeReader(const std::string& path) : path_(path) {
@@ -417,7 +416,8 @@ void RangeReader::read(std::uint64_t offset, std::size_t size, std::vector<std::
     return;
   }
   if (read_at(fd_, path_, offset, out.data(), size) != size)
-    throw DataError(path_, offset, "file ends before the " + std::to_string(size) + " bytes indexed here (it changed after it was indexed?)");
+    throw DataError(path_, offset,
+                    "file ends before the " + std::to_string(size) + " bytes indexed here (it changed after it was indexed?)");
 }
 
 bool is_gzip(std::span<const std::byte> b) noexcept {

@@ -106,8 +106,9 @@ loaders::NpyLayout parse_layout(std::span<const std::byte> b, const std::string&
     throw DataError(name, 6, "unsupported .npy format version " + std::to_string(major) + "." + std::to_string(byte(7)));
   }
   if (text_at + len > b.size())
-    throw DataError(name, text_at, "truncated .npy header: it declares " + std::to_string(len) + " bytes, the file has " +
-                                       std::to_string(b.size() - text_at));
+    throw DataError(name, text_at,
+                    "truncated .npy header: it declares " + std::to_string(len) + " bytes, the file has " +
+                        std::to_string(b.size() - text_at));
   HeaderParser p{std::string_view(reinterpret_cast<const char*>(b.data()) + text_at, len), 0, name, text_at};
   loaders::NpyLayout h{{}, {}, text_at + len, text_at};
   bool have_descr = false, have_order = false, have_shape = false;
@@ -154,15 +155,18 @@ NpyHeader parse_header(std::span<const std::byte> b, const std::string& name) {
   h.nbytes = loaders::checked_mul(numel, itemsize(h.dtype), name, ".npy data size");
   const std::uint64_t have = b.size() - h.data_offset;
   if (have != h.nbytes)
-    throw DataError(name, h.data_offset, "shape " + shape_str(h.shape) + " of " + dtype_name(h.dtype) + " needs " +
-                                              std::to_string(h.nbytes) + " bytes of data, the file has " + std::to_string(have) +
-                                              (have < h.nbytes ? " (truncated)" : " (trailing bytes)"));
+    throw DataError(name, h.data_offset,
+                    "shape " + shape_str(h.shape) + " of " + dtype_name(h.dtype) + " needs " + std::to_string(h.nbytes) +
+                        " bytes of data, the file has " + std::to_string(have) +
+                        (have < h.nbytes ? " (truncated)" : " (trailing bytes)"));
   return h;
 }
 
 }  // namespace
 
-loaders::NpyLayout loaders::npy_layout(std::span<const std::byte> bytes, const std::string& name) { return parse_layout(bytes, name); }
+loaders::NpyLayout loaders::npy_layout(std::span<const std::byte> bytes, const std::string& name) {
+  return parse_layout(bytes, name);
+}
 
 Tensor parse_npy(std::span<const std::byte> bytes, const std::string& name) {
   if (bytes.empty()) throw DataError(name, DataError::kNoOffset, "is empty (0 bytes)");
@@ -175,7 +179,8 @@ Tensor parse_npy(std::span<const std::byte> bytes, const std::string& name) {
 Tensor read_npy(const std::string& path) {
   auto map = loaders::MappedFile::open(path);
   NpyHeader h = parse_header(map->bytes(), path);
-  Storage s = Storage::wrap(map->data() + h.data_offset, h.nbytes, Device::host(), std::const_pointer_cast<loaders::MappedFile>(map));
+  Storage s =
+      Storage::wrap(map->data() + h.data_offset, h.nbytes, Device::host(), std::const_pointer_cast<loaders::MappedFile>(map));
   return Tensor(std::move(s), h.dtype, std::move(h.shape));
 }
 
@@ -192,7 +197,8 @@ NpyDataset::NpyDataset(const std::string& path) : NpyDataset(read_npy(path)) {
 
 NpyDataset::NpyDataset(Tensor array) : array_(std::move(array)), name_("NpyDataset") {
   if (!array_.defined() || array_.dim() == 0)
-    throw Error("NpyDataset: needs an array with at least one dimension (rows), got " + (array_.defined() ? array_.str() : "none"));
+    throw Error("NpyDataset: needs an array with at least one dimension (rows), got " +
+                (array_.defined() ? array_.str() : "none"));
 }
 
 Tensor NpyDataset::get(std::size_t i) const {

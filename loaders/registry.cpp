@@ -110,67 +110,82 @@ std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) 
 }
 
 void add_builtins(DatasetRegistry& r) {
-  r.add("idx", [](const DatasetConfig& c) {
-    IdxDatasetOptions o;
-    if (c.integer("flip", 0)) o.transform.horizontal_flip();
-    if (c.integer("float", 0) || c.has("mean") || c.has("std")) o.transform.to_float();
-    if (c.has("mean") || c.has("std"))
-      o.transform.normalize({parse_float(c, "mean", c.str("mean", "0"))}, {parse_float(c, "std", c.str("std", "1"))});
-    // Images and labels as two fields, passed on for the device gather (host_rows: the flip and
-    // normalize run in its kernel).
-    struct IdxRows {
-      IdxDataset d;
-      std::size_t size() const { return d.size(); }
-      std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const { return labeled(d.get(i, ctx)); }
-      std::vector<HostRows> host_rows(std::string& why) const { return d.host_rows(why); }
-    };
-    IdxRows rows{IdxDataset(c.str("images"), c.str("labels"), std::move(o))};
-    c.finish();
-    return DynamicDataset(std::move(rows));
-  }, "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz), flip=0|1 (random "
-     "horizontal flip), float=0|1, mean=, std= (normalize; implies float)");
-  r.add("npy", [](const DatasetConfig& c) {
-    // Rows of one field, passed on for the device gather (host_rows).
-    struct NpyRows {
-      NpyDataset d;
-      std::size_t size() const { return d.size(); }
-      std::vector<Tensor> get(std::size_t i) const { return {d.get(i)}; }
-      std::vector<HostRows> host_rows(std::string& why) const { return d.host_rows(why); }
-    };
-    NpyRows rows{NpyDataset(c.str("path"))};
-    c.finish();
-    return DynamicDataset(std::move(rows));
-  }, "rows of a .npy array: path=<file>");
+  r.add(
+      "idx",
+      [](const DatasetConfig& c) {
+        IdxDatasetOptions o;
+        if (c.integer("flip", 0)) o.transform.horizontal_flip();
+        if (c.integer("float", 0) || c.has("mean") || c.has("std")) o.transform.to_float();
+        if (c.has("mean") || c.has("std"))
+          o.transform.normalize({parse_float(c, "mean", c.str("mean", "0"))}, {parse_float(c, "std", c.str("std", "1"))});
+        // Images and labels as two fields, passed on for the device gather (host_rows: the flip and
+        // normalize run in its kernel).
+        struct IdxRows {
+          IdxDataset d;
+          std::size_t size() const { return d.size(); }
+          std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const { return labeled(d.get(i, ctx)); }
+          std::vector<HostRows> host_rows(std::string& why) const { return d.host_rows(why); }
+        };
+        IdxRows rows{IdxDataset(c.str("images"), c.str("labels"), std::move(o))};
+        c.finish();
+        return DynamicDataset(std::move(rows));
+      },
+      "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz), flip=0|1 (random "
+      "horizontal flip), float=0|1, mean=, std= (normalize; implies float)");
+  r.add(
+      "npy",
+      [](const DatasetConfig& c) {
+        // Rows of one field, passed on for the device gather (host_rows).
+        struct NpyRows {
+          NpyDataset d;
+          std::size_t size() const { return d.size(); }
+          std::vector<Tensor> get(std::size_t i) const { return {d.get(i)}; }
+          std::vector<HostRows> host_rows(std::string& why) const { return d.host_rows(why); }
+        };
+        NpyRows rows{NpyDataset(c.str("path"))};
+        c.finish();
+        return DynamicDataset(std::move(rows));
+      },
+      "rows of a .npy array: path=<file>");
   // Image datasets with CPU decode; decode=gpu needs the typed dataset (the loader's direct mode).
   auto images = [](const char* typed, auto make) {
     return [typed, make](const DatasetConfig& c) {
       if (c.str("decode", "cpu") == "gpu")
-        throw Error("dataset '" + c.dataset() + "': decode=gpu needs the loader's direct mode, which a registry dataset "
-                    "(std::vector<Tensor> samples) does not have: use ferry::" + typed + "(config) and a DataLoader "
+        throw Error("dataset '" + c.dataset() +
+                    "': decode=gpu needs the loader's direct mode, which a registry dataset "
+                    "(std::vector<Tensor> samples) does not have: use ferry::" +
+                    typed +
+                    "(config) and a DataLoader "
                     "of the dataset it returns, with a device (ferry bench does)");
       return DynamicDataset(ferry::map(make(c), labeled));
     };
   };
   r.add("image_folder", images("make_image_folder", make_image_folder), kImageFolderHelp);
   r.add("tar_index", images("make_tar_index", make_tar_index), kTarIndexHelp);
-  r.add("tokens", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, kTokensHelp);
-  r.add("megatron", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, kMegatronHelp);
-  r.add("synthetic", [](const DatasetConfig& c) {
-    const std::int64_t n = c.integer("n", 10000);
-    if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
-    Synthetic d{static_cast<std::size_t>(n), parse_dtype(c, c.str("dtype", "uint8")), parse_shape(c, c.str("shape", "3x224x224"))};
-    FaultOptions f;  // ferry::FaultInjector, to try a pipeline's fault handling from the command line
-    f.seed = static_cast<std::uint64_t>(c.integer("fault_seed", 0));
-    f.throw_rate = parse_float(c, "throw_rate", c.str("throw_rate", "0"));
-    f.delay_rate = parse_float(c, "delay_rate", c.str("delay_rate", "0"));
-    f.delay = std::chrono::milliseconds(c.integer("delay_ms", 0));
-    c.finish();
-    for (double rate : {f.throw_rate, f.delay_rate})
-      if (!(rate >= 0 && rate <= 1)) throw Error("dataset 'synthetic': throw_rate and delay_rate must be in [0, 1]");
-    if (f.throw_rate > 0 || f.delay_rate > 0) return DynamicDataset(FaultInjector(std::move(d), std::move(f)));
-    return DynamicDataset(std::move(d));
-  }, "in-memory patterns: n=10000, shape=3x224x224, dtype=uint8; injected faults (ferry::FaultInjector): "
-     "throw_rate=0, delay_rate=0, delay_ms=0, fault_seed=0");
+  r.add(
+      "tokens", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, kTokensHelp);
+  r.add(
+      "megatron", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, kMegatronHelp);
+  r.add(
+      "synthetic",
+      [](const DatasetConfig& c) {
+        const std::int64_t n = c.integer("n", 10000);
+        if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
+        Synthetic d{static_cast<std::size_t>(n), parse_dtype(c, c.str("dtype", "uint8")),
+                    parse_shape(c, c.str("shape", "3x224x224"))};
+        FaultOptions f;  // ferry::FaultInjector, to try a pipeline's fault handling from the command line
+        f.seed = static_cast<std::uint64_t>(c.integer("fault_seed", 0));
+        f.throw_rate = parse_float(c, "throw_rate", c.str("throw_rate", "0"));
+        f.delay_rate = parse_float(c, "delay_rate", c.str("delay_rate", "0"));
+        f.delay = std::chrono::milliseconds(c.integer("delay_ms", 0));
+        c.finish();
+        for (double rate : {f.throw_rate, f.delay_rate})
+          if (!(rate >= 0 && rate <= 1)) throw Error("dataset 'synthetic': throw_rate and delay_rate must be in [0, 1]");
+        if (f.throw_rate > 0 || f.delay_rate > 0) return DynamicDataset(FaultInjector(std::move(d), std::move(f)));
+        return DynamicDataset(std::move(d));
+      },
+      "in-memory patterns: n=10000, shape=3x224x224, dtype=uint8; injected faults (ferry::FaultInjector): "
+      "throw_rate=0, delay_rate=0, delay_ms=0, fault_seed=0");
 }
 
 // --- plugins ------------------------------------------------------------------------------------
@@ -199,8 +214,9 @@ struct PluginDataset {
     }
     char err[512] = {0};
     if (p->ops->get(p->self, i, ptrs.data(), err, sizeof err) != 0)
-      throw DataError(p->plugin, DataError::kNoOffset, "dataset '" + p->name + "', sample " + std::to_string(i) + ": " +
-                                                           (err[0] ? std::string(err, strnlen(err, sizeof err)) : "get() failed"));
+      throw DataError(p->plugin, DataError::kNoOffset,
+                      "dataset '" + p->name + "', sample " + std::to_string(i) + ": " +
+                          (err[0] ? std::string(err, strnlen(err, sizeof err)) : "get() failed"));
     return out;
   }
 };
@@ -241,15 +257,20 @@ DynamicDataset create_plugin_dataset(const std::string& plugin, const std::strin
   char err[512] = {0};
   d->self = ops->create(kv.data(), kv.size(), err, sizeof err);
   if (!d->self)
-    throw Error("plugin dataset '" + name + "' (" + plugin + "): " + (err[0] ? std::string(err, strnlen(err, sizeof err)) : "create() failed"));
+    throw Error("plugin dataset '" + name + "' (" + plugin +
+                "): " + (err[0] ? std::string(err, strnlen(err, sizeof err)) : "create() failed"));
   const std::size_t n = ops->fields(d->self, nullptr, 0);
-  if (n == 0 || n > 64) throw Error("plugin dataset '" + name + "' (" + plugin + "): declares " + std::to_string(n) + " fields (1 to 64 allowed)");
+  if (n == 0 || n > 64)
+    throw Error("plugin dataset '" + name + "' (" + plugin + "): declares " + std::to_string(n) + " fields (1 to 64 allowed)");
   d->fields.resize(n);
   ops->fields(d->self, d->fields.data(), n);
   for (const ferry_field& f : d->fields) {
-    const bool ok = f.dtype >= FERRY_BOOL && f.dtype <= FERRY_FLOAT64 && f.ndim >= 0 && f.ndim <= FERRY_PLUGIN_MAX_DIMS &&
-                    std::all_of(f.shape, f.shape + std::max(f.ndim, 0), [](std::int64_t x) { return x >= 0 && x < (std::int64_t{1} << 40); });
-    if (!ok) throw Error("plugin dataset '" + name + "' (" + plugin + "): field '" + std::string(f.name, strnlen(f.name, sizeof f.name)) + "' has an invalid dtype or shape");
+    const bool ok =
+        f.dtype >= FERRY_BOOL && f.dtype <= FERRY_FLOAT64 && f.ndim >= 0 && f.ndim <= FERRY_PLUGIN_MAX_DIMS &&
+        std::all_of(f.shape, f.shape + std::max(f.ndim, 0), [](std::int64_t x) { return x >= 0 && x < (std::int64_t{1} << 40); });
+    if (!ok)
+      throw Error("plugin dataset '" + name + "' (" + plugin + "): field '" +
+                  std::string(f.name, strnlen(f.name, sizeof f.name)) + "' has an invalid dtype or shape");
   }
   return DynamicDataset(PluginDataset{std::move(d)});
 }
@@ -262,10 +283,13 @@ ImageFolderOptions image_options(const DatasetConfig& c) {
   ImageFolderOptions o;
   o.channels = static_cast<int>(c.integer("channels", 3));
   const std::int64_t size = c.integer("size", 224);
-  if (size < 1 || size > 32768) throw Error("dataset '" + c.dataset() + "': option 'size' must be in [1, 32768], got " + std::to_string(size));
+  if (size < 1 || size > 32768)
+    throw Error("dataset '" + c.dataset() + "': option 'size' must be in [1, 32768], got " + std::to_string(size));
   const int n = static_cast<int>(size);
-  if (c.integer("random_crop", 0)) o.transform.random_resized_crop(n, n).horizontal_flip();
-  else o.transform.resize_shorter(n).center_crop(n, n);
+  if (c.integer("random_crop", 0))
+    o.transform.random_resized_crop(n, n).horizontal_flip();
+  else
+    o.transform.resize_shorter(n).center_crop(n, n);
   const bool normalize = c.has("mean") || c.has("std");
   if (c.integer("float", 0) || normalize) o.transform.to_float();
   if (normalize) {
@@ -314,7 +338,8 @@ TokenSequences make_token_sequences(const DatasetConfig& c) {
     o.num_samples = static_cast<std::size_t>(n);
   }
   const std::string out = c.str("out_dtype", "int64");
-  if (out != "int64" && out != "int32") throw Error("dataset '" + c.dataset() + "': option 'out_dtype' must be int64 or int32, got '" + out + "'");
+  if (out != "int64" && out != "int32")
+    throw Error("dataset '" + c.dataset() + "': option 'out_dtype' must be int64 or int32, got '" + out + "'");
   o.dtype = out == "int64" ? DType::Int64 : DType::Int32;
   std::optional<std::int64_t> vocab;
   if (c.has("vocab")) {
@@ -338,10 +363,14 @@ TokenSequences make_token_sequences(const DatasetConfig& c) {
     }
     if (c.has("eod")) f.eod = c.integer("eod");
     const std::string format = c.str("format", "auto");
-    if (format == "raw") f.format = TokenFileOptions::Format::Raw;
-    else if (format == "llmc") f.format = TokenFileOptions::Format::LlmC;
-    else if (format == "npy") f.format = TokenFileOptions::Format::Npy;
-    else if (format != "auto") throw Error("dataset '" + c.dataset() + "': option 'format' must be auto, raw, llmc or npy, got '" + format + "'");
+    if (format == "raw")
+      f.format = TokenFileOptions::Format::Raw;
+    else if (format == "llmc")
+      f.format = TokenFileOptions::Format::LlmC;
+    else if (format == "npy")
+      f.format = TokenFileOptions::Format::Npy;
+    else if (format != "auto")
+      throw Error("dataset '" + c.dataset() + "': option 'format' must be auto, raw, llmc or npy, got '" + format + "'");
     const std::string path = c.str("path");
     c.finish();
     corpus = open_token_file(path, f);
@@ -394,7 +423,8 @@ std::int64_t DatasetConfig::integer(const std::string& key) const {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (v.empty() || used != v.size()) throw Error("dataset '" + dataset_ + "': option '" + key + "' must be an integer, got '" + v + "'");
+  if (v.empty() || used != v.size())
+    throw Error("dataset '" + dataset_ + "': option '" + key + "' must be an integer, got '" + v + "'");
   return out;
 }
 std::int64_t DatasetConfig::integer(const std::string& key, std::int64_t fallback) const {
@@ -501,8 +531,9 @@ std::vector<std::string> DatasetRegistry::load_plugin(const std::string& path) {
     if (entries_.count(name)) throw Error("load_plugin: '" + path + "' registers '" + name + "', which is already registered");
   std::vector<std::string> names;
   for (auto& [name, ops] : staging.datasets) {
-    entries_.emplace(name, Entry{[path, name = name, ops = ops](const DatasetConfig& c) { return create_plugin_dataset(path, name, ops, c); },
-                                 "plugin dataset from " + path});
+    entries_.emplace(
+        name, Entry{[path, name = name, ops = ops](const DatasetConfig& c) { return create_plugin_dataset(path, name, ops, c); },
+                    "plugin dataset from " + path});
     names.push_back(name);
   }
   plugins_.emplace(handle, names);

@@ -108,7 +108,8 @@ Config read_config() {
   c.aws_endpoint = endpoint.empty();
   if (endpoint.empty()) endpoint = "https://s3." + c.region + ".amazonaws.com";
   const std::size_t sep = endpoint.find("://");
-  if (sep == std::string::npos) throw Error("object storage: the endpoint '" + endpoint + "' has no scheme (http:// or https://)");
+  if (sep == std::string::npos)
+    throw Error("object storage: the endpoint '" + endpoint + "' has no scheme (http:// or https://)");
   c.scheme = endpoint.substr(0, sep);
   c.host = endpoint.substr(sep + 3);
   while (!c.host.empty() && c.host.back() == '/') c.host.pop_back();
@@ -132,13 +133,17 @@ Config read_config() {
     }
   }
   const std::string style = pick({env("AWS_S3_ADDRESSING_STYLE"), at(conf, "addressing_style")});
-  if (style == "path") c.path_style = true;
-  else if (style == "virtual") c.path_style = false;
-  else c.path_style = !c.aws_endpoint;
+  if (style == "path")
+    c.path_style = true;
+  else if (style == "virtual")
+    c.path_style = false;
+  else
+    c.path_style = !c.aws_endpoint;
   if (const std::string a = env("AWS_MAX_ATTEMPTS"); !a.empty()) {
     char* end = nullptr;
     const long v = std::strtol(a.c_str(), &end, 10);
-    if (*end != '\0' || v < 1 || v > 100) throw Error("object storage: AWS_MAX_ATTEMPTS must be an integer from 1 to 100, got '" + a + "'");
+    if (*end != '\0' || v < 1 || v > 100)
+      throw Error("object storage: AWS_MAX_ATTEMPTS must be an integer from 1 to 100, got '" + a + "'");
     c.attempts = static_cast<int>(v);
   }
   if (const std::string h = env("FERRY_S3_HEDGE_AFTER"); !h.empty()) {
@@ -147,14 +152,16 @@ Config read_config() {
     } else {
       char* end = nullptr;
       const double v = std::strtod(h.c_str(), &end);
-      if (*end != '\0' || !(v >= 0) || v > 3600) throw Error("object storage: FERRY_S3_HEDGE_AFTER must be seconds (0 to 3600) or 'off', got '" + h + "'");
+      if (*end != '\0' || !(v >= 0) || v > 3600)
+        throw Error("object storage: FERRY_S3_HEDGE_AFTER must be seconds (0 to 3600) or 'off', got '" + h + "'");
       c.hedge_after = v;
     }
   }
   if (const std::string s = env("FERRY_S3_STALL_SECONDS"); !s.empty()) {
     char* end = nullptr;
     const long v = std::strtol(s.c_str(), &end, 10);
-    if (*end != '\0' || v < 1 || v > 3600) throw Error("object storage: FERRY_S3_STALL_SECONDS must be an integer from 1 to 3600, got '" + s + "'");
+    if (*end != '\0' || v < 1 || v > 3600)
+      throw Error("object storage: FERRY_S3_STALL_SECONDS must be an integer from 1 to 3600, got '" + s + "'");
     c.stall_seconds = v;
   }
   return c;
@@ -257,7 +264,7 @@ struct Attempt {
   curl_slist* headers = nullptr;
   std::byte* dst = nullptr;  // fixed sink (a range): cap bytes
   std::size_t cap = 0, got = 0;
-  std::vector<std::byte> own;        // a hedge's fixed sink
+  std::vector<std::byte> own;              // a hedge's fixed sink
   std::vector<std::byte>* grow = nullptr;  // whole-object sink
   std::size_t grow_limit = 0;
   std::string error_body;
@@ -314,8 +321,8 @@ std::size_t on_header(char* p, std::size_t size, std::size_t n, void* user) {
 }
 
 struct Request {
-  std::string url;        // http(s)://...
-  std::string range;      // "0-99" or empty
+  std::string url;    // http(s)://...
+  std::string range;  // "0-99" or empty
   std::byte* dst = nullptr;
   std::size_t cap = 0;
   std::vector<std::byte>* grow = nullptr;
@@ -505,8 +512,10 @@ struct Answer {
 Answer run(const Config& c, const Request& r, const std::string& where, std::uint64_t offset) {
   thread_local std::minstd_rand rng(static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id())));
   const auto given_up = [&] {
-    return IoError(where, offset, "object storage: the loader gave up on this read (its worker was abandoned at the "
-                   "timeout, or the epoch ended)", ECANCELED);
+    return IoError(where, offset,
+                   "object storage: the loader gave up on this read (its worker was abandoned at the "
+                   "timeout, or the epoch ended)",
+                   ECANCELED);
   };
   std::string why;
   for (int attempt = 1;; ++attempt) {
@@ -545,10 +554,12 @@ Answer run(const Config& c, const Request& r, const std::string& where, std::uin
   if (a.status == 404) throw DataError(where, DataError::kNoOffset, "does not exist (" + a.why + ")");
   if (a.status == 403)
     throw DataError(where, DataError::kNoOffset,
-                    "access denied (" + a.why + "); check the credentials and the region (AWS_ACCESS_KEY_ID, AWS_PROFILE, AWS_REGION)" +
+                    "access denied (" + a.why +
+                        "); check the credentials and the region (AWS_ACCESS_KEY_ID, AWS_PROFILE, AWS_REGION)" +
                         (c.key_id.empty() ? "; the request was anonymous: no credentials were found" : ""));
   if (a.status == 301 || a.status == 307 || (a.status == 400 && a.why.find("Region") != std::string::npos))
-    throw DataError(where, DataError::kNoOffset, "the bucket is in another region or behind another endpoint (" + a.why + "); set AWS_REGION");
+    throw DataError(where, DataError::kNoOffset,
+                    "the bucket is in another region or behind another endpoint (" + a.why + "); set AWS_REGION");
   throw DataError(where, offset, a.why.empty() ? "the request failed" : a.why);
 }
 
@@ -581,8 +592,9 @@ std::uint64_t first_piece(const Url& url, std::size_t n, std::vector<std::byte>&
   if (!total) throw DataError(url.text(), DataError::kNoOffset, why);
   const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(*total, n));
   if (a.got < want)  // a cut answer (the retries passed it as short_ok): the object's start is not all here
-    throw IoError(url.text(), a.got, "object storage: the answer held " + std::to_string(a.got) + " of the " + std::to_string(want) +
-                  " bytes asked for", EIO);
+    throw IoError(
+        url.text(), a.got,
+        "object storage: the answer held " + std::to_string(a.got) + " of the " + std::to_string(want) + " bytes asked for", EIO);
   out.resize(want);
   return *total;
 }
@@ -600,8 +612,8 @@ void read(const Url& url, std::uint64_t offset, std::size_t n, std::byte* dst) {
     throw DataError(url.text(), offset, "the object ends before this byte (" + std::to_string(n) + " bytes asked for)");
   if (!a.ok) fail(c, a, url.text(), offset);
   if (a.got != n)
-    throw DataError(url.text(), offset + a.got, "the object ends " + std::to_string(n - a.got) + " bytes before the " +
-                                                     std::to_string(n) + " asked for");
+    throw DataError(url.text(), offset + a.got,
+                    "the object ends " + std::to_string(n - a.got) + " bytes before the " + std::to_string(n) + " asked for");
 }
 
 void get(const Url& url, std::vector<std::byte>& out) {
@@ -723,9 +735,9 @@ struct Batch {
         curl_multi_remove_handle(multi, it.attempt.easy);
         idle.push_back(std::exchange(it.attempt.easy, nullptr));
         --live;
-        const bool ok = o.kind == Outcome::Ok && (it.want.size == 0   ? !it.out.empty()
-                                                  : it.want.first ? it.attempt.got > 0
-                                                                  : it.attempt.got == it.want.size);
+        const bool ok = o.kind == Outcome::Ok && (it.want.size == 0 ? !it.out.empty()
+                                                  : it.want.first   ? it.attempt.got > 0
+                                                                    : it.attempt.got == it.want.size);
         it.state = ok ? Item::Done : Item::Failed;
         if (!ok) it.out.clear();
         break;
@@ -744,8 +756,8 @@ struct Batch {
     const auto waiting_since = std::chrono::steady_clock::now();
     while (it.state == Item::Queued || it.state == Item::Live) {
       if (detail::io_cancelled()) {  // the loader gave up: stop every transfer of the batch
-        cancel();  // (drops the items, `it` among them)
-        return false;  // the caller's ordinary read then says so
+        cancel();                    // (drops the items, `it` among them)
+        return false;                // the caller's ordinary read then says so
       }
       drive(0);  // what has arrived is taken in first: a read is late only if nothing came
       if (it.state != Item::Queued && it.state != Item::Live) break;
@@ -754,7 +766,8 @@ struct Batch {
         // A read sent ahead gets no hedge of its own: one the caller has waited for past the
         // hedge deadline without a first byte is dropped, and the caller's own read (retried,
         // hedged) takes over, rather than waiting out the stall limit.
-        const double late = std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting_since).count() - config.hedge_after;
+        const double late =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting_since).count() - config.hedge_after;
         if (late >= 0) {
           curl_multi_remove_handle(multi, it.attempt.easy);
           idle.push_back(std::exchange(it.attempt.easy, nullptr));
@@ -806,7 +819,8 @@ void ReadAhead::start(const Url& url, std::uint64_t offset, std::size_t n) {
 
 bool ReadAhead::take(std::uint64_t offset, std::size_t n, std::byte* dst, std::span<ReadAhead* const> meanwhile) {
   Batch& b = impl_->batch;
-  const bool match = b.items.size() == 1 && !b.items[0]->want.first && b.items[0]->want.offset == offset && b.items[0]->want.size == n;
+  const bool match =
+      b.items.size() == 1 && !b.items[0]->want.first && b.items[0]->want.offset == offset && b.items[0]->want.size == n;
   const bool ok = match && b.take(0, impl_->buf, meanwhile);
   b.cancel();
   if (ok) std::memcpy(dst, impl_->buf.data(), n);
@@ -864,7 +878,8 @@ std::vector<Object> list(const std::string& bucket, const std::string& prefix) {
     ListPage lp = parse_list(std::string_view(reinterpret_cast<const char*>(body.data()), body.size()), where);
     for (Object& o : lp.objects) all.push_back(std::move(o));
     if (!lp.truncated) break;
-    if (lp.next_token == token) throw DataError(where, DataError::kNoOffset, "the object store's listing repeats its continuation token");
+    if (lp.next_token == token)
+      throw DataError(where, DataError::kNoOffset, "the object store's listing repeats its continuation token");
     token = lp.next_token;
   }
   std::sort(all.begin(), all.end(), [](const Object& a, const Object& b) { return a.key < b.key; });

@@ -61,11 +61,16 @@ bool xml_unescape(std::string_view raw, std::string& out) {
     const std::size_t semi = raw.find(';', i);
     if (semi == std::string_view::npos || semi - i > 12) return false;
     const std::string_view name = raw.substr(i + 1, semi - i - 1);
-    if (name == "amp") out += '&';
-    else if (name == "lt") out += '<';
-    else if (name == "gt") out += '>';
-    else if (name == "quot") out += '"';
-    else if (name == "apos") out += '\'';
+    if (name == "amp")
+      out += '&';
+    else if (name == "lt")
+      out += '<';
+    else if (name == "gt")
+      out += '>';
+    else if (name == "quot")
+      out += '"';
+    else if (name == "apos")
+      out += '\'';
     else if (name.size() >= 2 && name[0] == '#') {
       const bool hex = name[1] == 'x' || name[1] == 'X';
       const std::string_view digits = name.substr(hex ? 2 : 1);
@@ -134,7 +139,8 @@ ErrorBody parse_error(std::string_view xml) noexcept {
   return e;
 }
 
-std::optional<std::uint64_t> content_range_total(std::string_view content_range, std::size_t got, std::size_t asked, std::string& why) {
+std::optional<std::uint64_t> content_range_total(std::string_view content_range, std::size_t got, std::size_t asked,
+                                                 std::string& why) {
   const std::size_t slash = content_range.rfind('/');
   if (slash == std::string_view::npos) {
     if (content_range.empty() && got <= asked) return got;
@@ -147,8 +153,10 @@ std::optional<std::uint64_t> content_range_total(std::string_view content_range,
   for (char c : total) {
     if (!ok) break;
     const unsigned d = static_cast<unsigned>(c) - '0';
-    if (d > 9 || v > (UINT64_MAX - d) / 10) ok = false;
-    else v = v * 10 + d;
+    if (d > 9 || v > (UINT64_MAX - d) / 10)
+      ok = false;
+    else
+      v = v * 10 + d;
   }
   if (!ok) {
     why = "the object store gave an unreadable Content-Range";

@@ -44,7 +44,8 @@ ErrorBody parse_error(std::string_view xml) noexcept;
 /// ("bytes 0-0/1234"), or, from a server that ignored the range and sent the whole object (no
 /// Content-Range), the `got` bytes it sent, which must be at most the `asked`. nullopt, with what
 /// is wrong in `why`, for anything else (an unknown total "*", not a number, past 2^64).
-std::optional<std::uint64_t> content_range_total(std::string_view content_range, std::size_t got, std::size_t asked, std::string& why);
+std::optional<std::uint64_t> content_range_total(std::string_view content_range, std::size_t got, std::size_t asked,
+                                                 std::string& why);
 
 /// XML character data with its entities decoded (&amp; &lt; &gt; &quot; &apos; &#N; &#xN;);
 /// false for a malformed or unknown entity.

@@ -36,7 +36,7 @@ struct TarReader::Impl {
   std::string name;
   std::string last_path;
   std::unique_ptr<loaders::Blob> blob;  // a file or an object; null for an archive in memory
-  std::uint64_t size = 0;  // archive size in bytes
+  std::uint64_t size = 0;               // archive size in bytes
   std::span<const std::byte> mem;
   std::vector<std::byte> buf;  // read buffer
   std::size_t buf_pos = 0, buf_len = 0;
@@ -249,8 +249,10 @@ std::optional<TarMember> TarReader::next(bool read_data) {
       const std::string prefix = field_str(h + 345, 155);
       if (!prefix.empty()) path = prefix + "/" + path;
     }
-    if (!pax_path.empty()) path = pax_path;
-    else if (!long_name.empty()) path = long_name;
+    if (!pax_path.empty())
+      path = pax_path;
+    else if (!long_name.empty())
+      path = long_name;
     r.last_path = path;
     if (size > r.remaining())
       r.fail(at, "truncated member '" + path + "': it needs " + std::to_string(size) + " bytes, the archive has " +
@@ -346,7 +348,8 @@ std::vector<std::size_t> TarShards::assignment(int worker, int num_workers, std:
     for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[g.randint(i)]);
   }
   const std::size_t slots = static_cast<std::size_t>(options_.world_size) * static_cast<std::size_t>(num_workers);
-  const std::size_t slot = static_cast<std::size_t>(options_.rank) * static_cast<std::size_t>(num_workers) + static_cast<std::size_t>(worker);
+  const std::size_t slot =
+      static_cast<std::size_t>(options_.rank) * static_cast<std::size_t>(num_workers) + static_cast<std::size_t>(worker);
   std::vector<std::size_t> mine;
   for (std::size_t k = slot; k < order.size(); k += slots) mine.push_back(order[k]);
   return mine;
@@ -404,8 +407,10 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
         reader_.emplace(shards_[current_]);
         // The next shard's opening read goes out now, and arrives while this one is parsed; from
         // the last shard, the next epoch's first shard's, once this one's pieces are all asked for.
-        if (current_ + 1 < shards_.size()) loaders::open_ahead(shards_[current_ + 1], kAheadPiece);
-        else if (!next_first_.empty()) loaders::open_ahead_later(next_first_, kAheadPiece);
+        if (current_ + 1 < shards_.size())
+          loaders::open_ahead(shards_[current_ + 1], kAheadPiece);
+        else if (!next_first_.empty())
+          loaders::open_ahead_later(next_first_, kAheadPiece);
       }
       std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next(read_data);
       pending_.reset();
@@ -464,7 +469,8 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
 namespace {
 // A label field's text as a class index, or what is wrong with it (the message of the DataError
 // that names the shard and the record).
-std::variant<std::int64_t, std::string> class_index(std::span<const std::byte> bytes, const std::string& key, const std::string& field) {
+std::variant<std::int64_t, std::string> class_index(std::span<const std::byte> bytes, const std::string& key,
+                                                    const std::string& field) {
   std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
   while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.erase(0, 1);
@@ -492,11 +498,15 @@ LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecod
       break;
     }
   }
-  if (!image) record.field(options.image_fields.empty() ? std::string("image") : options.image_fields.front());  // throws, naming the fields
-  const std::int64_t label = parse_label(record.field(options.label_field), record.shard, record.offset, record.key, options.label_field);
+  if (!image)
+    record.field(options.image_fields.empty() ? std::string("image")
+                                              : options.image_fields.front());  // throws, naming the fields
+  const std::int64_t label =
+      parse_label(record.field(options.label_field), record.shard, record.offset, record.key, options.label_field);
   const std::string name = record.shard + ": " + record.key + "." + field;
   const DecodeOptions decode{options.channels, std::int64_t{1} << 28, options.dct_scaling};
-  if (std::optional<Shape> shape = options.transform.empty() ? std::nullopt : options.transform.fixed_output_shape(options.channels)) {
+  if (std::optional<Shape> shape =
+          options.transform.empty() ? std::nullopt : options.transform.fixed_output_shape(options.channels)) {
     Tensor out = Tensor::empty(options.transform.output_dtype(DType::UInt8), std::move(*shape));
     decode_transformed_into(*image, name, options.transform, rng, out, decode);  // only the crop is decoded
     return {std::move(out), label};
@@ -512,7 +522,8 @@ EncodedImage encode_labeled_image(TarRecord record, const TarRecordDecodeOptions
   for (const std::string& f : options.image_fields)
     if ((image = record.fields.find(f)) != record.fields.end()) break;
   if (image == record.fields.end())
-    record.field(options.image_fields.empty() ? std::string("image") : options.image_fields.front());  // throws, naming the fields
+    record.field(options.image_fields.empty() ? std::string("image")
+                                              : options.image_fields.front());  // throws, naming the fields
   EncodedImage out;
   out.label = parse_label(record.field(options.label_field), record.shard, record.offset, record.key, options.label_field);
   out.plan = plan_jpeg(image->second, record.shard + ": " + record.key + "." + image->first, options.transform, rng);
@@ -617,8 +628,10 @@ TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) 
         }
         file.read(m->data_offset, static_cast<std::size_t>(m->size), label);
         auto value = class_index(label, rec->key, options_.label_field);
-        if (std::string* why = std::get_if<std::string>(&value)) index->label_errors[at] = std::move(*why);
-        else rec->label = std::get<std::int64_t>(value);
+        if (std::string* why = std::get_if<std::string>(&value))
+          index->label_errors[at] = std::move(*why);
+        else
+          rec->label = std::get<std::int64_t>(value);
       }
     }
   }
@@ -626,7 +639,8 @@ TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) 
   std::size_t largest = 0;
   for (const Record& r : records) {
     if (r.image_size > static_cast<std::uint64_t>(std::numeric_limits<std::int32_t>::max()))
-      throw DataError(paths[r.shard], r.image_offset, "record '" + r.key + "': an image of " + std::to_string(r.image_size) + " bytes");
+      throw DataError(paths[r.shard], r.image_offset,
+                      "record '" + r.key + "': an image of " + std::to_string(r.image_size) + " bytes");
     if (r.image_field >= 0) largest = std::max<std::size_t>(largest, static_cast<std::size_t>(r.image_size));
   }
   slot_ = loaders::encoded_slot(largest);
@@ -654,10 +668,12 @@ TarImages::Read TarImages::read(std::size_t i) const {
     for (const std::string& f : options_.image_fields) wanted += (wanted.empty() ? "" : ", ") + f;
     throw DataError(shard, r.offset, "record '" + r.key + "' has no image field (looked for: " + wanted + ")");
   }
-  if (r.label == Record::kNoLabel) throw DataError(shard, r.offset, "record '" + r.key + "' has no '" + options_.label_field + "' field");
+  if (r.label == Record::kNoLabel)
+    throw DataError(shard, r.offset, "record '" + r.key + "' has no '" + options_.label_field + "' field");
   if (r.label == Record::kBadLabel) throw DataError(shard, r.offset, index_->label_errors.at(i));
   std::vector<std::byte>& bytes = loaders::file_scratch();
-  if (!loaders::is_remote(shard) || !loaders::take_prefetched(shard, r.image_offset, static_cast<std::size_t>(r.image_size), bytes))
+  if (!loaders::is_remote(shard) ||
+      !loaders::take_prefetched(shard, r.image_offset, static_cast<std::size_t>(r.image_size), bytes))
     loaders::RangeReader(shard).read(r.image_offset, static_cast<std::size_t>(r.image_size), bytes);
   return {bytes, shard + ": " + r.key + "." + options_.image_fields[static_cast<std::size_t>(r.image_field)], r.label};
 }

@@ -130,7 +130,8 @@ class Bytes {
   /// it holds them). DataError when they run past the end.
   const std::byte* view(std::uint64_t offset, std::size_t n, std::vector<std::byte>& scratch) const {
     if (offset > size_ || n > size_ - offset)
-      throw DataError(name_, offset, "needs " + std::to_string(n) + " bytes here, the file has " + std::to_string(size_) + " (truncated?)");
+      throw DataError(name_, offset,
+                      "needs " + std::to_string(n) + " bytes here, the file has " + std::to_string(size_) + " (truncated?)");
     if (!ranges_) return memory_.data() + offset;
     if (loaders::take_prefetched(name_, offset, n, scratch) && scratch.size() == n) return scratch.data();
     ranges_->read(offset, n, scratch);
@@ -163,14 +164,16 @@ class TokenBytes {
   void read(std::uint64_t begin, std::span<std::int64_t> out) const {
     const std::size_t isz = token_size(type_);
     if (begin > tokens_ || out.size() > tokens_ - begin)
-      throw DataError(bytes_.name(), offset_ + begin * isz, "tokens [" + std::to_string(begin) + ", " + std::to_string(begin + out.size()) +
-                                                                ") run past the file's " + std::to_string(tokens_) + " tokens");
+      throw DataError(bytes_.name(), offset_ + begin * isz,
+                      "tokens [" + std::to_string(begin) + ", " + std::to_string(begin + out.size()) + ") run past the file's " +
+                          std::to_string(tokens_) + " tokens");
     widen(type_, bytes_.view(offset_ + begin * isz, out.size() * isz, t_scratch), out);
     if (vocab_)
       for (std::size_t i = 0; i < out.size(); ++i)
         if (out[i] < 0 || out[i] >= *vocab_)
-          throw DataError(bytes_.name(), offset_ + (begin + i) * isz, "token id " + std::to_string(out[i]) + " (token " + std::to_string(begin + i) +
-                                                                          ") is outside the vocabulary [0, " + std::to_string(*vocab_) + ")");
+          throw DataError(bytes_.name(), offset_ + (begin + i) * isz,
+                          "token id " + std::to_string(out[i]) + " (token " + std::to_string(begin + i) +
+                              ") is outside the vocabulary [0, " + std::to_string(*vocab_) + ")");
   }
   std::uint64_t tokens() const noexcept { return tokens_; }
   TokenType type() const noexcept { return type_; }
@@ -210,7 +213,8 @@ class FlatCorpus final : public TokenCorpus {
   TokenType type() const noexcept override { return tokens_.type(); }
   const std::string& name() const noexcept override { return tokens_.bytes().name(); }
   void read(std::uint64_t begin, std::span<std::int64_t> out) const override { tokens_.read(begin, out); }
-  void document_starts(std::uint64_t begin, std::span<const std::int64_t> tokens, std::vector<std::uint64_t>& out) const override {
+  void document_starts(std::uint64_t begin, std::span<const std::int64_t> tokens,
+                       std::vector<std::uint64_t>& out) const override {
     if (!eod_) return;
     for (std::size_t k = 1; k < tokens.size(); ++k)
       if (tokens[k - 1] == *eod_) out.push_back(begin + k);
@@ -225,9 +229,9 @@ class FlatCorpus final : public TokenCorpus {
 };
 
 TokenType npy_token_type(const std::string& descr, const std::string& name, std::uint64_t at) {
-  static const std::pair<const char*, TokenType> kTypes[] = {{"u1", TokenType::UInt8},  {"i1", TokenType::Int8},   {"i2", TokenType::Int16},
-                                                             {"u2", TokenType::UInt16}, {"i4", TokenType::Int32},  {"u4", TokenType::UInt32},
-                                                             {"i8", TokenType::Int64}};
+  static const std::pair<const char*, TokenType> kTypes[] = {
+      {"u1", TokenType::UInt8}, {"i1", TokenType::Int8},   {"i2", TokenType::Int16}, {"u2", TokenType::UInt16},
+      {"i4", TokenType::Int32}, {"u4", TokenType::UInt32}, {"i8", TokenType::Int64}};
   if (descr.size() == 3 && (descr[0] == '<' || descr[0] == '|' || (descr[0] == '>' && descr[2] == '1') || descr[0] == '='))
     for (auto& [code, type] : kTypes)
       if (descr.compare(1, 2, code) == 0) return type;
@@ -238,12 +242,16 @@ TokenType npy_token_type(const std::string& descr, const std::string& name, std:
 
 LlmcHeader parse_llmc_header(std::span<const std::byte> header, const std::string& name) {
   constexpr std::int32_t kMagic = 20240520;
-  if (header.size() < 1024) throw DataError(name, header.size(), "truncated llm.c header: it is 1024 bytes, the file has " + std::to_string(header.size()));
+  if (header.size() < 1024)
+    throw DataError(name, header.size(),
+                    "truncated llm.c header: it is 1024 bytes, the file has " + std::to_string(header.size()));
   if (load<std::int32_t>(header.data()) != kMagic)
-    throw DataError(name, 0, "not an llm.c token file: magic " + std::to_string(load<std::int32_t>(header.data())) + ", expected 20240520");
+    throw DataError(
+        name, 0, "not an llm.c token file: magic " + std::to_string(load<std::int32_t>(header.data())) + ", expected 20240520");
   const std::int32_t version = load<std::int32_t>(header.data() + 4);
   if (version != 1 && version != 2)
-    throw DataError(name, 4, "unsupported llm.c token file version " + std::to_string(version) + " (1: uint16 tokens, 2: uint32)");
+    throw DataError(name, 4,
+                    "unsupported llm.c token file version " + std::to_string(version) + " (1: uint16 tokens, 2: uint32)");
   const std::int32_t count = load<std::int32_t>(header.data() + 8);
   if (count < 0) throw DataError(name, 8, "llm.c header: negative token count " + std::to_string(count));
   return {version == 1 ? TokenType::UInt16 : TokenType::UInt32, static_cast<std::uint64_t>(count)};
@@ -259,13 +267,18 @@ std::shared_ptr<const TokenCorpus> open_token_file(const std::string& path, cons
   using Format = TokenFileOptions::Format;
   Format format = o.format;
   if (format == Format::Auto) {
-    if (head_n >= 6 && std::memcmp(head, "\x93NUMPY", 6) == 0) format = Format::Npy;
-    else if (head_n >= 4 && load<std::int32_t>(head) == 20240520) format = Format::LlmC;
-    else format = Format::Raw;
+    if (head_n >= 6 && std::memcmp(head, "\x93NUMPY", 6) == 0)
+      format = Format::Npy;
+    else if (head_n >= 4 && load<std::int32_t>(head) == 20240520)
+      format = Format::LlmC;
+    else
+      format = Format::Raw;
   }
   auto check_type = [&](TokenType found) {
     if (o.type && *o.type != found)
-      throw DataError(path, 0, std::string("holds ") + token_type_name(found) + " tokens, and " + token_type_name(*o.type) + " was asked for");
+      throw DataError(
+          path, 0,
+          std::string("holds ") + token_type_name(found) + " tokens, and " + token_type_name(*o.type) + " was asked for");
   };
   std::uint64_t offset = 0, tokens = 0;
   TokenType type = TokenType::UInt16;
@@ -273,7 +286,8 @@ std::shared_ptr<const TokenCorpus> open_token_file(const std::string& path, cons
     const loaders::NpyLayout l = loaders::npy_layout(head_span, path);
     type = npy_token_type(l.descr, path, l.header_offset);
     if (l.shape.size() != 1)
-      throw DataError(path, l.header_offset, "a token .npy must be 1-D, this one has shape of " + std::to_string(l.shape.size()) + " dimensions");
+      throw DataError(path, l.header_offset,
+                      "a token .npy must be 1-D, this one has shape of " + std::to_string(l.shape.size()) + " dimensions");
     offset = l.data_offset;
     tokens = static_cast<std::uint64_t>(l.shape[0]);
     check_type(type);
@@ -287,15 +301,17 @@ std::shared_ptr<const TokenCorpus> open_token_file(const std::string& path, cons
     if (!o.type) throw Error(path + ": a raw token file needs its token type (uint16 for nanoGPT's .bin)");
     type = *o.type;
     if (bytes.size() % token_size(type) != 0)
-      throw DataError(path, bytes.size() - bytes.size() % token_size(type),
-                      std::to_string(bytes.size()) + " bytes is not a whole number of " + token_type_name(type) + " tokens (truncated?)");
+      throw DataError(
+          path, bytes.size() - bytes.size() % token_size(type),
+          std::to_string(bytes.size()) + " bytes is not a whole number of " + token_type_name(type) + " tokens (truncated?)");
     tokens = bytes.size() / token_size(type);
   }
   const std::uint64_t need = offset + loaders::checked_mul(tokens, token_size(type), path, "token data size");
   if (need != bytes.size())
-    throw DataError(path, std::min(need, bytes.size()), "the header declares " + std::to_string(tokens) + " " + token_type_name(type) + " tokens (" +
-                                                            std::to_string(need) + " bytes in all), the file has " + std::to_string(bytes.size()) +
-                                                            (need > bytes.size() ? " (truncated)" : " (trailing bytes)"));
+    throw DataError(path, std::min(need, bytes.size()),
+                    "the header declares " + std::to_string(tokens) + " " + token_type_name(type) + " tokens (" +
+                        std::to_string(need) + " bytes in all), the file has " + std::to_string(bytes.size()) +
+                        (need > bytes.size() ? " (truncated)" : " (trailing bytes)"));
   return std::make_shared<FlatCorpus>(TokenBytes(std::move(bytes), offset, tokens, type, o.vocab_size), o.eod);
 }
 
@@ -317,45 +333,62 @@ constexpr std::size_t kIdxHeader = 9 + 8 + 1 + 8 + 8;
 
 class MegatronCorpus final : public TokenCorpus {
  public:
-  MegatronCorpus(Bytes idx, Bytes bin, std::string name, const MegatronOptions& o) : idx_(std::move(idx)), name_(std::move(name)) {
+  MegatronCorpus(Bytes idx, Bytes bin, std::string name, const MegatronOptions& o)
+      : idx_(std::move(idx)), name_(std::move(name)) {
     std::vector<std::byte> buf;
     const std::string& in = idx_.name();
-    if (idx_.size() < kIdxHeader) throw DataError(in, idx_.size(), "truncated Megatron index: " + std::to_string(idx_.size()) + " bytes, the header is 34");
+    if (idx_.size() < kIdxHeader)
+      throw DataError(in, idx_.size(), "truncated Megatron index: " + std::to_string(idx_.size()) + " bytes, the header is 34");
     const std::byte* h = idx_.view(0, kIdxHeader, buf);
-    if (std::memcmp(h, "MMIDIDX\0\0", 9) != 0) throw DataError(in, 0, "not a Megatron index (the magic MMIDIDX\\0\\0 is missing)");
-    if (load<std::uint64_t>(h + 9) != 1) throw DataError(in, 9, "unsupported Megatron index version " + std::to_string(load<std::uint64_t>(h + 9)) + " (1 is read)");
+    if (std::memcmp(h, "MMIDIDX\0\0", 9) != 0)
+      throw DataError(in, 0, "not a Megatron index (the magic MMIDIDX\\0\\0 is missing)");
+    if (load<std::uint64_t>(h + 9) != 1)
+      throw DataError(in, 9, "unsupported Megatron index version " + std::to_string(load<std::uint64_t>(h + 9)) + " (1 is read)");
     const auto code = std::to_integer<unsigned>(h[17]);
-    static const std::optional<TokenType> kCodes[] = {std::nullopt,    TokenType::UInt8, TokenType::Int8, TokenType::Int16, TokenType::Int32,
-                                                      TokenType::Int64, std::nullopt,    std::nullopt,    TokenType::UInt16};
+    static const std::optional<TokenType> kCodes[] = {std::nullopt,     TokenType::UInt8, TokenType::Int8,
+                                                      TokenType::Int16, TokenType::Int32, TokenType::Int64,
+                                                      std::nullopt,     std::nullopt,     TokenType::UInt16};
     if (code >= 9 || !kCodes[code])
-      throw DataError(in, 17, "Megatron dtype code " + std::to_string(code) + (code == 6 || code == 7 ? " is a float type, not tokens" : " is unknown"));
+      throw DataError(in, 17,
+                      "Megatron dtype code " + std::to_string(code) +
+                          (code == 6 || code == 7 ? " is a float type, not tokens" : " is unknown"));
     type_ = *kCodes[code];
     sequences_ = load<std::uint64_t>(h + 18);
     doc_entries_ = load<std::uint64_t>(h + 26);
     if (sequences_ == 0) throw DataError(in, 18, "the index holds no sequences");
     const std::uint64_t per_seq = 4 + 8;
-    if (sequences_ > (std::numeric_limits<std::uint64_t>::max() - kIdxHeader) / 16 || doc_entries_ > std::numeric_limits<std::uint64_t>::max() / 16)
-      throw DataError(in, 18, "counts overflow: " + std::to_string(sequences_) + " sequences, " + std::to_string(doc_entries_) + " document entries");
+    if (sequences_ > (std::numeric_limits<std::uint64_t>::max() - kIdxHeader) / 16 ||
+        doc_entries_ > std::numeric_limits<std::uint64_t>::max() / 16)
+      throw DataError(
+          in, 18,
+          "counts overflow: " + std::to_string(sequences_) + " sequences, " + std::to_string(doc_entries_) + " document entries");
     lengths_at_ = kIdxHeader;
     pointers_at_ = lengths_at_ + sequences_ * 4;
     docs_at_ = pointers_at_ + sequences_ * 8;
     const std::uint64_t end = docs_at_ + doc_entries_ * 8;
     if (end < docs_at_ || (idx_.size() != end && idx_.size() != end + sequences_))
       throw DataError(in, std::min<std::uint64_t>(idx_.size(), end),
-                      std::to_string(sequences_) + " sequences (" + std::to_string(per_seq) + " bytes each) and " + std::to_string(doc_entries_) +
-                          " document entries need an index of " + std::to_string(end) + " bytes, it has " + std::to_string(idx_.size()));
-    if (doc_entries_ < 2) throw DataError(in, 26, "the document index has " + std::to_string(doc_entries_) + " entries (at least 2: 0 and the sequence count)");
+                      std::to_string(sequences_) + " sequences (" + std::to_string(per_seq) + " bytes each) and " +
+                          std::to_string(doc_entries_) + " document entries need an index of " + std::to_string(end) +
+                          " bytes, it has " + std::to_string(idx_.size()));
+    if (doc_entries_ < 2)
+      throw DataError(
+          in, 26, "the document index has " + std::to_string(doc_entries_) + " entries (at least 2: 0 and the sequence count)");
     idx_.load_whole();  // an object's index is searched a sample at a time: read it once (a local one is mapped)
     const std::size_t isz = token_size(type_);
     if (bin.size() % isz != 0)
-      throw DataError(bin.name(), bin.size(), std::to_string(bin.size()) + " bytes is not a whole number of " + token_type_name(type_) + " tokens");
+      throw DataError(bin.name(), bin.size(),
+                      std::to_string(bin.size()) + " bytes is not a whole number of " + token_type_name(type_) + " tokens");
     // The stream is the whole .bin: the first sequence at 0, the last ending at its end.
-    if (pointer(0) != 0) throw DataError(in, pointers_at_, "the first sequence starts at byte " + std::to_string(pointer(0)) + " of the .bin, not 0");
+    if (pointer(0) != 0)
+      throw DataError(in, pointers_at_,
+                      "the first sequence starts at byte " + std::to_string(pointer(0)) + " of the .bin, not 0");
     const std::uint64_t last = sequences_ - 1;
     const std::uint64_t last_end = pointer(last) + length(last) * isz;
     if (last_end != bin.size())
-      throw DataError(in, pointers_at_ + last * 8, "the last sequence ends at byte " + std::to_string(last_end) + " of the .bin, which has " +
-                                                      std::to_string(bin.size()) + " bytes" + (last_end > bin.size() ? " (pointers run past the .bin)" : ""));
+      throw DataError(in, pointers_at_ + last * 8,
+                      "the last sequence ends at byte " + std::to_string(last_end) + " of the .bin, which has " +
+                          std::to_string(bin.size()) + " bytes" + (last_end > bin.size() ? " (pointers run past the .bin)" : ""));
     if (doc_index(0) != 0 || doc_index(doc_entries_ - 1) != sequences_)
       throw DataError(in, docs_at_, "the document index must run from 0 to the sequence count " + std::to_string(sequences_));
     tokens_.emplace(std::move(bin), 0, bin_tokens(last_end), type_, o.vocab_size);
@@ -373,15 +406,18 @@ class MegatronCorpus final : public TokenCorpus {
     if (d > 0) check_follows(d);
     return pointer(d) / token_size(type_);
   }
-  void document_starts(std::uint64_t begin, std::span<const std::int64_t> tokens, std::vector<std::uint64_t>& out) const override {
+  void document_starts(std::uint64_t begin, std::span<const std::int64_t> tokens,
+                       std::vector<std::uint64_t>& out) const override {
     const std::size_t isz = token_size(type_);
     const std::uint64_t lo = begin * isz, hi = (begin + tokens.size()) * isz;
     // The first sequence starting after `lo`: a binary search over the pointers (checked where read).
     std::uint64_t a = 0, b = sequences_;
     while (a < b) {
       const std::uint64_t m = a + (b - a) / 2;
-      if (pointer(m) <= lo) a = m + 1;
-      else b = m;
+      if (pointer(m) <= lo)
+        a = m + 1;
+      else
+        b = m;
     }
     for (std::uint64_t j = a; j < sequences_; ++j) {
       const std::uint64_t p = pointer(j);
@@ -396,23 +432,29 @@ class MegatronCorpus final : public TokenCorpus {
   std::uint64_t pointer(std::uint64_t j) const {
     const std::int64_t p = load<std::int64_t>(idx_.view(pointers_at_ + j * 8, 8, t_scratch));
     if (p < 0 || static_cast<std::uint64_t>(p) % token_size(type_) != 0)
-      throw DataError(idx_.name(), pointers_at_ + j * 8, "sequence " + std::to_string(j) + "'s pointer " + std::to_string(p) +
-                                                            " is negative or not a whole token's offset");
+      throw DataError(
+          idx_.name(), pointers_at_ + j * 8,
+          "sequence " + std::to_string(j) + "'s pointer " + std::to_string(p) + " is negative or not a whole token's offset");
     return static_cast<std::uint64_t>(p);
   }
   std::uint64_t length(std::uint64_t j) const {
     const std::int32_t n = load<std::int32_t>(idx_.view(lengths_at_ + j * 4, 4, t_scratch));
-    if (n < 0) throw DataError(idx_.name(), lengths_at_ + j * 4, "sequence " + std::to_string(j) + " has a negative length " + std::to_string(n));
+    if (n < 0)
+      throw DataError(idx_.name(), lengths_at_ + j * 4,
+                      "sequence " + std::to_string(j) + " has a negative length " + std::to_string(n));
     return static_cast<std::uint64_t>(n);
   }
-  std::uint64_t doc_index(std::uint64_t k) const { return static_cast<std::uint64_t>(load<std::int64_t>(idx_.view(docs_at_ + k * 8, 8, t_scratch))); }
+  std::uint64_t doc_index(std::uint64_t k) const {
+    return static_cast<std::uint64_t>(load<std::int64_t>(idx_.view(docs_at_ + k * 8, 8, t_scratch)));
+  }
   // Sequence j starts where sequence j - 1 ends: the stream is the .bin read front to back.
   void check_follows(std::uint64_t j) const {
     const std::uint64_t prev = pointer(j - 1), len = length(j - 1), p = pointer(j);
     if (len > (std::numeric_limits<std::uint64_t>::max() - prev) / token_size(type_) || prev + len * token_size(type_) != p)
-      throw DataError(idx_.name(), pointers_at_ + j * 8, "sequence " + std::to_string(j) + " starts at byte " + std::to_string(p) + " of the .bin, sequence " +
-                                                            std::to_string(j - 1) + " ends at " + std::to_string(prev + len * token_size(type_)) +
-                                                            " (ferry reads indices whose sequences follow each other, as megatron-core writes them)");
+      throw DataError(idx_.name(), pointers_at_ + j * 8,
+                      "sequence " + std::to_string(j) + " starts at byte " + std::to_string(p) + " of the .bin, sequence " +
+                          std::to_string(j - 1) + " ends at " + std::to_string(prev + len * token_size(type_)) +
+                          " (ferry reads indices whose sequences follow each other, as megatron-core writes them)");
   }
 
   Bytes idx_;
@@ -430,8 +472,8 @@ std::shared_ptr<const TokenCorpus> open_megatron(const std::string& prefix, cons
   return std::make_shared<MegatronCorpus>(std::move(idx), std::move(bin), prefix, o);
 }
 
-std::shared_ptr<const TokenCorpus> megatron_from_memory(std::span<const std::byte> idx, std::span<const std::byte> bin, const std::string& name,
-                                                        const MegatronOptions& o) {
+std::shared_ptr<const TokenCorpus> megatron_from_memory(std::span<const std::byte> idx, std::span<const std::byte> bin,
+                                                        const std::string& name, const MegatronOptions& o) {
   return std::make_shared<MegatronCorpus>(Bytes::wrap(idx, name + ".idx"), Bytes::wrap(bin, name + ".bin"), name, o);
 }
 
@@ -446,29 +488,36 @@ TokenSequences::TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenS
   if (options_.dtype != DType::Int64 && options_.dtype != DType::Int32)
     throw Error("TokenSequences(" + n + "): dtype must be int64 or int32, got " + dtype_name(options_.dtype));
   if (options_.packed && !corpus_->has_documents())
-    throw Error("TokenSequences(" + n + "): packed sequences need the corpus's documents: give the end-of-document token id (eod), or read a Megatron index");
+    throw Error(
+        "TokenSequences(" + n +
+        "): packed sequences need the corpus's documents: give the end-of-document token id (eod), or read a Megatron index");
   if (options_.shuffle_documents && corpus_->documents() == 0)
-    throw Error("TokenSequences(" + n + "): shuffle_documents needs an indexed corpus (a Megatron index): a flat file's documents are "
+    throw Error("TokenSequences(" + n +
+                "): shuffle_documents needs an indexed corpus (a Megatron index): a flat file's documents are "
                 "found only by reading it");
   if (options_.shuffle_documents && options_.random_offset)
-    throw Error("TokenSequences(" + n + "): shuffle_documents and random_offset do not go together (random windows have no order)");
+    throw Error("TokenSequences(" + n +
+                "): shuffle_documents and random_offset do not go together (random windows have no order)");
   if (options_.shuffle_documents && options_.document_block < 1)
     throw Error("TokenSequences(" + n + "): document_block must be >= 1");
   if (options_.best_fit_group > 0) {
     if (!options_.packed) throw Error("TokenSequences(" + n + "): best_fit_group is for packed sequences (packed = true)");
     if (corpus_->documents() == 0)
-      throw Error("TokenSequences(" + n + "): best-fit packing needs an indexed corpus (a Megatron index): it places documents by "
+      throw Error("TokenSequences(" + n +
+                  "): best-fit packing needs an indexed corpus (a Megatron index): it places documents by "
                   "their lengths, which a flat file gives only when read");
     if (options_.random_offset || options_.raw)
       throw Error("TokenSequences(" + n + "): best-fit packing does not go with random_offset or raw windows");
     if (options_.best_fit_group > 65536)
-      throw Error("TokenSequences(" + n + "): best_fit_group must be at most 65536, got " + std::to_string(options_.best_fit_group));
+      throw Error("TokenSequences(" + n + "): best_fit_group must be at most 65536, got " +
+                  std::to_string(options_.best_fit_group));
   }
   if (options_.num_samples && !options_.random_offset)
-    throw Error("TokenSequences(" + n + "): num_samples is for random_offset windows (ordered windows are as many as the corpus holds)");
+    throw Error("TokenSequences(" + n +
+                "): num_samples is for random_offset windows (ordered windows are as many as the corpus holds)");
   if (corpus_->size() < options_.seq_len + 1)
-    throw Error("TokenSequences(" + n + "): the corpus has " + std::to_string(corpus_->size()) + " tokens, fewer than one window of seq_len + 1 = " +
-                std::to_string(options_.seq_len + 1));
+    throw Error("TokenSequences(" + n + "): the corpus has " + std::to_string(corpus_->size()) +
+                " tokens, fewer than one window of seq_len + 1 = " + std::to_string(options_.seq_len + 1));
   size_ = static_cast<std::size_t>((corpus_->size() - 1) / options_.seq_len);
   if (options_.num_samples) size_ = *options_.num_samples;
   static std::atomic<std::uint64_t> ids{0};
@@ -476,7 +525,8 @@ TokenSequences::TokenSequences(std::shared_ptr<const TokenCorpus> corpus, TokenS
 }
 
 std::uint64_t TokenSequences::window_start(std::size_t index, SampleContext& ctx) const {
-  if (index >= size_) throw Error(corpus_->name() + ": window " + std::to_string(index) + " out of range for " + std::to_string(size_));
+  if (index >= size_)
+    throw Error(corpus_->name() + ": window " + std::to_string(index) + " out of range for " + std::to_string(size_));
   if (options_.random_offset) return ctx.rng().randint(corpus_->size() - options_.seq_len);
   return static_cast<std::uint64_t>(index) * options_.seq_len;
 }
@@ -507,7 +557,9 @@ std::vector<HostRows> TokenSequences::host_rows(std::string& why) const {
   const std::uint64_t seq = options_.seq_len, tokens = corpus_->size();
   // window_start's rule, without a SampleContext (the same generator: Generator(seed, epoch, index)).
   if (options_.random_offset)
-    w.start = [seq, tokens](std::size_t i, std::uint64_t seed, std::uint64_t epoch) { return Generator(seed, epoch, i).randint(tokens - seq); };
+    w.start = [seq, tokens](std::size_t i, std::uint64_t seed, std::uint64_t epoch) {
+      return Generator(seed, epoch, i).randint(tokens - seq);
+    };
   else
     w.start = [seq](std::size_t i, std::uint64_t, std::uint64_t) { return static_cast<std::uint64_t>(i) * seq; };
   std::vector<HostRows> fields;
@@ -529,7 +581,8 @@ std::vector<HostRows> TokenSequences::host_rows(std::string& why) const {
 }
 
 std::vector<std::string> TokenSequences::field_names() const {
-  std::vector<std::string> names = options_.raw ? std::vector<std::string>{"tokens"} : std::vector<std::string>{"input_ids", "labels"};
+  std::vector<std::string> names =
+      options_.raw ? std::vector<std::string>{"tokens"} : std::vector<std::string>{"input_ids", "labels"};
   if (options_.packed) {
     names.emplace_back("position_ids");
     names.emplace_back("cu_seqlens");
@@ -615,8 +668,10 @@ void TokenSequences::read_window(std::size_t index, SampleContext& ctx, std::spa
   std::uint64_t lo = 0, hi = blocks;  // the last block whose start <= start
   while (hi - lo > 1) {
     const std::uint64_t m = lo + (hi - lo) / 2;
-    if (block_start(m) <= start) lo = m;
-    else hi = m;
+    if (block_start(m) <= start)
+      lo = m;
+    else
+      hi = m;
   }
   std::size_t filled = 0;
   std::uint64_t b = lo, pos = block_start(b);  // stream position of the walk
@@ -650,8 +705,10 @@ void TokenSequences::for_each_document(std::uint64_t lo, std::uint64_t hi, Sampl
     std::uint64_t a = 0, b = docs;  // the last document whose start <= lo
     while (b - a > 1) {
       const std::uint64_t m = a + (b - a) / 2;
-      if (corpus_->document_offset(m) <= lo) a = m;
-      else b = m;
+      if (corpus_->document_offset(m) <= lo)
+        a = m;
+      else
+        b = m;
     }
     for (std::uint64_t d = a, off = corpus_->document_offset(d); d < docs && off < hi; ++d) {
       const std::uint64_t end = corpus_->document_offset(d + 1);
@@ -666,8 +723,10 @@ void TokenSequences::for_each_document(std::uint64_t lo, std::uint64_t hi, Sampl
   std::uint64_t a = 0, b = blocks;
   while (b - a > 1) {
     const std::uint64_t m = a + (b - a) / 2;
-    if (block_start(m) <= lo) a = m;
-    else b = m;
+    if (block_start(m) <= lo)
+      a = m;
+    else
+      b = m;
   }
   std::uint64_t pos = block_start(a);
   for (std::uint64_t blk = a; blk < blocks && pos < hi; ++blk) {
@@ -685,9 +744,10 @@ void TokenSequences::for_each_document(std::uint64_t lo, std::uint64_t hi, Sampl
 // Best-fit packing (Note [Best-fit packing], ferry/loaders/tokens.h). A group's pieces are known
 // from the index alone; the sequences of the last group a thread packed are kept, keyed by
 // (sequences, seed, epoch, group), so a sampler that visits a group's sequences together packs it once.
-void TokenSequences::read_best_fit(std::size_t index, SampleContext& ctx, std::span<std::int64_t> inputs, std::span<std::int64_t> labels,
-                                   std::vector<std::size_t>& starts) const {
-  if (index >= size_) throw Error(corpus_->name() + ": window " + std::to_string(index) + " out of range for " + std::to_string(size_));
+void TokenSequences::read_best_fit(std::size_t index, SampleContext& ctx, std::span<std::int64_t> inputs,
+                                   std::span<std::int64_t> labels, std::vector<std::size_t>& starts) const {
+  if (index >= size_)
+    throw Error(corpus_->name() + ": window " + std::to_string(index) + " out of range for " + std::to_string(size_));
   struct Piece {
     std::uint64_t at;  // corpus offset
     std::uint64_t len;
@@ -737,7 +797,9 @@ void TokenSequences::read_best_fit(std::size_t index, SampleContext& ctx, std::s
       Piece p = pieces[k];
       while (p.len > 0) {
         while (b < n && room[b] == 0) ++b;
-        if (b == n) throw Error(corpus_->name() + ": best-fit packing: group " + std::to_string(group) + " has more tokens than its sequences hold (the index changed?)");
+        if (b == n)
+          throw Error(corpus_->name() + ": best-fit packing: group " + std::to_string(group) +
+                      " has more tokens than its sequences hold (the index changed?)");
         const std::uint64_t take = std::min(p.len, room[b]);
         bins[b].push_back({p.at, take});
         room[b] -= take;
@@ -763,7 +825,9 @@ void TokenSequences::read_best_fit(std::size_t index, SampleContext& ctx, std::s
     if (filled > 0) starts.push_back(filled);
     filled += p.len;
   }
-  if (filled != S) throw Error(corpus_->name() + ": best-fit packing: sequence " + std::to_string(index) + " holds " + std::to_string(filled) + " tokens, not " + std::to_string(S));
+  if (filled != S)
+    throw Error(corpus_->name() + ": best-fit packing: sequence " + std::to_string(index) + " holds " + std::to_string(filled) +
+                " tokens, not " + std::to_string(S));
 }
 
 void TokenSequences::get_into(std::size_t index, std::vector<Tensor>& batch, std::size_t row, SampleContext& ctx) const {
@@ -854,12 +918,12 @@ std::uint64_t IndexPermutation::at(std::uint64_t i) const noexcept {
 // first, and the phase's draw k is pending[k], then next + (k - pending.size()): every draw of a
 // source is taken once, in a block or two of where it would have been, whatever the changes.
 struct Mixture::Phase {
-  std::uint64_t start = 0;                        // the first global index drawn with these weights
-  std::vector<std::size_t> counts;                // a block's samples of each source
-  std::vector<std::size_t> slot_begin;            // each source's first slot in a block (prefix sums), then the block size
+  std::uint64_t start = 0;                          // the first global index drawn with these weights
+  std::vector<std::size_t> counts;                  // a block's samples of each source
+  std::vector<std::size_t> slot_begin;              // each source's first slot in a block (prefix sums), then the block size
   std::vector<std::vector<std::uint64_t>> pending;  // each source's draws left by the phase before, sorted
-  std::vector<std::uint64_t> next;                // each source's first draw after the pending ones
-  std::vector<std::uint64_t> taken;               // each source's samples before `start`
+  std::vector<std::uint64_t> next;                  // each source's first draw after the pending ones
+  std::vector<std::uint64_t> taken;                 // each source's samples before `start`
   std::uint64_t draw(std::size_t s, std::uint64_t k) const {
     return k < pending[s].size() ? pending[s][k] : next[s] + (k - pending[s].size());
   }
@@ -880,16 +944,19 @@ std::vector<std::size_t> block_counts(const std::vector<double>& w, std::size_t 
   }
   std::sort(frac.begin(), frac.end());
   for (std::size_t k = 0; given < block && k < frac.size(); ++k, ++given) ++counts[frac[k].second];
-  for (std::size_t k = 0; given < block; ++k, ++given) ++counts[k % counts.size()];  // rounding left a slot over (never in practice)
+  for (std::size_t k = 0; given < block; ++k, ++given)
+    ++counts[k % counts.size()];  // rounding left a slot over (never in practice)
   return counts;
 }
 
 void check_weights(const std::vector<double>& w, std::size_t sources) {
   if (w.size() != sources)
-    throw Error("Mixture: " + std::to_string(w.size()) + " weights for " + std::to_string(sources) + " sources (one weight each)");
+    throw Error("Mixture: " + std::to_string(w.size()) + " weights for " + std::to_string(sources) +
+                " sources (one weight each)");
   double sum = 0;
   for (std::size_t s = 0; s < w.size(); ++s) {
-    if (!std::isfinite(w[s]) || w[s] < 0) throw Error("Mixture: weight " + std::to_string(s) + " is " + std::to_string(w[s]) + " (finite and >= 0 needed)");
+    if (!std::isfinite(w[s]) || w[s] < 0)
+      throw Error("Mixture: weight " + std::to_string(s) + " is " + std::to_string(w[s]) + " (finite and >= 0 needed)");
     sum += w[s];
   }
   if (!(sum > 0)) throw Error("Mixture: the weights sum to 0");
@@ -948,14 +1015,16 @@ std::vector<std::uint64_t> Mixture::counts_before(std::uint64_t global) const {
   const std::uint64_t r = global - p.start, blocks = r / options_.block, rem = r % options_.block;
   std::vector<std::uint64_t> out(sources_.size());
   for (std::size_t s = 0; s < out.size(); ++s) out[s] = p.taken[s] + blocks * p.counts[s];
-  for (std::uint64_t j = 0; j < rem; ++j) ++out[slot_source(p.slot_begin, block_slot(options_.seed, k, blocks, options_.block, j))];
+  for (std::uint64_t j = 0; j < rem; ++j)
+    ++out[slot_source(p.slot_begin, block_slot(options_.seed, k, blocks, options_.block, j))];
   return out;
 }
 
 Mixture Mixture::reweighted(std::vector<double> weights, std::uint64_t from) const {
   const auto& phases = *phases_;
   if (from < phases.back().start)
-    throw Error("Mixture::reweighted: index " + std::to_string(from) + " is before the last weights' start " + std::to_string(phases.back().start));
+    throw Error("Mixture::reweighted: index " + std::to_string(from) + " is before the last weights' start " +
+                std::to_string(phases.back().start));
   // Where `from` falls in the last phase: its draws k below b * counts are taken, and of block b's
   // the slots of positions [0, rem) (Note [Mixture draws]).
   const std::size_t last = phases.size() - 1;
@@ -981,8 +1050,10 @@ Mixture Mixture::reweighted(std::vector<double> weights, std::uint64_t from) con
     p.next.push_back(old.next[s] + (end > old.pending[s].size() ? end - old.pending[s].size() : 0));
   }
   auto next = phases;
-  if (next.back().start == from) next.back() = std::move(p);  // new weights at the same index replace the last
-  else next.push_back(std::move(p));
+  if (next.back().start == from)
+    next.back() = std::move(p);  // new weights at the same index replace the last
+  else
+    next.push_back(std::move(p));
   Mixture m = *this;
   m.phases_ = std::make_shared<const std::vector<Phase>>(std::move(next));
   return m;
@@ -997,7 +1068,8 @@ Mixture::Pick Mixture::pick(std::uint64_t global) const {
   out.source = slot_source(p.slot_begin, slot);
   out.draw = p.draw(out.source, b * p.counts[out.source] + (slot - p.slot_begin[out.source]));
   const std::uint64_t n = source_sizes_[out.source];
-  out.sample = static_cast<std::size_t>(IndexPermutation(n, mix_seed(options_.seed, out.source + 1, out.draw / n)).at(out.draw % n));
+  out.sample =
+      static_cast<std::size_t>(IndexPermutation(n, mix_seed(options_.seed, out.source + 1, out.draw / n)).at(out.draw % n));
   return out;
 }
 

@@ -93,24 +93,28 @@ struct Image {  // HWC view
 // adding and subtracting 1.5 * 2^23 leaves the integer part (no libm call, so loops vectorize).
 inline float round_even(float v) {
   constexpr float kMagic = 12582912.0f;  // 0x1.8p23
-  const float t = v + kMagic;  // not folded: without -ffast-math the compiler keeps both roundings
+  const float t = v + kMagic;            // not folded: without -ffast-math the compiler keeps both roundings
   return t - kMagic;
 }
 
 // The value written for an element of type Out (to_float's 16-bit types round to nearest even).
 template <class Out>
 inline Out store_as(float v) {
-  if constexpr (std::is_same_v<Out, float>) return v;
-  else if constexpr (std::is_same_v<Out, Half>) return Half{detail::pass_f16_bits(v)};
-  else if constexpr (std::is_same_v<Out, BFloat16>) return BFloat16{detail::pass_bf16_bits(v)};
-  else return static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
+  if constexpr (std::is_same_v<Out, float>)
+    return v;
+  else if constexpr (std::is_same_v<Out, Half>)
+    return Half{detail::pass_f16_bits(v)};
+  else if constexpr (std::is_same_v<Out, BFloat16>)
+    return BFloat16{detail::pass_bf16_bits(v)};
+  else
+    return static_cast<std::uint8_t>(std::clamp(v, 0.f, 255.f));
 }
 
 // The pass's inner loops, with the channel count fixed at compile time when kC > 0 (1 and 3:
 // gray and RGB, nearly every image) and the row pointers, taps and padding hoisted out.
 template <class In, class Out, int kC, bool kRound>
-void run_pass_c(const Image& in, const std::vector<Tap>& ty, const std::vector<Tap>& tx, Out* out, bool chw,
-                const float* a, const float* b) {
+void run_pass_c(const Image& in, const std::vector<Tap>& ty, const std::vector<Tap>& tx, Out* out, bool chw, const float* a,
+                const float* b) {
   const auto* src = static_cast<const In*>(in.data);
   const std::int64_t C = kC > 0 ? kC : in.c, H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
   auto store = [&](std::int64_t y, std::int64_t x, std::int64_t c, float v) {
@@ -196,8 +200,8 @@ void run_pass_rows(const Image& in, const std::vector<Tap>& ty, const std::vecto
   const auto* src = static_cast<const std::uint8_t*>(in.data);
   const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
   const std::pair<std::int64_t, std::int64_t> cols = tap_span(tx, in.w);  // the source columns the taps read
-  const std::int64_t xa = cols.first, xb = cols.second;  // plain variables: lambdas capture them
-  const std::int64_t span = (xb - xa) * kC;   // floats of a converted row; index `span` holds 0
+  const std::int64_t xa = cols.first, xb = cols.second;                   // plain variables: lambdas capture them
+  const std::int64_t span = (xb - xa) * kC;                               // floats of a converted row; index `span` holds 0
   thread_local RowScratch sc;
   sc.cache.resize(static_cast<std::size_t>(2 * kC * W));
   sc.row.resize(static_cast<std::size_t>(span + 1));
@@ -302,7 +306,7 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
   const auto* src = static_cast<const std::uint8_t*>(in.data);
   const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
   const std::pair<std::int64_t, std::int64_t> cols = tap_span(tx, in.w);  // the source columns the taps read
-  const std::int64_t xa = cols.first, xb = cols.second;  // plain variables: lambdas capture them
+  const std::int64_t xa = cols.first, xb = cols.second;                   // plain variables: lambdas capture them
   const std::int64_t span = (xb - xa) * kC;
   thread_local RowScratch sc;
   const std::int64_t pitch = kC * W + 4;  // a cached row, with slack for the last pixel's 4-float store
@@ -345,8 +349,10 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
     Out* hwc = out + y * W * kC;
     auto put = [&](std::int64_t x, int c, float v) {  // one value, as run_pass_c writes it
       const float o = a[c] * v + b[c];
-      if (chw) planes[c][x] = store_as<Out>(o);
-      else hwc[x * kC + c] = store_as<Out>(o);
+      if (chw)
+        planes[c][x] = store_as<Out>(o);
+      else
+        hwc[x * kC + c] = store_as<Out>(o);
     };
     if (r.i0 < 0) {  // a padded row
       for (std::int64_t x = 0; x < W; ++x)
@@ -371,9 +377,9 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
         continue;
       }
       // v: r0 g0 b0 r1 | g1 b1 r2 g2 | b2 r3 g3 b3  ->  r0 r1 r2 r3 | g0 g1 g2 g3 | b0 b1 b2 b3
-      const __m128 p = _mm_shuffle_ps(v[0], v[0], _MM_SHUFFLE(2, 1, 3, 0));  // r0 r1 g0 b0
-      const __m128 q = _mm_shuffle_ps(v[1], v[2], _MM_SHUFFLE(0, 1, 3, 2));  // r2 g2 r3 b2
-      const __m128 R = _mm_shuffle_ps(p, q, _MM_SHUFFLE(2, 0, 1, 0));        // r0 r1 r2 r3
+      const __m128 p = _mm_shuffle_ps(v[0], v[0], _MM_SHUFFLE(2, 1, 3, 0));    // r0 r1 g0 b0
+      const __m128 q = _mm_shuffle_ps(v[1], v[2], _MM_SHUFFLE(0, 1, 3, 2));    // r2 g2 r3 b2
+      const __m128 R = _mm_shuffle_ps(p, q, _MM_SHUFFLE(2, 0, 1, 0));          // r0 r1 r2 r3
       const __m128 g01 = _mm_shuffle_ps(v[0], v[1], _MM_SHUFFLE(0, 0, 1, 1));  // g0 g0 g1 g1
       const __m128 g23 = _mm_shuffle_ps(v[1], v[2], _MM_SHUFFLE(2, 2, 3, 3));  // g2 g2 g3 g3
       const __m128 G = _mm_shuffle_ps(g01, g23, _MM_SHUFFLE(2, 0, 2, 0));      // g0 g1 g2 g3
@@ -397,8 +403,7 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
 // One bilinear pass from `in` into `out`. Output is HWC, or CHW when `chw`; `round` rounds the
 // interpolated value (uint8 semantics); the value written is a[c] * v + b[c].
 template <class In, class Out>
-void run_pass(const Image& in, const Axis& ay, const Axis& ax, Out* out, bool chw, bool round, const float* a,
-              const float* b) {
+void run_pass(const Image& in, const Axis& ay, const Axis& ax, Out* out, bool chw, bool round, const float* a, const float* b) {
   const std::vector<Tap> ty = taps(ay), tx = taps(ax);
   auto with = [&]<bool kRound>() {
     if constexpr (std::is_same_v<In, std::uint8_t>) {
@@ -415,8 +420,10 @@ void run_pass(const Image& in, const Axis& ay, const Axis& ax, Out* out, bool ch
       default: return run_pass_c<In, Out, 0, kRound>(in, ty, tx, out, chw, a, b);
     }
   };
-  if (round) with.template operator()<true>();
-  else with.template operator()<false>();
+  if (round)
+    with.template operator()<true>();
+  else
+    with.template operator()<false>();
 }
 
 std::int64_t py_round(double v) { return static_cast<std::int64_t>(std::nearbyint(v)); }  // half to even, as Python
@@ -437,8 +444,10 @@ std::array<std::int64_t, 4> rrc_box(std::int64_t H, std::int64_t W, const ImageT
   }
   const double in_ratio = static_cast<double>(W) / static_cast<double>(H);
   std::int64_t w = W, h = H;
-  if (in_ratio < std::min(s.ratio[0], s.ratio[1])) h = py_round(static_cast<double>(w) / std::min(s.ratio[0], s.ratio[1]));
-  else if (in_ratio > std::max(s.ratio[0], s.ratio[1])) w = py_round(static_cast<double>(h) * std::max(s.ratio[0], s.ratio[1]));
+  if (in_ratio < std::min(s.ratio[0], s.ratio[1]))
+    h = py_round(static_cast<double>(w) / std::min(s.ratio[0], s.ratio[1]));
+  else if (in_ratio > std::max(s.ratio[0], s.ratio[1]))
+    w = py_round(static_cast<double>(h) * std::max(s.ratio[0], s.ratio[1]));
   return {(H - h) / 2, (W - w) / 2, h, w};
 }
 
@@ -448,7 +457,8 @@ std::int64_t center_offset(std::int64_t have, std::int64_t want) {
 
 std::pair<std::int64_t, std::int64_t> shorter_side(std::int64_t H, std::int64_t W, int size) {
   // torchvision: the shorter side becomes `size`, the longer int(size * long / short).
-  if (H <= W) return {size, static_cast<std::int64_t>(static_cast<double>(size) * static_cast<double>(W) / static_cast<double>(H))};
+  if (H <= W)
+    return {size, static_cast<std::int64_t>(static_cast<double>(size) * static_cast<double>(W) / static_cast<double>(H))};
   return {static_cast<std::int64_t>(static_cast<double>(size) * static_cast<double>(H) / static_cast<double>(W)), size};
 }
 
@@ -483,11 +493,11 @@ ImageTransform& ImageTransform::random_resized_crop(int height, int width, std::
                                                     std::array<double, 2> ratio) {
   check_size("random_resized_crop", height, width);
   if (!(scale[0] > 0 && scale[0] <= scale[1] && scale[1] <= 1))
-    throw Error("ImageTransform::random_resized_crop: scale must satisfy 0 < min <= max <= 1, got (" +
-                std::to_string(scale[0]) + ", " + std::to_string(scale[1]) + ")");
+    throw Error("ImageTransform::random_resized_crop: scale must satisfy 0 < min <= max <= 1, got (" + std::to_string(scale[0]) +
+                ", " + std::to_string(scale[1]) + ")");
   if (!(ratio[0] > 0 && ratio[0] <= ratio[1]))
-    throw Error("ImageTransform::random_resized_crop: ratio must satisfy 0 < min <= max, got (" +
-                std::to_string(ratio[0]) + ", " + std::to_string(ratio[1]) + ")");
+    throw Error("ImageTransform::random_resized_crop: ratio must satisfy 0 < min <= max, got (" + std::to_string(ratio[0]) +
+                ", " + std::to_string(ratio[1]) + ")");
   steps_.push_back({Step::Kind::RandomResizedCrop, height, width, scale, ratio, 0, {}, {}});
   return *this;
 }
@@ -499,7 +509,8 @@ ImageTransform& ImageTransform::horizontal_flip(double p) {
 ImageTransform& ImageTransform::to_float(DType dtype) {
   if (float_) throw Error("ImageTransform::to_float: called twice");
   if (dtype != DType::Float32 && dtype != DType::Float16 && dtype != DType::BFloat16)
-    throw Error(std::string("ImageTransform::to_float: the dtype must be float32, float16 or bfloat16, got ") + dtype_name(dtype));
+    throw Error(std::string("ImageTransform::to_float: the dtype must be float32, float16 or bfloat16, got ") +
+                dtype_name(dtype));
   float_ = true;
   float_dtype_ = dtype;
   steps_.push_back({Step::Kind::ToFloat, 0, 0, {}, {}, 0, {}, {}});
@@ -513,10 +524,11 @@ ImageTransform& ImageTransform::channels_last() {
 ImageTransform& ImageTransform::normalize(std::vector<float> mean, std::vector<float> std) {
   if (!float_) throw Error("ImageTransform::normalize: must follow to_float()");
   if (mean.empty() || mean.size() != std.size())
-    throw Error("ImageTransform::normalize: mean and std need the same, non-zero length (got " +
-                std::to_string(mean.size()) + " and " + std::to_string(std.size()) + ")");
+    throw Error("ImageTransform::normalize: mean and std need the same, non-zero length (got " + std::to_string(mean.size()) +
+                " and " + std::to_string(std.size()) + ")");
   for (float s : std)
-    if (!(s > 0) || !std::isfinite(s)) throw Error("ImageTransform::normalize: every std must be positive, got " + std::to_string(s));
+    if (!(s > 0) || !std::isfinite(s))
+      throw Error("ImageTransform::normalize: every std must be positive, got " + std::to_string(s));
   steps_.push_back({Step::Kind::Normalize, 0, 0, {}, {}, 0, std::move(mean), std::move(std)});
   return *this;
 }
@@ -591,15 +603,15 @@ struct PassState {
   Axis ay, ax;
   std::vector<float> a, b;  // the final write: a[c] * v + b[c]
   bool seen_float = false;
-  bool round = false;       // resampling uint8 data rounds (until to_float)
+  bool round = false;  // resampling uint8 data rounds (until to_float)
 };
 
 // Runs the steps over `st`. A second resize (or one of a padded window) cannot be folded into the
 // pass: then `materialize(st)` must write the pass so far to an intermediate image and reset the
 // axes to it, or return false to give up (walk_steps then returns false).
 template <class Materialize>
-bool walk_steps(const std::vector<ImageTransform::Step>& steps, PassState& st, std::int64_t C, bool uint8_input,
-                Generator& rng, Materialize&& materialize) {
+bool walk_steps(const std::vector<ImageTransform::Step>& steps, PassState& st, std::int64_t C, bool uint8_input, Generator& rng,
+                Materialize&& materialize) {
   using Step = ImageTransform::Step;
   auto resize = [&](std::int64_t h, std::int64_t w) {
     if (st.ay.resized || st.ax.resized || st.ay.padded || st.ax.padded)
@@ -663,8 +675,12 @@ std::optional<ImagePassPlan> ImageTransform::plan(std::int64_t height, std::int6
   if (height <= 0 || width <= 0 || channels < 1 || channels > ImagePassPlan::kMaxChannels)
     throw Error("ImageTransform::plan: bad image size " + std::to_string(height) + "x" + std::to_string(width) + "x" +
                 std::to_string(channels));
-  PassState st{Axis::identity(height), Axis::identity(width), std::vector<float>(static_cast<std::size_t>(channels), 1.f),
-               std::vector<float>(static_cast<std::size_t>(channels), 0.f), false, true};
+  PassState st{Axis::identity(height),
+               Axis::identity(width),
+               std::vector<float>(static_cast<std::size_t>(channels), 1.f),
+               std::vector<float>(static_cast<std::size_t>(channels), 0.f),
+               false,
+               true};
   if (!walk_steps(steps_, st, channels, true, rng, [](PassState&) { return false; })) return std::nullopt;
   ImagePassPlan p;
   p.y = plan_axis(st.ay);
@@ -682,7 +698,7 @@ std::optional<ImagePassPlan> ImageTransform::plan(std::int64_t height, std::int6
 }
 
 std::optional<RowTransform> ImageTransform::row_transform(std::int64_t height, std::int64_t width, std::int64_t channels,
-                                                         std::string& why) const {
+                                                          std::string& why) const {
   const std::int64_t C = std::max<std::int64_t>(channels, 1);
   if (height <= 0 || width <= 0 || C > RowTransform::kMaxChannels) {
     why = "images of " + std::to_string(height) + "x" + std::to_string(width) + "x" + std::to_string(channels) +
@@ -754,8 +770,10 @@ void apply_plan(const ImagePassPlan& plan, const Tensor& image, const Tensor& ou
   switch (dtype) {
     case DType::Float32: return run_pass<std::uint8_t, float>(in, ay, ax, out.data<float>(), chw, plan.round, plan.a, plan.b);
     case DType::Float16: return run_pass<std::uint8_t, Half>(in, ay, ax, out.data<Half>(), chw, plan.round, plan.a, plan.b);
-    case DType::BFloat16: return run_pass<std::uint8_t, BFloat16>(in, ay, ax, out.data<BFloat16>(), chw, plan.round, plan.a, plan.b);
-    case DType::UInt8: return run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, out.data<std::uint8_t>(), false, true, plan.a, plan.b);
+    case DType::BFloat16:
+      return run_pass<std::uint8_t, BFloat16>(in, ay, ax, out.data<BFloat16>(), chw, plan.round, plan.a, plan.b);
+    case DType::UInt8:
+      return run_pass<std::uint8_t, std::uint8_t>(in, ay, ax, out.data<std::uint8_t>(), false, true, plan.a, plan.b);
     default: throw Error(std::string("apply_plan: the plan's output dtype ") + dtype_name(dtype) + " is not an image output");
   }
 }
@@ -768,8 +786,12 @@ void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generato
                 dtype_name(output_dtype(image.dtype())) + " " + shape_str(want) + " for input " + image.str());
   const std::int64_t C = in.c;
   // Final per-channel multiply-add; values keep the input's scale until then.
-  PassState st{Axis::identity(in.h), Axis::identity(in.w), std::vector<float>(static_cast<std::size_t>(C), 1.f),
-               std::vector<float>(static_cast<std::size_t>(C), 0.f), false, in.dtype == DType::UInt8};
+  PassState st{Axis::identity(in.h),
+               Axis::identity(in.w),
+               std::vector<float>(static_cast<std::size_t>(C), 1.f),
+               std::vector<float>(static_cast<std::size_t>(C), 0.f),
+               false,
+               in.dtype == DType::UInt8};
   std::vector<std::byte> scratch[2];
   int which = 0;
   auto materialize = [&](PassState& p) {
@@ -779,8 +801,12 @@ void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generato
     buf.resize(static_cast<std::size_t>(p.ay.N * p.ax.N * C) * (as_float ? 4 : 1));
     const std::vector<float> one(static_cast<std::size_t>(C), 1.f), zero(static_cast<std::size_t>(C), 0.f);
     if (in.dtype == DType::UInt8) {
-      if (as_float) run_pass<std::uint8_t, float>(in, p.ay, p.ax, reinterpret_cast<float*>(buf.data()), false, p.round, one.data(), zero.data());
-      else run_pass<std::uint8_t, std::uint8_t>(in, p.ay, p.ax, reinterpret_cast<std::uint8_t*>(buf.data()), false, p.round, one.data(), zero.data());
+      if (as_float)
+        run_pass<std::uint8_t, float>(in, p.ay, p.ax, reinterpret_cast<float*>(buf.data()), false, p.round, one.data(),
+                                      zero.data());
+      else
+        run_pass<std::uint8_t, std::uint8_t>(in, p.ay, p.ax, reinterpret_cast<std::uint8_t*>(buf.data()), false, p.round,
+                                             one.data(), zero.data());
     } else {
       run_pass<float, float>(in, p.ay, p.ax, reinterpret_cast<float*>(buf.data()), false, false, one.data(), zero.data());
     }
@@ -796,12 +822,17 @@ void ImageTransform::apply_into(const Tensor& image, const Tensor& out, Generato
   if (float_) {
     const bool chw = !channels_last_;
     auto write = [&]<class Out>(Out* o) {
-      if (in.dtype == DType::UInt8) run_pass<std::uint8_t, Out>(in, st.ay, st.ax, o, chw, st.round, a, b);
-      else run_pass<float, Out>(in, st.ay, st.ax, o, chw, false, a, b);
+      if (in.dtype == DType::UInt8)
+        run_pass<std::uint8_t, Out>(in, st.ay, st.ax, o, chw, st.round, a, b);
+      else
+        run_pass<float, Out>(in, st.ay, st.ax, o, chw, false, a, b);
     };
-    if (float_dtype_ == DType::Float16) write(out.data<Half>());
-    else if (float_dtype_ == DType::BFloat16) write(out.data<BFloat16>());
-    else write(out.data<float>());
+    if (float_dtype_ == DType::Float16)
+      write(out.data<Half>());
+    else if (float_dtype_ == DType::BFloat16)
+      write(out.data<BFloat16>());
+    else
+      write(out.data<float>());
   } else if (in.dtype == DType::UInt8) {
     run_pass<std::uint8_t, std::uint8_t>(in, st.ay, st.ax, out.data<std::uint8_t>(), false, true, a, b);
   } else {

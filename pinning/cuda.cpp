@@ -51,7 +51,8 @@ const Probe& probe() {
       const std::string what = std::string("cudaGetDeviceCount: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")";
       // Without any NVIDIA driver the runtime says the driver is "insufficient", which sends people
       // to upgrade a driver they do not have: say what is missing first.
-      const bool no_driver = (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice) && access("/proc/driver/nvidia/version", F_OK) != 0;
+      const bool no_driver =
+          (e == cudaErrorInsufficientDriver || e == cudaErrorNoDevice) && access("/proc/driver/nvidia/version", F_OK) != 0;
       r.reason = no_driver ? "no NVIDIA GPU driver on this machine (no /proc/driver/nvidia; " + what + ")" : what;
     } else if (r.count == 0) {
       r.reason = "no CUDA device";
@@ -138,7 +139,8 @@ EventPool& event_pool() {
 Event Event::create(int device, bool timing, bool blocking) {
   Event e;
   e.device_ = device;
-  e.flags_ = (timing ? 0u : static_cast<unsigned>(cudaEventDisableTiming)) | (blocking ? static_cast<unsigned>(cudaEventBlockingSync) : 0u);
+  e.flags_ = (timing ? 0u : static_cast<unsigned>(cudaEventDisableTiming)) |
+             (blocking ? static_cast<unsigned>(cudaEventBlockingSync) : 0u);
   {
     EventPool& pool = event_pool();
     std::lock_guard<std::mutex> lock(pool.mu);
@@ -203,8 +205,8 @@ void* device_alloc(std::size_t bytes) {
 }
 void device_free(void* p) noexcept { check_noexcept(cudaFree(p), "cudaFree"); }
 void memcpy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, const Stream& stream) {
-  const cudaMemcpyKind k = kind == CopyKind::HostToDevice   ? cudaMemcpyHostToDevice
-                           : kind == CopyKind::DeviceToHost ? cudaMemcpyDeviceToHost
+  const cudaMemcpyKind k = kind == CopyKind::HostToDevice     ? cudaMemcpyHostToDevice
+                           : kind == CopyKind::DeviceToHost   ? cudaMemcpyDeviceToHost
                            : kind == CopyKind::DeviceToDevice ? cudaMemcpyDeviceToDevice
                                                               : cudaMemcpyHostToHost;
   FERRY_CUDA(cudaMemcpyAsync(dst, src, bytes, k, static_cast<cudaStream_t>(stream.native())));

@@ -60,7 +60,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       throw Error("DeviceStage: device " + std::to_string(opt.device) + " does not exist (" +
                   std::to_string(cuda::device_count()) + " devices)");
     if (opt.decode_threads < 0)
-      throw Error("DeviceStage: decode_threads must be at least 0 (0: chosen from the hardware), got " + std::to_string(opt.decode_threads));
+      throw Error("DeviceStage: decode_threads must be at least 0 (0: chosen from the hardware), got " +
+                  std::to_string(opt.decode_threads));
     copy = cuda::Stream::create(opt.device, opt.high_priority);
     consumer = opt.consumer_stream ? cuda::Stream::borrow(opt.consumer_stream, opt.device) : cuda::Stream::create(opt.device);
   }
@@ -141,7 +142,7 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     e.record(copy);
     mark_gather_launch(std::make_shared<EventFence>(std::move(e)));
   }
-  std::mutex stats_mu;                    // counters and timings (end() and stats() may run on two threads)
+  std::mutex stats_mu;                             // counters and timings (end() and stats() may run on two threads)
   std::atomic<std::uint64_t> delivered_serial{0};  // the fence deliver() last had the consumer's stream wait on
   // GPU decode (decode_images): the decoder, made on first use, and the batch's decodes.
   struct PendingDecode {
@@ -173,12 +174,14 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
                      const RowTransform* t) {
     if (!cur) throw Error("DeviceStage::gather_rows: no batch begun");
     if (!detail::gather_built())
-      throw CudaError("DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
+      throw CudaError(
+          "DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
     check_gather_index(index, "gather_rows");
     std::int64_t per_row = 1;
     for (std::int64_t d : row_shape) per_row *= d;
     if (static_cast<std::size_t>(per_row) * itemsize(dtype) != row_bytes)
-      throw Error("DeviceStage::gather_rows: a row of " + std::to_string(row_bytes) + " bytes does not hold its shape's elements");
+      throw Error("DeviceStage::gather_rows: a row of " + std::to_string(row_bytes) +
+                  " bytes does not hold its shape's elements");
     const std::int64_t rows = index.size(0);
     detail::GatherField field;
     field.src = src;
@@ -217,7 +220,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   Tensor gather_windows(const Tensor& index, const void* src, DType dtype, std::int64_t elements, const RowWindow& w) {
     if (!cur) throw Error("DeviceStage::gather_windows: no batch begun");
     if (!detail::gather_built())
-      throw CudaError("DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
+      throw CudaError(
+          "DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
     check_gather_index(index, "gather_windows");
     HostRows rows;
     rows.rows = elements;
@@ -225,14 +229,16 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     rows.dtype = dtype;
     rows.name = "DeviceStage::gather_windows";
     rows.window = w;
-    rows.window->start = [](std::size_t, std::uint64_t, std::uint64_t) -> std::uint64_t { return 0; };  // the index holds the starts
+    rows.window->start = [](std::size_t, std::uint64_t, std::uint64_t) -> std::uint64_t {
+      return 0;
+    };  // the index holds the starts
     if (std::string why = detail::row_window_problem(rows); !why.empty()) throw Error(why);
     if (index.device().is_host()) {
       const std::int64_t* word = index.data<std::int64_t>();
       for (std::int64_t i = 0; i < index.size(0); ++i)
         if (word[i] < 0 || word[i] > elements - w.length - w.shift)
-          throw Error("DeviceStage::gather_windows: window " + std::to_string(i) + " starts at element " + std::to_string(word[i]) +
-                      ", past the last that fits an array of " + std::to_string(elements));
+          throw Error("DeviceStage::gather_windows: window " + std::to_string(i) + " starts at element " +
+                      std::to_string(word[i]) + ", past the last that fits an array of " + std::to_string(elements));
     }
     const std::int64_t n = index.size(0);
     detail::GatherField field;
@@ -255,18 +261,20 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
   void check_gather_index(const Tensor& index, const char* what) const {
     if (!index.defined() || index.dtype() != DType::Int64 || index.dim() != 1 ||
         (!index.device().is_host() && index.device() != Device::cuda(opt.device)))
-      throw Error(std::string("DeviceStage::") + what + ": expected an int64 [B] index on the host or on cuda:" + std::to_string(opt.device) +
-                  ", got " + index.str());
+      throw Error(std::string("DeviceStage::") + what +
+                  ": expected an int64 [B] index on the host or on cuda:" + std::to_string(opt.device) + ", got " + index.str());
     if (index.device().is_host() && index.size(0) > DeviceStage::gather_index_in_launch)
       throw Error(std::string("DeviceStage::") + what + ": a host index of " + std::to_string(index.size(0)) +
-                  " rows is more than a launch carries (" + std::to_string(DeviceStage::gather_index_in_launch) + "); move it to the device first");
+                  " rows is more than a launch carries (" + std::to_string(DeviceStage::gather_index_in_launch) +
+                  "); move it to the device first");
   }
 
   Tensor decode_images(const Tensor& bytes, const Tensor& index, const Tensor& index_dev) {
     if (!cur) throw Error("DeviceStage::decode_images: no batch begun");
     if (!detail::gpu_decode_built())
-      throw CudaError("DeviceStage: GPU decode needs nvJPEG, and this build of ferry was made without it (CMake did not find "
-                      "nvjpeg.h and libnvjpeg: scripts/install-deps.sh installs them where the CUDA Toolkit lacks them)");
+      throw CudaError(
+          "DeviceStage: GPU decode needs nvJPEG, and this build of ferry was made without it (CMake did not find "
+          "nvjpeg.h and libnvjpeg: scripts/install-deps.sh installs them where the CUDA Toolkit lacks them)");
     if (!bytes.defined() || bytes.dtype() != DType::UInt8 || !bytes.is_pinned() || !index.defined() ||
         index.dtype() != DType::Int64 || index.dim() != 2 || index.size(1) != detail::kEncodedIndexWords || !index.is_pinned() ||
         !index_dev.defined() || index_dev.device().kind != MemoryKind::Device)
@@ -282,10 +290,11 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     const std::size_t bytes_out = DeviceStage::decoded_bytes(index);
     if (used + align_up(bytes_out) > cur_end) throw Error("DeviceStage::decode_images: more than begin() reserved");
     const std::int64_t* row = index.data<std::int64_t>();
-    const std::int64_t rows = index.size(0), OH = row[detail::EncodedRow::kOutHeight], OW = row[detail::EncodedRow::kOutWidth], C = row[detail::EncodedRow::kChannels];
+    const std::int64_t rows = index.size(0), OH = row[detail::EncodedRow::kOutHeight], OW = row[detail::EncodedRow::kOutWidth],
+                       C = row[detail::EncodedRow::kChannels];
     const std::int64_t kind = row[detail::EncodedRow::kOutput];
-    const DType dtype = kind == detail::kPassFloat32   ? DType::Float32
-                        : kind == detail::kPassFloat16 ? DType::Float16
+    const DType dtype = kind == detail::kPassFloat32    ? DType::Float32
+                        : kind == detail::kPassFloat16  ? DType::Float16
                         : kind == detail::kPassBFloat16 ? DType::BFloat16
                                                         : DType::UInt8;
     const bool chw = kind != detail::kPassUInt8 && row[detail::EncodedRow::kChannelsLast] == 0;
@@ -377,8 +386,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       b->released.record(consumer);
       b->has_release = true;
     } catch (const std::exception& e) {
-      detail::warn_once("device-release", std::string("DeviceStage: recording a release event failed: ") + e.what() +
-                                              "; synchronizing instead");
+      detail::warn_once("device-release",
+                        std::string("DeviceStage: recording a release event failed: ") + e.what() + "; synchronizing instead");
       try {
         consumer.synchronize();
       } catch (...) {
@@ -399,8 +408,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     if (used + bytes > cur_end)
       throw Error("DeviceStage: the batch moved more bytes than begin() reserved; a custom pin_memory must only call ctx.pin()");
     if (!host.is_pinned())
-      detail::warn_once("device-pageable", "DeviceStage: copying from pageable host memory (slower, and the copy "
-                                           "cannot overlap); enable pin_memory");
+      detail::warn_once("device-pageable",
+                        "DeviceStage: copying from pageable host memory (slower, and the copy "
+                        "cannot overlap); enable pin_memory");
     pending.push_back({static_cast<const std::byte*>(host.raw()), used, host.nbytes(), host.storage()});
     Tensor out(Storage::wrap(cur->ptr, cur->size, Device::cuda(opt.device), cur_owner), host.dtype(), host.shape(), used);
     used += bytes;
@@ -458,7 +468,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     }
     if (rows > static_cast<std::size_t>(detail::kGatherIndexInLaunch)) return false;
     const auto room = static_cast<std::size_t>(wide ? detail::kGatherIndexInLaunch : detail::kGatherNarrowIndexInLaunch);
-    if (held_index.size() + rows > room || held_fields.size() + gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields) ||
+    if (held_index.size() + rows > room ||
+        held_fields.size() + gathers.size() > static_cast<std::size_t>(detail::kMaxGatherFields) ||
         held_bytes + (used - cur_begin) > kHeldLaunchBytes)
       return false;
     held_wide = wide;
@@ -531,7 +542,8 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     std::lock_guard stats_lock(stats_mu);  // counters and timings: stats() reads them on another thread
     std::exception_ptr decode_error;
     // Each image's place in the decode scratch goes into the host index before it is copied.
-    for (PendingDecode& d : decodes) detail::lay_out_decode_scratch(d.index.data<std::int64_t>(), static_cast<int>(d.index.size(0)));
+    for (PendingDecode& d : decodes)
+      detail::lay_out_decode_scratch(d.index.data<std::int64_t>(), static_cast<int>(d.index.size(0)));
     cuda::Event started = timing_event(), copied;
     started.record(copy);  // after any wait begin() queued: the interval is the copies alone
     std::size_t i = 0;
@@ -629,8 +641,10 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
     std::set<const void*> seen;
     for (auto& p : pending) {
       if (!seen.insert(p.storage.owner().get()).second) continue;
-      if (pool && p.storage.device().kind == MemoryKind::PinnedHost && pool->owns(p.storage)) pool->add_fence(p.storage, fence);
-      else keep.push_back(p.storage);
+      if (pool && p.storage.device().kind == MemoryKind::PinnedHost && pool->owns(p.storage))
+        pool->add_fence(p.storage, fence);
+      else
+        keep.push_back(p.storage);
     }
     if (!keep.empty()) keepalive.emplace_back(fence, std::move(keep));
     while (!keepalive.empty() && keepalive.front().first->ready()) keepalive.pop_front();
@@ -674,8 +688,11 @@ Tensor DeviceStage::decode_images(const Tensor& bytes, const Tensor& index, cons
 std::size_t DeviceStage::decoded_bytes(const Tensor& index) {
   if (!index.defined() || index.dim() != 2 || index.size(1) != detail::kEncodedIndexWords || index.size(0) == 0) return 0;
   const std::int64_t* row = index.data<std::int64_t>();
-  const std::int64_t element = row[detail::EncodedRow::kOutput] == detail::kPassFloat32 ? 4 : row[detail::EncodedRow::kOutput] == detail::kPassUInt8 ? 1 : 2;
-  return static_cast<std::size_t>(index.size(0) * row[detail::EncodedRow::kOutHeight] * row[detail::EncodedRow::kOutWidth] * row[detail::EncodedRow::kChannels] * element);
+  const std::int64_t element = row[detail::EncodedRow::kOutput] == detail::kPassFloat32 ? 4
+                               : row[detail::EncodedRow::kOutput] == detail::kPassUInt8 ? 1
+                                                                                        : 2;
+  return static_cast<std::size_t>(index.size(0) * row[detail::EncodedRow::kOutHeight] * row[detail::EncodedRow::kOutWidth] *
+                                  row[detail::EncodedRow::kChannels] * element);
 }
 
 bool DeviceStage::can_decode_images() noexcept { return detail::gpu_decode_built(); }

@@ -50,8 +50,10 @@ std::vector<Range> ranges_of(const std::vector<HostRows>& arrays) {
   std::sort(r.begin(), r.end(), [](const Range& x, const Range& y) { return x.begin < y.begin; });
   std::vector<Range> merged;
   for (const Range& x : r) {
-    if (!merged.empty() && x.begin < merged.back().end) merged.back().end = std::max(merged.back().end, x.end);
-    else merged.push_back(x);
+    if (!merged.empty() && x.begin < merged.back().end)
+      merged.back().end = std::max(merged.back().end, x.end);
+    else
+      merged.push_back(x);
   }
   return merged;
 }
@@ -118,10 +120,10 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
   // A mapped file (HostRows::mapped_file) is not registered in place but copied into page-locked
   // memory (Note [Device gather], "mapped files", ferry/pinning/gather.h); arrays over the same
   // bytes (a token file's input_ids and labels) share one copy.
-  std::vector<HostRows> in_place;      // the arrays registered in place (the others left empty)
-  std::vector<std::size_t> copied;     // arrays[k] read from a copy
+  std::vector<HostRows> in_place;   // the arrays registered in place (the others left empty)
+  std::vector<std::size_t> copied;  // arrays[k] read from a copy
   std::vector<std::size_t> copy_of(arrays.size(), 0);
-  std::vector<std::size_t> unique;     // the first array of each copy
+  std::vector<std::size_t> unique;  // the first array of each copy
   std::size_t need = 0;
   auto bytes_of = [&](std::size_t k) { return static_cast<std::size_t>(arrays[k].rows) * arrays[k].row_bytes; };
   for (std::size_t k = 0; k < arrays.size(); ++k) {
@@ -167,7 +169,8 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
         if (prev->second.first > r.begin) it = prev;
       }
       if (it != g.ranges.end() && it->first < r.end)
-        throw CudaError("device gather: " + arrays[r.array].name + " shares pages with memory another loader registered differently");
+        throw CudaError("device gather: " + arrays[r.array].name +
+                        " shares pages with memory another loader registered differently");
       void* p = reinterpret_cast<void*>(r.begin);
       const cudaError_t e = cudaHostRegister(p, r.end - r.begin, flags);
       if (e == cudaErrorHostMemoryAlreadyRegistered) {
@@ -196,7 +199,8 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
       void* p = nullptr;
       const cudaError_t e = cudaHostAlloc(&p, n, cudaHostAllocPortable | cudaHostAllocMapped);
       if (e != cudaSuccess)
-        throw CudaError("device gather: cudaHostAlloc of " + std::to_string(n) + " bytes for a copy of " + arrays[k].name + " failed: " + cuda_message(e));
+        throw CudaError("device gather: cudaHostAlloc of " + std::to_string(n) + " bytes for a copy of " + arrays[k].name +
+                        " failed: " + cuda_message(e));
       copies_.push_back(p);
       {
         std::lock_guard l(g.mu);
@@ -217,14 +221,15 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
       if (next_copy < copied.size() && copied[next_copy] == k) {
         ++next_copy;
         const cudaError_t e = cudaHostGetDevicePointer(&d, copies_[copy_of[k]], 0);
-        if (e != cudaSuccess) throw CudaError("device gather: no device address for the copy of " + arrays[k].name + ": " + cuda_message(e));
+        if (e != cudaSuccess)
+          throw CudaError("device gather: no device address for the copy of " + arrays[k].name + ": " + cuda_message(e));
         device_rows_.push_back(d);
         continue;
       }
       const cudaError_t e = cudaHostGetDevicePointer(&d, const_cast<void*>(arrays[k].data), 0);
       if (e != cudaSuccess)
-        throw CudaError("device gather: no device address for " + arrays[k].name + (foreign[k] ? " (pinned elsewhere, not mapped)" : "") +
-                        ": " + cuda_message(e));
+        throw CudaError("device gather: no device address for " + arrays[k].name +
+                        (foreign[k] ? " (pinned elsewhere, not mapped)" : "") + ": " + cuda_message(e));
       device_rows_.push_back(d);
     }
   } catch (...) {

@@ -59,8 +59,10 @@ __device__ __forceinline__ std::int64_t row_word(const Args<N, Index>& a, const 
   if constexpr (N > 0) {
     if (!f.index_dev) {
       const Index w = a.index[static_cast<std::size_t>(f.index_offset) + r];
-      if constexpr (sizeof(Index) == 4) return static_cast<std::int64_t>(w & ~kNarrowFlip) | ((w & kNarrowFlip) ? kGatherFlipBit : 0);
-      else return w;
+      if constexpr (sizeof(Index) == 4)
+        return static_cast<std::int64_t>(w & ~kNarrowFlip) | ((w & kNarrowFlip) ? kGatherFlipBit : 0);
+      else
+        return w;
     }
   }
   return f.index_dev[r];
@@ -302,8 +304,8 @@ void copy_rows(const std::int64_t* index, const GatherField& f, cudaStream_t str
   std::size_t attr_index = 0;
   const cudaError_t e = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), rows, &attr, &attr_index, 1, stream);
   if (e != cudaSuccess)
-    throw CudaError(std::string("device gather: cudaMemcpyBatchAsync of ") + std::to_string(rows) + " rows failed: " + cudaGetErrorName(e) +
-                    " (" + cudaGetErrorString(e) + ")");
+    throw CudaError(std::string("device gather: cudaMemcpyBatchAsync of ") + std::to_string(rows) +
+                    " rows failed: " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 #else
   (void)index, (void)f, (void)stream;
   throw CudaError("device gather: the copy engines' gather needs CUDA 13");
@@ -312,7 +314,8 @@ void copy_rows(const std::int64_t* index, const GatherField& f, cudaStream_t str
 
 bool by_copy_engines(const GatherField& f) {
 #if CUDART_VERSION >= 13000
-  return !f.index_dev && f.out_kind < 0 && f.window == 0 && f.row_bytes >= kCopyEngineRowBytes && f.rows > 0 && host_pointers_usable();
+  return !f.index_dev && f.out_kind < 0 && f.window == 0 && f.row_bytes >= kCopyEngineRowBytes && f.rows > 0 &&
+         host_pointers_usable();
 #else
   (void)f;
   return false;
@@ -325,11 +328,13 @@ bool gather_built() noexcept { return true; }
 
 void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const GatherField* fields, int nfields, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
-  if (nfields < 1 || nfields > kMaxGatherFields) throw CudaError("device gather: " + std::to_string(nfields) + " fields in one launch");
+  if (nfields < 1 || nfields > kMaxGatherFields)
+    throw CudaError("device gather: " + std::to_string(nfields) + " fields in one launch");
   for (int k = 0; k < nfields; ++k)
-    if (!fields[k].index_dev && (fields[k].rows < 0 || fields[k].index_offset < 0 || fields[k].index_offset + fields[k].rows > host_rows))
-      throw CudaError("device gather: field " + std::to_string(k) + "'s rows lie outside the launch's " + std::to_string(host_rows) +
-                      " host indices");
+    if (!fields[k].index_dev &&
+        (fields[k].rows < 0 || fields[k].index_offset < 0 || fields[k].index_offset + fields[k].rows > host_rows))
+      throw CudaError("device gather: field " + std::to_string(k) + "'s rows lie outside the launch's " +
+                      std::to_string(host_rows) + " host indices");
   const bool narrow = narrow_rows(host_index, host_rows);  // then put_index writes 32-bit words
   if (host_rows > (narrow ? kGatherNarrowIndexInLaunch : kGatherIndexInLaunch))
     throw CudaError("device gather: " + std::to_string(host_rows) + " host indices do not fit a launch's parameters" +
@@ -338,19 +343,28 @@ void launch_gather(const std::int64_t* host_index, std::int64_t host_rows, const
   GatherField rest[kMaxGatherFields];
   int nrest = 0;
   for (int k = 0; k < nfields; ++k) {
-    if (by_copy_engines(fields[k])) copy_rows(host_index + fields[k].index_offset, fields[k], s);
-    else rest[nrest++] = fields[k];
+    if (by_copy_engines(fields[k]))
+      copy_rows(host_index + fields[k].index_offset, fields[k], s);
+    else
+      rest[nrest++] = fields[k];
   }
   if (nrest == 0) return;
-  if (host_rows <= 0) launch<0>(nullptr, 0, rest, nrest, s);
-  else if (!narrow) launch<kGatherIndexInLaunch, std::int64_t>(host_index, host_rows, rest, nrest, s);
-  else if (host_rows <= 256) launch<256>(host_index, host_rows, rest, nrest, s);
-  else if (host_rows <= 1024) launch<1024>(host_index, host_rows, rest, nrest, s);
-  else if (host_rows <= 3072) launch<3072>(host_index, host_rows, rest, nrest, s);
-  else launch<kGatherNarrowIndexInLaunch>(host_index, host_rows, rest, nrest, s);
+  if (host_rows <= 0)
+    launch<0>(nullptr, 0, rest, nrest, s);
+  else if (!narrow)
+    launch<kGatherIndexInLaunch, std::int64_t>(host_index, host_rows, rest, nrest, s);
+  else if (host_rows <= 256)
+    launch<256>(host_index, host_rows, rest, nrest, s);
+  else if (host_rows <= 1024)
+    launch<1024>(host_index, host_rows, rest, nrest, s);
+  else if (host_rows <= 3072)
+    launch<3072>(host_index, host_rows, rest, nrest, s);
+  else
+    launch<kGatherNarrowIndexInLaunch>(host_index, host_rows, rest, nrest, s);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
-    throw CudaError(std::string("device gather: kernel launch failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+    throw CudaError(std::string("device gather: kernel launch failed: ") + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                    ")");
 }
 
 }  // namespace ferry::detail

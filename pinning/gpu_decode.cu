@@ -77,8 +77,8 @@ __device__ Plan read_plan(const std::int64_t* row) {
 
 // One thread per output pixel of the batch; every channel. Decoded images are RGB interleaved
 // (pitch = width * 3) in `scratch`.
-__global__ void fused_transform(const std::uint8_t* scratch, const std::int64_t* index, int rows, int OH, int OW, int C,
-                                int kind, int channels_last, void* out) {
+__global__ void fused_transform(const std::uint8_t* scratch, const std::int64_t* index, int rows, int OH, int OW, int C, int kind,
+                                int channels_last, void* out) {
   const std::int64_t pixels = static_cast<std::int64_t>(OH) * OW;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= pixels * rows) return;
@@ -97,9 +97,12 @@ __global__ void fused_transform(const std::uint8_t* scratch, const std::int64_t*
     }
     const float f = __fadd_rn(__fmul_rn(plan.a[c], v), plan.b[c]);
     const std::int64_t o = channels_last ? hwc : ((static_cast<std::int64_t>(n) * C + c) * OH + y) * OW + x;
-    if (kind == kPassFloat32) static_cast<float*>(out)[o] = f;
-    else if (kind == kPassFloat16) static_cast<std::uint16_t*>(out)[o] = pass_f16_bits(f);
-    else static_cast<std::uint16_t*>(out)[o] = pass_bf16_bits(f);
+    if (kind == kPassFloat32)
+      static_cast<float*>(out)[o] = f;
+    else if (kind == kPassFloat16)
+      static_cast<std::uint16_t*>(out)[o] = pass_f16_bits(f);
+    else
+      static_cast<std::uint16_t*>(out)[o] = pass_bf16_bits(f);
   }
 }
 
@@ -283,7 +286,8 @@ class NvJpegDecoder {
       open(contexts_[0], high_priority);
       if (threads == 0) {  // chosen from the hardware: the first handle says how many engines it drives
         unsigned engines = 0, cores = 0;
-        if (backend_ != "hardware" || nvjpegGetHardwareDecoderInfo(contexts_[0].handle, &engines, &cores) != NVJPEG_STATUS_SUCCESS)
+        if (backend_ != "hardware" ||
+            nvjpegGetHardwareDecoderInfo(contexts_[0].handle, &engines, &cores) != NVJPEG_STATUS_SUCCESS)
           engines = 0;
         contexts_.resize(static_cast<std::size_t>(decode_threads_for(engines, std::thread::hardware_concurrency())));
       }
@@ -379,16 +383,18 @@ class NvJpegDecoder {
 
   // stop_threads() gives up on the decodes of `stuck` (their fences) and on the jobs `queued`.
   void give_up(const std::vector<std::shared_ptr<EventFence>>& stuck, std::deque<DecodeJob>& queued) {
-    const auto error = std::make_exception_ptr(CudaError(
-        "GPU decode: a decode has not come back from nvJPEG in " + std::to_string(static_cast<int>(GpuJpegDecoder::kStuckDecodeSeconds)) +
-        " s; the loader stopped without it (Note [A decode that never returns] in pinning/gpu_decode.cu)"));
+    const auto error = std::make_exception_ptr(
+        CudaError("GPU decode: a decode has not come back from nvJPEG in " +
+                  std::to_string(static_cast<int>(GpuJpegDecoder::kStuckDecodeSeconds)) +
+                  " s; the loader stopped without it (Note [A decode that never returns] in pinning/gpu_decode.cu)"));
     for (auto& f : stuck) f->recorded(error);
     for (DecodeJob& j : queued) j.fence->recorded(error);  // never issued: their host bytes go back now
     queued.clear();
-    warn_once("gpu-decode-stuck", "GPU decode: a decode thread has been inside nvJPEG for over " +
-                                      std::to_string(static_cast<int>(GpuJpegDecoder::kStuckDecodeSeconds)) +
-                                      " s; the loader is destroyed without it, leaving its nvJPEG state, its batch and the "
-                                      "stage's device buffers unfreed (set gpu_decode_threads = 1 to avoid the known two-thread stall)");
+    warn_once("gpu-decode-stuck",
+              "GPU decode: a decode thread has been inside nvJPEG for over " +
+                  std::to_string(static_cast<int>(GpuJpegDecoder::kStuckDecodeSeconds)) +
+                  " s; the loader is destroyed without it, leaving its nvJPEG state, its batch and the "
+                  "stage's device buffers unfreed (set gpu_decode_threads = 1 to avoid the known two-thread stall)");
   }
 
   void submit(DecodeJob job) {
@@ -408,8 +414,8 @@ class NvJpegDecoder {
   struct Context {
     nvjpegHandle_t handle = nullptr, fallback = nullptr;
     nvjpegJpegState_t state = nullptr, fallback_state = nullptr;
-    cuda::Stream owned_stream;           // the thread's stream (destroyed with the context)
-    cudaStream_t stream = nullptr;       // owned_stream's handle
+    cuda::Stream owned_stream;      // the thread's stream (destroyed with the context)
+    cudaStream_t stream = nullptr;  // owned_stream's handle
     // Two scratches, used in turn: a decode waits for the kernel that read its scratch two
     // batches ago, not for the one just issued (Note [Decode threads]).
     struct Scratch {
@@ -436,9 +442,8 @@ class NvJpegDecoder {
     nvjpegDevAllocatorV2_t dev = mem_.device_allocator();
     nvjpegPinnedAllocatorV2_t pinned = mem_.pinned_allocator();
     // The hardware backend where the GPU has JPEG engines (A100, H100, ...), else the GPU hybrid.
-    const std::pair<nvjpegBackend_t, const char*> backends[] = {{NVJPEG_BACKEND_HARDWARE, "hardware"},
-                                                                {NVJPEG_BACKEND_GPU_HYBRID, "GPU hybrid"},
-                                                                {NVJPEG_BACKEND_DEFAULT, "default"}};
+    const std::pair<nvjpegBackend_t, const char*> backends[] = {
+        {NVJPEG_BACKEND_HARDWARE, "hardware"}, {NVJPEG_BACKEND_GPU_HYBRID, "GPU hybrid"}, {NVJPEG_BACKEND_DEFAULT, "default"}};
     nvjpegStatus_t last = NVJPEG_STATUS_NOT_INITIALIZED;
     const bool first = backend_.empty();
     for (auto [b, name] : backends) {
@@ -451,10 +456,12 @@ class NvJpegDecoder {
       c.handle = nullptr;
     }
     if (!c.handle) throw CudaError(std::string("GPU decode: nvjpegCreateEx failed for every backend: ") + nvjpeg_status(last));
-    if (nvjpegJpegStateCreate(c.handle, &c.state) != NVJPEG_STATUS_SUCCESS) throw CudaError("GPU decode: nvjpegJpegStateCreate failed");
+    if (nvjpegJpegStateCreate(c.handle, &c.state) != NVJPEG_STATUS_SUCCESS)
+      throw CudaError("GPU decode: nvjpegJpegStateCreate failed");
     c.owned_stream = cuda::Stream::create(device_, high_priority);
     c.stream = static_cast<cudaStream_t>(c.owned_stream.native());
-    for (Context::Scratch& x : c.scratch) check_cuda(cudaEventCreateWithFlags(&x.read, cudaEventDisableTiming), "cudaEventCreate");
+    for (Context::Scratch& x : c.scratch)
+      check_cuda(cudaEventCreateWithFlags(&x.read, cudaEventDisableTiming), "cudaEventCreate");
   }
 
   static void close(Context& c) noexcept {
@@ -502,7 +509,8 @@ class NvJpegDecoder {
         const int rows = w.rows;
         const std::int64_t* index = w.index;
         decode(c, w.bytes, index, rows);
-        if (!inputs_waited) check_cuda(cudaStreamWaitEvent(c.stream, static_cast<cudaEvent_t>(job.inputs.native()), 0), "cudaStreamWaitEvent");
+        if (!inputs_waited)
+          check_cuda(cudaStreamWaitEvent(c.stream, static_cast<cudaEvent_t>(job.inputs.native()), 0), "cudaStreamWaitEvent");
         inputs_waited = true;
         const int OH = static_cast<int>(index[8]), OW = static_cast<int>(index[15]), C = static_cast<int>(index[18]);
         const std::int64_t threads = static_cast<std::int64_t>(rows) * OH * OW;
@@ -525,7 +533,9 @@ class NvJpegDecoder {
     if (e != cudaSuccess) {
       // The fence's event may then be unrecorded (complete at once): wait here instead.
       cudaStreamSynchronize(c.stream);
-      if (!error) error = std::make_exception_ptr(CudaError(std::string("GPU decode: recording the batch's event: ") + cudaGetErrorString(e)));
+      if (!error)
+        error =
+            std::make_exception_ptr(CudaError(std::string("GPU decode: recording the batch's event: ") + cudaGetErrorString(e)));
     }
     busy_ns_ += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     end_decode();
@@ -574,7 +584,8 @@ class NvJpegDecoder {
     std::size_t needed = 0;
     for (int r = 0; r < rows; ++r) {
       const std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
-      needed = std::max(needed, static_cast<std::size_t>(row[EncodedRow::kScratch]) + static_cast<std::size_t>(row[EncodedRow::kHeight] * row[EncodedRow::kWidth] * 3));
+      needed = std::max(needed, static_cast<std::size_t>(row[EncodedRow::kScratch]) +
+                                    static_cast<std::size_t>(row[EncodedRow::kHeight] * row[EncodedRow::kWidth] * 3));
     }
     if (needed > x.size) {  // Note [Decode memory]: no device synchronization
       check_cuda(cudaStreamSynchronize(c.stream), "draining the decode stream before its scratch grows");
@@ -603,7 +614,8 @@ class NvJpegDecoder {
       st = nvjpegDecodeBatchedInitialize(c.handle, c.state, rows, 1, NVJPEG_OUTPUT_RGBI);
       if (st == NVJPEG_STATUS_SUCCESS) c.initialized_rows = rows;
     }
-    if (st == NVJPEG_STATUS_SUCCESS) st = nvjpegDecodeBatched(c.handle, c.state, c.data.data(), c.lengths.data(), c.images.data(), c.stream);
+    if (st == NVJPEG_STATUS_SUCCESS)
+      st = nvjpegDecodeBatched(c.handle, c.state, c.data.data(), c.lengths.data(), c.images.data(), c.stream);
     if (st != NVJPEG_STATUS_SUCCESS) {
       c.initialized_rows = -1;
       decode_one_by_one(c, rows, st);  // progressive, CMYK, ... : what the batched backend refuses
@@ -617,8 +629,9 @@ class NvJpegDecoder {
       // Opened while no other thread decodes (Note [Decode threads]): this decode steps out of the gate.
       end_decode();
       begin_open();
-      const bool made = nvjpegCreateExV2(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &c.fallback) == NVJPEG_STATUS_SUCCESS &&
-                        nvjpegJpegStateCreate(c.fallback, &c.fallback_state) == NVJPEG_STATUS_SUCCESS;
+      const bool made =
+          nvjpegCreateExV2(NVJPEG_BACKEND_DEFAULT, &dev, &pinned, NVJPEG_FLAGS_DEFAULT, &c.fallback) == NVJPEG_STATUS_SUCCESS &&
+          nvjpegJpegStateCreate(c.fallback, &c.fallback_state) == NVJPEG_STATUS_SUCCESS;
       end_open();
       begin_decode();
       if (!made)
@@ -627,7 +640,8 @@ class NvJpegDecoder {
     }
     for (int r = 0; r < rows; ++r) {
       const auto i = static_cast<std::size_t>(r);
-      const nvjpegStatus_t st = nvjpegDecode(c.fallback, c.fallback_state, c.data[i], c.lengths[i], NVJPEG_OUTPUT_RGBI, &c.images[i], c.stream);
+      const nvjpegStatus_t st =
+          nvjpegDecode(c.fallback, c.fallback_state, c.data[i], c.lengths[i], NVJPEG_OUTPUT_RGBI, &c.images[i], c.stream);
       if (st != NVJPEG_STATUS_SUCCESS)
         throw DataError("GPU decode", DataError::kNoOffset,
                         "image " + std::to_string(r) + " of the batch (" + std::to_string(c.lengths[i]) +
@@ -643,21 +657,21 @@ class NvJpegDecoder {
   std::vector<Thread> threads_;
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<DecodeJob> jobs_;  // guarded by mu_
-  bool stop_ = false;           // guarded by mu_
-  int running_ = 0;             // guarded by mu_: decode threads not yet ended
+  std::deque<DecodeJob> jobs_;     // guarded by mu_
+  bool stop_ = false;              // guarded by mu_
+  int running_ = 0;                // guarded by mu_: decode threads not yet ended
   std::condition_variable ended_;  // a decode thread ended
   long stall_ms_ = 0;              // FERRY_TEST_GPU_DECODE_STALL_MS (Note [A decode that never returns])
   std::atomic<int> stalls_{0};
   std::atomic<std::uint64_t> allocations_{0};
   std::atomic<std::int64_t> busy_ns_{0};
   std::atomic<int> failed_threads_{0};  // decode threads that could not open their context (and ended)
-  std::mutex gate_mu_;  // the gate between opens and decodes (begin_open, begin_decode)
+  std::mutex gate_mu_;                  // the gate between opens and decodes (begin_open, begin_decode)
   std::condition_variable gate_cv_;
-  int decoding_ = 0;                  // guarded by gate_mu_: decodes running
-  std::uint64_t decodes_done_ = 0;    // guarded by gate_mu_
-  bool opening_ = false;              // guarded by gate_mu_: a thread is opening nvJPEG handles or states
-  bool gate_stop_ = false;            // guarded by gate_mu_: the decoder is stopping
+  int decoding_ = 0;                // guarded by gate_mu_: decodes running
+  std::uint64_t decodes_done_ = 0;  // guarded by gate_mu_
+  bool opening_ = false;            // guarded by gate_mu_: a thread is opening nvJPEG handles or states
+  bool gate_stop_ = false;          // guarded by gate_mu_: the decoder is stopping
 };
 
 }  // namespace
@@ -669,7 +683,8 @@ std::size_t lay_out_decode_scratch(std::int64_t* index, int rows) {
   for (int r = 0; r < rows; ++r) {
     std::int64_t* row = index + static_cast<std::int64_t>(r) * kEncodedIndexWords;
     row[EncodedRow::kScratch] = static_cast<std::int64_t>(total);
-    total += (static_cast<std::size_t>(row[EncodedRow::kHeight]) * static_cast<std::size_t>(row[EncodedRow::kWidth]) * 3 + 255) / 256 * 256;
+    total += (static_cast<std::size_t>(row[EncodedRow::kHeight]) * static_cast<std::size_t>(row[EncodedRow::kWidth]) * 3 + 255) /
+             256 * 256;
   }
   return total;
 }

@@ -33,9 +33,9 @@ struct DecodeWork {
 /// A batch's decodes, as DeviceStage::end() hands them over.
 struct DecodeJob {
   std::vector<DecodeWork> work;
-  cuda::Event inputs;                  ///< on the copy stream: the indexes are copied and `out` is free
-  void* done = nullptr;                ///< the cudaEvent_t inside `fence`, recorded after the last kernel
-  std::shared_ptr<EventFence> fence;   ///< deferred; recorded() once issued, with the error if one failed
+  cuda::Event inputs;                 ///< on the copy stream: the indexes are copied and `out` is free
+  void* done = nullptr;               ///< the cudaEvent_t inside `fence`, recorded after the last kernel
+  std::shared_ptr<EventFence> fence;  ///< deferred; recorded() once issued, with the error if one failed
 };
 
 class GpuJpegDecoder {

@@ -13,8 +13,10 @@ void PinContext::begin_measure() noexcept {
 
 void PinContext::begin_copy() {
   measuring_ = false;
-  if (stage_) stage_->begin(need_);
-  else if (need_ > 0) block_ = pool_->allocate(need_);
+  if (stage_)
+    stage_->begin(need_);
+  else if (need_ > 0)
+    block_ = pool_->allocate(need_);
   if (block_.data()) last_block_ = block_.data();
 }
 
@@ -52,8 +54,9 @@ Tensor PinContext::pin(const Tensor& t) {
     return t;
   }
   if (used_ + bytes > need_)
-    throw Error("pin_memory: the batch's pin_memory pinned more tensors in its second pass than in its first; "
-                "a custom pin_memory must only call ctx.pin()");
+    throw Error(
+        "pin_memory: the batch's pin_memory pinned more tensors in its second pass than in its first; "
+        "a custom pin_memory must only call ctx.pin()");
   Tensor out(block_, t.dtype(), t.shape(), used_);
   used_ += bytes;
   parallel_memcpy(out.raw(), t.raw(), t.nbytes(), copy_pool_);

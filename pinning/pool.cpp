@@ -83,16 +83,15 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
   const bool hard_limit;
   const int numa_node;  // preferred for the backend's pages (-1: the calling thread's policy)
   mutable std::mutex mu;
-  std::condition_variable returned;            // a lease came back
-  std::map<std::byte*, Block> blocks;          // guarded by mu; keyed by address
-  std::size_t pinned = 0, reserved = 0;        // guarded by mu; reserved: allocations in progress
-  PinnedPoolStats counters;                    // guarded by mu (allocations, frees, leases, waits)
+  std::condition_variable returned;      // a lease came back
+  std::map<std::byte*, Block> blocks;    // guarded by mu; keyed by address
+  std::size_t pinned = 0, reserved = 0;  // guarded by mu; reserved: allocations in progress
+  PinnedPoolStats counters;              // guarded by mu (allocations, frees, leases, waits)
 
   // Pending blocks whose fences have all completed become free. Needs mu.
   void reap() {
     for (auto& [ptr, b] : blocks)
-      if (b.state == State::Pending &&
-          std::all_of(b.fences.begin(), b.fences.end(), [](const auto& f) { return f->ready(); })) {
+      if (b.state == State::Pending && std::all_of(b.fences.begin(), b.fences.end(), [](const auto& f) { return f->ready(); })) {
         b.fences.clear();
         b.state = State::Free;
       }
@@ -155,7 +154,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
         void* p = nullptr;
         try {
           detail::ScopedMemoryNode on_node(numa_node);  // pages placed (and locked) in this call
-          p = backend->allocate(want);  // cudaHostAlloc is slow: not under the lock
+          p = backend->allocate(want);                  // cudaHostAlloc is slow: not under the lock
         } catch (...) {
           l.lock();
           reserved -= want;
@@ -197,10 +196,9 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
       returned.wait_for(l, std::chrono::milliseconds(20));
       if (!warned && std::chrono::steady_clock::now() - started > std::chrono::seconds(5)) {
         warned = true;
-        detail::warn_once("pinned-pool-exhausted",
-                          "PinnedPool: waited over 5 s for a pinned block: all " + mib(pinned) +
-                              " are held by batches still alive (pinned_memory_limit " + mib(limit) +
-                              "); release batches sooner or raise the limit");
+        detail::warn_once("pinned-pool-exhausted", "PinnedPool: waited over 5 s for a pinned block: all " + mib(pinned) +
+                                                       " are held by batches still alive (pinned_memory_limit " + mib(limit) +
+                                                       "); release batches sooner or raise the limit");
       }
     }
   }
@@ -215,8 +213,9 @@ PinnedPool::PinnedPool(PinnedPoolOptions options) {
     backend = cuda_host_backend();
   }
   if (options.ignore_fences_unsafe)
-    detail::warn_once("pool-unsafe", "PinnedPool: ignore_fences_unsafe is set: pinned blocks may be overwritten "
-                                     "while the GPU still reads them (test use only)");
+    detail::warn_once("pool-unsafe",
+                      "PinnedPool: ignore_fences_unsafe is set: pinned blocks may be overwritten "
+                      "while the GPU still reads them (test use only)");
   impl_ = std::make_shared<Impl>(options.limit_bytes, std::move(backend), options.ignore_fences_unsafe, options.hard_limit,
                                  options.numa_node);
 }
@@ -288,20 +287,24 @@ Storage DepthCheckedAllocator::allocate(std::size_t nbytes) {
       std::lock_guard l(mu_);
       if (!told_) {
         told_ = true;
-        log_info("DataLoader: the pinned budget grows from " + mib(limit) + " to " + mib(need) + ": " + what_ + " may hold up to " +
-                 std::to_string(depth_) + " batches of " + mib(nbytes) + " at once (pinned_memory_limit is unset; set it to "
+        log_info("DataLoader: the pinned budget grows from " + mib(limit) + " to " + mib(need) + ": " + what_ +
+                 " may hold up to " + std::to_string(depth_) + " batches of " + mib(nbytes) +
+                 " at once (pinned_memory_limit is unset; set it to "
                  "bound the budget, and an error names what does not fit)");
       }
     } else if (may_grow_) {
       throw Error("pinned memory: " + std::string(what_) + " may hold up to " + std::to_string(depth_) + " batches of " +
-                  std::to_string(nbytes) + " bytes at once (" + std::to_string(need) + " bytes: prefetch_factor x "
+                  std::to_string(nbytes) + " bytes at once (" + std::to_string(need) +
+                  " bytes: prefetch_factor x "
                   "num_workers, pin_depth, device_prefetch and the consumer's), more than the unset pinned_memory_limit "
-                  "may grow to on this machine (" + std::to_string(cap) + " bytes: half its memory, at most three "
+                  "may grow to on this machine (" +
+                  std::to_string(cap) +
+                  " bytes: half its memory, at most three "
                   "quarters of what is free); lower prefetch_factor or num_workers, use pin_mode Copy, or make batches smaller");
     } else {
       throw Error("pinned_memory_limit is " + std::to_string(limit) + " bytes, but " + what_ + " may hold up to " +
-                  std::to_string(depth_) + " batches of " + std::to_string(nbytes) + " bytes at once (" +
-                  std::to_string(need) + " bytes: prefetch_factor x num_workers, pin_depth, device_prefetch "
+                  std::to_string(depth_) + " batches of " + std::to_string(nbytes) + " bytes at once (" + std::to_string(need) +
+                  " bytes: prefetch_factor x num_workers, pin_depth, device_prefetch "
                   "and the consumer's); raise pinned_memory_limit, lower the prefetch, or use pin_mode Copy");
     }
   }

@@ -39,8 +39,8 @@ TensorDataset::TensorDataset(std::vector<Tensor> tensors) : tensors_(std::move(t
       throw Error("TensorDataset: tensor " + std::to_string(k) + " must have at least one dimension, got " + t.str());
     if (!t.device().is_host()) throw Error("TensorDataset: tensor " + std::to_string(k) + " is not in host memory: " + t.str());
     if (t.size(0) != tensors_[0].size(0))
-      throw Error("TensorDataset: tensor " + std::to_string(k) + " has " + std::to_string(t.size(0)) +
-                  " rows but tensor 0 has " + std::to_string(tensors_[0].size(0)));
+      throw Error("TensorDataset: tensor " + std::to_string(k) + " has " + std::to_string(t.size(0)) + " rows but tensor 0 has " +
+                  std::to_string(tensors_[0].size(0)));
   }
   size_ = static_cast<std::size_t>(tensors_[0].size(0));
 }
@@ -59,7 +59,8 @@ std::vector<HostRows> TensorDataset::host_rows(std::string& why) const {
   for (std::size_t k = 0; k < tensors_.size(); ++k) {
     const Tensor& t = tensors_[k];
     out.push_back({t.raw(), t.size(0), t.nbytes() / static_cast<std::size_t>(std::max<std::int64_t>(t.size(0), 1)), t.dtype(),
-                   Shape(t.shape().begin() + 1, t.shape().end()), "TensorDataset's tensor " + std::to_string(k), false, std::nullopt, std::nullopt});
+                   Shape(t.shape().begin() + 1, t.shape().end()), "TensorDataset's tensor " + std::to_string(k), false,
+                   std::nullopt, std::nullopt});
   }
   return out;
 }
@@ -80,16 +81,16 @@ void TensorDataset::get_into(std::size_t i, std::vector<Tensor>& batch, std::siz
   for (std::size_t k = 0; k < tensors_.size(); ++k) {
     const Tensor& src = tensors_[k];
     const std::size_t row_bytes = src.nbytes() / size_;  // no views: this runs once per sample
-    if (row >= static_cast<std::size_t>(batch[k].size(0)) || batch[k].nbytes() / static_cast<std::size_t>(batch[k].size(0)) != row_bytes)
-      throw Error("TensorDataset::get_into: batch tensor " + std::to_string(k) + " (" + batch[k].str() +
-                  ") has no row " + std::to_string(row) + " of " + std::to_string(row_bytes) + " bytes");
+    if (row >= static_cast<std::size_t>(batch[k].size(0)) ||
+        batch[k].nbytes() / static_cast<std::size_t>(batch[k].size(0)) != row_bytes)
+      throw Error("TensorDataset::get_into: batch tensor " + std::to_string(k) + " (" + batch[k].str() + ") has no row " +
+                  std::to_string(row) + " of " + std::to_string(row_bytes) + " bytes");
     std::memcpy(static_cast<std::byte*>(batch[k].raw()) + row * row_bytes,
                 static_cast<const std::byte*>(src.raw()) + i * row_bytes, row_bytes);
   }
 }
 
-std::vector<std::vector<std::size_t>> random_split_indices(std::size_t n, std::span<const double> lengths,
-                                                           std::uint64_t seed) {
+std::vector<std::vector<std::size_t>> random_split_indices(std::size_t n, std::span<const double> lengths, std::uint64_t seed) {
   if (lengths.empty()) throw Error("random_split: no lengths given");
   std::vector<std::size_t> counts;
   double sum = 0;

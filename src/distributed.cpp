@@ -35,7 +35,8 @@ std::optional<std::size_t> number(const std::function<const char*(const char*)>&
   std::size_t out = 0;
   const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), out);
   if (ec != std::errc() || end == s.data() || (!lead && end != s.data() + s.size()))
-    throw Error(std::string("DistributedEnv: ") + launcher + "'s " + name + " is '" + std::string(s.substr(0, 40)) + "', not a number");
+    throw Error(std::string("DistributedEnv: ") + launcher + "'s " + name + " is '" + std::string(s.substr(0, 40)) +
+                "', not a number");
   return out;
 }
 
@@ -65,23 +66,24 @@ DistributedEnv DistributedEnv::from(const std::function<const char*(const char*)
     const auto rank = number(get, n.rank, who), world = number(get, n.world, who);
     if (!rank && !world) continue;  // not this launcher
     if (!rank || !world)
-      throw Error(std::string("DistributedEnv: ") + who + " set " + (rank ? n.rank : n.world) + " but not " + (rank ? n.world : n.rank));
+      throw Error(std::string("DistributedEnv: ") + who + " set " + (rank ? n.rank : n.world) + " but not " +
+                  (rank ? n.world : n.rank));
     const auto local = number(get, n.local_rank, who);
     if (!local) throw Error(std::string("DistributedEnv: ") + who + " set " + n.rank + " but not the local rank " + n.local_rank);
     std::optional<std::size_t> local_world = number(get, n.local_world, who);
     if (!local_world && n.launcher == Launcher::Slurm) local_world = number(get, "SLURM_TASKS_PER_NODE", who, true);
     if (*world == 0) throw Error(std::string("DistributedEnv: ") + who + "'s " + n.world + " is 0");
     if (*rank >= *world)
-      throw Error(std::string("DistributedEnv: ") + who + "'s rank " + std::to_string(*rank) + " (" + n.rank + ") is not below its world size " +
-                  std::to_string(*world) + " (" + n.world + ")");
+      throw Error(std::string("DistributedEnv: ") + who + "'s rank " + std::to_string(*rank) + " (" + n.rank +
+                  ") is not below its world size " + std::to_string(*world) + " (" + n.world + ")");
     e.rank = *rank;
     e.world_size = *world;
     e.local_rank = *local;
     e.local_world_size = local_world.value_or(*local + 1);
     if (e.local_rank >= e.local_world_size || e.local_world_size > e.world_size)
       throw Error(std::string("DistributedEnv: ") + who + "'s local rank " + std::to_string(e.local_rank) + " (" + n.local_rank +
-                  ") and local world size " + std::to_string(e.local_world_size) + " (" + n.local_world + ") do not fit a world of " +
-                  std::to_string(e.world_size));
+                  ") and local world size " + std::to_string(e.local_world_size) + " (" + n.local_world +
+                  ") do not fit a world of " + std::to_string(e.world_size));
     return e;
   }
   return {};

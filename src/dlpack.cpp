@@ -71,7 +71,9 @@ DLManagedTensor* to_dlpack(const Tensor& tensor) {
   t.data = tensor.storage().data();
   t.byte_offset = tensor.offset();
   const Device dev = tensor.device();
-  t.device = {dev.kind == MemoryKind::Device ? kDLCUDA : dev.kind == MemoryKind::PinnedHost ? kDLCUDAHost : kDLCPU,
+  t.device = {dev.kind == MemoryKind::Device       ? kDLCUDA
+              : dev.kind == MemoryKind::PinnedHost ? kDLCUDAHost
+                                                   : kDLCPU,
               dev.kind == MemoryKind::Device ? dev.index : 0};
   t.ndim = static_cast<int>(e->shape.size());
   t.dtype = to_dl(tensor.dtype());
@@ -96,9 +98,8 @@ Tensor from_dlpack(DLManagedTensor* managed) {
     std::int64_t expect = 1;
     for (int d = t.ndim - 1; d >= 0; --d) {
       if (shape[static_cast<std::size_t>(d)] != 1 && t.strides[d] != expect)
-        throw Error("from_dlpack: only C-contiguous tensors are supported; dimension " + std::to_string(d) +
-                    " of shape " + shape_str(shape) + " has stride " + std::to_string(t.strides[d]) + ", expected " +
-                    std::to_string(expect));
+        throw Error("from_dlpack: only C-contiguous tensors are supported; dimension " + std::to_string(d) + " of shape " +
+                    shape_str(shape) + " has stride " + std::to_string(t.strides[d]) + ", expected " + std::to_string(expect));
       expect *= shape[static_cast<std::size_t>(d)];
     }
   }

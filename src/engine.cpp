@@ -23,9 +23,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
-}
+std::int64_t now_ns() { return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count(); }
 
 struct Result {
   std::uint64_t key = 0;
@@ -91,8 +89,8 @@ std::string worker_name(int worker) {
 
 }  // namespace
 
-std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::span<const std::size_t> indices,
-                                          Stage stage, std::optional<std::size_t> sample, bool stream) {
+std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::span<const std::size_t> indices, Stage stage,
+                                          std::optional<std::size_t> sample, bool stream) {
   std::string what;
   DataError const* data_error = nullptr;
   try {
@@ -107,8 +105,10 @@ std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::s
   }
   std::ostringstream os;
   os << worker_name(worker) << " failed in stage '" << stage_name(stage) << "' of ";
-  if (stream) os << "its stream batch " << batch;
-  else os << "batch " << batch;
+  if (stream)
+    os << "its stream batch " << batch;
+  else
+    os << "batch " << batch;
   if (sample) os << " at sample " << *sample;
   if (!indices.empty()) os << " (" << describe_indices(indices, stream ? "stream positions" : "samples") << ")";
   if (data_error) {
@@ -132,7 +132,7 @@ struct Engine::State {
   std::vector<std::shared_ptr<StageQueue<Task>>> queues;  // 1 shared (map-style) or W (streams)
   std::vector<std::shared_ptr<WorkerCtl>> ctl;            // the current thread of each slot
   std::vector<Thread> threads;
-  std::int64_t retired_ns[kStageCount] = {};              // stage time of threads gone
+  std::int64_t retired_ns[kStageCount] = {};  // stage time of threads gone
   std::atomic<std::uint64_t> abandoned{0}, timeouts{0};
   bool keepable = false;  // the producer gave workers a keep-alive: they may be abandoned
 
@@ -151,8 +151,8 @@ struct Engine::State {
   bool can_prefetch_next() const {
     return !opt.streaming && opt.in_order && opt.persistent_workers && W > 0 && opt.timeout.count() == 0;
   }
-  std::deque<Result> arrived;                       // in_order == false
-  std::vector<std::int64_t> ended_at;               // streams: first exhausted j per worker, -1 if live
+  std::deque<Result> arrived;          // in_order == false
+  std::vector<std::int64_t> ended_at;  // streams: first exhausted j per worker, -1 if live
   int ended = 0;
   bool inline_done = false;
   StageMeter inline_stage;
@@ -166,17 +166,17 @@ struct Engine::State {
     std::mutex mu;
     std::condition_variable cv;
     bool posted = false, done = false, exit = false, abandoned = false;  // guarded by mu
-    Job job;                             // guarded by mu until taken
-    std::shared_ptr<EpochState> epoch;   // guarded by mu until taken
-    std::shared_ptr<void> keep;          // the producer, kept alive while a job runs
-    Payload payload;                     // guarded by mu
-    std::exception_ptr error;            // guarded by mu
-    StageMeter stage;                    // the helper's
+    Job job;                                                             // guarded by mu until taken
+    std::shared_ptr<EpochState> epoch;                                   // guarded by mu until taken
+    std::shared_ptr<void> keep;                                          // the producer, kept alive while a job runs
+    Payload payload;                                                     // guarded by mu
+    std::exception_ptr error;                                            // guarded by mu
+    StageMeter stage;                                                    // the helper's
   };
   std::shared_ptr<InlineHelper> helper;
   Thread helper_thread;
-  bool inline_pending = false;  // a batch posted to the helper and not yet taken
-  bool helper_keepable = false; // that batch's job holds a keep-alive: it may be abandoned
+  bool inline_pending = false;     // a batch posted to the helper and not yet taken
+  bool helper_keepable = false;    // that batch's job holds a keep-alive: it may be abandoned
   std::uint64_t refill_burst = 1;  // dispatch only when this many slots are free (or none in flight)
 
   std::size_t limit() const { return static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(W); }
@@ -256,9 +256,7 @@ struct Engine::State {
           c->cv.wait_for(lock, std::chrono::milliseconds(50));
           continue;
         }
-        const std::int64_t limit = interrupted() && busy ? now_ns()
-                                   : busy                ? c->since_ns.load() + grace
-                                                         : now_ns() + grace;
+        const std::int64_t limit = interrupted() && busy ? now_ns() : busy ? c->since_ns.load() + grace : now_ns() + grace;
         const std::int64_t left = limit - now_ns();
         if (left <= 0) {
           lock.unlock();
@@ -347,12 +345,14 @@ struct Engine::State {
         try {
           r.payload = producer.produce(job, ctx);
           if (!r.payload) {
-            if (ctx.cancelled()) drop = true;
-            else r.end = true;
+            if (ctx.cancelled())
+              drop = true;
+            else
+              r.end = true;
           }
         } catch (...) {
-          r.error = wrap_current_exception(id, job.batch, opt.streaming ? ctx.stream_indices : job.indices,
-                                           c.stage.current(), ctx.current_sample, opt.streaming);
+          r.error = wrap_current_exception(id, job.batch, opt.streaming ? ctx.stream_indices : job.indices, c.stage.current(),
+                                           ctx.current_sample, opt.streaming);
         }
       }
       c.stage.enter(Stage::Idle);
@@ -400,8 +400,6 @@ struct Engine::State {
     }
   }
 
-
-
   void dispatch_ahead() {
     if (!ahead || !window) return;
     const std::size_t k = limit();
@@ -436,8 +434,10 @@ struct Engine::State {
       }
       return;
     }
-    if (opt.in_order) window->put(r.key, std::move(r));
-    else arrived.push_back(std::move(r));
+    if (opt.in_order)
+      window->put(r.key, std::move(r));
+    else
+      arrived.push_back(std::move(r));
   }
 
   Payload deliver(Result r) {
@@ -463,8 +463,10 @@ struct Engine::State {
     timeouts.fetch_add(1);
     std::ostringstream os;
     os << "DataLoader timed out after " << opt.timeout.count() << " ms waiting for ";
-    if (opt.in_order) os << (opt.streaming ? "stream key " : "batch ") << waiting_for;
-    else os << "any batch";
+    if (opt.in_order)
+      os << (opt.streaming ? "stream key " : "batch ") << waiting_for;
+    else
+      os << "any batch";
     os << " (" << in_flight << " in flight, " << W << " workers):";
     const std::int64_t now = now_ns();
     for (int w = 0; w < W; ++w) os << " " << describe_worker(w, now) << (w + 1 < W ? ";" : "");
@@ -501,9 +503,8 @@ struct Engine::State {
       Job job = task.job;
       if (opt.redispatch_stuck && sample >= 0 && job.attempt < opt.max_redispatch) {
         auto stuck = std::make_shared<std::vector<StuckSample>>(job.stuck ? *job.stuck : std::vector<StuckSample>{});
-        stuck->push_back(StuckSample{static_cast<std::size_t>(sample),
-                                     "stuck for " + std::to_string((now - since) / 1000000) + " ms (" + where +
-                                         "; the worker was abandoned)"});
+        stuck->push_back(StuckSample{static_cast<std::size_t>(sample), "stuck for " + std::to_string((now - since) / 1000000) +
+                                                                           " ms (" + where + "; the worker was abandoned)"});
         job.stuck = std::move(stuck);
         ++job.attempt;
         queues[0]->push(Task{ep, job});
@@ -513,8 +514,10 @@ struct Engine::State {
       std::ostringstream os;
       os << "DataLoader timed out after " << opt.timeout.count() << " ms on batch " << job.batch << ": " << where
          << "; the worker was abandoned and replaced";
-      if (opt.redispatch_stuck && sample < 0) os << " (the stuck sample is unknown: with intra_batch_threads > 1 a stuck sample costs its batch)";
-      else if (opt.redispatch_stuck) os << " (the batch was already dispatched " << job.attempt + 1 << " times)";
+      if (opt.redispatch_stuck && sample < 0)
+        os << " (the stuck sample is unknown: with intra_batch_threads > 1 a stuck sample costs its batch)";
+      else if (opt.redispatch_stuck)
+        os << " (the batch was already dispatched " << job.attempt + 1 << " times)";
       Result r;
       r.key = job.key;
       r.batch = job.batch;
@@ -539,8 +542,8 @@ struct Engine::State {
       p = producer.produce(job, ctx);
     } catch (...) {
       const Stage st = stage.enter(Stage::Idle);
-      std::rethrow_exception(wrap_current_exception(-1, job.batch, opt.streaming ? ctx.stream_indices : job.indices,
-                                                    st, ctx.current_sample, opt.streaming));
+      std::rethrow_exception(wrap_current_exception(-1, job.batch, opt.streaming ? ctx.stream_indices : job.indices, st,
+                                                    ctx.current_sample, opt.streaming));
     }
     stage.enter(Stage::Idle);
     stage.trace(nullptr, -1, TraceRecorder::kInlineTrack);
@@ -843,8 +846,10 @@ void Engine::end_epoch() noexcept {
   s.ep->cancelled.store(true);
   s.ep->results.close();
   s.settle_inline();
-  if (!s.opt.persistent_workers) s.stop_workers();
-  else s.replace_stuck_workers();
+  if (!s.opt.persistent_workers)
+    s.stop_workers();
+  else
+    s.replace_stuck_workers();
   if (s.opt.wait_poll.interrupted) s.opt.wait_poll.interrupted->store(false);
   s.window.reset();
   s.arrived.clear();

@@ -23,8 +23,10 @@ std::string SampleError::describe() const {
   std::string s = (stream ? "stream position " : "sample ") + std::to_string(index) + " of " +
                   (stream ? "stream batch " : "batch ") + std::to_string(batch) + " (epoch " + std::to_string(epoch) +
                   ", worker " + std::to_string(worker) + ") ";
-  if (action == Action::Replaced) s += replacement ? "replaced by sample " + std::to_string(*replacement) : "replaced by the next record";
-  else s += "skipped";
+  if (action == Action::Replaced)
+    s += replacement ? "replaced by sample " + std::to_string(*replacement) : "replaced by the next record";
+  else
+    s += "skipped";
   return s + " [" + kind_name(kind) + "]: " + message;
 }
 
@@ -56,8 +58,7 @@ Fault FaultState::fault(std::uint64_t key) const noexcept { return fault_for(opt
 
 void FaultState::apply(std::uint64_t key, const char* what) {
   switch (fault(key)) {
-    case Fault::None:
-      return;
+    case Fault::None: return;
     case Fault::Throw:
       throw DataError(what, DataError::kNoOffset, "injected fault: sample " + std::to_string(key) + " is damaged");
     case Fault::Transient: {
@@ -66,9 +67,7 @@ void FaultState::apply(std::uint64_t key, const char* what) {
         throw IoError(what, DataError::kNoOffset, "injected transient I/O error on sample " + std::to_string(key), EIO);
       return;
     }
-    case Fault::Delay:
-      std::this_thread::sleep_for(opt.delay);
-      return;
+    case Fault::Delay: std::this_thread::sleep_for(opt.delay); return;
     case Fault::Hang: {
       std::unique_lock lock(mu_);
       ++hanging_;
@@ -126,12 +125,12 @@ void FaultLog::report(const SampleError& e) {
   const bool over_fraction = limits_.max_error_fraction > 0 && epoch_samples_ > 0 &&
                              static_cast<double>(errors) > limits_.max_error_fraction * static_cast<double>(epoch_samples_);
   if (over_count || over_fraction) {
-    std::string m = "DataLoader: " + std::to_string(errors) + " bad samples in epoch " + std::to_string(e.epoch) +
-                    " exceed ";
-    if (over_count) m += "max_errors=" + std::to_string(limits_.max_errors);
+    std::string m = "DataLoader: " + std::to_string(errors) + " bad samples in epoch " + std::to_string(e.epoch) + " exceed ";
+    if (over_count)
+      m += "max_errors=" + std::to_string(limits_.max_errors);
     else
-      m += "max_error_fraction=" + shortest(limits_.max_error_fraction) + " of its " + std::to_string(epoch_samples_) +
-           " samples";
+      m +=
+          "max_error_fraction=" + shortest(limits_.max_error_fraction) + " of its " + std::to_string(epoch_samples_) + " samples";
     throw Error(m + "; the last: " + e.describe());
   }
 }

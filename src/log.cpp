@@ -24,8 +24,10 @@ spdlog::logger& logger() {
     if (const char* env = std::getenv("FERRY_LOG_LEVEL")) {
       auto level = spdlog::level::from_str(env);
       // from_str maps unknown names to "off"; only accept "off" when it was asked for.
-      if (level != spdlog::level::off || std::string(env) == "off") l->set_level(level);
-      else l->warn("FERRY_LOG_LEVEL='{}' is not a level (trace, debug, info, warn, error, critical, off)", env);
+      if (level != spdlog::level::off || std::string(env) == "off")
+        l->set_level(level);
+      else
+        l->warn("FERRY_LOG_LEVEL='{}' is not a level (trace, debug, info, warn, error, critical, off)", env);
     }
     return l;
   }();

@@ -31,9 +31,7 @@ std::string read_line(const std::string& path) {
   return s;
 }
 
-long set_policy(int mode, const unsigned long* mask, unsigned long bits) {
-  return syscall(SYS_set_mempolicy, mode, mask, bits);
-}
+long set_policy(int mode, const unsigned long* mask, unsigned long bits) { return syscall(SYS_set_mempolicy, mode, mask, bits); }
 
 }  // namespace
 
@@ -184,7 +182,8 @@ void bind(const Placement& p) noexcept {
   pthread_setaffinity_np(pthread_self(), sizeof set, &set);
   if (p.node < static_cast<int>(kMaskBits)) {
     unsigned long mask[16] = {};
-    mask[static_cast<std::size_t>(p.node) / (8 * sizeof(unsigned long))] |= 1UL << (static_cast<std::size_t>(p.node) % (8 * sizeof(unsigned long)));
+    mask[static_cast<std::size_t>(p.node) / (8 * sizeof(unsigned long))] |=
+        1UL << (static_cast<std::size_t>(p.node) % (8 * sizeof(unsigned long)));
     set_policy(kMpolPreferred, mask, kMaskBits);
   }
   t_applied = p.id;
@@ -226,7 +225,8 @@ ScopedMemoryNode::ScopedMemoryNode(int node) noexcept {
   if (node < 0 || node >= static_cast<int>(kMaskBits)) return;
   if (syscall(SYS_get_mempolicy, &mode_, mask_, kMaskBits, nullptr, 0UL) != 0) return;
   unsigned long mask[16] = {};
-  mask[static_cast<std::size_t>(node) / (8 * sizeof(unsigned long))] |= 1UL << (static_cast<std::size_t>(node) % (8 * sizeof(unsigned long)));
+  mask[static_cast<std::size_t>(node) / (8 * sizeof(unsigned long))] |=
+      1UL << (static_cast<std::size_t>(node) % (8 * sizeof(unsigned long)));
   active_ = set_policy(kMpolPreferred, mask, kMaskBits) == 0;
 }
 

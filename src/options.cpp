@@ -71,8 +71,10 @@ std::string describe_options(const DataLoaderOptions& o, bool streaming) {
      << " num_workers=" << o.num_workers << " prefetch_factor=" << o.prefetch_factor
      << " max_in_flight=" << static_cast<long>(o.prefetch_factor) * o.num_workers << " in_order=" << o.in_order
      << " persistent_workers=" << o.persistent_workers << " timeout_ms=" << o.timeout.count() << " seed=" << o.seed
-     << " intra_batch_threads=" << o.intra_batch_threads
-     << " gather=" << (o.gather == Gather::Auto ? "auto" : o.gather == Gather::Host ? "host" : "device");
+     << " intra_batch_threads=" << o.intra_batch_threads << " gather="
+     << (o.gather == Gather::Auto   ? "auto"
+         : o.gather == Gather::Host ? "host"
+                                    : "device");
   return os.str();
 }
 
@@ -138,15 +140,18 @@ std::string row_window_problem(const HostRows& r) {
   if (!r.window) return "";
   const RowWindow& w = *r.window;
   auto problem = [&](const std::string& what) { return r.name + "'s windows: " + what; };
-  auto integer = [](DType d) { return d == DType::UInt8 || d == DType::Int8 || d == DType::Int16 || d == DType::Int32 || d == DType::Int64; };
+  auto integer = [](DType d) {
+    return d == DType::UInt8 || d == DType::Int8 || d == DType::Int16 || d == DType::Int32 || d == DType::Int64;
+  };
   if (r.transform) return problem("a row transform and windows together");
-  if (!integer(r.dtype) || r.row_bytes != itemsize(r.dtype)) return problem("the array must be of integers, row_bytes one element's");
+  if (!integer(r.dtype) || r.row_bytes != itemsize(r.dtype))
+    return problem("the array must be of integers, row_bytes one element's");
   if (!integer(w.dtype) || itemsize(w.dtype) < itemsize(r.dtype))
-    return problem("they are written as " + std::string(dtype_name(w.dtype)) + ", which must be an integer type at least as wide as the array's " +
-                   dtype_name(r.dtype));
+    return problem("they are written as " + std::string(dtype_name(w.dtype)) +
+                   ", which must be an integer type at least as wide as the array's " + dtype_name(r.dtype));
   if (w.length < 1 || w.shift < 0 || w.length + w.shift > r.rows)
-    return problem("a window of " + std::to_string(w.length) + " elements at shift " + std::to_string(w.shift) + " in an array of " +
-                   std::to_string(r.rows));
+    return problem("a window of " + std::to_string(w.length) + " elements at shift " + std::to_string(w.shift) +
+                   " in an array of " + std::to_string(r.rows));
   if (!w.start) return problem("no start function");
   return "";
 }

@@ -60,9 +60,9 @@ void ParallelFor::run(std::size_t n, const std::function<void(std::size_t, std::
     return;
   }
   impl_->arena.execute([&] {
-    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, n, grain == 0 ? 1 : grain),
-                      [&](const tbb::blocked_range<std::size_t>& r) { body(r.begin(), r.end()); },
-                      tbb::simple_partitioner());
+    tbb::parallel_for(
+        tbb::blocked_range<std::size_t>(0, n, grain == 0 ? 1 : grain),
+        [&](const tbb::blocked_range<std::size_t>& r) { body(r.begin(), r.end()); }, tbb::simple_partitioner());
   });
 }
 

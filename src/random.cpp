@@ -17,7 +17,7 @@
 
 namespace ferry {
 namespace {
-constexpr std::uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;  // Philox4x32 multipliers
+constexpr std::uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;    // Philox4x32 multipliers
 constexpr std::uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;  // key schedule constants
 
 inline void mulhilo(std::uint32_t a, std::uint32_t b, std::uint32_t& hi, std::uint32_t& lo) {
@@ -102,8 +102,8 @@ void philox_lanes_base(const std::array<std::uint32_t, 2>& key, const std::array
   _mm256_storeu_si256(o + 2, _mm256_permute2x128_si256(u0, u1, 0x31));  // 4, 5
   _mm256_storeu_si256(o + 3, _mm256_permute2x128_si256(u2, u3, 0x31));  // 6, 7
 }
-[[gnu::target("avx2")]] void philox_lanes_avx2(const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
-                                               std::uint32_t* out) noexcept {
+[[gnu::target("avx2")]] void philox_lanes_avx2(const std::array<std::uint32_t, 2>& key,
+                                               const std::array<std::uint32_t, 4>& counter, std::uint32_t* out) noexcept {
   static_assert(kLanes == 16);
   philox8_avx2(key, counter, counter[0], out);
   philox8_avx2(key, counter, counter[0] + 8, out + 32);
@@ -115,8 +115,8 @@ void philox_lanes_base(const std::array<std::uint32_t, 2>& key, const std::array
   lo = _mm512_mask_blend_epi32(0xAAAA, even, _mm512_slli_epi64(odd, 32));
   hi = _mm512_mask_blend_epi32(0xAAAA, _mm512_srli_epi64(even, 32), odd);
 }
-[[gnu::target("avx512f")]] void philox_lanes_avx512(const std::array<std::uint32_t, 2>& key, const std::array<std::uint32_t, 4>& counter,
-                                                    std::uint32_t* out) noexcept {
+[[gnu::target("avx512f")]] void philox_lanes_avx512(const std::array<std::uint32_t, 2>& key,
+                                                    const std::array<std::uint32_t, 4>& counter, std::uint32_t* out) noexcept {
   static_assert(kLanes == 16);
   const __m512i m0 = _mm512_set1_epi64(kMul0), m1 = _mm512_set1_epi64(kMul1);
   __m512i c0 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(counter[0])),
@@ -154,8 +154,8 @@ void philox_lanes_base(const std::array<std::uint32_t, 2>& key, const std::array
 // 64-bit element with hi in its low half; with n < 2^32, x * n = hi*n * 2^32 + lo*n, so with
 // s = hi*n + (lo*n >> 32): the draw is s >> 32, and the product's low 64 bits are
 // (s mod 2^32) * 2^32 + (lo*n mod 2^32), below n (lemire's second look) only where s mod 2^32 = 0.
-[[gnu::target("avx2")]] std::size_t lemire_run_avx2(const std::uint32_t* words, std::size_t draws, std::uint64_t n, bool descending,
-                                                   std::size_t* out) noexcept {
+[[gnu::target("avx2")]] std::size_t lemire_run_avx2(const std::uint32_t* words, std::size_t draws, std::uint64_t n,
+                                                    bool descending, std::size_t* out) noexcept {
   static_assert(sizeof(std::size_t) == 8);
   const __m256i step = descending ? _mm256_set1_epi64x(4) : _mm256_setzero_si256();
   __m256i bound = _mm256_sub_epi64(_mm256_set1_epi64x(static_cast<long long>(n)),
@@ -191,7 +191,9 @@ std::size_t lemire_run_base(const std::uint32_t* words, std::size_t draws, std::
 namespace detail {
 Simd cpu_simd() noexcept {
 #if defined(__x86_64__)
-  static const Simd simd = __builtin_cpu_supports("avx512f") ? Simd::Avx512 : __builtin_cpu_supports("avx2") ? Simd::Avx2 : Simd::None;
+  static const Simd simd = __builtin_cpu_supports("avx512f") ? Simd::Avx512
+                           : __builtin_cpu_supports("avx2")  ? Simd::Avx2
+                                                             : Simd::None;
   return simd;
 #else
   return Simd::None;

@@ -30,8 +30,8 @@ class ReorderWindow {
   /// Stores the result for `key`.
   void put(std::uint64_t key, T value) {
     if (key < next_ || key >= next_ + slots_.size())
-      throw std::logic_error("ReorderWindow: key " + std::to_string(key) + " outside [" + std::to_string(next_) +
-                             ", " + std::to_string(next_ + slots_.size()) + ")");
+      throw std::logic_error("ReorderWindow: key " + std::to_string(key) + " outside [" + std::to_string(next_) + ", " +
+                             std::to_string(next_ + slots_.size()) + ")");
     auto& slot = slots_[key % slots_.size()];
     if (slot) throw std::logic_error("ReorderWindow: key " + std::to_string(key) + " delivered twice");
     slot.emplace(std::move(value));

@@ -42,8 +42,8 @@ std::vector<std::size_t> SequentialSampler::indices(std::uint64_t) const {
 RandomSampler::RandomSampler(std::size_t n, std::uint64_t seed, bool replacement, std::optional<std::size_t> num_samples)
     : n_(n), seed_(seed), replacement_(replacement), num_samples_(num_samples.value_or(n)) {
   if (!replacement_ && num_samples_ > n_)
-    throw Error("RandomSampler: num_samples=" + std::to_string(num_samples_) + " exceeds the dataset size " +
-                std::to_string(n_) + " (sampling without replacement)");
+    throw Error("RandomSampler: num_samples=" + std::to_string(num_samples_) + " exceeds the dataset size " + std::to_string(n_) +
+                " (sampling without replacement)");
   if (replacement_ && n_ == 0 && num_samples_ > 0)
     throw Error("RandomSampler: cannot draw " + std::to_string(num_samples_) + " samples from an empty dataset");
 }
@@ -121,8 +121,8 @@ std::vector<std::size_t> WeightedRandomSampler::indices(std::uint64_t epoch) con
   return v;
 }
 
-DistributedSampler::DistributedSampler(std::size_t n, std::size_t world_size, std::size_t rank, bool shuffle,
-                                       std::uint64_t seed, bool drop_last)
+DistributedSampler::DistributedSampler(std::size_t n, std::size_t world_size, std::size_t rank, bool shuffle, std::uint64_t seed,
+                                       bool drop_last)
     : n_(n), world_(world_size), rank_(rank), shuffle_(shuffle), seed_(seed), drop_last_(drop_last) {
   if (world_ == 0) throw Error("DistributedSampler: world_size must be >= 1");
   if (rank_ >= world_)
@@ -184,6 +184,8 @@ BatchPlan make_batches(std::vector<std::size_t> indices, std::size_t batch_size,
   return p;
 }
 
-BatchPlan BatchSampler::plan(std::uint64_t epoch) const { return make_batches(sampler_->indices(epoch), batch_size_, drop_last_); }
+BatchPlan BatchSampler::plan(std::uint64_t epoch) const {
+  return make_batches(sampler_->indices(epoch), batch_size_, drop_last_);
+}
 
 }  // namespace ferry

@@ -50,8 +50,10 @@ std::string LoaderState::to_string() const {
   std::string out = std::string(kMagic) + " " + std::to_string(kFormatVersion) + "\n";
   for (const Field& f : kFields) {
     char value[32];
-    if (f.hex) std::snprintf(value, sizeof value, "%016llx", static_cast<unsigned long long>(this->*f.member));
-    else std::snprintf(value, sizeof value, "%llu", static_cast<unsigned long long>(this->*f.member));
+    if (f.hex)
+      std::snprintf(value, sizeof value, "%016llx", static_cast<unsigned long long>(this->*f.member));
+    else
+      std::snprintf(value, sizeof value, "%llu", static_cast<unsigned long long>(this->*f.member));
     out += std::string(f.name) + " " + value + "\n";
   }
   return out;
@@ -59,7 +61,8 @@ std::string LoaderState::to_string() const {
 
 LoaderState LoaderState::from_string(std::string_view text) {
   if (text.size() > kMaxText)
-    throw Error("LoaderState: " + std::to_string(text.size()) + " bytes is not a loader state (at most " + std::to_string(kMaxText) + ")");
+    throw Error("LoaderState: " + std::to_string(text.size()) + " bytes is not a loader state (at most " +
+                std::to_string(kMaxText) + ")");
   LoaderState s;
   std::array<bool, kFields.size()> seen{};
   std::size_t line_no = 0, pos = 0;
@@ -101,7 +104,8 @@ LoaderState LoaderState::from_string(std::string_view text) {
   if (s.world_size && s.rank >= s.world_size)
     throw Error("LoaderState: rank " + std::to_string(s.rank) + " is not in [0, " + std::to_string(s.world_size) + ")");
   if (s.batches > s.batches_per_epoch && s.stream_workers == 0)
-    throw Error("LoaderState: " + std::to_string(s.batches) + " batches received of an epoch of " + std::to_string(s.batches_per_epoch));
+    throw Error("LoaderState: " + std::to_string(s.batches) + " batches received of an epoch of " +
+                std::to_string(s.batches_per_epoch));
   return s;
 }
 

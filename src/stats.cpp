@@ -74,7 +74,8 @@ std::string LoaderStats::report() const {
     out += "bottleneck: " + b + "\n";
   if (numa_node >= 0) out += "numa: threads and pinned pool on node " + std::to_string(numa_node) + "\n";
   if (store_requests || cache_hits) {
-    std::snprintf(line, sizeof line, "object store: %llu requests, %.1f MB, %llu retried, %llu hedged; %llu reads from the disk cache\n",
+    std::snprintf(line, sizeof line,
+                  "object store: %llu requests, %.1f MB, %llu retried, %llu hedged; %llu reads from the disk cache\n",
                   static_cast<unsigned long long>(store_requests), static_cast<double>(store_bytes) / 1e6,
                   static_cast<unsigned long long>(store_retries), static_cast<unsigned long long>(store_hedges),
                   static_cast<unsigned long long>(cache_hits));
@@ -99,7 +100,7 @@ namespace {
 thread_local IoCounters* t_io = nullptr;
 thread_local CancelCheck t_cancelled = nullptr;
 thread_local const void* t_cancel_arg = nullptr;
-}
+}  // namespace
 IoCounters* current_io() noexcept { return t_io; }
 bool io_cancelled() noexcept { return t_cancelled != nullptr && t_cancelled(t_cancel_arg); }
 ScopedIo::ScopedIo(IoCounters* counters, CancelCheck cancelled, const void* arg) noexcept

@@ -127,7 +127,7 @@ class SmallBlocks {
     std::mutex mu;
     std::vector<void*> free;
   };
-  static constexpr std::size_t kClasses = 6;  // 1, 2, 4, 8, 16, 32 KiB
+  static constexpr std::size_t kClasses = 6;                                                // 1, 2, 4, 8, 16, 32 KiB
   Class& of(std::size_t size) noexcept { return classes_[std::countr_zero(size / kMin)]; }  // size: a class_size()
   Class classes_[kClasses];
 };
@@ -190,9 +190,9 @@ Tensor::Tensor(Storage storage, DType dtype, Shape shape, std::size_t offset)
     : storage_(std::move(storage)), offset_(offset), dtype_(dtype), shape_(std::move(shape)) {
   numel_ = checked_numel(shape_);
   if (offset_ + nbytes() > storage_.nbytes())
-    throw Error("Tensor: " + std::string(dtype_name(dtype_)) + " " + shape_str(shape_) + " at offset " +
-                std::to_string(offset_) + " needs " + std::to_string(offset_ + nbytes()) +
-                " bytes but the storage has " + std::to_string(storage_.nbytes()));
+    throw Error("Tensor: " + std::string(dtype_name(dtype_)) + " " + shape_str(shape_) + " at offset " + std::to_string(offset_) +
+                " needs " + std::to_string(offset_ + nbytes()) + " bytes but the storage has " +
+                std::to_string(storage_.nbytes()));
 }
 
 Tensor Tensor::empty(DType dtype, Shape shape) {
@@ -241,7 +241,8 @@ Tensor Tensor::reshape(Shape shape) const {
 }
 
 Tensor Tensor::clone() const {
-  if (!device().is_host()) throw Error("Tensor::clone: only host tensors can be cloned on the host, this one is on " + device().str());
+  if (!device().is_host())
+    throw Error("Tensor::clone: only host tensors can be cloned on the host, this one is on " + device().str());
   Tensor t = empty(dtype_, shape_);
   if (nbytes()) std::memcpy(t.raw(), raw(), nbytes());
   return t;
@@ -265,8 +266,7 @@ std::string Tensor::str() const {
 }
 
 void Tensor::check_dtype(DType expected) const {
-  if (expected != dtype_)
-    throw Error("Tensor::data: asked for " + std::string(dtype_name(expected)) + " elements of a " + str());
+  if (expected != dtype_) throw Error("Tensor::data: asked for " + std::string(dtype_name(expected)) + " elements of a " + str());
 }
 
 namespace {

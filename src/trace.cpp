@@ -17,8 +17,8 @@ std::int64_t now_ns() noexcept {
 TraceRecorder::TraceRecorder(std::int64_t max_batches, std::size_t max_events)
     : max_batches_(max_batches), max_events_(max_events), origin_ns_(now_ns()) {}
 
-void TraceRecorder::span(int track, std::string_view name, std::int64_t batch, std::int64_t begin_ns,
-                         std::int64_t end_ns, std::string args) {
+void TraceRecorder::span(int track, std::string_view name, std::int64_t batch, std::int64_t begin_ns, std::int64_t end_ns,
+                         std::string args) {
   std::lock_guard l(mu_);
   if (events_.size() >= max_events_) {
     ++dropped_;
@@ -53,9 +53,12 @@ namespace {
 void json_string(std::ostream& out, std::string_view s) {
   out << '"';
   for (char c : s) {
-    if (c == '"' || c == '\\') out << '\\' << c;
-    else if (static_cast<unsigned char>(c) < 0x20) out << ' ';
-    else out << c;
+    if (c == '"' || c == '\\')
+      out << '\\' << c;
+    else if (static_cast<unsigned char>(c) < 0x20)
+      out << ' ';
+    else
+      out << c;
   }
   out << '"';
 }
@@ -75,8 +78,7 @@ void TraceRecorder::write_chrome_json(std::ostream& out) const {
     json_string(out, name);
     out << "}}";
     sep();
-    out << R"({"ph":"M","name":"thread_sort_index","pid":1,"tid":)" << track << R"(,"args":{"sort_index":)" << track
-        << "}}";
+    out << R"({"ph":"M","name":"thread_sort_index","pid":1,"tid":)" << track << R"(,"args":{"sort_index":)" << track << "}}";
   }
   char num[64];
   for (const Event& e : events_) {

@@ -56,8 +56,9 @@ int main() {
                     {"(b) 784 float32", torch::rand({60000, 784}), 2000}};
   for (auto& w : ws) {
     const double mb = w.data[0].numel() * w.data.element_size() * 256 / 1e6;
-    std::printf("\n## %s: batch 256 = %.2f MB, %d batches per pass\n\n| pipeline | workers | batches/s | GB/s |\n|---|---:|---:|---:|\n",
-                w.name, mb, w.batches);
+    std::printf(
+        "\n## %s: batch 256 = %.2f MB, %d batches per pass\n\n| pipeline | workers | batches/s | GB/s |\n|---|---:|---:|---:|\n",
+        w.name, mb, w.batches);
     for (int workers : {6, 8, 12}) {
       const double r = run(w.data, workers, w.batches);
       std::printf("| libtorch make_data_loader (no pinning) | %d | %.0f | %.1f |\n", workers, r, r * mb / 1e3);

@@ -68,9 +68,9 @@ struct Rows : torch::data::datasets::Dataset<Rows> {
 template <class D>
 double measure(D dataset, int workers) {
   const auto n = *dataset.size();
-  auto loader = torch::data::make_data_loader(dataset.map(torch::data::transforms::Stack<>()),
-                                              torch::data::samplers::RandomSampler(n),
-                                              torch::data::DataLoaderOptions().batch_size(256).workers(workers));
+  auto loader =
+      torch::data::make_data_loader(dataset.map(torch::data::transforms::Stack<>()), torch::data::samplers::RandomSampler(n),
+                                    torch::data::DataLoaderOptions().batch_size(256).workers(workers));
   auto epoch = [&] {
     int64_t samples = 0;
     for (auto& b : *loader) samples += b.data.size(0);
@@ -98,11 +98,13 @@ int main(int argc, char** argv) {
   // (B)'s rows: the same .npy file (version 1.0, little-endian float32, C order, 60000 x 784).
   auto rows = read_npy_f32(argc > 2 ? argv[2] : "build/bench-data/rows784.npy", 60000, 784);
   for (int w : {0, 1, 2}) {
-    std::printf("{\"peer\": \"libtorch %s make_data_loader\", \"workload\": \"A\", \"workers\": %d, \"samples_per_second\": %.1f}\n",
-                TORCH_VERSION, w, measure(FashionAugmented(images, labels), w));
+    std::printf(
+        "{\"peer\": \"libtorch %s make_data_loader\", \"workload\": \"A\", \"workers\": %d, \"samples_per_second\": %.1f}\n",
+        TORCH_VERSION, w, measure(FashionAugmented(images, labels), w));
     std::fflush(stdout);
-    std::printf("{\"peer\": \"libtorch %s make_data_loader\", \"workload\": \"B\", \"workers\": %d, \"samples_per_second\": %.1f}\n",
-                TORCH_VERSION, w, measure(Rows(rows), w));
+    std::printf(
+        "{\"peer\": \"libtorch %s make_data_loader\", \"workload\": \"B\", \"workers\": %d, \"samples_per_second\": %.1f}\n",
+        TORCH_VERSION, w, measure(Rows(rows), w));
     std::fflush(stdout);
   }
 }

@@ -37,7 +37,9 @@ inline void exchange(void* data, std::size_t size, int rank, int world_size) {
   const std::string host = env_or("MASTER_ADDR", "127.0.0.1");
   const int port = rendezvous_port();
   const std::string where = host + ":" + std::to_string(port);
-  auto fail = [&](const std::string& what) { return std::runtime_error("rendezvous at " + where + ": " + what + ": " + std::strerror(errno)); };
+  auto fail = [&](const std::string& what) {
+    return std::runtime_error("rendezvous at " + where + ": " + what + ": " + std::strerror(errno));
+  };
   auto full = [](int fd, char* p, std::size_t n, bool send_it) {
     while (n) {
       const ssize_t k = send_it ? ::send(fd, p, n, MSG_NOSIGNAL) : ::recv(fd, p, n, 0);

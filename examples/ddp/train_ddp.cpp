@@ -59,7 +59,8 @@ void sum_over_ranks(double v[3], ncclComm_t comm, cudaStream_t stream, double* d
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"Data-parallel training of an MLP on Fashion-MNIST: one process per GPU, fed by ferry, gradients averaged by NCCL"};
+  CLI::App app{
+      "Data-parallel training of an MLP on Fashion-MNIST: one process per GPU, fed by ferry, gradients averaged by NCCL"};
   std::string data = "/usr/share/datasets/fashion-mnist";
   int epochs = 3, workers = 4, hidden = 256;
   std::size_t batch_size = 128;
@@ -141,8 +142,9 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
     const ferry::LoaderStats s = loader.stats();
-    std::printf("rank %d: %s, cuda:%d, %.1f batches/s, waiting for batches %.1f%% of the loop (next()), NUMA node %d\n", rank, env.str().c_str(),
-                device, s.batches_per_second(), 100.0 * s.wait_seconds / std::max(s.wall_seconds, 1e-9), s.numa_node);
+    std::printf("rank %d: %s, cuda:%d, %.1f batches/s, waiting for batches %.1f%% of the loop (next()), NUMA node %d\n", rank,
+                env.str().c_str(), device, s.batches_per_second(), 100.0 * s.wait_seconds / std::max(s.wall_seconds, 1e-9),
+                s.numa_node);
     cudaFree(sums);
     model.reset();
     ncclCommDestroy(comm);

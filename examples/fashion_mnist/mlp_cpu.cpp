@@ -51,8 +51,8 @@ Checkpoint read_checkpoint(const std::string& path, const MlpConfig& m) {
   std::ifstream in(path, std::ios::binary);
   std::string magic(sizeof kMagic - 1, '\0');
   int dims[3] = {};
-  if (!in.read(magic.data(), static_cast<std::streamsize>(magic.size())) || magic != kMagic || !(in >> dims[0] >> dims[1] >> dims[2]) ||
-      in.get() != '\n')
+  if (!in.read(magic.data(), static_cast<std::streamsize>(magic.size())) || magic != kMagic ||
+      !(in >> dims[0] >> dims[1] >> dims[2]) || in.get() != '\n')
     throw ferry::Error(path + ": not a checkpoint of the demo's MLP");
   if (dims[0] != m.in || dims[1] != m.hidden || dims[2] != m.classes)
     throw ferry::Error(path + ": a checkpoint of a " + std::to_string(dims[0]) + "-" + std::to_string(dims[1]) + "-" +
@@ -100,33 +100,36 @@ class CpuMlp final : public Mlp {
     // Forward, and the softmax cross-entropy gradient (scaled by 1/B), row by row.
     std::vector<double> loss(static_cast<std::size_t>(B));
     std::vector<char> correct(static_cast<std::size_t>(B));
-    pool_.run(static_cast<std::size_t>(B), [&](std::size_t begin, std::size_t end) {
-      std::vector<float> logits(static_cast<std::size_t>(K));
-      for (std::size_t b = begin; b < end; ++b) {
-        float* h = &h_[b * H];
-        std::copy(w_.b1.begin(), w_.b1.end(), h);
-        for (int i = 0; i < I; ++i) {
-          const float xi = x[b * I + i];
-          const float* w = &w_.w1[static_cast<std::size_t>(i) * H];
-          for (int j = 0; j < H; ++j) h[j] += xi * w[j];
-        }
-        for (int j = 0; j < H; ++j) h[j] = std::max(h[j], 0.0f);
-        std::copy(w_.b2.begin(), w_.b2.end(), logits.begin());
-        for (int j = 0; j < H; ++j) {
-          const float* w = &w_.w2[static_cast<std::size_t>(j) * K];
-          for (int k = 0; k < K; ++k) logits[k] += h[j] * w[k];
-        }
-        const float top = *std::max_element(logits.begin(), logits.end());
-        double sum = 0;
-        for (int k = 0; k < K; ++k) sum += std::exp(static_cast<double>(logits[k] - top));
-        const auto label = static_cast<int>(y[b]);
-        if (label < 0 || label >= K) throw ferry::Error("demo MLP: label " + std::to_string(label) + " out of range");
-        loss[b] = std::log(sum) - (logits[label] - top);
-        correct[b] = std::max_element(logits.begin(), logits.end()) - logits.begin() == label;
-        for (int k = 0; k < K; ++k)
-          dlogits_[b * K + k] = static_cast<float>((std::exp(static_cast<double>(logits[k] - top)) / sum - (k == label)) / B);
-      }
-    }, 8);
+    pool_.run(
+        static_cast<std::size_t>(B),
+        [&](std::size_t begin, std::size_t end) {
+          std::vector<float> logits(static_cast<std::size_t>(K));
+          for (std::size_t b = begin; b < end; ++b) {
+            float* h = &h_[b * H];
+            std::copy(w_.b1.begin(), w_.b1.end(), h);
+            for (int i = 0; i < I; ++i) {
+              const float xi = x[b * I + i];
+              const float* w = &w_.w1[static_cast<std::size_t>(i) * H];
+              for (int j = 0; j < H; ++j) h[j] += xi * w[j];
+            }
+            for (int j = 0; j < H; ++j) h[j] = std::max(h[j], 0.0f);
+            std::copy(w_.b2.begin(), w_.b2.end(), logits.begin());
+            for (int j = 0; j < H; ++j) {
+              const float* w = &w_.w2[static_cast<std::size_t>(j) * K];
+              for (int k = 0; k < K; ++k) logits[k] += h[j] * w[k];
+            }
+            const float top = *std::max_element(logits.begin(), logits.end());
+            double sum = 0;
+            for (int k = 0; k < K; ++k) sum += std::exp(static_cast<double>(logits[k] - top));
+            const auto label = static_cast<int>(y[b]);
+            if (label < 0 || label >= K) throw ferry::Error("demo MLP: label " + std::to_string(label) + " out of range");
+            loss[b] = std::log(sum) - (logits[label] - top);
+            correct[b] = std::max_element(logits.begin(), logits.end()) - logits.begin() == label;
+            for (int k = 0; k < K; ++k)
+              dlogits_[b * K + k] = static_cast<float>((std::exp(static_cast<double>(logits[k] - top)) / sum - (k == label)) / B);
+          }
+        },
+        8);
     for (int b = 0; b < B; ++b) {
       m_.loss += loss[b];
       m_.correct += correct[b];
@@ -152,16 +155,19 @@ class CpuMlp final : public Mlp {
       for (int k = 0; k < K; ++k) gb2_[k] += dlogits_[static_cast<std::size_t>(b) * K + k];
     }
     gw1_.assign(w_.w1.size(), 0.0f);
-    pool_.run(static_cast<std::size_t>(I), [&](std::size_t begin, std::size_t end) {
-      for (int b = 0; b < B; ++b) {
-        const float* dh = &dh_[static_cast<std::size_t>(b) * H];
-        for (std::size_t i = begin; i < end; ++i) {
-          const float xi = x[static_cast<std::size_t>(b) * I + i];
-          float* g = &gw1_[i * H];
-          for (int j = 0; j < H; ++j) g[j] += xi * dh[j];
-        }
-      }
-    }, 16);
+    pool_.run(
+        static_cast<std::size_t>(I),
+        [&](std::size_t begin, std::size_t end) {
+          for (int b = 0; b < B; ++b) {
+            const float* dh = &dh_[static_cast<std::size_t>(b) * H];
+            for (std::size_t i = begin; i < end; ++i) {
+              const float xi = x[static_cast<std::size_t>(b) * I + i];
+              float* g = &gw1_[i * H];
+              for (int j = 0; j < H; ++j) g[j] += xi * dh[j];
+            }
+          }
+        },
+        16);
     gb1_.assign(w_.b1.size(), 0.0f);
     for (int b = 0; b < B; ++b)
       for (int j = 0; j < H; ++j) gb1_[j] += dh_[static_cast<std::size_t>(b) * H + j];

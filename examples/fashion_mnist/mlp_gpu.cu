@@ -18,7 +18,8 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 void check(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) throw std::runtime_error(std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(s)));
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string(what) + ": cuBLAS status " + std::to_string(static_cast<int>(s)));
 }
 
 __global__ void bias_relu(float* h, const float* b, int rows, int cols, bool relu) {
@@ -137,7 +138,8 @@ void destroy(Model* m) noexcept {
 
 namespace {
 std::size_t count_of(const Model* m, int k) {
-  const std::size_t n1 = static_cast<std::size_t>(m->c.in) * m->c.hidden, n2 = static_cast<std::size_t>(m->c.hidden) * m->c.classes;
+  const std::size_t n1 = static_cast<std::size_t>(m->c.in) * m->c.hidden,
+                    n2 = static_cast<std::size_t>(m->c.hidden) * m->c.classes;
   const std::size_t sizes[4] = {n1, static_cast<std::size_t>(m->c.hidden), n2, static_cast<std::size_t>(m->c.classes)};
   return sizes[k % 4];
 }

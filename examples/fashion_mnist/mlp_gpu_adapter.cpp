@@ -10,8 +10,8 @@ class GpuMlp final : public Mlp {
   GpuMlp(const MlpConfig& c, int device, void* stream, GradientReducer reduce) : c_(c) {
     const Weights w = initial_weights(c);
     try {
-      m_ = gpu::create({c.in, c.hidden, c.classes, c.lr, c.momentum, device, stream, reduce.fn, reduce.ctx}, w.w1.data(), w.b1.data(), w.w2.data(),
-                       w.b2.data());
+      m_ = gpu::create({c.in, c.hidden, c.classes, c.lr, c.momentum, device, stream, reduce.fn, reduce.ctx}, w.w1.data(),
+                       w.b1.data(), w.w2.data(), w.b2.data());
     } catch (const std::exception& e) {
       throw ferry::CudaError(std::string("demo MLP: ") + e.what());
     }

@@ -69,8 +69,9 @@ int main(int argc, char** argv) {
                  "loader workers (default: none with a GPU, which gathers and transforms the rows itself; up to 8 with "
                  "--gather host; 4, or 1 on a small CPU-only machine)");
   std::string gather = "auto";
-  app.add_option("--gather", gather, "with a GPU: auto or device (the GPU gathers, flips and normalizes the images from "
-                                     "registered host memory), or host (workers do it on the CPU)")
+  app.add_option("--gather", gather,
+                 "with a GPU: auto or device (the GPU gathers, flips and normalizes the images from "
+                 "registered host memory), or host (workers do it on the CPU)")
       ->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--hidden", hidden, "hidden units")->check(CLI::PositiveNumber);
   app.add_option("--lr", lr, "learning rate (SGD, momentum 0.9)")->check(CLI::PositiveNumber);
@@ -80,10 +81,12 @@ int main(int argc, char** argv) {
   std::string checkpoint_dir;
   std::size_t checkpoint_every = 0, stop_after = 0;
   bool resume = false;
-  app.add_option("--checkpoint-dir", checkpoint_dir, "where checkpoints go: the model (model.bin) and the loader's state (loader.state)");
+  app.add_option("--checkpoint-dir", checkpoint_dir,
+                 "where checkpoints go: the model (model.bin) and the loader's state (loader.state)");
   app.add_option("--checkpoint-every", checkpoint_every, "save a checkpoint every N training steps (needs --checkpoint-dir)");
   app.add_flag("--resume", resume, "continue from the checkpoint in --checkpoint-dir, if there is one");
-  app.add_option("--stop-after", stop_after, "stop after N training steps of this run, as a preempted job would (for trying --resume)");
+  app.add_option("--stop-after", stop_after,
+                 "stop after N training steps of this run, as a preempted job would (for trying --resume)");
   CLI11_PARSE(app, argc, argv);
 
   try {
@@ -98,8 +101,8 @@ int main(int argc, char** argv) {
     if (workers < 0) workers = gpu ? (how == ferry::Gather::Host ? std::clamp(hw - 2, 1, 8) : 0) : (hw > 4 ? 4 : 1);
 
     // Augment (flip) while training; both sets become float32, normalized with the dataset's stats.
-    auto [train, test] = demo::load_fashion_mnist(
-        data, "install Debian's dataset-fashion-mnist (scripts/install-deps.sh) or pass --data");
+    auto [train, test] =
+        demo::load_fashion_mnist(data, "install Debian's dataset-fashion-mnist (scripts/install-deps.sh) or pass --data");
 
     ferry::DataLoaderOptions o;
     o.batch_size = batch_size;
@@ -126,13 +129,14 @@ int main(int argc, char** argv) {
     if (gpu) model = demo::make_gpu_mlp(mc, 0, loader.stream()->native());  // on the stream batches arrive on
 #endif
     if (!model) model = demo::make_cpu_mlp(mc, hw);  // the loader's workers are mostly idle: all cores
-    std::printf("ferry demo: MLP %d-%d-10 on Fashion-MNIST (%zu train, %zu test images), %s, batch %zu, %d worker%s%s\n",
-                mc.in, mc.hidden, train.size(), test.size(), model->where(), batch_size, workers, workers == 1 ? "" : "s",
-                !gpu                          ? (ferry::cuda::available() ? "" : " (no CUDA device: CPU)")
+    std::printf("ferry demo: MLP %d-%d-10 on Fashion-MNIST (%zu train, %zu test images), %s, batch %zu, %d worker%s%s\n", mc.in,
+                mc.hidden, train.size(), test.size(), model->where(), batch_size, workers, workers == 1 ? "" : "s",
+                !gpu                           ? (ferry::cuda::available() ? "" : " (no CUDA device: CPU)")
                 : loader.stats().device_gather ? ", device gather (flip + normalize on the GPU)"
                                                : ", pinned + device stage");
 
-    if ((checkpoint_every || resume) && checkpoint_dir.empty()) throw ferry::Error("--checkpoint-every and --resume need --checkpoint-dir");
+    if ((checkpoint_every || resume) && checkpoint_dir.empty())
+      throw ferry::Error("--checkpoint-every and --resume need --checkpoint-dir");
     const std::string model_file = checkpoint_dir + "/model.bin", state_file = checkpoint_dir + "/loader.state";
     if (resume && fs::exists(state_file)) {
       // The checkpoint: the model's weights, and where the loader stood when they were saved. The
@@ -185,9 +189,10 @@ int main(int argc, char** argv) {
       const demo::Metrics t = model->take();
       accuracy = static_cast<double>(t.correct) / static_cast<double>(t.samples);
       if (kProgress) std::fprintf(stderr, "\n");
-      std::printf("epoch %d: train loss %.4f, train accuracy %.1f%%, test loss %.4f, test accuracy %.1f%% (%.2f s, %.0f images/s)\n",
-                  epoch, seen.loss / seen.samples, 100.0 * seen.correct / seen.samples, t.loss / t.samples, 100 * accuracy,
-                  seconds, seen.samples / seconds);
+      std::printf(
+          "epoch %d: train loss %.4f, train accuracy %.1f%%, test loss %.4f, test accuracy %.1f%% (%.2f s, %.0f images/s)\n",
+          epoch, seen.loss / seen.samples, 100.0 * seen.correct / seen.samples, t.loss / t.samples, 100 * accuracy, seconds,
+          seen.samples / seconds);
     }
     std::printf("\nloader report (training loader, all epochs):\n%s", loader.stats().report().c_str());
     if (loader.pinned_pool()) {

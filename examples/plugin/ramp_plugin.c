@@ -83,8 +83,8 @@ static int ramp_get(void* self, uint64_t index, void* const* outputs, char* err,
   return 0;
 }
 
-static const ferry_dataset_ops kRampOps = {FERRY_PLUGIN_ABI_VERSION, sizeof(ferry_dataset_ops), ramp_create, ramp_destroy,
-                                           ramp_size, ramp_fields, ramp_get};
+static const ferry_dataset_ops kRampOps = {
+    FERRY_PLUGIN_ABI_VERSION, sizeof(ferry_dataset_ops), ramp_create, ramp_destroy, ramp_size, ramp_fields, ramp_get};
 
 __attribute__((visibility("default"))) uint32_t ferry_plugin_init(const ferry_plugin_host* host) {
   if (host->register_dataset(host->context, "ramp", &kRampOps) != 0) return 0;

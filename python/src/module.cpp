@@ -138,7 +138,6 @@ class PyException : public ferry::Error {
   }
 
  public:
-
  private:
   std::shared_ptr<PyRef> value_;  // shared: exceptions are copied
 };
@@ -337,8 +336,8 @@ class PyBatchSampler final : public ferry::BatchSampler {
           const long long v = nb::cast<long long>(i);
           if (v < 0 || static_cast<std::size_t>(v) >= dataset_size_)
             throw ferry::Error("sampler: batch " + std::to_string(out.size()) + " of epoch " + std::to_string(epoch) +
-                               " has index " + std::to_string(v) + ", outside the dataset's " +
-                               std::to_string(dataset_size_) + " samples");
+                               " has index " + std::to_string(v) + ", outside the dataset's " + std::to_string(dataset_size_) +
+                               " samples");
           one.push_back(static_cast<std::size_t>(v));
         }
         out.add(one);
@@ -378,15 +377,21 @@ struct PyDataset {
   Callable py_worker_start;                    // worker_start(id, num_workers, seed) on each worker thread
 
   bool stream() const {
-    return py_iter || (opened && (std::holds_alternative<ferry::TarImageStream>(*opened) || std::holds_alternative<ferry::TarGpuStream>(*opened)));
+    return py_iter || (opened && (std::holds_alternative<ferry::TarImageStream>(*opened) ||
+                                  std::holds_alternative<ferry::TarGpuStream>(*opened)));
   }
   bool has_size() const { return !stream(); }
   std::size_t size() const {
     if (py_map) return py_map->size();
-    if (opened && !stream()) return std::visit([](const auto& d) -> std::size_t {
-      if constexpr (requires { d.size(); }) return d.size();
-      else return 0;
-    }, *opened);
+    if (opened && !stream())
+      return std::visit(
+          [](const auto& d) -> std::size_t {
+            if constexpr (requires { d.size(); })
+              return d.size();
+            else
+              return 0;
+          },
+          *opened);
     throw nb::type_error(("dataset '" + name + "' is a stream (tar shards): it has no len()").c_str());
   }
   std::string repr() const { return "ferry.datasets." + name + "(\"" + config + "\")"; }
@@ -443,9 +448,13 @@ PyDataset make_mixture(const std::vector<const PyDataset*>& sources, const std::
     const auto* dynamic = s && s->opened ? std::get_if<ferry::DynamicDataset>(&*s->opened) : nullptr;
     const auto* seqs = s && s->opened ? std::get_if<ferry::TokenSequences>(&*s->opened) : nullptr;
     if (!dynamic && !seqs)
-      throw nb::type_error(("mixture: source " + std::to_string(k) + " is not a map-style ferry dataset (ferry.datasets.tokens, megatron, npy, ...)").c_str());
+      throw nb::type_error(("mixture: source " + std::to_string(k) +
+                            " is not a map-style ferry dataset (ferry.datasets.tokens, megatron, npy, ...)")
+                               .c_str());
     if (k > 0 && s->fields != d.fields)
-      throw nb::value_error(("mixture: source " + std::to_string(k) + "'s fields differ from source 0's (packed and unpacked sequences, or other datasets)").c_str());
+      throw nb::value_error(("mixture: source " + std::to_string(k) +
+                             "'s fields differ from source 0's (packed and unpacked sequences, or other datasets)")
+                                .c_str());
     d.fields = s->fields;
     datasets.push_back(dynamic ? *dynamic : ferry::DynamicDataset(*seqs));
     d.config += (k ? "; " : "") + s->name + "(" + s->config + ")";
@@ -577,12 +586,15 @@ class PyLoader {
         options.worker_init_fn = [start = dataset.py_worker_start](const ferry::WorkerInfo& w) {
           with_gil([&] { call(start, w.id, w.num_workers, w.seed); });
         };
-      if (dataset.py_map) impl_ = std::make_unique<LoaderOf<PyMap, PyCollate>>(*dataset.py_map, options, *dataset.py_collate);
-      else impl_ = std::make_unique<LoaderOf<PyIter, PyCollate>>(*dataset.py_iter, options, *dataset.py_collate);
+      if (dataset.py_map)
+        impl_ = std::make_unique<LoaderOf<PyMap, PyCollate>>(*dataset.py_map, options, *dataset.py_collate);
+      else
+        impl_ = std::make_unique<LoaderOf<PyIter, PyCollate>>(*dataset.py_iter, options, *dataset.py_collate);
     } else {
       if (dataset.stream() && options.shuffle)  // as PyTorch refuses shuffle for an IterableDataset
-        throw nb::value_error("DataLoader: shuffle=True is not for a stream of tar shards, which decides its own order: "
-                              "ferry.datasets.tar(..., shuffle=True) (the default) shuffles the shards and within a buffer");
+        throw nb::value_error(
+            "DataLoader: shuffle=True is not for a stream of tar shards, which decides its own order: "
+            "ferry.datasets.tar(..., shuffle=True) (the default) shuffles the shards and within a buffer");
       impl_ = std::visit([&](const auto& d) { return make(d, options); }, *dataset.opened);
     }
   }
@@ -659,9 +671,12 @@ class PyLoader {
       last_pointers_.push_back(reinterpret_cast<std::uintptr_t>(t.defined() ? t.raw() : nullptr));
       const bool as_bool = t.defined() && t.dtype() == ferry::DType::Bool && !convert_.is_none();
       nb::object cap = capsule_of(t, as_bool);
-      if (convert_.is_none()) out.append(cap);
-      else if (as_bool) out.append(convert_(cap).attr("view")(torch_bool()));  // see capsule_of
-      else out.append(convert_(cap));
+      if (convert_.is_none())
+        out.append(cap);
+      else if (as_bool)
+        out.append(convert_(cap).attr("view")(torch_bool()));  // see capsule_of
+      else
+        out.append(convert_(cap));
     }
     if (!fields_.empty() && fields_.size() == out.size()) {
       nb::dict named;
@@ -735,12 +750,12 @@ class PyLoader {
 
 // --- options --------------------------------------------------------------------------------------
 
-ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int num_workers, bool pin_memory,
-                                      bool drop_last, double timeout, int prefetch_factor, bool persistent_workers,
-                                      std::uint64_t seed, std::optional<int> device, bool in_order,
-                                      const std::string& on_error, std::size_t max_errors, double max_error_fraction,
-                                      const std::string& gather, std::optional<std::size_t> pinned_memory_limit,
-                                      std::uintptr_t stream, std::int64_t trace_batches, int gpu_decode_threads) {
+ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int num_workers, bool pin_memory, bool drop_last,
+                                      double timeout, int prefetch_factor, bool persistent_workers, std::uint64_t seed,
+                                      std::optional<int> device, bool in_order, const std::string& on_error,
+                                      std::size_t max_errors, double max_error_fraction, const std::string& gather,
+                                      std::optional<std::size_t> pinned_memory_limit, std::uintptr_t stream,
+                                      std::int64_t trace_batches, int gpu_decode_threads) {
   // Conversions only: every rule is the library's (ferry::detail::normalize_options).
   ferry::DataLoaderOptions o;
   o.batch_size = batch_size;
@@ -818,10 +833,14 @@ double cpp_seconds(const PyDataset& dataset, const ferry::DataLoaderOptions& opt
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   };
   if (!dataset.opened || dataset.stream()) throw ferry::Error("cpp_seconds: ferry's map-style datasets only");
-  return std::visit([&](const auto& d) -> double {
-    if constexpr (ferry::IterableDataset<std::decay_t<decltype(d)>>) return 0;  // refused above
-    else return run(ferry::DataLoader(d, options));
-  }, *dataset.opened);
+  return std::visit(
+      [&](const auto& d) -> double {
+        if constexpr (ferry::IterableDataset<std::decay_t<decltype(d)>>)
+          return 0;  // refused above
+        else
+          return run(ferry::DataLoader(d, options));
+      },
+      *dataset.opened);
 }
 
 // --- exceptions -----------------------------------------------------------------------------------
@@ -919,79 +938,99 @@ NB_MODULE(_ferry, m) {
   m.def("make_dataset", &make_dataset, "name"_a, "config"_a,
         "The registry's dataset `name` from a 'key=value,...' configuration (and 'tar', and "
         "image_folder with decode=gpu).");
-  m.def("python_dataset",
-        [](nb::object fetch, nb::object fetch_one, std::optional<std::size_t> size, nb::object open, nb::object finish,
-           nb::object plan, std::size_t plan_batches, nb::object worker_start, const std::string& name) {
-          PyDataset d;
-          d.name = name;
-          if (!fetch.is_none()) d.py_map.emplace(PyMap{callable(fetch), callable(fetch_one), size.value_or(0)});
-          else d.py_iter.emplace(PyIter{callable(open)});
-          d.py_collate.emplace(PyCollate{callable(finish)});
-          if (!plan.is_none()) d.py_sampler = std::make_shared<PyBatchSampler>(callable(plan), plan_batches, size.value_or(0));
-          if (!worker_start.is_none()) d.py_worker_start = callable(worker_start);
-          return d;
-        },
-        "fetch"_a.none(), "fetch_one"_a.none(), "size"_a.none(), "open"_a.none(), "finish"_a, "plan"_a.none(), "plan_batches"_a,
-        "worker_start"_a.none(), "name"_a,
-        "A Python dataset run on ferry's threads (ferry/_python.py makes the callables).");
-  m.def("quiet_leak_warnings", [] { nb::set_leak_warnings(false); },
-        "No leak report at exit: a worker ended inside the dataset while the program exited keeps its "
-        "objects (Note [Threads Python ends at exit] in module.cpp).");
-  m.def("sample_seed", [](std::uint64_t seed, std::uint64_t epoch, std::uint64_t index) {
-          return ferry::Generator(seed, epoch, index).next_u64();
-        }, "seed"_a, "epoch"_a, "index"_a,
-        "The first 64 bits of the sample's own generator, keyed by (seed, epoch, index), as C++'s ctx.rng().");
-  m.def("host_register", [](std::uintptr_t address, std::size_t bytes) {
-          NoGil unlocked;
-          ferry::cuda::host_register(reinterpret_cast<void*>(address), bytes);
-        }, "address"_a, "bytes"_a, "Pins a mapping made elsewhere (cudaHostRegister, portable); raises ferry.CudaError.");
+  m.def(
+      "python_dataset",
+      [](nb::object fetch, nb::object fetch_one, std::optional<std::size_t> size, nb::object open, nb::object finish,
+         nb::object plan, std::size_t plan_batches, nb::object worker_start, const std::string& name) {
+        PyDataset d;
+        d.name = name;
+        if (!fetch.is_none())
+          d.py_map.emplace(PyMap{callable(fetch), callable(fetch_one), size.value_or(0)});
+        else
+          d.py_iter.emplace(PyIter{callable(open)});
+        d.py_collate.emplace(PyCollate{callable(finish)});
+        if (!plan.is_none()) d.py_sampler = std::make_shared<PyBatchSampler>(callable(plan), plan_batches, size.value_or(0));
+        if (!worker_start.is_none()) d.py_worker_start = callable(worker_start);
+        return d;
+      },
+      "fetch"_a.none(), "fetch_one"_a.none(), "size"_a.none(), "open"_a.none(), "finish"_a, "plan"_a.none(), "plan_batches"_a,
+      "worker_start"_a.none(), "name"_a, "A Python dataset run on ferry's threads (ferry/_python.py makes the callables).");
+  m.def(
+      "quiet_leak_warnings", [] { nb::set_leak_warnings(false); },
+      "No leak report at exit: a worker ended inside the dataset while the program exited keeps its "
+      "objects (Note [Threads Python ends at exit] in module.cpp).");
+  m.def(
+      "sample_seed",
+      [](std::uint64_t seed, std::uint64_t epoch, std::uint64_t index) {
+        return ferry::Generator(seed, epoch, index).next_u64();
+      },
+      "seed"_a, "epoch"_a, "index"_a,
+      "The first 64 bits of the sample's own generator, keyed by (seed, epoch, index), as C++'s ctx.rng().");
+  m.def(
+      "host_register",
+      [](std::uintptr_t address, std::size_t bytes) {
+        NoGil unlocked;
+        ferry::cuda::host_register(reinterpret_cast<void*>(address), bytes);
+      },
+      "address"_a, "bytes"_a, "Pins a mapping made elsewhere (cudaHostRegister, portable); raises ferry.CudaError.");
   m.attr("DEFAULT_PINNED_MEMORY_LIMIT") = ferry::DataLoaderOptions::kDefaultPinnedMemoryLimit;
   m.def("pinned_growth_cap", &ferry::detail::pinned_growth_cap,
         "How far an unset pinned budget may grow (half the machine's memory, at most 3/4 of what is free; 0: unknown).");
-  m.def("host_unregister", [](std::uintptr_t address) {
-          NoGil unlocked;
-          ferry::cuda::host_unregister(reinterpret_cast<void*>(address));
-        }, "address"_a, "Undoes host_register.");
-  m.def("registered", [] { return ferry::DatasetRegistry::global().names(); }, "Dataset names the registry knows.");
-  m.def("help", [](const std::string& name) { return ferry::DatasetRegistry::global().help(name); }, "name"_a,
-        "The configuration keys of a registered dataset.");
-  m.def("load_plugin", [](const std::string& path) { return ferry::DatasetRegistry::global().load_plugin(path); },
-        "path"_a, "Loads a dataset plugin library; returns the names it registered.");
+  m.def(
+      "host_unregister",
+      [](std::uintptr_t address) {
+        NoGil unlocked;
+        ferry::cuda::host_unregister(reinterpret_cast<void*>(address));
+      },
+      "address"_a, "Undoes host_register.");
+  m.def(
+      "registered", [] { return ferry::DatasetRegistry::global().names(); }, "Dataset names the registry knows.");
+  m.def(
+      "help", [](const std::string& name) { return ferry::DatasetRegistry::global().help(name); }, "name"_a,
+      "The configuration keys of a registered dataset.");
+  m.def(
+      "load_plugin", [](const std::string& path) { return ferry::DatasetRegistry::global().load_plugin(path); }, "path"_a,
+      "Loads a dataset plugin library; returns the names it registered.");
 
   nb::class_<ferry::DataLoaderOptions>(m, "Options");
-  m.def("with_distributed_sampler",
-        [](const ferry::DataLoaderOptions& o, const PyDataset& dataset, std::size_t num_replicas, std::size_t rank) {
-          // Conversions only: DistributedEnv makes the sampler (DistributedSampler checks the rank).
-          if (!dataset.has_size()) throw nb::type_error("DataLoader: num_replicas/rank are for map-style ferry datasets, not a stream");
-          ferry::DistributedEnv env;
-          env.world_size = num_replicas;
-          env.rank = rank;
-          return env.loader_options(dataset.size(), o, /*use_device=*/false);
-        },
-        "options"_a, "dataset"_a, "num_replicas"_a, "rank"_a,
-        "The options with this rank's DistributedSampler over the dataset (C++ ferry::DistributedSampler).");
-  m.def("make_options", &make_options, "batch_size"_a, "shuffle"_a, "num_workers"_a, "pin_memory"_a, "drop_last"_a,
-        "timeout"_a, "prefetch_factor"_a, "persistent_workers"_a, "seed"_a, "device"_a.none(), "in_order"_a,
-        "on_error"_a, "max_errors"_a, "max_error_fraction"_a, "gather"_a, "pinned_memory_limit"_a.none(),
-        "stream"_a, "trace_batches"_a, "gpu_decode_threads"_a = 0);
+  m.def(
+      "with_distributed_sampler",
+      [](const ferry::DataLoaderOptions& o, const PyDataset& dataset, std::size_t num_replicas, std::size_t rank) {
+        // Conversions only: DistributedEnv makes the sampler (DistributedSampler checks the rank).
+        if (!dataset.has_size())
+          throw nb::type_error("DataLoader: num_replicas/rank are for map-style ferry datasets, not a stream");
+        ferry::DistributedEnv env;
+        env.world_size = num_replicas;
+        env.rank = rank;
+        return env.loader_options(dataset.size(), o, /*use_device=*/false);
+      },
+      "options"_a, "dataset"_a, "num_replicas"_a, "rank"_a,
+      "The options with this rank's DistributedSampler over the dataset (C++ ferry::DistributedSampler).");
+  m.def("make_options", &make_options, "batch_size"_a, "shuffle"_a, "num_workers"_a, "pin_memory"_a, "drop_last"_a, "timeout"_a,
+        "prefetch_factor"_a, "persistent_workers"_a, "seed"_a, "device"_a.none(), "in_order"_a, "on_error"_a, "max_errors"_a,
+        "max_error_fraction"_a, "gather"_a, "pinned_memory_limit"_a.none(), "stream"_a, "trace_batches"_a,
+        "gpu_decode_threads"_a = 0);
 
   nb::class_<PyLoader>(m, "Loader")
       .def(nb::init<const PyDataset&, ferry::DataLoaderOptions, nb::object>(), "dataset"_a, "options"_a, "convert"_a.none())
       .def("begin", &PyLoader::iter, nb::rv_policy::reference_internal,
            "Starts the next epoch (ending one in progress); the loader is its own iterator.")
-      .def("__iter__", [](PyLoader& l) -> PyLoader& { return l; }, nb::rv_policy::reference_internal)
+      .def(
+          "__iter__", [](PyLoader& l) -> PyLoader& { return l; }, nb::rv_policy::reference_internal)
       .def("__next__", &PyLoader::next)
       .def("__len__", &PyLoader::len)
       .def("end", &PyLoader::end, "Ends the epoch in progress (its workers stop).")
       .def("release", &PyLoader::release, "Stops the workers and drops every Python reference (at exit).")
-      .def("set_epoch", [](PyLoader& l, std::uint64_t e) { l.impl().set_epoch(e); }, "epoch"_a,
-           nb::call_guard<NoGil>())
+      .def(
+          "set_epoch", [](PyLoader& l, std::uint64_t e) { l.impl().set_epoch(e); }, "epoch"_a, nb::call_guard<NoGil>())
       .def_prop_ro("next_epoch", [](PyLoader& l) { return l.impl().next_epoch(); })
       .def("stats", [](PyLoader& l) { return stats_dict(l.impl().stats()); })
       .def("reset_stats", [](PyLoader& l) { l.impl().reset_stats(); })
-      .def("state", [](PyLoader& l) { return l.impl().state().to_string(); }, nb::call_guard<NoGil>())
-      .def("restore", [](PyLoader& l, const std::string& text) { l.impl().restore(ferry::LoaderState::from_string(text)); },
-           "state"_a, nb::call_guard<NoGil>())
+      .def(
+          "state", [](PyLoader& l) { return l.impl().state().to_string(); }, nb::call_guard<NoGil>())
+      .def(
+          "restore", [](PyLoader& l, const std::string& text) { l.impl().restore(ferry::LoaderState::from_string(text)); },
+          "state"_a, nb::call_guard<NoGil>())
       .def("write_trace", &PyLoader::write_trace, "path"_a, "Writes the recorded batches' timelines as a Chrome trace.")
       .def("last_pointers", &PyLoader::last_pointers, "The data pointers of the last batch's tensors (tests).");
 
@@ -1001,12 +1040,16 @@ NB_MODULE(_ferry, m) {
         "Seconds a C++ loop takes for `batches` batches of the same loader (benchmarks).");
   m.def("pinned_bytes", &ferry::PinnedPool::process_pinned_bytes,
         "Page-locked bytes ferry's pinned pools hold now, in this process (tests).");
-  m.def("cuda_available", [] { return ferry::cuda::device_count() > 0; }, "Whether ferry sees a CUDA device.");
-  m.def("object_store_stats", [] {
-    nb::dict d;
-    ferry::object_store_stats().for_each([&](const char* name, std::uint64_t value) { d[name] = value; });
-    return d;
-  }, "What this process has read from object storage (s3:// paths) since it started: requests (retries and hedges "
-     "included), bytes, retries, hedges sent, hedges that answered first, and reads (and their bytes) served by the "
-     "on-disk cache (FERRY_S3_CACHE_DIR).");
+  m.def(
+      "cuda_available", [] { return ferry::cuda::device_count() > 0; }, "Whether ferry sees a CUDA device.");
+  m.def(
+      "object_store_stats",
+      [] {
+        nb::dict d;
+        ferry::object_store_stats().for_each([&](const char* name, std::uint64_t value) { d[name] = value; });
+        return d;
+      },
+      "What this process has read from object storage (s3:// paths) since it started: requests (retries and hedges "
+      "included), bytes, retries, hedges sent, hedges that answered first, and reads (and their bytes) served by the "
+      "on-disk cache (FERRY_S3_CACHE_DIR).");
 }

@@ -25,8 +25,8 @@ struct Batch {
 template <>
 struct ferry::CollateFields<Sample> {
   using batch_type = Batch;
-  static constexpr auto fields = std::make_tuple(std::pair{&Sample::image, &Batch::image}, std::pair{&Sample::label, &Batch::label},
-                                                 std::pair{&Sample::name, &Batch::name});
+  static constexpr auto fields = std::make_tuple(
+      std::pair{&Sample::image, &Batch::image}, std::pair{&Sample::label, &Batch::label}, std::pair{&Sample::name, &Batch::name});
 };
 
 TEST_CASE("scalars become 1-D tensors of int64, float64 or bool", "[unit][collate]") {
@@ -46,7 +46,8 @@ TEST_CASE("scalars become 1-D tensors of int64, float64 or bool", "[unit][collat
 
 TEST_CASE("tensors are stacked along a new first dimension", "[unit][collate]") {
   std::vector<Tensor> rows;
-  for (int r = 0; r < 4; ++r) rows.push_back(Tensor::from(std::vector<std::int16_t>{std::int16_t(r), std::int16_t(10 * r), 7}, {3}));
+  for (int r = 0; r < 4; ++r)
+    rows.push_back(Tensor::from(std::vector<std::int16_t>{std::int16_t(r), std::int16_t(10 * r), 7}, {3}));
   Tensor t = collate(rows);
   CHECK(t.shape() == Shape{4, 3});
   CHECK(t.dtype() == DType::Int16);
@@ -57,8 +58,11 @@ TEST_CASE("containers collate element-wise, recursively, into one buffer", "[uni
   using S = std::tuple<Tensor, std::pair<int, double>, std::array<Tensor, 2>, std::vector<int>, std::map<std::string, float>>;
   std::vector<S> samples;
   for (int i = 0; i < 3; ++i)
-    samples.push_back(S{Tensor::scalar<float>(float(i)), {i, i * 0.5}, {Tensor::zeros(DType::UInt8, {2}), Tensor::scalar<std::int64_t>(i)},
-                        {i, -i}, {{"x", float(i)}, {"y", 1.0f}}});
+    samples.push_back(S{Tensor::scalar<float>(float(i)),
+                        {i, i * 0.5},
+                        {Tensor::zeros(DType::UInt8, {2}), Tensor::scalar<std::int64_t>(i)},
+                        {i, -i},
+                        {{"x", float(i)}, {"y", 1.0f}}});
   test::CountingAllocator alloc;
   std::vector<std::size_t> idx{10, 11, 12};
   auto b = collate(std::span<const S>(samples), idx, alloc);
@@ -88,7 +92,8 @@ TEST_CASE("user structs collate through their field list", "[unit][collate]") {
 }
 
 TEST_CASE("mismatched samples are errors naming both samples", "[unit][collate][errors]") {
-  std::vector<Tensor> rows{Tensor::zeros(DType::UInt8, {3, 4}), Tensor::zeros(DType::UInt8, {3, 4}), Tensor::zeros(DType::UInt8, {3, 5})};
+  std::vector<Tensor> rows{Tensor::zeros(DType::UInt8, {3, 4}), Tensor::zeros(DType::UInt8, {3, 4}),
+                           Tensor::zeros(DType::UInt8, {3, 5})};
   std::vector<std::size_t> idx{40, 41, 42};
   CHECK_THROWS_WITH(collate(std::span<const Tensor>(rows), idx),
                     Catch::Contains("cannot stack sample 42 (uint8 [3, 5]) with sample 40 (uint8 [3, 4])"));

@@ -6,7 +6,7 @@
 #include "ferry/ferry.h"
 
 static_assert(std::is_same_v<ferry::TarImageOptions, ferry::TarRecordDecodeOptions>);
-[[maybe_unused]] static auto (*const old_make_tar)(const ferry::DatasetConfig&) = &ferry::make_tar_images;
+[[maybe_unused]] static auto(*const old_make_tar)(const ferry::DatasetConfig&) = &ferry::make_tar_images;
 
 int main() {
   ferry::TarImageOptions o;  // the old name, as a client wrote it

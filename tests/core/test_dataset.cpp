@@ -30,19 +30,23 @@ TEST_CASE("TensorDataset yields rows of every tensor and checks their lengths", 
   auto s = ds.get(1);
   CHECK(s[0].item<float>(1) == 3.0f);
   CHECK(s[1].item<std::int64_t>() == 8);
-  CHECK_THROWS_WITH(TensorDataset({x, Tensor::zeros(DType::Int64, {4})}), Catch::Contains("tensor 1 has 4 rows but tensor 0 has 3"));
+  CHECK_THROWS_WITH(TensorDataset({x, Tensor::zeros(DType::Int64, {4})}),
+                    Catch::Contains("tensor 1 has 4 rows but tensor 0 has 3"));
   CHECK_THROWS_WITH(ds.get(3), Catch::Contains("index 3 out of range for size 3"));
 }
 
 TEST_CASE("map transforms each sample and gets a per-sample generator", "[unit][dataset]") {
-  auto ds = map(Squares{10}, [](std::int64_t v, SampleContext& ctx) { return v + static_cast<std::int64_t>(ctx.rng().randint(1000)) * 1000; });
+  auto ds = map(Squares{10},
+                [](std::int64_t v, SampleContext& ctx) { return v + static_cast<std::int64_t>(ctx.rng().randint(1000)) * 1000; });
   auto a = fetch_one(ds, 3), b = fetch_one(ds, 3), c = fetch_one(ds, 3, 1);
-  CHECK(a == b);           // same (seed, epoch, index)
-  CHECK(a % 1000 == 9);    // base sample kept
-  CHECK(a != c);           // another epoch draws another number (with overwhelming probability)
+  CHECK(a == b);         // same (seed, epoch, index)
+  CHECK(a % 1000 == 9);  // base sample kept
+  CHECK(a != c);         // another epoch draws another number (with overwhelming probability)
   auto plain = map(Squares{4}, [](std::int64_t v) { return v + 1; });
   CHECK(fetch_one(plain, 3) == 10);
-  auto twice = TensorDataset({Tensor::zeros(DType::Float32, {2, 2})}).map([](std::vector<Tensor> s) { return s.size(); }).map([](std::size_t n) { return n * 2; });
+  auto twice = TensorDataset({Tensor::zeros(DType::Float32, {2, 2})})
+                   .map([](std::vector<Tensor> s) { return s.size(); })
+                   .map([](std::size_t n) { return n * 2; });
   WorkerInfo w;
   SampleContext ctx(0, 0, 0, w);
   CHECK(twice.get(0, ctx) == 2);
@@ -59,7 +63,8 @@ TEST_CASE("Subset, ConcatDataset and AnyDataset index correctly", "[unit][datase
   CHECK(fetch_one(cat, 2) == 0);
   CHECK(fetch_one(cat, 4) == 4);
   CHECK_THROWS_AS(fetch_one(cat, 5), Error);
-  ConcatDataset<AnyDataset<std::int64_t>> mixed({AnyDataset<std::int64_t>(Squares{2}), AnyDataset<std::int64_t>(map(Squares{2}, [](std::int64_t v) { return -v; }))});
+  ConcatDataset<AnyDataset<std::int64_t>> mixed(
+      {AnyDataset<std::int64_t>(Squares{2}), AnyDataset<std::int64_t>(map(Squares{2}, [](std::int64_t v) { return -v; }))});
   CHECK(fetch_one(mixed, 3) == -1);
 }
 

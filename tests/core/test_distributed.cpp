@@ -27,18 +27,25 @@ TEST_CASE("each launcher's environment gives rank, world size and local rank", "
   const DistributedEnv t = env_of({{"RANK", "5"}, {"WORLD_SIZE", "8"}, {"LOCAL_RANK", "1"}, {"LOCAL_WORLD_SIZE", "4"}});
   CHECK(t.launcher == DistributedEnv::Launcher::Torchrun);
   CHECK(t.str() == "rank 5 of 8 (local 1 of 4, torchrun)");
-  const DistributedEnv o = env_of({{"OMPI_COMM_WORLD_RANK", "2"}, {"OMPI_COMM_WORLD_SIZE", "4"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
+  const DistributedEnv o = env_of({{"OMPI_COMM_WORLD_RANK", "2"},
+                                   {"OMPI_COMM_WORLD_SIZE", "4"},
+                                   {"OMPI_COMM_WORLD_LOCAL_RANK", "0"},
                                    {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
   CHECK(o.launcher == DistributedEnv::Launcher::OpenMpi);
   CHECK((o.rank == 2 && o.world_size == 4 && o.local_rank == 0 && o.local_world_size == 2));
   const DistributedEnv m = env_of({{"PMI_RANK", "1"}, {"PMI_SIZE", "2"}, {"MPI_LOCALRANKID", "1"}, {"MPI_LOCALNRANKS", "2"}});
   CHECK(m.launcher == DistributedEnv::Launcher::Mpich);
   CHECK(m.local_rank == 1);
-  const DistributedEnv s = env_of({{"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "3"}, {"SLURM_TASKS_PER_NODE", "4(x2)"}});
+  const DistributedEnv s =
+      env_of({{"SLURM_PROCID", "7"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "3"}, {"SLURM_TASKS_PER_NODE", "4(x2)"}});
   CHECK(s.launcher == DistributedEnv::Launcher::Slurm);
   CHECK((s.rank == 7 && s.world_size == 8 && s.local_rank == 3 && s.local_world_size == 4));
   // torchrun inside a Slurm allocation is torchrun.
-  const DistributedEnv both = env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}, {"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "1"},
+  const DistributedEnv both = env_of({{"RANK", "0"},
+                                      {"WORLD_SIZE", "2"},
+                                      {"LOCAL_RANK", "0"},
+                                      {"SLURM_PROCID", "0"},
+                                      {"SLURM_NTASKS", "1"},
                                       {"SLURM_LOCALID", "0"}});
   CHECK(both.launcher == DistributedEnv::Launcher::Torchrun);
   CHECK(both.world_size == 2);
@@ -51,13 +58,15 @@ TEST_CASE("an inconsistent launcher environment is an error naming the variables
   CHECK_THROWS_WITH(env_of({{"RANK", "0"}, {"WORLD_SIZE", "2"}}), Catch::Contains("not the local rank LOCAL_RANK"));
   CHECK_THROWS_WITH(env_of({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}}),
                     Catch::Contains("rank 2 (RANK) is not below its world size 2 (WORLD_SIZE)"));
-  CHECK_THROWS_WITH(env_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}}), Catch::Contains("RANK is 'x', not a number"));
+  CHECK_THROWS_WITH(env_of({{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}}),
+                    Catch::Contains("RANK is 'x', not a number"));
   CHECK_THROWS_WITH(env_of({{"RANK", "0"}, {"WORLD_SIZE", "0"}, {"LOCAL_RANK", "0"}}), Catch::Contains("WORLD_SIZE is 0"));
   CHECK_THROWS_WITH(env_of({{"RANK", "1"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}}),
                     Catch::Contains("local rank 2 (LOCAL_RANK) and local world size 2"));
   CHECK_THROWS_WITH(env_of({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}}),
                     Catch::Contains("Open MPI's rank 3"));
-  CHECK_THROWS_WITH(env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}), Catch::Contains("Slurm set SLURM_PROCID but not the local rank SLURM_LOCALID"));
+  CHECK_THROWS_WITH(env_of({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}),
+                    Catch::Contains("Slurm set SLURM_PROCID but not the local rank SLURM_LOCALID"));
 }
 
 TEST_CASE("for world sizes 1 to 8 the ranks' shares partition the epoch as PyTorch's DistributedSampler", "[unit][distributed]") {
@@ -91,7 +100,7 @@ TEST_CASE("for world sizes 1 to 8 the ranks' shares partition the epoch as PyTor
           CHECK(repeated == 0);
           CHECK(delivered == n / world * world);
         } else {
-          CHECK(seen.size() == n);  // every sample
+          CHECK(seen.size() == n);                                             // every sample
           CHECK(delivered == (n == 0 ? 0 : (n + world - 1) / world * world));  // plus PyTorch's padding
         }
       }

@@ -23,7 +23,8 @@ void write(const fs::path& p, const std::string& text) {
 }
 
 // A sysfs tree: `online` nodes, each node's cpulist, one GPU at 0000:41:00.0 on `gpu_node`.
-fs::path fake_sysfs(const std::string& name, const std::string& online, const std::vector<std::string>& cpulists, const std::string& gpu_node) {
+fs::path fake_sysfs(const std::string& name, const std::string& online, const std::vector<std::string>& cpulists,
+                    const std::string& gpu_node) {
   const fs::path root = fs::temp_directory_path() / ("ferry-numa-" + name + "-" + std::to_string(getpid()));
   fs::remove_all(root);
   write(root / "devices/system/node/online", online);

@@ -21,8 +21,10 @@ TEMPLATE_TEST_CASE("StageQueue delivers each item once across producers and cons
   for (int p = 0; p < kProducers; ++p)
     threads.emplace_back([&, p] {
       for (int i = 0; i < kPerProducer; ++i) {
-        if constexpr (std::is_same_v<TestType, int>) q.push(p * kPerProducer + i);
-        else q.push(std::make_unique<int>(p * kPerProducer + i));
+        if constexpr (std::is_same_v<TestType, int>)
+          q.push(p * kPerProducer + i);
+        else
+          q.push(std::make_unique<int>(p * kPerProducer + i));
       }
       produced.count_down();
     });
@@ -30,8 +32,10 @@ TEMPLATE_TEST_CASE("StageQueue delivers each item once across producers and cons
   for (int c = 0; c < kConsumers; ++c)
     threads.emplace_back([&, c] {
       while (auto item = q.pop()) {
-        if constexpr (std::is_same_v<TestType, int>) got[c].push_back(*item);
-        else got[c].push_back(**item);
+        if constexpr (std::is_same_v<TestType, int>)
+          got[c].push_back(*item);
+        else
+          got[c].push_back(**item);
         if (received.fetch_add(1) + 1 == kProducers * kPerProducer) q.close();
       }
     });

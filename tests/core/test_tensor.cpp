@@ -161,8 +161,10 @@ TEST_CASE("a fork while other threads allocate small host blocks leaves the chil
     }
     int status = 0;
     ::waitpid(pid, &status, 0);
-    if (WIFSIGNALED(status)) ++hung;
-    else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) ++failed;
+    if (WIFSIGNALED(status))
+      ++hung;
+    else if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+      ++failed;
     if (hung + failed > 0) break;  // one is enough (and a hang costs its 2 s)
   }
   CHECK(hung == 0);

@@ -101,7 +101,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (bool scaled : {false, true}) {
       try {
         ferry::Generator g(size);
-        ferry::decode_transformed_into(bytes, "fuzz.img", crop, g, out, {.channels = 3, .max_pixels = 1 << 20, .dct_scaling = scaled});
+        ferry::decode_transformed_into(bytes, "fuzz.img", crop, g, out,
+                                       {.channels = 3, .max_pixels = 1 << 20, .dct_scaling = scaled});
       } catch (const ferry::DataError&) {
       }
     }
@@ -113,14 +114,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const auto t = ferry::ImageTransform().random_resized_crop(16, 12).horizontal_flip().to_float().normalize({0.5f}, {0.25f});
     const ferry::JpegPlan jp = ferry::plan_jpeg(bytes, "fuzz.jpg", t, g, 1 << 20);
     std::vector<std::uint8_t> pixels(static_cast<std::size_t>(jp.height) * static_cast<std::size_t>(jp.width) * 3, 7);
-    const ferry::detail::PassAxis ay{jp.plan.y.c0, jp.plan.y.L0, jp.plan.y.R, jp.plan.y.c1, jp.plan.y.N, jp.plan.y.resized, jp.plan.y.flip};
-    const ferry::detail::PassAxis ax{jp.plan.x.c0, jp.plan.x.L0, jp.plan.x.R, jp.plan.x.c1, jp.plan.x.N, jp.plan.x.resized, jp.plan.x.flip};
+    const ferry::detail::PassAxis ay{jp.plan.y.c0, jp.plan.y.L0,      jp.plan.y.R,   jp.plan.y.c1,
+                                     jp.plan.y.N,  jp.plan.y.resized, jp.plan.y.flip};
+    const ferry::detail::PassAxis ax{jp.plan.x.c0, jp.plan.x.L0,      jp.plan.x.R,   jp.plan.x.c1,
+                                     jp.plan.x.N,  jp.plan.x.resized, jp.plan.x.flip};
     float sum = 0;  // as the device kernel reads: a tap outside `pixels` is an ASan report
     for (std::int64_t y = 0; y < ay.N; ++y)
       for (std::int64_t x = 0; x < ax.N; ++x)
         for (int c = 0; c < 3; ++c)
-          sum += ferry::detail::pass_value(pixels.data(), jp.width * 3, 3, ferry::detail::pass_tap(ay, y), ferry::detail::pass_tap(ax, x), c,
-                                           jp.plan.round);
+          sum += ferry::detail::pass_value(pixels.data(), jp.width * 3, 3, ferry::detail::pass_tap(ay, y),
+                                           ferry::detail::pass_tap(ax, x), c, jp.plan.round);
     if (!(sum >= 0)) __builtin_trap();
 #endif
   } catch (const ferry::DataError&) {

@@ -17,11 +17,14 @@ int main(int argc, char** argv) {
   write_file(root + "/npy/f4", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (2, 2), }", Bytes(16)));
   write_file(root + "/npy/v2", npy_bytes("{'descr': '|u1', 'fortran_order': False, 'shape': (3,), }", Bytes(3), 2));
   write_file(root + "/tar/shard", TarBuilder().dir("d/").file("d/a.jpg", "abc").file("d/a.cls", "1").finish());
-  write_file(root + "/tar/long", TarBuilder().long_file(std::string(120, 'x') + ".txt", bytes_of("y")).pax_file("p.cls", bytes_of("2")).finish());
+  write_file(root + "/tar/long",
+             TarBuilder().long_file(std::string(120, 'x') + ".txt", bytes_of("y")).pax_file("p.cls", bytes_of("2")).finish());
   write_file(root + "/tar/images", TarBuilder()
-                                      .file("k/0.jpg", encode_jpeg(gradient(12, 8, 3), 12, 8, 3, 80)).file("k/0.cls", "3")
-                                      .file("k/1.png", encode_png(gradient(5, 4, 1), 5, 4, 1)).file("k/1.cls", "4\n")
-                                      .finish());
+                                       .file("k/0.jpg", encode_jpeg(gradient(12, 8, 3), 12, 8, 3, 80))
+                                       .file("k/0.cls", "3")
+                                       .file("k/1.png", encode_png(gradient(5, 4, 1), 5, 4, 1))
+                                       .file("k/1.cls", "4\n")
+                                       .finish());
   write_file(root + "/image/rgb.jpg", encode_jpeg(gradient(24, 16, 3), 24, 16, 3, 80));
   write_file(root + "/image/gray.jpg", encode_jpeg(gradient(8, 8, 1), 8, 8, 1, 80));
   write_file(root + "/image/rgba.png", encode_png(gradient(9, 5, 4), 9, 5, 4));
@@ -42,16 +45,19 @@ int main(int argc, char** argv) {
   }
   // A loader state (ferry/core/state.h), in the text format.
   write_file(root + "/state/mid-epoch", bytes_of("ferry.LoaderState 1\nseed 42\nepoch 3\nbatches 17\nbatches_per_epoch 100\n"
-                                                  "samples_per_epoch 6400\ndataset_size 6400\nplan_hash 00ff00ff00ff00ff\n"
-                                                  "world_size 4\nrank 1\nsegment_start 0\nposition 4352\n"));
+                                                 "samples_per_epoch 6400\ndataset_size 6400\nplan_hash 00ff00ff00ff00ff\n"
+                                                 "world_size 4\nrank 1\nsegment_start 0\nposition 4352\n"));
   // An object store's answers (ListObjectsV2 pages, an error body), as SeaweedFS and S3 write them.
-  write_file(root + "/s3/page", bytes_of("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">"
-                                         "<Name>b</Name><Prefix>train/</Prefix><MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>"
-                                         "<Contents><Key>train/a/0.jpg</Key><ETag>&#34;b1946ac9&#34;</ETag><Size>6</Size></Contents>"
-                                         "<Contents><Key>train/b/1 &amp; 2.png</Key><Size>1234</Size></Contents>"
-                                         "<NextContinuationToken>dHJhaW4vYi8x</NextContinuationToken><KeyCount>2</KeyCount></ListBucketResult>"));
+  write_file(
+      root + "/s3/page",
+      bytes_of("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">"
+               "<Name>b</Name><Prefix>train/</Prefix><MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>"
+               "<Contents><Key>train/a/0.jpg</Key><ETag>&#34;b1946ac9&#34;</ETag><Size>6</Size></Contents>"
+               "<Contents><Key>train/b/1 &amp; 2.png</Key><Size>1234</Size></Contents>"
+               "<NextContinuationToken>dHJhaW4vYi8x</NextContinuationToken><KeyCount>2</KeyCount></ListBucketResult>"));
   write_file(root + "/s3/content-range", bytes_of("bytes 0-8388607/22528000"));
-  write_file(root + "/s3/error", bytes_of("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>NoSuchKey</Code><Message>The specified key "
-                                          "does not exist.</Message><Resource>/b/k</Resource><RequestId>18EB</RequestId></Error>"));
+  write_file(root + "/s3/error",
+             bytes_of("<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>NoSuchKey</Code><Message>The specified key "
+                      "does not exist.</Message><Resource>/b/k</Resource><RequestId>18EB</RequestId></Error>"));
   return 0;
 }

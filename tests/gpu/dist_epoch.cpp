@@ -90,9 +90,9 @@ int main() {
         // each rank's partial last batch).
         std::map<std::int64_t, int> want, got;
         for (int r = 0; r < world; ++r) {
-          std::vector<std::size_t> w =
-              DistributedSampler(static_cast<std::size_t>(n), static_cast<std::size_t>(world), static_cast<std::size_t>(r), true, 5, drop_last)
-                  .indices(epoch);
+          std::vector<std::size_t> w = DistributedSampler(static_cast<std::size_t>(n), static_cast<std::size_t>(world),
+                                                          static_cast<std::size_t>(r), true, 5, drop_last)
+                                           .indices(epoch);
           if (drop_last) w.resize(w.size() / 64 * 64);
           for (std::size_t i : w) ++want[static_cast<std::int64_t>(i)];
         }
@@ -101,8 +101,10 @@ int main() {
         check(got == want, what + ": the ranks' ids are PyTorch's split");
         std::size_t repeats = 0;
         for (auto& [i, c] : got) repeats += static_cast<std::size_t>(c - 1);
-        if (drop_last) check(repeats == 0, what + ": no sample twice");
-        else check(got.size() == static_cast<std::size_t>(n), what + ": every sample delivered");
+        if (drop_last)
+          check(repeats == 0, what + ": no sample twice");
+        else
+          check(got.size() == static_cast<std::size_t>(n), what + ": every sample delivered");
         if (epoch == 0) {
           host_allocs = loader.pinned_pool()->stats().allocations;
           device_allocs = loader.device_stage()->stats().device_allocations;
@@ -116,8 +118,8 @@ int main() {
                 what + ": device buffers recycled, within the pipeline's depth (" + std::to_string(d) + " allocated)");
         }
         if (rank == 0)
-          std::printf("dist_epoch: %s, %d ranks: %zu ids gathered, %zu distinct, %zu repeats, numa node %d\n", what.c_str(), world,
-                      all.size(), got.size(), repeats, loader.stats().numa_node);
+          std::printf("dist_epoch: %s, %d ranks: %zu ids gathered, %zu distinct, %zu repeats, numa node %d\n", what.c_str(),
+                      world, all.size(), got.size(), repeats, loader.stats().numa_node);
       }
     }
     ncclCommDestroy(comm);

@@ -21,7 +21,8 @@ __device__ std::uint32_t dpattern(std::int64_t index, std::int64_t col) {
 }
 __global__ void verify(const std::uint32_t* data, const std::int64_t* index, int rows, int cols, unsigned long long* bad) {
   unsigned long long local = 0;
-  for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<long long>(rows) * cols; i += gridDim.x * blockDim.x) {
+  for (long long i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<long long>(rows) * cols;
+       i += gridDim.x * blockDim.x) {
     const int r = static_cast<int>(i / cols), c = static_cast<int>(i % cols);
     local += data[i] != dpattern(index[r], c);
   }

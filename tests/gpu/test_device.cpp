@@ -95,7 +95,8 @@ TEST_CASE("a copy on the side stream overlaps a kernel on the compute stream", "
     (void)stage.to_device(host);
   });
   INFO("copy " << copy_ms << " ms, kernel " << kernel_ms << " ms, both " << both_ms << " ms");
-  WARN("overlap: copy " << copy_ms << " ms (" << bytes / copy_ms / 1e6 << " GB/s), kernel " << kernel_ms << " ms, both " << both_ms << " ms");
+  WARN("overlap: copy " << copy_ms << " ms (" << bytes / copy_ms / 1e6 << " GB/s), kernel " << kernel_ms << " ms, both "
+                        << both_ms << " ms");
   CHECK(both_ms < 0.8 * (copy_ms + kernel_ms));  // about max, not sum
 }
 

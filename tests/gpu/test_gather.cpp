@@ -39,7 +39,8 @@ TensorDataset mixed(std::int64_t n) {
   Tensor label = Tensor::empty(DType::Int64, {n});
   Tensor feat = Tensor::empty(DType::Float32, {n, 7});
   Tensor odd = Tensor::empty(DType::UInt8, {n, 3});
-  for (std::size_t i = 0; i < img.nbytes(); ++i) static_cast<std::uint8_t*>(img.raw())[i] = static_cast<std::uint8_t>(i * 131 + 7);
+  for (std::size_t i = 0; i < img.nbytes(); ++i)
+    static_cast<std::uint8_t*>(img.raw())[i] = static_cast<std::uint8_t>(i * 131 + 7);
   for (std::int64_t i = 0; i < n; ++i) {
     label.data<std::int64_t>()[i] = i * 1000003;
     for (int k = 0; k < 7; ++k) feat.data<float>()[i * 7 + k] = static_cast<float>(i) + 0.125f * static_cast<float>(k);
@@ -139,7 +140,8 @@ TEST_CASE("device gather: batches bitwise equal to the host path's, for any num_
   // Rows of 72 KiB (the copy engines') beside int64 labels (the kernel's), in one batch.
   Tensor wide = Tensor::empty(DType::UInt8, {300, 3, 128, 192});
   Tensor ids = Tensor::empty(DType::Int64, {300});
-  for (std::size_t i = 0; i < wide.nbytes(); ++i) static_cast<std::uint8_t*>(wide.raw())[i] = static_cast<std::uint8_t>(i * 29 + i / 4099);
+  for (std::size_t i = 0; i < wide.nbytes(); ++i)
+    static_cast<std::uint8_t*>(wide.raw())[i] = static_cast<std::uint8_t>(i * 29 + i / 4099);
   for (std::int64_t i = 0; i < 300; ++i) ids.data<std::int64_t>()[i] = 3 * i + 5;
   const TensorDataset rows_72k({wide, ids});
   const auto wide_host = epochs(rows_72k, options(Gather::Host, 2));
@@ -229,16 +231,23 @@ TEST_CASE("device gather: flips, to_float and normalize in the kernel, equal to 
     ImageTransform t;
   };
   std::vector<Case> cases;
-  cases.push_back({"gray, flip + float + normalize (the demo)", images(28, 28, 0), ImageTransform().horizontal_flip().to_float().normalize({0.286f}, {0.353f})});
+  cases.push_back({"gray, flip + float + normalize (the demo)", images(28, 28, 0),
+                   ImageTransform().horizontal_flip().to_float().normalize({0.286f}, {0.353f})});
   cases.push_back({"gray, flip only (uint8)", images(28, 28, 0), ImageTransform().horizontal_flip(0.3)});
-  cases.push_back({"rgb, bfloat16", images(5, 7, 3), ImageTransform().horizontal_flip().to_float(DType::BFloat16).normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
-  cases.push_back({"rgb, float16 channels_last", images(5, 7, 3), ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()});
+  cases.push_back(
+      {"rgb, bfloat16", images(5, 7, 3),
+       ImageTransform().horizontal_flip().to_float(DType::BFloat16).normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
+  cases.push_back({"rgb, float16 channels_last", images(5, 7, 3),
+                   ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()});
   cases.push_back({"rgb, float32, no flip", images(5, 7, 3), ImageTransform().to_float().normalize({0.5f}, {0.25f})});
   // 16-byte words through the kernel's shared-memory tiles: rows shorter than a block's step of
   // bytes (8x8x3: 192 B), and longer, with pixels split across tiles (40x48x3: 5,760 B).
-  cases.push_back({"rgb 8x8, float32 CHW, flip + normalize", images(8, 8, 3), ImageTransform().horizontal_flip().to_float().normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
-  cases.push_back({"rgb 40x48, float32 CHW, flip + normalize", images(40, 48, 3), ImageTransform().horizontal_flip().to_float().normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
-  cases.push_back({"rgb 40x48, float16 channels_last, flip", images(40, 48, 3), ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()});
+  cases.push_back({"rgb 8x8, float32 CHW, flip + normalize", images(8, 8, 3),
+                   ImageTransform().horizontal_flip().to_float().normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
+  cases.push_back({"rgb 40x48, float32 CHW, flip + normalize", images(40, 48, 3),
+                   ImageTransform().horizontal_flip().to_float().normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})});
+  cases.push_back({"rgb 40x48, float16 channels_last, flip", images(40, 48, 3),
+                   ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()});
   cases.push_back({"rgb 40x48, uint8 flip only", images(40, 48, 3), ImageTransform().horizontal_flip(0.5)});
   for (const Case& c : cases) {
     INFO(c.name);
@@ -266,7 +275,8 @@ TEST_CASE("device gather: a mapped .npy of 2 GiB, equal to the host path", "[gpu
   constexpr std::int64_t kRows = 32768, kCols = 65536;  // uint8 [32768, 65536]: 2 GiB
   {
     std::ofstream f(path, std::ios::binary);
-    std::string header = "{'descr': '|u1', 'fortran_order': False, 'shape': (" + std::to_string(kRows) + ", " + std::to_string(kCols) + "), }";
+    std::string header =
+        "{'descr': '|u1', 'fortran_order': False, 'shape': (" + std::to_string(kRows) + ", " + std::to_string(kCols) + "), }";
     while ((10 + header.size() + 1) % 64) header += ' ';
     header += '\n';
     const std::uint16_t len = static_cast<std::uint16_t>(header.size());
@@ -301,7 +311,8 @@ namespace {
 // every later gather; counts words that differ from the pattern and ids out of the sampler's order
 // (both checked on the GPU, on the consumer's stream). A tight pinned pool makes large batches'
 // index blocks (pinned, copied) come back all the time.
-std::pair<unsigned long long, unsigned long long> delayed_run(int cols, std::int64_t batch, std::int64_t batches, bool tight_pool) {
+std::pair<unsigned long long, unsigned long long> delayed_run(int cols, std::int64_t batch, std::int64_t batches,
+                                                              bool tight_pool) {
   const std::int64_t n = 4096;
   Tensor data = Tensor::empty(DType::Int32, {n, cols});
   Tensor index = Tensor::empty(DType::Int64, {n});
@@ -333,8 +344,8 @@ std::pair<unsigned long long, unsigned long long> delayed_run(int cols, std::int
   for (auto& b : loader) {
     test::launch_check(loader.stream()->native(), reinterpret_cast<const std::uint32_t*>(b[0].raw()),
                        static_cast<const std::int64_t*>(b[1].raw()), static_cast<int>(b[0].size(0)), cols, bad_rows);
-    test::launch_count_differences(loader.stream()->native(), static_cast<const std::int64_t*>(b[1].raw()), want_dev + seen * batch,
-                                   static_cast<int>(b[1].size(0)), bad_order);
+    test::launch_count_differences(loader.stream()->native(), static_cast<const std::int64_t*>(b[1].raw()),
+                                   want_dev + seen * batch, static_cast<int>(b[1].size(0)), bad_order);
     test::launch_spin(loader.device_stage()->copy_stream().native(), 20.0);  // the next gathers wait
     ++seen;
   }
@@ -430,7 +441,8 @@ TEST_CASE("device gather: small batches share a launch (end_held / issue_held), 
       label.data<std::int64_t>()[i] = 7 * i + 1;
       for (int c = 0; c < 5; ++c) rows.data<std::int32_t>()[i * 5 + c] = static_cast<std::int32_t>(i * 10 + c);
     }
-    const std::vector<HostRows> arrays = {host_array(rows, n, 20, DType::Int32, {5}, "rows"), host_array(label, n, 8, DType::Int64, {}, "label")};
+    const std::vector<HostRows> arrays = {host_array(rows, n, 20, DType::Int32, {5}, "rows"),
+                                          host_array(label, n, 8, DType::Int64, {}, "label")};
     RowRegistration reg(arrays, 0, std::size_t{1} << 30);
     DeviceStage stage;
     auto index_of = [](std::int64_t first, std::int64_t count) {
@@ -626,7 +638,8 @@ TEST_CASE("device gather: small batches share a device buffer, reused only behin
     // into the same buffer must wait for those reads.
     test::launch_spin(stage.consumer_stream().native(), 20000.0);
     for (int k = 0; k < 8; ++k)
-      test::launch_count_differences(stage.consumer_stream().native(), static_cast<const std::int64_t*>(batch[static_cast<std::size_t>(k)].raw()),
+      test::launch_count_differences(stage.consumer_stream().native(),
+                                     static_cast<const std::int64_t*>(batch[static_cast<std::size_t>(k)].raw()),
                                      want[static_cast<std::size_t>(r * 8 + k)], static_cast<int>(rows), bad);
   }
   CHECK(test::read_counter(bad) == 0);
@@ -657,19 +670,19 @@ TEST_CASE("device gather: token windows equal the host path's", "[gpu][gather][t
   std::vector<std::uint32_t> wide(50000);
   for (std::size_t i = 0; i < narrow.size(); ++i) {
     narrow[i] = static_cast<std::uint16_t>((i * 7919 + 3) % 65536);  // ids past 32767: zero-extended
-    wide[i] = static_cast<std::uint32_t>(i * 2654435761u);          // ids past 2^31
+    wide[i] = static_cast<std::uint32_t>(i * 2654435761u);           // ids past 2^31
   }
   test::write_file(dir / "u16.bin", test::raw_bytes(narrow));
   test::write_file(dir / "u32.bin", test::raw_bytes(wide));
   const test::Bytes idx = test::megatron_idx_bytes(8, {20000, 30000}, {0, 40000}, {0, 1, 2});
   const test::Bytes bin = test::raw_bytes(narrow);
-  std::vector<std::shared_ptr<const TokenCorpus>> corpora = {
-      open_token_file(dir / "u16.bin", {.type = TokenType::UInt16}), open_token_file(dir / "u32.bin", {.type = TokenType::UInt32}),
-      megatron_from_memory(idx, bin, "mem")};
+  std::vector<std::shared_ptr<const TokenCorpus>> corpora = {open_token_file(dir / "u16.bin", {.type = TokenType::UInt16}),
+                                                             open_token_file(dir / "u32.bin", {.type = TokenType::UInt32}),
+                                                             megatron_from_memory(idx, bin, "mem")};
   for (const auto& corpus : corpora)
-    for (const TokenSequenceOptions& so : {TokenSequenceOptions{.seq_len = 128}, TokenSequenceOptions{.seq_len = 100, .random_offset = true},
-                                           TokenSequenceOptions{.seq_len = 64, .dtype = DType::Int32},
-                                           TokenSequenceOptions{.seq_len = 96, .raw = true}}) {
+    for (const TokenSequenceOptions& so :
+         {TokenSequenceOptions{.seq_len = 128}, TokenSequenceOptions{.seq_len = 100, .random_offset = true},
+          TokenSequenceOptions{.seq_len = 64, .dtype = DType::Int32}, TokenSequenceOptions{.seq_len = 96, .raw = true}}) {
       INFO(corpus->name() << " seq_len " << so.seq_len);
       const TokenSequences seqs(corpus, so);
       DataLoaderOptions o = options(Gather::Host, 2);

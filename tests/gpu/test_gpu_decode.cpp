@@ -50,7 +50,8 @@ void make_folder(const TempDir& dir, int per_class) {
 
 ImageFolderOptions train_options(ImageFolderOptions::Decode decode) {
   ImageFolderOptions o;
-  o.transform.random_resized_crop(56, 56).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
+  o.transform.random_resized_crop(56, 56).horizontal_flip().to_float().normalize({0.485f, 0.456f, 0.406f},
+                                                                                 {0.229f, 0.224f, 0.225f});
   o.decode = decode;
   return o;
 }
@@ -191,7 +192,8 @@ TEST_CASE("GPU decode beside a step that fills every SM: every batch still equal
 // while another decoded on the hardware backend could deadlock both (bench_object_store saw it in
 // about one loader in three). Loaders made one after another, two decode threads each, each one
 // epoch: every one must finish (a hang here ends the test at its time limit).
-TEST_CASE("GPU decode: loaders started one after another, two decode threads each, all finish their epoch", "[gpu][decode][start]") {
+TEST_CASE("GPU decode: loaders started one after another, two decode threads each, all finish their epoch",
+          "[gpu][decode][start]") {
   REQUIRE(DeviceStage::can_decode_images());
   TempDir dir;
   make_folder(dir, 40);  // 160 images, 10 batches
@@ -274,7 +276,8 @@ TEST_CASE("GPU decode held up: the consumer's wait polls, is interrupted and los
   CHECK(got == expected);                         // every batch, in order
 }
 
-TEST_CASE("GPU decode that does not come back: TimeoutError at its batch, and the loader's destruction leaves it", "[gpu][decode][stuck]") {
+TEST_CASE("GPU decode that does not come back: TimeoutError at its batch, and the loader's destruction leaves it",
+          "[gpu][decode][stuck]") {
   REQUIRE(DeviceStage::can_decode_images());
   TempDir dir;
   make_folder(dir, 20);
@@ -282,7 +285,8 @@ TEST_CASE("GPU decode that does not come back: TimeoutError at its batch, and th
   DataLoaderOptions o = loader_options(2);
   o.gpu_decode_threads = 1;
   o.timeout = std::chrono::milliseconds(1500);  // twice that, past the decoder's start (nvJPEG's handles, on the pin thread)
-  const auto held = std::chrono::milliseconds(static_cast<int>(detail::GpuJpegDecoder::kStuckDecodeSeconds * 1000) + 5000);  // past stop()'s patience
+  const auto held = std::chrono::milliseconds(static_cast<int>(detail::GpuJpegDecoder::kStuckDecodeSeconds * 1000) +
+                                              5000);  // past stop()'s patience
   const auto t0 = std::chrono::steady_clock::now();
   {
     StalledDecodes stall(static_cast<int>(held.count()));
@@ -473,7 +477,8 @@ TEST_CASE("GPU decode: 100,000 images, device and pinned memory recycled within 
   std::printf("GPU decode, 1,000 batches: %llu decode allocations after 2 epochs, %llu after 100 (%d decode threads)\n",
               static_cast<unsigned long long>(warm.decode_allocations), static_cast<unsigned long long>(end.decode_allocations),
               end.decode_threads);
-  CHECK(end.decode_allocations <= warm.decode_allocations + 2 * static_cast<std::uint64_t>(end.decode_threads));  // two scratches a thread
+  CHECK(end.decode_allocations <=
+        warm.decode_allocations + 2 * static_cast<std::uint64_t>(end.decode_threads));  // two scratches a thread
   CHECK(end.decode_allocations <= 16);
   // Pinned blocks: as many as the pipeline's depth lets live at once (their number settles as
   // timing varies), never more: (prefetch 2 x 4 workers + pin_depth 2 + device_prefetch 2 + 2)
@@ -491,7 +496,9 @@ std::vector<std::string> folder_as_shards(const ImageFolder& folder, const TempD
   TarBuilder a, b;
   for (std::size_t i = 0; i < folder.size(); ++i) {
     const std::string key = "r" + std::to_string(1000 + i);
-    (i < folder.size() / 2 ? a : b).file(key + ".jpg", read_bytes(folder.path(i))).file(key + ".cls", std::to_string(folder.label(i)));
+    (i < folder.size() / 2 ? a : b)
+        .file(key + ".jpg", read_bytes(folder.path(i)))
+        .file(key + ".cls", std::to_string(folder.label(i)));
   }
   write_file(dir / "a.tar", a.finish());
   write_file(dir / "b.tar", b.finish());

@@ -21,7 +21,8 @@ namespace {
 bool two_gpus() {
   if (cuda::device_count() >= 2) return true;
   const char* req = std::getenv("FERRY_REQUIRE_GPUS");
-  if (req && std::atoi(req) >= 2) FAIL("FERRY_REQUIRE_GPUS=" << req << " but this host has " << cuda::device_count() << " CUDA device(s)");
+  if (req && std::atoi(req) >= 2)
+    FAIL("FERRY_REQUIRE_GPUS=" << req << " but this host has " << cuda::device_count() << " CUDA device(s)");
   WARN("skipped: needs 2 CUDA devices, this host has " << cuda::device_count());
   return false;
 }
@@ -78,7 +79,8 @@ TEST_CASE("two loaders in one process feed two GPUs with PyTorch's split, memory
     o.num_workers = 2;
     o.persistent_workers = true;
     std::vector<std::unique_ptr<DataLoader<TensorDataset>>> loaders;
-    for (std::size_t r = 0; r < 2; ++r) loaders.push_back(std::make_unique<DataLoader<TensorDataset>>(ds, rank_env(r).loader_options(n, o)));
+    for (std::size_t r = 0; r < 2; ++r)
+      loaders.push_back(std::make_unique<DataLoader<TensorDataset>>(ds, rank_env(r).loader_options(n, o)));
     std::uint64_t host_allocs[2] = {}, device_allocs[2] = {};
     for (int epoch = 0; epoch < 3; ++epoch) {
       std::vector<std::int64_t> got[2];

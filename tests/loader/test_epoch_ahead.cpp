@@ -232,8 +232,10 @@ TEST_CASE("without workers to make it, the next epoch's plan is made on a thread
     }
     std::sort(epochs.begin(), epochs.end());
     // Once each epoch; ahead, also epoch 2 (dropped) and epoch 8 (after the last).
-    if (ahead) CHECK(epochs == std::vector<std::uint64_t>{0, 1, 2, 7, 8});
-    else CHECK(epochs == std::vector<std::uint64_t>{0, 1, 7});
+    if (ahead)
+      CHECK(epochs == std::vector<std::uint64_t>{0, 1, 2, 7, 8});
+    else
+      CHECK(epochs == std::vector<std::uint64_t>{0, 1, 7});
   }
   // A plan made ahead that throws: the error arrives as its epoch begins, as it would unmade.
   auto failing = std::make_shared<LoggedPlans>(true);

@@ -215,12 +215,13 @@ TEST_CASE("a DataError keeps its type, file and offset on the consumer, and the 
     o.num_workers = workers;
     DataLoader loader(BadFile{}, o);
     std::vector<std::int64_t> firsts;
-    auto errors = test::iterate_skipping_errors<DataError>(loader, [&](Tensor& b) { firsts.push_back(b.item<std::int64_t>(0)); },
-                                                          [](const DataError& e) {
-                                                            CHECK(e.file() == "shard-3.bin");
-                                                            CHECK(e.offset() == 4096);
-                                                            return std::string();
-                                                          });
+    auto errors = test::iterate_skipping_errors<DataError>(
+        loader, [&](Tensor& b) { firsts.push_back(b.item<std::int64_t>(0)); },
+        [](const DataError& e) {
+          CHECK(e.file() == "shard-3.bin");
+          CHECK(e.offset() == 4096);
+          return std::string();
+        });
     REQUIRE(errors.size() == 1);
     CHECK_THAT(errors[0], Catch::StartsWith("shard-3.bin: at byte 4096: bad record [") && Catch::Contains("batch 1") &&
                               Catch::Contains("at sample 5"));

@@ -37,8 +37,10 @@ std::vector<std::int64_t> values_of_epoch(Loader& loader, std::vector<std::strin
       if (sizes) sizes->push_back(static_cast<std::size_t>(b.numel()));
       for (std::int64_t k = 0; k < b.numel(); ++k) out.push_back(b.template item<std::int64_t>(k));
     } catch (const Error& e) {
-      if (errors) errors->push_back(e.what());
-      else throw;
+      if (errors)
+        errors->push_back(e.what());
+      else
+        throw;
       continue;
     }
     ++it;
@@ -206,8 +208,10 @@ TEST_CASE("max_errors and max_error_fraction turn a mostly broken dataset into a
     o.batch_size = 10;
     o.num_workers = 2;
     o.on_error = OnError::Skip;
-    if (by_count) o.max_errors = 5;
-    else o.max_error_fraction = 0.05;  // 20 of 400
+    if (by_count)
+      o.max_errors = 5;
+    else
+      o.max_error_fraction = 0.05;  // 20 of 400
     DataLoader loader(ds, o);
     std::vector<std::string> errors;
     values_of_epoch(loader, &errors);
@@ -392,7 +396,9 @@ TEST_CASE("a stream whose read never returns: TimeoutError, and the next epoch s
   struct Counter {
     struct S {
       std::size_t i = 0;
-      std::optional<std::int64_t> next() { return i < 20 ? std::optional<std::int64_t>(static_cast<std::int64_t>(i++)) : std::nullopt; }
+      std::optional<std::int64_t> next() {
+        return i < 20 ? std::optional<std::int64_t>(static_cast<std::int64_t>(i++)) : std::nullopt;
+      }
     };
     S open(const WorkerInfo&) const { return {}; }
   };
@@ -414,7 +420,11 @@ TEST_CASE("a stream whose read never returns: TimeoutError, and the next epoch s
     };
     CHECK_THROWS_AS(count_batches(), TimeoutError);
     CHECK(batches == 1);
-    CHECK_THROWS_AS([&] { for (auto& b : loader) (void)b; }(), TimeoutError);  // a fresh worker, the same hang
+    CHECK_THROWS_AS(
+        [&] {
+          for (auto& b : loader) (void)b;
+        }(),
+        TimeoutError);  // a fresh worker, the same hang
     CHECK(loader.stats().abandoned_workers == 2);
   }
   ds.release();

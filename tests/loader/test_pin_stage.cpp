@@ -97,13 +97,14 @@ TEST_CASE("pin stage: a flush that throws fails its group's batches, and the epo
   int flushes = 0;
   std::size_t in_group = 0, failed_group = 0;
   PinStage stage(
-      engine, [&](Payload&, std::int64_t) { ++in_group; }, 4, 0ms, nullptr, nullptr, PinGroup{4, [&] {
-        const std::size_t n = std::exchange(in_group, 0);
-        if (++flushes == 3) {
-          failed_group = n;
-          throw std::runtime_error("the held launch failed");
-        }
-      }});
+      engine, [&](Payload&, std::int64_t) { ++in_group; }, 4, 0ms, nullptr, nullptr,
+      PinGroup{4, [&] {
+                 const std::size_t n = std::exchange(in_group, 0);
+                 if (++flushes == 3) {
+                   failed_group = n;
+                   throw std::runtime_error("the held launch failed");
+                 }
+               }});
   engine.begin_epoch(0, plan(40));
   stage.start();
   std::size_t delivered = 0, failed = 0;

@@ -75,20 +75,28 @@ std::vector<Config> configs(std::size_t n) {
   return {
       {"sequential", [](DataLoaderOptions&) {}},
       {"shuffle", [](DataLoaderOptions& o) { o.shuffle = true; }},
-      {"shuffle, drop_last", [](DataLoaderOptions& o) { o.shuffle = true; o.drop_last = true; }},
+      {"shuffle, drop_last",
+       [](DataLoaderOptions& o) {
+         o.shuffle = true;
+         o.drop_last = true;
+       }},
       {"random with replacement", [n](DataLoaderOptions& o) { o.sampler = std::make_shared<RandomSampler>(n, 3, true, n + 17); }},
-      {"weighted", [n](DataLoaderOptions& o) {
+      {"weighted",
+       [n](DataLoaderOptions& o) {
          std::vector<double> w(n);
          for (std::size_t i = 0; i < n; ++i) w[i] = 1.0 + static_cast<double>(i % 5);
          o.sampler = std::make_shared<WeightedRandomSampler>(w, n / 2, 4);
        }},
-      {"subset", [n](DataLoaderOptions& o) {
+      {"subset",
+       [n](DataLoaderOptions& o) {
          std::vector<std::size_t> sub;
          for (std::size_t i = 0; i < n; i += 3) sub.push_back(i);
          o.sampler = std::make_shared<SubsetRandomSampler>(sub, 6);
        }},
-      {"distributed, rank 1 of 3", [n](DataLoaderOptions& o) { o.sampler = std::make_shared<DistributedSampler>(n, 3, 1, true, 7); }},
-      {"a user's batch sampler", [n](DataLoaderOptions& o) {
+      {"distributed, rank 1 of 3",
+       [n](DataLoaderOptions& o) { o.sampler = std::make_shared<DistributedSampler>(n, 3, 1, true, 7); }},
+      {"a user's batch sampler",
+       [n](DataLoaderOptions& o) {
          o.batch_size = 1;  // the batch sampler sizes the batches
          o.batch_sampler = std::make_shared<UnevenBatches>(n);
        }},
@@ -160,13 +168,17 @@ TEST_CASE("direct-mode datasets resume too, and a state between epochs starts th
   }
 }
 
-TEST_CASE("a DistributedSampler epoch resumed at another world size delivers every remaining sample once", "[resume][distributed]") {
+TEST_CASE("a DistributedSampler epoch resumed at another world size delivers every remaining sample once",
+          "[resume][distributed]") {
   struct Case {
     std::size_t n, from, to, batch, k;
     bool drop_last;
   };
-  for (const Case& c : std::vector<Case>{{1000, 4, 3, 16, 5, false}, {1000, 2, 5, 16, 7, false}, {997, 4, 3, 8, 3, false},
-                                         {997, 3, 4, 8, 4, true}, {64, 2, 7, 4, 0, false}}) {
+  for (const Case& c : std::vector<Case>{{1000, 4, 3, 16, 5, false},
+                                         {1000, 2, 5, 16, 7, false},
+                                         {997, 4, 3, 8, 3, false},
+                                         {997, 3, 4, 8, 4, true},
+                                         {64, 2, 7, 4, 0, false}}) {
     INFO("n " << c.n << ", world " << c.from << " -> " << c.to << ", " << c.k << " batches of " << c.batch
               << (c.drop_last ? ", drop_last" : ""));
     auto options = [&](std::size_t world, std::size_t rank) {
@@ -322,7 +334,8 @@ auto counted_stream(std::size_t n) {
 }
 }  // namespace
 
-TEST_CASE("a stream resumes mid-epoch with the same workers: each skips what its batches used, untransformed", "[resume][stream]") {
+TEST_CASE("a stream resumes mid-epoch with the same workers: each skips what its batches used, untransformed",
+          "[resume][stream]") {
   const std::size_t n = 203;
   for (int workers : {0, 1, 2, 3}) {
     DataLoaderOptions o;
@@ -396,12 +409,16 @@ TEST_CASE("the state's text format: round trip, and damage named", "[resume][err
   CHECK_THROWS_WITH(LoaderState::from_string("PK\x03\x04 zip"), Catch::Contains("not a ferry loader state"));
   CHECK_THROWS_WITH(LoaderState::from_string(replaced("LoaderState 1", "LoaderState 2")), Catch::Contains("format version '2'"));
   CHECK_THROWS_WITH(LoaderState::from_string(replaced("epoch 7\n", "")), Catch::Contains("'epoch' is missing"));
-  CHECK_THROWS_WITH(LoaderState::from_string(replaced("epoch 7", "epoch -7")), Catch::Contains("line 3: 'epoch' must be a non-negative integer"));
-  CHECK_THROWS_WITH(LoaderState::from_string(replaced("epoch 7", "epoch 99999999999999999999")), Catch::Contains("'epoch' must be"));
-  CHECK_THROWS_WITH(LoaderState::from_string(replaced("plan_hash fedcba9876543210", "plan_hash xyz")), Catch::Contains("hexadecimal"));
+  CHECK_THROWS_WITH(LoaderState::from_string(replaced("epoch 7", "epoch -7")),
+                    Catch::Contains("line 3: 'epoch' must be a non-negative integer"));
+  CHECK_THROWS_WITH(LoaderState::from_string(replaced("epoch 7", "epoch 99999999999999999999")),
+                    Catch::Contains("'epoch' must be"));
+  CHECK_THROWS_WITH(LoaderState::from_string(replaced("plan_hash fedcba9876543210", "plan_hash xyz")),
+                    Catch::Contains("hexadecimal"));
   CHECK_THROWS_WITH(LoaderState::from_string(text + "seed 5\n"), Catch::Contains("'seed' appears twice"));
   CHECK_THROWS_WITH(LoaderState::from_string(replaced("rank 3", "rank 4")), Catch::Contains("rank 4 is not in [0, 4)"));
-  CHECK_THROWS_WITH(LoaderState::from_string(replaced("batches 3", "batches 11")), Catch::Contains("11 batches received of an epoch of 10"));
+  CHECK_THROWS_WITH(LoaderState::from_string(replaced("batches 3", "batches 11")),
+                    Catch::Contains("11 batches received of an epoch of 10"));
   CHECK_THROWS_WITH(LoaderState::from_string(std::string(70000, 'x')), Catch::Contains("is not a loader state"));
 }
 

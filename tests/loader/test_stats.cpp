@@ -124,9 +124,7 @@ TEST_CASE("a trace holds the first N batches' stages on their threads, as Chrome
   CHECK(threads.count("pin thread") == 1);
   CHECK(threads.count("consumer") == 1);
   CHECK(threads.count("batches made inline (num_workers = 0)") == 0);  // no empty track: workers made them
-  auto on_a_worker = [&](const std::string& name) {
-    return where.count({0, name}) + where.count({1, name}) > 0;
-  };
+  auto on_a_worker = [&](const std::string& name) { return where.count({0, name}) + where.count({1, name}) > 0; };
   CHECK(on_a_worker("fetch"));
   CHECK(on_a_worker("transform"));
   CHECK(on_a_worker("collate"));

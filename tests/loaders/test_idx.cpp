@@ -55,8 +55,10 @@ TEST_CASE("IDX files parse raw and gzip, in host byte order", "[unit][idx]") {
     CHECK(t.item<std::uint8_t>(9) == 6);
   }
   // Multi-byte types are big-endian on disk.
-  Tensor i32 = parse_idx(idx_bytes(0x0C, {2}, Bytes{std::byte{0}, std::byte{0}, std::byte{1}, std::byte{2},
-                                                     std::byte{0xff}, std::byte{0xff}, std::byte{0xff}, std::byte{0xfe}}), "mem");
+  Tensor i32 = parse_idx(idx_bytes(0x0C, {2},
+                                   Bytes{std::byte{0}, std::byte{0}, std::byte{1}, std::byte{2}, std::byte{0xff}, std::byte{0xff},
+                                         std::byte{0xff}, std::byte{0xfe}}),
+                         "mem");
   CHECK(i32.item<std::int32_t>(0) == 258);
   CHECK(i32.item<std::int32_t>(1) == -2);
   Tensor f32 = parse_idx(idx_bytes(0x0D, {1}, Bytes{std::byte{0x3f}, std::byte{0xc0}, std::byte{0}, std::byte{0}}), "mem");
@@ -230,8 +232,9 @@ TEST_CASE("IdxDataset offers its images and labels as rows for the device gather
   crop.transform.center_crop(2, 2).horizontal_flip();
   IdxDataset cropped(dir / "img.gz", dir / "lbl", crop);
   std::vector<HostRows> rows;
-  CHECK_THAT((detail::gather_unavailable<IdxDataset, LabeledBatch>(o, true, cropped, rows)),
-             Catch::Contains("IdxDataset's transform") && Catch::Contains("runs on the CPU") && Catch::Contains("crops or resizes"));
+  CHECK_THAT(
+      (detail::gather_unavailable<IdxDataset, LabeledBatch>(o, true, cropped, rows)),
+      Catch::Contains("IdxDataset's transform") && Catch::Contains("runs on the CPU") && Catch::Contains("crops or resizes"));
   CHECK(rows.empty());
   // Flips, to_float and normalize go to the gather kernel as the image field's RowTransform.
   IdxDatasetOptions demo;
@@ -277,7 +280,8 @@ Tensor gather_on_host(const HostRows& rows, const Tensor& index) {
   for (std::int64_t k = 0; k < index.size(0); ++k) {
     const std::int64_t word = index.data<std::int64_t>()[k];
     const bool flip = (word & detail::kRowFlipBit) != 0;
-    const auto* src = static_cast<const std::uint8_t*>(rows.data) + (word & ~detail::kRowFlipBit) * static_cast<std::int64_t>(rows.row_bytes);
+    const auto* src =
+        static_cast<const std::uint8_t*>(rows.data) + (word & ~detail::kRowFlipBit) * static_cast<std::int64_t>(rows.row_bytes);
     std::byte* dst = static_cast<std::byte*>(out.raw()) + k * static_cast<std::int64_t>(rows.row_bytes * itemsize(t.dtype));
     detail::RowCursor at(0, static_cast<int>(t.height), static_cast<int>(t.width), static_cast<int>(t.channels), flip, chw);
     for (std::size_t p = 0; p < rows.row_bytes; ++p, at.next()) {
@@ -299,7 +303,8 @@ TEST_CASE("device gather: the row transform's flips and values equal the CPU tra
   const std::vector<std::pair<Tensor, ImageTransform>> cases{
       {images(28, 28, 0), ImageTransform().horizontal_flip().to_float().normalize({0.286f}, {0.353f})},
       {images(28, 28, 0), ImageTransform().horizontal_flip(0.3)},
-      {images(5, 7, 3), ImageTransform().horizontal_flip().to_float(DType::BFloat16).normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})},
+      {images(5, 7, 3),
+       ImageTransform().horizontal_flip().to_float(DType::BFloat16).normalize({0.4f, 0.5f, 0.6f}, {0.2f, 0.25f, 0.3f})},
       {images(5, 7, 3), ImageTransform().to_float(DType::Float16).channels_last().horizontal_flip()},
       {images(3, 4, 4), ImageTransform().to_float().normalize({-300.f}, {0.001f}).horizontal_flip(1.0)},
   };
@@ -318,8 +323,10 @@ TEST_CASE("device gather: the row transform's flips and values equal the CPU tra
       const Tensor index = detail::gather_index(idx, ds.size(), pageable_allocator(), {rows[0].transform->flip_p, seed, epoch});
       std::size_t flips = 0;
       for (std::int64_t k = 0; k < index.size(0); ++k) flips += (index.data<std::int64_t>()[k] & detail::kRowFlipBit) != 0;
-      if (rows[0].transform->flip_p == 1.0) CHECK(flips == idx.size());
-      else if (rows[0].transform->flip_p > 0) CHECK((flips > 0 && flips < idx.size()));
+      if (rows[0].transform->flip_p == 1.0)
+        CHECK(flips == idx.size());
+      else if (rows[0].transform->flip_p > 0)
+        CHECK((flips > 0 && flips < idx.size()));
       const Tensor got = gather_on_host(rows[0], index);
       LabeledBatch want = ds.make_batch(idx.size(), pageable_allocator());
       WorkerInfo worker;
@@ -342,7 +349,8 @@ TEST_CASE("device gather: row transforms the kernel cannot run are named", "[idx
   CHECK(detail::row_transform_problem(r).empty());
   HostRows bad = r;
   bad.row_bytes = 13;
-  CHECK_THAT(detail::row_transform_problem(bad), Catch::Contains("images's row transform") && Catch::Contains("12 bytes in rows of 13"));
+  CHECK_THAT(detail::row_transform_problem(bad),
+             Catch::Contains("images's row transform") && Catch::Contains("12 bytes in rows of 13"));
   bad = r;
   bad.dtype = DType::Float32;
   bad.row_bytes = 48;

@@ -77,13 +77,16 @@ TEST_CASE("damaged images are DataErrors naming the image", "[errors][image]") {
                                          {"text.jpg", bytes_of("hello, world"), "not a JPEG or PNG"},
                                          {"empty.png", Bytes(), "is empty"}}) {
     INFO(c.name);
-    CHECK_THROWS_MATCHES(decode_image(c.bytes, c.name), DataError, Catch::Matchers::Predicate<DataError>([&](const DataError& e) {
-      return e.file() == c.name && std::string(e.what()).find(c.message) != std::string::npos;
-    }, c.message));
+    CHECK_THROWS_MATCHES(
+        decode_image(c.bytes, c.name), DataError,
+        Catch::Matchers::Predicate<DataError>(
+            [&](const DataError& e) { return e.file() == c.name && std::string(e.what()).find(c.message) != std::string::npos; },
+            c.message));
   }
   // The thread's decoder still works after all those errors.
   CHECK(decode_image(jpg, "good.jpg").shape() == Shape{48, 64, 3});
-  CHECK_THROWS_WITH(decode_image(jpg, "big.jpg", {.channels = 3, .max_pixels = 100}), Catch::Contains("more than the limit of 100 pixels"));
+  CHECK_THROWS_WITH(decode_image(jpg, "big.jpg", {.channels = 3, .max_pixels = 100}),
+                    Catch::Contains("more than the limit of 100 pixels"));
   CHECK_THROWS_WITH(decode_image(jpg, "x.jpg", {.channels = 2}), Catch::Contains("channels must be 0, 1, 3 or 4"));
 }
 
@@ -124,14 +127,18 @@ TEST_CASE("decoding only the crop gives the full decode's values bit for bit", "
     const char* name;
     int channels, ss, flags;
   };
-  const std::vector<Layout> layouts = {{"4:2:0", 3, TJSAMP_420, 0},          {"4:4:4", 3, TJSAMP_444, 0},
-                                       {"4:2:2", 3, TJSAMP_422, 0},          {"4:4:0", 3, TJSAMP_440, 0},
-                                       {"4:1:1", 3, TJSAMP_411, 0},          {"grayscale", 1, TJSAMP_GRAY, 0},
+  const std::vector<Layout> layouts = {{"4:2:0", 3, TJSAMP_420, 0},
+                                       {"4:4:4", 3, TJSAMP_444, 0},
+                                       {"4:2:2", 3, TJSAMP_422, 0},
+                                       {"4:4:0", 3, TJSAMP_440, 0},
+                                       {"4:1:1", 3, TJSAMP_411, 0},
+                                       {"grayscale", 1, TJSAMP_GRAY, 0},
                                        {"4:2:0 progressive", 3, TJSAMP_420, TJFLAG_PROGRESSIVE}};
   const std::vector<std::pair<int, int>> sizes = {{250, 187}, {37, 29}, {7, 5}, {301, 16}, {16, 97}};
   for (const Layout& l : layouts)
     for (auto [w, h] : sizes) {
-      const Bytes jpg = encode_jpeg(textured(w, h, l.channels, static_cast<std::uint32_t>(w * h)), w, h, l.channels, 90, l.ss, l.flags);
+      const Bytes jpg =
+          encode_jpeg(textured(w, h, l.channels, static_cast<std::uint32_t>(w * h)), w, h, l.channels, 90, l.ss, l.flags);
       for (const auto& [what, t] : transforms)
         for (std::uint64_t seed = 0; seed < 6; ++seed) {
           INFO(l.name << ", " << w << "x" << h << ", " << what << ", seed " << seed);
@@ -167,15 +174,19 @@ TEST_CASE("decode_transformed_into: other formats and channel counts fall back t
   Bytes cut(big.begin(), big.begin() + static_cast<std::ptrdiff_t>(big.size() / 2));
   Tensor whole = Tensor::empty(DType::UInt8, {150, 200, 3});
   Generator g(0);
-  CHECK_THROWS_MATCHES(decode_transformed_into(cut, "cut.jpg", ImageTransform().resize(150, 200), g, whole, {.channels = 3}), DataError,
-                       Catch::Matchers::Predicate<DataError>([](const DataError& e) {
-                         return e.file() == "cut.jpg" && std::string(e.what()).find("corrupt JPEG data") != std::string::npos;
-                       }, "a corrupt JPEG data error naming cut.jpg"));
+  CHECK_THROWS_MATCHES(decode_transformed_into(cut, "cut.jpg", ImageTransform().resize(150, 200), g, whole, {.channels = 3}),
+                       DataError,
+                       Catch::Matchers::Predicate<DataError>(
+                           [](const DataError& e) {
+                             return e.file() == "cut.jpg" && std::string(e.what()).find("corrupt JPEG data") != std::string::npos;
+                           },
+                           "a corrupt JPEG data error naming cut.jpg"));
   Bytes header(jpg.begin(), jpg.begin() + 20);
   CHECK_THROWS_WITH(decode_transformed_into(header, "h.jpg", t, g, Tensor::empty(DType::UInt8, {16, 16, 3}), {.channels = 3}),
                     Catch::Contains("h.jpg") && Catch::Contains("corrupt JPEG header"));
-  CHECK_THROWS_WITH(decode_transformed_into(jpg, "big.jpg", t, g, Tensor::empty(DType::UInt8, {16, 16, 3}), {.channels = 3, .max_pixels = 100}),
-                    Catch::Contains("more than the limit of 100 pixels"));
+  CHECK_THROWS_WITH(
+      decode_transformed_into(jpg, "big.jpg", t, g, Tensor::empty(DType::UInt8, {16, 16, 3}), {.channels = 3, .max_pixels = 100}),
+      Catch::Contains("more than the limit of 100 pixels"));
   CHECK_THROWS_WITH(decode_transformed_into(jpg, "x.jpg", t, g, Tensor::empty(DType::UInt8, {8, 8, 3}), {.channels = 3}),
                     Catch::Contains("does not match"));
   CHECK(region_vs_full(jpg, t, 1, 3) == 0);
@@ -200,8 +211,8 @@ TEST_CASE("DCT-scaled decode stays close to the full decode", "[unit][image][reg
     CHECK(mean * 255 <= 6.0);
   }
   INFO("largest difference " << worst * 255 << " levels");
-  CHECK(worst > 0);             // it did decode at a smaller scale
-  CHECK(worst * 255 <= 16.0);   // and stayed close
+  CHECK(worst > 0);            // it did decode at a smaller scale
+  CHECK(worst * 255 <= 16.0);  // and stayed close
 }
 
 TEST_CASE("ImageFolder sorts classes and files and reads nested folders", "[unit][image]") {
@@ -231,8 +242,10 @@ TEST_CASE("ImageFolder errors name the folder", "[errors][image]") {
   CHECK_THROWS_WITH(ImageFolder(dir / "flat"), Catch::Contains("holds no class folders"));
   write_file(dir / "one/a/x.jpg", class_image(0, 4, 4, false));
   std::filesystem::create_directories(dir / "one/b");
-  CHECK_THROWS_WITH(ImageFolder(dir / "one"), Catch::Contains("class folder 'b' holds no image files") && Catch::Contains(dir / "one/b"));
-  CHECK_THROWS_WITH(ImageFolder(dir / "one", ImageFolderOptions{.channels = 2, .transform = {}}), Catch::Contains("channels must be 1, 3 or 4"));
+  CHECK_THROWS_WITH(ImageFolder(dir / "one"),
+                    Catch::Contains("class folder 'b' holds no image files") && Catch::Contains(dir / "one/b"));
+  CHECK_THROWS_WITH(ImageFolder(dir / "one", ImageFolderOptions{.channels = 2, .transform = {}}),
+                    Catch::Contains("channels must be 1, 3 or 4"));
   if (::geteuid() != 0) {  // root reads any folder
     write_file(dir / "locked/a/x.jpg", class_image(0, 4, 4, false));
     ::chmod((dir / "locked/a").c_str(), 0);
@@ -261,18 +274,21 @@ TEST_CASE("ImageFolder batches keep images with their labels; a bad file is a Da
     lo.shuffle = true;
     DataLoader loader(ds, lo);
     std::size_t good = 0;
-    auto errors = iterate_skipping_errors<DataError>(loader, [&](LabeledBatch& b) {
-      REQUIRE(b.image.shape() == Shape{b.label.size(0), 3, 8, 8});
-      for (std::int64_t r = 0; r < b.label.size(0); ++r) {
-        // The flat colour survives crop and resize (within JPEG's error) and names the class.
-        const float v = b.image.data<float>()[r * 192 + 100] * 255.f;
-        CHECK(std::lround((v - 20.f) / 40.f) == b.label.data<std::int64_t>()[r]);
-        ++good;
-      }
-    }, [&](const DataError& e) {
-      CHECK(e.file() == dir / "root/c1/99-bad.jpg");
-      return std::string();
-    });
+    auto errors = iterate_skipping_errors<DataError>(
+        loader,
+        [&](LabeledBatch& b) {
+          REQUIRE(b.image.shape() == Shape{b.label.size(0), 3, 8, 8});
+          for (std::int64_t r = 0; r < b.label.size(0); ++r) {
+            // The flat colour survives crop and resize (within JPEG's error) and names the class.
+            const float v = b.image.data<float>()[r * 192 + 100] * 255.f;
+            CHECK(std::lround((v - 20.f) / 40.f) == b.label.data<std::int64_t>()[r]);
+            ++good;
+          }
+        },
+        [&](const DataError& e) {
+          CHECK(e.file() == dir / "root/c1/99-bad.jpg");
+          return std::string();
+        });
     const std::size_t bad = errors.size();
     if (bad == 1) CHECK_THAT(errors[0], Catch::Contains("corrupt JPEG") && Catch::Contains("batch"));
     CHECK(bad == 1);

@@ -8,7 +8,6 @@
 using namespace ferry;
 using namespace ferry::test;
 
-
 TEST_CASE(".npy files of the common dtypes read as mapped tensors", "[unit][npy]") {
   TempDir dir;
   std::vector<float> f(15);
@@ -18,7 +17,8 @@ TEST_CASE(".npy files of the common dtypes read as mapped tensors", "[unit][npy]
   CHECK(t.dtype() == DType::Float32);
   CHECK(t.shape() == Shape{5, 3});
   CHECK(t.item<float>(7) == 3.5f);
-  write_file(dir / "v2.npy", npy_bytes("{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }", raw_bytes(std::vector<std::int64_t>{-1, 1LL << 40}), 2));
+  write_file(dir / "v2.npy", npy_bytes("{'descr': '<i8', 'fortran_order': False, 'shape': (2,), }",
+                                       raw_bytes(std::vector<std::int64_t>{-1, 1LL << 40}), 2));
   Tensor v2 = read_npy(dir / "v2.npy");
   CHECK(v2.shape() == Shape{2});
   CHECK(v2.item<std::int64_t>(1) == (1LL << 40));
@@ -30,10 +30,12 @@ TEST_CASE(".npy files of the common dtypes read as mapped tensors", "[unit][npy]
               D{"<i4", DType::Int32}, D{"<f2", DType::Float16}, D{"<f8", DType::Float64}}) {
     INFO(d.descr);
     Bytes data(itemsize(d.dtype) * 4);
-    Tensor x = parse_npy(npy_bytes(std::string("{'descr': '") + d.descr + "', 'fortran_order': False, 'shape': (4,), }", data), "mem");
+    Tensor x =
+        parse_npy(npy_bytes(std::string("{'descr': '") + d.descr + "', 'fortran_order': False, 'shape': (4,), }", data), "mem");
     CHECK(x.dtype() == d.dtype);
   }
-  Tensor scalar = parse_npy(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", raw_bytes(std::vector<float>{2.f})), "mem");
+  Tensor scalar =
+      parse_npy(npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (), }", raw_bytes(std::vector<float>{2.f})), "mem");
   CHECK(scalar.dim() == 0);
   CHECK_THROWS_WITH(NpyDataset(scalar), Catch::Contains("at least one dimension"));
 }
@@ -59,15 +61,32 @@ TEST_CASE("unsupported and damaged .npy files are DataErrors naming the file", "
       {"magic", bytes_of("not a numpy file at all"), "not a .npy file"},
       {"syntax", npy_bytes("{'descr' '<f4', 'fortran_order': False, 'shape': (4,), }", four), "expected ':'"},
       {"missing", npy_bytes("{'descr': '<f4', 'shape': (4,), }", four), "missing one of"},
-      {"version", [] { Bytes b = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", Bytes(16)); b[6] = std::byte{9}; return b; }(), "format version 9"},
-      {"header-len", [] { Bytes b = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", Bytes(16)); b[8] = std::byte{0xff}; b[9] = std::byte{0xff}; return b; }(), "truncated .npy header"},
+      {"version",
+       [] {
+         Bytes b = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", Bytes(16));
+         b[6] = std::byte{9};
+         return b;
+       }(),
+       "format version 9"},
+      {"header-len",
+       [] {
+         Bytes b = npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (4,), }", Bytes(16));
+         b[8] = std::byte{0xff};
+         b[9] = std::byte{0xff};
+         return b;
+       }(),
+       "truncated .npy header"},
   };
   for (const Case& c : cases) {
     INFO(c.name);
     write_file(dir / c.name, c.bytes);
-    CHECK_THROWS_MATCHES(read_npy(dir / c.name), DataError, Catch::Matchers::Predicate<DataError>([&](const DataError& e) {
-      return std::string(e.what()).find(dir / c.name) != std::string::npos && std::string(e.what()).find(c.message) != std::string::npos;
-    }, c.message));
+    CHECK_THROWS_MATCHES(read_npy(dir / c.name), DataError,
+                         Catch::Matchers::Predicate<DataError>(
+                             [&](const DataError& e) {
+                               return std::string(e.what()).find(dir / c.name) != std::string::npos &&
+                                      std::string(e.what()).find(c.message) != std::string::npos;
+                             },
+                             c.message));
   }
 }
 

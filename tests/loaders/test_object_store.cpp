@@ -144,7 +144,8 @@ TEST_CASE("token files and Megatron indexed datasets over s3:// equal the local 
   Bytes bin(tokens.size() * 2);
   std::memcpy(bin.data(), tokens.data(), bin.size());
   const Bytes idx = megatron_idx_bytes(8, {500, 400, 97}, {0, 1000, 1800}, {0, 1, 2, 3});
-  for (const auto& [rel, bytes] : std::vector<std::pair<std::string, Bytes>>{{"tok/t.bin", bin}, {"tok/m.bin", bin}, {"tok/m.idx", idx}}) {
+  for (const auto& [rel, bytes] :
+       std::vector<std::pair<std::string, Bytes>>{{"tok/t.bin", bin}, {"tok/m.bin", bin}, {"tok/m.idx", idx}}) {
     write_file(d.local(rel), bytes);
     store.put(std::string(kBucket) + "/" + rel, bytes);
   }
@@ -238,7 +239,8 @@ TEST_CASE("tar shards streamed from s3:// give every record the local shards giv
     TarShardsOptions so;
     so.shuffle = false;
     auto ds = TarShards(paths, so).map([](TarRecord r) {
-      std::string v = r.key + "=" + std::string(reinterpret_cast<const char*>(r.field("cls").data()), r.field("cls").size()) + ":";
+      std::string v =
+          r.key + "=" + std::string(reinterpret_cast<const char*>(r.field("cls").data()), r.field("cls").size()) + ":";
       v += std::to_string(r.field("jpg").size());
       return v;
     });
@@ -259,7 +261,8 @@ TEST_CASE("tar shards streamed from s3:// give every record the local shards giv
   // The registry's "tar" dataset takes a prefix or a brace pattern.
   auto& reg = DatasetRegistry::global();
   CHECK(tar_shard_paths(DatasetConfig("tar", "dir=" + d.url("shards"))) == remote);
-  CHECK(tar_shard_paths(DatasetConfig("tar", "shards=" + d.url("shards/train-{000..001}.tar") + ":" + d.local("shards/train-002.tar"))) ==
+  CHECK(tar_shard_paths(
+            DatasetConfig("tar", "shards=" + d.url("shards/train-{000..001}.tar") + ":" + d.local("shards/train-002.tar"))) ==
         std::vector<std::string>{remote[0], remote[1], local[2]});
   (void)reg;
 }
@@ -426,7 +429,7 @@ TEST_CASE("a stream's next epoch opens its first shard from the read sent as thi
     if (expected.empty()) expected = first;
     CHECK(first == expected);
     CHECK(object_store_stats().since(before).requests == 3);  // the shard's two, and the next epoch's
-    ::setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1", 1);  // nothing listens there
+    ::setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1", 1);    // nothing listens there
     ::setenv("AWS_MAX_ATTEMPTS", "1", 1);
     CHECK(epoch(loader) == expected);
     ::unsetenv("AWS_MAX_ATTEMPTS");
@@ -530,8 +533,7 @@ TEST_CASE("object-store errors name the URL and never a credential", "[s3][error
              Catch::Contains("s3://no-such-bucket-ferry/x.npy") && Catch::Contains("bucket does not exist"));
   CHECK_THAT(message([&] { ImageFolder(d.url("images/nothing-here/")); }),
              Catch::Contains(d.url("images/nothing-here/")) && Catch::Contains("holds no objects"));
-  CHECK_THAT(message([&] { (void)TarImages({d.url("shards/none.tar")}); }),
-             Catch::Contains("does not exist"));
+  CHECK_THAT(message([&] { (void)TarImages({d.url("shards/none.tar")}); }), Catch::Contains("does not exist"));
   // A wrong secret: refused, and neither the key id nor the secret appears.
   ::setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value-xyz", 1);
   const std::string denied = message([&] { (void)read_npy(d.url("arrays/x.npy")); });
@@ -544,8 +546,10 @@ TEST_CASE("object-store errors name the URL and never a credential", "[s3][error
   CHECK_THAT(message([&] { (void)read_npy(d.url("arrays/x.npy")); }), Catch::Contains("anonymous"));
   // Credentials from a profile in a credentials file, as boto3 reads them.
   TempDir home;
-  write_file(home / "credentials", bytes_of(std::string("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n[ferry]\n"
-                                                        "aws_access_key_id = ") + kS3Key + "\naws_secret_access_key = " + kS3Secret + "\n"));
+  write_file(home / "credentials",
+             bytes_of(std::string("[default]\naws_access_key_id = wrong\naws_secret_access_key = wrong\n\n[ferry]\n"
+                                  "aws_access_key_id = ") +
+                      kS3Key + "\naws_secret_access_key = " + kS3Secret + "\n"));
   ::setenv("AWS_SHARED_CREDENTIALS_FILE", (home / "credentials").c_str(), 1);
   ::setenv("AWS_PROFILE", "ferry", 1);
   CHECK(read_npy(d.url("arrays/x.npy")).numel() == 30);
@@ -613,8 +617,7 @@ TEST_CASE("a store that does not answer: retried, then a transient IoError namin
   } catch (const IoError& e) {
     caught = true;
     CHECK(e.transient());
-    CHECK_THAT(std::string(e.what()), Catch::Contains("s3://ferry-data/arrays/x.npy") &&
-                                          Catch::Contains("after 3 attempts"));
+    CHECK_THAT(std::string(e.what()), Catch::Contains("s3://ferry-data/arrays/x.npy") && Catch::Contains("after 3 attempts"));
     CHECK(std::string(e.what()).find(kS3Secret) == std::string::npos);
   }
   CHECK(caught);
@@ -748,7 +751,7 @@ TEST_CASE("a store that stops answering: the loader's timeout holds", "[s3][faul
     while (proxy.hangs_ended_by_client() == 0 && std::chrono::steady_clock::now() < deadline)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     CHECK(proxy.hangs_ended_by_client() >= 1);
-  }  // the proxy goes
+  }                                                             // the proxy goes
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // before the settings change under it
   ObjectStore::get().use();
 }
@@ -766,7 +769,7 @@ TEST_CASE("a batch's read that fails is read again while the rest of the batch i
     FaultProxy proxy(ObjectStore::get().port());
     ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
     ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
-    proxy.delay(std::chrono::milliseconds(300));  // every answer: the batch's reads are still in flight...
+    proxy.delay(std::chrono::milliseconds(300));   // every answer: the batch's reads are still in flight...
     proxy.inject({FaultProxy::Fault::Status503});  // ...when its first read fails and is read again
     got = batches(remote, o);
   }

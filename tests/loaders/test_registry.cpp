@@ -48,7 +48,8 @@ TEST_CASE("built-in datasets by name", "[unit][registry]") {
   CHECK_THROWS_WITH(reg.create("synthetic", "colour=red"), Catch::Contains("unknown option 'colour'"));
   CHECK_THROWS_WITH(reg.create("imagenet"), Catch::Contains("no dataset named 'imagenet'") && Catch::Contains("synthetic"));
   CHECK_THROWS_AS(reg.create("npy", "path=/nonexistent.npy"), DataError);
-  CHECK_THROWS_WITH(reg.add("npy", [](const DatasetConfig&) -> DynamicDataset { throw Error("unused"); }), Catch::Contains("already registered"));
+  CHECK_THROWS_WITH(reg.add("npy", [](const DatasetConfig&) -> DynamicDataset { throw Error("unused"); }),
+                    Catch::Contains("already registered"));
 }
 
 TEST_CASE("image_folder's options build the ImageFolder; decode=gpu is the typed dataset's", "[unit][registry][image]") {
@@ -63,14 +64,16 @@ TEST_CASE("image_folder's options build the ImageFolder; decode=gpu is the typed
   CHECK(s[0].shape() == Shape{3, 8, 8});
   CHECK(s[0].dtype() == DType::Float32);
   // The same options give the same values through make_image_folder (the typed dataset).
-  ImageFolder typed = make_image_folder(DatasetConfig("image_folder", root + ",size=8,random_crop=1,mean=0.5:0.4:0.3,std=0.2,dct_scaling=1"));
+  ImageFolder typed =
+      make_image_folder(DatasetConfig("image_folder", root + ",size=8,random_crop=1,mean=0.5:0.4:0.3,std=0.2,dct_scaling=1"));
   SampleContext ctx2(0, 1, 0, WorkerInfo{});
   const LabeledSample t = typed.get(0, ctx2);
   CHECK(std::memcmp(t.image.raw(), s[0].raw(), s[0].nbytes()) == 0);
   CHECK_THROWS_WITH(reg.create("image_folder", root + ",decode=gpu"),
                     Catch::Contains("decode=gpu needs the loader's direct mode") && Catch::Contains("make_image_folder"));
   CHECK_THROWS_WITH(reg.create("image_folder", root + ",decode=fpga"), Catch::Contains("'decode' must be cpu or gpu"));
-  CHECK_THROWS_WITH(reg.create("image_folder", root + ",mean=0.1:0.2,std=0.1:0.2:0.3"), Catch::Contains("one value or one per channel"));
+  CHECK_THROWS_WITH(reg.create("image_folder", root + ",mean=0.1:0.2,std=0.1:0.2:0.3"),
+                    Catch::Contains("one value or one per channel"));
   CHECK_THROWS_WITH(reg.create("image_folder", root + ",mean=0.1:x"), Catch::Contains("'mean' must be a number"));
   CHECK_THROWS_WITH(reg.create("image_folder", root + ",size=0"), Catch::Contains("'size' must be in"));
   CHECK(make_image_folder(DatasetConfig("image_folder", root + ",decode=gpu,random_crop=1")).decodes_on_device());
@@ -100,7 +103,8 @@ TEST_CASE("a plugin is loaded at run time and feeds the loader", "[registry][plu
     }
     CHECK(rows == 50);
   }
-  CHECK_THROWS_WITH(reg.create("ramp", "dim=0"), Catch::Contains("option 'dim' must be a positive integer") && Catch::Contains("ramp"));
+  CHECK_THROWS_WITH(reg.create("ramp", "dim=0"),
+                    Catch::Contains("option 'dim' must be a positive integer") && Catch::Contains("ramp"));
   CHECK_THROWS_WITH(reg.create("ramp", "speed=2"), Catch::Contains("unknown option 'speed'"));
 }
 

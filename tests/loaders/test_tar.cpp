@@ -55,7 +55,7 @@ TEST_CASE("damaged archives are DataErrors with the shard and offset", "[errors]
   Bytes bad_sum = good;
   bad_sum[512 + 512 + 3] ^= std::byte{1};  // header of b.txt, in its name
   Bytes cut = good;
-  cut.resize(512 + 512 + 512 + 2);  // b.txt's data cut short
+  cut.resize(512 + 512 + 512 + 2);                             // b.txt's data cut short
   Bytes half_header(good.begin(), good.begin() + 1024 + 100);  // inside b.txt's header
   auto err = [](const Bytes& b) -> std::pair<std::string, std::uint64_t> {
     try {
@@ -131,16 +131,19 @@ TEST_CASE("tar shards through the loader, with a damaged shard", "[loader][tar]"
     o.num_workers = workers;
     DataLoader loader(labelled, o, [](std::vector<std::pair<std::string, std::int64_t>> v) { return v; });
     std::set<std::string> keys;
-    auto messages = iterate_skipping_errors<DataError>(loader, [&](std::vector<std::pair<std::string, std::int64_t>>& batch) {
-      for (auto& [key, label] : batch) {
-        CHECK(keys.insert(key).second);
-        CHECK(label == std::stoi(key.substr(key.find('/') + 1)) % 10);
-      }
-    }, [&](const DataError& e) {
-      const bool named = e.file() == dir / "damaged.tar" || e.file() == dir / "missing.tar";
-      CHECK(named);
-      return std::string();
-    });
+    auto messages = iterate_skipping_errors<DataError>(
+        loader,
+        [&](std::vector<std::pair<std::string, std::int64_t>>& batch) {
+          for (auto& [key, label] : batch) {
+            CHECK(keys.insert(key).second);
+            CHECK(label == std::stoi(key.substr(key.find('/') + 1)) % 10);
+          }
+        },
+        [&](const DataError& e) {
+          const bool named = e.file() == dir / "damaged.tar" || e.file() == dir / "missing.tar";
+          CHECK(named);
+          return std::string();
+        });
     const std::size_t errors = messages.size();
     CHECK(errors == 2);
     // The four good shards are complete, and the damaged one gave what preceded the damage.
@@ -157,7 +160,8 @@ TEST_CASE("decode_labeled_image reads the image and class fields", "[unit][tar]"
   CHECK(s.label == 3);
   CHECK(s.image.shape() == Shape{4, 6, 3});
   r.fields["cls"] = bytes_of("three");
-  CHECK_THROWS_WITH(decode_labeled_image(r, {}, g), Catch::Contains("not a non-negative integer") && Catch::Contains("shard.tar"));
+  CHECK_THROWS_WITH(decode_labeled_image(r, {}, g),
+                    Catch::Contains("not a non-negative integer") && Catch::Contains("shard.tar"));
   r.fields.erase("png");
   CHECK_THROWS_WITH(decode_labeled_image(r, {}, g), Catch::Contains("has no 'jpg' field (it has: cls)"));
 }
@@ -172,11 +176,15 @@ TEST_CASE("tar shards resume mid-epoch: every worker's shards from the record af
     so.shuffle = true;  // the shard order is the epoch's: a resume must follow it
     return TarShards(paths, so).map([](TarRecord r, SampleContext& ctx) {
       decoded.fetch_add(1);  // what a decode would cost
-      return static_cast<std::int64_t>(std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 + std::stoi(r.key.substr(r.key.find('/') + 1))) * 10 +
+      return static_cast<std::int64_t>(std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 +
+                                       std::stoi(r.key.substr(r.key.find('/') + 1))) *
+                 10 +
              static_cast<std::int64_t>(ctx.rng().randint(10));
     });
   };
-  auto values = [](const Tensor& t) { return std::vector<std::int64_t>(t.data<std::int64_t>(), t.data<std::int64_t>() + t.numel()); };
+  auto values = [](const Tensor& t) {
+    return std::vector<std::int64_t>(t.data<std::int64_t>(), t.data<std::int64_t>() + t.numel());
+  };
   for (int workers : {0, 2, 3}) {
     DataLoaderOptions o;
     o.batch_size = 4;
@@ -227,7 +235,8 @@ struct SameImages {
     for (int label = 0; label < 3; ++label)
       for (int k = 0; k < 5; ++k, ++n) {
         const int w = 40 + 9 * ((k + label) % 4), h = 30 + 7 * ((2 * k + label) % 3);
-        const Bytes jpg = encode_jpeg(textured(w, h, 3, static_cast<std::uint32_t>(n + 1)), w, h, 3, 90, k % 2 ? TJSAMP_420 : TJSAMP_444);
+        const Bytes jpg =
+            encode_jpeg(textured(w, h, 3, static_cast<std::uint32_t>(n + 1)), w, h, 3, 90, k % 2 ? TJSAMP_420 : TJSAMP_444);
         const std::string name = "c" + std::to_string(label) + "/" + std::to_string(k);
         write_file(root + "/" + name + ".jpg", jpg);
         (n < 8 ? a : b).file(name + ".jpg", jpg).file(name + ".cls", std::to_string(label) + "\n");
@@ -238,7 +247,8 @@ struct SameImages {
   }
 };
 ImageTransform train_transform() {
-  return ImageTransform().random_resized_crop(24, 24).horizontal_flip().to_float().normalize({0.5f, 0.4f, 0.3f}, {0.2f, 0.2f, 0.2f});
+  return ImageTransform().random_resized_crop(24, 24).horizontal_flip().to_float().normalize({0.5f, 0.4f, 0.3f},
+                                                                                             {0.2f, 0.2f, 0.2f});
 }
 }  // namespace
 
@@ -316,7 +326,8 @@ TEST_CASE("TarImages with decode=gpu fills the same encoded rows as ImageFolder"
   const auto* idx = y.encoded_index.data<std::int64_t>();
   for (std::int64_t r = 0; r < 15; ++r) {
     const std::int64_t at = idx[r * detail::kEncodedIndexWords], n = idx[r * detail::kEncodedIndexWords + 1];
-    CHECK(std::memcmp(x.encoded.data<std::uint8_t>() + at, y.encoded.data<std::uint8_t>() + at, static_cast<std::size_t>(n)) == 0);
+    CHECK(std::memcmp(x.encoded.data<std::uint8_t>() + at, y.encoded.data<std::uint8_t>() + at, static_cast<std::size_t>(n)) ==
+          0);
   }
   // A PNG record is refused with its name, as in ImageFolder; the registry takes the typed path.
   TempDir dir;
@@ -334,11 +345,15 @@ TEST_CASE("TarImages: a damaged shard fails at construction, a bad record at its
   TempDir dir;
   const Bytes jpg = encode_jpeg(textured(16, 12, 3), 16, 12, 3);
   const Bytes good = TarBuilder()
-                         .file("a.jpg", jpg).file("a.cls", "1")
-                         .file("b.jpg", jpg)                       // no label
-                         .file("c.png", jpg).file("c.cls", "x2")   // not a class index
-                         .file("d.txt", "no image").file("d.cls", "3")
-                         .file("e.jpg", jpg).file("e.cls", "4")
+                         .file("a.jpg", jpg)
+                         .file("a.cls", "1")
+                         .file("b.jpg", jpg)  // no label
+                         .file("c.png", jpg)
+                         .file("c.cls", "x2")  // not a class index
+                         .file("d.txt", "no image")
+                         .file("d.cls", "3")
+                         .file("e.jpg", jpg)
+                         .file("e.cls", "4")
                          .finish();
   write_file(dir / "good.tar", good);
   TarImagesOptions o;
@@ -395,7 +410,8 @@ TEST_CASE("tar_index in the registry and make_tar_index", "[unit][registry][tar]
   CHECK(s[0].shape() == Shape{3, 8, 8});
   CHECK(s[1].item<std::int64_t>() == 1);
   CHECK_THROWS_WITH(reg.create("tar_index", shards + ",decode=gpu"), Catch::Contains("make_tar_index"));
-  CHECK_THROWS_WITH(reg.create("tar_index", "dir=/nonexistent"), Catch::Contains("dataset 'tar_index': dir '/nonexistent' is not a directory"));
+  CHECK_THROWS_WITH(reg.create("tar_index", "dir=/nonexistent"),
+                    Catch::Contains("dataset 'tar_index': dir '/nonexistent' is not a directory"));
   CHECK(make_tar_index(DatasetConfig("tar_index", shards + ",decode=gpu,random_crop=1")).decodes_on_device());
 }
 
@@ -440,7 +456,8 @@ TEST_CASE("encode_labeled_image and the collate of EncodedImages give TarImages'
     CHECK(at % 64 == 0);
     next = at + (n + 63) / 64 * 64;
     CHECK(n == yi[r * W + detail::EncodedRow::kBytes]);
-    CHECK(std::memcmp(x.encoded.data<std::uint8_t>() + at, y.encoded.data<std::uint8_t>() + yi[r * W], static_cast<std::size_t>(n)) == 0);
+    CHECK(std::memcmp(x.encoded.data<std::uint8_t>() + at, y.encoded.data<std::uint8_t>() + yi[r * W],
+                      static_cast<std::size_t>(n)) == 0);
     // Every other word (the size, the crop, the flip, the scale and shift) as TarImages writes it.
     CHECK(std::memcmp(xi + r * W + 1, yi + r * W + 1, (W - 1) * sizeof(std::int64_t)) == 0);
   }
@@ -457,7 +474,8 @@ TEST_CASE("encode_labeled_image and the collate of EncodedImages give TarImages'
   TarShards bad({dir / "p.tar"}, so);
   TarShards::Stream bs = bad.open(WorkerInfo{});
   Generator rng(1);
-  CHECK_THROWS_WITH(encode_labeled_image(*bs.next(), ro, rng), Catch::Contains("p.tar: k.png") && Catch::Contains("JPEG files only"));
+  CHECK_THROWS_WITH(encode_labeled_image(*bs.next(), ro, rng),
+                    Catch::Contains("p.tar: k.png") && Catch::Contains("JPEG files only"));
   CHECK_THROWS_AS(encode_labeled_image(*bs.next(), ro, rng), DataError);  // label "x"
   TarRecordDecodeOptions gray = ro;
   gray.channels = 1;
@@ -473,7 +491,9 @@ TEST_CASE("a stream of EncodedImages needs a device and the default collate; the
   SameImages same;
   TarRecordDecodeOptions ro;
   ro.transform = train_transform();
-  auto gpu = TarShards(same.shards).map([ro](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), ro, ctx.rng()); });
+  auto gpu = TarShards(same.shards).map([ro](TarRecord r, SampleContext& ctx) {
+    return encode_labeled_image(std::move(r), ro, ctx.rng());
+  });
   DataLoaderOptions o;
   o.batch_size = 4;
   CHECK_THROWS_WITH(DataLoader(gpu, o), Catch::Contains("decodes its images on the GPU") && Catch::Contains("device"));

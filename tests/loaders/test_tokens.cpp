@@ -26,7 +26,6 @@ using namespace ferry::test;
 
 namespace {
 
-
 std::vector<std::uint16_t> pattern(std::size_t n) {
   std::vector<std::uint16_t> v(n);
   for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<std::uint16_t>((i * 7 + 3) % 65521);
@@ -147,24 +146,29 @@ TEST_CASE("damaged token files are DataErrors naming the file and the offset", "
   h[1] = 7;
   std::memcpy(bad.data(), h, sizeof h);
   write_file(dir / "version.bin", bad);
-  CHECK(error_of([&] { open_token_file(dir / "version.bin"); }).find("version.bin: at byte 4: unsupported llm.c token file version 7") != std::string::npos);
+  CHECK(error_of([&] {
+          open_token_file(dir / "version.bin");
+        }).find("version.bin: at byte 4: unsupported llm.c token file version 7") != std::string::npos);
   h[1] = 1;
   h[2] = 101;
   std::memcpy(bad.data(), h, sizeof h);
   write_file(dir / "count.bin", bad);
   CHECK(error_of([&] { open_token_file(dir / "count.bin"); }).find("(truncated)") != std::string::npos);
   write_file(dir / "short.bin", Bytes(bad.begin(), bad.begin() + 100));
-  CHECK(error_of([&] { open_token_file(dir / "short.bin", {.format = TokenFileOptions::Format::LlmC}); }).find("truncated llm.c header") !=
-        std::string::npos);
+  CHECK(error_of([&] {
+          open_token_file(dir / "short.bin", {.format = TokenFileOptions::Format::LlmC});
+        }).find("truncated llm.c header") != std::string::npos);
   // Raw: an odd number of bytes for uint16 tokens; a token past the vocabulary, named with its offset.
   write_file(dir / "odd.bin", Bytes(body.begin(), body.end() - 1));
-  CHECK(error_of([&] { open_token_file(dir / "odd.bin", {.type = TokenType::UInt16}); }).find("odd.bin: at byte 198") != std::string::npos);
+  CHECK(error_of([&] { open_token_file(dir / "odd.bin", {.type = TokenType::UInt16}); }).find("odd.bin: at byte 198") !=
+        std::string::npos);
   write_file(dir / "ok.bin", body);
   auto v = open_token_file(dir / "ok.bin", {.type = TokenType::UInt16, .vocab_size = 500});
   std::vector<std::int64_t> out(100);
   const std::string e = error_of([&] { v->read(0, out); });
   const auto toks = pattern(100);
-  const std::size_t first_bad = static_cast<std::size_t>(std::find_if(toks.begin(), toks.end(), [](auto t) { return t >= 500; }) - toks.begin());
+  const std::size_t first_bad =
+      static_cast<std::size_t>(std::find_if(toks.begin(), toks.end(), [](auto t) { return t >= 500; }) - toks.begin());
   CHECK(e.find("ok.bin: at byte " + std::to_string(first_bad * 2) + ": token id") != std::string::npos);
   CHECK(e.find("outside the vocabulary [0, 500)") != std::string::npos);
   // .npy: 2-D, floats.
@@ -172,9 +176,11 @@ TEST_CASE("damaged token files are DataErrors naming the file and the offset", "
   CHECK(error_of([&] { open_token_file(dir / "2d.npy"); }).find("must be 1-D") != std::string::npos);
   write_file(dir / "f.npy", npy_bytes("{'descr': '<f4', 'fortran_order': False, 'shape': (50,), }", body));
   CHECK(error_of([&] { open_token_file(dir / "f.npy"); }).find("not '<f4'") != std::string::npos);
-  CHECK(error_of([&] { open_token_file(dir / "missing.bin", {.type = TokenType::UInt16}); }).find("missing.bin") != std::string::npos);
+  CHECK(error_of([&] { open_token_file(dir / "missing.bin", {.type = TokenType::UInt16}); }).find("missing.bin") !=
+        std::string::npos);
   write_file(dir / "empty.bin", {});
-  CHECK(error_of([&] { open_token_file(dir / "empty.bin", {.type = TokenType::UInt16}); }).find("empty.bin") != std::string::npos);
+  CHECK(error_of([&] { open_token_file(dir / "empty.bin", {.type = TokenType::UInt16}); }).find("empty.bin") !=
+        std::string::npos);
 }
 
 TEST_CASE("windows hold every token once an epoch, labels shifted by one, the same batches for 0, 1 and 4 workers",
@@ -237,7 +243,8 @@ TEST_CASE("random-offset windows are the same for any worker count and are windo
   TempDir dir;
   const auto tokens = pattern(3000);
   write_file(dir / "t.bin", raw_bytes(tokens));
-  TokenSequences seqs(open_token_file(dir / "t.bin", {.type = TokenType::UInt16}), {.seq_len = 32, .random_offset = true, .num_samples = 40});
+  TokenSequences seqs(open_token_file(dir / "t.bin", {.type = TokenType::UInt16}),
+                      {.seq_len = 32, .random_offset = true, .num_samples = 40});
   REQUIRE(seqs.size() == 40);
   const auto ref = epoch(seqs, opts(8, 0, false));
   CHECK(epoch(seqs, opts(8, 3, false)) == ref);
@@ -288,7 +295,8 @@ TEST_CASE("token windows offered to the device gather are the host path's window
         CHECK(start == seqs.window_start(i, ctx));
         SampleContext fresh(i, 5, 2, w);  // ctx's generator has drawn the offset already
         const std::vector<Tensor> sample = seqs.get(i, fresh);
-        for (std::size_t t = 0; t < 32; ++t) CHECK(sample[k].item<std::int32_t>(static_cast<std::int64_t>(t)) == file[start + k + t]);
+        for (std::size_t t = 0; t < 32; ++t)
+          CHECK(sample[k].item<std::int32_t>(static_cast<std::int64_t>(t)) == file[start + k + t]);
       }
     }
   }
@@ -304,10 +312,12 @@ TEST_CASE("token windows offered to the device gather are the host path's window
     CHECK(s.host_rows(w).empty());
     return w;
   };
-  CHECK_THAT(declined(TokenSequences(open_token_file(dir / "t.bin", {.type = TokenType::UInt16, .eod = 7}), {.seq_len = 32, .packed = true})),
+  CHECK_THAT(declined(TokenSequences(open_token_file(dir / "t.bin", {.type = TokenType::UInt16, .eod = 7}),
+                                     {.seq_len = 32, .packed = true})),
              Catch::Contains("position_ids"));
-  CHECK_THAT(declined(TokenSequences(open_token_file(dir / "t.bin", {.type = TokenType::UInt16, .vocab_size = 65536}), {.seq_len = 32})),
-             Catch::Contains("vocab_size"));
+  CHECK_THAT(
+      declined(TokenSequences(open_token_file(dir / "t.bin", {.type = TokenType::UInt16, .vocab_size = 65536}), {.seq_len = 32})),
+      Catch::Contains("vocab_size"));
   // A window set by hand that does not fit its array is named.
   HostRows bad = raw[0];
   bad.window->length = 3001;
@@ -332,7 +342,8 @@ TEST_CASE("Megatron indexed datasets written by megatron-core read back document
     std::vector<std::uint64_t> expected_starts;
     for (std::size_t d = 0; d < f.lengths.size(); ++d) {
       if (d > 0) expected_starts.push_back(at);
-      for (std::uint64_t t = 0; t < f.lengths[d]; ++t) REQUIRE(all[at + t] == static_cast<std::int64_t>((d * 7919 + t * 31) % f.vocab));
+      for (std::uint64_t t = 0; t < f.lengths[d]; ++t)
+        REQUIRE(all[at + t] == static_cast<std::int64_t>((d * 7919 + t * 31) % f.vocab));
       at += f.lengths[d];
     }
     std::vector<std::uint64_t> starts;
@@ -348,7 +359,8 @@ TEST_CASE("Megatron indexed datasets written by megatron-core read back document
     // A vocabulary smaller than the tokens is named at the first token past it.
     auto small = open_megatron(f.prefix, {.vocab_size = 100});
     std::vector<std::int64_t> out(300);
-    CHECK_THROWS_WITH(small->read(0, out), Catch::Contains(f.prefix + ".bin: at byte") && Catch::Contains("outside the vocabulary [0, 100)"));
+    CHECK_THROWS_WITH(small->read(0, out),
+                      Catch::Contains(f.prefix + ".bin: at byte") && Catch::Contains("outside the vocabulary [0, 100)"));
   }
 }
 
@@ -384,7 +396,8 @@ TEST_CASE("packed sequences: position ids restart at each document, cu_seqlens a
         CHECK(p == (starts || k == 0 ? 0 : b[2][r * 64 + k - 1] + 1));
       }
       while (cu.size() < 65) cu.push_back(64);
-      const std::vector<std::int64_t> got(b[3].begin() + static_cast<std::ptrdiff_t>(r * 65), b[3].begin() + static_cast<std::ptrdiff_t>(r * 65 + 65));
+      const std::vector<std::int64_t> got(b[3].begin() + static_cast<std::ptrdiff_t>(r * 65),
+                                          b[3].begin() + static_cast<std::ptrdiff_t>(r * 65 + 65));
       CHECK(got == cu);
     }
   }
@@ -436,7 +449,8 @@ TEST_CASE("best-fit packing: every token once, full sequences, documents whole w
   };
   for (bool shuffled : {false, true}) {
     INFO("shuffle_documents " << shuffled);
-    const TokenSequences fit(corpus, {.seq_len = S, .packed = true, .shuffle_documents = shuffled, .document_block = 16, .best_fit_group = 16});
+    const TokenSequences fit(
+        corpus, {.seq_len = S, .packed = true, .shuffle_documents = shuffled, .document_block = 16, .best_fit_group = 16});
     const TokenSequences windows(corpus, {.seq_len = S, .packed = true, .shuffle_documents = shuffled, .document_block = 16});
     REQUIRE(fit.size() == windows.size());
     const auto ref = epoch(fit, opts(16, 0), 1);
@@ -452,9 +466,12 @@ TEST_CASE("best-fit packing: every token once, full sequences, documents whole w
           const std::int64_t v = b[0][r * S + k], label = b[1][r * S + k], pos = b[2][r * S + k];
           ++seen[static_cast<std::size_t>(v)];
           CHECK((label == v + 1 || (v == total - 1 && label == v)));
-          if (k == 0) CHECK(pos == 0);
-          else if (pos != 0) CHECK((b[0][r * S + k - 1] == v - 1 && b[2][r * S + k - 1] == pos - 1));
-          else cu.push_back(static_cast<std::int64_t>(k));
+          if (k == 0)
+            CHECK(pos == 0);
+          else if (pos != 0)
+            CHECK((b[0][r * S + k - 1] == v - 1 && b[2][r * S + k - 1] == pos - 1));
+          else
+            cu.push_back(static_cast<std::int64_t>(k));
         }
         while (cu.size() < S + 1) cu.push_back(S);
         const std::vector<std::int64_t> got(b[3].begin() + static_cast<std::ptrdiff_t>(r * (S + 1)),
@@ -464,7 +481,7 @@ TEST_CASE("best-fit packing: every token once, full sequences, documents whole w
     }
     CHECK(sequences == fit.size());
     CHECK(std::accumulate(seen.begin(), seen.end(), std::size_t{0}) == fit.size() * S);  // full sequences
-    CHECK(*std::max_element(seen.begin(), seen.end()) == 1);                            // every token once at most
+    CHECK(*std::max_element(seen.begin(), seen.end()) == 1);                             // every token once at most
     if (!shuffled)  // the corpus order: exactly the windows' tokens
       for (std::size_t v = 0; v < seen.size(); ++v) REQUIRE(seen[v] == (v < fit.size() * S ? 1 : 0));
     const std::size_t cut_fit = cut_short_documents(ref), cut_windows = cut_short_documents(epoch(windows, opts(16, 0), 1));
@@ -504,7 +521,7 @@ TEST_CASE("documents shuffled each epoch: every token once, documents whole betw
     REQUIRE(stream.size() == seqs.size() * 64);
     std::multiset<std::int64_t> seen(stream.begin(), stream.end());
     for (std::int64_t t : seen) CHECK(seen.count(t) <= whole.count(t));  // nothing read twice
-    CHECK(whole.size() - seen.size() < 64);                             // only the tail past the last window
+    CHECK(whole.size() - seen.size() < 64);                              // only the tail past the last window
     CHECK(std::count(order.begin(), order.end(), -1) == 0);
     orders.push_back(order);
   }
@@ -512,9 +529,10 @@ TEST_CASE("documents shuffled each epoch: every token once, documents whole betw
   std::vector<std::int64_t> sorted = orders[0];
   std::sort(sorted.begin(), sorted.end());
   CHECK(sorted != orders[0]);  // not the corpus order
-  CHECK_THROWS_WITH(TokenSequences(open_token_file(std::string(FERRY_TEST_FIXTURES) + "/megatron/u16.bin", {.type = TokenType::UInt16}),
-                                   {.shuffle_documents = true}),
-                    Catch::Contains("needs an indexed corpus"));
+  CHECK_THROWS_WITH(
+      TokenSequences(open_token_file(std::string(FERRY_TEST_FIXTURES) + "/megatron/u16.bin", {.type = TokenType::UInt16}),
+                     {.shuffle_documents = true}),
+      Catch::Contains("needs an indexed corpus"));
 }
 
 TEST_CASE("a flat file's documents are the runs ended by the end-of-document id", "[unit][tokens]") {
@@ -570,20 +588,24 @@ TEST_CASE("damaged Megatron indices are DataErrors naming the .idx and the offse
   Bytes magic = good;
   magic[0] = std::byte{'X'};
   CHECK(error_of(make("magic", magic, bin)).find("magic.idx: at byte 0: not a Megatron index") != std::string::npos);
-  CHECK(error_of(make("float", megatron_idx_bytes(7, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 3}), bin)).find("float.idx: at byte 17") != std::string::npos);
+  CHECK(error_of(make("float", megatron_idx_bytes(7, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 3}), bin))
+            .find("float.idx: at byte 17") != std::string::npos);
   Bytes overflow = good;
   const std::uint64_t huge = ~std::uint64_t{0} / 4;
   std::memcpy(overflow.data() + 18, &huge, 8);
   CHECK(error_of(make("overflow", overflow, bin)).find("overflow.idx: at byte 18: counts overflow") != std::string::npos);
   CHECK(error_of(make("short", Bytes(good.begin(), good.end() - 8), bin)).find("short.idx") != std::string::npos);
   // Pointers past the .bin; a .bin shorter than the index says.
-  CHECK(error_of(make("past", megatron_idx_bytes(8, {10, 10, 20}, {0, 20, 40}, {0, 1, 2, 3}), bin)).find("pointers run past the .bin") != std::string::npos);
+  CHECK(error_of(make("past", megatron_idx_bytes(8, {10, 10, 20}, {0, 20, 40}, {0, 1, 2, 3}), bin))
+            .find("pointers run past the .bin") != std::string::npos);
   CHECK(error_of(make("trunc", good, Bytes(bin.begin(), bin.end() - 2))).find("trunc.idx") != std::string::npos);
   // A gap between sequences is found when a sample reads there, named at the pointer's offset.
   const std::string gap = error_of(make("gap", megatron_idx_bytes(8, {10, 8, 10}, {0, 20, 40}, {0, 1, 2, 3}), bin), true);
   CHECK(gap.find("gap.idx: at byte " + std::to_string(34 + 3 * 4 + 2 * 8)) != std::string::npos);
-  CHECK(error_of(make("docs", megatron_idx_bytes(8, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 5}), bin)).find("document index") != std::string::npos);
-  CHECK(error_of(make("odd", megatron_idx_bytes(8, {10, 10, 10}, {0, 21, 40}, {0, 1, 2, 3}), bin), true).find("not a whole token") != std::string::npos);
+  CHECK(error_of(make("docs", megatron_idx_bytes(8, {10, 10, 10}, {0, 20, 40}, {0, 1, 2, 5}), bin)).find("document index") !=
+        std::string::npos);
+  CHECK(error_of(make("odd", megatron_idx_bytes(8, {10, 10, 10}, {0, 21, 40}, {0, 1, 2, 3}), bin), true)
+            .find("not a whole token") != std::string::npos);
   CHECK(error_of(dir / "nothing").find("nothing.idx") != std::string::npos);
 }
 
@@ -691,15 +713,17 @@ TEST_CASE("weights changed at an index keep every sample before it and apply fro
     const Mixture same = after.reweighted({0.1, 0.1, 0.8}, from + 500);
     for (std::uint64_t g = 0; g < from + 500; g += 7) CHECK(same.pick(g).sample == after.pick(g).sample);
   }
-  CHECK_THROWS_WITH(before.reweighted({1, 1, 1}, 100).reweighted({1, 2, 3}, 50), Catch::Contains("before the last weights' start"));
+  CHECK_THROWS_WITH(before.reweighted({1, 1, 1}, 100).reweighted({1, 2, 3}, 50),
+                    Catch::Contains("before the last weights' start"));
 }
 
 namespace {
 // The global batches of an epoch (a batch's rows as the whole group sees them, in the epoch's
 // order) from `world` ranks simulated in one process, each rank running `steps` batches (all when
 // 0) from `state` (or the epoch's start); returns rank 0's state after.
-std::optional<LoaderState> run_group(const Mixture& m, std::size_t world, std::size_t global_batch, int workers, std::size_t steps,
-                                     const std::optional<LoaderState>& state, std::vector<std::vector<std::int64_t>>& global) {
+std::optional<LoaderState> run_group(const Mixture& m, std::size_t world, std::size_t global_batch, int workers,
+                                     std::size_t steps, const std::optional<LoaderState>& state,
+                                     std::vector<std::vector<std::int64_t>>& global) {
   const std::size_t per_rank = global_batch / world;
   std::vector<std::vector<std::vector<std::int64_t>>> ranks(world);  // rank -> batch -> first tokens
   std::optional<LoaderState> out;
@@ -731,8 +755,9 @@ std::optional<LoaderState> run_group(const Mixture& m, std::size_t world, std::s
 }
 }  // namespace
 
-TEST_CASE("a mixture resumed at world sizes 4 -> 3 -> 2 -> 1 and other worker counts gives the uninterrupted run's global batches",
-          "[resume][tokens][mixture][distributed]") {
+TEST_CASE(
+    "a mixture resumed at world sizes 4 -> 3 -> 2 -> 1 and other worker counts gives the uninterrupted run's global batches",
+    "[resume][tokens][mixture][distributed]") {
   const Mixture m = three({0.6, 0.3, 0.1});  // 600 samples an epoch: 50 global batches of 12
   std::vector<std::vector<std::int64_t>> whole;
   run_group(m, 4, 12, 2, 0, std::nullopt, whole);
@@ -748,7 +773,8 @@ TEST_CASE("a mixture resumed at world sizes 4 -> 3 -> 2 -> 1 and other worker co
   std::size_t matched = 0;
   const auto order = DistributedSampler(m.size(), 1, 0, true, 3).indices(0);
   for (std::size_t b = 0; b < whole.size(); ++b)
-    for (std::size_t k = 0; k < 12; ++k) matched += source_of(whole[b][k]) == static_cast<std::int64_t>(m.pick(order[b * 12 + k]).source);
+    for (std::size_t k = 0; k < 12; ++k)
+      matched += source_of(whole[b][k]) == static_cast<std::int64_t>(m.pick(order[b * 12 + k]).source);
   CHECK(matched == 600);
 }
 
@@ -767,6 +793,7 @@ TEST_CASE("token sequences through the registry: tokens and megatron, with their
   CHECK(s[0].dtype() == DType::Int32);
   CHECK(s[3].shape() == Shape{33});
   CHECK_THROWS_WITH(reg.create("tokens", "path=" + (dir / "t.bin") + ",dtype=float32"), Catch::Contains("option 'dtype'"));
-  CHECK_THROWS_WITH(reg.create("tokens", "path=" + (dir / "t.bin") + ",dtype=uint16,seq=10"), Catch::Contains("unknown option 'seq'"));
+  CHECK_THROWS_WITH(reg.create("tokens", "path=" + (dir / "t.bin") + ",dtype=uint16,seq=10"),
+                    Catch::Contains("unknown option 'seq'"));
   CHECK_THROWS_WITH(reg.create("megatron", "prefix=" + f.prefix + ",out_dtype=int16"), Catch::Contains("out_dtype"));
 }

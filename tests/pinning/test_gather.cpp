@@ -98,7 +98,8 @@ TEST_CASE("device gather: where it does not apply, the reason says why", "[unit]
   CHECK_THAT((why_not<TensorDataset, Pair>(ds, on_device())), Catch::Contains("neither a Tensor"));
   // A FieldsBatch (LabeledBatch: image, label) needs as many fields as it has.
   if (DeviceStage::can_gather())
-    CHECK_THAT((why_not<TensorDataset, LabeledBatch>(ds, on_device())), Catch::Contains("batch has 2 fields but host_rows() gave 1"));
+    CHECK_THAT((why_not<TensorDataset, LabeledBatch>(ds, on_device())),
+               Catch::Contains("batch has 2 fields but host_rows() gave 1"));
 }
 
 TEST_CASE("device gather: a batch's indices in one int64 block; an index past the end is an error", "[unit][gather]") {
@@ -129,12 +130,15 @@ TEST_CASE("device gather: registration over the budget is refused before CUDA, a
   const std::vector<HostRows> rows = TensorDataset({a}).host_rows(why);
   // Two arrays in one buffer share their pages: registered once.
   Tensor whole = Tensor::zeros(DType::UInt8, {2, 50000});
-  const std::vector<HostRows> halves{{whole.raw(), 1, 50000, DType::UInt8, {50000}, "first", false, std::nullopt},
-                                     {static_cast<std::byte*>(whole.raw()) + 50000, 1, 50000, DType::UInt8, {50000}, "second", false, std::nullopt}};
+  const std::vector<HostRows> halves{
+      {whole.raw(), 1, 50000, DType::UInt8, {50000}, "first", false, std::nullopt},
+      {static_cast<std::byte*>(whole.raw()) + 50000, 1, 50000, DType::UInt8, {50000}, "second", false, std::nullopt}};
   const std::size_t page = RowRegistration::bytes_needed({halves[0]}) > 50000 ? 4096 : 0;
   CHECK(RowRegistration::bytes_needed(halves) <= 100000 + 2 * page);
-  CHECK(RowRegistration::bytes_needed(halves) < RowRegistration::bytes_needed({halves[0]}) + RowRegistration::bytes_needed({halves[1]}));
-  CHECK_THROWS_WITH(RowRegistration(rows, 0, 1000), Catch::Contains("over the limit of 1000") && Catch::Contains("register_memory_limit"));
+  CHECK(RowRegistration::bytes_needed(halves) <
+        RowRegistration::bytes_needed({halves[0]}) + RowRegistration::bytes_needed({halves[1]}));
+  CHECK_THROWS_WITH(RowRegistration(rows, 0, 1000),
+                    Catch::Contains("over the limit of 1000") && Catch::Contains("register_memory_limit"));
   if (!cuda::available()) {
     CHECK_THROWS_AS(RowRegistration(rows, 0, std::size_t{1} << 30), CudaError);
     CHECK(RowRegistration::registered_bytes_now() == 0);

@@ -62,7 +62,8 @@ TEST_CASE("tensors already pinned pass through without a copy", "[unit][pin]") {
   CHECK(batch[0].raw() == pinned.raw());
   CHECK(batch[1].is_pinned());
   CHECK(ctx.bytes_copied() == 12);
-  std::tuple<int, std::string, std::map<std::string, Tensor>, std::optional<Tensor>> nested{1, "x", {{"a", iota_tensor(2)}}, iota_tensor(4)};
+  std::tuple<int, std::string, std::map<std::string, Tensor>, std::optional<Tensor>> nested{
+      1, "x", {{"a", iota_tensor(2)}}, iota_tensor(4)};
   pin_memory(nested, ctx);
   CHECK(std::get<2>(nested)["a"].is_pinned());
   CHECK(std::get<3>(nested)->is_pinned());
@@ -130,7 +131,8 @@ TEST_CASE("a failure in pin_memory reaches the consumer at its batch; the epoch 
   CHECK(unpinned == 0);
   CHECK(firsts == std::vector<std::int64_t>{0, 4, 12, 16});
   REQUIRE(errors.size() == 1);
-  CHECK_THAT(errors[0], Catch::Contains("the pin thread failed in stage 'pin' of batch 2") && Catch::Contains("cannot pin this one"));
+  CHECK_THAT(errors[0],
+             Catch::Contains("the pin thread failed in stage 'pin' of batch 2") && Catch::Contains("cannot pin this one"));
 }
 
 TEST_CASE("destroying a pinned loader mid-epoch returns every block and thread", "[pin][shutdown]") {
@@ -176,7 +178,8 @@ TEST_CASE("a pinned budget too small for the pipeline's depth is an error, not a
     for (auto& b : loader) (void)b;
     FAIL("no error");
   } catch (const WorkerError& e) {
-    CHECK_THAT(e.what(), Catch::Contains("may hold up to 8 batches of 2560 bytes") && Catch::Contains("raise pinned_memory_limit"));
+    CHECK_THAT(e.what(),
+               Catch::Contains("may hold up to 8 batches of 2560 bytes") && Catch::Contains("raise pinned_memory_limit"));
   }
 }
 
@@ -191,8 +194,8 @@ TEST_CASE("an unset pinned budget grows to the pipeline's depth; a set one is an
   // Past what the machine allows (half its memory), even an unset budget is an error that says so.
   auto small = test_pool(4096);
   detail::DepthCheckedAllocator huge(*small, std::size_t{1} << 20, "direct pin_mode", true);
-  CHECK_THROWS_WITH(huge.allocate(std::size_t{1} << 30),
-                    Catch::Contains("more than the unset pinned_memory_limit may grow to") && Catch::Contains("lower prefetch_factor"));
+  CHECK_THROWS_WITH(huge.allocate(std::size_t{1} << 30), Catch::Contains("more than the unset pinned_memory_limit may grow to") &&
+                                                             Catch::Contains("lower prefetch_factor"));
   // A budget the user set never grows.
   auto fixed = test_pool(5 * 2560);
   detail::DepthCheckedAllocator refuses(*fixed, 8, "direct pin_mode", /*may_grow=*/false);

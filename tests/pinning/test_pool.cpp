@@ -61,7 +61,7 @@ TEST_CASE("a block whose fence is closed is never handed out again", "[unit][poo
 TEST_CASE("at the budget, allocate waits for the fence, then reuses the block", "[unit][pool]") {
   PinnedPool pool(options(4096));
   auto fence = std::make_shared<ManualFence>();
-  { 
+  {
     Storage s = pool.allocate(4096);
     pool.add_fence(s, fence);
   }
@@ -98,7 +98,8 @@ TEST_CASE("at the budget, allocate waits for a lease to come back", "[unit][pool
 
 TEST_CASE("a batch larger than the budget is an error saying so", "[unit][pool][errors]") {
   PinnedPool pool(options(1000));
-  CHECK_THROWS_WITH(pool.allocate(1001), Catch::Contains("needs 1001 bytes") && Catch::Contains("pinned_memory_limit is 1000 bytes"));
+  CHECK_THROWS_WITH(pool.allocate(1001),
+                    Catch::Contains("needs 1001 bytes") && Catch::Contains("pinned_memory_limit is 1000 bytes"));
   CHECK_THROWS_WITH(pool.add_fence(Storage::allocate(10), std::make_shared<ReadyFence>()),
                     Catch::Contains("not allocated by this pool"));
 }
@@ -204,7 +205,8 @@ TEST_CASE("a deferred event fence is not ready, and its error waits, until the r
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
   CHECK_FALSE(got.load());  // error() blocks until recorded()
-  f->recorded(std::make_exception_ptr(DataError("GPU decode", DataError::kNoOffset, "image 3 of the batch is a JPEG nvJPEG cannot decode")));
+  f->recorded(std::make_exception_ptr(
+      DataError("GPU decode", DataError::kNoOffset, "image 3 of the batch is a JPEG nvJPEG cannot decode")));
   waiter.join();
   CHECK(got.load());
   CHECK_THAT(what, Catch::Contains("image 3 of the batch"));

@@ -38,13 +38,13 @@ struct Ints {
 
 // What one loader thread saw; checked on the test thread (Catch2 assertions are not thread-safe).
 struct Run {
-  std::vector<std::uint8_t> seen;                 // times each sample was delivered
-  std::map<std::size_t, int> reported;            // on_sample_error calls per sample
-  std::vector<std::int64_t> sequence;             // every value in delivery order
-  std::vector<std::string> errors;                // batch failures' messages
+  std::vector<std::uint8_t> seen;       // times each sample was delivered
+  std::map<std::size_t, int> reported;  // on_sample_error calls per sample
+  std::vector<std::int64_t> sequence;   // every value in delivery order
+  std::vector<std::string> errors;      // batch failures' messages
   std::size_t timeouts = 0, short_batches = 0, batches = 0;
-  double max_timeout_latency_ms = 0;              // wait start -> TimeoutError
-  std::string failure;                            // an unexpected exception
+  double max_timeout_latency_ms = 0;  // wait start -> TimeoutError
+  std::string failure;                // an unexpected exception
   LoaderStats stats;
   long live_buffers_after = -1;
 };
@@ -83,8 +83,9 @@ void run_loader(const DS& ds, std::size_t samples, std::size_t batch_size, OnErr
           }
         } catch (const TimeoutError& e) {
           ++out.timeouts;
-          out.max_timeout_latency_ms = std::max(
-              out.max_timeout_latency_ms, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+          out.max_timeout_latency_ms =
+              std::max(out.max_timeout_latency_ms,
+                       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
           out.errors.push_back(e.what());
           continue;
         } catch (const Error& e) {

@@ -46,9 +46,7 @@ TEST_CASE("1,000 create-iterate-destroy cycles with random early exits leak noth
     const std::size_t stop_after = g.randint(12);
     const int epochs = 1 + static_cast<int>(g.randint(2));
     INFO("cycle " << cycle << " workers " << o.num_workers << " n " << n << " stop " << stop_after);
-    auto collate_fn = [alloc](std::vector<Tracked>&& s) {
-      return TrackedBatch{std::move(s), empty(DType::UInt8, {16}, *alloc)};
-    };
+    auto collate_fn = [alloc](std::vector<Tracked>&& s) { return TrackedBatch{std::move(s), empty(DType::UInt8, {16}, *alloc)}; };
     if (g.bernoulli(0.8)) {
       DataLoader loader(Source{n}, o, collate_fn);
       for (int e = 0; e < epochs; ++e) {

@@ -58,7 +58,7 @@ struct Flags {
   std::uint64_t seed = 0;
   std::size_t batches = 0;  // 0: whole epochs
   int epochs = 1;
-  double consumer_ms = 0;   // simulated training step per batch
+  double consumer_ms = 0;  // simulated training step per batch
   std::string on_error = "raise";
   std::size_t max_errors = 0;
   double max_error_fraction = 0.1;
@@ -87,7 +87,7 @@ struct Flags {
     o.max_errors = max_errors;
     o.max_error_fraction = max_error_fraction;
     o.timeout = std::chrono::milliseconds(timeout_ms);
-    o.persistent_workers = persistent && workers > 0;
+    o.persistent_workers = persistent;  // with no worker, normalize_options says why
     o.prefetch_next_epoch = ahead;
     o.gpu_decode_threads = gpu_decode_threads;
     return o;
@@ -102,18 +102,23 @@ bool pins(const Flags& f) {
 }
 
 void add_loader_flags(CLI::App& app, Flags& f) {
-  app.add_option("dataset", f.dataset, "dataset name: idx, npy, image_folder, tar_index, tar, tokens, megatron, synthetic, or one a plugin registers")
+  app.add_option("dataset", f.dataset,
+                 "dataset name: idx, npy, image_folder, tar_index, tar, tokens, megatron, synthetic, or one a plugin registers")
       ->required();
   app.add_option("-c,--config", f.config, "dataset options, key=value,key=value (see `ferry list`)");
   app.add_option("--plugin", f.plugins, "load a dataset plugin library first (repeatable)");
   app.add_option("-b,--batch-size", f.batch_size, "samples per batch")->check(CLI::PositiveNumber);
-  app.add_option("-w,--workers", f.workers, "num_workers (0: batches made on the consumer thread)")->check(CLI::NonNegativeNumber);
+  app.add_option("-w,--workers", f.workers, "num_workers (0: batches made on the consumer thread)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--prefetch", f.prefetch, "prefetch_factor: batches in flight per worker")->check(CLI::PositiveNumber);
   app.add_flag("--pin", f.pin, "pin_memory: deliver batches in pinned memory");
   app.add_option("--pin-mode", f.pin_mode, "copy or direct")->check(CLI::IsMember({"copy", "direct"}));
   app.add_option("--pin-threads", f.pin_threads, "threads copying one batch into pinned memory")->check(CLI::PositiveNumber);
   app.add_option("--device", f.device, "deliver batches on CUDA device N (implies --pin)");
-  app.add_option("--gather", f.gather, "with --device: how the rows of npy and idx datasets reach the GPU: host (workers copy and transform them; also what auto does for a mapped file) or device (the GPU gathers them from registered memory, idx's flip and normalize included)")
+  app.add_option("--gather", f.gather,
+                 "with --device: how the rows of npy and idx datasets reach the GPU: host (workers copy and transform them; also "
+                 "what auto does for a mapped file) or device (the GPU gathers them from registered memory, idx's flip and "
+                 "normalize included)")
       ->check(CLI::IsMember({"auto", "host", "device"}));
   app.add_option("--gpu-decode-threads", f.gpu_decode_threads,
                  "with --device and decode=gpu: batches nvJPEG decodes at once, each on a host thread of its own "
@@ -123,12 +128,16 @@ void add_loader_flags(CLI::App& app, Flags& f) {
   app.add_option("--shuffle", f.shuffle, "shuffle (map-style datasets)");
   app.add_flag("--drop-last", f.drop_last, "drop a last, smaller batch");
   app.add_option("--seed", f.seed, "seed of the shuffle and the augmentations");
-  app.add_option("--on-error", f.on_error, "what a damaged or stuck sample costs: raise (its batch), skip (itself), replace (nothing: another sample takes its row)")
+  app.add_option("--on-error", f.on_error,
+                 "what a damaged or stuck sample costs: raise (its batch), skip (itself), replace (nothing: another sample takes "
+                 "its row)")
       ->check(CLI::IsMember({"raise", "skip", "replace"}));
-  app.add_option("--max-errors", f.max_errors, "skip/replace: more bad samples than this in an epoch is an error (0: no count limit)");
+  app.add_option("--max-errors", f.max_errors,
+                 "skip/replace: more bad samples than this in an epoch is an error (0: no count limit)");
   app.add_option("--max-error-fraction", f.max_error_fraction, "skip/replace: the same as a fraction of the epoch")
       ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--timeout-ms", f.timeout_ms, "timeout: a batch stuck this long fails (or, with skip/replace, is made again without its stuck sample)")
+  app.add_option("--timeout-ms", f.timeout_ms,
+                 "timeout: a batch stuck this long fails (or, with skip/replace, is made again without its stuck sample)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("--persistent-workers", f.persistent, "keep the workers across epochs");
   app.add_option("--prefetch-next-epoch", f.ahead,
@@ -147,13 +156,15 @@ auto with_loader(const Flags& f, const DataLoaderOptions& o, Fn&& fn) {
   auto& registry = ferry::DatasetRegistry::global();
   for (const auto& p : f.plugins) registry.load_plugin(p);
   ferry::OpenedDataset opened = registry.open(f.dataset, f.config);
-  return std::visit([&](auto& dataset) {
-    DataLoaderOptions so = o;
-    if constexpr (ferry::IterableDataset<std::decay_t<decltype(dataset)>>)
-      so.shuffle = false;  // a stream: the dataset shuffles its shard order itself
-    ferry::DataLoader loader(std::move(dataset), so);
-    return fn(loader);
-  }, opened);
+  return std::visit(
+      [&](auto& dataset) {
+        DataLoaderOptions so = o;
+        if constexpr (ferry::IterableDataset<std::decay_t<decltype(dataset)>>)
+          so.shuffle = false;  // a stream: the dataset shuffles its shard order itself
+        ferry::DataLoader loader(std::move(dataset), so);
+        return fn(loader);
+      },
+      opened);
 }
 
 // Calls fn(tensor) for each tensor of a batch, whichever batch type the loader delivers.
@@ -205,8 +216,8 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
     if (!tty && !final) return;
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     std::fprintf(stderr, "%s%8llu batches  %9.1f batches/s  %11.0f samples/s  %9.1f MB/s%s", tty ? "\r" : "",
-                 static_cast<unsigned long long>(seen), seen / std::max(s, 1e-9),
-                 r.samples / std::max(s, 1e-9), r.bytes / std::max(s, 1e-9) / 1e6, final ? "\n" : "");
+                 static_cast<unsigned long long>(seen), seen / std::max(s, 1e-9), r.samples / std::max(s, 1e-9),
+                 r.bytes / std::max(s, 1e-9) / 1e6, final ? "\n" : "");
     std::fflush(stderr);
   };
   for (int epoch = 0; f.batches > 0 || epoch < f.epochs; ++epoch) {
@@ -292,13 +303,20 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
   return {{"dataset", f.dataset},
           {"config", f.config},
           {"options",
-           {{"batch_size", f.batch_size}, {"num_workers", f.workers}, {"prefetch_factor", f.prefetch},
-            {"pin_memory", pins(f)}, {"pin_mode", f.pin_mode}, {"pin_threads", f.pin_threads},
-            {"device", f.device}, {"gather", f.gather}, {"intra_batch_threads", f.intra}}},
+           {{"batch_size", f.batch_size},
+            {"num_workers", f.workers},
+            {"prefetch_factor", f.prefetch},
+            {"pin_memory", pins(f)},
+            {"pin_mode", f.pin_mode},
+            {"pin_threads", f.pin_threads},
+            {"device", f.device},
+            {"gather", f.gather},
+            {"intra_batch_threads", f.intra}}},
           {"batches", s.batches},
           {"samples", r.samples},
           {"bytes", r.bytes},
-          {"seconds", r.seconds}, {"cpu_seconds", r.cpu_seconds},
+          {"seconds", r.seconds},
+          {"cpu_seconds", r.cpu_seconds},
           {"batches_per_second", s.batches / std::max(r.seconds, 1e-9)},
           {"samples_per_second", r.samples_per_second()},
           {"mb_per_second", r.mb_per_second()},
@@ -309,8 +327,9 @@ nlohmann::json to_json(const Run& r, const Flags& f) {
 }
 
 void print_report(const Run& r, const Flags& f) {
-  const std::string pin = !r.stats.pinning ? (f.pin ? "not pinned (no CUDA device)" : "not pinned")
-                                           : "pin " + f.pin_mode + (f.pin_mode == "copy" ? " (" + std::to_string(f.pin_threads) + " threads)" : "");
+  const std::string pin =
+      !r.stats.pinning ? (f.pin ? "not pinned (no CUDA device)" : "not pinned")
+                       : "pin " + f.pin_mode + (f.pin_mode == "copy" ? " (" + std::to_string(f.pin_threads) + " threads)" : "");
   std::printf("dataset %s%s%s, batch %zu, %d workers, prefetch %d, %s%s\n", f.dataset.c_str(), f.config.empty() ? "" : " ",
               f.config.c_str(), f.batch_size, f.workers, f.prefetch, pin.c_str(),
               f.device >= 0 ? (", device cuda:" + std::to_string(f.device)).c_str() : "");
@@ -321,11 +340,12 @@ void print_report(const Run& r, const Flags& f) {
     std::printf("%llu batch%s failed with bad data (--on-error skip or replace costs a bad sample only itself); the first: %s\n",
                 static_cast<unsigned long long>(r.errors), r.errors == 1 ? "" : "es", r.first_error.c_str());
   if (r.store.requests || r.store.cache_hits)
-    std::printf("object store: %llu requests, %.1f MB, %llu retried, %llu hedged (%llu answered first); on-disk cache: %llu "
-                "reads, %.1f MB\n",
-                static_cast<unsigned long long>(r.store.requests), r.store.bytes / 1e6, static_cast<unsigned long long>(r.store.retries),
-                static_cast<unsigned long long>(r.store.hedges), static_cast<unsigned long long>(r.store.hedges_won),
-                static_cast<unsigned long long>(r.store.cache_hits), r.store.cache_bytes / 1e6);
+    std::printf(
+        "object store: %llu requests, %.1f MB, %llu retried, %llu hedged (%llu answered first); on-disk cache: %llu "
+        "reads, %.1f MB\n",
+        static_cast<unsigned long long>(r.store.requests), r.store.bytes / 1e6, static_cast<unsigned long long>(r.store.retries),
+        static_cast<unsigned long long>(r.store.hedges), static_cast<unsigned long long>(r.store.hedges_won),
+        static_cast<unsigned long long>(r.store.cache_hits), r.store.cache_bytes / 1e6);
   std::printf("%s", r.stats.report().c_str());
 }
 
@@ -395,12 +415,15 @@ int tune(Flags base, int cpus, double seconds_per_trial) {
   if (best_rate <= 0) throw ferry::Error("tune: no setting fits in --cpus " + std::to_string(cpus));
   double fastest = 0;
   for (const Trial& t : trials) fastest = std::max(fastest, t.batches_per_second);
-  std::printf("\nbest: %.1f batches/s (%d trials). A change is kept only when it is over 3%% faster than the setting\n"
-              "kept before it (trials differ by a few percent run to run), so the fewest threads that reach the\n"
-              "rate win%s. Paste:\n\n",
-              best_rate, static_cast<int>(trials.size()),
-              fastest > best_rate ? (" (the fastest trial, " + std::to_string(static_cast<long>(fastest)) +
-                                     " batches/s, was within 3% of a simpler setting)").c_str() : "");
+  std::printf(
+      "\nbest: %.1f batches/s (%d trials). A change is kept only when it is over 3%% faster than the setting\n"
+      "kept before it (trials differ by a few percent run to run), so the fewest threads that reach the\n"
+      "rate win%s. Paste:\n\n",
+      best_rate, static_cast<int>(trials.size()),
+      fastest > best_rate ? (" (the fastest trial, " + std::to_string(static_cast<long>(fastest)) +
+                             " batches/s, was within 3% of a simpler setting)")
+                                .c_str()
+                          : "");
   std::printf("  ferry::DataLoaderOptions options;\n");
   std::printf("  options.batch_size = %zu;\n", best.batch_size);
   std::printf("  options.num_workers = %d;\n", best.workers);
@@ -445,7 +468,8 @@ int main(int argc, char** argv) {
 
   Flags trace_flags;
   std::string trace_out = "ferry-trace.json";
-  auto* trace_cmd = app.add_subcommand("trace", "write a Chrome trace of the first N batches (chrome://tracing, ui.perfetto.dev)");
+  auto* trace_cmd =
+      app.add_subcommand("trace", "write a Chrome trace of the first N batches (chrome://tracing, ui.perfetto.dev)");
   add_loader_flags(*trace_cmd, trace_flags);
   trace_cmd->add_option("-o,--out", trace_out, "output file");
 
@@ -458,8 +482,10 @@ int main(int argc, char** argv) {
     if (bench->parsed()) {
       const Run r = with_loader(bench_flags, bench_flags.options(),
                                 [&](auto& loader) { return run_loader(loader, bench_flags, !json, warmup); });
-      if (json) std::cout << to_json(r, bench_flags).dump(2) << "\n";
-      else print_report(r, bench_flags);
+      if (json)
+        std::cout << to_json(r, bench_flags).dump(2) << "\n";
+      else
+        print_report(r, bench_flags);
     } else if (tune_cmd->parsed()) {
       return tune(tune_flags, cpus, trial_seconds);
     } else if (trace_cmd->parsed()) {

@@ -91,19 +91,23 @@ class CollateContext {
 ///   template <class Get> static std::size_t bytes(std::size_t n, Get&& get);            // buffer bytes
 ///   template <class Get> static Batch apply(std::size_t n, Get&& get, CollateContext&);  // build it
 /// where get(i) returns a const reference to the i-th sample's T.
-template <class T> struct Collate;
+template <class T>
+struct Collate;
 
 /// Specialize to collate a user struct field by field (see the header comment).
-template <class T> struct CollateFields;
+template <class T>
+struct CollateFields;
 
 template <class T>
-concept Collatable = requires { typename Collate<T>::Batch; };
+concept Collatable = requires {
+  typename Collate<T>::Batch;
+};
 
 namespace detail {
 [[noreturn]] void throw_shape_mismatch(const Tensor& first, std::size_t first_index, const Tensor& other,
                                        std::size_t other_index);
-[[noreturn]] void throw_length_mismatch(const char* what, std::size_t first_len, std::size_t first_index,
-                                        std::size_t len, std::size_t index);
+[[noreturn]] void throw_length_mismatch(const char* what, std::size_t first_len, std::size_t first_index, std::size_t len,
+                                        std::size_t index);
 [[noreturn]] void throw_key_mismatch(const std::string& key, std::size_t first_index, std::size_t index, bool missing);
 [[noreturn]] void throw_empty_batch();
 void stack_into(const Tensor& out, std::size_t n, const Tensor* const* rows, CollateContext& ctx);
@@ -156,8 +160,8 @@ struct ScalarCollate {
 template <>
 struct Collate<bool> : detail::ScalarCollate<bool, bool> {};
 template <class T>
-  requires(std::integral<T> && !std::same_as<T, bool>)
-struct Collate<T> : detail::ScalarCollate<T, std::int64_t> {};
+requires(std::integral<T> && !std::same_as<T, bool>) struct Collate<T> : detail::ScalarCollate<T, std::int64_t> {
+};
 template <std::floating_point T>
 struct Collate<T> : detail::ScalarCollate<T, double> {};
 
@@ -165,7 +169,9 @@ template <>
 struct Collate<std::string> {
   using Batch = std::vector<std::string>;
   template <class Get>
-  static std::size_t bytes(std::size_t, Get&&) { return 0; }
+  static std::size_t bytes(std::size_t, Get&&) {
+    return 0;
+  }
   template <class Get>
   static Batch apply(std::size_t n, Get&& get, CollateContext&) {
     Batch out;
@@ -194,13 +200,13 @@ struct TupleCollate<Tup<Ts...>, Out> {
  private:
   template <class Get, std::size_t... I>
   static std::size_t bytes_impl(std::size_t n, Get& get, std::index_sequence<I...>) {
-    return (std::size_t{0} + ... +
-            Collate<Ts>::bytes(n, [&](std::size_t i) -> const Ts& { return std::get<I>(get(i)); }));
+    return (std::size_t{0} + ... + Collate<Ts>::bytes(n, [&](std::size_t i) -> const Ts& { return std::get<I>(get(i)); }));
   }
   template <class Get, std::size_t... I>
   static Batch apply_impl(std::size_t n, Get& get, CollateContext& ctx, std::index_sequence<I...>) {
     // Braced initialization evaluates left to right, so tensors are carved in field order.
-    return Batch{Collate<Ts>::apply(n, [&](std::size_t i) -> const Ts& { return std::get<I>(get(i)); }, ctx)...};
+    return Batch{Collate<Ts>::apply(
+        n, [&](std::size_t i) -> const Ts& { return std::get<I>(get(i)); }, ctx)...};
   }
 };
 }  // namespace detail
@@ -227,7 +233,8 @@ struct Collate<std::array<T, N>> {
  private:
   template <class Get, std::size_t... J>
   static Batch apply_impl(std::size_t n, Get& get, CollateContext& ctx, std::index_sequence<J...>) {
-    return Batch{Collate<T>::apply(n, [&](std::size_t i) -> const T& { return get(i)[J]; }, ctx)...};
+    return Batch{Collate<T>::apply(
+        n, [&](std::size_t i) -> const T& { return get(i)[J]; }, ctx)...};
   }
 };
 
@@ -239,8 +246,7 @@ struct Collate<std::vector<T>> {
     if (n == 0) detail::throw_empty_batch();
     const std::size_t len = get(0).size();
     std::size_t total = 0;
-    for (std::size_t j = 0; j < len; ++j)
-      total += Collate<T>::bytes(n, [&](std::size_t i) -> const T& { return get(i)[j]; });
+    for (std::size_t j = 0; j < len; ++j) total += Collate<T>::bytes(n, [&](std::size_t i) -> const T& { return get(i)[j]; });
     return total;
   }
   template <class Get>
@@ -252,7 +258,8 @@ struct Collate<std::vector<T>> {
     Batch out;
     out.reserve(len);
     for (std::size_t j = 0; j < len; ++j)
-      out.push_back(Collate<T>::apply(n, [&](std::size_t i) -> const T& { return get(i)[j]; }, ctx));
+      out.push_back(Collate<T>::apply(
+          n, [&](std::size_t i) -> const T& { return get(i)[j]; }, ctx));
     return out;
   }
 };
@@ -279,13 +286,13 @@ struct Collate<std::map<std::string, T>> {
         if (!m.count(kv.first)) detail::throw_key_mismatch(kv.first, ctx.sample_index(0), ctx.sample_index(i), true);
       if (m.size() != first.size())
         for (const auto& kv : m)
-          if (!first.count(kv.first))
-            detail::throw_key_mismatch(kv.first, ctx.sample_index(0), ctx.sample_index(i), false);
+          if (!first.count(kv.first)) detail::throw_key_mismatch(kv.first, ctx.sample_index(0), ctx.sample_index(i), false);
     }
     Batch out;
     for (const auto& kv : first) {
       const std::string& key = kv.first;
-      out.emplace(key, Collate<T>::apply(n, [&](std::size_t i) -> const T& { return get(i).at(key); }, ctx));
+      out.emplace(key, Collate<T>::apply(
+                           n, [&](std::size_t i) -> const T& { return get(i).at(key); }, ctx));
     }
     return out;
   }
@@ -300,7 +307,7 @@ struct Collate<std::map<std::string, T>> {
 
 /// User structs described by CollateFields<T>.
 template <class T>
-  requires requires { typename CollateFields<T>::batch_type; }
+requires requires { typename CollateFields<T>::batch_type; }
 struct Collate<T> {
   using Batch = typename CollateFields<T>::batch_type;
   template <class Get>
@@ -325,7 +332,8 @@ struct Collate<T> {
   template <class Get, class F>
   static void field_apply(std::size_t n, Get& get, CollateContext& ctx, Batch& out, const F& f) {
     using Field = std::remove_cvref_t<decltype(get(0).*(f.first))>;
-    out.*(f.second) = Collate<Field>::apply(n, [&](std::size_t i) -> const Field& { return get(i).*(f.first); }, ctx);
+    out.*(f.second) = Collate<Field>::apply(
+        n, [&](std::size_t i) -> const Field& { return get(i).*(f.first); }, ctx);
   }
 };
 
@@ -333,8 +341,7 @@ struct Collate<T> {
 /// the samples' dataset indices, used in error messages.
 template <class S, class Get>
 typename Collate<S>::Batch collate_with(std::size_t n, Get&& get, std::span<const std::size_t> indices,
-                                        BatchAllocator& allocator = pageable_allocator(),
-                                        const ParallelFor* pool = nullptr) {
+                                        BatchAllocator& allocator = pageable_allocator(), const ParallelFor* pool = nullptr) {
   if (n == 0) detail::throw_empty_batch();
   const std::size_t nbytes = Collate<S>::bytes(n, get);
   CollateContext ctx(indices, allocator.allocate(nbytes), pool);
@@ -344,9 +351,9 @@ typename Collate<S>::Batch collate_with(std::size_t n, Get&& get, std::span<cons
 /// Collates `samples` (whose dataset indices are `indices`) into one buffer from `allocator`.
 template <Collatable S>
 typename Collate<S>::Batch collate(std::span<const S> samples, std::span<const std::size_t> indices,
-                                   BatchAllocator& allocator = pageable_allocator(),
-                                   const ParallelFor* pool = nullptr) {
-  return collate_with<S>(samples.size(), [&](std::size_t i) -> const S& { return samples[i]; }, indices, allocator, pool);
+                                   BatchAllocator& allocator = pageable_allocator(), const ParallelFor* pool = nullptr) {
+  return collate_with<S>(
+      samples.size(), [&](std::size_t i) -> const S& { return samples[i]; }, indices, allocator, pool);
 }
 
 /// Collates a vector of samples whose dataset indices are 0..n-1.
@@ -355,9 +362,11 @@ typename Collate<S>::Batch collate(const std::vector<S>& samples) {
   std::vector<std::size_t> idx(samples.size());
   for (std::size_t i = 0; i < idx.size(); ++i) idx[i] = i;
   if constexpr (std::is_same_v<S, bool>) {
-    return collate_with<S>(samples.size(), [&](std::size_t i) -> bool { return samples[i]; }, idx);
+    return collate_with<S>(
+        samples.size(), [&](std::size_t i) -> bool { return samples[i]; }, idx);
   } else {
-    return collate_with<S>(samples.size(), [&](std::size_t i) -> const S& { return samples[i]; }, idx);
+    return collate_with<S>(
+        samples.size(), [&](std::size_t i) -> const S& { return samples[i]; }, idx);
   }
 }
 

@@ -76,8 +76,7 @@ namespace ferry {
 /// collating them, visiting a batch's tensors. The options, the workers, the error policy, the
 /// route to the consumer, resume and statistics are compiled once (ferry/detail/loader_core.h).
 template <class Dataset, class CollateFn = DefaultCollate>
-  requires(MapDataset<Dataset> || IterableDataset<Dataset>)
-class DataLoader {
+requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
   static constexpr bool kStreaming = IterableDataset<Dataset> && !MapDataset<Dataset>;
   static constexpr bool kDefaultCollate = std::is_same_v<CollateFn, DefaultCollate>;
   static constexpr bool kDirect = !kStreaming && kDefaultCollate && DirectDataset<Dataset>;
@@ -114,7 +113,8 @@ class DataLoader {
    public:
     using value_type = Batch;
     using difference_type = std::ptrdiff_t;
-    iterator(iterator&& o) noexcept : core_(std::exchange(o.core_, nullptr)), current_(std::move(o.current_)), fetched_(o.fetched_) {}
+    iterator(iterator&& o) noexcept
+        : core_(std::exchange(o.core_, nullptr)), current_(std::move(o.current_)), fetched_(o.fetched_) {}
     iterator& operator=(iterator&& o) noexcept {
       if (this != &o) {
         release();
@@ -140,7 +140,10 @@ class DataLoader {
       return *this;
     }
     void operator++(int) { ++*this; }
-    bool operator==(sentinel) { fill(); return !current_; }
+    bool operator==(sentinel) {
+      fill();
+      return !current_;
+    }
 
    private:
     friend class DataLoader;
@@ -170,7 +173,9 @@ class DataLoader {
 
   /// Batches per epoch. Streams: only when the dataset has size() (ferry::Error otherwise).
   std::size_t size() const {
-    if constexpr (kStreaming && !requires(const Dataset& d) { { d.size() } -> std::convertible_to<std::size_t>; })
+    if constexpr (kStreaming && !requires(const Dataset& d) {
+                    { d.size() } -> std::convertible_to<std::size_t>;
+                  })
       throw Error("DataLoader::size(): the iterable dataset has no size()");
     return typed_->core.batches_per_epoch();
   }
@@ -213,10 +218,13 @@ class DataLoader {
   // Shared with abandoned workers (Note [Abandoned workers]), which keep it alive.
   struct Typed final : detail::Producer, detail::TypedBatches, std::enable_shared_from_this<Typed> {
     Typed(Dataset d, DataLoaderOptions o, CollateFn c)
-        : dataset(std::make_shared<const Dataset>(std::move(d))), collate_fn(std::move(c)), core(std::move(o), traits(*dataset), *this, *this) {
+        : dataset(std::make_shared<const Dataset>(std::move(d))),
+          collate_fn(std::move(c)),
+          core(std::move(o), traits(*dataset), *this, *this) {
       std::vector<HostRows> fields;
       std::optional<std::string> refused;
-      if constexpr (!kStreaming) refused = detail::gather_unavailable<Dataset, Batch>(core.options(), kDefaultCollate, *dataset, fields);
+      if constexpr (!kStreaming)
+        refused = detail::gather_unavailable<Dataset, Batch>(core.options(), kDefaultCollate, *dataset, fields);
       core.build_route(std::move(fields), std::move(refused));
     }
     ~Typed() override { core.stop(); }  // the workers call into this object: gone before it is
@@ -228,14 +236,21 @@ class DataLoader {
       t.default_collate = kDefaultCollate;
       t.pinnable = kPinnable;
       if constexpr (kDirect) t.truncatable = detail::kTruncatable<Batch>;
-      if constexpr (requires(const Dataset& d) { { d.decodes_on_device() } -> std::convertible_to<bool>; })
+      if constexpr (requires(const Dataset& d) {
+                      { d.decodes_on_device() } -> std::convertible_to<bool>;
+                    })
         t.gpu_decode = ds.decodes_on_device();
       if constexpr (requires { requires Sample::decoded_on_device; }) t.gpu_decode = true;  // ferry::EncodedImage
-      if constexpr (requires(const Dataset& d) { { d.size() } -> std::convertible_to<std::size_t>; }) t.dataset_size = ds.size();
+      if constexpr (requires(const Dataset& d) {
+                      { d.size() } -> std::convertible_to<std::size_t>;
+                    })
+        t.dataset_size = ds.size();
       return t;
     }
 
-    static constexpr bool kCollatedFields = kDefaultCollate && !kDirect && requires { typename CollateFields<Sample>::batch_type; };
+    static constexpr bool kCollatedFields = kDefaultCollate && !kDirect && requires {
+      typename CollateFields<Sample>::batch_type;
+    };
 
     // A worker's stream and where it stands (produce_stream; ctx.stream holds it).
     template <class D>
@@ -256,8 +271,10 @@ class DataLoader {
     void walk(detail::Payload& p, PinContext& ctx) override {
       if constexpr (kPinnable) {
         Batch& b = p.template get<Batch>();
-        if constexpr (kCollatedFields) pin_collated_fields<Sample>(b, ctx);
-        else pin_memory(b, ctx);
+        if constexpr (kCollatedFields)
+          pin_collated_fields<Sample>(b, ctx);
+        else
+          pin_memory(b, ctx);
       } else {
         (void)p;
         (void)ctx;
@@ -265,10 +282,14 @@ class DataLoader {
     }
 
     detail::Payload from_fields(std::vector<Tensor>&& fields) override {
-      if constexpr (std::is_same_v<Batch, Tensor>) return detail::Payload::make(std::move(fields[0]));
-      else if constexpr (FieldsBatch<Batch>) return detail::Payload::make(Batch::from_fields(std::move(fields)));
-      else if constexpr (std::is_same_v<Batch, std::vector<Tensor>>) return detail::Payload::make(std::move(fields));
-      else throw Error("DataLoader: the device gather cannot make this batch type");  // gather_unavailable refused it
+      if constexpr (std::is_same_v<Batch, Tensor>)
+        return detail::Payload::make(std::move(fields[0]));
+      else if constexpr (FieldsBatch<Batch>)
+        return detail::Payload::make(Batch::from_fields(std::move(fields)));
+      else if constexpr (std::is_same_v<Batch, std::vector<Tensor>>)
+        return detail::Payload::make(std::move(fields));
+      else
+        throw Error("DataLoader: the device gather cannot make this batch type");  // gather_unavailable refused it
     }
 
     std::shared_ptr<void> keep_alive() override { return this->shared_from_this(); }
@@ -277,11 +298,13 @@ class DataLoader {
 
     detail::Payload produce(const detail::Job& job, detail::JobContext& ctx) override {
       // Object-store reads count as this loader's, and end at once when it gives up on the job.
-      const detail::ScopedIo io(core.io_counters(), [](const void* c) noexcept {
-        return static_cast<const detail::JobContext*>(c)->cancelled();
-      }, &ctx);
-      if constexpr (kStreaming) return produce_stream(ctx);
-      else return produce_map(job, ctx);
+      const detail::ScopedIo io(
+          core.io_counters(), [](const void* c) noexcept { return static_cast<const detail::JobContext*>(c)->cancelled(); },
+          &ctx);
+      if constexpr (kStreaming)
+        return produce_stream(ctx);
+      else
+        return produce_map(job, ctx);
     }
 
     detail::Payload produce_map(const detail::Job& job, detail::JobContext& ctx) {
@@ -291,9 +314,8 @@ class DataLoader {
       if constexpr (PrefetchDataset<Dataset>) ds.prefetch(idx);  // a hint: errors surface per sample
       if constexpr (kDirect) {
         Batch batch = ds.make_batch(idx.size(), core.allocator());
-        const detail::Rows rows = for_each_sample(job, ctx, true, [&](std::size_t row, std::size_t i, SampleContext& sc) {
-          ds.get_into(i, batch, row, sc);
-        });
+        const detail::Rows rows = for_each_sample(
+            job, ctx, true, [&](std::size_t row, std::size_t i, SampleContext& sc) { ds.get_into(i, batch, row, sc); });
         if (!rows.complete) return {};
         if (rows.kept < idx.size()) detail::truncate_rows(batch, rows.kept);
         return detail::Payload::make(std::move(batch));
@@ -306,8 +328,8 @@ class DataLoader {
           try {
             samples = fetch_batch(ds, idx, ctx.worker);
             if (samples.size() != idx.size())
-              throw Error("get_batch returned " + std::to_string(samples.size()) + " samples for " +
-                          std::to_string(idx.size()) + " indices");
+              throw Error("get_batch returned " + std::to_string(samples.size()) + " samples for " + std::to_string(idx.size()) +
+                          " indices");
             fetched = true;
           } catch (...) {
             if (core.options().on_error == OnError::Raise || ctx.cancelled()) throw;
@@ -316,9 +338,8 @@ class DataLoader {
         }
         if (!fetched) {
           std::vector<std::optional<Sample>> slots(idx.size());
-          const detail::Rows rows = for_each_sample(job, ctx, false, [&](std::size_t row, std::size_t i, SampleContext& sc) {
-            slots[row].emplace(fetch(ds, i, sc));
-          });
+          const detail::Rows rows = for_each_sample(
+              job, ctx, false, [&](std::size_t row, std::size_t i, SampleContext& sc) { slots[row].emplace(fetch(ds, i, sc)); });
           if (!rows.complete) return {};
           samples.reserve(rows.kept);
           for (auto& slot : slots)
@@ -364,7 +385,8 @@ class DataLoader {
           if (const std::uint64_t key = core.stream_resume_key()) {
             // A resumed epoch (restore()): this worker's batches before `key` each used batch_size records.
             auto& fresh = *static_cast<StreamState*>(ctx.stream.get());
-            const auto W = static_cast<std::uint64_t>(std::max(opt.num_workers, 1)), w = static_cast<std::uint64_t>(ctx.worker.id);
+            const auto W = static_cast<std::uint64_t>(std::max(opt.num_workers, 1)),
+                       w = static_cast<std::uint64_t>(ctx.worker.id);
             const std::uint64_t batches = key > w ? (key - w + W - 1) / W : 0;
             fresh.read = detail::skip_stream(fresh.stream, static_cast<std::size_t>(batches * opt.batch_size));
             fresh.batch = static_cast<std::int64_t>(batches);
@@ -379,8 +401,7 @@ class DataLoader {
         // empty batch would read as the end of the stream). Replace: it reads on until full.
         std::size_t reads = 0, failures_in_a_row = 0;
         bool ended = false;
-        while (samples.size() < opt.batch_size &&
-               (opt.on_error != OnError::Skip || reads < opt.batch_size || samples.empty())) {
+        while (samples.size() < opt.batch_size && (opt.on_error != OnError::Skip || reads < opt.batch_size || samples.empty())) {
           if (ctx.cancelled()) return {};
           std::optional<Sample> s;
           const std::size_t position = st.read;
@@ -432,8 +453,10 @@ class DataLoader {
     }
 
     Batch collate_samples(std::vector<Sample>&& samples, std::span<const std::size_t> idx) {
-      if constexpr (kDefaultCollate) return collate<Sample>(std::span<const Sample>(samples), idx, core.allocator(), core.intra_pool());
-      else return collate_fn(std::move(samples));
+      if constexpr (kDefaultCollate)
+        return collate<Sample>(std::span<const Sample>(samples), idx, core.allocator(), core.intra_pool());
+      else
+        return collate_fn(std::move(samples));
     }
 
     std::shared_ptr<const Dataset> dataset;

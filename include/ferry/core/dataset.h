@@ -91,9 +91,7 @@ class StageMeter {
   Stage enter(Stage s) noexcept;
   Stage current() const noexcept { return stage_.load(std::memory_order_relaxed); }
   /// Nanoseconds spent in stage `s` so far (closed intervals only).
-  std::int64_t total_ns(Stage s) const noexcept {
-    return total_ns_[static_cast<std::size_t>(s)].load(std::memory_order_relaxed);
-  }
+  std::int64_t total_ns(Stage s) const noexcept { return total_ns_[static_cast<std::size_t>(s)].load(std::memory_order_relaxed); }
   /// Time intervals of batch `batch` go to `trace` (when non-null and it wants that batch).
   void trace(TraceRecorder* trace, std::int64_t batch, int track) noexcept {
     span_since_ns_ = since_ns_;
@@ -145,15 +143,20 @@ class SampleContext {
 // --- concepts -----------------------------------------------------------------------------------
 
 template <class D>
-concept GetWithContext = requires(const D& d, std::size_t i, SampleContext& c) { d.get(i, c); };
+concept GetWithContext = requires(const D& d, std::size_t i, SampleContext& c) {
+  d.get(i, c);
+};
 template <class D>
-concept GetPlain = requires(const D& d, std::size_t i) { d.get(i); };
+concept GetPlain = requires(const D& d, std::size_t i) {
+  d.get(i);
+};
 
 /// A dataset indexed by 0..size()-1.
 template <class D>
 concept MapDataset = requires(const D& d) {
   { d.size() } -> std::convertible_to<std::size_t>;
-} && (GetWithContext<D> || GetPlain<D>);
+}
+&&(GetWithContext<D> || GetPlain<D>);
 
 /// A dataset that can write a sample into a row of a batch it allocates (direct mode).
 template <class D>
@@ -168,9 +171,8 @@ concept BatchFetchWithWorker = requires(const D& d, std::span<const std::size_t>
   d.get_batch(idx, w);
 };
 template <class D>
-concept BatchFetchDataset = MapDataset<D> && (BatchFetchWithWorker<D> || requires(const D& d, std::span<const std::size_t> idx) {
-  d.get_batch(idx);
-});
+concept BatchFetchDataset = MapDataset<D> &&
+    (BatchFetchWithWorker<D> || requires(const D& d, std::span<const std::size_t> idx) { d.get_batch(idx); });
 
 /// A dataset told a batch's indices before their samples are fetched (on the same thread).
 template <class D>
@@ -182,37 +184,48 @@ concept PrefetchDataset = MapDataset<D> && requires(const D& d, std::span<const 
 template <class D>
 concept IterableDataset = requires(const D& d, const WorkerInfo& w) {
   d.open(w);
-  { d.open(w).next() };
+  {d.open(w).next()};
 };
 
 /// Calls d.get(i, ctx) or d.get(i), whichever the dataset has.
 template <MapDataset D>
 decltype(auto) fetch(const D& d, std::size_t i, SampleContext& ctx) {
-  if constexpr (GetWithContext<D>) return d.get(i, ctx);
-  else return d.get(i);
+  if constexpr (GetWithContext<D>)
+    return d.get(i, ctx);
+  else
+    return d.get(i);
 }
 
 /// Calls d.get_batch(idx, worker) or d.get_batch(idx), whichever the dataset has.
 template <BatchFetchDataset D>
 decltype(auto) fetch_batch(const D& d, std::span<const std::size_t> idx, const WorkerInfo& worker) {
-  if constexpr (BatchFetchWithWorker<D>) return d.get_batch(idx, worker);
-  else return d.get_batch(idx);
+  if constexpr (BatchFetchWithWorker<D>)
+    return d.get_batch(idx, worker);
+  else
+    return d.get_batch(idx);
 }
 
 /// The sample type of a dataset.
-template <class D> struct sample_type_of;
-template <MapDataset D> struct sample_type_of<D> {
+template <class D>
+struct sample_type_of;
+template <MapDataset D>
+struct sample_type_of<D> {
   using type = std::decay_t<decltype(fetch(std::declval<const D&>(), std::size_t{}, std::declval<SampleContext&>()))>;
 };
-template <class D> requires(IterableDataset<D> && !MapDataset<D>) struct sample_type_of<D> {
-  using type = typename std::decay_t<decltype(std::declval<const D&>().open(std::declval<const WorkerInfo&>()).next())>::value_type;
+template <class D>
+requires(IterableDataset<D> && !MapDataset<D>) struct sample_type_of<D> {
+  using type =
+      typename std::decay_t<decltype(std::declval<const D&>().open(std::declval<const WorkerInfo&>()).next())>::value_type;
 };
-template <class D> using sample_t = typename sample_type_of<D>::type;
+template <class D>
+using sample_t = typename sample_type_of<D>::type;
 
 // --- composition --------------------------------------------------------------------------------
 
-template <class D, class F> class MappedDataset;
-template <class D, class F> class MappedIterable;
+template <class D, class F>
+class MappedDataset;
+template <class D, class F>
+class MappedIterable;
 
 /// CRTP base that gives a dataset `.map(transform)`. Optional: ferry::map works on any dataset.
 template <class Derived>
@@ -259,11 +272,7 @@ class MappedDataset : public DatasetBase<MappedDataset<D, F>> {
     }
   }
   /// The base's batch prefetch, when it has one.
-  void prefetch(std::span<const std::size_t> idx) const
-    requires PrefetchDataset<D>
-  {
-    base_.prefetch(idx);
-  }
+  void prefetch(std::span<const std::size_t> idx) const requires PrefetchDataset<D> { base_.prefetch(idx); }
   const D& base() const noexcept { return base_; }
 
  private:
@@ -277,7 +286,9 @@ namespace detail {
 /// stream's end).
 template <class S>
 std::size_t skip_stream(S& stream, std::size_t n) {
-  if constexpr (requires { { stream.skip(n) } -> std::convertible_to<std::size_t>; }) {
+  if constexpr (requires {
+                  { stream.skip(n) } -> std::convertible_to<std::size_t>;
+                }) {
     return stream.skip(n);
   } else {
     std::size_t k = 0;
@@ -289,8 +300,12 @@ std::size_t skip_stream(S& stream, std::size_t n) {
 /// true while some are still on their way), else false.
 template <class S>
 bool progress_stream(S& stream) {
-  if constexpr (requires { { stream.progress() } -> std::convertible_to<bool>; }) return stream.progress();
-  else return false;
+  if constexpr (requires {
+                  { stream.progress() } -> std::convertible_to<bool>;
+                })
+    return stream.progress();
+  else
+    return false;
 }
 }  // namespace detail
 
@@ -419,8 +434,8 @@ template <class Sample>
 class AnyDataset : public DatasetBase<AnyDataset<Sample>> {
  public:
   template <MapDataset D>
-    requires(!std::same_as<std::decay_t<D>, AnyDataset>)
-  AnyDataset(D dataset) : impl_(std::make_shared<Impl<D>>(std::move(dataset))) {}  // NOLINT: implicit by design
+  requires(!std::same_as<std::decay_t<D>, AnyDataset>) AnyDataset(D dataset)
+      : impl_(std::make_shared<Impl<D>>(std::move(dataset))) {}  // NOLINT: implicit by design
   std::size_t size() const { return impl_->size(); }
   Sample get(std::size_t i, SampleContext& ctx) const { return impl_->get(i, ctx); }
   /// The wrapped dataset's rows for the device gather, if it has them (RowGatherDataset); else
@@ -461,8 +476,7 @@ class AnyDataset : public DatasetBase<AnyDataset<Sample>> {
 /// Splits 0..n-1 into disjoint random index sets of the given lengths (which must sum to n), or
 /// fractions (which must sum to 1; remainders go round-robin from the first split), as
 /// torch.utils.data.random_split. Deterministic in `seed`.
-std::vector<std::vector<std::size_t>> random_split_indices(std::size_t n, std::span<const double> lengths,
-                                                           std::uint64_t seed);
+std::vector<std::vector<std::size_t>> random_split_indices(std::size_t n, std::span<const double> lengths, std::uint64_t seed);
 
 /// random_split over a dataset: one Subset per entry of `lengths`.
 template <MapDataset D>

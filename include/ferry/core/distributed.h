@@ -46,7 +46,8 @@ struct DistributedEnv {
   std::string str() const;
 
   /// This rank's DistributedSampler over n samples (PyTorch's split and padding).
-  std::shared_ptr<DistributedSampler> sampler(std::size_t n, bool shuffle = true, std::uint64_t seed = 0, bool drop_last = false) const {
+  std::shared_ptr<DistributedSampler> sampler(std::size_t n, bool shuffle = true, std::uint64_t seed = 0,
+                                              bool drop_last = false) const {
     return std::make_shared<DistributedSampler>(n, world_size, rank, shuffle, seed, drop_last);
   }
   /// `options` for this rank over a dataset of n samples: its DistributedSampler (taking the

@@ -37,8 +37,7 @@ class Error : public std::runtime_error {
 /// original, which std::nested_exception captures.
 class WorkerError : public Error, public std::nested_exception {
  public:
-  WorkerError(const std::string& message, int worker, std::int64_t batch)
-      : Error(message), worker_(worker), batch_(batch) {}
+  WorkerError(const std::string& message, int worker, std::int64_t batch) : Error(message), worker_(worker), batch_(batch) {}
   /// The worker that failed: its id, kInline (-1) when num_workers == 0 (the consumer thread ran
   /// the batch), or kPinThread (-2) when pinning the batch failed.
   int worker() const noexcept { return worker_; }
@@ -77,7 +76,8 @@ class DataError : public Error {
   /// A data error in `file` at byte `offset` (kNoOffset when no offset applies).
   DataError(std::string file, std::uint64_t offset, const std::string& what)
       : Error(file + (offset == kNoOffset ? std::string() : ": at byte " + std::to_string(offset)) + ": " + what),
-        file_(std::move(file)), offset_(offset) {}
+        file_(std::move(file)),
+        offset_(offset) {}
   /// The file (or shard, or record) that was bad.
   const std::string& file() const noexcept { return file_; }
   /// The byte offset of the problem, or kNoOffset.

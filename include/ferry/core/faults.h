@@ -70,14 +70,14 @@ struct SampleError {
   };
   enum class Action : std::uint8_t { Skipped, Replaced };
   std::uint64_t epoch = 0;
-  std::int64_t batch = 0;        ///< the batch it belonged to (stream: the worker's j-th batch)
-  std::size_t index = 0;         ///< dataset index (stream: position in the worker's stream)
-  bool stream = false;           ///< whether `index` is a stream position
+  std::int64_t batch = 0;  ///< the batch it belonged to (stream: the worker's j-th batch)
+  std::size_t index = 0;   ///< dataset index (stream: position in the worker's stream)
+  bool stream = false;     ///< whether `index` is a stream position
   int worker = 0;
   Kind kind = Kind::Data;
   Action action = Action::Skipped;
   std::optional<std::size_t> replacement;  ///< Replace: the dataset index used instead
-  std::string message;           ///< the error's what()
+  std::string message;                     ///< the error's what()
   /// "sample 17 of batch 4 (epoch 0) skipped: <message>".
   std::string describe() const;
 };
@@ -94,12 +94,12 @@ std::size_t replacement_position(std::uint64_t seed, std::uint64_t epoch, std::s
 /// Where FaultInjector puts faults.
 struct FaultOptions {
   std::uint64_t seed = 0;
-  double throw_rate = 0;      ///< samples that throw DataError every time
-  double transient_rate = 0;  ///< samples that throw a transient IoError (EIO) on their first
-  int transient_failures = 1; ///<   `transient_failures` fetches, then succeed
-  double delay_rate = 0;      ///< samples that sleep `delay` before returning normally
+  double throw_rate = 0;       ///< samples that throw DataError every time
+  double transient_rate = 0;   ///< samples that throw a transient IoError (EIO) on their first
+  int transient_failures = 1;  ///<   `transient_failures` fetches, then succeed
+  double delay_rate = 0;       ///< samples that sleep `delay` before returning normally
   std::chrono::milliseconds delay{0};
-  double hang_rate = 0;       ///< samples that block until release()
+  double hang_rate = 0;                   ///< samples that block until release()
   std::vector<std::size_t> hang_indices;  ///< these block until release() too (map-style index
                                           ///< or stream key)
 };
@@ -141,24 +141,15 @@ class FaultInjector : public DatasetBase<FaultInjector<D>> {
   FaultInjector(D base, FaultOptions options)
       : base_(std::move(base)), state_(std::make_shared<detail::FaultState>(std::move(options))) {}
 
-  std::size_t size() const
-    requires requires(const D& d) { d.size(); }
-  {
-    return base_.size();
-  }
-  auto get(std::size_t i, SampleContext& ctx) const
-    requires MapDataset<D>
-  {
+  std::size_t size() const requires requires(const D& d) { d.size(); }
+  { return base_.size(); }
+  auto get(std::size_t i, SampleContext& ctx) const requires MapDataset<D> {
     state_->apply(i, "FaultInjector");
     return fetch(base_, i, ctx);
   }
-  auto make_batch(std::size_t rows, BatchAllocator& a) const
-    requires DirectDataset<D>
-  {
-    return base_.make_batch(rows, a);
-  }
+  auto make_batch(std::size_t rows, BatchAllocator& a) const requires DirectDataset<D> { return base_.make_batch(rows, a); }
   template <class B>
-    requires DirectDataset<D>
+  requires DirectDataset<D>
   void get_into(std::size_t i, B& batch, std::size_t row, SampleContext& ctx) const {
     state_->apply(i, "FaultInjector");
     base_.get_into(i, batch, row, ctx);
@@ -182,11 +173,7 @@ class FaultInjector : public DatasetBase<FaultInjector<D>> {
     int worker_;
     std::uint64_t position_ = 0;
   };
-  Stream open(const WorkerInfo& w) const
-    requires IterableDataset<D>
-  {
-    return Stream(base_.open(w), state_, w.id);
-  }
+  Stream open(const WorkerInfo& w) const requires IterableDataset<D> { return Stream(base_.open(w), state_, w.id); }
 
   /// The fault of map-style index i (or stream key (worker << 40) + position).
   Fault fault(std::uint64_t key) const noexcept { return state_->fault(key); }

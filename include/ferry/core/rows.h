@@ -35,11 +35,11 @@ enum class Gather {
 struct RowTransform {
   static constexpr int kMaxChannels = 4;
   std::int64_t height = 0, width = 0, channels = 1;
-  double flip_p = 0;             ///< 0: never mirrored
-  DType dtype = DType::UInt8;    ///< UInt8, Float32, Float16 or BFloat16
-  bool channels_last = false;    ///< float outputs as HWC
+  double flip_p = 0;           ///< 0: never mirrored
+  DType dtype = DType::UInt8;  ///< UInt8, Float32, Float16 or BFloat16
+  bool channels_last = false;  ///< float outputs as HWC
   float a[kMaxChannels] = {1, 1, 1, 1}, b[kMaxChannels] = {0, 0, 0, 0};
-  Shape shape;                   ///< a sample's field in the batch (the host path's shape)
+  Shape shape;  ///< a sample's field in the batch (the host path's shape)
 };
 
 /// A field whose rows are windows of one host array of integers, not its rows: sample i's field is

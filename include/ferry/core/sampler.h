@@ -79,8 +79,7 @@ class SubsetRandomSampler final : public Sampler {
 /// without replacement, `num_samples` may not exceed the number of positive weights.
 class WeightedRandomSampler final : public Sampler {
  public:
-  WeightedRandomSampler(std::vector<double> weights, std::size_t num_samples, std::uint64_t seed,
-                        bool replacement = true);
+  WeightedRandomSampler(std::vector<double> weights, std::size_t num_samples, std::uint64_t seed, bool replacement = true);
   std::size_t size() const override { return num_samples_; }
   std::vector<std::size_t> indices(std::uint64_t epoch) const override;
 
@@ -97,8 +96,8 @@ class WeightedRandomSampler final : public Sampler {
 /// dropping the tail); with shuffle, all ranks agree on one seeded permutation per epoch.
 class DistributedSampler final : public Sampler {
  public:
-  DistributedSampler(std::size_t n, std::size_t world_size, std::size_t rank, bool shuffle = true,
-                     std::uint64_t seed = 0, bool drop_last = false);
+  DistributedSampler(std::size_t n, std::size_t world_size, std::size_t rank, bool shuffle = true, std::uint64_t seed = 0,
+                     bool drop_last = false);
   std::size_t size() const override { return per_rank_; }
   /// The DataLoader passes its own epoch; set_epoch() pins one instead (as in PyTorch).
   std::vector<std::size_t> indices(std::uint64_t epoch) const override;

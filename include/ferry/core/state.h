@@ -50,7 +50,7 @@ struct LoaderState {
   std::uint64_t batches_per_epoch = 0;  ///< of that epoch's plan
   std::uint64_t samples_per_epoch = 0;  ///< sample indices in that plan
   std::uint64_t dataset_size = 0;
-  std::uint64_t plan_hash = 0;          ///< a 64-bit hash of the epoch's plan (indices and batch bounds)
+  std::uint64_t plan_hash = 0;  ///< a 64-bit hash of the epoch's plan (indices and batch bounds)
   // DistributedSampler only (world_size 0 otherwise): the epoch's order is split over world_size
   // ranks from position segment_start (0 unless the epoch was resumed at another world size).
   std::uint64_t world_size = 0, rank = 0, segment_start = 0;

@@ -23,33 +23,34 @@
 namespace ferry {
 
 struct LoaderStats {
-  double wall_seconds = 0;         ///< since the first begin() (or reset_stats())
-  std::uint64_t batches = 0;       ///< delivered to the consumer
-  int workers = 0;                 ///< threads producing batches (num_workers, or 1 inline)
-  double fetch_seconds = 0;        ///< summed over worker threads
-  double transform_seconds = 0;    ///< summed over worker threads (MappedDataset transforms)
-  double collate_seconds = 0;      ///< summed over worker threads
-  double pin_seconds = 0;          ///< the pin thread copying batches into pinned memory
-  double copy_seconds = 0;         ///< GPU time of the host-to-device copies
-  double decode_seconds = 0;       ///< GPU decode: the decode threads' time decoding (nvJPEG holds its thread throughout), summed over them
-  int decode_threads = 0;          ///< GPU decode: threads decoding (DataLoaderOptions::gpu_decode_threads)
+  double wall_seconds = 0;       ///< since the first begin() (or reset_stats())
+  std::uint64_t batches = 0;     ///< delivered to the consumer
+  int workers = 0;               ///< threads producing batches (num_workers, or 1 inline)
+  double fetch_seconds = 0;      ///< summed over worker threads
+  double transform_seconds = 0;  ///< summed over worker threads (MappedDataset transforms)
+  double collate_seconds = 0;    ///< summed over worker threads
+  double pin_seconds = 0;        ///< the pin thread copying batches into pinned memory
+  double copy_seconds = 0;       ///< GPU time of the host-to-device copies
+  /// GPU decode: the decode threads' time decoding (nvJPEG holds its thread throughout), summed over them
+  double decode_seconds = 0;
+  int decode_threads = 0;            ///< GPU decode: threads decoding (DataLoaderOptions::gpu_decode_threads)
   std::uint64_t images_decoded = 0;  ///< GPU decode: JPEGs decoded on the device
-  double gather_seconds = 0;       ///< device gather: GPU time of the gather kernels
-  std::uint64_t rows_gathered = 0; ///< device gather: rows the GPU read from registered host memory
-  bool device_gather = false;      ///< whether the device gather makes the batches (Note [Device gather])
-  double wait_seconds = 0;         ///< the consumer blocked in the loader for its next batch
-  bool pinning = false;            ///< whether a pin thread ran
-  bool device = false;             ///< whether a device stage ran
-  int numa_node = -1;              ///< the NUMA node the loader's threads and pinned pool sit on; -1: not placed
+  double gather_seconds = 0;         ///< device gather: GPU time of the gather kernels
+  std::uint64_t rows_gathered = 0;   ///< device gather: rows the GPU read from registered host memory
+  bool device_gather = false;        ///< whether the device gather makes the batches (Note [Device gather])
+  double wait_seconds = 0;           ///< the consumer blocked in the loader for its next batch
+  bool pinning = false;              ///< whether a pin thread ran
+  bool device = false;               ///< whether a device stage ran
+  int numa_node = -1;                ///< the NUMA node the loader's threads and pinned pool sit on; -1: not placed
   // Faults (ferry/core/faults.h), since the loader started (or reset_stats()).
-  std::uint64_t samples_skipped = 0;    ///< on_error = Skip
-  std::uint64_t samples_replaced = 0;   ///< on_error = Replace
-  std::uint64_t data_errors = 0;        ///< skipped/replaced samples whose dataset threw
-  std::uint64_t io_errors = 0;          ///< ... an I/O error still failing after io_retries
-  std::uint64_t stuck_samples = 0;      ///< ... stuck past timeout
-  std::uint64_t io_retries = 0;         ///< transient I/O errors retried (not counted above)
-  std::uint64_t timeouts = 0;           ///< TimeoutErrors raised
-  std::uint64_t abandoned_workers = 0;  ///< workers abandoned in a stuck call (and replaced)
+  std::uint64_t samples_skipped = 0;      ///< on_error = Skip
+  std::uint64_t samples_replaced = 0;     ///< on_error = Replace
+  std::uint64_t data_errors = 0;          ///< skipped/replaced samples whose dataset threw
+  std::uint64_t io_errors = 0;            ///< ... an I/O error still failing after io_retries
+  std::uint64_t stuck_samples = 0;        ///< ... stuck past timeout
+  std::uint64_t io_retries = 0;           ///< transient I/O errors retried (not counted above)
+  std::uint64_t timeouts = 0;             ///< TimeoutErrors raised
+  std::uint64_t abandoned_workers = 0;    ///< workers abandoned in a stuck call (and replaced)
   std::vector<std::string> first_errors;  ///< the loader's first skipped/replaced samples, named
   // Object storage (s3:// paths), what this loader's workers read (ferry/loaders/storage.h):
   std::uint64_t store_requests = 0;  ///< HTTP requests sent, retries and hedges included

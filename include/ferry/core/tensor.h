@@ -36,22 +36,58 @@ std::size_t itemsize(DType dtype) noexcept;
 const char* dtype_name(DType dtype) noexcept;
 
 /// Storage for 16-bit floats: ferry moves them, it does no arithmetic on them.
-struct Half { std::uint16_t bits; };
-struct BFloat16 { std::uint16_t bits; };
+struct Half {
+  std::uint16_t bits;
+};
+struct BFloat16 {
+  std::uint16_t bits;
+};
 
 /// The DType of a C++ element type (compile error for types with none).
-template <class T> struct dtype_of;
-template <> struct dtype_of<bool> { static constexpr DType value = DType::Bool; };
-template <> struct dtype_of<std::uint8_t> { static constexpr DType value = DType::UInt8; };
-template <> struct dtype_of<std::int8_t> { static constexpr DType value = DType::Int8; };
-template <> struct dtype_of<std::int16_t> { static constexpr DType value = DType::Int16; };
-template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::Int32; };
-template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::Int64; };
-template <> struct dtype_of<Half> { static constexpr DType value = DType::Float16; };
-template <> struct dtype_of<BFloat16> { static constexpr DType value = DType::BFloat16; };
-template <> struct dtype_of<float> { static constexpr DType value = DType::Float32; };
-template <> struct dtype_of<double> { static constexpr DType value = DType::Float64; };
-template <class T> inline constexpr DType dtype_v = dtype_of<std::remove_cv_t<T>>::value;
+template <class T>
+struct dtype_of;
+template <>
+struct dtype_of<bool> {
+  static constexpr DType value = DType::Bool;
+};
+template <>
+struct dtype_of<std::uint8_t> {
+  static constexpr DType value = DType::UInt8;
+};
+template <>
+struct dtype_of<std::int8_t> {
+  static constexpr DType value = DType::Int8;
+};
+template <>
+struct dtype_of<std::int16_t> {
+  static constexpr DType value = DType::Int16;
+};
+template <>
+struct dtype_of<std::int32_t> {
+  static constexpr DType value = DType::Int32;
+};
+template <>
+struct dtype_of<std::int64_t> {
+  static constexpr DType value = DType::Int64;
+};
+template <>
+struct dtype_of<Half> {
+  static constexpr DType value = DType::Float16;
+};
+template <>
+struct dtype_of<BFloat16> {
+  static constexpr DType value = DType::BFloat16;
+};
+template <>
+struct dtype_of<float> {
+  static constexpr DType value = DType::Float32;
+};
+template <>
+struct dtype_of<double> {
+  static constexpr DType value = DType::Float64;
+};
+template <class T>
+inline constexpr DType dtype_v = dtype_of<std::remove_cv_t<T>>::value;
 
 /// Which memory a Storage lives in.
 enum class MemoryKind : std::uint8_t { Host, PinnedHost, Device };
@@ -153,7 +189,9 @@ class Tensor {
   }
   /// Element at flat index `i` (host memory only; not bounds-checked).
   template <class T>
-  T item(std::int64_t i = 0) const { return data<T>()[i]; }
+  T item(std::int64_t i = 0) const {
+    return data<T>()[i];
+  }
 
   /// Row `i` of the first dimension, with that dimension removed. Shares storage.
   Tensor select(std::int64_t i) const;

@@ -62,9 +62,9 @@ class TraceRecorder {
   const std::size_t max_events_;
   const std::int64_t origin_ns_;
   mutable std::mutex mu_;
-  std::vector<Event> events_;                           // guarded by mu_
-  std::vector<std::pair<int, std::string>> tracks_;     // guarded by mu_
-  std::size_t dropped_ = 0;                             // guarded by mu_
+  std::vector<Event> events_;                        // guarded by mu_
+  std::vector<std::pair<int, std::string>> tracks_;  // guarded by mu_
+  std::size_t dropped_ = 0;                          // guarded by mu_
 };
 
 /// steady_clock now, in nanoseconds (the clock traces and stage meters use).

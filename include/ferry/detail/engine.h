@@ -71,7 +71,9 @@ class Payload {
     return p;
   }
   template <class T>
-  T& get() noexcept { return *static_cast<T*>(ptr_.get()); }
+  T& get() noexcept {
+    return *static_cast<T*>(ptr_.get());
+  }
   explicit operator bool() const noexcept { return ptr_ != nullptr; }
 
  private:
@@ -87,22 +89,20 @@ struct StuckSample {
 
 /// One batch to produce.
 struct Job {
-  std::uint64_t key = 0;                   ///< position in the epoch's key sequence
-  std::int64_t batch = 0;                  ///< batch index (map-style) or the worker's j-th batch (stream)
-  std::span<const std::size_t> indices;    ///< map-style: the batch's sample indices
-  std::span<const std::size_t> epoch_indices;  ///< map-style: every sample of the epoch, in order
-  int attempt = 0;                         ///< > 0: dispatched again after a worker was abandoned
+  std::uint64_t key = 0;                                  ///< position in the epoch's key sequence
+  std::int64_t batch = 0;                                 ///< batch index (map-style) or the worker's j-th batch (stream)
+  std::span<const std::size_t> indices;                   ///< map-style: the batch's sample indices
+  std::span<const std::size_t> epoch_indices;             ///< map-style: every sample of the epoch, in order
+  int attempt = 0;                                        ///< > 0: dispatched again after a worker was abandoned
   std::shared_ptr<const std::vector<StuckSample>> stuck;  ///< samples not to fetch again (may be null)
 };
 
 /// What a worker hands the producer along with a job.
 class JobContext {
  public:
-  JobContext(const WorkerInfo& worker, StageMeter& stage, const std::atomic<bool>& cancelled,
-             std::shared_ptr<void>& stream, const std::atomic<int>* abandoned = nullptr,
-             std::atomic<std::int64_t>* published_sample = nullptr)
-      : worker(worker), stage(stage), stream(stream), cancelled_(cancelled), state_(abandoned),
-        published_(published_sample) {}
+  JobContext(const WorkerInfo& worker, StageMeter& stage, const std::atomic<bool>& cancelled, std::shared_ptr<void>& stream,
+             const std::atomic<int>* abandoned = nullptr, std::atomic<std::int64_t>* published_sample = nullptr)
+      : worker(worker), stage(stage), stream(stream), cancelled_(cancelled), state_(abandoned), published_(published_sample) {}
   const WorkerInfo& worker;
   StageMeter& stage;
   /// True once the epoch is being torn down or this worker was abandoned: return promptly.
@@ -247,8 +247,8 @@ class Engine {
 };
 
 /// Builds a WorkerError around the exception being handled; call only inside a catch block.
-std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::span<const std::size_t> indices,
-                                          Stage stage, std::optional<std::size_t> sample, bool stream);
+std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::span<const std::size_t> indices, Stage stage,
+                                          std::optional<std::size_t> sample, bool stream);
 
 /// Logs `message` at warning level once per process for each distinct `key`.
 void warn_once(const char* key, const std::string& message);

@@ -27,17 +27,16 @@ namespace ferry::detail {
 struct FaultCounts {
   std::uint64_t skipped = 0, replaced = 0;
   std::uint64_t data = 0, io = 0, timeout = 0;  // by kind
-  std::uint64_t retries = 0;                     // transient I/O errors retried
+  std::uint64_t retries = 0;                    // transient I/O errors retried
 };
 
 class FaultLog {
  public:
   struct Limits {
-    std::size_t max_errors = 0;       // per epoch; 0: none
-    double max_error_fraction = 0;    // of the epoch's samples; 0: none
+    std::size_t max_errors = 0;     // per epoch; 0: none
+    double max_error_fraction = 0;  // of the epoch's samples; 0: none
   };
-  FaultLog(Limits limits, std::function<void(const SampleError&)> callback)
-      : limits_(limits), callback_(std::move(callback)) {}
+  FaultLog(Limits limits, std::function<void(const SampleError&)> callback) : limits_(limits), callback_(std::move(callback)) {}
 
   /// Starts counting a new epoch of `samples` samples (0: unknown, e.g. a stream without size()).
   /// Errors already reported for this epoch (its batches made ahead) are kept; other epochs' go.

@@ -38,7 +38,9 @@ struct LoaderBatch<D, C, S, false, false> {
 /// Direct mode with on_error = Skip: a batch made for n rows keeps its first `rows`.
 template <class B>
 inline constexpr bool kTruncatable = std::is_same_v<B, Tensor> || std::is_same_v<B, std::vector<Tensor>> ||
-                                     requires(B& b, std::size_t n) { b.truncate_rows(n); };
+                                     requires(B& b, std::size_t n) {
+  b.truncate_rows(n);
+};
 template <class B>
 void truncate_rows(B& b, std::size_t rows) {
   if constexpr (std::is_same_v<B, Tensor>) {
@@ -63,7 +65,8 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
     (void)default_collate;
     (void)ds;
     (void)rows;
-    return "the dataset's samples are not rows of host arrays (it has no host_rows(); TensorDataset, NpyDataset and IdxDataset do)";
+    return "the dataset's samples are not rows of host arrays (it has no host_rows(); TensorDataset, NpyDataset and IdxDataset "
+           "do)";
   } else {
     if (!default_collate) return "a collate_fn runs on the host";
     if (o.allocator) return "DataLoaderOptions::allocator is set (batches in your memory)";
@@ -99,8 +102,9 @@ std::string gather_unavailable(const DataLoaderOptions& o, bool default_collate,
       if (o.gather == Gather::Auto)
         for (const HostRows& r : rows)
           if (r.mapped_file)
-            return r.name + " is a memory-mapped file, which gather = Auto leaves to the host path (gather = Device "
-                            "gathers it from a copy in page-locked memory: Note [Device gather])";
+            return r.name +
+                   " is a memory-mapped file, which gather = Auto leaves to the host path (gather = Device "
+                   "gathers it from a copy in page-locked memory: Note [Device gather])";
       if (!DeviceStage::can_gather()) return "this build of ferry has no gather kernel (CMake found no CUDA compiler)";
       return "";
     }

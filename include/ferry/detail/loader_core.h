@@ -28,15 +28,15 @@
 
 namespace ferry {
 
-class DeviceStage;     // ferry/pinning/device.h
-class ParallelFor;     // ferry/core/parallel.h
-class PinContext;      // ferry/pinning/pin.h
-class PinnedPool;      // ferry/pinning/pool.h
-class SampleContext;   // ferry/core/dataset.h
-class Tensor;          // ferry/core/tensor.h
-class EventFence;      // ferry/pinning/fence.h
+class DeviceStage;    // ferry/pinning/device.h
+class ParallelFor;    // ferry/core/parallel.h
+class PinContext;     // ferry/pinning/pin.h
+class PinnedPool;     // ferry/pinning/pool.h
+class SampleContext;  // ferry/core/dataset.h
+class Tensor;         // ferry/core/tensor.h
+class EventFence;     // ferry/pinning/fence.h
 namespace cuda {
-class Stream;          // ferry/pinning/cuda.h
+class Stream;  // ferry/pinning/cuda.h
 }
 
 namespace detail {

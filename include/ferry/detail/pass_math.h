@@ -88,8 +88,8 @@ FERRY_HD inline std::uint16_t pass_f16_bits(float f) {
   x &= 0x7fffffffu;
   if (x >= 0x7f800000u) return static_cast<std::uint16_t>(sign | (x > 0x7f800000u ? 0x7e00u : 0x7c00u));
   if (x >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // 65520 and up round to infinity
-  if (x < 0x38800000u) {                                                       // below 2^-14: subnormal or zero
-    if (x < 0x33000000u) return static_cast<std::uint16_t>(sign);              // 2^-25 and below: zero (ties to even)
+  if (x < 0x38800000u) {                                                    // below 2^-14: subnormal or zero
+    if (x < 0x33000000u) return static_cast<std::uint16_t>(sign);           // 2^-25 and below: zero (ties to even)
     const std::uint32_t m = (x & 0x7fffffu) | 0x800000u;
     const int shift = 126 - static_cast<int>(x >> 23);
     std::uint32_t r = m >> shift;
@@ -123,8 +123,17 @@ struct RowCursor {
   int c_step, wrap;  // o's step to the next channel, and from the last channel to the next pixel's first
   int o;
   FERRY_HD RowCursor(int p, int h, int w, int ch, bool mirror, bool planes)
-      : H(h), W(w), C(ch), c(p % ch), x((p / ch) % w), y(p / ch / w), flip(mirror), chw(planes),
-        c_step(planes ? h * w : 1), wrap((planes ? 1 : ch) * (mirror ? -1 : 1) - (ch - 1) * c_step), o(out()) {}
+      : H(h),
+        W(w),
+        C(ch),
+        c(p % ch),
+        x((p / ch) % w),
+        y(p / ch / w),
+        flip(mirror),
+        chw(planes),
+        c_step(planes ? h * w : 1),
+        wrap((planes ? 1 : ch) * (mirror ? -1 : 1) - (ch - 1) * c_step),
+        o(out()) {}
   FERRY_HD int out() const {
     const int xx = flip ? W - 1 - x : x;
     return chw ? (c * H + y) * W + xx : (y * W + xx) * C + c;
@@ -167,22 +176,22 @@ inline constexpr std::int64_t kEncodedIndexWords = 32;
 
 /// Where each value sits in an encoded batch's index row.
 struct EncodedRow {
-  static constexpr int kOffset = 0;        ///< the file's first byte in the batch's pinned block
-  static constexpr int kBytes = 1;         ///< the file's size
-  static constexpr int kHeight = 2;        ///< the decoded image's height
-  static constexpr int kWidth = 3;         ///< and width
-  static constexpr int kAxisY = 4;         ///< the y axis's 7 words: c0, L0, R, c1, N, resized, flip (PassAxis)
-  static constexpr int kAxisX = 11;        ///< the x axis's 7 words
-  static constexpr int kAxisSize = 4;      ///< N within an axis: the output's size along it
+  static constexpr int kOffset = 0;    ///< the file's first byte in the batch's pinned block
+  static constexpr int kBytes = 1;     ///< the file's size
+  static constexpr int kHeight = 2;    ///< the decoded image's height
+  static constexpr int kWidth = 3;     ///< and width
+  static constexpr int kAxisY = 4;     ///< the y axis's 7 words: c0, L0, R, c1, N, resized, flip (PassAxis)
+  static constexpr int kAxisX = 11;    ///< the x axis's 7 words
+  static constexpr int kAxisSize = 4;  ///< N within an axis: the output's size along it
   static constexpr int kOutHeight = kAxisY + kAxisSize;
   static constexpr int kOutWidth = kAxisX + kAxisSize;
   static constexpr int kChannels = 18;
   static constexpr int kRound = 19;
-  static constexpr int kOutput = 20;       ///< the output kind (PassOutput)
-  static constexpr int kScale = 21;        ///< a[0..3], float bits
-  static constexpr int kShift = 25;        ///< b[0..3], float bits
-  static constexpr int kScratch = 29;      ///< the decoded image's place in the device scratch (set by the device stage)
-  static constexpr int kChannelsLast = 30; ///< float outputs: HWC instead of CHW
+  static constexpr int kOutput = 20;        ///< the output kind (PassOutput)
+  static constexpr int kScale = 21;         ///< a[0..3], float bits
+  static constexpr int kShift = 25;         ///< b[0..3], float bits
+  static constexpr int kScratch = 29;       ///< the decoded image's place in the device scratch (set by the device stage)
+  static constexpr int kChannelsLast = 30;  ///< float outputs: HWC instead of CHW
 };
 static_assert(EncodedRow::kChannelsLast < kEncodedIndexWords);
 

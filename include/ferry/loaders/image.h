@@ -112,7 +112,8 @@ struct Collate<EncodedImage> {
     std::size_t block = 0;
     for (std::size_t i = 0; i < n; ++i) block += align_up(get(i).bytes.size());
     const auto words = static_cast<std::size_t>(detail::encoded_index_words());
-    return align_up(n * sizeof(std::int64_t)) + align_up(n * words * sizeof(std::int64_t)) + align_up(std::max<std::size_t>(block, 1));
+    return align_up(n * sizeof(std::int64_t)) + align_up(n * words * sizeof(std::int64_t)) +
+           align_up(std::max<std::size_t>(block, 1));
   }
   template <class Get>
   static Batch apply(std::size_t n, Get&& get, CollateContext& ctx) {
@@ -127,8 +128,9 @@ struct Collate<EncodedImage> {
     for (std::size_t i = 0; i < n; ++i) {
       const EncodedImage& e = get(i);
       if (!e.bytes.empty()) std::memcpy(b.encoded.data<std::uint8_t>() + at, e.bytes.data(), e.bytes.size());
-      detail::write_encoded_row(b.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(i) * detail::encoded_index_words(), at,
-                                e.bytes.size(), e.plan);
+      detail::write_encoded_row(
+          b.encoded_index.data<std::int64_t>() + static_cast<std::int64_t>(i) * detail::encoded_index_words(), at, e.bytes.size(),
+          e.plan);
       b.label.data<std::int64_t>()[i] = e.label;
       at += align_up(e.bytes.size());
     }

@@ -33,8 +33,16 @@ extern "C" {
 
 /* Element types; the values equal ferry::DType's. */
 enum ferry_dtype {
-  FERRY_BOOL = 0, FERRY_UINT8 = 1, FERRY_INT8 = 2, FERRY_INT16 = 3, FERRY_INT32 = 4, FERRY_INT64 = 5,
-  FERRY_FLOAT16 = 6, FERRY_BFLOAT16 = 7, FERRY_FLOAT32 = 8, FERRY_FLOAT64 = 9
+  FERRY_BOOL = 0,
+  FERRY_UINT8 = 1,
+  FERRY_INT8 = 2,
+  FERRY_INT16 = 3,
+  FERRY_INT32 = 4,
+  FERRY_INT64 = 5,
+  FERRY_FLOAT16 = 6,
+  FERRY_BFLOAT16 = 7,
+  FERRY_FLOAT32 = 8,
+  FERRY_FLOAT64 = 9
 };
 
 /* One field of a sample: a tensor of fixed dtype and shape. */

@@ -39,7 +39,7 @@ namespace ferry {
 class DatasetConfig {
  public:
   DatasetConfig(std::string dataset, const std::string& text);
-  std::string str(const std::string& key) const;                        ///< required
+  std::string str(const std::string& key) const;  ///< required
   std::string str(const std::string& key, const std::string& fallback) const;
   std::int64_t integer(const std::string& key) const;
   std::int64_t integer(const std::string& key, std::int64_t fallback) const;
@@ -87,8 +87,10 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& config);
 inline TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& config) {
   TarRecordDecodeOptions o;
   const auto size = static_cast<int>(config.integer("size", 224));
-  if (config.integer("random_crop", 0)) o.transform.random_resized_crop(size, size).horizontal_flip();
-  else o.transform.resize_shorter(size).center_crop(size, size);
+  if (config.integer("random_crop", 0))
+    o.transform.random_resized_crop(size, size).horizontal_flip();
+  else
+    o.transform.resize_shorter(size).center_crop(size, size);
   o.channels = static_cast<int>(config.integer("channels", 3));
   return o;
 }
@@ -119,7 +121,8 @@ inline auto make_tar_gpu_stream(const DatasetConfig& config) {
   if (config.str("decode", "gpu") != "gpu")
     throw Error("dataset 'tar': make_tar_gpu_stream is decode=gpu, got decode='" + config.str("decode") + "'");
   const TarRecordDecodeOptions o = tar_stream_decode(config);
-  if (o.channels != 3) throw Error("dataset 'tar': decode=gpu produces RGB: channels must be 3, got " + std::to_string(o.channels));
+  if (o.channels != 3)
+    throw Error("dataset 'tar': decode=gpu produces RGB: channels must be 3, got " + std::to_string(o.channels));
   TarShards shards = tar_stream_shards(config);
   config.finish();
   return shards.map([o](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), o, ctx.rng()); });
@@ -166,8 +169,8 @@ class DatasetRegistry {
     std::string help;
   };
   mutable std::mutex mu_;
-  std::map<std::string, Entry> entries_;                         // guarded by mu_
-  std::map<void*, std::vector<std::string>> plugins_;            // guarded by mu_: dlopen handle -> names
+  std::map<std::string, Entry> entries_;               // guarded by mu_
+  std::map<void*, std::vector<std::string>> plugins_;  // guarded by mu_: dlopen handle -> names
 };
 
 }  // namespace ferry

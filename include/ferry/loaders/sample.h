@@ -77,8 +77,8 @@ struct LabeledBatch {
 template <>
 struct CollateFields<LabeledSample> {
   using batch_type = LabeledBatch;
-  static constexpr auto fields =
-      std::make_tuple(std::pair{&LabeledSample::image, &LabeledBatch::image}, std::pair{&LabeledSample::label, &LabeledBatch::label});
+  static constexpr auto fields = std::make_tuple(std::pair{&LabeledSample::image, &LabeledBatch::image},
+                                                 std::pair{&LabeledSample::label, &LabeledBatch::label});
 };
 
 }  // namespace ferry

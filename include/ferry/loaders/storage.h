@@ -61,18 +61,19 @@ namespace ferry {
 
 /// What the object-store readers of this process have done since it started (all loaders).
 struct ObjectStoreStats {
-  std::uint64_t requests = 0;    ///< HTTP requests sent, retries and hedges included
-  std::uint64_t bytes = 0;       ///< bytes received (bodies)
-  std::uint64_t retries = 0;     ///< requests sent again after a transient failure
-  std::uint64_t hedges = 0;      ///< second requests sent for a late first byte
-  std::uint64_t hedges_won = 0;  ///< hedges that answered first
-  std::uint64_t cache_hits = 0;  ///< reads served by the on-disk cache (FERRY_S3_CACHE_DIR)
-  std::uint64_t cache_bytes = 0; ///< bytes they served
+  std::uint64_t requests = 0;     ///< HTTP requests sent, retries and hedges included
+  std::uint64_t bytes = 0;        ///< bytes received (bodies)
+  std::uint64_t retries = 0;      ///< requests sent again after a transient failure
+  std::uint64_t hedges = 0;       ///< second requests sent for a late first byte
+  std::uint64_t hedges_won = 0;   ///< hedges that answered first
+  std::uint64_t cache_hits = 0;   ///< reads served by the on-disk cache (FERRY_S3_CACHE_DIR)
+  std::uint64_t cache_bytes = 0;  ///< bytes they served
 
   /// What the counters grew by since `before` (a run's share).
   ObjectStoreStats since(const ObjectStoreStats& before) const noexcept {
-    return {requests - before.requests, bytes - before.bytes, retries - before.retries, hedges - before.hedges,
-            hedges_won - before.hedges_won, cache_hits - before.cache_hits, cache_bytes - before.cache_bytes};
+    return {requests - before.requests,      bytes - before.bytes,           retries - before.retries,
+            hedges - before.hedges,          hedges_won - before.hedges_won, cache_hits - before.cache_hits,
+            cache_bytes - before.cache_bytes};
   }
   /// Calls fn(name, value) for every counter: the Python dict and the tool's JSON are made from it.
   template <class Fn>

@@ -56,7 +56,7 @@ namespace ferry {
 struct TarMember {
   std::string path;
   std::vector<std::byte> data;
-  std::uint64_t offset = 0;  ///< byte offset of the member's header in the archive
+  std::uint64_t offset = 0;       ///< byte offset of the member's header in the archive
   std::uint64_t data_offset = 0;  ///< byte offset of its data
   std::uint64_t size = 0;         ///< bytes of data (also when next(false) left `data` empty)
 };
@@ -134,8 +134,8 @@ class TarShards : public DatasetBase<TarShards> {
     std::size_t current_ = 0;
     std::optional<TarReader> reader_;
     std::optional<TarMember> pending_;  // first member of the next record
-    std::exception_ptr deferred_;        // a damaged member met after a complete record: thrown next
-    std::shared_ptr<Held> held_;         // the dataset's (null without next_epoch_ahead)
+    std::exception_ptr deferred_;       // a damaged member met after a complete record: thrown next
+    std::shared_ptr<Held> held_;        // the dataset's (null without next_epoch_ahead)
     int worker_ = 0;
     bool started_ = false;
     std::string next_first_;  // the worker's first shard of the next epoch (sent for as the last is read)
@@ -169,7 +169,7 @@ std::vector<std::string> expand_braces(const std::string& pattern);
 /// dataset's).
 struct TarRecordDecodeOptions {
   std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded
-  std::string label_field = "cls";                                ///< decimal class index
+  std::string label_field = "cls";                              ///< decimal class index
   int channels = 3;
   ImageTransform transform;
   bool dct_scaling = false;  ///< DecodeOptions::dct_scaling
@@ -201,7 +201,7 @@ EncodedImage encode_labeled_image(TarRecord record, const TarRecordDecodeOptions
 
 struct TarImagesOptions {
   std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded
-  std::string label_field = "cls";                                ///< decimal class index
+  std::string label_field = "cls";                              ///< decimal class index
   int channels = 3;
   ImageTransform transform;
   std::int64_t max_pixels = std::int64_t{1} << 28;

@@ -296,9 +296,9 @@ class Mixture : public DatasetBase<Mixture> {
 
   /// Where global sample `global` comes from.
   struct Pick {
-    std::size_t source = 0;   ///< which source
-    std::uint64_t draw = 0;   ///< the source's draws before this one (its k-th sample)
-    std::size_t sample = 0;   ///< the source's sample index
+    std::size_t source = 0;  ///< which source
+    std::uint64_t draw = 0;  ///< the source's draws before this one (its k-th sample)
+    std::size_t sample = 0;  ///< the source's sample index
   };
   Pick pick(std::uint64_t global) const;
   /// Samples each source gives in [0, global) (for reports and tests).

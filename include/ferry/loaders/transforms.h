@@ -57,7 +57,7 @@ struct ImagePassPlan {
   Axis y, x;
   std::int64_t channels = 3;
   bool round = false;
-  bool to_float = false;  ///< output floats (out_dtype), CHW unless channels_last; otherwise uint8 HWC
+  bool to_float = false;           ///< output floats (out_dtype), CHW unless channels_last; otherwise uint8 HWC
   DType out_dtype = DType::UInt8;  ///< UInt8, or Float32, Float16 or BFloat16 after to_float
   bool channels_last = false;      ///< float output as HWC
   float a[kMaxChannels] = {1, 1, 1, 1}, b[kMaxChannels] = {0, 0, 0, 0};

@@ -56,19 +56,21 @@ struct DeviceStageOptions {
 
 struct DeviceStageStats {
   std::uint64_t batches = 0;
-  std::uint64_t copies = 0;              ///< cudaMemcpyAsync calls
+  std::uint64_t copies = 0;  ///< cudaMemcpyAsync calls
   std::uint64_t bytes = 0;
   std::uint64_t device_allocations = 0;  ///< cudaMalloc calls (constant after warm-up)
   double copy_ms = 0;                    ///< GPU time of the copies completed so far (timing events)
-  double decode_ms = 0;                  ///< GPU decode: the decode threads' time decoding (nvJPEG holds its thread for the whole decode) and launching the transform kernel, summed over the threads
-  int decode_threads = 0;                ///< GPU decode: the decode threads (DeviceStageOptions::decode_threads, as chosen; 0 before the first decode when chosen from the hardware)
+  /// GPU decode: the decode threads' time decoding (nvJPEG holds its thread for the whole decode) and launching the transform kernel, summed over the threads
+  double decode_ms = 0;
+  /// GPU decode: the decode threads (DeviceStageOptions::decode_threads, as chosen; 0 before the first decode when chosen from the hardware)
+  int decode_threads = 0;
   std::uint64_t images_decoded = 0;      ///< GPU decode: JPEGs decoded on the device
   std::uint64_t decode_allocations = 0;  ///< GPU decode: scratch (re)allocations (constant after warm-up)
   double gather_ms = 0;                  ///< device gather: GPU time of the gather kernels
   std::uint64_t rows_gathered = 0;       ///< device gather: rows read from registered host memory
-  std::uint64_t gather_launches = 0;     ///< device gather: kernels launched (fewer than batches when small batches share one: end_held)
+  /// device gather: kernels launched (fewer than batches when small batches share one: end_held)
+  std::uint64_t gather_launches = 0;
 };
-
 
 class DeviceStage {
  public:
@@ -145,7 +147,8 @@ class DeviceStage {
   /// host array of `elements` integers of `dtype` mapped at `device_elements` (RowRegistration),
   /// widened. `index` as gather_rows', its words window starts; an Error names a window that does
   /// not fit the array.
-  Tensor gather_windows(const Tensor& index, const void* device_elements, DType dtype, std::int64_t elements, const RowWindow& window);
+  Tensor gather_windows(const Tensor& index, const void* device_elements, DType dtype, std::int64_t elements,
+                        const RowWindow& window);
   /// Set in an index word of gather_rows: that sample's row is mirrored (the rest is the row).
   static constexpr std::int64_t gather_flip_bit = detail::kRowFlipBit;
   /// The most rows a host index of gather_rows may have.

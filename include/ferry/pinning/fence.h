@@ -115,8 +115,8 @@ class EventFence final : public Fence {
   struct Pending {
     std::mutex mu;
     std::condition_variable cv;
-    bool recorded = false;       // guarded by mu
-    std::exception_ptr error;    // guarded by mu
+    bool recorded = false;     // guarded by mu
+    std::exception_ptr error;  // guarded by mu
   };
   void await_record() const {
     if (!pending_) return;

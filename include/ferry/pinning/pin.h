@@ -85,8 +85,8 @@ class PinContext {
 /// How a type is pinned. Specialize for types you cannot give a pin_memory member.
 template <class T, class = void>
 struct PinMemory {
-  static constexpr bool supported = requires(T& v, PinContext& c) { v.pin_memory(c); } || std::is_arithmetic_v<T> ||
-                                    std::is_enum_v<T> || std::is_same_v<T, std::string>;
+  static constexpr bool supported = requires(T & v, PinContext& c) { v.pin_memory(c); }
+  || std::is_arithmetic_v<T> || std::is_enum_v<T> || std::is_same_v<T, std::string>;
   static void apply(T& value, PinContext& ctx) {
     if constexpr (requires { value.pin_memory(ctx); }) {
       value.pin_memory(ctx);
@@ -184,9 +184,11 @@ void to_device(Batch& batch, DeviceStage& stage) {
 template <class Sample, class Batch>
 void pin_collated_fields(Batch& batch, PinContext& ctx) {
   run_pin_passes(ctx, [&] {
-    std::apply([&](const auto&... f) {
-      ((PinMemory<std::remove_cvref_t<decltype(batch.*(f.second))>>::apply(batch.*(f.second), ctx)), ...);
-    }, CollateFields<Sample>::fields);
+    std::apply(
+        [&](const auto&... f) {
+          ((PinMemory<std::remove_cvref_t<decltype(batch.*(f.second))>>::apply(batch.*(f.second), ctx)), ...);
+        },
+        CollateFields<Sample>::fields);
   });
 }
 

@@ -74,8 +74,8 @@ struct PinnedPoolOptions {
 };
 
 struct PinnedPoolStats {
-  std::size_t bytes_pinned = 0;   ///< held by the pool now
-  std::size_t bytes_in_use = 0;   ///< leased or pending (not yet reusable)
+  std::size_t bytes_pinned = 0;  ///< held by the pool now
+  std::size_t bytes_in_use = 0;  ///< leased or pending (not yet reusable)
   std::size_t blocks = 0;
   std::uint64_t allocations = 0;  ///< backend allocations so far (cudaHostAlloc calls)
   std::uint64_t frees = 0;        ///< backend frees so far
