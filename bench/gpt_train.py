@@ -21,7 +21,6 @@ Usage: gpt_train.py [--tokens 100000000] [--seq 1024] [--batch 16] [--steps 40] 
        [--rows gpu-alone,ferry-w2,nanogpt,turboloader,gpu-alone-packed,ferry-packed] [--dir /tmp]
 """
 import argparse
-import math
 import os
 import statistics
 import time
@@ -119,7 +118,6 @@ def busy_jiffies():
 
 def run(row, a, path, docs_path, model, opt):
     src = batches(row, a, path, docs_path)
-    step_times = []
 
     def step():
         b = next(src)

@@ -3,7 +3,7 @@ torchvision's batched GPU decode (decode_jpeg on cuda) followed by its RandomRes
 normalize on the GPU, decode alone, and PyTorch's DataLoader over torchvision's ImageFolder (PIL)
 with 16 workers. Images/s, median of --runs epochs after a warm-up; the CPU cores the process kept
 busy (children included for the DataLoader)."""
-import argparse, glob, os, resource, statistics, sys, time
+import argparse, glob, os, resource, time
 
 import torch
 import torchvision

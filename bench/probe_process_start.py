@@ -1,5 +1,5 @@
 import multiprocessing as mp, pickle, sys, time
-import torch, torchvision
+import torch, torchvision  # noqa: F401 (imported for what importing them costs a process)
 from multiprocessing import forkserver
 from multiprocessing.reduction import ForkingPickler
 

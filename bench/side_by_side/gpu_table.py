@@ -3,7 +3,6 @@
 and peers_libtorch (scripts/gpu.sh bench writes them to $OUT). Usage:
     gpu_table.py bench_pin.md peers_torch.md peers_libtorch.md [machine.txt]
 Best of each peer's settings (workers, pin mode) per workload; ratios are ferry's best over it."""
-import re
 import sys
 
 

@@ -140,7 +140,7 @@ def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> Non
         getitems = getattr(dataset, "__getitems__", None) if fetch_mode == "map" else None
         iterator = None
         conn.send(("ready", None))
-    except BaseException as exc:  # noqa: B902  (everything goes back to the loader)
+    except BaseException as exc:  # everything goes back to the loader
         conn.send(("error", _wrap(exc)))
         return
     while True:
