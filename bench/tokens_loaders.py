@@ -22,8 +22,8 @@ Rows:
                 through its StreamingDataLoader (4 workers, pin_memory=True), over the same tokens
                 written once by litdata.optimize as int32 chunks (litdata stores the tensors it is
                 given; int16 would wrap ids past 32,767), .to(cuda, non_blocking=True)
-  ferry-gpu-wN  ferry-wN with gather="device": the GPU reads each window through the file's mapping
-                (registered with CUDA) and writes int64 input_ids and labels itself; the pin thread
+  ferry-gpu-wN  ferry-wN with gather="device": the GPU reads each window from a page-locked copy
+                of the file (made when the loader starts) and writes int64 input_ids and labels itself; the pin thread
                 writes the window starts, and no worker starts whatever N says
 
 Each timed run takes --batches batches, and more until --seconds have passed (busy cores are
@@ -33,6 +33,7 @@ Usage: tokens_loaders.py [--tokens 200000000] [--shapes 1024x64,2048x32,8192x8] 
        [--seconds 0] [--warmup 20] [--runs 3] [--rows nanogpt,torch-w4,turboloader,ferry-w1,ferry-w2,ferry-w4] [--dir /tmp]
 """
 import argparse
+import importlib
 import os
 import statistics
 import sys
@@ -175,20 +176,14 @@ def main():
                 make = lambda: nanogpt_rows(path, seq, batch)
             elif row.startswith("torch-w"):
                 make = lambda w=int(row[7:]): torch_rows(path, seq, batch, w)
-            elif row == "litdata":
+            elif row in ("litdata", "turboloader"):  # peers from PyPI, when installed
                 try:
-                    import litdata  # noqa: F401
+                    importlib.import_module(row)
                 except ImportError as e:
-                    print(f"| {shape} | litdata | not importable: {e} | | | |")
+                    print(f"| {shape} | {row} | not importable: {e} | | | |")
                     continue
-                make = lambda: litdata_rows(path, seq, batch)
-            elif row == "turboloader":
-                try:
-                    import turboloader  # noqa: F401
-                except ImportError as e:
-                    print(f"| {shape} | turboloader | not importable: {e} | | | |")
-                    continue
-                make = lambda: turbo_rows(path, seq, batch)
+                rows_of = litdata_rows if row == "litdata" else turbo_rows
+                make = lambda rows_of=rows_of: rows_of(path, seq, batch)
             else:
                 sys.exit(f"unknown row {row}")
             try:

@@ -644,60 +644,6 @@ std::vector<Tensor> TokenSequences::get(std::size_t index, SampleContext& ctx) c
   return b;
 }
 
-void TokenSequences::read_window(std::size_t index, SampleContext& ctx, std::span<std::int64_t> window,
-                                 std::vector<std::size_t>* starts) const {
-  const std::size_t seq = options_.seq_len;
-  const std::uint64_t start = window_start(index, ctx);
-  if (!options_.shuffle_documents) {
-    corpus_->read(start, window);
-    if (!starts) return;
-    thread_local std::vector<std::uint64_t> at;
-    at.clear();
-    corpus_->document_starts(start, window.first(seq), at);
-    for (std::uint64_t p : at) starts->push_back(static_cast<std::size_t>(p - start));
-    return;
-  }
-  // Note [Documents shuffled in blocks]
-  // Block b holds documents [b * D, (b + 1) * D) in the
-  // order IndexPermutation(D', key(seed, epoch, b)); its tokens start where the corpus order's do
-  // (a block's length does not change with its order), so the block holding stream position p is
-  // a binary search over block starts, and its documents are walked in their order from there.
-  const std::uint64_t docs = corpus_->documents(), D = options_.document_block;
-  const std::uint64_t blocks = (docs + D - 1) / D;
-  auto block_start = [&](std::uint64_t b) { return corpus_->document_offset(std::min(b * D, docs)); };
-  std::uint64_t lo = 0, hi = blocks;  // the last block whose start <= start
-  while (hi - lo > 1) {
-    const std::uint64_t m = lo + (hi - lo) / 2;
-    if (block_start(m) <= start)
-      lo = m;
-    else
-      hi = m;
-  }
-  std::size_t filled = 0;
-  std::uint64_t b = lo, pos = block_start(b);  // stream position of the walk
-  while (filled < window.size() && b < blocks) {
-    const std::uint64_t first = b * D, count = std::min(D, docs - first);
-    const IndexPermutation order(count, mix_seed(ctx.seed() ^ 0x646f637368756666ull, ctx.epoch(), b));
-    for (std::uint64_t j = 0; j < count && filled < window.size(); ++j) {
-      const std::uint64_t d = first + order.at(j);
-      const std::uint64_t off = corpus_->document_offset(d), len = corpus_->document_offset(d + 1) - off;
-      if (pos + len <= start + filled) {  // before the window
-        pos += len;
-        continue;
-      }
-      const std::uint64_t skip = start + filled - pos;  // > 0 only for the document the window starts in
-      const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(len - skip, window.size() - filled));
-      if (starts && skip == 0 && filled > 0 && filled < seq) starts->push_back(filled);
-      corpus_->read(off + skip, window.subspan(filled, take));
-      filled += take;
-      pos += len;
-    }
-    ++b;
-  }
-  if (filled < window.size())
-    throw Error(corpus_->name() + ": window " + std::to_string(index) + " runs past the stream's end (the index changed?)");
-}
-
 template <class Fn>
 void TokenSequences::for_each_document(std::uint64_t lo, std::uint64_t hi, SampleContext& ctx, Fn&& fn) const {
   const std::uint64_t docs = corpus_->documents();
@@ -717,7 +663,7 @@ void TokenSequences::for_each_document(std::uint64_t lo, std::uint64_t hi, Sampl
     }
     return;
   }
-  // Note [Documents shuffled in blocks], as read_window walks them.
+  // Note [Documents shuffled in blocks].
   const std::uint64_t D = options_.document_block, blocks = (docs + D - 1) / D;
   auto block_start = [&](std::uint64_t b) { return corpus_->document_offset(std::min(b * D, docs)); };
   std::uint64_t a = 0, b = blocks;
@@ -739,6 +685,39 @@ void TokenSequences::for_each_document(std::uint64_t lo, std::uint64_t hi, Sampl
       pos += len;
     }
   }
+}
+
+void TokenSequences::read_window(std::size_t index, SampleContext& ctx, std::span<std::int64_t> window,
+                                 std::vector<std::size_t>* starts) const {
+  const std::size_t seq = options_.seq_len;
+  const std::uint64_t start = window_start(index, ctx);
+  if (!options_.shuffle_documents) {
+    corpus_->read(start, window);
+    if (!starts) return;
+    thread_local std::vector<std::uint64_t> at;
+    at.clear();
+    corpus_->document_starts(start, window.first(seq), at);
+    for (std::uint64_t p : at) starts->push_back(static_cast<std::size_t>(p - start));
+    return;
+  }
+  // Note [Documents shuffled in blocks]
+  // Block b holds documents [b * D, (b + 1) * D) in the
+  // order IndexPermutation(D', key(seed, epoch, b)); its tokens start where the corpus order's do
+  // (a block's length does not change with its order), so the block holding stream position p is
+  // a binary search over block starts, and its documents are walked in their order from there
+  // (for_each_document).
+  std::size_t filled = 0;
+  const std::uint64_t end = start + window.size();
+  for_each_document(start, end, ctx, [&](std::uint64_t off, std::uint64_t len, std::uint64_t pos) {
+    const std::uint64_t from = std::max(start, pos), to = std::min(end, pos + len);
+    if (to <= from) return;  // an empty document
+    const auto at = static_cast<std::size_t>(from - start);
+    if (starts && pos > start && at < seq) starts->push_back(at);
+    corpus_->read(off + (from - pos), window.subspan(at, static_cast<std::size_t>(to - from)));
+    filled += static_cast<std::size_t>(to - from);
+  });
+  if (filled < window.size())
+    throw Error(corpus_->name() + ": window " + std::to_string(index) + " runs past the stream's end (the index changed?)");
 }
 
 // Best-fit packing (Note [Best-fit packing], ferry/loaders/tokens.h). A group's pieces are known

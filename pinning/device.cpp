@@ -223,16 +223,9 @@ struct DeviceStage::Impl : std::enable_shared_from_this<Impl> {
       throw CudaError(
           "DeviceStage: the device gather needs the gather kernel, and this build of ferry was made without a CUDA compiler");
     check_gather_index(index, "gather_windows");
-    HostRows rows;
-    rows.rows = elements;
-    rows.row_bytes = itemsize(dtype);
-    rows.dtype = dtype;
-    rows.name = "DeviceStage::gather_windows";
-    rows.window = w;
-    rows.window->start = [](std::size_t, std::uint64_t, std::uint64_t) -> std::uint64_t {
-      return 0;
-    };  // the index holds the starts
-    if (std::string why = detail::row_window_problem(rows); !why.empty()) throw Error(why);
+    if (std::string why = detail::row_window_problem(w, dtype, itemsize(dtype), elements, "DeviceStage::gather_windows");
+        !why.empty())
+      throw Error(why);
     if (index.device().is_host()) {
       const std::int64_t* word = index.data<std::int64_t>();
       for (std::int64_t i = 0; i < index.size(0); ++i)

@@ -15,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include "ferry/pinning/cuda.h"
@@ -77,6 +78,17 @@ std::size_t RowRegistration::bytes_needed(const std::vector<HostRows>& arrays) {
   return n;
 }
 
+namespace {
+// Before any CUDA call: the arrays' pages (a mapped file's copy takes as many; arrays over the
+// same pages count once) within the limit.
+void check_limit(const std::vector<HostRows>& arrays, std::size_t limit_bytes) {
+  const std::size_t need = RowRegistration::bytes_needed(arrays);
+  if (need > limit_bytes)
+    throw Error("device gather: the dataset's arrays need " + std::to_string(need) + " bytes registered, over the limit of " +
+                std::to_string(limit_bytes) + " (DataLoaderOptions::register_memory_limit)");
+}
+}  // namespace
+
 std::size_t RowRegistration::registered_bytes_now() noexcept {
   Registry& g = registry();
   std::lock_guard l(g.mu);
@@ -108,8 +120,14 @@ void copy_in(void* dst, const void* src, std::size_t n) {
       std::memcpy(static_cast<char*>(dst) + at, static_cast<const char*>(src) + at, std::min(kChunk, n - at));
     }
   };
-  std::vector<std::thread> pool;
-  for (std::size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  std::vector<std::thread> pool;  // joined below, before the copy's caller goes on
+  for (std::size_t t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // fewer helpers: this thread takes the chunks left
+    }
+  }
   work();
   for (std::thread& t : pool) t.join();
 }
@@ -124,7 +142,7 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
   std::vector<std::size_t> copied;  // arrays[k] read from a copy
   std::vector<std::size_t> copy_of(arrays.size(), 0);
   std::vector<std::size_t> unique;  // the first array of each copy
-  std::size_t need = 0;
+  check_limit(arrays, limit_bytes);
   auto bytes_of = [&](std::size_t k) { return static_cast<std::size_t>(arrays[k].rows) * arrays[k].row_bytes; };
   for (std::size_t k = 0; k < arrays.size(); ++k) {
     if (!(arrays[k].mapped_file && arrays[k].data && arrays[k].rows > 0)) {
@@ -135,17 +153,10 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
     copied.push_back(k);
     std::size_t c = 0;
     while (c < unique.size() && !(arrays[unique[c]].data == arrays[k].data && bytes_of(unique[c]) == bytes_of(k))) ++c;
-    if (c == unique.size()) {
-      unique.push_back(k);
-      need += bytes_of(k);
-    }
+    if (c == unique.size()) unique.push_back(k);
     copy_of[k] = c;
   }
   const std::vector<Range> ranges = ranges_of(in_place);
-  for (const Range& r : ranges) need += r.end - r.begin;
-  if (need > limit_bytes)
-    throw Error("device gather: the dataset's arrays need " + std::to_string(need) + " bytes registered, over the limit of " +
-                std::to_string(limit_bytes) + " (DataLoaderOptions::register_memory_limit)");
   if (!cuda::available()) throw CudaError("device gather: CUDA is unavailable (" + cuda::unavailable_reason() + ")");
   cuda::DeviceGuard guard(device);
   int read_only = 0;
@@ -195,7 +206,7 @@ RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device
   }
   try {
     for (std::size_t k : unique) {
-      const std::size_t n = static_cast<std::size_t>(arrays[k].rows) * arrays[k].row_bytes;
+      const std::size_t n = bytes_of(k);
       void* p = nullptr;
       const cudaError_t e = cudaHostAlloc(&p, n, cudaHostAllocPortable | cudaHostAllocMapped);
       if (e != cudaSuccess)
@@ -264,10 +275,7 @@ void RowRegistration::release() noexcept {
 #else
 
 RowRegistration::RowRegistration(const std::vector<HostRows>& arrays, int device, std::size_t limit_bytes) : device_(device) {
-  const std::size_t need = bytes_needed(arrays);
-  if (need > limit_bytes)
-    throw Error("device gather: the dataset's arrays need " + std::to_string(need) + " bytes registered, over the limit of " +
-                std::to_string(limit_bytes) + " (DataLoaderOptions::register_memory_limit)");
+  check_limit(arrays, limit_bytes);
   throw CudaError("device gather: ferry was built without CUDA");
 }
 RowRegistration::~RowRegistration() = default;

@@ -138,21 +138,24 @@ std::size_t gathered_row_bytes(const HostRows& r) noexcept {
 
 std::string row_window_problem(const HostRows& r) {
   if (!r.window) return "";
-  const RowWindow& w = *r.window;
-  auto problem = [&](const std::string& what) { return r.name + "'s windows: " + what; };
+  if (r.transform) return r.name + "'s windows: a row transform and windows together";
+  if (!r.window->start) return r.name + "'s windows: no start function";
+  return row_window_problem(*r.window, r.dtype, r.row_bytes, r.rows, r.name);
+}
+
+std::string row_window_problem(const RowWindow& w, DType dtype, std::size_t row_bytes, std::int64_t elements,
+                               const std::string& name) {
+  auto problem = [&](const std::string& what) { return name + "'s windows: " + what; };
   auto integer = [](DType d) {
     return d == DType::UInt8 || d == DType::Int8 || d == DType::Int16 || d == DType::Int32 || d == DType::Int64;
   };
-  if (r.transform) return problem("a row transform and windows together");
-  if (!integer(r.dtype) || r.row_bytes != itemsize(r.dtype))
-    return problem("the array must be of integers, row_bytes one element's");
-  if (!integer(w.dtype) || itemsize(w.dtype) < itemsize(r.dtype))
+  if (!integer(dtype) || row_bytes != itemsize(dtype)) return problem("the array must be of integers, row_bytes one element's");
+  if (!integer(w.dtype) || itemsize(w.dtype) < itemsize(dtype))
     return problem("they are written as " + std::string(dtype_name(w.dtype)) +
-                   ", which must be an integer type at least as wide as the array's " + dtype_name(r.dtype));
-  if (w.length < 1 || w.shift < 0 || w.length + w.shift > r.rows)
+                   ", which must be an integer type at least as wide as the array's " + dtype_name(dtype));
+  if (w.length < 1 || w.shift < 0 || w.length + w.shift > elements)
     return problem("a window of " + std::to_string(w.length) + " elements at shift " + std::to_string(w.shift) +
-                   " in an array of " + std::to_string(r.rows));
-  if (!w.start) return problem("no start function");
+                   " in an array of " + std::to_string(elements));
   return "";
 }
 

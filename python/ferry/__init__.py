@@ -206,8 +206,8 @@ class DataLoader:
             starts no worker whatever num_workers says: its pin thread writes each batch's indices.
             For token windows (``datasets.tokens``, ``megatron``): "auto" has workers write int64
             (or int32) input_ids and labels into pinned batches; "device" has the GPU read ordered
-            or random-offset windows of a local file through its mapping and write input_ids and
-            labels itself (no worker starts), and moves other windows (packed, shuffled documents,
+            or random-offset windows of a local file (from a page-locked copy of it made when the
+            loader starts) and write input_ids and labels itself (no worker starts), and moves other windows (packed, shuffled documents,
             s3://, a vocab check) as the file stores them, widened on the GPU. The same batches
             either way (bench/RESULTS.md "Language-model tokens").
         pinned_memory_limit: bytes of page-locked memory the loader may hold. Unset (None), the
@@ -338,8 +338,8 @@ class DataLoader:
         else:
             cpp_dataset = dataset
         # Token windows with a device and gather="device": where the windows are runs of a local
-        # file (ordered or random-offset windows), the GPU reads them through the file's mapping
-        # and writes input_ids and labels itself (Note [Token windows on the GPU] in
+        # file (ordered or random-offset windows), the GPU reads them from a page-locked copy of
+        # the file and writes input_ids and labels itself (Note [Token windows on the GPU] in
         # ferry/loaders/tokens.h), and gather="device" passes through. Elsewhere (packed or
         # shuffled-document windows, an object in storage, a vocab check):
         # Note [Token windows widened on the GPU]

@@ -342,7 +342,7 @@ TEST_CASE("device gather: the row transform's flips and values equal the CPU tra
 }
 
 TEST_CASE("device gather: row transforms the kernel cannot run are named", "[idx][gather]") {
-  HostRows r{nullptr, 10, 12, DType::UInt8, {3, 4}, "images", false, RowTransform{}};
+  HostRows r{nullptr, 10, 12, DType::UInt8, {3, 4}, "images", false, RowTransform{}, std::nullopt};
   r.transform->height = 3;
   r.transform->width = 4;
   r.transform->shape = {3, 4};

@@ -130,9 +130,16 @@ TEST_CASE("device gather: registration over the budget is refused before CUDA, a
   const std::vector<HostRows> rows = TensorDataset({a}).host_rows(why);
   // Two arrays in one buffer share their pages: registered once.
   Tensor whole = Tensor::zeros(DType::UInt8, {2, 50000});
-  const std::vector<HostRows> halves{
-      {whole.raw(), 1, 50000, DType::UInt8, {50000}, "first", false, std::nullopt},
-      {static_cast<std::byte*>(whole.raw()) + 50000, 1, 50000, DType::UInt8, {50000}, "second", false, std::nullopt}};
+  const std::vector<HostRows> halves{{whole.raw(), 1, 50000, DType::UInt8, {50000}, "first", false, std::nullopt, std::nullopt},
+                                     {static_cast<std::byte*>(whole.raw()) + 50000,
+                                      1,
+                                      50000,
+                                      DType::UInt8,
+                                      {50000},
+                                      "second",
+                                      false,
+                                      std::nullopt,
+                                      std::nullopt}};
   const std::size_t page = RowRegistration::bytes_needed({halves[0]}) > 50000 ? 4096 : 0;
   CHECK(RowRegistration::bytes_needed(halves) <= 100000 + 2 * page);
   CHECK(RowRegistration::bytes_needed(halves) <

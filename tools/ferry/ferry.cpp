@@ -28,9 +28,9 @@
 #include <variant>
 #include <vector>
 
-#include <sys/resource.h>
 #include <unistd.h>
 
+#include "cpu_time.h"  // bench/: the benchmarks' busy-cores clock
 #include "ferry/ferry.h"
 
 namespace {
@@ -191,13 +191,6 @@ struct Run {
   double mb_per_second() const { return seconds > 0 ? bytes / seconds / 1e6 : 0; }
 };
 
-// The process's CPU time so far (user + system, all threads), in seconds.
-double process_cpu_seconds() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_utime.tv_sec + u.ru_stime.tv_sec) + (u.ru_utime.tv_usec + u.ru_stime.tv_usec) / 1e6;
-}
-
 // Iterates the loader (f.batches batches, or f.epochs epochs); a progress line on stderr when
 // `progress`. Bad samples (DataError) are counted and skipped, as a training loop would.
 template <class Loader>
@@ -205,7 +198,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
   Run r;
   const ferry::ObjectStoreStats store0 = ferry::object_store_stats();
   auto t0 = Clock::now();
-  double cpu0 = process_cpu_seconds();
+  double cpu0 = ferry::bench::cpu_seconds();
   auto last_print = t0;
   std::size_t seen = 0;
   bool warm = warmup == 0;
@@ -233,7 +226,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
           seen = 0;
           loader.reset_stats();
           t0 = Clock::now();
-          cpu0 = process_cpu_seconds();
+          cpu0 = ferry::bench::cpu_seconds();
           Run fresh;  // the warm-up's errors stay counted
           fresh.errors = r.errors;
           fresh.first_error = r.first_error;
@@ -277,7 +270,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
   // Device batches: the run ends when the GPU has written the last of them.
   if (const ferry::cuda::Stream* stream = loader.stream()) stream->synchronize();
   r.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  r.cpu_seconds = process_cpu_seconds() - cpu0;
+  r.cpu_seconds = ferry::bench::cpu_seconds() - cpu0;
   r.stats = loader.stats();
   const ferry::ObjectStoreStats store1 = ferry::object_store_stats();
   r.store = store1.since(store0);

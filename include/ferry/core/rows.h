@@ -124,6 +124,11 @@ int pass_output_of(DType dtype) noexcept;
 std::size_t gathered_row_bytes(const HostRows& rows) noexcept;
 /// Why `rows`' window cannot be gathered ("" when it can, or has none).
 std::string row_window_problem(const HostRows& rows);
+/// The same for window `w` over an array of `elements` integers of `dtype` (`row_bytes` each),
+/// named `name` in the answer; the window's start function is not asked for (DeviceStage checks
+/// every batch, its index holding the starts).
+std::string row_window_problem(const RowWindow& w, DType dtype, std::size_t row_bytes, std::int64_t elements,
+                               const std::string& name);
 }  // namespace detail
 
 }  // namespace ferry

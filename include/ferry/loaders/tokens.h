@@ -69,9 +69,10 @@
 // Note [Token windows on the GPU]
 // With DataLoaderOptions::device and gather = Device, windows of a token file or a Megatron .bin
 // in this process's memory (a local file's mapping; TokenCorpus::in_memory) are made by the GPU:
-// the loader registers the mapping with CUDA (RowRegistration, Note [Device gather] in
+// the loader copies the file's tokens once into page-locked memory the GPU can read
+// (RowRegistration; a mapping is not registered in place: Note [Device gather] in
 // ferry/pinning/gather.h), the pin thread writes each batch's window starts (window_start's rule,
-// no worker starts), and one kernel a launch reads each window's tokens through the mapping and
+// no worker starts), and one kernel a launch reads each window's tokens from that copy and
 // writes input_ids and labels (the same tokens one later) widened to TokenSequenceOptions::dtype
 // (uint ids zero-extended) straight into the batch's device buffer (HostRows::window). Only the
 // file's tokens cross the link (2 bytes a token of a uint16 file, read twice), and no CPU touches
