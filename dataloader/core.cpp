@@ -37,6 +37,7 @@ EngineOptions engine_options(const DataLoaderOptions& o, bool streaming, std::sh
   e.timeout = o.timeout;
   e.redispatch_stuck = o.on_error != OnError::Raise;
   e.seed = o.seed;
+  e.batch_size = o.batch_size;
   e.next_epoch_ahead = o.prefetch_next_epoch;
   e.trace = o.trace.get();
   e.wait_poll.fn = o.wait_poll;

@@ -118,7 +118,7 @@ void LoaderCore::restore_state(const LoaderState& st) {
   if (s.traits.streaming) {
     if (st.batches > 0) {
       const auto workers = static_cast<std::uint64_t>(std::max(s.opt.num_workers, 1));
-      if (st.stream_workers != workers)
+      if (st.stream_workers != workers && !s.traits.across_workers)
         differs("number of stream workers (each reads its own shard of the stream)", st.stream_workers, workers);
       if (st.batch_size != s.opt.batch_size) differs("batch size", st.batch_size, s.opt.batch_size);
       if (s.opt.on_error != OnError::Raise)

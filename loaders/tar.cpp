@@ -338,20 +338,33 @@ TarShards::TarShards(std::vector<std::string> shards, TarShardsOptions options)
                 std::to_string(options_.world_size));
 }
 
-std::vector<std::size_t> TarShards::assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const {
-  if (num_workers < 1 || worker < 0 || worker >= num_workers)
-    throw Error("TarShards: worker " + std::to_string(worker) + " of " + std::to_string(num_workers) + " is not valid");
+std::vector<std::size_t> TarShards::epoch_order(std::uint64_t seed, std::uint64_t epoch) const {
   std::vector<std::size_t> order(shards_.size());
   std::iota(order.begin(), order.end(), 0);
   if (options_.shuffle) {
     Generator g(mix_seed(seed, 0x7a75ULL), epoch);
     for (std::size_t i = order.size(); i > 1; --i) std::swap(order[i - 1], order[g.randint(i)]);
   }
+  return order;
+}
+
+std::vector<std::size_t> TarShards::assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const {
+  if (num_workers < 1 || worker < 0 || worker >= num_workers)
+    throw Error("TarShards: worker " + std::to_string(worker) + " of " + std::to_string(num_workers) + " is not valid");
+  const std::vector<std::size_t> order = epoch_order(seed, epoch);
   const std::size_t slots = static_cast<std::size_t>(options_.world_size) * static_cast<std::size_t>(num_workers);
   const std::size_t slot =
       static_cast<std::size_t>(options_.rank) * static_cast<std::size_t>(num_workers) + static_cast<std::size_t>(worker);
   std::vector<std::size_t> mine;
   for (std::size_t k = slot; k < order.size(); k += slots) mine.push_back(order[k]);
+  return mine;
+}
+
+std::vector<std::size_t> TarShards::rank_shards(std::uint64_t seed, std::uint64_t epoch) const {
+  const std::vector<std::size_t> order = epoch_order(seed, epoch);
+  std::vector<std::size_t> mine;
+  for (std::size_t k = static_cast<std::size_t>(options_.rank); k < order.size(); k += static_cast<std::size_t>(options_.world_size))
+    mine.push_back(order[k]);
   return mine;
 }
 
@@ -362,8 +375,55 @@ TarShardsOptions TarShardsOptions::for_rank(const DistributedEnv& env) {
   return o;
 }
 
+namespace {
+// Reader threads of a loader's tar stream (shards read at once), and records each reads ahead at
+// most (at least kLaneRecordsMin, else a batch): over s3://, four shards' reads on their way keep
+// a 16-worker loader fed at a store's first-byte latency, and a batch ahead is what a worker asks
+// for at once.
+constexpr std::size_t kLanes = 4;
+constexpr std::size_t kLaneRecordsMin = 16;
+}  // namespace
+
 TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
   Stream s;
+  if (worker.share && worker.batch_size > 0) {
+    if (worker.num_workers < 1 || worker.id < 0 || worker.id >= worker.num_workers)
+      throw Error("TarShards: worker " + std::to_string(worker.id) + " of " + std::to_string(worker.num_workers) +
+                  " is not valid");
+    s.feed_ = worker.share->get<detail::BatchFeed>(this, [&] {
+      auto paths = std::make_shared<std::vector<std::string>>();
+      for (std::size_t k : rank_shards(worker.seed, worker.epoch)) paths->push_back(shards_[k]);
+      detail::BatchFeed::Shape shape;
+      shape.units = paths->size();
+      shape.lanes = kLanes;
+      shape.lane_records = std::max(worker.batch_size, kLaneRecordsMin);
+      shape.workers = worker.num_workers;
+      shape.batch_size = worker.batch_size;
+      const std::size_t lanes = std::min(kLanes, std::max<std::size_t>(paths->size(), 1));
+      return std::make_unique<detail::BatchFeed>(shape, [paths, lanes](std::size_t unit, detail::BatchFeed::Sink& sink) {
+        // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
+        Stream one;
+        one.shards_.push_back((*paths)[unit]);
+        sink.on_wait = [&one] { return one.progress(); };
+        bool opened = false;
+        for (;;) {
+          std::optional<TarRecord> r;
+          try {
+            r = one.next();
+          } catch (...) {
+            if (!sink.fail(std::current_exception())) return;
+            continue;
+          }
+          if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);
+          opened = true;
+          if (!r) return;
+          if (!sink.push(std::make_shared<TarRecord>(std::move(*r)))) return;
+        }
+      });
+    });
+    s.worker_ = worker.id;
+    return s;
+  }
   for (std::size_t k : assignment(worker.id, worker.num_workers, worker.seed, worker.epoch)) s.shards_.push_back(shards_[k]);
   if (worker.next_epoch_ahead && !s.shards_.empty() && loaders::is_remote(s.shards_.front())) {
     s.held_ = held_;
@@ -374,15 +434,30 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
   return s;
 }
 
-std::optional<TarRecord> TarShards::Stream::next() { return advance(true); }
+std::optional<TarRecord> TarShards::Stream::next() {
+  if (!feed_) return advance(true);
+  std::shared_ptr<void> box = feed_->next(worker_, position_);
+  if (!box) return std::nullopt;
+  return std::optional<TarRecord>(std::move(*static_cast<TarRecord*>(box.get())));
+}
+
+std::optional<std::uint64_t> TarShards::Stream::position() const {
+  if (!feed_) return std::nullopt;
+  return position_;
+}
 
 bool TarShards::Stream::progress() {
+  if (feed_) return false;  // the reader threads move their own reads along
   bool moving = reader_ && reader_->progress();
   if (held_ && held_->progress()) moving = true;
   return moving;
 }
 
 std::size_t TarShards::Stream::skip(std::size_t n) {
+  if (feed_) {
+    feed_->skip(worker_, n);
+    return n;
+  }
   // Headers only (the members' data seeked past), except the last record: reading it finds the
   // next record's first member, which must keep its data.
   std::size_t k = 0;

@@ -43,6 +43,7 @@ struct EpochState {
   StageQueue<Result> results;
   // One per worker; element w is touched only by worker w (its jobs come from its own queue).
   std::vector<std::shared_ptr<void>> streams;
+  EpochShare share;  // what the workers' streams share (WorkerInfo::share)
 };
 
 struct Task {
@@ -291,7 +292,7 @@ struct Engine::State {
 
   void worker_main(int id, WorkerCtl& c, StageQueue<Task>& queue) {
     if (opt.placement) apply_placement(*opt.placement);
-    WorkerInfo info{id, W, opt.seed, 0, opt.next_epoch_ahead};
+    WorkerInfo info{id, W, opt.seed, 0, opt.next_epoch_ahead, opt.batch_size, nullptr};
     std::exception_ptr init_error;
     c.stage.enter(Stage::WorkerInit);
     try {
@@ -322,6 +323,7 @@ struct Engine::State {
       EpochState& epoch = *c.task.epoch;
       const Job& job = c.task.job;
       info.epoch = epoch.epoch;
+      info.share = &epoch.share;
       c.batch.store(job.batch, std::memory_order_relaxed);
       c.sample.store(-1, std::memory_order_relaxed);
       c.since_ns.store(now_ns(), std::memory_order_relaxed);
@@ -533,7 +535,7 @@ struct Engine::State {
 
   // Makes one batch of a num_workers = 0 epoch on the calling thread; throws the wrapped error.
   Payload make_inline(const Job& job, EpochState& epoch, StageMeter& stage) {
-    WorkerInfo info{0, 1, opt.seed, epoch.epoch, opt.next_epoch_ahead};
+    WorkerInfo info{0, 1, opt.seed, epoch.epoch, opt.next_epoch_ahead, opt.batch_size, &epoch.share};
     JobContext ctx(info, stage, epoch.cancelled, epoch.streams[0]);
     stage.trace(opt.trace, job.batch, TraceRecorder::kInlineTrack);
     stage.enter(Stage::Fetch);

@@ -219,6 +219,210 @@ TEST_CASE("tar shards resume mid-epoch: every worker's shards from the record af
   }
 }
 
+// --- one batcher across workers ------------------------------------------------------------------
+
+namespace {
+// Shards of uneven sizes: shard s has 3 + (7 * s) % 11 records.
+std::vector<std::string> write_uneven_shards(const TempDir& dir, int shards, std::size_t& records) {
+  std::vector<std::string> paths;
+  records = 0;
+  for (int s = 0; s < shards; ++s) {
+    const int n = 3 + (7 * s) % 11;
+    paths.push_back(dir / ("uneven-" + std::to_string(s) + ".tar"));
+    write_file(paths.back(), shard_bytes(s, n));
+    records += static_cast<std::size_t>(n);
+  }
+  return paths;
+}
+// A record's identity (shard * 100 + k) * 10 + a draw from its generator.
+auto identified(const std::vector<std::string>& paths) {
+  return TarShards(paths).map([](TarRecord r, SampleContext& ctx) {
+    const std::int64_t id = std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 + std::stoi(r.key.substr(r.key.find('/') + 1));
+    return id * 10 + static_cast<std::int64_t>(ctx.rng().randint(10));
+  });
+}
+std::vector<std::int64_t> values_of(const Tensor& t) {
+  return std::vector<std::int64_t>(t.data<std::int64_t>(), t.data<std::int64_t>() + t.numel());
+}
+template <class Loader>
+std::vector<std::vector<std::int64_t>> epoch_batches(Loader& loader) {
+  std::vector<std::vector<std::int64_t>> out;
+  for (Tensor& b : loader) out.push_back(values_of(b));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("a tar stream fills batches across workers: the same batches for any worker count, every record once",
+          "[loader][tar]") {
+  TempDir dir;
+  for (int shards : {1, 3, 11}) {
+    std::size_t n = 0;
+    const auto paths = write_uneven_shards(dir, shards, n);
+    const auto ds = identified(paths);
+    for (bool drop_last : {false, true}) {
+      std::vector<std::vector<std::int64_t>> reference;
+      for (int workers : {0, 1, 2, 4, 16}) {
+        INFO(shards << " shards (" << n << " records), " << workers << " workers, drop_last " << drop_last);
+        DataLoaderOptions o;
+        o.batch_size = 4;
+        o.num_workers = workers;
+        o.drop_last = drop_last;
+        o.seed = 5;
+        DataLoader loader(ds, o);
+        loader.set_epoch(1);
+        auto batches = epoch_batches(loader);
+        const std::size_t full = n / 4, rest = n % 4;
+        REQUIRE(batches.size() == full + (drop_last || rest == 0 ? 0 : 1));
+        std::set<std::int64_t> seen;
+        for (std::size_t b = 0; b < batches.size(); ++b) {
+          CHECK(batches[b].size() == (b < full ? 4 : rest));
+          for (std::int64_t v : batches[b]) CHECK(seen.insert(v / 10).second);  // no record twice
+        }
+        CHECK(seen.size() == (drop_last ? full * 4 : n));  // unseen: at most batch_size - 1
+        if (workers == 0)
+          reference = batches;
+        else
+          CHECK(batches == reference);  // the records and their generators' draws
+      }
+    }
+  }
+}
+
+TEST_CASE("a tar stream resumes mid-epoch at another worker count: the rest of the epoch is the uninterrupted run's",
+          "[loader][tar][resume]") {
+  TempDir dir;
+  std::size_t n = 0;
+  const auto paths = write_uneven_shards(dir, 5, n);
+  const auto ds = identified(paths);
+  DataLoaderOptions o;
+  o.batch_size = 3;
+  o.seed = 9;
+  o.num_workers = 4;
+  std::vector<std::vector<std::int64_t>> all;
+  {
+    DataLoader reference(ds, o);
+    while (reference.next_epoch() < 2)
+      for (Tensor& b : reference) all.push_back(values_of(b));
+  }
+  for (std::size_t k : {std::size_t{1}, std::size_t{6}, std::size_t{11}})
+    for (int workers : {0, 2, 3, 7}) {
+      INFO("saved after " << k << " batches with 4 workers, resumed with " << workers);
+      DataLoader first(ds, o);
+      LoaderState saved;
+      {
+        auto it = first.begin();
+        for (std::size_t i = 0; i + 1 < k; ++i, ++it) (void)*it;
+        (void)*it;
+        saved = first.state();
+      }
+      DataLoaderOptions again = o;
+      again.num_workers = workers;
+      DataLoader resumed(ds, again);
+      resumed.restore(LoaderState::from_string(saved.to_string()));
+      std::vector<std::vector<std::int64_t>> rest;
+      while (resumed.next_epoch() < 2)
+        for (Tensor& b : resumed) rest.push_back(values_of(b));
+      REQUIRE(rest.size() == all.size() - k);
+      CHECK(std::equal(rest.begin(), rest.end(), all.begin() + static_cast<std::ptrdiff_t>(k)));
+    }
+}
+
+TEST_CASE("a bad record in a shard the workers share: the error policy holds, nothing lost or delivered twice",
+          "[loader][tar][errors]") {
+  TempDir dir;
+  TarBuilder t;
+  for (int k = 0; k < 23; ++k) {
+    const std::string key = "s0/" + std::to_string(k);
+    t.file(key + ".txt", key).file(key + ".cls", k == 5 || k == 17 ? std::string("bad") : std::to_string(k % 10));
+  }
+  const std::string path = dir / "one.tar";
+  write_file(path, t.finish());
+  auto ds = TarShards({path}).map([](TarRecord r) {
+    const auto& cls = r.field("cls");
+    if (cls[0] == std::byte{'b'}) throw DataError(r.shard, r.offset, "record '" + r.key + "' has a bad label");
+    return static_cast<std::int64_t>(std::stoi(r.key.substr(3)));
+  });
+  for (OnError policy : {OnError::Raise, OnError::Skip, OnError::Replace})
+    for (int workers : {0, 4}) {
+      INFO("policy " << static_cast<int>(policy) << ", " << workers << " workers");
+      DataLoaderOptions o;
+      o.batch_size = 4;
+      o.num_workers = workers;
+      o.on_error = policy;
+      DataLoader loader(ds, o);
+      std::multiset<std::int64_t> seen;
+      auto errors = iterate_skipping_errors<DataError>(loader, [&](Tensor& b) {
+        for (std::int64_t v : values_of(b)) seen.insert(v);
+      });
+      std::multiset<std::int64_t> good;
+      for (int k = 0; k < 23; ++k)
+        if (k != 5 && k != 17) good.insert(k);
+      if (policy == OnError::Raise) {
+        // Each bad record fails its batch; the batch's other records go with it.
+        CHECK(errors.size() == 2);
+        for (const auto& e : errors) CHECK_THAT(e, Catch::Contains("bad label"));
+        for (std::int64_t v : seen) CHECK(good.count(v) == 1);
+        CHECK(seen.size() == 23 - 8);
+        CHECK(std::set<std::int64_t>(seen.begin(), seen.end()).size() == seen.size());
+      } else {
+        CHECK(errors.empty());
+        CHECK(seen == good);
+      }
+    }
+}
+
+namespace {
+// A user's stream: 0, 1, 2, ... n - 1, split by worker (each worker opens its own share).
+struct Counting : DatasetBase<Counting> {
+  std::int64_t n = 0;
+  struct Stream {
+    std::int64_t i, end;
+    std::optional<std::int64_t> next() { return i < end ? std::optional<std::int64_t>(i++) : std::nullopt; }
+  };
+  Stream open(const WorkerInfo& w) const {
+    auto [b, e] = shard_range(static_cast<std::size_t>(n), w.id, w.num_workers);
+    return Stream{static_cast<std::int64_t>(b), static_cast<std::int64_t>(e)};
+  }
+};
+}  // namespace
+
+TEST_CASE("a user's stream opts in to one batcher across workers with across_workers()", "[loader][stream]") {
+  Counting c;
+  c.n = 29;
+  auto ds = c.across_workers().map([](std::int64_t v, SampleContext& ctx) {
+    return v * 10 + static_cast<std::int64_t>(ctx.rng().randint(10));
+  });
+  std::vector<std::vector<std::int64_t>> reference;
+  for (int workers : {0, 2, 5}) {
+    INFO(workers << " workers");
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = workers;
+    DataLoader loader(ds, o);
+    auto batches = epoch_batches(loader);
+    REQUIRE(batches.size() == 8);
+    for (std::size_t b = 0; b < batches.size(); ++b)
+      for (std::size_t i = 0; i < batches[b].size(); ++i) CHECK(batches[b][i] / 10 == static_cast<std::int64_t>(4 * b + i));
+    if (workers == 0)
+      reference = batches;
+    else
+      CHECK(batches == reference);
+  }
+  // Without across_workers, each worker batches its own share: 2 workers make 15 + 14 records
+  // into 4 + 4 batches, two of them short.
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  o.num_workers = 2;
+  DataLoader own(c, o);
+  std::size_t shorts = 0, count = 0;
+  for (Tensor& b : own) {
+    ++count;
+    if (b.numel() < 4) ++shorts;
+  }
+  CHECK(count == 8);
+  CHECK(shorts == 2);
+}
+
 // --- TarImages: shards indexed as a map-style dataset -----------------------------------------
 
 namespace {

@@ -232,6 +232,7 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
     static detail::LoaderTraits traits(const Dataset& ds) {
       detail::LoaderTraits t;
       t.streaming = kStreaming;
+      if constexpr (kStreaming) t.across_workers = detail::fills_across_workers<Dataset>;
       t.direct = kDirect;
       t.default_collate = kDefaultCollate;
       t.pinnable = kPinnable;
@@ -410,7 +411,18 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
           } catch (...) {
             st.positions.push_back(position);  // the failing record names the batch's error
             ctx.stream_indices = st.positions;
-            core.stream_record_failed(ctx, st.batch, position, ++failures_in_a_row);  // rethrows under Raise
+            try {
+              core.stream_record_failed(ctx, st.batch, position, ++failures_in_a_row);  // rethrows under Raise
+            } catch (...) {
+              // A stream that fills batches across workers: the failed batch spends its batch_size
+              // records, as a good one would, so the batches after it keep their records.
+              if constexpr (detail::fills_across_workers<Dataset>)
+                for (std::size_t left = opt.batch_size - reads - 1; left > 0; --left, ++st.read) try {
+                    if (!st.stream.next()) break;
+                  } catch (...) {
+                  }
+              throw;
+            }
             st.positions.pop_back();
             ctx.stream_indices = st.positions;
             ++st.read;

@@ -25,7 +25,12 @@
 //   Stream open(const ferry::WorkerInfo& worker) const;   // Stream::next() -> std::optional<Sample>
 //
 // and each worker opens its own stream; it uses worker.id and worker.num_workers to read its own
-// share (see ferry::shard_range), so nothing is read twice and nothing is dropped.
+// share (see ferry::shard_range), so nothing is read twice and nothing is dropped. Each worker then
+// batches its own samples: batches depend on the worker count and each worker's last batch may be
+// short. A stream that fills batches across the workers instead (every batch full but the epoch's
+// last, the same batches for any worker count: Note [One batcher across workers]) reads once for
+// all of them: ferry::TarShards does, and so does any stream wrapped in ferry::AcrossWorkers
+// (dataset.across_workers()).
 //
 // Workers call get()/get_batch()/get_into()/open() concurrently on one shared dataset, so these
 // must be safe to call from several threads (const and free of unsynchronized caches).
@@ -42,6 +47,8 @@
 
 #include <atomic>
 #include <concepts>
+#include <map>
+#include <mutex>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -57,8 +64,28 @@
 #include "ferry/core/random.h"
 #include "ferry/core/rows.h"
 #include "ferry/core/tensor.h"
+#include "ferry/detail/batch_feed.h"
 
 namespace ferry {
+
+/// What the streams that a loader's workers open for one epoch share: a stream that fills batches
+/// across the workers keeps its one reader here (WorkerInfo::share), made by the first worker to
+/// open and dropped when the epoch ends. Thread-safe.
+class EpochShare {
+ public:
+  /// The object kept under `key` (the dataset's address), made by make() on the first call.
+  template <class T, class Make>
+  std::shared_ptr<T> get(const void* key, Make&& make) {
+    std::lock_guard l(mu_);
+    std::shared_ptr<void>& slot = items_[key];
+    if (!slot) slot = std::shared_ptr<T>(make());
+    return std::static_pointer_cast<T>(slot);
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<const void*, std::shared_ptr<void>> items_;
+};
 
 /// Which worker is running, as torch.utils.data.get_worker_info(). With num_workers == 0 the
 /// consumer thread is worker 0 of 1.
@@ -70,6 +97,10 @@ struct WorkerInfo {
   /// The loader starts the next epoch's work ahead (DataLoaderOptions::prefetch_next_epoch): a
   /// stream may send its next epoch's first reads (epoch + 1) as this epoch ends.
   bool next_epoch_ahead = false;
+  /// The loader's batch size (0 outside a loader's epoch).
+  std::size_t batch_size = 0;
+  /// Shared by the streams of this epoch's workers (null outside a loader's epoch).
+  EpochShare* share = nullptr;
 };
 
 /// The share [begin, end) of `n` items that worker `id` of `count` should read: contiguous,
@@ -226,6 +257,8 @@ template <class D, class F>
 class MappedDataset;
 template <class D, class F>
 class MappedIterable;
+template <class D>
+class AcrossWorkers;
 
 /// CRTP base that gives a dataset `.map(transform)`. Optional: ferry::map works on any dataset.
 template <class Derived>
@@ -241,6 +274,9 @@ class DatasetBase {
   auto map(F&& transform) && {
     return make_mapped<F>(std::move(static_cast<Derived&>(*this)), std::forward<F>(transform));
   }
+  /// A stream that fills batches across the loader's workers (ferry::AcrossWorkers).
+  auto across_workers() const& { return AcrossWorkers<Derived>(static_cast<const Derived&>(*this)); }
+  auto across_workers() && { return AcrossWorkers<Derived>(std::move(static_cast<Derived&>(*this))); }
 
  private:
   template <class F, class D>
@@ -307,15 +343,38 @@ bool progress_stream(S& stream) {
   else
     return false;
 }
+/// True for a stream dataset that fills batches across a loader's workers (it declares
+/// `static constexpr bool kFillsAcrossWorkers = true`): its batches do not depend on the worker
+/// count, so it resumes mid-epoch at another.
+template <class D>
+inline constexpr bool fills_across_workers = [] {
+  if constexpr (requires { D::kFillsAcrossWorkers; })
+    return static_cast<bool>(D::kFillsAcrossWorkers);
+  else
+    return false;
+}();
+/// The epoch-wide position of the sample stream.next() last returned, where the stream fills
+/// batches across workers (stream.position() engaged), else nullopt.
+template <class S>
+std::optional<std::uint64_t> stream_position(const S& stream) {
+  if constexpr (requires {
+                  { stream.position() } -> std::convertible_to<std::optional<std::uint64_t>>;
+                })
+    return stream.position();
+  else
+    return std::nullopt;
+}
 }  // namespace detail
 
 /// An iterable dataset whose samples are transform(sample) or transform(sample, ctx), run in the
-/// worker that reads the stream. ctx.index() is the sample's position in this worker's stream
-/// (offset by worker id << 40), so ctx.rng() is reproducible for a given seed, epoch and worker
-/// count.
+/// worker that reads the stream. ctx.index() is the sample's position in the epoch where the stream
+/// fills batches across workers (TarShards, AcrossWorkers), so ctx.rng() is the same for any worker
+/// count; otherwise its position in this worker's stream (offset by worker id << 40), reproducible
+/// for a given seed, epoch and worker count.
 template <class D, class F>
 class MappedIterable : public DatasetBase<MappedIterable<D, F>> {
  public:
+  static constexpr bool kFillsAcrossWorkers = detail::fills_across_workers<D>;
   MappedIterable(D base, F transform) : base_(std::move(base)), transform_(std::move(transform)) {}
   class Stream {
    public:
@@ -336,12 +395,16 @@ class MappedIterable : public DatasetBase<MappedIterable<D, F>> {
     }
     /// The inner stream's progress() (reads sent ahead moved along between batches), if it has one.
     bool progress() { return detail::progress_stream(inner_); }
+    /// The inner stream's position() (the last sample's place in the epoch), if it has one.
+    std::optional<std::uint64_t> position() const { return detail::stream_position(inner_); }
 
    private:
     template <class S>
     auto apply(S&& s) {
       if constexpr (std::is_invocable_v<const F&, S&&, SampleContext&>) {
-        SampleContext ctx((static_cast<std::size_t>(worker_.id) << 40) + position_++, worker_.seed, worker_.epoch, worker_);
+        const std::optional<std::uint64_t> at = detail::stream_position(inner_);
+        const std::size_t local = (static_cast<std::size_t>(worker_.id) << 40) + position_++;
+        SampleContext ctx(at ? static_cast<std::size_t>(*at) : local, worker_.seed, worker_.epoch, worker_);
         return owner_->transform_(std::forward<S>(s), ctx);
       } else {
         return owner_->transform_(std::forward<S>(s));
@@ -358,6 +421,95 @@ class MappedIterable : public DatasetBase<MappedIterable<D, F>> {
  private:
   D base_;
   F transform_;
+};
+
+/// A stream that fills batches across the loader's workers (Note [One batcher across workers] in
+/// ferry/detail/batch_feed.h): the base stream is opened once an epoch, as worker 0 of 1, and read
+/// on a thread of its own; its sample p goes to batch p / batch_size, which the loader delivers in
+/// order. So every batch is full but the epoch's last, the batches are the same for any number of
+/// workers, and a transform mapped after it (.map) runs in the workers, its ctx.rng() keyed by p.
+/// The base's reads run one at a time, ahead of the workers by up to 2 * batch_size samples:
+/// worth it when what the workers do with a sample (decode, transform) costs more than reading it.
+///
+///   auto ds = MyStream(...).across_workers().map(decode);
+///   ferry::DataLoader loader(ds, {.batch_size = 256, .num_workers = 8, .drop_last = true});
+///
+/// Opened outside a loader (no WorkerInfo::share), it is the base stream of that worker.
+template <class D>
+class AcrossWorkers : public DatasetBase<AcrossWorkers<D>> {
+  using BaseStream = decltype(std::declval<const D&>().open(std::declval<const WorkerInfo&>()));
+  using Sample = typename std::decay_t<decltype(std::declval<BaseStream&>().next())>::value_type;
+
+ public:
+  static constexpr bool kFillsAcrossWorkers = true;
+  explicit AcrossWorkers(D base) : base_(std::make_shared<const D>(std::move(base))) {}
+  class Stream {
+   public:
+    std::optional<Sample> next() {
+      if (!feed_) return own_->next();
+      std::shared_ptr<void> box = feed_->next(worker_, position_);
+      if (!box) return std::nullopt;
+      return std::optional<Sample>(std::move(*static_cast<Sample*>(box.get())));
+    }
+    /// Skips this worker's first n samples (whole batches of its own: a resumed epoch).
+    std::size_t skip(std::size_t n) {
+      if (!feed_) return detail::skip_stream(*own_, n);
+      feed_->skip(worker_, n);
+      return n;
+    }
+    std::optional<std::uint64_t> position() const {
+      if (!feed_) return std::nullopt;
+      return position_;
+    }
+
+   private:
+    friend class AcrossWorkers;
+    std::shared_ptr<detail::BatchFeed> feed_;
+    std::optional<BaseStream> own_;
+    int worker_ = 0;
+    std::uint64_t position_ = 0;
+  };
+  Stream open(const WorkerInfo& worker) const {
+    Stream s;
+    if (!worker.share || worker.batch_size == 0) {
+      s.own_.emplace(base_->open(worker));
+      return s;
+    }
+    s.worker_ = worker.id;
+    WorkerInfo one = worker;
+    one.id = 0;
+    one.num_workers = 1;
+    one.share = nullptr;
+    s.feed_ = worker.share->get<detail::BatchFeed>(this, [&] {
+      detail::BatchFeed::Shape shape;
+      shape.units = 1;
+      shape.lanes = 1;
+      shape.lane_records = 2 * worker.batch_size;
+      shape.workers = worker.num_workers;
+      shape.batch_size = worker.batch_size;
+      // The reader keeps the base alive: a worker abandoned after a timeout may outlive the loader.
+      return std::make_unique<detail::BatchFeed>(shape, [base = base_, one](std::size_t, detail::BatchFeed::Sink& sink) {
+        BaseStream stream = base->open(one);
+        sink.on_wait = [&stream] { return detail::progress_stream(stream); };
+        for (;;) {
+          std::optional<Sample> x;
+          try {
+            x = stream.next();
+          } catch (...) {
+            if (!sink.fail(std::current_exception())) return;
+            continue;
+          }
+          if (!x) return;
+          if (!sink.push(std::make_shared<Sample>(std::move(*x)))) return;
+        }
+      });
+    });
+    return s;
+  }
+  const D& base() const noexcept { return *base_; }
+
+ private:
+  std::shared_ptr<const D> base_;
 };
 
 /// ferry::map(dataset, transform) for datasets without DatasetBase.

@@ -177,6 +177,7 @@ struct EngineOptions {
   bool redispatch_stuck = false;
   int max_redispatch = 3;
   std::uint64_t seed = 0;
+  std::size_t batch_size = 0;  ///< WorkerInfo::batch_size
   /// WorkerInfo::next_epoch_ahead (DataLoaderOptions::prefetch_next_epoch).
   bool next_epoch_ahead = false;
   TraceRecorder* trace = nullptr;  ///< per-batch timelines (may be null)

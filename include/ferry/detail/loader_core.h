@@ -56,6 +56,7 @@ const char* route_name(Route r) noexcept;
 /// What the typed loader knows about its dataset and batch at compile time.
 struct LoaderTraits {
   bool streaming = false;        ///< an iterable dataset (no sampler, no plan)
+  bool across_workers = false;   ///< a stream that fills batches across workers (detail::fills_across_workers)
   bool direct = false;           ///< batches written by get_into (make_batch)
   bool default_collate = true;   ///< no collate_fn
   bool pinnable = false;         ///< the batch can be pinned (ferry::PinMemory or collated fields)

@@ -12,10 +12,19 @@
 //   });
 //   ferry::DataLoader loader(train, {.batch_size = 256, .num_workers = 8});
 //
-// Splitting: each epoch the shard list is (optionally) shuffled with (seed, epoch), and shard k
-// goes to reader slot k mod (world_size * num_workers), where rank r's worker w is slot
-// r * num_workers + w. Every shard is read exactly once per epoch across all ranks and workers;
-// with fewer shards than slots, some workers read nothing.
+// Splitting: each epoch the shard list is (optionally) shuffled with (seed, epoch), and shard k of
+// that order goes to rank k mod world_size. In a loader, a rank's shards are read once, front to
+// back, by the stream's own reader threads (up to 4 shards at a time, each read ahead up to a
+// batch), and their records are dealt to the workers in one order, shard after shard, record after
+// record: record p goes to batch p / batch_size (Note [One batcher across workers],
+// ferry/detail/batch_feed.h). So every worker decodes whatever the number of shards, every batch
+// is full but the epoch's last (with drop_last, at most batch_size - 1 records unseen an epoch),
+// and the batches, and the generators a mapped transform draws from (ctx.rng() keyed by p), are
+// the same for any number of workers, on resume too.
+//
+// Opened outside a loader (WorkerInfo without a share), a stream is one worker's: shard k goes to
+// reader slot k mod (world_size * num_workers), where rank r's worker w is slot r * num_workers + w
+// (assignment()), and that worker batches its own records.
 //
 // Archives: POSIX ustar, GNU long names ('L') and pax headers ('x': path and size); directories,
 // links and other entries are skipped. A bad header checksum, a truncated member or a header
@@ -29,7 +38,8 @@
 // Decoded on the GPU, a stream's records are EncodedImages (encode_labeled_image).
 //
 // Thread safety: TarShards is immutable but for the next epoch's opening reads it keeps for its
-// streams (behind a mutex); each stream belongs to one worker.
+// streams (behind a mutex); each stream belongs to one worker. In a loader, the next epoch's
+// opening read is not sent ahead: the reader threads send each epoch's first reads as it opens.
 #pragma once
 
 #include <cstddef>
@@ -113,6 +123,7 @@ struct TarShardsOptions {
 /// A stream of TarRecords over a list of shards, split across workers and ranks.
 class TarShards : public DatasetBase<TarShards> {
  public:
+  static constexpr bool kFillsAcrossWorkers = true;  ///< in a loader (above)
   /// Error when the list is empty or the rank does not fit the world size. Files are opened lazily,
   /// by the worker that reads them.
   explicit TarShards(std::vector<std::string> shards, TarShardsOptions options = {});
@@ -122,14 +133,20 @@ class TarShards : public DatasetBase<TarShards> {
    public:
     std::optional<TarRecord> next();
     /// Skips n records reading only their headers (a resumed epoch); returns how many it skipped.
+    /// In a loader, the worker's first n records (whole batches of its own).
     std::size_t skip(std::size_t n);
     /// TarReader::progress() of the shard being read, and the next epoch's opening reads sent as
     /// streams ended (the loader calls it while the worker waits).
     bool progress();
+    /// In a loader: the epoch-wide position of the record next() last returned (a mapped
+    /// transform's ctx.index()); nullopt for a worker's own stream.
+    std::optional<std::uint64_t> position() const;
 
    private:
     friend class TarShards;
     std::optional<TarRecord> advance(bool read_data);
+    std::shared_ptr<detail::BatchFeed> feed_;  // in a loader: the epoch's reader, shared by the workers
+    std::uint64_t position_ = 0;
     std::vector<std::string> shards_;  // this reader's shards, in order
     std::size_t current_ = 0;
     std::optional<TarReader> reader_;
@@ -140,7 +157,9 @@ class TarShards : public DatasetBase<TarShards> {
     bool started_ = false;
     std::string next_first_;  // the worker's first shard of the next epoch (sent for as the last is read)
   };
-  /// The stream of `worker`'s shards for this rank and the worker's epoch. Over s3://, with
+  /// In a loader (WorkerInfo::share and batch_size set), the worker's records of the rank's one
+  /// reading of the epoch (above). Otherwise the stream of `worker`'s shards for this rank and the
+  /// worker's epoch. Over s3://, with
   /// WorkerInfo::next_epoch_ahead, the opening read of the worker's first shard of the next epoch
   /// (its first 16 MiB) is sent once the stream's last shard has asked for all its pieces, and kept
   /// by the dataset for the next epoch's stream of that worker, on whichever thread (one read a
@@ -148,14 +167,17 @@ class TarShards : public DatasetBase<TarShards> {
   /// its copies share what they keep: after the last epoch, up to one 16 MiB read and its
   /// connection a worker, until the last copy of the dataset is destroyed.
   Stream open(const WorkerInfo& worker) const;
-  /// The shard indices read by (rank, worker) in `epoch`.
+  /// The shard indices read by (rank, worker) in `epoch` by a worker's own stream.
   std::vector<std::size_t> assignment(int worker, int num_workers, std::uint64_t seed, std::uint64_t epoch) const;
+  /// The shard indices this rank reads in `epoch` in a loader, in the order their records are dealt.
+  std::vector<std::size_t> rank_shards(std::uint64_t seed, std::uint64_t epoch) const;
   const std::vector<std::string>& shards() const noexcept { return shards_; }
 
  private:
   std::vector<std::string> shards_;
   TarShardsOptions options_;
   std::shared_ptr<Held> held_;
+  std::vector<std::size_t> epoch_order(std::uint64_t seed, std::uint64_t epoch) const;
 };
 
 /// A shard pattern expanded as WebDataset writes them: "train-{000..127}.tar" gives 128 names

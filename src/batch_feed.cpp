@@ -1,0 +1,144 @@
+#include "ferry/detail/batch_feed.h"
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+
+#include "ferry/core/error.h"
+#include "thread.h"
+
+namespace ferry::detail {
+
+namespace {
+// How often a lane waiting for room moves its reader's reads sent ahead along (Sink::on_wait).
+constexpr auto kWaitPoll = std::chrono::milliseconds(5);
+}  // namespace
+
+struct BatchFeed::Threads {
+  std::vector<Thread> lanes;
+};
+
+bool BatchFeed::Sink::push(Box record) { return feed_.put(lane_, Item{std::move(record), nullptr, false, 0}, on_wait); }
+
+bool BatchFeed::Sink::fail(std::exception_ptr error) { return feed_.put(lane_, Item{nullptr, std::move(error), false, 0}, on_wait); }
+
+BatchFeed::BatchFeed(Shape shape, ReadUnit read)
+    : shape_(shape),
+      read_(std::move(read)),
+      lanes_(std::max<std::size_t>(1, std::min(shape.lanes, std::max<std::size_t>(shape.units, 1)))),
+      queues_(static_cast<std::size_t>(std::max(shape.workers, 1))),
+      first_batch_(queues_.size()) {
+  if (shape_.batch_size == 0) throw Error("BatchFeed: batch_size must be positive");
+  for (std::size_t w = 0; w < first_batch_.size(); ++w) first_batch_[w] = w;
+  ended_ = shape_.units == 0;
+  threads_ = std::make_unique<Threads>();
+  threads_->lanes.reserve(lanes_.size());
+  for (std::size_t l = 0; l < lanes_.size() && l < shape_.units; ++l)
+    threads_->lanes.emplace_back("ferry-feed", [this, l] { lane_main(l); });
+}
+
+BatchFeed::~BatchFeed() {
+  {
+    std::lock_guard l(mu_);
+    stopping_ = true;
+  }
+  for (Lane& lane : lanes_) lane.space.notify_all();
+  dealt_.notify_all();
+  threads_.reset();  // joins
+}
+
+bool BatchFeed::put(std::size_t lane, Item item, const std::function<bool()>& on_wait) {
+  std::unique_lock l(mu_);
+  Lane& ln = lanes_[lane];
+  while (!stopping_ && ln.items.size() >= shape_.lane_records && !item.end_of_unit) {
+    if (on_wait) {
+      ln.space.wait_for(l, kWaitPoll);
+      if (stopping_ || ln.items.size() < shape_.lane_records) break;
+      l.unlock();
+      try {
+        on_wait();
+      } catch (...) {
+        // the reader's next read meets the error and reports it
+      }
+      l.lock();
+    } else {
+      ln.space.wait(l);
+    }
+  }
+  if (stopping_) return false;
+  ln.items.push_back(std::move(item));
+  if (waiting_ > 0) dealt_.notify_all();
+  return true;
+}
+
+void BatchFeed::lane_main(std::size_t lane) {
+  for (std::size_t u = lane; u < shape_.units; u += lanes_.size()) {
+    Sink sink(*this, lane);
+    try {
+      read_(u, sink);
+    } catch (...) {
+      if (!sink.fail(std::current_exception())) return;
+    }
+    if (!put(lane, Item{nullptr, nullptr, true, 0}, nullptr)) return;
+  }
+}
+
+BatchFeed::Box BatchFeed::next(int worker, std::uint64_t& position) {
+  const auto w = static_cast<std::size_t>(worker);
+  if (w >= queues_.size()) throw Error("BatchFeed: worker " + std::to_string(worker) + " is not one of the feed's");
+  const auto W = static_cast<std::uint64_t>(queues_.size());
+  std::unique_lock l(mu_);
+  bool dealt_other = false;
+  for (;;) {
+    std::deque<Item>& mine = queues_[w];
+    if (!mine.empty()) {
+      Item it = std::move(mine.front());
+      mine.pop_front();
+      if (dealt_other && waiting_ > 0) dealt_.notify_all();
+      l.unlock();
+      position = it.position;
+      if (it.error) std::rethrow_exception(it.error);
+      return std::move(it.record);
+    }
+    if (ended_ || stopping_) {
+      if (dealt_other && waiting_ > 0) dealt_.notify_all();
+      return nullptr;
+    }
+    Lane& ln = lanes_[unit_ % lanes_.size()];
+    if (ln.items.empty()) {
+      if (dealt_other) {
+        dealt_.notify_all();
+        dealt_other = false;
+      }
+      ++waiting_;
+      dealt_.wait(l);
+      --waiting_;
+      continue;
+    }
+    Item it = std::move(ln.items.front());
+    ln.items.pop_front();
+    ln.space.notify_one();
+    if (it.end_of_unit) {
+      if (++unit_ == shape_.units) ended_ = true;
+      continue;
+    }
+    it.position = position_++;
+    const std::uint64_t batch = it.position / shape_.batch_size;
+    const auto owner = static_cast<std::size_t>(batch % W);
+    if (batch < first_batch_[owner]) continue;  // before the owner's resumed start
+    queues_[owner].push_back(std::move(it));
+    if (owner != w) dealt_other = true;
+  }
+}
+
+void BatchFeed::skip(int worker, std::size_t records) {
+  const auto w = static_cast<std::size_t>(worker);
+  if (w >= queues_.size()) throw Error("BatchFeed: worker " + std::to_string(worker) + " is not one of the feed's");
+  const auto W = static_cast<std::uint64_t>(queues_.size());
+  std::lock_guard l(mu_);
+  first_batch_[w] = (records / shape_.batch_size) * W + w;
+  std::deque<Item>& mine = queues_[w];
+  std::erase_if(mine, [&](const Item& it) { return it.position / shape_.batch_size < first_batch_[w]; });
+}
+
+}  // namespace ferry::detail
