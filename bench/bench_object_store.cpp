@@ -13,6 +13,7 @@
 // as a store on another machine would be; without it both share every CPU.
 //
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
+//       [--per-shard 128] [--batch 64] [--drop-last] [--float (to_float + ImageNet's mean/std)]
 //       [--persistent | --loader-per-epoch] [--prefetch N] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
 // --no-next-epoch-ahead: prefetch_next_epoch = false (a stream then sends no read for the next
 // epoch's first shard as an epoch ends). With --server-cpus the latency proxy runs on the server's
@@ -94,6 +95,7 @@ struct Epoch {
 
 struct Result {
   double images_per_second = 0, busy = 0, server = 0, mid = 0;
+  std::size_t images = 0;  // delivered in the epoch
 };
 
 // The server process's CPU seconds so far (utime + stime of /proc/<pid>/stat); 0 if unreadable.
@@ -128,7 +130,7 @@ Result measure(int runs, const std::function<Epoch()>& epoch) {
     const auto t0 = Clock::now();
     const Epoch e = epoch();
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
-    rs.push_back({e.images / s, (bench::cpu_seconds() - c0) / s, (server_cpu_seconds() - s0) / s, e.mid});
+    rs.push_back({e.images / s, (bench::cpu_seconds() - c0) / s, (server_cpu_seconds() - s0) / s, e.mid, e.images});
   }
   std::vector<double> mids;
   for (const Result& r : rs) mids.push_back(r.mid);
@@ -148,7 +150,7 @@ int main(int argc, char** argv) {
   const int latency = arg(argc, argv, "--latency-ms", 20);
   const int server_cpus = arg(argc, argv, "--server-cpus", 0);
   const int watchdog = arg(argc, argv, "--watchdog-s", 0);
-  std::string only;  // --only TEXT: the rows whose pipeline names TEXT ("gpu", "stream")
+  std::string only;  // --only TEXT: the rows whose pipeline names TEXT ("gpu", "stream"; "a|b": a or b)
   for (int i = 1; i + 1 < argc; ++i)
     if (std::string(argv[i]) == "--only") only = argv[i + 1];
   const int cpus = static_cast<int>(std::thread::hardware_concurrency());
@@ -156,7 +158,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "bench_object_store: --server-cpus must be 0 (shared) or below the %d CPUs\n", cpus);
     return 2;
   }
-  const int per_shard = 128;
+  const int per_shard = arg(argc, argv, "--per-shard", 128);
   const int shards = (images + per_shard - 1) / per_shard;
 
   if (server_cpus > 0) use_cpus(cpus - server_cpus, server_cpus);  // the server, started now, inherits these
@@ -205,12 +207,23 @@ int main(int argc, char** argv) {
   tars.clear();
   TarImagesOptions io;
   io.transform = ImageTransform().random_resized_crop(224, 224).horizontal_flip();
+  const bool to_float = flag(argc, argv, "--float");
+  if (to_float) io.transform.to_float().normalize({0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f});
   DataLoaderOptions o;
-  o.batch_size = 64;
+  o.batch_size = static_cast<std::size_t>(arg(argc, argv, "--batch", 64));
+  o.drop_last = flag(argc, argv, "--drop-last");
   o.shuffle = true;
   o.num_workers = workers;
   // The indexed rows' datasets, indexed once, outside the timing (and only when such a row runs).
-  const auto selected = [&only](const std::string& kind) { return only.empty() || kind.find(only) != std::string::npos; };
+  const auto selected = [&only](const std::string& kind) {  // --only "a|b": the rows naming a or b
+    if (only.empty()) return true;
+    for (std::size_t start = 0; start <= only.size();) {
+      const std::size_t end = std::min(only.find('|', start), only.size());
+      if (end > start && kind.find(only.substr(start, end - start)) != std::string::npos) return true;
+      start = end + 1;
+    }
+    return false;
+  };
   const bool any_indexed = selected("indexed (TarImages)") || selected("indexed, decode=gpu (TarImages)");
   std::optional<TarImages> local_index, remote_index;
   if (any_indexed) local_index.emplace(local, io), remote_index.emplace(remote, io);
@@ -327,9 +340,10 @@ int main(int argc, char** argv) {
   uname(&u);
   std::printf("## The image pipeline over s3:// against local disk\n\n");
   std::printf(
-      "%d JPEGs of 500x375 (%.0f MB) in %d tar shards; RandomResizedCrop 224 + flip, uint8, batch 64, %d workers; "
+      "%d JPEGs of 500x375 (%.0f MB) in %d tar shards; RandomResizedCrop 224 + flip, %s, batch %zu%s, %d workers; "
       "SeaweedFS %s on loopback; %u CPUs (%s); %s; median of %d epochs\n\n",
-      images, bytes / 1e6, shards, workers, "4.48", std::thread::hardware_concurrency(), u.machine,
+      images, bytes / 1e6, shards, to_float ? "float, mean/std" : "uint8", o.batch_size, o.drop_last ? " (drop_last)" : "",
+      workers, "4.48", std::thread::hardware_concurrency(), u.machine,
       server_cpus > 0
           ? (std::string(proxy_with_loader ? "the server" : "the server and the latency proxy") + " on " +
              std::to_string(server_cpus) + " CPUs of their own, the loader on the other " + std::to_string(cpus - server_cpus))
@@ -338,8 +352,8 @@ int main(int argc, char** argv) {
       runs);
   std::printf(
       "| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores | "
-      "mid-epoch images/s | of local |\n"
-      "|---|---|---:|---:|---:|---:|---:|---:|---:|\n");
+      "mid-epoch images/s | of local | images an epoch |\n"
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   start_watchdog(watchdog);
   std::vector<const char*> kinds{"indexed (TarImages)", "stream (TarShards)"};
   if (gpu) kinds.push_back("indexed, decode=gpu (TarImages)"), kinds.push_back("stream, decode=gpu (TarShards)");
@@ -361,13 +375,13 @@ int main(int argc, char** argv) {
     if (detail) std::fprintf(stderr, "%s\n", kind);
     measure(1, epoch(local));  // warm the page cache
     const Result l = run(local);
-    std::printf("| %s | local disk | %.0f | 1.00 | %.2f | %.0f | - | %.0f | 1.00 |\n", kind, l.images_per_second, l.busy,
-                l.images_per_second / l.busy, l.mid);
+    std::printf("| %s | local disk | %.0f | 1.00 | %.2f | %.0f | - | %.0f | 1.00 | %zu |\n", kind, l.images_per_second, l.busy,
+                l.images_per_second / l.busy, l.mid, l.images);
     std::fflush(stdout);
     const Result r = run(remote);
-    std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", kind, r.images_per_second,
+    std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %zu |\n", kind, r.images_per_second,
                 r.images_per_second / l.images_per_second, r.busy, r.images_per_second / r.busy, r.server, r.mid,
-                l.mid > 0 ? r.mid / l.mid : 0.0);
+                l.mid > 0 ? r.mid / l.mid : 0.0, r.images);
     std::fflush(stdout);
     {
       // The proxy stands for the store's side (its first-byte latency): with --server-cpus it runs
@@ -380,9 +394,9 @@ int main(int argc, char** argv) {
       proxy.delay(std::chrono::milliseconds(latency));
       ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
       const Result p = run(remote);
-      std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n", kind, latency,
+      std::printf("| %s | s3://, +%d ms a request | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %zu |\n", kind, latency,
                   p.images_per_second, p.images_per_second / l.images_per_second, p.busy, p.images_per_second / p.busy, p.server,
-                  p.mid, l.mid > 0 ? p.mid / l.mid : 0.0);
+                  p.mid, l.mid > 0 ? p.mid / l.mid : 0.0, p.images);
       std::fflush(stdout);
       if (no_cache_row) {
         store.use();
@@ -396,9 +410,11 @@ int main(int argc, char** argv) {
       ::unsetenv("FERRY_S3_CACHE_DIR");
       store.use();
       std::printf(
-          "| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f |\n",
+          "| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | "
+          "%zu "
+          "|\n",
           kind, latency, c.images_per_second, c.images_per_second / l.images_per_second, c.busy, c.images_per_second / c.busy,
-          c.server, c.mid, l.mid > 0 ? c.mid / l.mid : 0.0);
+          c.server, c.mid, l.mid > 0 ? c.mid / l.mid : 0.0, c.images);
       std::fflush(stdout);
     }
   }

@@ -378,6 +378,15 @@ TokenSequences make_token_sequences(const DatasetConfig& c) {
   return TokenSequences(std::move(corpus), o);
 }
 
+TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& c) {
+  ImageFolderOptions f = image_options(c);
+  TarRecordDecodeOptions o;
+  o.channels = f.channels;
+  o.transform = std::move(f.transform);
+  o.dct_scaling = f.dct_scaling;
+  return o;
+}
+
 TarImages make_tar_index(const DatasetConfig& c) {
   ImageFolderOptions f = image_options(c);
   TarImagesOptions o;

@@ -363,7 +363,8 @@ std::vector<std::size_t> TarShards::assignment(int worker, int num_workers, std:
 std::vector<std::size_t> TarShards::rank_shards(std::uint64_t seed, std::uint64_t epoch) const {
   const std::vector<std::size_t> order = epoch_order(seed, epoch);
   std::vector<std::size_t> mine;
-  for (std::size_t k = static_cast<std::size_t>(options_.rank); k < order.size(); k += static_cast<std::size_t>(options_.world_size))
+  for (std::size_t k = static_cast<std::size_t>(options_.rank); k < order.size();
+       k += static_cast<std::size_t>(options_.world_size))
     mine.push_back(order[k]);
   return mine;
 }
@@ -382,6 +383,9 @@ namespace {
 // for at once.
 constexpr std::size_t kLanes = 4;
 constexpr std::size_t kLaneRecordsMin = 16;
+// Where a loader's stream keeps the next epoch's opening read in Held (a worker's own streams use
+// their worker ids).
+constexpr int kFeedHeld = -1;
 }  // namespace
 
 TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
@@ -400,28 +404,45 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
       shape.workers = worker.num_workers;
       shape.batch_size = worker.batch_size;
       const std::size_t lanes = std::min(kLanes, std::max<std::size_t>(paths->size(), 1));
-      return std::make_unique<detail::BatchFeed>(shape, [paths, lanes](std::size_t unit, detail::BatchFeed::Sink& sink) {
-        // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
-        Stream one;
-        one.shards_.push_back((*paths)[unit]);
-        sink.on_wait = [&one] { return one.progress(); };
-        bool opened = false;
-        for (;;) {
-          std::optional<TarRecord> r;
-          try {
-            r = one.next();
-          } catch (...) {
-            if (!sink.fail(std::current_exception())) return;
-            continue;
-          }
-          if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);
-          opened = true;
-          if (!r) return;
-          if (!sink.push(std::make_shared<TarRecord>(std::move(*r)))) return;
-        }
-      });
+      // Over s3://, with next_epoch_ahead: the last shard's reader sends the next epoch's first
+      // shard's opening read once it has asked for all its pieces and keeps it in held_, where the
+      // next epoch's reader of its first shard takes it (Stream::advance, as a worker's stream).
+      const bool ahead = worker.next_epoch_ahead && !paths->empty() && loaders::is_remote(paths->front());
+      std::string next_first;
+      if (ahead) {
+        const std::vector<std::size_t> next = rank_shards(worker.seed, worker.epoch + 1);
+        if (!next.empty()) next_first = shards_[next.front()];
+      }
+      std::shared_ptr<Held> held = ahead ? held_ : nullptr;
+      return std::make_unique<detail::BatchFeed>(
+          shape, [paths, lanes, next_first, held](std::size_t unit, detail::BatchFeed::Sink& sink) {
+            // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
+            Stream one;
+            one.shards_.push_back((*paths)[unit]);
+            if (held && (unit == 0 || unit + 1 == paths->size())) {
+              one.held_ = held;
+              one.worker_ = kFeedHeld;
+              if (unit + 1 == paths->size()) one.next_first_ = next_first;
+            }
+            sink.on_wait = [&one] { return one.progress(); };
+            bool opened = false;
+            for (;;) {
+              std::optional<TarRecord> r;
+              try {
+                r = one.next();
+              } catch (...) {
+                if (!sink.fail(std::current_exception())) return;
+                continue;
+              }
+              if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);
+              opened = true;
+              if (!r) return;
+              if (!sink.push(std::make_shared<TarRecord>(std::move(*r)))) return;
+            }
+          });
     });
     s.worker_ = worker.id;
+    if (worker.next_epoch_ahead) s.held_ = held_;  // moved along by the idle workers between epochs
     return s;
   }
   for (std::size_t k : assignment(worker.id, worker.num_workers, worker.seed, worker.epoch)) s.shards_.push_back(shards_[k]);
@@ -447,7 +468,7 @@ std::optional<std::uint64_t> TarShards::Stream::position() const {
 }
 
 bool TarShards::Stream::progress() {
-  if (feed_) return false;  // the reader threads move their own reads along
+  if (feed_) return held_ && held_->progress();  // the reader threads move their own reads along
   bool moving = reader_ && reader_->progress();
   if (held_ && held_->progress()) moving = true;
   return moving;

@@ -20,7 +20,9 @@ struct BatchFeed::Threads {
 
 bool BatchFeed::Sink::push(Box record) { return feed_.put(lane_, Item{std::move(record), nullptr, false, 0}, on_wait); }
 
-bool BatchFeed::Sink::fail(std::exception_ptr error) { return feed_.put(lane_, Item{nullptr, std::move(error), false, 0}, on_wait); }
+bool BatchFeed::Sink::fail(std::exception_ptr error) {
+  return feed_.put(lane_, Item{nullptr, std::move(error), false, 0}, on_wait);
+}
 
 BatchFeed::BatchFeed(Shape shape, ReadUnit read)
     : shape_(shape),

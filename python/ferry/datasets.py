@@ -90,13 +90,17 @@ def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size:
     (its .tar files) or a list of ``shards``.
 
     By default a stream, read front to back: it has no len() and takes no DataLoader(shuffle=...);
-    ``shuffle`` here shuffles the shard order each epoch. ``index=True`` (the default with
-    ``decode="gpu"``) reads every member's header and every label once and makes a map-style
-    dataset instead (C++ ``TarImages``): len(), DataLoader(shuffle=True) across all shards, resume,
-    GPU decode, and image_folder's options (float, mean, std, dct_scaling, decode). It reads records
-    at random offsets: on storage that wants files read front to back (object stores), keep the
-    stream; ``decode="gpu", index=False`` is the stream with each JPEG decoded on the device (one
-    request for each 8 MiB of a shard instead of one for each record)."""
+    ``shuffle`` here shuffles the shard order each epoch. The stream's shards are read once, on
+    reader threads of their own, and its records are dealt to the workers in one order (shard after
+    shard): every worker decodes whatever the number of shards, every batch is full but the
+    epoch's last, and the batches are the same for any ``num_workers`` (and on resume at another).
+    ``float``, ``mean``, ``std`` and ``dct_scaling`` are image_folder's. ``index=True`` (the default
+    with ``decode="gpu"``) reads every member's header and every label once and makes a map-style
+    dataset instead (C++ ``TarImages``): len(), DataLoader(shuffle=True) across all shards and GPU
+    decode by batch. It reads records at random offsets: on storage that wants files read front to
+    back (object stores), keep the stream; ``decode="gpu", index=False`` is the stream with each
+    JPEG decoded on the device (one request for each 8 MiB of a shard instead of one for each
+    record)."""
     if (dir is None) == (shards is None):
         raise ValueError("tar: pass dir= or shards=, not both")
     if decode not in ("cpu", "gpu"):
@@ -110,10 +114,9 @@ def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size:
         return _ferry.make_dataset("tar_index", _config(
             dir=dir, shards=shard_list, size=size, random_crop=random_crop, channels=channels, float=float,
             mean=mean, std=std, dct_scaling=dct_scaling, decode=decode))
-    if float is not None or mean is not None or std is not None or dct_scaling:
-        raise ValueError("tar: float, mean, std and dct_scaling need index=True")
     return _ferry.make_dataset("tar", _config(dir=dir, shards=shard_list, size=size, random_crop=random_crop,
-                                              channels=channels, shuffle=shuffle, decode=decode))
+                                              channels=channels, shuffle=shuffle, float=float, mean=mean, std=std,
+                                              dct_scaling=dct_scaling, decode=decode))
 
 
 def tokens(path: str, seq_len: int = 1024, dtype: Optional[str] = None, eod: Optional[int] = None,

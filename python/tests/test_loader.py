@@ -100,6 +100,24 @@ def test_tar_stream(tar_dir):
         ferry.DataLoader(gpu, batch_size=4)
 
 
+@pytest.mark.parametrize("workers", [0, 2, 3, 8])
+def test_tar_stream_fills_batches_across_workers(tar_dir, workers):
+    # The stream deals its records to the workers in one order: 12 records in 2 shards make batches
+    # of 5, 5 and 2 for any number of workers, and with the shard order kept they are the indexed
+    # dataset's batches, normalized and randomly cropped alike (generators keyed by the position).
+    kw = dict(size=16, random_crop=True, float=True, mean=[0.5, 0.4, 0.3], std=[0.2, 0.25, 0.3])
+    stream = list(ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), shuffle=False, **kw), batch_size=5,
+                                   num_workers=workers, seed=7))
+    indexed = list(ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), index=True, **kw), batch_size=5, seed=7))
+    assert [len(y) for _, y in stream] == [5, 5, 2]
+    assert stream[0][0].dtype == torch.float32 and stream[0][0].shape == indexed[0][0].shape
+    for (x, y), (ix, iy) in zip(stream, indexed):
+        assert torch.equal(y, iy) and torch.equal(x, ix)
+    dropped = list(ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), **kw), batch_size=5, num_workers=workers,
+                                    drop_last=True))
+    assert [len(y) for _, y in dropped] == [5, 5]  # 2 of 12 unseen, not a remainder a worker
+
+
 def test_tar_indexed(tar_dir):
     # The same shards indexed: a map-style dataset, shuffled across shards by the loader.
     ds = ferry.datasets.tar(dir=str(tar_dir), size=16, index=True, float=True)
@@ -110,8 +128,6 @@ def test_tar_indexed(tar_dir):
     assert sorted(torch.cat([y for _, y in batches]).tolist()) == sorted([r % 3 for r in range(6)] * 2)
     again = [y.tolist() for _, y in ferry.DataLoader(ds, batch_size=4, num_workers=0, shuffle=True, seed=3)]
     assert again == [y.tolist() for _, y in batches]  # the same order with any number of workers
-    with pytest.raises(ValueError, match="index=True"):
-        ferry.datasets.tar(dir=str(tar_dir), mean=0.5)
     with pytest.raises(ferry.Error, match="decodes its images on the GPU.*device= in Python"):
         ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), size=16, random_crop=True, decode="gpu"), batch_size=4)
 

@@ -33,6 +33,11 @@ def test_tar_shards_and_npy_over_s3_equal_local(object_store, tar_dir, rows_npy)
     assert len(remote) == 3 and _same(remote, local)
     streamed = _batches(ferry.datasets.tar(dir=url, size=16, shuffle=False), batch_size=6)
     assert sum(len(b[1]) for b in streamed) == 12
+    # The stream's batches filled across the workers: the local stream's, for any number of them.
+    local_stream = _batches(ferry.datasets.tar(dir=str(tar_dir), size=16, shuffle=False), batch_size=5)
+    for workers in (0, 3, 8):
+        streamed = _batches(ferry.datasets.tar(dir=url, size=16, shuffle=False), batch_size=5, num_workers=workers)
+        assert [len(b[1]) for b in streamed] == [5, 5, 2] and _same(streamed, local_stream)
     path, array = rows_npy
     npy = object_store(path, "rows.npy")
     rows = _batches(ferry.datasets.npy(npy), batch_size=100)

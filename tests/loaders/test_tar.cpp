@@ -389,9 +389,8 @@ struct Counting : DatasetBase<Counting> {
 TEST_CASE("a user's stream opts in to one batcher across workers with across_workers()", "[loader][stream]") {
   Counting c;
   c.n = 29;
-  auto ds = c.across_workers().map([](std::int64_t v, SampleContext& ctx) {
-    return v * 10 + static_cast<std::int64_t>(ctx.rng().randint(10));
-  });
+  auto ds = c.across_workers().map(
+      [](std::int64_t v, SampleContext& ctx) { return v * 10 + static_cast<std::int64_t>(ctx.rng().randint(10)); });
   std::vector<std::vector<std::int64_t>> reference;
   for (int workers : {0, 2, 5}) {
     INFO(workers << " workers");

@@ -501,8 +501,10 @@ int main(int argc, char** argv) {
       for (const auto& p : list_plugins) registry.load_plugin(p);
       for (const auto& name : registry.names()) std::printf("%-14s %s\n", name.c_str(), registry.help(name).c_str());
       std::printf("%-14s %s\n", "tar",
-                  "WebDataset shards as a stream: dir=<folder of .tar> or shards=a.tar:b.tar, size=224, random_crop=0|1, "
-                  "channels=3, shuffle=1, decode=cpu|gpu (gpu: each JPEG decoded on the device; needs --device)");
+                  "WebDataset shards as a stream (read once, front to back; batches filled across the workers): "
+                  "dir=<folder of .tar> or shards=a.tar:b.tar, and image_folder's size=, channels=, random_crop=, float=, "
+                  "mean=, std=, dct_scaling=; shuffle=1 (the shard order), decode=cpu|gpu (gpu: each JPEG decoded on the "
+                  "device; needs --device)");
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "\nferry: %s\n", e.what());

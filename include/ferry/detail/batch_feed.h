@@ -103,7 +103,7 @@ class BatchFeed {
   std::mutex mu_;
   std::condition_variable dealt_;  // a worker's queue or the unit being read got a record
   std::vector<Lane> lanes_;
-  std::vector<std::deque<Item>> queues_;  // by worker
+  std::vector<std::deque<Item>> queues_;    // by worker
   std::vector<std::uint64_t> first_batch_;  // by worker: batches before it are not its (resume)
   std::size_t unit_ = 0;                    // the unit being dealt
   std::uint64_t position_ = 0;              // the next record's position

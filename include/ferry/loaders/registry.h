@@ -79,21 +79,13 @@ TokenSequences make_token_sequences(const DatasetConfig& config);
 std::vector<std::string> tar_shard_paths(const DatasetConfig& config);
 
 /// The labeled-image stream "tar" names (the `ferry` tool's and the Python module's): WebDataset
-/// shards (tar_shard_paths), each record's image decoded and transformed (size=224;
-/// random_crop=1: random_resized_crop + flip, else resize_shorter + center_crop; channels=3) and
-/// its label, as {image, int64 label} std::vector<Tensor>; shuffle=1 shuffles the shard order
-/// per epoch. A stream: the loader takes no shuffle or sampler for it. decode=gpu is
-/// make_tar_gpu_stream's.
-inline TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& config) {
-  TarRecordDecodeOptions o;
-  const auto size = static_cast<int>(config.integer("size", 224));
-  if (config.integer("random_crop", 0))
-    o.transform.random_resized_crop(size, size).horizontal_flip();
-  else
-    o.transform.resize_shorter(size).center_crop(size, size);
-  o.channels = static_cast<int>(config.integer("channels", 3));
-  return o;
-}
+/// shards (tar_shard_paths), each record's image decoded and transformed as image_folder's (size=224;
+/// random_crop=1: random_resized_crop + flip, else resize_shorter + center_crop; channels=3;
+/// float=0|1, mean=, std= (normalize; implies float), dct_scaling=0|1) and its label, as
+/// {image, int64 label} std::vector<Tensor>; shuffle=1 shuffles the shard order per epoch. A
+/// stream: the loader takes no shuffle or sampler for it; its batches are filled across the
+/// workers (TarShards). decode=gpu is make_tar_gpu_stream's.
+TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& config);
 inline TarShards tar_stream_shards(const DatasetConfig& config) {
   TarShardsOptions so;
   so.shuffle = config.integer("shuffle", 1) != 0;

@@ -38,8 +38,9 @@
 // Decoded on the GPU, a stream's records are EncodedImages (encode_labeled_image).
 //
 // Thread safety: TarShards is immutable but for the next epoch's opening reads it keeps for its
-// streams (behind a mutex); each stream belongs to one worker. In a loader, the next epoch's
-// opening read is not sent ahead: the reader threads send each epoch's first reads as it opens.
+// streams (behind a mutex); each stream belongs to one worker. In a loader, the reader of the
+// epoch's last shard sends the next epoch's first shard's opening read (as a worker's stream
+// does), and the next epoch's reader of that shard takes it.
 #pragma once
 
 #include <cstddef>
