@@ -170,29 +170,32 @@ int main(int argc, char** argv) {
   test::TempDir dir;
   std::vector<std::string> local, remote;
   std::size_t bytes = 0;
-  // The shards are made on every CPU (JPEG encoding is most of the set-up), then written and put in order.
+  // The images are encoded on every CPU (most of the set-up), then put in shards, written and put in order.
   std::vector<test::Bytes> tars(static_cast<std::size_t>(shards));
   {
+    std::vector<test::Bytes> jpgs(static_cast<std::size_t>(images));
     std::atomic<int> next{0};
     std::vector<std::thread> makers;
     for (int m = 0; m < std::max(1, cpus - server_cpus); ++m)
       makers.emplace_back([&] {
-        for (int s; (s = next.fetch_add(1)) < shards;) {
-          test::TarBuilder t;
-          for (int r = 0; r < per_shard && s * per_shard + r < images; ++r) {
-            // 500x375 photographs' size class: smooth gradients with texture, about 171 KB at quality 90.
-            std::vector<std::uint8_t> p = test::gradient(500, 375, 3, s * per_shard + r);
-            const std::vector<std::uint8_t> noise =
-                test::textured(500, 375, 3, static_cast<std::uint32_t>(s * per_shard + r + 1));
-            for (std::size_t k = 0; k < p.size(); ++k) p[k] = static_cast<std::uint8_t>((p[k] * 3 + noise[k]) / 4);
-            const std::string key = "s" + std::to_string(s) + "/" + std::to_string(r);
-            t.file(key + ".jpg", test::encode_jpeg(p, 500, 375, 3, 90));
-            t.file(key + ".cls", std::to_string(r % 1000));
-          }
-          tars[static_cast<std::size_t>(s)] = t.finish();
+        for (int i; (i = next.fetch_add(1)) < images;) {
+          // 500x375 photographs' size class: smooth gradients with texture, about 171 KB at quality 90.
+          std::vector<std::uint8_t> p = test::gradient(500, 375, 3, i);
+          const std::vector<std::uint8_t> noise = test::textured(500, 375, 3, static_cast<std::uint32_t>(i + 1));
+          for (std::size_t k = 0; k < p.size(); ++k) p[k] = static_cast<std::uint8_t>((p[k] * 3 + noise[k]) / 4);
+          jpgs[static_cast<std::size_t>(i)] = test::encode_jpeg(p, 500, 375, 3, 90);
         }
       });
     for (std::thread& t : makers) t.join();
+    for (int s = 0; s < shards; ++s) {
+      test::TarBuilder t;
+      for (int r = 0; r < per_shard && s * per_shard + r < images; ++r) {
+        const std::string key = "s" + std::to_string(s) + "/" + std::to_string(r);
+        t.file(key + ".jpg", jpgs[static_cast<std::size_t>(s * per_shard + r)]);
+        t.file(key + ".cls", std::to_string(r % 1000));
+      }
+      tars[static_cast<std::size_t>(s)] = t.finish();
+    }
   }
   for (int s = 0; s < shards; ++s) {
     const test::Bytes& tar = tars[static_cast<std::size_t>(s)];

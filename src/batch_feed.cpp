@@ -49,13 +49,15 @@ BatchFeed::~BatchFeed() {
   threads_.reset();  // joins
 }
 
+std::size_t BatchFeed::room(const Lane& lane) const { return lane.unit == unit_ ? 4 * shape_.lane_records : shape_.lane_records; }
+
 bool BatchFeed::put(std::size_t lane, Item item, const std::function<bool()>& on_wait) {
   std::unique_lock l(mu_);
   Lane& ln = lanes_[lane];
-  while (!stopping_ && ln.items.size() >= shape_.lane_records && !item.end_of_unit) {
+  while (!stopping_ && ln.items.size() >= room(ln) && !item.end_of_unit) {
     if (on_wait) {
       ln.space.wait_for(l, kWaitPoll);
-      if (stopping_ || ln.items.size() < shape_.lane_records) break;
+      if (stopping_ || ln.items.size() < room(ln)) break;
       l.unlock();
       try {
         on_wait();
@@ -75,6 +77,10 @@ bool BatchFeed::put(std::size_t lane, Item item, const std::function<bool()>& on
 
 void BatchFeed::lane_main(std::size_t lane) {
   for (std::size_t u = lane; u < shape_.units; u += lanes_.size()) {
+    {
+      std::lock_guard l(mu_);
+      lanes_[lane].unit = u;
+    }
     Sink sink(*this, lane);
     try {
       read_(u, sink);
@@ -122,6 +128,7 @@ BatchFeed::Box BatchFeed::next(int worker, std::uint64_t& position) {
     ln.space.notify_one();
     if (it.end_of_unit) {
       if (++unit_ == shape_.units) ended_ = true;
+      lanes_[unit_ % lanes_.size()].space.notify_one();  // its lane may read further now
       continue;
     }
     it.position = position_++;

@@ -14,8 +14,9 @@
 //
 // Workers take records with next(w). A worker that finds none of its own deals records from the
 // lane of the unit being read into their owners' queues until one of its own arrives (under one
-// mutex: dealing moves a record, it does not copy or decode it); lanes read ahead at most
-// `lane_records` records each while their consumers catch up. What waits in the workers' queues is
+// mutex: dealing moves a record, it does not copy or decode it); the lane of the unit being dealt
+// reads ahead up to 4 * `lane_records` records (so that a reader thread that waits for a core does
+// not stop every worker), the others `lane_records` each, ready when their unit's turn comes. What waits in the workers' queues is
 // bounded by the engine's window (a worker deals only up to its next batch, and it is given that
 // batch only within prefetch_factor * W batches of the oldest one not yet delivered).
 //
@@ -65,7 +66,7 @@ class BatchFeed {
   struct Shape {
     std::size_t units = 1;          ///< units of the epoch (shards), read in order 0, 1, ...
     std::size_t lanes = 1;          ///< reader threads (at most units)
-    std::size_t lane_records = 64;  ///< records a lane reads ahead
+    std::size_t lane_records = 64;  ///< records a lane reads ahead (4x that for the unit being dealt)
     int workers = 1;                ///< the loader's workers (1 with none)
     std::size_t batch_size = 1;
   };
@@ -94,7 +95,9 @@ class BatchFeed {
   struct Lane {
     std::deque<Item> items;
     std::condition_variable space;
+    std::size_t unit = 0;  // the unit it reads
   };
+  std::size_t room(const Lane& lane) const;
   void lane_main(std::size_t lane);
   bool put(std::size_t lane, Item item, const std::function<bool()>& on_wait);
 
