@@ -13,7 +13,7 @@
 // as a store on another machine would be; without it both share every CPU.
 //
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
-//       [--per-shard 128] [--batch 64] [--drop-last] [--float (to_float + ImageNet's mean/std)]
+//       [--per-shard 128] [--batch 64] [--drop-last] [--float (to_float + ImageNet's mean/std)] [--local-only]
 //       [--persistent | --loader-per-epoch] [--prefetch N] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
 // --no-next-epoch-ahead: prefetch_next_epoch = false (a stream then sends no read for the next
 // epoch's first shard as an epoch ends). With --server-cpus the latency proxy runs on the server's
@@ -243,6 +243,7 @@ int main(int argc, char** argv) {
   // first batch, its length, the consumer's wait in the loader and the stages' seconds (stderr).
   const bool one_loader = !flag(argc, argv, "--loader-per-epoch"), detail = flag(argc, argv, "--detail");
   const bool no_cache_row = flag(argc, argv, "--no-cache-row");
+  const bool local_only = flag(argc, argv, "--local-only");  // the local-disk rows alone
   o.persistent_workers = flag(argc, argv, "--persistent");
   o.prefetch_factor = arg(argc, argv, "--prefetch", o.prefetch_factor);
   o.prefetch_next_epoch = !flag(argc, argv, "--no-next-epoch-ahead");
@@ -381,6 +382,7 @@ int main(int argc, char** argv) {
     std::printf("| %s | local disk | %.0f | 1.00 | %.2f | %.0f | - | %.0f | 1.00 | %zu |\n", kind, l.images_per_second, l.busy,
                 l.images_per_second / l.busy, l.mid, l.images);
     std::fflush(stdout);
+    if (local_only) continue;
     const Result r = run(remote);
     std::printf("| %s | s3:// | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | %zu |\n", kind, r.images_per_second,
                 r.images_per_second / l.images_per_second, r.busy, r.images_per_second / r.busy, r.server, r.mid,

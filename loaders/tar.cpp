@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
+#include <atomic>
 #include <limits>
 #include <mutex>
 #include <numeric>
@@ -28,6 +30,8 @@ constexpr std::size_t kObjectPiece = std::size_t{8} << 20;
 // store's first-byte latency, one piece in hand left the reader waiting at each shard's start),
 // and an epoch's first batches are here when it starts (a batch of 64 ImageNet JPEGs is 7-11 MB).
 constexpr std::size_t kAheadPiece = 2 * kObjectPiece;
+// A local file's member of at least this size is read into its destination without the buffer.
+constexpr std::size_t kDirectRead = std::size_t{64} << 10;
 }  // namespace
 
 // --- TarReader ----------------------------------------------------------------------------------
@@ -72,7 +76,9 @@ struct TarReader::Impl {
     std::size_t got = 0;
     while (got < n) {
       if (buf_pos == buf_len) {
-        if (n - got >= buf.size()) {  // large member: read straight into the destination
+        // A large member (one buffer, or 64 KiB of a local file: an image) is read straight into
+        // its destination, not through the buffer.
+        if (n - got >= (blob->remote() ? buf.size() : kDirectRead)) {
           const std::size_t r = fetch(dst + got, n - got);
           got += r;
           offset += r;
@@ -328,6 +334,51 @@ struct TarShards::Held {
     by_worker.erase(it);
     return read;
   }
+
+  // A loader's reading of one epoch (Note [One batcher across workers]), and, for local shards
+  // with next_epoch_ahead, the next epoch's: made as the epoch's last shard has been read, its
+  // readers' first records in hand when the next epoch opens (each epoch would otherwise start
+  // with its workers waiting in turn for the reader to reach their first batch). The loader keeps
+  // a Slot (WorkerInfo::loader_share) with the function that makes a reading and the one made ahead.
+  struct FeedKey {
+    std::uint64_t seed = 0, epoch = 0;
+    int workers = 0;
+    std::size_t batch = 0;
+    bool ahead = false;  // next_epoch_ahead
+    bool operator==(const FeedKey&) const = default;
+  };
+  struct Feed {
+    std::unique_ptr<detail::BatchFeed> feed;
+    std::shared_ptr<std::atomic<bool>> used;  // a loader reads it: it may make the next one
+  };
+  struct Slot {
+    std::mutex mu;
+    std::function<Feed(const FeedKey&)> make;  // set by the loader's first open
+    std::optional<FeedKey> ahead_key;
+    Feed ahead;
+    Feed take(const FeedKey& key) {
+      Feed out, stale;
+      {
+        std::lock_guard l(mu);
+        if (ahead.feed && ahead_key == key)
+          out = std::move(ahead);
+        else
+          stale = std::move(ahead);  // another epoch's: dropped outside the lock (its readers joined)
+        ahead = {};
+        ahead_key.reset();
+      }
+      return out;
+    }
+    void put(const FeedKey& key, Feed feed) {
+      Feed old;
+      {
+        std::lock_guard l(mu);
+        old = std::move(ahead);
+        ahead = std::move(feed);
+        ahead_key = key;
+      }
+    }
+  };
 };
 
 TarShards::TarShards(std::vector<std::string> shards, TarShardsOptions options)
@@ -394,52 +445,94 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
     if (worker.num_workers < 1 || worker.id < 0 || worker.id >= worker.num_workers)
       throw Error("TarShards: worker " + std::to_string(worker.id) + " of " + std::to_string(worker.num_workers) +
                   " is not valid");
+    const Held::FeedKey key{worker.seed, worker.epoch, worker.num_workers, worker.batch_size, worker.next_epoch_ahead};
+    // The loader's slot (one a loader; a stream opened with no loader_share makes its own).
+    const std::shared_ptr<Held::Slot> slot =
+        worker.loader_share ? worker.loader_share->get<Held::Slot>(this, [] { return std::make_unique<Held::Slot>(); })
+                            : std::make_shared<Held::Slot>();
     s.feed_ = worker.share->get<detail::BatchFeed>(this, [&] {
-      auto paths = std::make_shared<std::vector<std::string>>();
-      for (std::size_t k : rank_shards(worker.seed, worker.epoch)) paths->push_back(shards_[k]);
-      detail::BatchFeed::Shape shape;
-      shape.units = paths->size();
-      shape.lanes = kLanes;
-      shape.lane_records = std::max(worker.batch_size, kLaneRecordsMin);
-      shape.workers = worker.num_workers;
-      shape.batch_size = worker.batch_size;
-      const std::size_t lanes = std::min(kLanes, std::max<std::size_t>(paths->size(), 1));
-      // Over s3://, with next_epoch_ahead: the last shard's reader sends the next epoch's first
-      // shard's opening read once it has asked for all its pieces and keeps it in held_, where the
-      // next epoch's reader of its first shard takes it (Stream::advance, as a worker's stream).
-      const bool ahead = worker.next_epoch_ahead && !paths->empty() && loaders::is_remote(paths->front());
-      std::string next_first;
-      if (ahead) {
-        const std::vector<std::size_t> next = rank_shards(worker.seed, worker.epoch + 1);
-        if (!next.empty()) next_first = shards_[next.front()];
+      {
+        std::lock_guard l(slot->mu);
+        // What makes a loader's reading of an epoch: a function of the epoch's key, over a copy of
+        // the shard list (no reference to this dataset, nor to the slot that keeps a reading made
+        // ahead: no cycle).
+        if (!slot->make) {
+          const auto plain = std::make_shared<const TarShards>(shards_, options_);  // rank_shards() of these shards
+          const std::weak_ptr<Held::Slot> weak_slot = slot;
+          const std::shared_ptr<Held> held_open = held_;  // the next epoch's opening read over s3://
+          slot->make = [plain, weak_slot, held_open](const Held::FeedKey& key) -> Held::Feed {
+            auto paths = std::make_shared<std::vector<std::string>>();
+            for (std::size_t k : plain->rank_shards(key.seed, key.epoch)) paths->push_back(plain->shards()[k]);
+            detail::BatchFeed::Shape shape;
+            shape.units = paths->size();
+            shape.lanes = kLanes;
+            shape.lane_records = std::max(key.batch, kLaneRecordsMin);
+            shape.workers = key.workers;
+            shape.batch_size = key.batch;
+            const std::size_t lanes = std::min(kLanes, std::max<std::size_t>(paths->size(), 1));
+            const bool remote = !paths->empty() && loaders::is_remote(paths->front());
+            // Over s3://, with next_epoch_ahead: the last shard's reader sends the next epoch's first
+            // shard's opening read once it has asked for all its pieces and keeps it in Held, where the
+            // next epoch's reader of its first shard takes it (Stream::advance, as a worker's stream).
+            // Local shards: the next epoch's reading itself starts as this one's last shard is read.
+            std::string next_first;
+            if (key.ahead && remote) {
+              const std::vector<std::size_t> next = plain->rank_shards(key.seed, key.epoch + 1);
+              if (!next.empty()) next_first = plain->shards()[next.front()];
+            }
+            std::shared_ptr<Held> held = key.ahead && remote ? held_open : nullptr;
+            auto used = std::make_shared<std::atomic<bool>>(false);
+            std::weak_ptr<Held::Slot> ahead_to = key.ahead && !remote ? weak_slot : std::weak_ptr<Held::Slot>();
+            auto feed = std::make_unique<detail::BatchFeed>(
+                shape, [paths, lanes, next_first, held, used, ahead_to, key](std::size_t unit, detail::BatchFeed::Sink& sink) {
+                  // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
+                  Stream one;
+                  one.shards_.push_back((*paths)[unit]);
+                  if (held && (unit == 0 || unit + 1 == paths->size())) {
+                    one.held_ = held;
+                    one.worker_ = kFeedHeld;
+                    if (unit + 1 == paths->size()) one.next_first_ = next_first;
+                  }
+                  sink.on_wait = [&one] { return one.progress(); };
+                  bool opened = false;
+                  for (;;) {
+                    std::optional<TarRecord> r;
+                    try {
+                      r = one.next();
+                    } catch (...) {
+                      if (!sink.fail(std::current_exception())) return;
+                      continue;
+                    }
+                    if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);
+                    opened = true;
+                    if (!r) break;
+                    if (!sink.push(std::make_shared<TarRecord>(std::move(*r)))) return;
+                  }
+                  // The epoch's last shard read (local shards, next_epoch_ahead): the next epoch's reading
+                  // starts, for the loader's next open to take. Only from a reading a loader uses (one
+                  // made ahead and never taken makes no other).
+                  if (unit + 1 == paths->size() && used->load())
+                    if (std::shared_ptr<Held::Slot> to = ahead_to.lock()) {
+                      std::function<Held::Feed(const Held::FeedKey&)> make_next;
+                      {
+                        std::lock_guard l(to->mu);
+                        make_next = to->make;
+                      }
+                      if (make_next) {
+                        Held::FeedKey next = key;
+                        ++next.epoch;
+                        to->put(next, make_next(next));
+                      }
+                    }
+                });
+            return Held::Feed{std::move(feed), std::move(used)};
+          };
+        }
       }
-      std::shared_ptr<Held> held = ahead ? held_ : nullptr;
-      return std::make_unique<detail::BatchFeed>(
-          shape, [paths, lanes, next_first, held](std::size_t unit, detail::BatchFeed::Sink& sink) {
-            // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
-            Stream one;
-            one.shards_.push_back((*paths)[unit]);
-            if (held && (unit == 0 || unit + 1 == paths->size())) {
-              one.held_ = held;
-              one.worker_ = kFeedHeld;
-              if (unit + 1 == paths->size()) one.next_first_ = next_first;
-            }
-            sink.on_wait = [&one] { return one.progress(); };
-            bool opened = false;
-            for (;;) {
-              std::optional<TarRecord> r;
-              try {
-                r = one.next();
-              } catch (...) {
-                if (!sink.fail(std::current_exception())) return;
-                continue;
-              }
-              if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);
-              opened = true;
-              if (!r) return;
-              if (!sink.push(std::make_shared<TarRecord>(std::move(*r)))) return;
-            }
-          });
+      Held::Feed f = slot->take(key);
+      if (!f.feed) f = slot->make(key);
+      f.used->store(true);
+      return std::move(f.feed);
     });
     s.worker_ = worker.id;
     if (worker.next_epoch_ahead) s.held_ = held_;  // moved along by the idle workers between epochs

@@ -35,15 +35,19 @@ struct Result {
 };
 
 struct EpochState {
-  EpochState(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan, int workers)
-      : epoch(epoch), plan(std::move(plan)), streams(static_cast<std::size_t>(std::max(workers, 1))) {}
+  EpochState(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan, int workers, std::shared_ptr<StreamShare> loader_share)
+      : epoch(epoch),
+        plan(std::move(plan)),
+        streams(static_cast<std::size_t>(std::max(workers, 1))),
+        loader_share(std::move(loader_share)) {}
   const std::uint64_t epoch;
   const std::shared_ptr<const BatchPlan> plan;
   std::atomic<bool> cancelled{false};
   StageQueue<Result> results;
   // One per worker; element w is touched only by worker w (its jobs come from its own queue).
   std::vector<std::shared_ptr<void>> streams;
-  EpochShare share;  // what the workers' streams share (WorkerInfo::share)
+  StreamShare share;                          // what the workers' streams share (WorkerInfo::share)
+  std::shared_ptr<StreamShare> loader_share;  // the loader's (WorkerInfo::loader_share), kept while a task runs
 };
 
 struct Task {
@@ -136,6 +140,8 @@ struct Engine::State {
   std::int64_t retired_ns[kStageCount] = {};  // stage time of threads gone
   std::atomic<std::uint64_t> abandoned{0}, timeouts{0};
   bool keepable = false;  // the producer gave workers a keep-alive: they may be abandoned
+  // What the loader's streams share for its life (WorkerInfo::loader_share); each epoch holds it too.
+  std::shared_ptr<StreamShare> loader_share = std::make_shared<StreamShare>();
 
   // The live epoch; consumer thread only.
   std::shared_ptr<EpochState> ep;
@@ -292,7 +298,7 @@ struct Engine::State {
 
   void worker_main(int id, WorkerCtl& c, StageQueue<Task>& queue) {
     if (opt.placement) apply_placement(*opt.placement);
-    WorkerInfo info{id, W, opt.seed, 0, opt.next_epoch_ahead, opt.batch_size, nullptr};
+    WorkerInfo info{id, W, opt.seed, 0, opt.next_epoch_ahead, opt.batch_size, nullptr, nullptr};
     std::exception_ptr init_error;
     c.stage.enter(Stage::WorkerInit);
     try {
@@ -324,6 +330,7 @@ struct Engine::State {
       const Job& job = c.task.job;
       info.epoch = epoch.epoch;
       info.share = &epoch.share;
+      info.loader_share = epoch.loader_share.get();
       c.batch.store(job.batch, std::memory_order_relaxed);
       c.sample.store(-1, std::memory_order_relaxed);
       c.since_ns.store(now_ns(), std::memory_order_relaxed);
@@ -535,7 +542,7 @@ struct Engine::State {
 
   // Makes one batch of a num_workers = 0 epoch on the calling thread; throws the wrapped error.
   Payload make_inline(const Job& job, EpochState& epoch, StageMeter& stage) {
-    WorkerInfo info{0, 1, opt.seed, epoch.epoch, opt.next_epoch_ahead, opt.batch_size, &epoch.share};
+    WorkerInfo info{0, 1, opt.seed, epoch.epoch, opt.next_epoch_ahead, opt.batch_size, &epoch.share, epoch.loader_share.get()};
     JobContext ctx(info, stage, epoch.cancelled, epoch.streams[0]);
     stage.trace(opt.trace, job.batch, TraceRecorder::kInlineTrack);
     stage.enter(Stage::Fetch);
@@ -790,7 +797,7 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
     s.ahead_dispatched = 0;
   } else {
     s.drop_ahead();
-    s.ep = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
+    s.ep = std::make_shared<EpochState>(epoch, std::move(plan), s.W, s.loader_share);
   }
   s.total = s.opt.streaming ? 0 : s.ep->plan->size();
   if (start > 0 && !s.opt.streaming && start > s.total)
@@ -813,7 +820,7 @@ void Engine::prefetch_next(std::uint64_t epoch, std::shared_ptr<const BatchPlan>
   State& s = *state_;
   s.drop_ahead();
   if (!s.live || !s.can_prefetch_next() || !plan) return;
-  s.ahead = std::make_shared<EpochState>(epoch, std::move(plan), s.W);
+  s.ahead = std::make_shared<EpochState>(epoch, std::move(plan), s.W, s.loader_share);
   s.dispatch();
 }
 

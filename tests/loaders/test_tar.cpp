@@ -288,6 +288,35 @@ TEST_CASE("a tar stream fills batches across workers: the same batches for any w
   }
 }
 
+TEST_CASE("a loader's tar stream reads its next epoch ahead: the same batches, and no reader left after the loader",
+          "[loader][tar]") {
+  TempDir dir;
+  std::size_t n = 0;
+  const auto paths = write_uneven_shards(dir, 5, n);
+  const auto ds = identified(paths);
+  const std::size_t before = live_threads();
+  std::vector<std::vector<std::int64_t>> with, without;
+  for (bool ahead : {true, false}) {
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = 3;
+    o.seed = 2;
+    o.prefetch_next_epoch = ahead;
+    {
+      DataLoader loader(ds, o);
+      while (loader.next_epoch() < 3)
+        for (Tensor& b : loader) (ahead ? with : without).push_back(values_of(b));
+      loader.set_epoch(7);  // the epoch made ahead (3) is not this one: dropped, and 7 read afresh
+      auto seventh = epoch_batches(loader);
+      CHECK(seventh.size() == (n + 3) / 4);
+    }
+    // The reading made ahead for the next epoch ends with the loader (the dataset lives on).
+    CHECK(eventually([&] { return live_threads() == before; }));
+  }
+  CHECK(with == without);
+  CHECK(with.size() == 3 * ((n + 3) / 4));
+}
+
 TEST_CASE("a tar stream resumes mid-epoch at another worker count: the rest of the epoch is the uninterrupted run's",
           "[loader][tar][resume]") {
   TempDir dir;

@@ -68,10 +68,11 @@
 
 namespace ferry {
 
-/// What the streams that a loader's workers open for one epoch share: a stream that fills batches
-/// across the workers keeps its one reader here (WorkerInfo::share), made by the first worker to
-/// open and dropped when the epoch ends. Thread-safe.
-class EpochShare {
+/// What the streams that a loader's workers open share: for one epoch (WorkerInfo::share: a
+/// stream that fills batches across the workers keeps its one reader there, made by the first
+/// worker to open, dropped when the epoch ends) or for the loader's life (WorkerInfo::loader_share:
+/// the next epoch's reader, made ahead). Thread-safe.
+class StreamShare {
  public:
   /// The object kept under `key` (the dataset's address), made by make() on the first call.
   template <class T, class Make>
@@ -100,7 +101,9 @@ struct WorkerInfo {
   /// The loader's batch size (0 outside a loader's epoch).
   std::size_t batch_size = 0;
   /// Shared by the streams of this epoch's workers (null outside a loader's epoch).
-  EpochShare* share = nullptr;
+  StreamShare* share = nullptr;
+  /// Shared by the loader's streams for the loader's life (null outside a loader's epoch).
+  StreamShare* loader_share = nullptr;
 };
 
 /// The share [begin, end) of `n` items that worker `id` of `count` should read: contiguous,

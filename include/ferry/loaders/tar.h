@@ -38,9 +38,11 @@
 // Decoded on the GPU, a stream's records are EncodedImages (encode_labeled_image).
 //
 // Thread safety: TarShards is immutable but for the next epoch's opening reads it keeps for its
-// streams (behind a mutex); each stream belongs to one worker. In a loader, the reader of the
-// epoch's last shard sends the next epoch's first shard's opening read (as a worker's stream
-// does), and the next epoch's reader of that shard takes it.
+// streams (behind a mutex); each stream belongs to one worker. In a loader with
+// prefetch_next_epoch, local shards: the next epoch's reading starts once this epoch's last shard
+// has been read (its first records are in hand when it opens; it ends with the loader); s3://
+// shards: the reader of the epoch's last shard sends the next epoch's first shard's opening read
+// (as a worker's stream does), and the next epoch's reader of that shard takes it.
 #pragma once
 
 #include <cstddef>
