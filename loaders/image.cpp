@@ -2,6 +2,7 @@
 
 #include <png.h>
 #include <turbojpeg.h>
+#include <zlib.h>
 // libjpeg's own API (libjpeg-turbo's, as TurboJPEG's) for what TurboJPEG 2.1 lacks: skipping
 // scanlines and cropping columns. jpeglib.h needs <cstdio> first.
 #include <cstdio>
@@ -108,9 +109,39 @@ class JpegDecode {
   Size size_{};
 };
 
+// A PNG's header (its signature's 8 bytes, then the IHDR chunk: length, type, width, height, bit
+// depth, color type, compression, filter, interlace, CRC) checked field by field, so that a
+// damaged header is an error naming the byte where it is wrong (libpng's messages name none).
+void check_png_header(std::span<const std::byte> b, const std::string& name) {
+  const auto u8 = [&](std::size_t at) { return static_cast<std::uint32_t>(b[at]); };
+  const auto u32 = [&](std::size_t at) { return (u8(at) << 24) | (u8(at + 1) << 16) | (u8(at + 2) << 8) | u8(at + 3); };
+  if (b.size() < 33)
+    throw DataError(name, b.size(), "truncated PNG: its header needs 33 bytes, the file has " + std::to_string(b.size()));
+  if (u32(8) != 13) throw DataError(name, 8, "corrupt PNG: the IHDR chunk's length is " + std::to_string(u32(8)) + ", not 13");
+  if (std::memcmp(b.data() + 12, "IHDR", 4) != 0) throw DataError(name, 12, "corrupt PNG: the first chunk is not IHDR");
+  for (std::size_t at : {std::size_t{16}, std::size_t{20}})
+    if (u32(at) == 0 || u32(at) > 0x7fffffffu)
+      throw DataError(name, at,
+                      std::string("corrupt PNG: its ") + (at == 16 ? "width" : "height") + " is " + std::to_string(u32(at)));
+  const std::uint32_t depth = u8(24), type = u8(25);
+  const bool depth_ok = (type == 0 && (depth == 1 || depth == 2 || depth == 4 || depth == 8 || depth == 16)) ||
+                        (type == 3 && (depth == 1 || depth == 2 || depth == 4 || depth == 8)) ||
+                        ((type == 2 || type == 4 || type == 6) && (depth == 8 || depth == 16));
+  if (type != 0 && type != 2 && type != 3 && type != 4 && type != 6)
+    throw DataError(name, 25, "corrupt PNG: color type " + std::to_string(type) + " is not one PNG defines");
+  if (!depth_ok)
+    throw DataError(
+        name, 24, "corrupt PNG: bit depth " + std::to_string(depth) + " is not allowed with color type " + std::to_string(type));
+  if (u8(26) != 0 || u8(27) != 0 || u8(28) > 1)
+    throw DataError(name, 26, "corrupt PNG: unknown compression, filter or interlace method in IHDR");
+  const auto crc = static_cast<std::uint32_t>(crc32(0, reinterpret_cast<const Bytef*>(b.data() + 12), 17));
+  if (crc != u32(29)) throw DataError(name, 29, "corrupt PNG: the IHDR chunk's CRC does not match its bytes");
+}
+
 class PngDecode {
  public:
   PngDecode(std::span<const std::byte> bytes, const std::string& name, const DecodeOptions& o) : name_(name) {
+    check_png_header(bytes, name);
     std::memset(&img_, 0, sizeof img_);
     img_.version = PNG_IMAGE_VERSION;
     if (!png_image_begin_read_from_memory(&img_, bytes.data(), bytes.size())) fail();

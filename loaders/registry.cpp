@@ -126,7 +126,14 @@ void add_builtins(DatasetRegistry& r) {
           std::vector<Tensor> get(std::size_t i, SampleContext& ctx) const { return labeled(d.get(i, ctx)); }
           std::vector<HostRows> host_rows(std::string& why) const { return d.host_rows(why); }
         };
-        IdxRows rows{IdxDataset(c.str("images"), c.str("labels"), std::move(o))};
+        if (!c.has("images") || !c.has("labels"))
+          throw Error(std::string("dataset 'idx': options 'images' and 'labels' are required (") +
+                      (c.has("images")   ? "labels="
+                       : c.has("labels") ? "images="
+                                         : "images= and labels=") +
+                      " missing: the IDX images and labels files, raw or .gz)");
+        const std::string images = c.str("images"), labels = c.str("labels");
+        IdxRows rows{IdxDataset(images, labels, std::move(o))};
         c.finish();
         return DynamicDataset(std::move(rows));
       },
@@ -399,17 +406,70 @@ TarImages make_tar_index(const DatasetConfig& c) {
   return TarImages(std::move(shards), std::move(o));
 }
 
-DatasetConfig::DatasetConfig(std::string dataset, const std::string& text) : dataset_(std::move(dataset)) {
-  std::stringstream ss(text);
-  std::string item;
-  while (std::getline(ss, item, ',')) {
-    if (trim(item).empty()) continue;
-    const std::size_t eq = item.find('=');
-    if (eq == std::string::npos) throw Error("dataset '" + dataset_ + "': option '" + trim(item) + "' is not key=value");
-    const std::string key = trim(item.substr(0, eq)), value = trim(item.substr(eq + 1));
-    if (key.empty()) throw Error("dataset '" + dataset_ + "': option '" + trim(item) + "' has an empty key");
-    if (!values_.emplace(key, value).second) throw Error("dataset '" + dataset_ + "': option '" + key + "' is given twice");
+namespace {
+// The places in `text` where `sep` stands unescaped (a backslash escapes the character after it).
+// With `url_scheme`, a ':' followed by "//" (a URL's scheme, "s3://") is no separator.
+std::vector<std::string> split_unescaped(const std::string& text, char sep, bool url_scheme = false) {
+  std::vector<std::string> out(1);
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (c == '\\' && i + 1 < text.size()) {
+      out.back() += text.substr(i, 2);
+      ++i;
+    } else if (c == sep && !(url_scheme && text.compare(i, 3, "://") == 0)) {
+      out.emplace_back();
+    } else {
+      out.back() += c;
+    }
   }
+  return out;
+}
+// The first unescaped '=' of `item`, or npos.
+std::size_t unescaped_eq(const std::string& item) {
+  for (std::size_t i = 0; i < item.size(); ++i) {
+    if (item[i] == '\\') {
+      ++i;
+    } else if (item[i] == '=') {
+      return i;
+    }
+  }
+  return std::string::npos;
+}
+}  // namespace
+
+std::string DatasetConfig::unescape(const std::string& text) const {
+  std::string out;
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    if (text[i] != '\\') {
+      out += text[i];
+      continue;
+    }
+    if (i + 1 == text.size()) throw Error("dataset '" + dataset_ + "': '" + text + "' ends with a lone '\\' (write '\\\\')");
+    out += text[++i];
+  }
+  return out;
+}
+
+DatasetConfig::DatasetConfig(std::string dataset, const std::string& text) : dataset_(std::move(dataset)) {
+  for (const std::string& item : split_unescaped(text, ',')) {
+    if (trim(item).empty()) continue;
+    const std::size_t eq = unescaped_eq(item);
+    if (eq == std::string::npos) throw Error("dataset '" + dataset_ + "': option '" + trim(item) + "' is not key=value");
+    const std::string key = unescape(trim(item.substr(0, eq))), raw = trim(item.substr(eq + 1));
+    if (key.empty()) throw Error("dataset '" + dataset_ + "': option '" + trim(item) + "' has an empty key");
+    if (!values_.emplace(key, unescape(raw)).second)
+      throw Error("dataset '" + dataset_ + "': option '" + key + "' is given twice");
+    raw_.emplace(key, raw);
+  }
+}
+
+std::vector<std::string> DatasetConfig::items(const std::string& key) const {
+  const std::string value = str(key);  // required; marks it read
+  (void)value;
+  std::vector<std::string> out;
+  for (const std::string& piece : split_unescaped(raw_.at(key), ':', true))
+    if (!piece.empty()) out.push_back(unescape(piece));
+  return out;
 }
 
 std::string DatasetConfig::str(const std::string& key) const {
@@ -568,17 +628,10 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& c) {
     std::sort(shards.begin(), shards.end());
     if (shards.empty()) throw Error("dataset '" + c.dataset() + "': no .tar files in '" + dir + "'");
   } else {
-    // Names separated by ':' (a ':' before "//" belongs to a URL's scheme), each a brace pattern.
-    const std::string list = c.str("shards");
-    std::size_t start = 0;
-    while (start <= list.size()) {
-      std::size_t end = list.find(':', start);
-      while (end != std::string::npos && list.compare(end, 3, "://") == 0) end = list.find(':', end + 1);
-      end = std::min(end, list.size());
-      if (end > start)
-        for (std::string& s : expand_braces(list.substr(start, end - start))) shards.push_back(std::move(s));
-      start = end + 1;
-    }
+    // Names separated by ':' (a ':' before "//" belongs to a URL's scheme; "\:" is a ':' of a
+    // name), each a brace pattern.
+    for (const std::string& name : c.items("shards"))
+      for (std::string& s : expand_braces(name)) shards.push_back(std::move(s));
     if (shards.empty()) throw Error("dataset '" + c.dataset() + "': option 'shards' names no file");
   }
   return shards;

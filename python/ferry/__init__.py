@@ -238,6 +238,18 @@ class DataLoader:
             otherwise wait behind the step's (ferry logs a warning).
     """
 
+    # Set in __init__ (declared here for the type checker: module-level code reads them first).
+    dataset: Any
+    batch_size: Optional[int]
+    device: Any
+    _loader: Any
+    _options: Any
+    _pool: Any
+    _python: bool
+    _widen: Any
+    _torch_stream: Any
+    _torch_device: Any
+
     def __init__(
         self,
         dataset: Any,

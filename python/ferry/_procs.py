@@ -138,7 +138,7 @@ def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> Non
         if init is not None:
             init(worker)
         getitems = getattr(dataset, "__getitems__", None) if fetch_mode == "map" else None
-        iterator = None
+        iterator: Any = None
         conn.send(("ready", None))
     except BaseException as exc:  # everything goes back to the loader
         conn.send(("error", _wrap(exc)))
@@ -154,6 +154,7 @@ def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> Non
             slabs.add(message[1], message[2], multiprocessing.reduction.recv_handle(conn))
             continue
         try:
+            reply: Any
             if message[0] == "map":  # a batch, collated here and written into its slab
                 _, indices, seed, epoch, slab, drops = message
                 slabs.drop(drops)
@@ -303,7 +304,7 @@ class Pool:
     def call(self, worker: int, message: Any) -> Any:
         with self._lock:
             slot = self._slots.get(worker)
-            closed = self._closed or multiprocessing.util._exiting
+            closed = self._closed or multiprocessing.util._exiting  # type: ignore[attr-defined]  # set as Python exits
         if closed:
             raise RuntimeError("DataLoader: the loader's worker processes were stopped")
         # An idle process sends nothing: a readable pipe means it has ended (killed from outside);
@@ -337,7 +338,7 @@ class Pool:
             slot.conn.send(message + (None if lease is None else lease.id, drops))
             blob, needed, placed, missed = self._reply(slot, worker, message)
         except BaseException:
-            if lease is not None:
+            if lease is not None and slabs is not None:
                 slabs.give_back(lease)
             raise
         slot.busy = False
@@ -386,7 +387,7 @@ class Pool:
         if exiting:
             busy = [s for s in slots if s.busy]
             for slot in busy:  # multiprocessing's own exit handler would terminate it
-                multiprocessing.process._children.discard(slot.proc)
+                multiprocessing.process._children.discard(slot.proc)  # type: ignore[attr-defined]
             slots = [s for s in slots if not s.busy]
         _stop(slots, wait=0.5)
         prestarter = self._prestarter

@@ -121,7 +121,7 @@ def _map_tensors(obj: Any, on_tensor: Callable[[Any], Any], on_other: Callable[[
         if isinstance(o, collections.abc.Mapping):
             mapped = {k: walk(v) for k, v in o.items()}
             try:
-                return type(o)(mapped)
+                return type(o)(mapped)  # type: ignore[call-arg]  # a Mapping subclass that takes a dict
             except TypeError:
                 return mapped
         if isinstance(o, tuple) and hasattr(o, "_fields"):  # namedtuple
@@ -130,7 +130,7 @@ def _map_tensors(obj: Any, on_tensor: Callable[[Any], Any], on_other: Callable[[
             return tuple(walk(v) for v in o)
         if isinstance(o, collections.abc.Sequence):
             try:
-                return type(o)([walk(v) for v in o])
+                return type(o)([walk(v) for v in o])  # type: ignore[call-arg]  # a Sequence that takes a list
             except TypeError:
                 return [walk(v) for v in o]
         return on_other(o)
@@ -164,7 +164,7 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
                  drop_last: bool, collate_fn: Optional[Callable], pin_memory: bool,
                  worker_init_fn: Optional[Callable], generator: Any, num_workers: int, worker_type: str,
                  multiprocessing_context: Any, sample_seeding: bool = False, prefetch_factor: int = 2,
-                 pinned_memory_limit: Optional[int] = None) -> "tuple[Any, dict]":
+                 pinned_memory_limit: Optional[int] = None) -> "tuple[Any, dict, Any]":
     """The C++ dataset over a Python one, the options the engine must run it with, and the worker
     processes (a ferry._procs.Pool, or None)."""
     iterable = is_iterable(dataset)

@@ -178,7 +178,7 @@ class Slabs:
             if slab is not None:
                 self.give_back(slab)
             return _SlabUnpickler(io.BytesIO(blob), None).load()
-        lease = slab.lease_type.from_address(slab.address)  # no export: the mapping closes when the slab does
+        lease = slab.lease_type.from_address(slab.address)  # type: ignore[attr-defined]  # a ctypes type; no export: the mapping closes when the slab does
         lease.slabs, lease.slab = self, slab
         import torch
 

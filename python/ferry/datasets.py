@@ -26,13 +26,15 @@ Floats = Union[float, Sequence[float]]
 
 
 def _value(key: str, value) -> str:
+    """A value as the registry's key=value text takes it: a list's items joined by ':', and every
+    ',', '=', ':' and backslash of a value escaped with a backslash (so a path may hold any)."""
     if isinstance(value, bool):
         return "1" if value else "0"
     if isinstance(value, (list, tuple)):
         return ":".join(_value(key, v) for v in value)
     text = str(value)
-    if any(c in text for c in ",="):
-        raise ValueError(f"ferry.datasets: option {key}={text!r} may not contain ',' or '='")
+    for c in "\\,=:":
+        text = text.replace(c, "\\" + c)
     return text
 
 

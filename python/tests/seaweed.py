@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+import urllib.parse
 
 KEY, SECRET = "FERRYPYKEY", "ferry-py-secret"
 
@@ -60,7 +61,7 @@ class Seaweed:
         w = self.work
         with open(os.path.join(w, "weed.log"), "wb") as log:
             self.proc = subprocess.Popen(
-                [weed, "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={w}", f"-master.port={base}",
+                [weed, f"-logdir={w}", "server", "-s3", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={w}", f"-master.port={base}",
                  f"-volume.port={base + 1}", f"-filer.port={base + 2}", f"-s3.port={base + 3}", f"-s3.config={w}/s3.json",
                  "-master.volumeSizeLimitMB=256", "-volume.max=32", "-metricsPort=0", "-s3.port.iceberg=0", "-s3.port.lance=0",
                  f"-filer.localSocket={w}/filer.sock", f"-s3.localSocket={w}/s3.sock"],
@@ -98,7 +99,7 @@ class Seaweed:
         for f in files:
             rel = name if f == path else name.rstrip("/") + "/" + os.path.relpath(f, path)
             for _ in range(100):  # the first writes wait for the server's volumes
-                if self._signed(["-T", f, f"{self.endpoint}/{self.bucket}/{rel}"]) == "200":
+                if self._signed(["-T", f, f"{self.endpoint}/{self.bucket}/{urllib.parse.quote(rel)}"]) == "200":
                     break
                 time.sleep(0.2)
             else:

@@ -3,6 +3,7 @@ without a copy, errors as Python exceptions, Ctrl-C, and cleanup."""
 
 import gc
 import os
+import shutil
 import sys
 import textwrap
 import time
@@ -116,6 +117,16 @@ def test_tar_stream_fills_batches_across_workers(tar_dir, workers):
     dropped = list(ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), **kw), batch_size=5, num_workers=workers,
                                     drop_last=True))
     assert [len(y) for _, y in dropped] == [5, 5]  # 2 of 12 unseen, not a remainder a worker
+
+
+def test_paths_with_commas_equals_and_colons(tar_dir, tmp_path):
+    # Option values travel escaped: a shard or folder name may hold ',', '=', ':' and backslashes.
+    odd = tmp_path / "run,a=b"
+    odd.mkdir()
+    shutil.copy(tar_dir / "shard-0.tar", odd / "2024-01-01T00:00:00,k=v\\x.tar")
+    for ds in (ferry.datasets.tar(shards=[str(p) for p in odd.iterdir()], size=16),
+               ferry.datasets.tar(dir=str(odd), size=16, index=True)):
+        assert sum(len(y) for _, y in ferry.DataLoader(ds, batch_size=4)) == 6
 
 
 def test_tar_indexed(tar_dir):

@@ -132,24 +132,26 @@ class ObjectStore {
     std::ofstream(config) << R"({"identities":[{"name":"ferry","credentials":[{"accessKey":")" << kS3Key << R"(","secretKey":")"
                           << kS3Secret << R"("}],"actions":["Admin","Read","List","Write"]}]})";
     log_ = *dir_ / "weed.log";
-    std::vector<std::string> args = {weed,
-                                     "server",
-                                     "-s3",
-                                     "-ip=127.0.0.1",
-                                     "-ip.bind=127.0.0.1",
-                                     "-dir=" + (*dir_ / ""),
-                                     "-master.port=" + std::to_string(base),
-                                     "-volume.port=" + std::to_string(base + 1),
-                                     "-filer.port=" + std::to_string(base + 2),
-                                     "-s3.port=" + std::to_string(s3_port_),
-                                     "-s3.config=" + config,
-                                     "-master.volumeSizeLimitMB=256",
-                                     "-volume.max=32",
-                                     "-metricsPort=0",
-                                     "-s3.port.iceberg=0",
-                                     "-s3.port.lance=0",
-                                     "-filer.localSocket=" + (*dir_ / "filer.sock"),
-                                     "-s3.localSocket=" + (*dir_ / "s3.sock")};
+    std::vector<std::string> args = {
+        weed,
+        "-logdir=" + (*dir_ / ""),  // its own log files, with the data (not the system's temp folder)
+        "server",
+        "-s3",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-dir=" + (*dir_ / ""),
+        "-master.port=" + std::to_string(base),
+        "-volume.port=" + std::to_string(base + 1),
+        "-filer.port=" + std::to_string(base + 2),
+        "-s3.port=" + std::to_string(s3_port_),
+        "-s3.config=" + config,
+        "-master.volumeSizeLimitMB=256",
+        "-volume.max=32",
+        "-metricsPort=0",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-filer.localSocket=" + (*dir_ / "filer.sock"),
+        "-s3.localSocket=" + (*dir_ / "s3.sock")};
     std::vector<char*> argv;
     for (std::string& a : args) argv.push_back(a.data());
     argv.push_back(nullptr);

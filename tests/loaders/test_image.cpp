@@ -83,6 +83,35 @@ TEST_CASE("damaged images are DataErrors naming the image", "[errors][image]") {
             [&](const DataError& e) { return e.file() == c.name && std::string(e.what()).find(c.message) != std::string::npos; },
             c.message));
   }
+  // A damaged PNG header names the byte where it is wrong.
+  struct HeaderCase {
+    std::size_t at;
+    std::vector<std::uint8_t> bytes;
+    std::uint64_t offset;
+    const char* message;
+  };
+  for (const HeaderCase& h : std::vector<HeaderCase>{{11, {14}, 8, "length is 14, not 13"},
+                                                     {12, {'X'}, 12, "first chunk is not IHDR"},
+                                                     {16, {0, 0, 0, 0}, 16, "its width is 0"},
+                                                     {20, {0x80, 0, 0, 0}, 20, "its height is 2147483648"},
+                                                     {25, {5}, 25, "color type 5"},
+                                                     {24, {3}, 24, "bit depth 3 is not allowed with color type 2"},
+                                                     {28, {2}, 26, "interlace method"},
+                                                     {30, {}, 29, "CRC does not match"}}) {
+    Bytes bad = png;
+    for (std::size_t k = 0; k < h.bytes.size(); ++k) bad[h.at + k] = std::byte{h.bytes[k]};
+    if (h.at == 30) bad[30] ^= std::byte{0xff};
+    INFO("PNG header byte " << h.at);
+    try {
+      decode_image(bad, "bad.png");
+      FAIL("no error");
+    } catch (const DataError& e) {
+      CHECK(e.offset() == h.offset);
+      CHECK_THAT(e.what(), Catch::Contains(h.message) && Catch::Contains("bad.png"));
+    }
+  }
+  CHECK_THROWS_WITH(decode_image(Bytes(png.begin(), png.begin() + 20), "short.png"),
+                    Catch::Contains("its header needs 33 bytes, the file has 20"));
   // The thread's decoder still works after all those errors.
   CHECK(decode_image(jpg, "good.jpg").shape() == Shape{48, 64, 3});
   CHECK_THROWS_WITH(decode_image(jpg, "big.jpg", {.channels = 3, .max_pixels = 100}),

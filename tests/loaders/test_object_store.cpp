@@ -1,6 +1,6 @@
 // Data in S3-compatible object storage, read from a real server (SeaweedFS on loopback,
 // object_store.h): every format gives over s3:// what it gives over the same local files, for 0, 1
-// and 4 workers; resume mid-epoch; listings of several pages; hedged reads; retries; and errors
+// and 4 workers (a tar stream's batches for 0 to 16 workers over 1, 3 and 11 shards); resume mid-epoch; listings of several pages; hedged reads; retries; and errors
 // that name the URL and never a credential.
 #include <catch2/catch.hpp>
 
@@ -70,6 +70,14 @@ const Data& data() {
       }
       char name[32];
       std::snprintf(name, sizeof name, "shards/train-%03d.tar", s);
+      add(name, t.finish());
+    }
+    // 11 small shards of unequal sizes (3 + 7s mod 11 records of a text field).
+    for (int s = 0; s < 11; ++s) {
+      TarBuilder t;
+      for (int r = 0; r < 3 + (7 * s) % 11; ++r) t.file("u" + std::to_string(s) + "/" + std::to_string(r) + ".txt", "x");
+      char name[32];
+      std::snprintf(name, sizeof name, "uneven/u-%03d.tar", s);
       add(name, t.finish());
     }
     return out;
@@ -265,6 +273,46 @@ TEST_CASE("tar shards streamed from s3:// give every record the local shards giv
             DatasetConfig("tar", "shards=" + d.url("shards/train-{000..001}.tar") + ":" + d.local("shards/train-002.tar"))) ==
         std::vector<std::string>{remote[0], remote[1], local[2]});
   (void)reg;
+}
+
+TEST_CASE("a stream over s3:// fills batches across workers: the local batches for 0 to 16 workers over 1, 3 and 11 shards",
+          "[s3][tar]") {
+  const Data& d = data();
+  for (int shards : {1, 3, 11}) {
+    std::vector<std::string> local, remote;
+    for (int s = 0; s < shards; ++s) {
+      char name[32];
+      std::snprintf(name, sizeof name, "uneven/u-%03d.tar", s);
+      local.push_back(d.local(name));
+      remote.push_back(Data::url(name));
+    }
+    const auto batches = [](const std::vector<std::string>& paths, int workers) {
+      auto ds = TarShards(paths).map([](TarRecord r, SampleContext& ctx) {
+        return r.key + "#" + std::to_string(ctx.rng().randint(1000));  // the record and its generator's draw
+      });
+      DataLoaderOptions o;
+      o.batch_size = 4;
+      o.num_workers = workers;
+      o.seed = 11;
+      DataLoader loader(ds, o, [](std::vector<std::string> v) { return v; });
+      loader.set_epoch(2);
+      std::vector<std::vector<std::string>> out;
+      for (auto& batch : loader) out.push_back(batch);
+      return out;
+    };
+    const auto expected = batches(local, 0);
+    std::size_t n = 0;
+    for (int s = 0; s < shards; ++s) n += static_cast<std::size_t>(3 + (7 * s) % 11);
+    REQUIRE(expected.size() == (n + 3) / 4);
+    std::set<std::string> keys;
+    for (const auto& b : expected)
+      for (const auto& v : b) CHECK(keys.insert(v.substr(0, v.find('#'))).second);
+    CHECK(keys.size() == n);
+    for (int workers : {0, 1, 2, 4, 16}) {
+      INFO(shards << " shards, " << workers << " workers");
+      CHECK(batches(remote, workers) == expected);
+    }
+  }
 }
 
 TEST_CASE("a stream opens each shard with one request, the next one's sent while this one is parsed", "[s3][tar]") {

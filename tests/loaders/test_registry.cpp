@@ -23,6 +23,13 @@ TEST_CASE("options parse as key=value, and typos are errors", "[unit][registry]"
   CHECK_THROWS_WITH(DatasetConfig("demo", "=1"), Catch::Contains("empty key"));
   CHECK_THROWS_WITH(DatasetConfig("demo", "n=ten").integer("n"), Catch::Contains("'n' must be an integer, got 'ten'"));
   CHECK_THROWS_WITH(DatasetConfig("demo", "").str("root"), Catch::Contains("option 'root' is required"));
+  // A backslash escapes ',', '=', ':' and itself: a value may hold any character.
+  const DatasetConfig esc("demo", R"(path=a\,b\=c\:d\\e, list=x\:1:y::s3://b/z\:2, k\=ey=v)");
+  CHECK(esc.str("path") == R"(a,b=c:d\e)");
+  CHECK(esc.values().at("k=ey") == "v");
+  CHECK(esc.items("list") == std::vector<std::string>{"x:1", "y", "s3://b/z:2"});
+  CHECK_THROWS_WITH(DatasetConfig("demo", R"(path=a\)"), Catch::Contains("ends with a lone"));
+  CHECK_THROWS_WITH(DatasetConfig("demo", "").items("list"), Catch::Contains("option 'list' is required"));
   DatasetConfig typo("demo", "n=1,sahpe=2");
   typo.integer("n");
   CHECK_THROWS_WITH(typo.finish(), Catch::Contains("unknown option 'sahpe' (it takes: n)"));
@@ -33,6 +40,10 @@ TEST_CASE("built-in datasets by name", "[unit][registry]") {
   for (const char* name : {"idx", "npy", "image_folder", "synthetic"}) CHECK(reg.contains(name));
   DynamicDataset syn = reg.create("synthetic", "n=20,shape=2x3,dtype=float32");
   CHECK(syn.size() == 20);
+  // idx's two required files are named together, whichever is missing.
+  CHECK_THROWS_WITH(reg.create("idx", ""), Catch::Contains("images= and labels= missing"));
+  CHECK_THROWS_WITH(reg.create("idx", "images=a.idx"), Catch::Contains("(labels= missing"));
+  CHECK_THROWS_WITH(reg.create("idx", "labels=b.idx"), Catch::Contains("(images= missing"));
   DataLoaderOptions o;
   o.batch_size = 8;
   o.num_workers = 2;

@@ -442,6 +442,7 @@ int main(int argc, char** argv) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   CLI::App app{"ferry: benchmark, tune and trace ferry data loaders"};
   app.require_subcommand(1);
+  app.option_defaults()->always_capture_default();  // every option's help shows its default
 
   Flags bench_flags;
   bool json = false;

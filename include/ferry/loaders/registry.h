@@ -35,11 +35,16 @@
 namespace ferry {
 
 /// Parsed "key=value,key=value" options. Getters throw ferry::Error naming the dataset, the key and
-/// the bad value; finish() throws for keys nobody asked for (a typo shows up at once).
+/// the bad value; finish() throws for keys nobody asked for (a typo shows up at once). A backslash
+/// escapes the character after it, so a value may hold any: "\," "\=" "\:" and "\\" stand for
+/// ',' '=' ':' and a backslash (a key with a timestamp: "shards=s3://b/2024-01-01T00\:00.tar");
+/// values() and str() give them unescaped.
 class DatasetConfig {
  public:
   DatasetConfig(std::string dataset, const std::string& text);
   std::string str(const std::string& key) const;  ///< required
+  /// A required list: the value split at each ':' that is not escaped and not a URL's "://".
+  std::vector<std::string> items(const std::string& key) const;
   std::string str(const std::string& key, const std::string& fallback) const;
   std::int64_t integer(const std::string& key) const;
   std::int64_t integer(const std::string& key, std::int64_t fallback) const;
@@ -49,8 +54,10 @@ class DatasetConfig {
   const std::string& dataset() const noexcept { return dataset_; }
 
  private:
+  std::string unescape(const std::string& text) const;
   std::string dataset_;
-  std::map<std::string, std::string> values_;
+  std::map<std::string, std::string> values_;  // unescaped
+  std::map<std::string, std::string> raw_;     // as written (for items())
   mutable std::vector<std::string> read_;
 };
 
