@@ -497,10 +497,16 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
                   bool opened = false;
                   for (;;) {
                     std::optional<TarRecord> r;
+                    std::exception_ptr failed;
                     try {
                       r = one.next();
                     } catch (...) {
-                      if (!sink.fail(std::current_exception())) return;
+                      failed = std::current_exception();
+                    }
+                    // Handed over outside the handler: the worker that takes it holds its only
+                    // reference (the exception's last owner is the thread that reads it).
+                    if (failed) {
+                      if (!sink.fail(std::move(failed))) return;
                       continue;
                     }
                     if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);

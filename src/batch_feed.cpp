@@ -82,11 +82,14 @@ void BatchFeed::lane_main(std::size_t lane) {
       lanes_[lane].unit = u;
     }
     Sink sink(*this, lane);
+    std::exception_ptr failed;
     try {
       read_(u, sink);
     } catch (...) {
-      if (!sink.fail(std::current_exception())) return;
+      failed = std::current_exception();
     }
+    // Handed over outside the handler, so that the worker that takes it holds its only reference.
+    if (failed && !sink.fail(std::move(failed))) return;
     if (!put(lane, Item{nullptr, nullptr, true, 0}, nullptr)) return;
   }
 }

@@ -496,10 +496,14 @@ class AcrossWorkers : public DatasetBase<AcrossWorkers<D>> {
         sink.on_wait = [&stream] { return detail::progress_stream(stream); };
         for (;;) {
           std::optional<Sample> x;
+          std::exception_ptr failed;
           try {
             x = stream.next();
           } catch (...) {
-            if (!sink.fail(std::current_exception())) return;
+            failed = std::current_exception();
+          }
+          if (failed) {  // handed over outside the handler: the worker that takes it holds its only reference
+            if (!sink.fail(std::move(failed))) return;
             continue;
           }
           if (!x) return;
