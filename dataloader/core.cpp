@@ -32,6 +32,7 @@ EngineOptions engine_options(const DataLoaderOptions& o, bool streaming, std::sh
   e.num_workers = o.num_workers;
   e.prefetch_factor = o.prefetch_factor;
   e.in_order = o.in_order;
+  e.round_robin = o.round_robin;
   e.persistent_workers = o.persistent_workers;
   e.streaming = streaming;
   e.timeout = o.timeout;

@@ -40,8 +40,8 @@ fi
 # Debian's torch and numpy) with the pinned wheels from PyPI. CMake builds the module with it
 # (scripts/test.sh passes it as Python_EXECUTABLE).
 venv="$(cd "$(dirname "$0")/.." && pwd)/.venv"
-python_wheels=(nanobind==2.9.2 scikit-build-core==0.11.6 pytest==8.4.2)
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import nanobind, pytest" 2>/dev/null; then
+python_wheels=(nanobind==2.9.2 scikit-build-core==0.11.6 pytest==8.4.2 cloudpickle==3.1.1)
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import nanobind, pytest, cloudpickle" 2>/dev/null; then
   echo "install-deps: Python environment $venv (${python_wheels[*]})"
   /usr/bin/python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${python_wheels[@]}" \

@@ -200,10 +200,16 @@ struct Engine::State {
     return true;
   }
 
+  // Streams, and map-style with round_robin: worker w takes the jobs whose key is w mod W.
+  bool per_worker_queues() const noexcept { return opt.streaming || opt.round_robin; }
+  std::size_t queue_of(std::uint64_t key) const noexcept {
+    return per_worker_queues() ? static_cast<std::size_t>(key % static_cast<std::uint64_t>(W)) : 0;
+  }
+
   void start_workers() {
     if (!threads.empty() || W == 0) return;
     queues.clear();
-    const int nq = opt.streaming ? W : 1;
+    const int nq = per_worker_queues() ? W : 1;
     for (int q = 0; q < nq; ++q) queues.push_back(std::make_shared<StageQueue<Task>>());
     ctl.assign(static_cast<std::size_t>(W), nullptr);
     threads.resize(static_cast<std::size_t>(W));
@@ -216,7 +222,7 @@ struct Engine::State {
   // Starts a thread for slot w (at start, or in place of an abandoned one).
   void spawn(int w) {
     auto c = std::make_shared<WorkerCtl>();
-    std::shared_ptr<StageQueue<Task>> q = queues[opt.streaming ? static_cast<std::size_t>(w) : 0];
+    std::shared_ptr<StageQueue<Task>> q = queues[per_worker_queues() ? static_cast<std::size_t>(w) : 0];
     ctl[static_cast<std::size_t>(w)] = c;
     std::shared_ptr<void> keep = producer.keep_alive();
     keepable = keep != nullptr;
@@ -402,8 +408,7 @@ struct Engine::State {
         job.indices = ep->plan->batch(next_key);
         job.epoch_indices = ep->plan->indices;
       }
-      const std::size_t q = opt.streaming ? next_key % static_cast<std::uint64_t>(W) : 0;
-      queues[q]->push(Task{ep, job});
+      queues[queue_of(next_key)]->push(Task{ep, job});
       ++in_flight;
       ++next_key;
     }
@@ -418,7 +423,7 @@ struct Engine::State {
       job.batch = static_cast<std::int64_t>(ahead_dispatched);
       job.indices = ahead->plan->batch(ahead_dispatched);
       job.epoch_indices = ahead->plan->indices;
-      queues[0]->push(Task{ahead, job});
+      queues[queue_of(ahead_dispatched)]->push(Task{ahead, job});
       ++ahead_dispatched;
     }
   }
@@ -516,7 +521,7 @@ struct Engine::State {
                                                                            " ms (" + where + "; the worker was abandoned)"});
         job.stuck = std::move(stuck);
         ++job.attempt;
-        queues[0]->push(Task{ep, job});
+        queues[queue_of(job.key)]->push(Task{ep, job});
         continue;
       }
       timeouts.fetch_add(1);

@@ -70,8 +70,8 @@ std::string describe_options(const DataLoaderOptions& o, bool streaming) {
   os << "DataLoader: " << (streaming ? "iterable" : "map-style") << " dataset, batch_size=" << o.batch_size
      << " num_workers=" << o.num_workers << " prefetch_factor=" << o.prefetch_factor
      << " max_in_flight=" << static_cast<long>(o.prefetch_factor) * o.num_workers << " in_order=" << o.in_order
-     << " persistent_workers=" << o.persistent_workers << " timeout_ms=" << o.timeout.count() << " seed=" << o.seed
-     << " intra_batch_threads=" << o.intra_batch_threads << " gather="
+     << " round_robin=" << o.round_robin << " persistent_workers=" << o.persistent_workers << " timeout_ms=" << o.timeout.count()
+     << " seed=" << o.seed << " intra_batch_threads=" << o.intra_batch_threads << " gather="
      << (o.gather == Gather::Auto   ? "auto"
          : o.gather == Gather::Host ? "host"
                                     : "device");

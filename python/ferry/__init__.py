@@ -32,8 +32,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from . import _ferry
-from . import _python
+from . import _bridge, _ferry, _python, _zygote
 from . import datasets
 from ._ferry import (  # noqa: F401  (re-exported)
     CudaError,
@@ -160,8 +159,11 @@ class DataLoader:
         sampler, batch_sampler, collate_fn, worker_init_fn, generator: as in PyTorch, for Python
             datasets (a ferry dataset samples by shuffle/seed and collates in C++).
         worker_type: for a Python dataset with num_workers > 0: "process" (each worker thread
-            drives a process of its own, started with forkserver, which runs the dataset and
-            collate_fn: the dataset, collate_fn and worker_init_fn must pickle) or "thread" (the
+            drives a process of its own, which runs the dataset and collate_fn: forked from a
+            zygote that holds the dataset, sent once, so a worker starts as fast as a fork and
+            never runs the main script again: no `if __name__ == "__main__":` needed, and a
+            script's or notebook's classes and lambdas travel by value (cloudpickle); what cannot
+            cross a process, an open socket or a lock, is named in a TypeError) or "thread" (the
             dataset runs on the worker threads, each call holding the GIL). Unset (None):
             "thread" where Python runs without a GIL (a free-threaded build with the GIL off,
             checked when the loader is made), else "process".
@@ -172,8 +174,10 @@ class DataLoader:
             from its first index, for ``__getitems__``). For worker processes, or at most one
             worker thread: threads share those generators with each other and with the rest of
             this process (another loader's thread workers included).
-        multiprocessing_context: for worker processes: "forkserver" (the default), "spawn" or a
-            context object ("fork" is refused: this process runs threads).
+        multiprocessing_context: for worker processes: unset, they are forked from ferry's
+            zygote (Note [Zygote] in ferry/_zygote.py); "forkserver", "spawn" or a context object
+            start them that way instead, each importing the main module again ("fork" is
+            refused: this process runs threads).
         pin_memory_device: accepted and kept (PyTorch deprecates it); pass device= instead.
         num_workers: worker threads (0: batches made on the consumer's thread, or the pin thread).
         pin_memory: deliver CPU batches in page-locked memory (torch ``is_pinned()``).
@@ -182,15 +186,23 @@ class DataLoader:
             on_error="skip"/"replace", is made again without the stuck sample). 0: no limit. With
             num_workers=0 there is no worker to abandon and it does not apply (as in PyTorch).
         prefetch_factor: batches in flight per worker (default 2).
-        persistent_workers: keep the worker threads across epochs; they then also make the next
-            epoch's first batches while the current epoch ends (C++ prefetch_next_epoch), so an
-            epoch does not start by waiting.
+        persistent_workers: keep the worker threads (and a Python dataset's worker processes)
+            across epochs; they then also make the next epoch's first batches while the current
+            epoch ends (C++ prefetch_next_epoch), so an epoch does not start by waiting. Without
+            it, as in PyTorch, each epoch of a Python dataset has new worker processes, which see
+            the dataset as it is at that iter() and run worker_init_fn again.
         seed: keys the shuffle and every sample's random transform with the epoch and index: the
-            same seed gives the same batches for any num_workers. The default, 0, is fixed, so
-            every run shuffles the same way (PyTorch draws a fresh seed each run): ferry picks
-            reproducible runs, and a checkpoint's state_dict() names its seed, which
-            load_state_dict() checks. For another order each run pass e.g.
-            seed=random.randrange(2**63). ``loader.seed`` reads it back.
+            same seed gives the same batches for any num_workers. For a ferry dataset the default
+            (None) is 0, fixed, so every run shuffles the same way: ferry picks reproducible runs,
+            and a checkpoint's state_dict() names its seed, which load_state_dict() checks; for
+            another order each run pass e.g. seed=random.randrange(2**63). For a Python dataset,
+            unset, the loader does as torch's (Note [PyTorch's seeds] in ferry/_bridge.py): each
+            epoch (the first only, with persistent workers) draws a base seed from ``generator``
+            (torch's default generator if None, so torch.manual_seed governs the run), the order
+            from a RandomSampler over it, worker w is seeded base + w (``random``, torch, numpy)
+            as its epoch starts; set, the order is ferry's and worker w of epoch e is seeded
+            seed + e * num_workers + w, the same every run. ``loader.seed`` reads it back (0 when
+            unset).
         device: deliver batches on this CUDA device (an index, "cuda:N" or a torch.device). They
             are ordered on ``stream`` (default: torch's current stream on that device when the
             loader is made): kernels on that stream see the batch, with no host synchronization.
@@ -249,6 +261,11 @@ class DataLoader:
     _widen: Any
     _torch_stream: Any
     _torch_device: Any
+    _seeds: _bridge.Seeds
+    seed: int
+    num_workers: int
+    persistent_workers: bool
+    generator: Any
 
     def __init__(
         self,
@@ -261,7 +278,7 @@ class DataLoader:
         timeout: float = 0,
         prefetch_factor: Optional[int] = None,
         persistent_workers: bool = False,
-        seed: int = 0,
+        seed: Optional[int] = None,
         device: Any = None,
         in_order: bool = True,
         on_error: str = "raise",
@@ -300,8 +317,12 @@ class DataLoader:
                 raise ValueError(f"DataLoader: batch_size must be an int >= 1, got {batch_size!r}"
                                  + (" (batch_size=None, samples without batching, is for Python datasets)"
                                     if batch_size is None else ""))
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
-            raise ValueError(f"DataLoader: seed must be an int in [0, 2**64), got {seed!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
+                                 or not 0 <= seed < 2**64):
+            raise ValueError(f"DataLoader: seed must be an int in [0, 2**64) or None, got {seed!r}")
+        # Note [PyTorch's seeds] (ferry/_bridge.py): a Python dataset without seed= takes torch's.
+        self._torch_seeds = python and seed is None and not sample_seeding
+        seed = 0 if seed is None else int(seed)  # type: ignore[call-overload]  # checked above
         if multiprocessing_context is not None and not (python and worker_type == "process"):
             warnings.warn("DataLoader: multiprocessing_context has no effect: this loader's workers are threads",
                           stacklevel=2)
@@ -315,7 +336,7 @@ class DataLoader:
         self.drop_last = drop_last
         self.pin_memory = pin_memory
         self.timeout = timeout
-        self.prefetch_factor = prefetch_factor
+        self.prefetch_factor = prefetch_factor if prefetch_factor is not None or num_workers == 0 else 2
         self.persistent_workers = persistent_workers
         self.in_order = in_order
         self.sampler = sampler
@@ -329,22 +350,28 @@ class DataLoader:
         self._python = python
         self._pool = None
         self._pending: "collections.deque" = collections.deque()  # (copy event, CPU batch), see _copied
+        self._seeds = _bridge.Seeds()
+        self._seed_epoch: Optional[int] = None  # the epoch the base seed was drawn for
+        self._resume_seeds: Optional[Dict[str, int]] = None
+        self._order: Any = None  # (generator, {epoch: its state as the epoch's order was drawn})
         self.worker_type = worker_type if python else "thread"
         engine_batch, engine_shuffle, engine_drop_last = batch_size, shuffle, drop_last
         if python:
             # Note [Python datasets] (python/src/module.cpp): the workers run the dataset's Python
             # code; pinning happens on the worker (torch's pin_memory), the device copy on the
             # consumer's stream as batches arrive.
-            cpp_dataset, engine, self._pool = _python.make_dataset(
+            cpp_dataset, engine, self._pool = _bridge.make_dataset(
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                 drop_last=drop_last, collate_fn=collate_fn, pin_memory=pin_memory or self.device is not None,
                 worker_init_fn=worker_init_fn, generator=generator, num_workers=num_workers, worker_type=worker_type,
-                multiprocessing_context=multiprocessing_context, sample_seeding=sample_seeding,
+                multiprocessing_context=multiprocessing_context, seeds=self._seeds, torch_order=self._torch_seeds,
+                sample_seeding=sample_seeding,
                 prefetch_factor=2 if prefetch_factor is None else prefetch_factor,
                 pinned_memory_limit=pinned_memory_limit)
             engine_batch, engine_shuffle, engine_drop_last = engine["batch_size"], engine["shuffle"], engine["drop_last"]
-            self.sampler = engine.get("sampler", sampler)
-            self.batch_sampler = engine.get("batch_sampler", batch_sampler)
+            self.sampler, self.batch_sampler = engine["sampler"], engine["batch_sampler"]
+            self.collate_fn = engine["collate_fn"]
+            self._order = engine["order"]
             if gather != "auto":
                 raise ValueError("DataLoader: gather= is for ferry's datasets of rows (idx, npy)")
         else:
@@ -416,7 +443,7 @@ class DataLoader:
         if python:
             _python_loaders.add(self)
         if self._pool is not None:  # worker processes start now, while the script goes on
-            self._pool.prestart(self.num_workers, self.seed)
+            self._pool.prestart(self.num_workers)
 
     def __del__(self) -> None:
         self._copies_done()
@@ -451,12 +478,32 @@ class DataLoader:
 
     def __iter__(self) -> Iterator[Any]:
         """Starts the next epoch (ending one still in progress) and yields its batches."""
+        if self._python:
+            self._begin_python_epoch()
         batches = self._loader.begin()
         if self._python and (self.device is not None or self._pool is not None):
             return self._python_batches(batches)
         if self._widen is not None:
             return self._widened(batches)
         return batches
+
+    def _begin_python_epoch(self) -> None:
+        """The epoch's base seed and, without persistent workers, its own worker processes over the
+        dataset as it is now (Note [PyTorch's seeds] in ferry/_bridge.py)."""
+        epoch = self._loader.next_epoch
+        persistent = self.persistent_workers and self.num_workers > 0
+        resume, self._resume_seeds = self._resume_seeds, None
+        if resume is not None and (resume["epoch"] == epoch or persistent):  # the saved run's seeds
+            base = resume["base_seed"]
+        elif self._seed_epoch is not None and persistent:
+            base = self._seeds.base  # as torch: persistent workers are seeded once
+        elif self._torch_seeds:
+            base = _bridge.draw_base_seed(self.generator)
+        else:
+            base = (self.seed + epoch * max(self.num_workers, 1)) % 2**63
+        self._seeds.base, self._seed_epoch = base, epoch
+        if self._pool is not None:
+            self._pool.begin_epoch(base, renew=not persistent)
 
     def _widened(self, batches: Iterator[Any]) -> Iterator[Any]:
         """A token dataset's raw windows as input_ids and labels (Note [Token windows widened on the GPU])."""
@@ -510,15 +557,32 @@ class DataLoader:
     def reset_stats(self) -> None:
         self._loader.reset_stats()
 
-    def state_dict(self) -> Dict[str, str]:
-        """Where the loader stands (after the last batch received), to save with a checkpoint."""
-        return {"ferry_loader_state": self._loader.state()}
+    def state_dict(self) -> Dict[str, Any]:
+        """Where the loader stands (after the last batch received), to save with a checkpoint; for a
+        Python dataset also the epoch's base seed (Note [PyTorch's seeds])."""
+        state: Dict[str, Any] = {"ferry_loader_state": self._loader.state()}
+        if self._python and self._seed_epoch is not None:
+            seeds: Dict[str, Any] = {"epoch": self._seed_epoch, "base_seed": self._seeds.base}
+            drawn = None if self._order is None else self._order[1].get(self._seed_epoch)
+            if drawn is not None:  # the generator's state as the epoch's order was drawn
+                seeds["order_generator_state"] = drawn
+            state["ferry_worker_seeds"] = seeds
+        return state
 
-    def load_state_dict(self, state: Dict[str, str]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         """The next iteration continues where `state` stood, without fetching a consumed sample again."""
         if "ferry_loader_state" not in state:
             raise KeyError("load_state_dict: not a ferry DataLoader state (no 'ferry_loader_state' key)")
+        seeds = state.get("ferry_worker_seeds")
+        drawn = None if seeds is None else seeds.get("order_generator_state")
+        if self._python and self._order is not None and drawn is not None:
+            # The saved epoch's order is drawn again as restore() plans it: from the generator as it
+            # stood then (which then goes on as the saved run's did).
+            torch = _torch()
+            self._order[0].set_state(torch.frombuffer(bytearray(drawn), dtype=torch.uint8))
         self._loader.restore(state["ferry_loader_state"])
+        if self._python and seeds is not None:
+            self._resume_seeds = {"epoch": int(seeds["epoch"]), "base_seed": int(seeds["base_seed"])}
 
     def write_trace(self, path: str) -> None:
         """Writes the first trace_batches batches' timelines as a Chrome trace (chrome://tracing, Perfetto)."""
@@ -532,3 +596,8 @@ class DataLoader:
     def __repr__(self) -> str:
         dev = "" if self.device is None else f", device={self.device}"
         return f"ferry.DataLoader({self.dataset!r}, batch_size={self.batch_size}{dev})"
+
+
+# Last, once everything ferry imports is imported: the zygote that worker processes are forked
+# from (Note [Zygote] in ferry/_zygote.py), forked now while this process has one thread.
+_zygote.at_import()

@@ -8,30 +8,30 @@ tensors are written into a CUDA-registered slab instead (Note [Slabs] in _slabs.
 Python code runs in parallel whatever it holds, and the engine keeps its ordering, timeouts,
 on_error, resume and Ctrl-C.
 
-Processes are started with forkserver (spawn where there is none), never a bare fork of this
-process, which holds ferry's and torch's threads. They ignore SIGINT (Ctrl-C is the main
-process's to handle), die with their parent (PR_SET_PDEATHSIG, and EOF on the pipe), and are
-stopped when the loader is freed or closed, or at exit. A process stuck past `timeout` is killed
-when the engine replaces its thread; one that dies is reported with its signal and started again.
+Processes are forked from the loader's zygote (Note [Zygote] in _zygote.py), or started by the
+multiprocessing context the user names (forkserver or spawn; never a bare fork of this process,
+which holds ferry's and torch's threads). A process is started ahead (when the loader is made,
+or as an epoch's workers are replaced) and seeded at its epoch's start ("start": the epoch's base
+seed + its id, then worker_init_fn), as torch seeds a worker it starts then. They ignore SIGINT
+(Ctrl-C is the main process's to handle), die with the main process, quietly (Note [Quiet ends]
+in _worker.py), and are stopped when the loader is freed or closed, or at exit. A process stuck
+past `timeout` is killed when the engine replaces its thread; one that dies is reported with its
+signal and started again.
 """
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing
 import multiprocessing.reduction
 import multiprocessing.util
 import os
 import pickle
-import select
 import signal
-import sys
 import threading
 import time
-import traceback
 from typing import Any, Dict, List, Optional
 
-from . import _python, _slabs
+from . import _pickling, _python, _slabs, _worker, _zygote
 
 
 class RemoteTraceback(Exception):
@@ -54,16 +54,20 @@ _start_lock = threading.Lock()
 _contexts: Dict[str, Any] = {}
 
 
-def context(name: Optional[str]) -> Any:
-    """The multiprocessing context (forkserver by default, preloading torch and ferry once)."""
+def context(name: Any) -> Any:
+    """The multiprocessing context the user named (None: the zygote's, Note [Zygote], where this
+    system has it; else forkserver, preloading torch and ferry once, or spawn)."""
     if name is None:
+        if _zygote.enabled():
+            return None
         name = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     if not isinstance(name, str):
         return name  # a context object, as torch takes
     if name == "fork":
         raise ValueError("DataLoader: multiprocessing_context='fork' is not taken: this process runs ferry's and "
-                         "torch's threads, and a fork copies their locks in whatever state they are; use "
-                         "'forkserver' (the default) or 'spawn'")
+                         "torch's threads, and a fork copies their locks in whatever state they are; leave it unset "
+                         "(ferry's workers are forked from a zygote that runs no threads, as fast to start as "
+                         "fork), or use 'forkserver' or 'spawn'")
     with _context_lock:
         if name not in _contexts:
             ctx = multiprocessing.get_context(name)
@@ -73,166 +77,62 @@ def context(name: Optional[str]) -> Any:
         return _contexts[name]
 
 
-def _die_with(main_pid: int) -> None:
-    """Ends this process when the loader's process ends, however it ends (SIGKILL included), even
-    while the dataset is busy. The worker's parent is the forkserver, which outlives the main
-    process while any worker holds its fd, so PR_SET_PDEATHSIG alone would not do: a thread
-    waits on a pidfd of the main process."""
+def check_picklable(payload: tuple) -> "tuple[bytes, bool]":
+    """The payload's fingerprint (Note [Datasets by value]), or a TypeError naming what in the
+    dataset, collate_fn or worker_init_fn cannot travel to a worker process."""
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: the forkserver's death, too
-    except (OSError, AttributeError):
+        return _pickling.fingerprint(payload)
+    except Exception:  # noqa: BLE001
         pass
-    try:
-        fd = os.pidfd_open(main_pid)
-    except ProcessLookupError:
-        os._exit(0)
-    except (OSError, AttributeError):
-        fd = None
-
-    def watch() -> None:
-        if fd is not None:
-            select.select([fd], [], [])
-        else:
-            while True:
-                time.sleep(0.5)
-                try:
-                    os.kill(main_pid, 0)
-                except ProcessLookupError:
-                    break
-        os._exit(0)
-
-    threading.Thread(target=watch, name="ferry: watch the loader's process", daemon=True).start()
-
-
-def _wrap(exc: BaseException) -> tuple:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    try:
-        blob = bytes(multiprocessing.reduction.ForkingPickler.dumps(exc))
-        pickle.loads(blob)  # an exception that cannot be rebuilt travels as its text alone
-    except Exception:
-        blob = None
-    return type(exc).__name__, str(exc), text, blob
-
-
-def _main(conn: Any, worker: int, workers: int, seed: int, main_pid: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with(main_pid)
-    import torch
-    import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
-
-    torch.set_num_threads(1)
-    try:
-        dataset, fetch_mode, finish, init, seeding = pickle.loads(conn.recv_bytes())  # Pool.start sends it
-        slabs = _slabs.ProcessSlabs()
-        info = _python.WorkerInfo(worker, workers, seed + worker, dataset)
-        _python._local.info = info
-        try:  # torch.utils.data.get_worker_info() answers in ferry's worker processes too
-            from torch.utils.data._utils import worker as torch_worker
-
-            torch_worker._worker_info = torch_worker.WorkerInfo(id=worker, num_workers=workers, seed=seed + worker,
-                                                                dataset=dataset)
-        except Exception:
-            pass
-        _python.reseed(seed + worker)  # as torch seeds its workers
-        if init is not None:
-            init(worker)
-        getitems = getattr(dataset, "__getitems__", None) if fetch_mode == "map" else None
-        iterator: Any = None
-        conn.send(("ready", None))
-    except BaseException as exc:  # everything goes back to the loader
-        conn.send(("error", _wrap(exc)))
-        return
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        if message[0] == "slab":  # a slab's descriptor follows (Note [Slabs]); no reply
-            slabs.add(message[1], message[2], multiprocessing.reduction.recv_handle(conn))
-            continue
-        try:
-            reply: Any
-            if message[0] == "map":  # a batch, collated here and written into its slab
-                _, indices, seed, epoch, slab, drops = message
-                slabs.drop(drops)
-                batch = finish(_python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding))
-                reply = ("ok", slabs.dump(batch, slab))
-            elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
-                _, index, seed, epoch = message
-                reply = ("ok", _python.fetch_samples(dataset, None, [index], seed, epoch, seeding)[0])
-            elif message[0] == "open":
-                iterator = iter(dataset)
-                reply = ("ok", None)
-            else:  # "next": up to n samples of the stream, collated by the loader's thread
-                samples = []
-                for _ in range(message[1]):
-                    try:
-                        samples.append(next(iterator))
-                    except StopIteration:
-                        break
-                reply = ("ok", samples)
-        except Exception as exc:
-            reply = ("error", _wrap(exc))
-        try:
-            conn.send(reply)
-        except Exception as exc:  # the batch would not pickle
-            conn.send(("error", _wrap(exc)))
-
-
-class _Discard:
-    def write(self, data: Any) -> int:
-        return len(data)
-
-
-class _CheckPickler(pickle.Pickler):
-    """Pickles to nowhere, to find what cannot be pickled, without the bytes of arrays: tensors and
-    numpy arrays always pickle (multiprocessing moves tensors by shared memory), and serializing a
-    dataset's gigabytes here would cost the loader's construction a second a gigabyte."""
-
-    def __init__(self, file: Any, protocol: int) -> None:
-        super().__init__(file, protocol=protocol)
-        # Found once, not for each object pickled: the array types of the modules already imported.
-        torch, np = sys.modules.get("torch"), sys.modules.get("numpy")
-        self._tensors = tuple(k for k in (getattr(torch, n, None) for n in ("Tensor", "UntypedStorage", "TypedStorage")) if k)
-        self._ndarray = getattr(np, "ndarray", None)
-
-    def persistent_id(self, obj: Any) -> Any:
-        if isinstance(obj, self._tensors) or (type(obj) is self._ndarray and obj.dtype != object):
-            return id(obj)
-        return None
+    found = None
+    for name, obj in zip(("dataset", "", "collate_fn", "worker_init_fn"), payload):
+        if name:
+            found = _pickling.find_unpicklable(obj, name)
+            if found is not None:
+                break
+    where, exc = found if found is not None else ("the dataset", RuntimeError("it does not pickle"))
+    raise TypeError(
+        f"DataLoader: worker processes need the dataset, collate_fn and worker_init_fn to pickle, and {where} "
+        f"({type(exc).__name__}: {exc}) does not: a script's or notebook's classes, functions and lambdas travel "
+        "by value, but an open socket, a lock, a CUDA tensor or a generator cannot cross a process. Make it in "
+        "the worker (in __getitem__, or worker_init_fn), or pass worker_type='thread'") from exc
 
 
 class _Slot:
-    def __init__(self, proc: Any, conn: Any) -> None:
+    def __init__(self, proc: Any, conn: Any, generation: int) -> None:
         self.proc, self.conn, self.busy = proc, conn, False
-        self.starting = True  # its "ready" (or worker_init_fn's error) is read before the first batch
+        self.generation = generation
+        self.started = False  # sent its epoch's "start" (seeds, worker_init_fn)
+        self.starting = False  # that "start"'s reply is read before the first batch
         self.mapped: set = set()  # ids of the slabs this process has mapped
 
 
 class Pool:
-    """The processes of one loader, one a worker thread (slot), started when the thread starts and
-    kept while they are healthy (for the loader's life: worker_init_fn runs once a process)."""
+    """The processes of one loader, one a worker thread (slot). A process is kept while it is
+    healthy and its generation current: with persistent workers for the loader's life (seeded and
+    worker_init_fn run once), without them for one epoch (each epoch's workers are new processes,
+    forked from a zygote that holds the dataset as it was at that epoch's iter())."""
 
     def __init__(self, ctx: Any, payload: tuple, slabs: Optional[_slabs.Slabs] = None) -> None:
-        self._ctx = ctx
+        self._ctx = ctx  # None: forked from the loader's zygote
         self.slabs = slabs
-        self._payload = payload  # pickled anew for each process by multiprocessing (tensors by shared memory)
-        try:
-            _CheckPickler(_Discard(), protocol=pickle.HIGHEST_PROTOCOL).dump(payload)
-        except Exception as exc:
-            raise TypeError(
-                f"DataLoader: worker processes need the dataset, collate_fn and worker_init_fn to pickle, and "
-                f"{type(exc).__name__}: {exc}. Define them at a module's top level (no lambdas or local classes), "
-                "or pass worker_type='thread'") from exc
+        self._payload = payload  # (dataset, fetch mode, finish, worker_init_fn, sample seeding)
+        self._fingerprint, plain = check_picklable(payload)
         self._lock = threading.Lock()
         self._start_locks: Dict[int, threading.Lock] = {}
         self._prestarter: Optional[threading.Thread] = None
         self._slots: Dict[int, _Slot] = {}
         self._closed = False
-        if ctx.get_start_method() == "forkserver":
+        self.generation = 0
+        self.base_seed = 0
+        self._epochs = 0
+        self._loader_zygote: Optional[_zygote.LoaderZygote] = None
+        if ctx is None:
+            # The dataset travels once, now, to this loader's zygote (which loads it while the
+            # script goes on); the workers are forked from it.
+            self._loader_zygote = _zygote.get().new_loader()
+            self._loader_zygote.send_payload(self._fingerprint if plain else self._dumps())
+        elif ctx.get_start_method() == "forkserver":
             # Now, on the loader's construction: the server imports torch once (a second or two),
             # and a worker thread starting its process then waits only for a fork, so that even a
             # loop interrupted as it starts ends at once.
@@ -240,66 +140,103 @@ class Pool:
 
             forkserver.ensure_running()
 
-    def prestart(self, workers: int, seed: int) -> None:
-        """Starts the processes now, on a thread of their own: they import and unpickle the dataset
-        while the script goes on (builds its model), and the engine's worker threads find them
-        started (start() keeps a live, idle process). A process that fails to start is left to the
-        worker thread's own start(), which says why."""
+    def _dumps(self) -> bytes:
+        import torch.multiprocessing  # noqa: F401  (the tensor reductions)
+
+        with _start_lock:  # torch shares a tensor's storage once; two threads pickling it at once broke it
+            return _pickling.dumps(self._payload)
+
+    def begin_epoch(self, base_seed: int, renew: bool) -> None:
+        """At an epoch's iter(), before its workers start: the epoch's base seed, and with `renew`
+        (workers that are not persistent) the epoch's own processes, over the dataset as it is now
+        (sent again only if it changed since it was last sent)."""
+        first = self._epochs == 0
+        self._epochs += 1
+        self.base_seed = base_seed
+        if not renew and not first:
+            return
+        fingerprint, plain = check_picklable(self._payload)
+        changed = fingerprint != self._fingerprint
+        if changed:
+            self._fingerprint = fingerprint
+            if self._loader_zygote is not None:
+                self._loader_zygote.send_payload(fingerprint if plain else self._dumps())
+        if changed or (renew and not first):
+            with self._lock:
+                self.generation += 1
+
+    def prestart(self, workers: int) -> None:
+        """Starts the processes now, on a thread of their own, while the script goes on (builds its
+        model): the engine's worker threads find them started (start() keeps a live, idle process
+        of the current generation). A process that fails to start is left to the worker thread's
+        own start(), which says why."""
 
         def run() -> None:
             for worker in range(workers):
                 try:
-                    self.start(worker, workers, seed, only_if_none=True)
-                except Exception:
+                    self.start(worker, workers, only_if_none=True)
+                except Exception:  # noqa: BLE001
                     return
 
         self._prestarter = threading.Thread(target=run, name="ferry: start worker processes", daemon=True)
         self._prestarter.start()
 
-    def start(self, worker: int, workers: int, seed: int, only_if_none: bool = False) -> None:
-        """On the engine's worker thread `worker`: its process, kept if it is alive and idle, else
-        new (a stuck or dead one is killed first). `only_if_none` (the prestart thread): only
-        where worker `worker` has no process yet, whatever its state."""
+    def start(self, worker: int, workers: int, only_if_none: bool = False) -> None:
+        """On the engine's worker thread `worker` as its epoch starts: its process, kept if it is
+        alive, idle and of this generation, else new (a stuck, dead or older one is stopped first),
+        told to start its epoch (seeds, worker_init_fn). `only_if_none` (the prestart thread): only
+        where worker `worker` has no process yet, and without the epoch's start."""
         with self._lock:
             lock = self._start_locks.setdefault(worker, threading.Lock())
         with lock:  # the prestart thread and the worker's own thread start one process, not two
-            self._start(worker, workers, seed, only_if_none)
+            slot = self._start(worker, workers, only_if_none)
+            if slot is not None and not only_if_none and not slot.started:
+                slot.started = slot.starting = True
+                try:
+                    slot.conn.send(("start", self.base_seed))
+                except OSError:
+                    pass  # the process is gone: the first call finds it so and says how it ended
 
-    def _start(self, worker: int, workers: int, seed: int, only_if_none: bool) -> None:
+    def _start(self, worker: int, workers: int, only_if_none: bool) -> Optional[_Slot]:
         with self._lock:
             if self._closed:
                 raise RuntimeError("DataLoader: the loader's worker processes were stopped")
             old = self._slots.get(worker)
+            generation = self.generation
             if old is not None and only_if_none:
-                return
-            if old is not None and not old.busy and old.proc.is_alive() and not _exited(old.proc.pid):
-                return
+                return None
+            if (old is not None and not old.busy and old.generation == generation and old.proc.is_alive()
+                    and not _exited(old.proc.pid)):
+                return old
             self._slots.pop(worker, None)
         if old is not None:
-            _stop([old], wait=0)
-        parent, child = self._ctx.Pipe(duplex=True)
-        # The payload goes over the pipe, not as the process's arguments: multiprocessing writes
-        # those into a pipe the new process reads only once it runs, so a payload over the pipe's
-        # 64 KiB kept start() waiting for the process's whole start (its imports: 7 s a process on
-        # one host), and one thread after another. Now the processes start together.
-        # (The constructor checked that the payload pickles, so it needs no process to inherit.)
-        with _start_lock:  # torch shares a tensor's storage once; two threads pickling it at once broke it
-            blob = multiprocessing.reduction.ForkingPickler.dumps(self._payload, pickle.HIGHEST_PROTOCOL)
-        proc = self._ctx.Process(target=_main, args=(child, worker, workers, seed, os.getpid()), daemon=True,
-                                 name=f"ferry worker {worker}")
-        proc.start()
-        child.close()
-        try:
-            parent.send_bytes(blob)  # read first by the process; the GIL is released while this waits
-        except OSError:
-            pass  # the process is gone: the first call finds it so and says how it ended
-        slot = _Slot(proc, parent)
+            _stop([old], wait=0.5 if old.generation != generation and not old.busy else 0)
+        proc: Any
+        if self._loader_zygote is not None:
+            parent, proc = self._loader_zygote.fork(worker, workers)
+        else:
+            parent, child = self._ctx.Pipe(duplex=True)
+            # The payload goes over the pipe, not as the process's arguments: multiprocessing
+            # writes those into a pipe the new process reads only once it runs, so a payload over
+            # the pipe's 64 KiB kept start() waiting for the process's whole start.
+            blob = self._dumps()
+            proc = self._ctx.Process(target=_worker.main, args=(child, worker, workers, os.getpid()), daemon=True,
+                                     name=f"ferry worker {worker}")
+            proc.start()
+            child.close()
+            try:
+                parent.send_bytes(blob)  # read first by the process; the GIL is released while this waits
+            except OSError:
+                pass  # the process is gone: the first call finds it so and says how it ended
+        slot = _Slot(proc, parent, generation)
         with self._lock:
             closed = self._closed
             if not closed:
                 self._slots[worker] = slot
         if closed:  # the loader was closed while this process started
             _stop([slot], wait=0)
+            raise RuntimeError("DataLoader: the loader's worker processes were stopped")
+        return slot
 
     def call(self, worker: int, message: Any) -> Any:
         with self._lock:
@@ -308,16 +245,16 @@ class Pool:
         if closed:
             raise RuntimeError("DataLoader: the loader's worker processes were stopped")
         # An idle process sends nothing: a readable pipe means it has ended (killed from outside);
-        # so does a zombie (its reaper, the forkserver, may not have reported it yet).
+        # so does a zombie (its reaper may not have reported it yet).
         if (slot is None or not slot.proc.is_alive() or (not slot.starting and slot.conn.poll())
                 or _exited(slot.proc.pid)):
             info = _python._local.info
-            self.start(worker, info.num_workers, info.seed - worker)
+            self.start(worker, info.num_workers)
             with self._lock:
                 slot = self._slots[worker]
         slot.busy = True
         if slot.starting:
-            self._reply(slot, worker, None)  # "ready", or worker_init_fn's exception
+            self._reply(slot, worker, None)  # the epoch's start, or worker_init_fn's exception
             slot.starting = False
         if message[0] != "map":
             slot.conn.send(message)
@@ -356,11 +293,12 @@ class Pool:
                    -code in signal.Signals._value2member_map_ else f"exited with status {code}")
             what = "starting" if message is None else (
                 f"making samples {message[1]}" if message[0] in ("map", "one") else "reading its stream")
-            hint = ("; a new process takes its place" if message is not None else
-                    ": worker processes start with forkserver (or spawn), which imports the main module again: a "
-                    "script that makes a loader at its top level must do so under `if __name__ == \"__main__\":`, "
-                    "and the dataset's class must be importable (its traceback is above); or pass "
-                    "worker_type='thread'")
+            hint = "; a new process takes its place"
+            if message is None and self._ctx is not None:
+                hint = (": with multiprocessing_context (forkserver or spawn) a worker imports the main module "
+                        "again: a script that makes a loader at its top level must do so under `if __name__ == "
+                        "\"__main__\":`, and the dataset's class must be importable (its traceback is above); leave "
+                        "multiprocessing_context unset, or pass worker_type='thread'")
             raise WorkerDied(f"worker process {worker} (pid {slot.proc.pid}) {how} while {what}{hint}") from None
         if kind == "error":
             name, text, tb, blob = value
@@ -368,7 +306,7 @@ class Pool:
             if blob is not None:
                 try:
                     exc = pickle.loads(blob)
-                except Exception:
+                except Exception:  # noqa: BLE001
                     exc = None
             if not isinstance(exc, BaseException):
                 exc = RuntimeError(f"{name}: {text}")
@@ -393,6 +331,8 @@ class Pool:
         prestarter = self._prestarter
         if prestarter is not None and prestarter is not threading.current_thread() and not exiting:
             prestarter.join(5.0)  # its process, if any, was stopped above or by its own closed check
+        if self._loader_zygote is not None and not exiting:
+            self._loader_zygote.close()  # it ends, killing any worker left (a busy one at exit)
 
     def pids(self) -> List[int]:
         with self._lock:
@@ -413,7 +353,7 @@ def _stop(slots: List[_Slot], wait: float) -> None:
         try:
             if wait > 0 and not slot.busy:
                 slot.conn.send(None)
-        except Exception:
+        except Exception:  # noqa: BLE001
             pass
     deadline = time.monotonic() + wait
     for slot in slots:
@@ -422,6 +362,8 @@ def _stop(slots: List[_Slot], wait: float) -> None:
             slot.proc.kill()
             slot.proc.join(5.0)
         slot.conn.close()
+        if isinstance(slot.proc, _zygote.ForkedProcess):
+            slot.proc.close()
 
 
 class Collated:

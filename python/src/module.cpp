@@ -581,6 +581,9 @@ class PyLoader {
       // handoffs, and Ctrl-C raises KeyboardInterrupt inside the dataset's code, which next()
       // passes on as it is.
       if (options.num_workers == 0) options.wait_poll = nullptr;
+      // As PyTorch: batch b to worker b mod num_workers, so a worker process's seeded generators
+      // meet the same batches on every run (Note [PyTorch's seeds] in ferry/_bridge.py).
+      options.round_robin = true;
       if (dataset.py_sampler) options.batch_sampler = dataset.py_sampler;
       if (dataset.py_worker_start)
         options.worker_init_fn = [start = dataset.py_worker_start](const ferry::WorkerInfo& w) {

@@ -306,11 +306,23 @@ def test_the_attributes_pytorch_code_reads():
     ours = ferry.DataLoader(ds, batch_size=3, num_workers=2, drop_last=True, timeout=5, prefetch_factor=4,
                             persistent_workers=True)
     for name, value in dict(batch_size=3, num_workers=2, drop_last=True, timeout=5, prefetch_factor=4,
-                            persistent_workers=True, pin_memory=False, collate_fn=None, generator=None,
+                            persistent_workers=True, pin_memory=False, generator=None,
                             worker_type="process").items():
         assert getattr(ours, name) == value, name
     assert ours.dataset is ds and len(ours) == 3
     assert isinstance(ferry.DataLoader(ds, batch_size=2, sampler=range(10)).batch_sampler, tud.BatchSampler)
+    # Unset, they are torch's own default objects, as PyTorch code finds them.
+    for kwargs in (dict(batch_size=3), dict(batch_size=3, shuffle=True, num_workers=2), dict(batch_size=None),
+                   dict(batch_size=2, sampler=tud.SequentialSampler(ds))):
+        ours, theirs = ferry.DataLoader(ds, **kwargs), tud.DataLoader(ds, **kwargs)
+        assert ours.collate_fn is theirs.collate_fn, kwargs
+        assert type(ours.sampler) is type(theirs.sampler), kwargs
+        assert type(ours.batch_sampler) is type(theirs.batch_sampler), kwargs
+        if theirs.batch_sampler is not None:
+            assert list(ours.batch_sampler) == list(theirs.batch_sampler) or kwargs.get("shuffle")
+        if kwargs.get("num_workers"):
+            assert ours.prefetch_factor == theirs.prefetch_factor == 2
+    assert ferry.DataLoader(ds).prefetch_factor is None  # as torch 2: no workers, no prefetch
     with pytest.warns(UserWarning, match="multiprocessing_context has no effect"):
         ferry.DataLoader(ds, multiprocessing_context="spawn", worker_type="thread", num_workers=1)
     with pytest.raises(ValueError, match="'fork' is not taken"):
@@ -323,46 +335,37 @@ def test_the_attributes_pytorch_code_reads():
         ferry.DataLoader(ds, batch_sampler=[[0]], batch_size=2)
     with pytest.raises(TypeError, match="map-style dataset .*__getitem__ and __len__.* got object"):
         ferry.DataLoader(object())
-    with pytest.raises(TypeError, match="need the dataset, collate_fn and worker_init_fn to pickle.*worker_type='thread'"):
-        ferry.DataLoader(ds, num_workers=2, collate_fn=lambda b: b)
 
 
+class Holding(Squares):
+    """A dataset holding something no process can receive."""
 
-def test_the_pickle_check_skips_array_bytes_and_still_finds_what_does_not_pickle(monkeypatch):
-    # Worker processes need the dataset to pickle; the loader checks at construction, without
-    # serializing the bytes of its tensors and arrays (a dataset's gigabytes would cost the
-    # construction a second a gigabyte; multiprocessing moves tensors by shared memory anyway).
-    import numpy as np
-    from ferry import _procs
-
-    written = []
-
-    class Counting(_procs._Discard):
-        def write(self, data):
-            written.append(len(data))
-            return len(data)
-
-    monkeypatch.setattr(_procs, "_Discard", Counting)
-    big = tud.TensorDataset(torch.zeros(256, 1 << 16, dtype=torch.uint8), torch.arange(256))
-    arrays = {"x": np.zeros((64, 1 << 16), dtype=np.uint8)}
-    loader = ferry.DataLoader(big, num_workers=1, worker_type="process", batch_size=64)
-    loader_np = ferry.DataLoader(NumpyRows(arrays["x"]), num_workers=1, worker_type="process", batch_size=16)
-    assert 0 < sum(written) < 1 << 20  # 16 MB of tensor and 4 MB of array held, far less written
-    assert [b[1].tolist() for b in loader][0] == list(range(64))
-    assert len(list(loader_np)) == 4
-    with pytest.raises(TypeError, match="need the dataset, collate_fn and worker_init_fn to pickle"):
-        ferry.DataLoader(big, num_workers=1, worker_type="process", collate_fn=lambda b: b)
+    def __init__(self, n, held):
+        super().__init__(n)
+        self.files = {"index": [1, 2], "guard": held}
 
 
-class NumpyRows:
-    def __init__(self, x):
-        self.x = x
+def test_what_cannot_cross_a_process_is_named_and_lambdas_travel():
+    # A lambda (and a class or function of a script's __main__) travels by value.
+    assert [b for b in ferry.DataLoader(Squares(4), batch_size=2, num_workers=2, collate_fn=lambda b: len(b))] == [2, 2]
+    with pytest.raises(TypeError, match=r"dataset.files\['guard'\] \(TypeError: cannot pickle '_thread.lock' object\).*"
+                                        r"worker_type='thread'"):
+        ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2)
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match=r"worker_init_fn \(closure variable 'lock'\)"):
+        ferry.DataLoader(Squares(4), num_workers=2, worker_init_fn=lambda w: lock.acquire())
+    assert len(list(ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2, worker_type="thread"))) == 4
 
-    def __len__(self):
-        return len(self.x)
 
-    def __getitem__(self, i):
-        return self.x[i]
+def test_the_dataset_travels_once_a_loader_with_its_tensors_shared():
+    # The dataset is pickled once and sent to the loader's zygote; its tensors go by shared
+    # memory (the workers map the same storage).
+    big = tud.TensorDataset(torch.zeros(256, 1 << 12, dtype=torch.uint8), torch.arange(256))
+    ours = ferry.DataLoader(big, num_workers=2, batch_size=64)
+    assert [b[1].tolist() for b in ours][0] == list(range(64))
+    assert big.tensors[0].is_shared()
+    big.tensors[0][0, 0] = 7  # in place: the next epoch's workers see it
+    assert int(next(iter(ours))[0][0, 0]) == 7
 
 
 # --- errors ----------------------------------------------------------------------------------------

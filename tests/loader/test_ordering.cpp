@@ -241,3 +241,38 @@ TEST_CASE("fetching a batch's samples across intra-batch threads changes nothing
     for (std::int64_t i = 0; i < b[0].numel(); ++i) CHECK(b[0].item<std::int32_t>(i) == expect++);
   CHECK(expect == 270);
 }
+
+TEST_CASE("round_robin: batch b is made by worker b mod num_workers, even when a worker is slow", "[ordering]") {
+  // Worker 0's first batch is slow: without round_robin the other workers would take its later
+  // batches; with it (PyTorch's assignment) every batch goes to its own worker, in every epoch,
+  // persistent workers' next epoch made ahead included.
+  struct WhoMade {
+    std::size_t size() const { return 30; }
+    std::vector<Tensor> get(std::size_t) const { throw Error("get: not used when get_batch answers"); }
+    std::vector<std::vector<Tensor>> get_batch(std::span<const std::size_t> idx, const WorkerInfo& w) const {
+      if (w.id == 0 && idx[0] == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::vector<std::vector<Tensor>> out;
+      for (auto i : idx)
+        out.push_back({Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(i)), Tensor::scalar<std::int64_t>(w.id)});
+      return out;
+    }
+  };
+  for (bool persistent : {false, true}) {
+    DataLoaderOptions o;
+    o.batch_size = 2;
+    o.num_workers = 3;
+    o.prefetch_factor = 4;
+    o.round_robin = true;
+    o.persistent_workers = persistent;
+    DataLoader loader(WhoMade{}, o);
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      std::int64_t b = 0;
+      for (auto& batch : loader) {
+        CHECK(batch[0].data<std::int64_t>()[0] == 2 * b);
+        CHECK(batch[1].data<std::int64_t>()[0] == b % 3);
+        ++b;
+      }
+      CHECK(b == 15);
+    }
+  }
+}

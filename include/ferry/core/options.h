@@ -83,6 +83,12 @@ struct DataLoaderOptions {
   bool prefetch_next_epoch = true;
   /// Deliver in sampler order (true) or as batches complete (false).
   bool in_order = true;
+  /// Map-style: batch b of an epoch is made by worker b mod num_workers, as PyTorch's DataLoader
+  /// assigns them, so that what a worker keeps of its own (a random generator seeded once, a
+  /// cache) meets the same batches on every run. Off (the default), any free worker takes the
+  /// next batch, which balances slow samples. The Python package turns it on for Python datasets
+  /// (their transforms draw from each worker's seeded global generators).
+  bool round_robin = false;
   /// Deliver batches in pinned (page-locked) memory: a pin thread copies each batch, in order,
   /// into a block of a bounded, recycled pinned pool. Without a CUDA device this logs one warning
   /// and delivers pageable batches.

@@ -7,7 +7,8 @@
 // code stays inline in the loader.
 //
 // Per epoch, the consumer thread dispatches jobs to the workers through task queues: map-style
-// datasets use one shared queue (any worker takes the next batch, which balances slow samples);
+// datasets use one shared queue (any worker takes the next batch, which balances slow samples),
+// or with round_robin one queue per worker as PyTorch assigns them (batch b to worker b mod W);
 // streams use one queue per worker (worker w must produce its own stream's batches). Job keys are
 // batch indices (map-style) or j * num_workers + w (the j-th batch of worker w's stream), so the
 // in-order sequence is the key sequence and stream batches interleave round-robin, as PyTorch's.
@@ -171,6 +172,8 @@ struct EngineOptions {
   bool in_order = true;
   bool persistent_workers = false;
   bool streaming = false;
+  /// Map-style: batch b to worker b mod num_workers (DataLoaderOptions::round_robin).
+  bool round_robin = false;
   std::chrono::milliseconds timeout{0};
   /// Map-style: after a timeout, dispatch the stuck batch again without its stuck sample (up to
   /// max_redispatch times) instead of failing it.

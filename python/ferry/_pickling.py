@@ -1,0 +1,122 @@
+"""How a Python dataset travels to worker processes (Note [Datasets by value]).
+
+Note [Datasets by value]
+The dataset, collate_fn and worker_init_fn are pickled once a loader (and again at an epoch's
+start where non-persistent workers must see a changed dataset), by cloudpickle: what a script's
+`__main__` or a notebook cell defines travels by value (its class's code), what a module defines
+by reference (the module is imported once, in the loader's zygote, Note [Zygote]). Tensors go by
+torch's own reductions (their storage moved to shared memory, which the workers then map, so an
+in-place change in the main process is seen there too); numpy arrays by value.
+
+Whether a dataset changed is told by its fingerprint: the same pickling with each tensor named by
+its identity and version counter instead of its storage, so that taking one costs about what the
+pickling of its Python objects costs, and shares nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing.reduction
+import pickle
+from collections import ChainMap
+from typing import Any, List, Optional, Tuple
+
+import cloudpickle
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, with the reductions torch registers for multiprocessing (tensors by shared memory)."""
+
+    dispatch_table = ChainMap(multiprocessing.reduction.ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
+                              cloudpickle.Pickler.dispatch_table)
+
+
+def _tensor_name(key: Tuple[int, int]) -> Tuple[int, int]:  # only pickled, never unpickled
+    return key
+
+
+class _Fingerprinter(cloudpickle.Pickler):
+    """cloudpickle with every tensor replaced by (id, version): no storage shared, no bytes copied."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        import torch
+
+        self._tensor = torch.Tensor
+        self.tensors = 0
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, self._tensor):
+            self.tensors += 1
+            return _tensor_name, ((id(obj), obj._version),)
+        return super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> bytes:
+    """`obj` as bytes a worker process can load (pickle.loads, with cloudpickle importable)."""
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def fingerprint(obj: Any) -> Tuple[bytes, bool]:
+    """Bytes that change when `obj` (as it would be pickled) changes, tensors named by identity and
+    version; and whether those bytes are `obj`'s pickle as dumps() would make it (no tensor in it)."""
+    buf = io.BytesIO()
+    pickler = _Fingerprinter(buf)
+    pickler.dump(obj)
+    return buf.getvalue(), pickler.tensors == 0
+
+
+def _check(obj: Any) -> Optional[BaseException]:
+    try:
+        _Fingerprinter(io.BytesIO()).dump(obj)
+    except Exception as exc:  # noqa: BLE001  (any failure of pickling is the answer)
+        return exc
+    return None
+
+
+def _parts(obj: Any) -> List[Tuple[str, Any]]:
+    """The named parts of `obj` that pickling would visit: attributes, items, closure cells."""
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]", v) for k, v in list(obj.items())[:10000]]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [(f"[{i}]", v) for i, v in enumerate(list(obj)[:10000])]
+    parts: List[Tuple[str, Any]] = []
+    closure = getattr(obj, "__closure__", None)
+    if closure:
+        names = getattr(getattr(obj, "__code__", None), "co_freevars", ())
+        for name, cell in zip(names, closure):
+            try:
+                parts.append((f" (closure variable {name!r})", cell.cell_contents))
+            except ValueError:
+                pass
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        parts.extend((f".{k}", v) for k, v in state.items())
+    for slot in getattr(type(obj), "__slots__", ()):
+        if isinstance(slot, str) and hasattr(obj, slot):
+            parts.append((f".{slot}", getattr(obj, slot)))
+    return parts
+
+
+def find_unpicklable(obj: Any, name: str) -> Optional[Tuple[str, BaseException]]:
+    """Where in `obj` (named `name`) pickling fails: the deepest part that fails by itself, as a
+    path ("dataset.files.handle") and the exception; None if `obj` pickles."""
+    error = _check(obj)
+    if error is None:
+        return None
+    path, seen = name, {id(obj)}
+    for _ in range(32):  # deep enough for any dataset; a cycle ends at `seen`
+        for part, value in _parts(obj):
+            if id(value) in seen:
+                continue
+            e = _check(value)
+            if e is not None:
+                path, obj, error = path + part, value, e
+                seen.add(id(value))
+                break
+        else:
+            break
+    return path, error
+

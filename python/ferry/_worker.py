@@ -1,0 +1,221 @@
+"""A worker process's side: the loop that makes batches for one of the loader's worker threads.
+
+Imports nothing of the package's main side (ferry/_procs.py, the loader): a worker process runs
+this module, forked from the loader's zygote (Note [Zygote]) or started by a multiprocessing
+context. Every way out ends the process with os._exit, so that nothing of the main process's
+(atexit handlers, buffered files) runs here, and nothing is printed when the main process is gone
+(Note [Quiet ends]).
+
+Note [Quiet ends]
+A worker whose loader's process ends, however it ends (a clean exit, os._exit, SIGKILL), leaves
+without a word: it waits on a pidfd of the main process and exits at once; a reply that finds the
+pipe closed ends the process instead of raising; Ctrl-C is the main process's to handle (SIGINT
+is ignored). Only the user's own prints and the tracebacks the loader raises in the main process
+are ever seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing.reduction
+import os
+import pickle
+import random
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+from . import _python, _slabs
+
+
+def exit_now(code: int = 0) -> None:
+    """Ends this process at once, its own output flushed (never the main process's exit handlers)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001  (a closed or broken stream: nothing more to say)
+            pass
+    os._exit(code)
+
+
+def die_with(main_pid: int, parent_death: bool = True) -> None:
+    """Ends this process when the loader's process ends, however it ends (SIGKILL included), even
+    while the dataset is busy: a thread waits on a pidfd of the main process; PR_SET_PDEATHSIG
+    also ends it with its parent (the zygote that forked it)."""
+    if parent_death:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    try:
+        fd: Optional[int] = os.pidfd_open(main_pid)
+    except ProcessLookupError:
+        exit_now()
+        return
+    except (OSError, AttributeError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while True:
+                time.sleep(0.5)
+                try:
+                    os.kill(main_pid, 0)
+                except ProcessLookupError:
+                    break
+        os._exit(0)
+
+    threading.Thread(target=watch, name="ferry: watch the loader's process", daemon=True).start()
+
+
+def wrap(exc: BaseException) -> tuple:
+    """An exception as it travels to the main process: its name, text, traceback and (if it can be
+    rebuilt there) the exception itself."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = bytes(multiprocessing.reduction.ForkingPickler.dumps(exc))
+        pickle.loads(blob)  # an exception that cannot be rebuilt travels as its text alone
+    except Exception:  # noqa: BLE001
+        blob = None
+    return type(exc).__name__, str(exc), text, blob
+
+
+def seed_as_torch(seed: int, worker: int, base_seed: int) -> None:
+    """Seeds `random`, torch and numpy as torch's DataLoader seeds its workers: `random` and torch
+    with the worker's seed (base seed + id), numpy with torch's own state drawn from (base seed,
+    id) where torch has it."""
+    random.seed(seed)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+    np = sys.modules.get("numpy")
+    if np is not None:
+        try:
+            from torch.utils.data._utils.worker import _generate_state
+
+            np.random.seed(_generate_state(base_seed, worker))
+        except (ImportError, AttributeError):
+            np.random.seed(seed % 2**32)
+
+
+def start(worker: int, workers: int, base_seed: int, dataset: Any, init: Any) -> None:
+    """What a worker does before its first batch: worker info (ferry's and torch's), seeds, then
+    worker_init_fn, in torch's order."""
+    seed = base_seed + worker
+    info = _python.WorkerInfo(worker, workers, seed, dataset)
+    _python._local.info = info
+    try:  # torch.utils.data.get_worker_info() answers in ferry's worker processes too
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch_worker._worker_info = torch_worker.WorkerInfo(id=worker, num_workers=workers, seed=seed,
+                                                            dataset=dataset)
+    except Exception:  # noqa: BLE001  (an older or newer torch without it: ferry's answers)
+        pass
+    seed_as_torch(seed, worker, base_seed)
+    if init is not None:
+        init(worker)
+
+
+def send(conn: Any, reply: Any) -> None:
+    """A reply to the loader; a loader that is gone ends this process quietly (Note [Quiet ends])."""
+    try:
+        conn.send(reply)
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        exit_now()
+    except OSError:
+        exit_now()
+
+
+def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error: Optional[tuple] = None) -> None:
+    """The worker's loop: batches for the loader's worker thread `worker`, until told to stop or
+    the pipe closes. `payload` is (dataset, fetch mode, finish, worker_init_fn, sample seeding);
+    the first message, ("start", base seed), seeds the process and runs worker_init_fn (a process
+    may be started ahead, before its epoch's seed is drawn). `error`: the payload could not be
+    loaded (told in reply to "start")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    dataset: Any = None
+    try:
+        if error is None and payload is not None:
+            import torch
+            import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
+
+            torch.set_num_threads(1)
+            dataset, fetch_mode, finish, init, seeding = payload
+            getitems = getattr(dataset, "__getitems__", None) if fetch_mode == "map" else None
+        slabs = _slabs.ProcessSlabs()
+    except BaseException as exc:  # told in reply to "start"
+        error = wrap(exc)
+    iterator: Any = None
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        if message[0] == "slab":  # a slab's descriptor follows (Note [Slabs]); no reply
+            try:
+                slabs.add(message[1], message[2], multiprocessing.reduction.recv_handle(conn))
+            except (EOFError, OSError):
+                return
+            continue
+        try:
+            reply: Any
+            if message[0] == "start":
+                if error is not None:
+                    reply = ("error", error)
+                else:
+                    start(worker, workers, message[1], dataset, init)
+                    reply = ("ok", None)
+            elif message[0] == "map":  # a batch, collated here and written into its slab
+                _, indices, seed, epoch, slab, drops = message
+                slabs.drop(drops)
+                batch = finish(_python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding))
+                reply = ("ok", slabs.dump(batch, slab))
+            elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
+                _, index, seed, epoch = message
+                reply = ("ok", _python.fetch_samples(dataset, None, [index], seed, epoch, seeding)[0])
+            elif message[0] == "open":
+                iterator = iter(dataset)
+                reply = ("ok", None)
+            else:  # "next": up to n samples of the stream, collated by the loader's thread
+                samples = []
+                for _ in range(message[1]):
+                    try:
+                        samples.append(next(iterator))
+                    except StopIteration:
+                        break
+                reply = ("ok", samples)
+        except Exception as exc:  # noqa: BLE001
+            reply = ("error", wrap(exc))
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, ConnectionResetError, EOFError):
+            return
+        except Exception as exc:  # noqa: BLE001  (the batch would not pickle)
+            send(conn, ("error", wrap(exc)))
+
+
+def main(conn: Any, worker: int, workers: int, main_pid: int) -> None:
+    """A worker started by a multiprocessing context (multiprocessing_context=...): the payload
+    comes first over the pipe."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    die_with(main_pid)
+    payload, error = None, None
+    try:
+        import torch.multiprocessing  # noqa: F401
+
+        payload = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        exit_now()
+    except BaseException as exc:  # noqa: BLE001
+        error = wrap(exc)
+    serve(conn, worker, workers, payload, error)
+    exit_now()

@@ -1,0 +1,424 @@
+"""Worker processes forked from a zygote: as fast to start as fork, without forking the loader's process.
+
+Note [Zygote]
+torch's DataLoader forks its workers from the training process on Linux: they start in
+milliseconds and share the dataset copy-on-write, but a fork copies every lock of the threads the
+process runs (ferry's, torch's, CUDA's) in whatever state it is in. forkserver and spawn are safe
+and slow: each worker imports torch and the user's modules again and unpickles its own copy of the
+dataset (9 s to the first batch where torch's fork took 2.4 s, bench/RESULTS.md), and they run
+the main script again, so a script without a main guard, or one fed on standard input, fails.
+
+ferry forks a zygote from the main process when ferry is imported, while the process has one
+thread (otherwise, at the first loader that needs it, it starts one as a fresh interpreter); the
+zygote imports torch at once, in the background of the script. A loader asks the zygote for a
+loader zygote of its own, sends it the dataset once (Note [Datasets by value]), and the loader
+zygote, having imported what the dataset needs, forks the workers: each starts in a few
+milliseconds with the dataset already in memory, copy-on-write, and never runs the main script.
+Every process here watches the main process (a pidfd) and ends with it, quietly (Note [Quiet
+ends] in ferry/_worker.py); a loader zygote ends when its loader closes its pipe, killing any
+worker left. The loader zygote reaps its workers only when asked ("status"), so a worker's pid
+stays its own until the main process (which holds a pidfd of it) has read how it ended.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.reduction
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional, Tuple
+
+_lock = threading.Lock()
+_zygote: "Optional[Zygote]" = None
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return threading.active_count()
+
+
+def enabled() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and os.environ.get("FERRY_ZYGOTE", "1") != "0"
+
+
+def at_import() -> None:
+    """Forks the zygote now if this process runs one thread (ferry's import, Note [Zygote])."""
+    global _zygote
+    if not enabled() or _threads() != 1:
+        return
+    with _lock:
+        if _zygote is None:
+            try:
+                _zygote = Zygote.fork()
+            except OSError:
+                _zygote = None
+
+
+def get() -> "Zygote":
+    """The zygote, started as a fresh interpreter if there is none (or it has died)."""
+    global _zygote
+    with _lock:
+        if _zygote is None or not _zygote.alive():
+            if _zygote is not None:
+                _zygote.close()
+            _zygote = Zygote.fresh()
+        return _zygote
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def _forget_partial_modules() -> None:
+    """In a zygote forked at ferry's import: the modules that were being imported then (the one
+    that imports ferry, its importers) stopped half run here; they are dropped, so that a dataset
+    naming one imports it whole. ferry itself is whole (its import forks last)."""
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        if name != "ferry" and name != "__main__" and getattr(spec, "_initializing", False):
+            del sys.modules[name]
+
+
+def _preload() -> None:
+    try:
+        import torch
+        import torch.multiprocessing  # noqa: F401  (the tensor reductions)
+
+        import ferry._worker  # noqa: F401
+    except Exception:  # noqa: BLE001  (a loader zygote imports again and reports what fails)
+        pass
+
+
+def _serve(conn: Any, main_pid: int) -> None:
+    """The zygote: forks a loader zygote for each loader that asks, until the main process ends."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        main = os.pidfd_open(main_pid)
+    except OSError:
+        os._exit(0)
+    _preload()
+    while True:
+        ready, _, _ = select.select([conn.fileno(), main], [], [], 1.0)
+        _reap()
+        if main in ready:
+            os._exit(0)
+        if conn.fileno() not in ready:
+            continue
+        try:
+            message = conn.recv()
+            fd = multiprocessing.reduction.recv_handle(conn)
+        except (EOFError, OSError):
+            os._exit(0)
+        if message[0] != "loader":
+            os._exit(0)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(main)
+                conn.close()
+                _serve_loader(multiprocessing.connection.Connection(fd), main_pid)
+            finally:
+                os._exit(0)
+        os.close(fd)
+        try:
+            conn.send(("pid", pid))
+        except OSError:
+            os._exit(0)
+
+
+def _serve_loader(conn: Any, main_pid: int) -> None:
+    """A loader's zygote: holds the loader's dataset and forks its workers (Note [Zygote])."""
+    from . import _worker
+
+    try:
+        main = os.pidfd_open(main_pid)
+    except OSError:
+        return
+    payload: Optional[tuple] = None
+    error: Optional[tuple] = None
+    children: set = set()
+
+    def end() -> None:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for pid in children:
+            try:
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+        os._exit(0)
+
+    while True:
+        ready, _, _ = select.select([conn.fileno(), main], [], [])
+        if main in ready:
+            end()
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            end()
+        kind = message[0]
+        if kind == "payload":
+            try:
+                import torch.multiprocessing  # noqa: F401
+
+                payload, error = pickle.loads(message[1]), None
+            except BaseException as exc:  # noqa: BLE001  (told to the loader at the next fork)
+                payload, error = None, _worker.wrap(exc)
+            continue
+        reply: Any
+        if kind == "fork":
+            _, worker, workers = message
+            try:
+                fd = multiprocessing.reduction.recv_handle(conn)
+            except (EOFError, OSError):
+                end()
+            if payload is None:
+                os.close(fd)
+                reply = ("error", error or ("RuntimeError", "no dataset was sent", "", None))
+            else:
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        os.close(main)
+                        conn.close()
+                        _worker.die_with(main_pid)
+                        _worker.serve(multiprocessing.connection.Connection(fd), worker, workers, payload)
+                    finally:
+                        _worker.exit_now()
+                os.close(fd)
+                children.add(pid)
+                reply = ("pid", pid)
+        elif kind == "status":  # how a worker ended (it has, or is about to: its pipe closed)
+            _, pid, wait = message
+            code = None
+            deadline = time.monotonic() + wait
+            while True:
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    done, status = pid, 0
+                if done:
+                    children.discard(pid)
+                    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                    break
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)
+            reply = ("status", code)
+        else:
+            end()
+        try:
+            conn.send(reply)
+        except OSError:
+            end()
+
+
+def _rebuild_error(value: tuple) -> BaseException:
+    name, text, tb, blob = value
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(f"{name}: {text}")
+    if tb:
+        exc.__cause__ = RuntimeError(f"while the loader's zygote loaded the dataset:\n{tb}")
+    return exc
+
+
+class Zygote:
+    """The main side of the zygote."""
+
+    def __init__(self, conn: Any, pid: int, popen: Optional[subprocess.Popen] = None) -> None:
+        self.conn, self.pid, self._popen = conn, pid, popen
+        self._lock = threading.Lock()
+        self._pidfd: Optional[int] = os.pidfd_open(pid)
+
+    @classmethod
+    def fork(cls) -> "Zygote":
+        parent, child = multiprocessing.Pipe(duplex=True)
+        main_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                parent.close()
+                _forget_partial_modules()
+                _serve(child, main_pid)
+            finally:
+                os._exit(0)
+        child.close()
+        return cls(parent, pid)
+
+    @classmethod
+    def fresh(cls) -> "Zygote":
+        parent, child = multiprocessing.Pipe(duplex=True)
+        fd = child.fileno()
+        code = (f"import sys; sys.path[:0] = {sys.path!r}; from ferry import _zygote; "
+                f"_zygote._serve_fresh({fd}, {os.getpid()})")
+        popen = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd], stdin=subprocess.DEVNULL)
+        child.close()
+        # multiprocessing's key (torch's tensors travel through its resource sharer, which checks
+        # it), over the pipe: a command line can be read by anyone on the machine.
+        parent.send_bytes(bytes(multiprocessing.current_process().authkey))
+        return cls(parent, popen.pid, popen)
+
+    def alive(self) -> bool:
+        fd = self._pidfd
+        return fd is not None and not select.select([fd], [], [], 0)[0]
+
+    def new_loader(self) -> "LoaderZygote":
+        parent, child = multiprocessing.Pipe(duplex=True)
+        try:
+            with self._lock:
+                self.conn.send(("loader",))
+                multiprocessing.reduction.send_handle(self.conn, child.fileno(), self.pid)
+                _, pid = self.conn.recv()
+        finally:
+            child.close()
+        return LoaderZygote(parent, pid)
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._popen is not None:
+            try:
+                self._popen.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self._popen.kill()
+                self._popen.wait()
+        else:
+            try:
+                os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+
+
+def _serve_fresh(fd: int, main_pid: int) -> None:
+    """The zygote as a fresh interpreter (the main process had threads when it needed one)."""
+    try:
+        os.setpgid(0, 0)  # Ctrl-C at the terminal is the main process's to handle
+    except OSError:
+        pass
+    try:
+        conn = multiprocessing.connection.Connection(fd)
+        multiprocessing.current_process().authkey = conn.recv_bytes()
+        _serve(conn, main_pid)
+    finally:
+        os._exit(0)
+
+
+class LoaderZygote:
+    """The main side of one loader's zygote."""
+
+    def __init__(self, conn: Any, pid: int) -> None:
+        self.conn, self.pid = conn, pid
+        self._lock = threading.Lock()
+
+    def send_payload(self, blob: bytes) -> None:
+        with self._lock:
+            self.conn.send(("payload", blob))
+
+    def fork(self, worker: int, workers: int) -> Tuple[Any, "ForkedProcess"]:
+        """A new worker process: its pipe (main side) and its handle."""
+        parent, child = multiprocessing.Pipe(duplex=True)
+        try:
+            with self._lock:
+                self.conn.send(("fork", worker, workers))
+                multiprocessing.reduction.send_handle(self.conn, child.fileno(), self.pid)
+                kind, value = self.conn.recv()
+        except (EOFError, OSError):
+            parent.close()
+            raise RuntimeError("DataLoader: the loader's zygote process ended") from None
+        finally:
+            child.close()
+        if kind == "error":
+            parent.close()
+            raise _rebuild_error(value)
+        return parent, ForkedProcess(self, value)
+
+    def status(self, pid: int, wait: float) -> Optional[int]:
+        try:
+            with self._lock:
+                self.conn.send(("status", pid, wait))
+                _, code = self.conn.recv()
+        except (EOFError, OSError):
+            return None
+        return code
+
+    def close(self) -> None:
+        try:
+            self.conn.close()
+        except OSError:
+            pass
+
+
+class ForkedProcess:
+    """A worker forked by a loader zygote, with multiprocessing.Process's methods the pool uses."""
+
+    def __init__(self, owner: LoaderZygote, pid: int) -> None:
+        self._owner, self.pid = owner, pid
+        self._code: Optional[int] = None
+        try:
+            self._fd: Optional[int] = os.pidfd_open(pid)
+        except OSError:  # it has ended and been reaped already
+            self._fd = None
+
+    def is_alive(self) -> bool:
+        fd = self._fd
+        return fd is not None and not select.select([fd], [], [], 0)[0]
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        fd = self._fd
+        if fd is not None:
+            select.select([fd], [], [], timeout)
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        if self._code is None and not self.is_alive():
+            self._code = self._owner.status(self.pid, 1.0)
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+        return self._code
+
+    def kill(self) -> None:
+        fd = self._fd
+        if fd is not None:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except (OSError, AttributeError):
+                pass
+
+    def close(self) -> None:
+        if self._fd is not None and not self.is_alive():
+            self.exitcode  # noqa: B018  (reaps it)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+

@@ -1,0 +1,286 @@
+"""A Python dataset's loader as a PyTorch user knows it: torch's seeds per generator and per epoch,
+torch.manual_seed governing a run, fresh workers each epoch unless persistent (the dataset as it
+is at iter(), worker_init_fn once an epoch), __getitems__ only with automatic batching, resumed
+seeds, scripts and notebooks without a main guard, and quiet ends (Note [PyTorch's seeds],
+Note [Zygote], Note [Quiet ends]). Checked against torch's own DataLoader where PyTorch defines
+the behaviour."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.utils.data as tud
+
+import ferry
+
+PYTHON_PATH = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(ferry.__file__)),
+                                          os.environ.get("PYTHONPATH", "")] if p)
+
+
+class Draws(tud.Dataset):
+    """Each sample: its index, the worker's id and seed, and one draw from each global generator."""
+
+    def __init__(self, n=12, scale=1):
+        self.n, self.scale = n, scale
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        info = tud.get_worker_info()
+        wid, seed = (-1, 0) if info is None else (info.id, info.seed % 2**31)
+        return torch.tensor([i * self.scale, wid, seed, int(torch.randint(0, 2**31, ())),
+                             random.randrange(2**31), int(np.random.randint(0, 2**31))])
+
+
+def rows(batches):
+    return [r.tolist() for b in batches for r in b]
+
+
+def epochs(make, n=2, seed=None):
+    """n epochs of one loader, `seed` given to torch.manual_seed first."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    loader = make()
+    return [rows(loader) for _ in range(n)]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+@pytest.mark.parametrize("generator", [None, 5, 7], ids=["default-generator", "generator-5", "generator-7"])
+def test_seeds_and_order_are_torchs_for_each_generator_and_epoch(persistent, generator):
+    def make(loader_type):
+        g = None if generator is None else torch.Generator().manual_seed(generator)
+        return lambda: loader_type(Draws(12), batch_size=3, shuffle=True, num_workers=2, generator=g,
+                                   persistent_workers=persistent)
+
+    ours = epochs(make(ferry.DataLoader), seed=1)
+    theirs = epochs(make(tud.DataLoader), seed=1)
+    assert ours == theirs
+    assert ours[0] != ours[1] or persistent  # each epoch draws its order (and, not persistent, its seeds)
+    assert sorted(r[0] for r in ours[0]) == list(range(12))
+
+
+def test_two_generators_give_two_runs_and_manual_seed_governs_the_default():
+    def run(g=None, seed=None):
+        return epochs(lambda: ferry.DataLoader(Draws(8), batch_size=2, num_workers=2, generator=g), n=1, seed=seed)
+
+    assert run(torch.Generator().manual_seed(1)) != run(torch.Generator().manual_seed(2))
+    assert run(torch.Generator().manual_seed(1)) == run(torch.Generator().manual_seed(1))
+    assert run(seed=3) == run(seed=3) != run(seed=4)
+
+
+def test_a_seed_keeps_ferrys_rule_reproducible_without_manual_seed():
+    def run():
+        torch.manual_seed(random.randrange(2**31))  # ignored: seed= decides
+        loader = ferry.DataLoader(Draws(8), batch_size=2, shuffle=True, num_workers=2, seed=40)
+        return [rows(loader) for _ in range(2)]
+
+    first, second = run(), run()
+    assert first == second
+    for epoch, got in enumerate(first):  # worker seeds: seed + epoch * num_workers + id
+        assert {(r[1], r[2]) for r in got} == {(w, 40 + epoch * 2 + w) for w in range(2)}
+
+
+class Mutable(tud.Dataset):
+    def __init__(self):
+        self.value = 0
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return self.value
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+def test_a_dataset_changed_between_epochs_reaches_fresh_workers_only(persistent):
+    seen = {}
+    for name, loader_type in (("ferry", ferry.DataLoader), ("torch", tud.DataLoader)):
+        ds = Mutable()
+        loader = loader_type(ds, batch_size=2, num_workers=2, persistent_workers=persistent)
+        got = []
+        for epoch in range(3):
+            ds.value = epoch * 10  # set_epoch()-style change, in the main process
+            got.append(rows(loader))
+        seen[name] = got
+    assert seen["ferry"] == seen["torch"]
+    assert seen["ferry"][2] == ([0, 0, 0, 0] if persistent else [20, 20, 20, 20])
+
+
+class Counted(tud.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return os.getpid()
+
+
+def test_worker_init_fn_runs_once_an_epoch_in_new_processes_unless_persistent(tmp_path):
+    def init(worker_id):
+        with open(tmp_path / f"{os.getpid()}-{worker_id}", "w"):
+            pass
+
+    for persistent, calls in ((False, 6), (True, 2)):
+        for name in os.listdir(tmp_path):
+            os.unlink(tmp_path / name)
+        loader = ferry.DataLoader(Counted(), batch_size=2, num_workers=2, worker_init_fn=init,
+                                  persistent_workers=persistent)
+        pids = [set(rows_or_ints(loader)) for _ in range(3)]
+        assert len(os.listdir(tmp_path)) == calls, persistent
+        if not persistent:
+            assert pids[0].isdisjoint(pids[1]) and pids[1].isdisjoint(pids[2])  # new processes each epoch
+        else:
+            assert pids[0] == pids[1] == pids[2]
+
+
+def rows_or_ints(batches):
+    return [int(v) for b in batches for v in b]
+
+
+class WithGetitems(tud.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return ("one", i)
+
+    def __getitems__(self, indices):
+        return [("many", i) for i in indices]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_getitems_only_with_automatic_batching(workers):
+    batched = list(ferry.DataLoader(WithGetitems(), batch_size=2, num_workers=workers))
+    assert batched[0][0] == ("many", "many")
+    unbatched = list(ferry.DataLoader(WithGetitems(), batch_size=None, num_workers=workers))
+    assert [tuple(u) for u in unbatched] == [("one", torch.tensor(i)) for i in range(4)]
+
+
+def test_resume_restores_the_epochs_seeds():
+    def make():
+        return ferry.DataLoader(Draws(16), batch_size=2, shuffle=True, num_workers=2)
+
+    torch.manual_seed(8)
+    whole = rows(make())
+    torch.manual_seed(8)
+    first = make()
+    it = iter(first)
+    head = rows([next(it) for _ in range(3)])
+    state = first.state_dict()
+    del it, first
+    torch.manual_seed(999)  # another run: the saved epoch keeps its own seeds and order
+    resumed = make()
+    resumed.load_state_dict(state)
+    # The same order, on the same workers, with the same seeds. (Each worker's generators start
+    # again from its seed: draws that must survive a resume key on ferry.sample_seed() or
+    # sample_seeding=True.)
+    assert [r[:3] for r in head + rows(resumed)] == [r[:3] for r in whole]
+
+
+# --- scripts and notebooks -------------------------------------------------------------------------
+
+SCRIPT = textwrap.dedent("""
+    import torch, ferry
+
+    class Squares(torch.utils.data.Dataset):      # defined in __main__, no main guard
+        def __len__(self):
+            return 6
+        def __getitem__(self, i):
+            return i * i
+
+    loader = ferry.DataLoader(Squares(), batch_size=2, num_workers=2)
+    print([b.tolist() for b in loader])
+""")
+
+
+def run_python(args, stdin=None, timeout=120):
+    env = dict(os.environ, PYTHONPATH=PYTHON_PATH)
+    return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def test_a_script_without_a_main_guard_runs(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    done = run_python([str(script)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[0, 1], [4, 9], [16, 25]]"
+    assert done.stderr == ""
+
+
+def test_a_script_on_standard_input_runs():
+    done = run_python(["-"], stdin=SCRIPT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[0, 1], [4, 9], [16, 25]]" and done.stderr == ""
+
+
+def test_a_class_made_by_exec_in_main_runs():  # a notebook cell's class
+    code = "import __main__\nexec(compile(" + repr(SCRIPT) + ", '<cell>', 'exec'), __main__.__dict__)\n"
+    done = run_python(["-c", code])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[0, 1], [4, 9], [16, 25]]" and done.stderr == ""
+
+
+def test_a_loader_made_after_threads_started_runs_from_a_fresh_zygote(tmp_path):
+    # ferry imported by a process already running threads: no fork then; the zygote is started as
+    # a fresh interpreter when the first loader needs it.
+    code = "import threading, time\nthreading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n" + SCRIPT
+    done = run_python(["-c", code])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[0, 1], [4, 9], [16, 25]]" and done.stderr == ""
+
+
+# --- quiet ends ------------------------------------------------------------------------------------
+
+ENDING = textwrap.dedent("""
+    import os, signal, sys, time, torch, ferry
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10000
+        def __getitem__(self, i):
+            time.sleep(0.01)
+            return torch.zeros(4)
+
+    loader = ferry.DataLoader(Slow(), batch_size=4, num_workers=3)
+    it = iter(loader)
+    next(it)
+    pids = loader._pool.pids() + [loader._pool._loader_zygote.pid, ferry._zygote._zygote.pid]
+    print(" ".join(map(str, pids)), flush=True)
+    time.sleep(0.2)  # the workers are busy making batches
+    if sys.argv[1] == "exit":
+        os._exit(0)
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_the_main_process_ending_mid_epoch_leaves_nothing_and_prints_nothing(tmp_path, how):
+    script = tmp_path / "ending.py"
+    script.write_text(ENDING)
+    shm_before = set(os.listdir("/dev/shm"))
+    done = run_python([str(script), how])  # returns once every process holding its output has ended
+    assert done.returncode == (0 if how == "exit" else -signal.SIGKILL), done.stderr
+    assert done.stderr == ""
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 5
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    assert [p for p in pids if alive(p)] == []
+    assert set(os.listdir("/dev/shm")) - shm_before == set()
