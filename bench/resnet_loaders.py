@@ -17,6 +17,7 @@ median of --runs passes of --steps steps after --warmup steps):
   * the uint8 recipe (PILToTensor instead of ToTensor + Normalize, normalized on the GPU in the
     step) through each of the two.
 Busy host cores: every process's CPU time (/proc/stat, all cores) over the measured wall time.
+First batch: seconds from making the loader to its first batch in hand (median of the runs).
 With the defaults (8 + 30 steps of 256 of a 10,260-image folder) the measured steps lie inside
 the first epoch; more steps cross epochs, where a loader without persistent workers starts its
 workers again (rows with --steps 80 say what that costs).
@@ -122,12 +123,15 @@ def step(model, opt, images, labels):
     opt.step()
 
 
-def run(batches, model, opt, prepare, warmup, steps):
-    """Images/s and busy cores over `steps` steps after `warmup`, re-iterating epochs as needed."""
-    n, t0, j0 = 0, None, None
+def run(batches, model, opt, prepare, warmup, steps, made_at):
+    """Images/s and busy cores over `steps` steps after `warmup`, re-iterating epochs as needed,
+    and the seconds from `made_at` (before the loader was made) to the first batch in hand."""
+    n, t0, j0, first = 0, None, None, None
     hz = os.sysconf("SC_CLK_TCK")
     while True:
         for images, labels in batches():
+            if first is None:
+                first = time.perf_counter() - made_at
             if prepare is not None:  # None: the loader alone, no training step
                 images, labels = prepare(images, labels)
                 step(model, opt, images, labels)
@@ -141,7 +145,7 @@ def run(batches, model, opt, prepare, warmup, steps):
                 wall = time.perf_counter() - t0
                 if BREAKDOWN:
                     print(f"  busy cores by task: {cpu_report(tasks0, cpu_by_task(), wall)}", file=sys.stderr, flush=True)
-                return steps * len(labels) / wall, (busy_jiffies() - j0) / hz / wall
+                return steps * len(labels) / wall, (busy_jiffies() - j0) / hz / wall, first
 
 
 def main():
@@ -244,23 +248,26 @@ def main():
     print(f"# ResNet-50 bf16 channels_last, batch {args.batch}, {args.steps} steps after {args.warmup}, "
           f"median of {args.runs}; {torch.cuda.get_device_name(0)}, {os.cpu_count()} vCPUs, torch {torch.__version__}, "
           f"torchvision {torchvision.__version__}, images {args.images}, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
-    print("| loader | images/s (median) | runs | / GPU alone | busy host cores |")
-    print("|---|---:|---|---:|---:|")
+    print("| loader | images/s (median) | runs | / GPU alone | busy host cores | first batch (s) |")
+    print("|---|---:|---|---:|---:|---:|")
     alone = None
     for key in args.rows.split(","):
         name, make, prepare = rows[key]
-        rates, cores = [], []
+        rates, cores, firsts = [], [], []
         for _ in range(args.runs):
+            made_at = time.perf_counter()
             batches = make()
-            r, c = run(batches, model, opt, prepare, args.warmup, args.steps)
+            r, c, first = run(batches, model, opt, prepare, args.warmup, args.steps, made_at)
             rates.append(r)
             cores.append(c)
+            firsts.append(first)
             del batches
         med = statistics.median(rates)
         if key == "gpu":
             alone = med
         ratio = f"{med / alone:.3f}" if alone else "-"
-        print(f"| {name} | {med:,.0f} | {', '.join(f'{r:,.0f}' for r in rates)} | {ratio} | {statistics.median(cores):.1f} |",
+        print(f"| {name} | {med:,.0f} | {', '.join(f'{r:,.0f}' for r in rates)} | {ratio} | {statistics.median(cores):.1f} | "
+              f"{statistics.median(firsts):.2f} |",
               flush=True)
         if made and os.environ.get("RESNET_STATS"):  # the last ferry loader's own account, to stderr
             print(f"{key}: {made[-1].stats()}", file=sys.stderr, flush=True)

@@ -10,7 +10,9 @@
 # and bench/python_loop.py (Python against the C++ loop and PyTorch's DataLoader). It builds
 # nothing else (PYTHON_BENCH=0 leaves the benchmark out; RESNET_BENCH=1 adds bench/resnet_loaders.py,
 # ResNet-50 fed by each loader, with RESNET_ARGS; PYDS_BENCH=1 adds bench/python_datasets.py, a
-# Python dataset through each loader, with PYDS_ARGS).
+# Python dataset through each loader, with PYDS_ARGS; PYOBJ_BENCH=1 adds bench/python_objects.py,
+# a dataset of a million Python objects, first batch and memory, with PYOBJ_ARGS; PYTHON_INSTALL=0
+# keeps the package an earlier call installed; PYTHON_DEMO=0 leaves the demo out).
 # gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
 # DataLoader on the same workloads.
 # rows: the device gather's GPU tests, the Fashion-MNIST demo and `ferry bench idx` with the
@@ -60,18 +62,22 @@ if [ "$what" = python ]; then
   # $CXX (/opt/gcc) links parts of its own libstdc++ into each library, and such a copy crashed
   # on the Python process's locale (in an ostringstream) where a C++ program did not.
   export CC=/usr/bin/gcc CXX=/usr/bin/g++
+  if [ "${PYTHON_INSTALL:-1}" = 1 ]; then  # PYTHON_INSTALL=0: the package installed by an earlier call
   rm -rf build/python-gpu
   $PY -m pip install --no-build-isolation --no-deps -v . -C build-dir=build/python-gpu \
     -C cmake.define.CMAKE_CUDA_ARCHITECTURES=90 -C cmake.define.CMAKE_POLICY_VERSION_MINIMUM=3.5 \
     -C cmake.define.ZLIB_LIBRARY="$zlib" -C cmake.define.ZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/pip-install.log" 2>&1 \
     || { grep -E "error|Error" -A3 "$OUT/pip-install.log" | head -60; exit 1; }
+  fi
   $PY -c 'import ferry, torch, nanobind; print("ferry", ferry.__version__, "from", ferry.__file__, "torch", torch.__version__, "nanobind", nanobind.__version__)' | tee "$OUT/python-versions.txt"
   if [ "${PYTHON_TESTS:-1}" = 1 ]; then  # PYTHON_TESTS=0: install and run the benchmarks only
     (cd /tmp && FERRY_REQUIRE_GPU=1 timeout 300 $PY -m pytest -q -p no:cacheprovider -rs "$OLDPWD/python/tests" 2>&1;
      echo "pytest exit status $?") | tee "$OUT/pytest.txt"
     grep -q "pytest exit status 0" "$OUT/pytest.txt" || rc=1
-    timeout 120 $PY python/examples/fashion_mnist.py --data $prefix/usr/share/datasets/fashion-mnist --device 0 --epochs 3 \
-      --min-accuracy 0.80 2>&1 | tee "$OUT/demo-python.txt" || rc=1
+    if [ "${PYTHON_DEMO:-1}" = 1 ]; then
+      timeout 120 $PY python/examples/fashion_mnist.py --data $prefix/usr/share/datasets/fashion-mnist --device 0 --epochs 3 \
+        --min-accuracy 0.80 2>&1 | tee "$OUT/demo-python.txt" || rc=1
+    fi
   fi
   if [ "${PYTHON_BENCH:-1}" = 1 ]; then
     links build/bench-data/photos /tmp/ferry-photos60 60
@@ -81,6 +87,10 @@ if [ "$what" = python ]; then
   if [ "${PYDS_BENCH:-0}" = 1 ]; then  # a Python dataset through ferry's threads and torch's processes
     (cd /tmp && PYTHONUNBUFFERED=1 timeout 240 $PY "$OLDPWD/bench/python_datasets.py" ${PYDS_ARGS:-} 2>&1) \
       | tee "$OUT/python_datasets.md"
+  fi
+  if [ "${PYOBJ_BENCH:-0}" = 1 ]; then  # many Python objects through worker processes (bench/python_objects.py)
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout 300 $PY "$OLDPWD/bench/python_objects.py" ${PYOBJ_ARGS:-} 2>&1) \
+      | tee "$OUT/python_objects.md"
   fi
   if [ "${RESNET_BENCH:-0}" = 1 ]; then  # ResNet-50 fed by ferry and by PyTorch's DataLoader (bench/resnet_loaders.py)
     links build/bench-data/photos /tmp/ferry-photos60 60

@@ -9,8 +9,9 @@ dataset (9 s to the first batch where torch's fork took 2.4 s, bench/RESULTS.md)
 the main script again, so a script without a main guard, or one fed on standard input, fails.
 
 ferry forks a zygote from the main process when ferry is imported, while the process has one
-thread (otherwise, at the first loader that needs it, it starts one as a fresh interpreter); the
-zygote imports torch at once, in the background of the script. A loader asks the zygote for a
+thread (otherwise it starts one as a fresh interpreter); the zygote imports torch at once, in the
+background of the script, and the installed packages the main process has imported as each
+loader asks for a loader zygote. A loader asks the zygote for a
 loader zygote of its own, sends it the dataset once (Note [Datasets by value]), and the loader
 zygote, having imported what the dataset needs, forks the workers: each starts in a few
 milliseconds with the dataset already in memory, copy-on-write, and never runs the main script.
@@ -51,14 +52,15 @@ def enabled() -> bool:
 
 
 def at_import() -> None:
-    """Forks the zygote now if this process runs one thread (ferry's import, Note [Zygote])."""
+    """Starts the zygote now (ferry's import, Note [Zygote]): forked if this process runs one
+    thread, else a fresh interpreter (which imports torch while the script goes on)."""
     global _zygote
-    if not enabled() or _threads() != 1:
+    if not enabled():
         return
     with _lock:
         if _zygote is None:
             try:
-                _zygote = Zygote.fork()
+                _zygote = Zygote.fork() if _threads() == 1 else Zygote.fresh()
             except OSError:
                 _zygote = None
 
@@ -94,6 +96,26 @@ def _forget_partial_modules() -> None:
             del sys.modules[name]
 
 
+def _import(names: list) -> None:
+    for name in names:
+        if name not in sys.modules:
+            try:
+                __import__(name)
+            except BaseException:  # noqa: BLE001  (the loader zygote imports what the dataset needs, and says why not)
+                pass
+
+
+def _main_modules() -> list:
+    """The installed top-level packages this process has imported (torchvision, PIL, numpy: what
+    a dataset's classes may need), not the script's own modules, whose imports may act."""
+    out = []
+    for name, module in list(sys.modules.items()):
+        where = getattr(module, "__file__", None) or ""
+        if "." not in name and not name.startswith("_") and ("site-packages" in where or "dist-packages" in where):
+            out.append(name)
+    return sorted(out)
+
+
 def _preload() -> None:
     try:
         import torch
@@ -127,6 +149,7 @@ def _serve(conn: Any, main_pid: int) -> None:
             os._exit(0)
         if message[0] != "loader":
             os._exit(0)
+        _import(message[1])  # what the main process has imported, once here for every later loader
         pid = os.fork()
         if pid == 0:
             try:
@@ -291,7 +314,7 @@ class Zygote:
         parent, child = multiprocessing.Pipe(duplex=True)
         try:
             with self._lock:
-                self.conn.send(("loader",))
+                self.conn.send(("loader", _main_modules()))
                 multiprocessing.reduction.send_handle(self.conn, child.fileno(), self.pid)
                 _, pid = self.conn.recv()
         finally:
