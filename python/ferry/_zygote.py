@@ -9,9 +9,9 @@ dataset (9 s to the first batch where torch's fork took 2.4 s, bench/RESULTS.md)
 the main script again, so a script without a main guard, or one fed on standard input, fails.
 
 ferry forks a zygote from the main process when ferry is imported, while the process has one
-thread (otherwise it starts one as a fresh interpreter); the zygote imports torch at once, in the
-background of the script, and the installed packages the main process has imported as each
-loader asks for a loader zygote. A loader asks the zygote for a
+thread (otherwise it starts one as a fresh interpreter); the zygote imports torch and the
+installed packages the main process has imported (torchvision, PIL) at once, in the background
+of the script, and those imported since as each loader asks for a loader zygote. A loader asks the zygote for a
 loader zygote of its own, sends it the dataset once (Note [Datasets by value]), and the loader
 zygote, having imported what the dataset needs, forks the workers: each starts in a few
 milliseconds with the dataset already in memory, copy-on-write, and never runs the main script.
@@ -126,8 +126,9 @@ def _preload() -> None:
         pass
 
 
-def _serve(conn: Any, main_pid: int) -> None:
-    """The zygote: forks a loader zygote for each loader that asks, until the main process ends."""
+def _serve(conn: Any, main_pid: int, modules: Optional[list] = None) -> None:
+    """The zygote: forks a loader zygote for each loader that asks, until the main process ends.
+    `modules`: installed packages to import first (a fresh zygote: what the main process had)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
@@ -135,6 +136,7 @@ def _serve(conn: Any, main_pid: int) -> None:
     except OSError:
         os._exit(0)
     _preload()
+    _import(modules or [])
     while True:
         ready, _, _ = select.select([conn.fileno(), main], [], [], 1.0)
         _reap()
@@ -304,6 +306,7 @@ class Zygote:
         # multiprocessing's key (torch's tensors travel through its resource sharer, which checks
         # it), over the pipe: a command line can be read by anyone on the machine.
         parent.send_bytes(bytes(multiprocessing.current_process().authkey))
+        parent.send(_main_modules())  # imported at once, while the script goes on
         return cls(parent, popen.pid, popen)
 
     def alive(self) -> bool:
@@ -351,7 +354,7 @@ def _serve_fresh(fd: int, main_pid: int) -> None:
     try:
         conn = multiprocessing.connection.Connection(fd)
         multiprocessing.current_process().authkey = conn.recv_bytes()
-        _serve(conn, main_pid)
+        _serve(conn, main_pid, conn.recv())
     finally:
         os._exit(0)
 
