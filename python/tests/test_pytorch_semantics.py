@@ -284,3 +284,12 @@ def test_the_main_process_ending_mid_epoch_leaves_nothing_and_prints_nothing(tmp
         time.sleep(0.05)
     assert [p for p in pids if alive(p)] == []
     assert set(os.listdir("/dev/shm")) - shm_before == set()
+
+
+def test_a_named_multiprocessing_context_gives_the_same_batches_and_seeds():
+    # multiprocessing_context="forkserver" starts each worker that way (it imports the test
+    # module again) instead of forking it from the zygote; what the user sees is the same.
+    def run(**kw):
+        return epochs(lambda: ferry.DataLoader(Draws(8), batch_size=2, shuffle=True, num_workers=2, **kw), seed=5)
+
+    assert run(multiprocessing_context="forkserver") == run()
