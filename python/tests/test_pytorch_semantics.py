@@ -293,3 +293,25 @@ def test_a_named_multiprocessing_context_gives_the_same_batches_and_seeds():
         return epochs(lambda: ferry.DataLoader(Draws(8), batch_size=2, shuffle=True, num_workers=2, **kw), seed=5)
 
     assert run(multiprocessing_context="forkserver") == run()
+
+
+def test_a_dataset_in_a_module_that_imports_ferry_loads_in_the_workers(tmp_path):
+    # The zygote is forked while ferry is imported, so the module importing it is half run there:
+    # the zygote forgets such modules, and the dataset's module is imported whole for the workers.
+    (tmp_path / "mydata.py").write_text(textwrap.dedent("""
+        import torch, ferry
+
+        class Cubes(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return i ** 3
+
+        LOADED = True
+    """))
+    code = ("import sys; sys.path.insert(0, %r)\nimport mydata, ferry\n"
+            "print([b.tolist() for b in ferry.DataLoader(mydata.Cubes(), batch_size=2, num_workers=2)])\n"
+            % str(tmp_path))
+    done = run_python(["-c", code])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[0, 1], [8, 27]]" and done.stderr == ""
