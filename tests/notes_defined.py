@@ -9,7 +9,7 @@ import sys
 
 root = pathlib.Path(sys.argv[1])
 globs = ["include/**/*.h", "src/*.h", "src/*.cpp", "dataloader/*.h", "dataloader/*.cpp", "loaders/*.h", "loaders/*.cpp",
-         "pinning/*.h", "pinning/*.cpp", "pinning/*.cu", "collate/*.h", "collate/*.cpp", "python/src/*.cpp",
+         "pinning/*.h", "pinning/*.cpp", "pinning/*.cu", "collate/*.h", "collate/*.cpp", "python/src/*.cpp", "python/src/*.h",
          "python/ferry/*.py", "tools/**/*.cpp", "tests/**/*.cpp", "tests/**/*.py", "docs/*.md", "python/README.md",
          "README.md", "bench/RESULTS.md"]
 cite = re.compile(r"Note \[([^\]]+)\]")

@@ -97,7 +97,7 @@ def _release_python_loaders() -> None:
     abandoned = False
     for loader in list(_python_loaders):
         # A worker abandoned inside the dataset may return while Python finalizes; Python then ends
-        # its thread, which keeps its objects (Note [Threads Python ends at exit] in module.cpp):
+        # its thread, which keeps its objects (Note [Threads Python ends at exit] in python/src/gil.h):
         # no leak report for those.
         abandoned = abandoned or loader._loader.stats()["abandoned_workers"] > 0
         loader._loader.release()
@@ -357,7 +357,7 @@ class DataLoader:
         self.worker_type = worker_type if python else "thread"
         engine_batch, engine_shuffle, engine_drop_last = batch_size, shuffle, drop_last
         if python:
-            # Note [Python datasets] (python/src/module.cpp): the workers run the dataset's Python
+            # Note [Python datasets] (python/src/python_datasets.h): the workers run the dataset's Python
             # code; pinning happens on the worker (torch's pin_memory), the device copy on the
             # consumer's stream as batches arrive.
             cpp_dataset, engine, self._pool = _bridge.make_dataset(

@@ -1,4 +1,4 @@
-"""The C++ loader's dataset over a Python one (Note [Python datasets] in python/src/module.cpp):
+"""The C++ loader's dataset over a Python one (Note [Python datasets] in python/src/python_datasets.h):
 its callables, the engine's options, the worker processes, and PyTorch's seeds.
 
 Note [PyTorch's seeds]

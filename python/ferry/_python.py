@@ -1,6 +1,6 @@
 """Python datasets on ferry's worker threads: the callables the C++ loader calls into.
 
-See Note [Python datasets] in python/src/module.cpp. The loader's C++ workers take the GIL to call
+See Note [Python datasets] in python/src/python_datasets.h. The loader's C++ workers take the GIL to call
 these; everything here is safe to call from several threads at once.
 """
 
