@@ -127,11 +127,14 @@ class Pool:
         self.base_seed = 0
         self._epochs = 0
         self._loader_zygote: Optional[_zygote.LoaderZygote] = None
+        self._connect_lock = threading.Lock()
+        self._connected = threading.Event()
+        self._connect_error: Optional[BaseException] = None
         if ctx is None:
-            # The dataset travels once, now, to this loader's zygote (which loads it while the
-            # script goes on); the workers are forked from it.
-            self._loader_zygote = _zygote.get().new_loader()
-            self._loader_zygote.send_payload(self._fingerprint if plain else self._dumps())
+            # The dataset is pickled now, as it is; it travels once to this loader's zygote (which
+            # loads it while the script goes on) on the prestart thread, which may first wait for
+            # a fresh zygote's imports; the workers are forked from it.
+            self._first_blob: Optional[bytes] = self._fingerprint if plain else self._dumps()
         elif ctx.get_start_method() == "forkserver":
             # Now, on the loader's construction: the server imports torch once (a second or two),
             # and a worker thread starting its process then waits only for a fork, so that even a
@@ -139,6 +142,32 @@ class Pool:
             from multiprocessing import forkserver
 
             forkserver.ensure_running()
+
+    def _zygote_of_loader(self) -> _zygote.LoaderZygote:
+        """This loader's zygote, asked for (and sent the dataset) by the first caller; the others
+        wait for it."""
+        with self._connect_lock:
+            if not self._connected.is_set():
+                try:
+                    loader_zygote = _zygote.get().new_loader()
+                    blob, self._first_blob = self._first_blob, None
+                    assert blob is not None
+                    loader_zygote.send_payload(blob)
+                    with self._lock:
+                        closed = self._closed
+                        if not closed:
+                            self._loader_zygote = loader_zygote
+                    if closed:
+                        loader_zygote.close()
+                except BaseException as exc:  # noqa: BLE001  (every later caller raises it)
+                    self._connect_error = exc
+                self._connected.set()
+        if self._connect_error is not None:
+            raise RuntimeError(f"DataLoader: the worker processes' zygote could not be reached: "
+                               f"{self._connect_error}") from self._connect_error
+        if self._loader_zygote is None:
+            raise RuntimeError("DataLoader: the loader's worker processes were stopped")
+        return self._loader_zygote
 
     def _dumps(self) -> bytes:
         import torch.multiprocessing  # noqa: F401  (the tensor reductions)
@@ -159,8 +188,8 @@ class Pool:
         changed = fingerprint != self._fingerprint
         if changed:
             self._fingerprint = fingerprint
-            if self._loader_zygote is not None:
-                self._loader_zygote.send_payload(fingerprint if plain else self._dumps())
+            if self._ctx is None:
+                self._zygote_of_loader().send_payload(fingerprint if plain else self._dumps())
         if changed or (renew and not first):
             with self._lock:
                 self.generation += 1
@@ -212,8 +241,8 @@ class Pool:
         if old is not None:
             _stop([old], wait=0.5 if old.generation != generation and not old.busy else 0)
         proc: Any
-        if self._loader_zygote is not None:
-            parent, proc = self._loader_zygote.fork(worker, workers)
+        if self._ctx is None:
+            parent, proc = self._zygote_of_loader().fork(worker, workers)
         else:
             parent, child = self._ctx.Pipe(duplex=True)
             # The payload goes over the pipe, not as the process's arguments: multiprocessing
@@ -331,8 +360,10 @@ class Pool:
         prestarter = self._prestarter
         if prestarter is not None and prestarter is not threading.current_thread() and not exiting:
             prestarter.join(5.0)  # its process, if any, was stopped above or by its own closed check
-        if self._loader_zygote is not None and not exiting:
-            self._loader_zygote.close()  # it ends, killing any worker left (a busy one at exit)
+        with self._lock:
+            loader_zygote, self._loader_zygote = self._loader_zygote, None
+        if loader_zygote is not None and not exiting:
+            loader_zygote.close()  # it ends, killing any worker left (a busy one at exit)
 
     def pids(self) -> List[int]:
         with self._lock:

@@ -128,7 +128,6 @@ void register_datasets(nb::module_& m) {
   m.def(
       "load_plugin", [](const std::string& path) { return ferry::DatasetRegistry::global().load_plugin(path); }, "path"_a,
       "Loads a dataset plugin library; returns the names it registered.");
-
 }
 
 }  // namespace ferry_py

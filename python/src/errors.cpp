@@ -14,7 +14,6 @@ namespace {
 
 using namespace nb::literals;
 
-
 struct Exceptions {
   PyObject* error = nullptr;
   PyObject* worker = nullptr;

@@ -41,7 +41,6 @@ inline bool finalizing() noexcept {
 #endif
 }
 
-
 // A strong reference to a Python object that any thread may drop (the GIL is taken to drop it).
 class PyRef {
  public:

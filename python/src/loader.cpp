@@ -38,7 +38,6 @@ namespace {
 
 using namespace nb::literals;
 
-
 // A delivered batch: ferry's tensors, or the Python object a Python dataset's collate made.
 struct Delivery {
   std::vector<ferry::Tensor> tensors;
@@ -404,7 +403,6 @@ void register_loader(nb::module_& m) {
           "state"_a, nb::call_guard<NoGil>())
       .def("write_trace", &PyLoader::write_trace, "path"_a, "Writes the recorded batches' timelines as a Chrome trace.")
       .def("last_pointers", &PyLoader::last_pointers, "The data pointers of the last batch's tensors (tests).");
-
 }
 
 }  // namespace ferry_py
