@@ -330,16 +330,8 @@ class Pool:
                         "multiprocessing_context unset, or pass worker_type='thread'")
             raise WorkerDied(f"worker process {worker} (pid {slot.proc.pid}) {how} while {what}{hint}") from None
         if kind == "error":
-            name, text, tb, blob = value
-            exc = None
-            if blob is not None:
-                try:
-                    exc = pickle.loads(blob)
-                except Exception:  # noqa: BLE001
-                    exc = None
-            if not isinstance(exc, BaseException):
-                exc = RuntimeError(f"{name}: {text}")
-            raise exc from RemoteTraceback(f"in worker process {worker} (pid {slot.proc.pid}):\n{tb}")
+            raise _worker.unwrap(value) from RemoteTraceback(f"in worker process {worker} (pid {slot.proc.pid}):\n"
+                                                             f"{value[2]}")
         return value
 
     def close(self, exiting: bool = False) -> None:

@@ -61,15 +61,16 @@ def sample_seed(index: Optional[int] = None) -> Optional[int]:
     return _ferry.sample_seed(seed, epoch, int(i))
 
 
-def reseed(seed: int) -> None:
-    """Seeds Python's ``random``, torch's global generator and numpy's (if imported) with `seed`."""
+def reseed(seed: int, numpy_seed: Any = None) -> None:
+    """Seeds Python's ``random``, torch's global generator and numpy's (if imported) with `seed`
+    (numpy with `numpy_seed` where given: torch's workers seed it with a state of its own)."""
     random.seed(seed)
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.manual_seed(seed)
     np = sys.modules.get("numpy")
     if np is not None:
-        np.random.seed(seed % 2**32)
+        np.random.seed(seed % 2**32 if numpy_seed is None else numpy_seed)
 
 
 def fetch_samples(dataset: Any, getitems: Optional[Callable], indices: List[int], seed: int, epoch: int,

@@ -20,7 +20,6 @@ import ctypes
 import multiprocessing.reduction
 import os
 import pickle
-import random
 import select
 import signal
 import sys
@@ -87,22 +86,33 @@ def wrap(exc: BaseException) -> tuple:
     return type(exc).__name__, str(exc), text, blob
 
 
+def unwrap(value: tuple) -> BaseException:
+    """The exception wrap() made: rebuilt where it can be, else a RuntimeError of its name and
+    text (its traceback's text is value[2])."""
+    name, text, _, blob = value
+    exc = None
+    if blob is not None:
+        try:
+            exc = pickle.loads(blob)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if not isinstance(exc, BaseException):
+        exc = RuntimeError(f"{name}: {text}")
+    return exc
+
+
 def seed_as_torch(seed: int, worker: int, base_seed: int) -> None:
     """Seeds `random`, torch and numpy as torch's DataLoader seeds its workers: `random` and torch
     with the worker's seed (base seed + id), numpy with torch's own state drawn from (base seed,
     id) where torch has it."""
-    random.seed(seed)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(seed)
-    np = sys.modules.get("numpy")
-    if np is not None:
-        try:
-            from torch.utils.data._utils.worker import _generate_state
+    numpy_seed: Any = None
+    try:
+        from torch.utils.data._utils.worker import _generate_state
 
-            np.random.seed(_generate_state(base_seed, worker))
-        except (ImportError, AttributeError):
-            np.random.seed(seed % 2**32)
+        numpy_seed = _generate_state(base_seed, worker)
+    except (ImportError, AttributeError):
+        pass
+    _python.reseed(seed, numpy_seed)
 
 
 def start(worker: int, workers: int, base_seed: int, dataset: Any, init: Any) -> None:

@@ -258,17 +258,11 @@ def _serve_loader(conn: Any, main_pid: int) -> None:
 
 
 def _rebuild_error(value: tuple) -> BaseException:
-    name, text, tb, blob = value
-    exc = None
-    if blob is not None:
-        try:
-            exc = pickle.loads(blob)
-        except Exception:  # noqa: BLE001
-            exc = None
-    if not isinstance(exc, BaseException):
-        exc = RuntimeError(f"{name}: {text}")
-    if tb:
-        exc.__cause__ = RuntimeError(f"while the loader's zygote loaded the dataset:\n{tb}")
+    from . import _worker
+
+    exc = _worker.unwrap(value)
+    if value[2]:
+        exc.__cause__ = RuntimeError(f"while the loader's zygote loaded the dataset:\n{value[2]}")
     return exc
 
 
