@@ -40,10 +40,10 @@ if(count LESS 20)
 endif()
 
 # The Python module's keywords.
-file(READ ${SOURCE}/python/src/module.cpp module)
+file(READ ${SOURCE}/python/src/loader.cpp module)
 string(REGEX MATCH "m\\.def\\(\"make_options\"[^;]*;" call "${module}")
 if(NOT call)
-  message(FATAL_ERROR "python/src/module.cpp: no m.def(\"make_options\", ...) found")
+  message(FATAL_ERROR "python/src/loader.cpp: no m.def(\"make_options\", ...) found")
 endif()
 string(REGEX MATCHALL "\"([a-z_0-9]+)\"_a" keywords "${call}")
 set(front_end_spellings stream trace_batches)  # consumer_stream and trace, in Python's terms
