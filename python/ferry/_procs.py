@@ -128,7 +128,7 @@ class Pool:
         self._epochs = 0
         self._loader_zygote: Optional[_zygote.LoaderZygote] = None
         self._connect_lock = threading.Lock()
-        self._connected = threading.Event()
+        self._connected = False
         self._connect_error: Optional[BaseException] = None
         if ctx is None:
             # The dataset is pickled now, as it is; it travels once to this loader's zygote (which
@@ -147,7 +147,7 @@ class Pool:
         """This loader's zygote, asked for (and sent the dataset) by the first caller; the others
         wait for it."""
         with self._connect_lock:
-            if not self._connected.is_set():
+            if not self._connected:
                 try:
                     loader_zygote = _zygote.get().new_loader()
                     blob, self._first_blob = self._first_blob, None
@@ -161,7 +161,7 @@ class Pool:
                         loader_zygote.close()
                 except BaseException as exc:  # noqa: BLE001  (every later caller raises it)
                     self._connect_error = exc
-                self._connected.set()
+                self._connected = True
         if self._connect_error is not None:
             raise RuntimeError(f"DataLoader: the worker processes' zygote could not be reached: "
                                f"{self._connect_error}") from self._connect_error
@@ -234,8 +234,7 @@ class Pool:
             generation = self.generation
             if old is not None and only_if_none:
                 return None
-            if (old is not None and not old.busy and old.generation == generation and old.proc.is_alive()
-                    and not _exited(old.proc.pid)):
+            if old is not None and not old.busy and old.generation == generation and _alive(old.proc):
                 return old
             self._slots.pop(worker, None)
         if old is not None:
@@ -273,10 +272,8 @@ class Pool:
             closed = self._closed or multiprocessing.util._exiting  # type: ignore[attr-defined]  # set as Python exits
         if closed:
             raise RuntimeError("DataLoader: the loader's worker processes were stopped")
-        # An idle process sends nothing: a readable pipe means it has ended (killed from outside);
-        # so does a zombie (its reaper may not have reported it yet).
-        if (slot is None or not slot.proc.is_alive() or (not slot.starting and slot.conn.poll())
-                or _exited(slot.proc.pid)):
+        # An idle process sends nothing: a readable pipe means it has ended (killed from outside).
+        if slot is None or not _alive(slot.proc) or (not slot.starting and slot.conn.poll()):
             info = _python._local.info
             self.start(worker, info.num_workers)
             with self._lock:
@@ -360,6 +357,14 @@ class Pool:
     def pids(self) -> List[int]:
         with self._lock:
             return [slot.proc.pid for slot in self._slots.values()]
+
+
+def _alive(proc: Any) -> bool:
+    """Whether a worker process runs: a forked one's pidfd says so, zombie or not; a process a
+    multiprocessing context started may be a zombie its reaper (the forkserver) has not reported."""
+    if isinstance(proc, _zygote.ForkedProcess):
+        return proc.is_alive()
+    return proc.is_alive() and not _exited(proc.pid)
 
 
 def _exited(pid: int) -> bool:

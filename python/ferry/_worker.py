@@ -41,16 +41,15 @@ def exit_now(code: int = 0) -> None:
     os._exit(code)
 
 
-def die_with(main_pid: int, parent_death: bool = True) -> None:
+def die_with(main_pid: int) -> None:
     """Ends this process when the loader's process ends, however it ends (SIGKILL included), even
     while the dataset is busy: a thread waits on a pidfd of the main process; PR_SET_PDEATHSIG
     also ends it with its parent (the zygote that forked it)."""
-    if parent_death:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
     try:
         fd: Optional[int] = os.pidfd_open(main_pid)
     except ProcessLookupError:
@@ -137,9 +136,7 @@ def send(conn: Any, reply: Any) -> None:
     """A reply to the loader; a loader that is gone ends this process quietly (Note [Quiet ends])."""
     try:
         conn.send(reply)
-    except (BrokenPipeError, ConnectionResetError, EOFError):
-        exit_now()
-    except OSError:
+    except (OSError, EOFError):  # a broken pipe, a reset connection
         exit_now()
 
 

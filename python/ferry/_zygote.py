@@ -47,6 +47,10 @@ def _threads() -> int:
         return threading.active_count()
 
 
+# Set for a fresh zygote's own import of ferry, which must not start a zygote of its own.
+_IN_ZYGOTE = "FERRY_ZYGOTE_PROCESS"
+
+
 def enabled() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "pidfd_open") and os.environ.get("FERRY_ZYGOTE", "1") != "0"
 
@@ -55,14 +59,14 @@ def at_import() -> None:
     """Starts the zygote now (ferry's import, Note [Zygote]): forked if this process runs one
     thread, else a fresh interpreter (which imports torch while the script goes on)."""
     global _zygote
-    if not enabled():
+    if not enabled() or os.environ.get(_IN_ZYGOTE):
         return
     with _lock:
         if _zygote is None:
             try:
                 _zygote = Zygote.fork() if _threads() == 1 else Zygote.fresh()
             except OSError:
-                _zygote = None
+                pass  # get() starts one when a loader needs it
 
 
 def get() -> "Zygote":
@@ -295,7 +299,8 @@ class Zygote:
         fd = child.fileno()
         code = (f"import sys; sys.path[:0] = {sys.path!r}; from ferry import _zygote; "
                 f"_zygote._serve_fresh({fd}, {os.getpid()})")
-        popen = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd], stdin=subprocess.DEVNULL)
+        popen = subprocess.Popen([sys.executable, "-c", code], pass_fds=[fd], stdin=subprocess.DEVNULL,
+                                 env=dict(os.environ, **{_IN_ZYGOTE: "1"}))
         child.close()
         # multiprocessing's key (torch's tensors travel through its resource sharer, which checks
         # it), over the pipe: a command line can be read by anyone on the machine.
@@ -341,6 +346,7 @@ class Zygote:
 
 def _serve_fresh(fd: int, main_pid: int) -> None:
     """The zygote as a fresh interpreter (the main process had threads when it needed one)."""
+    os.environ.pop(_IN_ZYGOTE, None)  # ferry is imported: the workers' own loaders may start zygotes
     try:
         os.setpgid(0, 0)  # Ctrl-C at the terminal is the main process's to handle
     except OSError:

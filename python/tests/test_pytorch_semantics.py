@@ -237,6 +237,16 @@ def test_a_loader_made_after_threads_started_runs_from_a_fresh_zygote(tmp_path):
     assert done.stdout.strip() == "[[0, 1], [4, 9], [16, 25]]" and done.stderr == ""
 
 
+def test_a_fresh_zygote_starts_no_zygote_of_its_own():
+    # The fresh interpreter imports ferry to serve; that import must not start another zygote.
+    code = ("import threading, time\nthreading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+            "import os, time, ferry\nz = ferry._zygote._zygote\ntime.sleep(1.0)\n"
+            "print(z._popen is not None, len(open(f'/proc/{z.pid}/task/{z.pid}/children').read().split()))\n")
+    done = run_python(["-c", code])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "0"]
+
+
 # --- quiet ends ------------------------------------------------------------------------------------
 
 ENDING = textwrap.dedent("""
