@@ -15,6 +15,9 @@
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
 //       [--per-shard 128] [--batch 64] [--drop-last] [--float (to_float + ImageNet's mean/std)] [--local-only]
 //       [--persistent | --loader-per-epoch] [--prefetch N] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
+//       [--keep-shards DIR]
+// --local-only: the local-disk rows alone (no server started). --keep-shards DIR: the shards
+// written to DIR and left there (train-000.tar, ...), for bench/tar_peers.py to read the same bytes.
 // --no-next-epoch-ahead: prefetch_next_epoch = false (a stream then sends no read for the next
 // epoch's first shard as an epoch ends). With --server-cpus the latency proxy runs on the server's
 // CPUs (it stands for the store), or with --proxy-with-loader on the loader's.
@@ -161,13 +164,24 @@ int main(int argc, char** argv) {
   const int per_shard = arg(argc, argv, "--per-shard", 128);
   const int shards = (images + per_shard - 1) / per_shard;
 
+  // --local-only: the local-disk rows alone, and no server started.
+  const bool local_only = flag(argc, argv, "--local-only");
   if (server_cpus > 0) use_cpus(cpus - server_cpus, server_cpus);  // the server, started now, inherits these
-  test::ObjectStore& store = test::ObjectStore::get();
+  test::ObjectStore* store = local_only ? nullptr : &test::ObjectStore::get();
   if (server_cpus > 0) use_cpus(0, cpus - server_cpus);
-  g_server = store.pid();
-  store.use();
-  store.bucket("bench");
-  test::TempDir dir;
+  if (store) {
+    g_server = store->pid();
+    store->use();
+    store->bucket("bench");
+  }
+  // --keep-shards DIR: the local shards written there and left for a peer to read (else a
+  // temporary folder).
+  test::TempDir temp;
+  std::string keep;
+  for (int i = 1; i + 1 < argc; ++i)
+    if (std::string(argv[i]) == "--keep-shards") keep = argv[i + 1];
+  const test::TempDir& dir = temp;
+  const auto shard_path = [&](const std::string& name) { return keep.empty() ? dir / name : keep + "/" + name; };
   std::vector<std::string> local, remote;
   std::size_t bytes = 0;
   // The images are encoded on every CPU (most of the set-up), then put in shards, written and put in order.
@@ -202,9 +216,10 @@ int main(int argc, char** argv) {
     bytes += tar.size();
     char name[32];
     std::snprintf(name, sizeof name, "train-%03d.tar", s);
-    test::write_file(dir / name, tar);
-    store.put(std::string("bench/") + name, tar);
-    local.push_back(dir / name);
+    test::write_file(shard_path(name), tar);
+    local.push_back(shard_path(name));
+    if (!store) continue;
+    store->put(std::string("bench/") + name, tar);
     remote.push_back(std::string("s3://bench/") + name);
   }
   tars.clear();
@@ -229,13 +244,15 @@ int main(int argc, char** argv) {
   };
   const bool any_indexed = selected("indexed (TarImages)") || selected("indexed, decode=gpu (TarImages)");
   std::optional<TarImages> local_index, remote_index;
-  if (any_indexed) local_index.emplace(local, io), remote_index.emplace(remote, io);
+  if (any_indexed) local_index.emplace(local, io);
+  if (any_indexed && store) remote_index.emplace(remote, io);
   // decode=gpu (with a GPU): the same shards, each record's JPEG decoded on the device.
   const bool gpu = cuda::available();
   TarImagesOptions gio = io;
   gio.decode = ImageFolderOptions::Decode::Gpu;
   std::optional<TarImages> local_gpu, remote_gpu;
-  if (gpu && any_indexed) local_gpu.emplace(local, gio), remote_gpu.emplace(remote, gio);
+  if (gpu && any_indexed) local_gpu.emplace(local, gio);
+  if (gpu && any_indexed && store) remote_gpu.emplace(remote, gio);
   // Each row's epochs: one loader a row, its first epoch untimed and the next ones timed one after
   // another, as a training loop runs them (--persistent: its workers kept across epochs); with
   // --loader-per-epoch a new loader every epoch (its start-up, nvJPEG's included, counted in every
@@ -243,7 +260,6 @@ int main(int argc, char** argv) {
   // first batch, its length, the consumer's wait in the loader and the stages' seconds (stderr).
   const bool one_loader = !flag(argc, argv, "--loader-per-epoch"), detail = flag(argc, argv, "--detail");
   const bool no_cache_row = flag(argc, argv, "--no-cache-row");
-  const bool local_only = flag(argc, argv, "--local-only");  // the local-disk rows alone
   o.persistent_workers = flag(argc, argv, "--persistent");
   o.prefetch_factor = arg(argc, argv, "--prefetch", o.prefetch_factor);
   o.prefetch_next_epoch = !flag(argc, argv, "--no-next-epoch-ahead");
@@ -343,17 +359,18 @@ int main(int argc, char** argv) {
   utsname u{};
   uname(&u);
   std::printf("## The image pipeline over s3:// against local disk\n\n");
+  const std::string where = !store ? "local disk only (no server)"
+                            : server_cpus > 0
+                                ? "SeaweedFS 4.48 on loopback; " +
+                                      std::string(proxy_with_loader ? "the server" : "the server and the latency proxy") +
+                                      " on " + std::to_string(server_cpus) + " CPUs of their own, the loader on the other " +
+                                      std::to_string(cpus - server_cpus)
+                                : "SeaweedFS 4.48 on loopback; the server and the loader share every CPU";
   std::printf(
       "%d JPEGs of 500x375 (%.0f MB) in %d tar shards; RandomResizedCrop 224 + flip, %s, batch %zu%s, %d workers; "
-      "SeaweedFS %s on loopback; %u CPUs (%s); %s; median of %d epochs\n\n",
+      "%u CPUs (%s); %s; median of %d epochs\n\n",
       images, bytes / 1e6, shards, to_float ? "float, mean/std" : "uint8", o.batch_size, o.drop_last ? " (drop_last)" : "",
-      workers, "4.48", std::thread::hardware_concurrency(), u.machine,
-      server_cpus > 0
-          ? (std::string(proxy_with_loader ? "the server" : "the server and the latency proxy") + " on " +
-             std::to_string(server_cpus) + " CPUs of their own, the loader on the other " + std::to_string(cpus - server_cpus))
-                .c_str()
-          : "the server and the loader share every CPU",
-      runs);
+      workers, std::thread::hardware_concurrency(), u.machine, where.c_str(), runs);
   std::printf(
       "| pipeline | source | images/s | of local | busy cores | images/s a busy core | server's busy cores | "
       "mid-epoch images/s | of local | images an epoch |\n"
@@ -394,7 +411,7 @@ int main(int argc, char** argv) {
       // --proxy-with-loader puts it on the loader's (where it relays every byte on the loader's
       // CPUs: this benchmark's placement before 2026-11-26).
       if (server_cpus > 0 && !proxy_with_loader) use_cpus(cpus - server_cpus, server_cpus);
-      test::FaultProxy proxy(store.port());
+      test::FaultProxy proxy(store->port());
       if (server_cpus > 0) use_cpus(0, cpus - server_cpus);
       proxy.delay(std::chrono::milliseconds(latency));
       ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
@@ -404,7 +421,7 @@ int main(int argc, char** argv) {
                   p.mid, l.mid > 0 ? p.mid / l.mid : 0.0, p.images);
       std::fflush(stdout);
       if (no_cache_row) {
-        store.use();
+        store->use();
         continue;
       }
       // The on-disk cache: one epoch fills it, the measured epochs read the disk.
@@ -413,7 +430,7 @@ int main(int argc, char** argv) {
       if (!one_loader) measure(1, epoch(remote));
       const Result c = run(remote);
       ::unsetenv("FERRY_S3_CACHE_DIR");
-      store.use();
+      store->use();
       std::printf(
           "| %s | s3://, +%d ms a request, later epochs from the disk cache | %.0f | %.2f | %.2f | %.0f | %.2f | %.0f | %.2f | "
           "%zu "

@@ -306,6 +306,89 @@ const std::vector<std::byte>& TarRecord::field(const std::string& name) const {
   throw DataError(shard, offset, "record '" + key + "' has no '" + name + "' field (it has: " + have + ")");
 }
 
+// Note [Learned offsets]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A loader's stream reads each shard once an epoch on its reader threads and deals the records to
+// the workers (Note [One batcher across workers]). On local disk that reading is the epoch's one
+// serial part: a worker whose first batch is a few shards on waits for the readers to get there,
+// each epoch starts with the workers waiting in turn, and the readers compete with the decoding
+// workers for the CPUs. So the first reading of a local shard learns where its records are: for
+// each record its key, its first header's offset and each member's field, data offset and size
+// (LearnedShard). When the shard has been read to its end without an error and its file stamp
+// (device, inode, size, modification and change times) is what it was before the reading, the
+// dataset keeps that (TarShards::Held::learned, shared by its copies). A later reading of the
+// shard checks the stamp again and, when it holds, deals the records as Dealt boxes that carry no
+// bytes: the reader thread does no I/O, the workers have their records at once, and each worker
+// reads its own records' members with pread (RangeReader), as the indexed TarImages reads its
+// samples. The records, their order, their positions and so the batches are the stream's. A shard
+// with an error (a damaged member, a duplicate field) is not learned: it is read as a stream
+// again, and fails as it did. Objects in s3:// are always streamed (one ranged GET a record is what
+// the stream is there to avoid).
+
+namespace {
+// A file's identity and version, as stat() gives them.
+struct FileStamp {
+  std::uint64_t dev = 0, ino = 0, size = 0;
+  std::int64_t mtime_ns = 0, ctime_ns = 0;
+  bool operator==(const FileStamp&) const = default;
+};
+
+std::optional<FileStamp> stamp_of(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) return std::nullopt;
+  FileStamp f;
+  f.dev = static_cast<std::uint64_t>(st.st_dev);
+  f.ino = static_cast<std::uint64_t>(st.st_ino);
+  f.size = static_cast<std::uint64_t>(st.st_size);
+  f.mtime_ns = std::int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  f.ctime_ns = std::int64_t{st.st_ctim.tv_sec} * 1000000000 + st.st_ctim.tv_nsec;
+  return f;
+}
+
+// Where a local shard's records are (Note [Learned offsets]).
+struct LearnedShard {
+  struct Member {
+    std::uint64_t data_offset = 0, size = 0;
+    std::uint32_t field = 0;  // into fields
+  };
+  struct Record {
+    std::uint64_t offset = 0;  // its first member's header
+    std::uint64_t key_begin = 0;
+    std::uint32_t key_size = 0;
+    std::uint32_t members = 0;
+    std::uint64_t first_member = 0;
+  };
+  std::string path;
+  FileStamp stamp;
+  std::vector<std::string> fields;  // the shard's field names, each once
+  std::string keys;                 // the records' keys, one after another
+  std::vector<Record> records;
+  std::vector<Member> members;
+
+  std::uint32_t field_id(const std::string& name) {
+    for (std::size_t i = 0; i < fields.size(); ++i)
+      if (fields[i] == name) return static_cast<std::uint32_t>(i);
+    fields.push_back(name);
+    return static_cast<std::uint32_t>(fields.size() - 1);
+  }
+};
+
+// What a loader's reader threads deal a worker: a record read, or where a learned one is.
+struct Dealt {
+  TarRecord record;
+  std::shared_ptr<const LearnedShard> learned;  // set: the worker reads record `index` of it
+  std::size_t index = 0;
+};
+}  // namespace
+
+// A lane's record being learned, or a worker's reads of learned records (one file open at a time).
+struct TarShards::Stream::Direct {
+  bool learning = false;
+  std::vector<std::pair<std::string, TarMember>> members;  // the record in hand's (field, offsets; no data)
+  std::string path;
+  std::unique_ptr<loaders::RangeReader> file;
+};
+
 // Opening reads sent for the next epoch, one a worker: sent as a stream's last shard has asked for
 // all its pieces, put here by the stream as it ends, moved along by the workers whose streams have
 // ended while they wait (Stream::progress), taken by the next epoch's stream of that worker (on
@@ -313,6 +396,31 @@ const std::vector<std::byte>& TarRecord::field(const std::string& name) const {
 struct TarShards::Held {
   std::mutex mu;
   std::map<int, loaders::HeldOpen> by_worker;
+
+  // Local shards' learned record offsets (Note [Learned offsets]), by path.
+  std::mutex learned_mu;
+  std::map<std::string, std::shared_ptr<const LearnedShard>> learned;
+  // The shard's learned offsets when its file is still as they were learned (a changed file's are
+  // dropped).
+  std::shared_ptr<const LearnedShard> learned_for(const std::string& path) {
+    std::shared_ptr<const LearnedShard> known;
+    {
+      std::lock_guard l(learned_mu);
+      auto it = learned.find(path);
+      if (it == learned.end()) return nullptr;
+      known = it->second;
+    }
+    if (stamp_of(path) == known->stamp) return known;
+    std::lock_guard l(learned_mu);
+    auto it = learned.find(path);
+    if (it != learned.end() && it->second == known) learned.erase(it);
+    return nullptr;
+  }
+  void learn(std::shared_ptr<const LearnedShard> shard) {
+    std::lock_guard l(learned_mu);
+    learned[shard->path] = std::move(shard);
+  }
+
   // True while some are on their way (false also when another thread is moving them now).
   bool progress() {
     std::unique_lock l(mu, std::try_to_lock);
@@ -483,54 +591,97 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
             std::shared_ptr<Held> held = key.ahead && remote ? held_open : nullptr;
             auto used = std::make_shared<std::atomic<bool>>(false);
             std::weak_ptr<Held::Slot> ahead_to = key.ahead && !remote ? weak_slot : std::weak_ptr<Held::Slot>();
-            auto feed = std::make_unique<detail::BatchFeed>(
-                shape, [paths, lanes, next_first, held, used, ahead_to, key](std::size_t unit, detail::BatchFeed::Sink& sink) {
-                  // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
-                  Stream one;
-                  one.shards_.push_back((*paths)[unit]);
-                  if (held && (unit == 0 || unit + 1 == paths->size())) {
-                    one.held_ = held;
-                    one.worker_ = kFeedHeld;
-                    if (unit + 1 == paths->size()) one.next_first_ = next_first;
+            // Local shards: learned as they are read, then dealt from what was learned (Note [Learned offsets]).
+            std::shared_ptr<Held> learn = remote ? nullptr : held_open;
+            auto feed = std::make_unique<detail::BatchFeed>(shape, [paths, lanes, next_first, held, used, ahead_to, key, learn](
+                                                                       std::size_t unit, detail::BatchFeed::Sink& sink) {
+              const std::string& path = (*paths)[unit];
+              if (std::shared_ptr<const LearnedShard> known = learn ? learn->learned_for(path) : nullptr) {
+                for (std::size_t i = 0; i < known->records.size(); ++i) {
+                  auto d = std::make_shared<Dealt>();
+                  d->learned = known;
+                  d->index = i;
+                  if (!sink.push(std::move(d))) return;
+                }
+              } else {
+                // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
+                Stream one;
+                one.shards_.push_back(path);
+                if (held && (unit == 0 || unit + 1 == paths->size())) {
+                  one.held_ = held;
+                  one.worker_ = kFeedHeld;
+                  if (unit + 1 == paths->size()) one.next_first_ = next_first;
+                }
+                std::shared_ptr<LearnedShard> learning;
+                if (learn)
+                  if (std::optional<FileStamp> stamp = stamp_of(path)) {
+                    learning = std::make_shared<LearnedShard>();
+                    learning->path = path;
+                    learning->stamp = *stamp;
+                    one.direct_ = std::make_shared<Stream::Direct>();
+                    one.direct_->learning = true;
                   }
-                  sink.on_wait = [&one] { return one.progress(); };
-                  bool opened = false;
-                  for (;;) {
-                    std::optional<TarRecord> r;
-                    std::exception_ptr failed;
-                    try {
-                      r = one.next();
-                    } catch (...) {
-                      failed = std::current_exception();
-                    }
-                    // Handed over outside the handler: the worker that takes it holds its only
-                    // reference (the exception's last owner is the thread that reads it).
-                    if (failed) {
-                      if (!sink.fail(std::move(failed))) return;
-                      continue;
-                    }
-                    if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);
-                    opened = true;
-                    if (!r) break;
-                    if (!sink.push(std::make_shared<TarRecord>(std::move(*r)))) return;
+                sink.on_wait = [&one] { return one.progress(); };
+                bool opened = false;
+                for (;;) {
+                  std::optional<TarRecord> r;
+                  std::exception_ptr failed;
+                  if (learning) one.direct_->members.clear();
+                  try {
+                    r = one.next();
+                  } catch (...) {
+                    failed = std::current_exception();
                   }
-                  // The epoch's last shard read (local shards, next_epoch_ahead): the next epoch's reading
-                  // starts, for the loader's next open to take. Only from a reading a loader uses (one
-                  // made ahead and never taken makes no other).
-                  if (unit + 1 == paths->size() && used->load())
-                    if (std::shared_ptr<Held::Slot> to = ahead_to.lock()) {
-                      std::function<Held::Feed(const Held::FeedKey&)> make_next;
-                      {
-                        std::lock_guard l(to->mu);
-                        make_next = to->make;
-                      }
-                      if (make_next) {
-                        Held::FeedKey next = key;
-                        ++next.epoch;
-                        to->put(next, make_next(next));
-                      }
-                    }
-                });
+                  // Handed over outside the handler: the worker that takes it holds its only
+                  // reference (the exception's last owner is the thread that reads it).
+                  if (failed) {
+                    learning.reset();  // a shard with an error is read as a stream again
+                    if (!sink.fail(std::move(failed))) return;
+                    continue;
+                  }
+                  if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);
+                  opened = true;
+                  if (!r) break;
+                  if (learning) {
+                    LearnedShard::Record rec;
+                    rec.offset = r->offset;
+                    rec.key_begin = learning->keys.size();
+                    rec.key_size = static_cast<std::uint32_t>(r->key.size());
+                    rec.first_member = learning->members.size();
+                    rec.members = static_cast<std::uint32_t>(one.direct_->members.size());
+                    learning->keys += r->key;
+                    for (auto& [field, m] : one.direct_->members)
+                      learning->members.push_back({m.data_offset, m.size, learning->field_id(field)});
+                    learning->records.push_back(rec);
+                  }
+                  auto d = std::make_shared<Dealt>();
+                  d->record = std::move(*r);
+                  if (!sink.push(std::move(d))) return;
+                }
+                if (learning && stamp_of(path) == learning->stamp) {
+                  learning->keys.shrink_to_fit();
+                  learning->records.shrink_to_fit();
+                  learning->members.shrink_to_fit();
+                  learn->learn(std::move(learning));
+                }
+              }
+              // The epoch's last shard read (local shards, next_epoch_ahead): the next epoch's reading
+              // starts, for the loader's next open to take. Only from a reading a loader uses (one
+              // made ahead and never taken makes no other).
+              if (unit + 1 == paths->size() && used->load())
+                if (std::shared_ptr<Held::Slot> to = ahead_to.lock()) {
+                  std::function<Held::Feed(const Held::FeedKey&)> make_next;
+                  {
+                    std::lock_guard l(to->mu);
+                    make_next = to->make;
+                  }
+                  if (make_next) {
+                    Held::FeedKey next = key;
+                    ++next.epoch;
+                    to->put(next, make_next(next));
+                  }
+                }
+            });
             return Held::Feed{std::move(feed), std::move(used)};
           };
         }
@@ -558,7 +709,29 @@ std::optional<TarRecord> TarShards::Stream::next() {
   if (!feed_) return advance(true);
   std::shared_ptr<void> box = feed_->next(worker_, position_);
   if (!box) return std::nullopt;
-  return std::optional<TarRecord>(std::move(*static_cast<TarRecord*>(box.get())));
+  Dealt& dealt = *static_cast<Dealt*>(box.get());
+  if (!dealt.learned) return std::optional<TarRecord>(std::move(dealt.record));
+  // A learned record: its members read here, on the worker's thread (Note [Learned offsets]).
+  const LearnedShard& shard = *dealt.learned;
+  const LearnedShard::Record& at = shard.records[dealt.index];
+  if (!direct_) direct_ = std::make_shared<Direct>();
+  if (!direct_->file || direct_->path != shard.path) {
+    direct_->file.reset();
+    direct_->path = shard.path;
+    direct_->file = std::make_unique<loaders::RangeReader>(shard.path);
+  }
+  TarRecord rec{shard.keys.substr(at.key_begin, at.key_size), shard.path, at.offset, {}};
+  for (std::uint64_t k = at.first_member; k < at.first_member + at.members; ++k) {
+    const LearnedShard::Member& m = shard.members[k];
+    std::vector<std::byte>& out = rec.fields[shard.fields[m.field]];
+    direct_->file->read(m.data_offset, static_cast<std::size_t>(m.size), out);
+  }
+  return rec;
+}
+
+std::size_t TarShards::learned_shards() const {
+  std::lock_guard l(held_->learned_mu);
+  return held_->learned.size();
 }
 
 std::optional<std::uint64_t> TarShards::Stream::position() const {
@@ -617,6 +790,8 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
         continue;
       }
       TarRecord rec{kf->first, shards_[current_], first->offset, {}};
+      if (direct_ && direct_->learning)
+        direct_->members.emplace_back(kf->second, TarMember{{}, {}, 0, first->data_offset, first->size});
       rec.fields.emplace(kf->second, std::move(first->data));
       while (true) {
         std::optional<TarMember> m;
@@ -645,6 +820,8 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
           pending_ = std::move(m);
           return rec;
         }
+        if (direct_ && direct_->learning)
+          direct_->members.emplace_back(mk->second, TarMember{{}, {}, 0, m->data_offset, m->size});
         if (!rec.fields.emplace(mk->second, std::move(m->data)).second)
           throw DataError(rec.shard, m->offset, "record '" + rec.key + "' has two '" + mk->second + "' members");
       }

@@ -401,6 +401,95 @@ TEST_CASE("a bad record in a shard the workers share: the error policy holds, no
 }
 
 namespace {
+// A record's whole content (key, fields, bytes) and its epoch position, as one number.
+std::int64_t content_of(const TarRecord& r, SampleContext& ctx) {
+  std::uint64_t h = 1469598103934665603ULL;
+  auto mix = [&h](const void* p, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) h = (h ^ static_cast<const unsigned char*>(p)[i]) * 1099511628211ULL;
+  };
+  mix(r.key.data(), r.key.size());
+  for (const auto& [name, bytes] : r.fields) {
+    mix(name.data(), name.size());
+    mix(bytes.data(), bytes.size());
+  }
+  const std::uint64_t at = ctx.index();
+  mix(&at, sizeof at);
+  return static_cast<std::int64_t>(h >> 1);
+}
+}  // namespace
+
+TEST_CASE(
+    "a local shard's record offsets are learned in its first reading: later epochs deal the same records, "
+    "a changed shard is read again and a damaged one stays a stream",
+    "[loader][tar]") {
+  TempDir dir;
+  std::size_t n = 0;
+  auto paths = write_uneven_shards(dir, 4, n);
+  TarShardsOptions so;
+  so.shuffle = false;  // every epoch in one order: epochs comparable batch by batch
+  for (int workers : {0, 3}) {
+    INFO(workers << " workers");
+    paths = write_uneven_shards(dir, 4, n);  // shard 1 as written first
+    TarShards shards(paths, so);
+    auto ds = shards.map([](TarRecord r, SampleContext& ctx) { return content_of(r, ctx); });
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = workers;
+    DataLoader loader(ds, o);
+    CHECK(shards.learned_shards() == 0);
+    loader.set_epoch(0);
+    const auto streamed = epoch_batches(loader);
+    CHECK(streamed.size() == (n + 3) / 4);
+    CHECK(shards.learned_shards() == 4);  // a copy's learning is the dataset's
+    loader.set_epoch(1);
+    CHECK(epoch_batches(loader) == streamed);  // read at the learned offsets: the same records, bytes and positions
+
+    // A shard rewritten: read as a stream again (its new records), and learned again.
+    write_file(paths[1], shard_bytes(7, 9));
+    loader.set_epoch(2);
+    const auto rewritten = epoch_batches(loader);
+    {
+      TarShards fresh(paths, so);
+      DataLoader reference(fresh.map([](TarRecord r, SampleContext& ctx) { return content_of(r, ctx); }), o);
+      reference.set_epoch(2);
+      CHECK(rewritten == epoch_batches(reference));
+    }
+    CHECK(rewritten != streamed);
+    CHECK(shards.learned_shards() == 4);
+    loader.set_epoch(3);
+    CHECK(epoch_batches(loader) == rewritten);
+  }
+
+  // A damaged shard is not learned: each epoch fails it as the first did, the others learned.
+  Bytes damaged = shard_bytes(9, 5);
+  damaged[512 * 6 + 10] ^= std::byte{0x40};  // the header of the 4th member
+  paths.push_back(dir / "damaged.tar");
+  write_file(paths.back(), damaged);
+  TarShards shards(paths, so);
+  auto ds = shards.map([](TarRecord r) {
+    return static_cast<std::int64_t>(std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 +
+                                     std::stoi(r.key.substr(r.key.find('/') + 1)));
+  });
+  DataLoaderOptions o;
+  o.batch_size = 1;
+  o.num_workers = 2;
+  DataLoader loader(ds, o);
+  std::vector<std::vector<std::string>> errors(2);
+  std::vector<std::multiset<std::int64_t>> seen(2);
+  for (int e = 0; e < 2; ++e) {
+    loader.set_epoch(static_cast<std::uint64_t>(e));
+    errors[e] = iterate_skipping_errors<DataError>(loader, [&](Tensor& b) {
+      for (std::int64_t v : values_of(b)) seen[e].insert(v);
+    });
+    CHECK(shards.learned_shards() == 4);
+  }
+  CHECK(errors[0].size() == 1);
+  CHECK(errors[1] == errors[0]);
+  CHECK(seen[1] == seen[0]);
+  CHECK(seen[0].size() == n - 10 + 9 + 1);  // shard 1 (10 records) rewritten with 9; the damaged shard's first record
+}
+
+namespace {
 // A user's stream: 0, 1, 2, ... n - 1, split by worker (each worker opens its own share).
 struct Counting : DatasetBase<Counting> {
   std::int64_t n = 0;

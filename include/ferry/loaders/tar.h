@@ -20,7 +20,12 @@
 // ferry/detail/batch_feed.h). So every worker decodes whatever the number of shards, every batch
 // is full but the epoch's last (with drop_last, at most batch_size - 1 records unseen an epoch),
 // and the batches, and the generators a mapped transform draws from (ctx.rng() keyed by p), are
-// the same for any number of workers, on resume too.
+// the same for any number of workers, on resume too. A local shard read whole without an error
+// leaves its records' offsets with the dataset (about 80 bytes a two-member record and its key); in later
+// epochs the reader threads deal those records without reading them, and each worker reads its
+// own records' members at their offsets, as the indexed TarImages does (Note [Learned offsets]
+// in tar.cpp). A shard whose size, modification time or inode has changed is read as a stream
+// again.
 //
 // Opened outside a loader (WorkerInfo without a share), a stream is one worker's: shard k goes to
 // reader slot k mod (world_size * num_workers), where rank r's worker w is slot r * num_workers + w
@@ -159,6 +164,8 @@ class TarShards : public DatasetBase<TarShards> {
     int worker_ = 0;
     bool started_ = false;
     std::string next_first_;  // the worker's first shard of the next epoch (sent for as the last is read)
+    struct Direct;            // a lane's record offsets being learned, or a worker's reads at learned offsets (tar.cpp)
+    std::shared_ptr<Direct> direct_;
   };
   /// In a loader (WorkerInfo::share and batch_size set), the worker's records of the rank's one
   /// reading of the epoch (above). Otherwise the stream of `worker`'s shards for this rank and the
@@ -175,6 +182,9 @@ class TarShards : public DatasetBase<TarShards> {
   /// The shard indices this rank reads in `epoch` in a loader, in the order their records are dealt.
   std::vector<std::size_t> rank_shards(std::uint64_t seed, std::uint64_t epoch) const;
   const std::vector<std::string>& shards() const noexcept { return shards_; }
+  /// How many local shards have their record offsets learned (above): a loader's later epochs
+  /// read their records at those offsets. Shared by the dataset and its copies.
+  std::size_t learned_shards() const;
 
  private:
   std::vector<std::string> shards_;
