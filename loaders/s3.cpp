@@ -641,6 +641,7 @@ struct Batch {
     Attempt attempt;
     std::vector<std::byte> out;
     enum State { Queued, Live, Done, Failed, Taken } state = Queued;
+    bool sent = false;  // its request went out (a failed one is then sent again by the caller's read)
   };
   Config config;
   std::vector<std::unique_ptr<Item>> items;
@@ -713,6 +714,7 @@ struct Batch {
     g_requests.fetch_add(1, std::memory_order_relaxed);
     detail::count_io(&detail::IoCounters::requests, 1);
     it.state = Item::Live;
+    it.sent = true;
     ++live;
   }
 
@@ -747,6 +749,13 @@ struct Batch {
     if (wait_ms > 0 && live > 0) curl_multi_poll(multi, nullptr, 0, wait_ms, nullptr);
   }
 
+  // A read of the batch that was sent and failed (or was dropped late): the caller's own read sends
+  // it again, which the statistics count as a retry (ObjectStoreStats::retries).
+  static void count_resent() {
+    g_retries.fetch_add(1, std::memory_order_relaxed);
+    detail::count_io(&detail::IoCounters::retries, 1);
+  }
+
   // Item k's bytes into `out` once it has arrived; false when it failed or was taken. While it
   // waits, the reader's other reads in `meanwhile` are moved along too (every 2 ms at most), so
   // that their sockets do not fill and stall them behind this one.
@@ -775,6 +784,7 @@ struct Batch {
           it.state = Item::Failed;
           it.out.clear();
           fill();
+          count_resent();
           return false;
         }
         wait_ms = std::clamp(static_cast<int>(-late * 1000) + 1, 1, 100);
@@ -784,7 +794,10 @@ struct Batch {
         if (r && r->progress()) others = true;
       drive(others ? std::min(wait_ms, 2) : wait_ms);
     }
-    if (it.state != Item::Done) return false;
+    if (it.state != Item::Done) {
+      if (it.sent) count_resent();
+      return false;
+    }
     out.swap(it.out);
     it.state = Item::Taken;
     drive(0);  // what arrived meanwhile is judged and the queue refilled before the caller decodes

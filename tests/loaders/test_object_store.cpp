@@ -721,6 +721,23 @@ TEST_CASE("503s, reset connections and bodies cut short are retried: the local b
   CHECK(remote == batches(TarImages(local_shards(d), tar_images()), o));
 }
 
+TEST_CASE("a batch's grouped read answered with a 503 is sent again by its sample and counted as a retry", "[s3][faults]") {
+  const Data& d = data();
+  FaultProxy proxy(ObjectStore::get().port());
+  ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+  ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+  const TarImages remote(remote_shards(), tar_images());  // indexed before the fault
+  const ObjectStoreStats before = object_store_stats();
+  proxy.inject({FaultProxy::Fault::Status503});  // the first read of the first batch's group
+  DataLoaderOptions o;
+  o.batch_size = 4;
+  const auto got = batches(remote, o);
+  const ObjectStoreStats after = object_store_stats();
+  ObjectStore::get().use();
+  CHECK(after.retries - before.retries == 1);
+  CHECK(got == batches(TarImages(local_shards(d), tar_images()), o));
+}
+
 TEST_CASE("a slow answer: the hedge answers first, with the same bytes", "[s3][faults]") {
   const Data& d = data();
   FaultProxy proxy(ObjectStore::get().port());
