@@ -3,7 +3,8 @@
 // server behind a proxy that holds every answer's first byte for --latency-ms (a cloud store's
 // first-byte latency). Indexed tar shards (TarImages: one ranged GET a record, a batch's records
 // requested together) and the stream (TarShards: 8 MiB ranged GETs, a shard's open sent while the
-// last is parsed), RandomResizedCrop 224 + flip, uint8, CPU decode; with a GPU, both again with
+// last is parsed; mapped with decode_labeled_image, and as TarDecodeStream, which decodes into the
+// batch's rows), RandomResizedCrop 224 + flip, uint8, CPU decode; with a GPU, both again with
 // decode=gpu (nvJPEG, device 0; the stream's records as EncodedImages); and the stream's records
 // read and not decoded (what the reads alone give). Prints a Markdown table: images/s (median of
 // --runs epochs), the ratio to local, the busy cores of this process and images/s per busy core
@@ -355,6 +356,14 @@ int main(int argc, char** argv) {
         },
         false);
   };
+  // The stream decoded into the batch's rows (TarDecodeStream: no tensor a sample, no collate copy).
+  const auto stream_direct = [&](const std::vector<std::string>& paths) {
+    TarShardsOptions so;
+    const TarRecordDecodeOptions tio{.transform = io.transform};
+    DataLoaderOptions so2 = o;
+    so2.shuffle = false;
+    return epochs([paths, so, tio, so2] { return DataLoader(TarDecodeStream(TarShards(paths, so), tio), so2); }, false);
+  };
 
   utsname u{};
   uname(&u);
@@ -376,7 +385,7 @@ int main(int argc, char** argv) {
       "mid-epoch images/s | of local | images an epoch |\n"
       "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   start_watchdog(watchdog);
-  std::vector<const char*> kinds{"indexed (TarImages)", "stream (TarShards)"};
+  std::vector<const char*> kinds{"indexed (TarImages)", "stream (TarShards)", "stream into the batch (TarDecodeStream)"};
   if (gpu) kinds.push_back("indexed, decode=gpu (TarImages)"), kinds.push_back("stream, decode=gpu (TarShards)");
   kinds.push_back("stream, records read, not decoded (TarShards)");
   for (const char* kind : kinds) {
@@ -385,6 +394,7 @@ int main(int argc, char** argv) {
     const auto epoch = [&](const std::vector<std::string>& paths) -> std::function<Epoch()> {
       if (idx) return indexed(paths, on_gpu);
       if (std::string(kind).find("records") != std::string::npos) return records(paths);
+      if (std::string(kind).find("TarDecodeStream") != std::string::npos) return stream_direct(paths);
       return stream(paths, on_gpu);
     };
     // With --one-loader, a row's first epoch (its loader's start-up) is not timed.

@@ -859,6 +859,67 @@ std::int64_t parse_label(std::span<const std::byte> bytes, const std::string& sh
 }
 }  // namespace
 
+namespace {
+// A record's image bytes, label and name (for errors), as decode_labeled_image reads them.
+struct RecordImage {
+  const std::vector<std::byte>* bytes = nullptr;
+  std::int64_t label = 0;
+  std::string name;
+};
+RecordImage record_image(const TarRecord& record, const TarRecordDecodeOptions& options) {
+  RecordImage out;
+  std::string field;
+  for (const std::string& f : options.image_fields) {
+    auto it = record.fields.find(f);
+    if (it != record.fields.end()) {
+      out.bytes = &it->second;
+      field = f;
+      break;
+    }
+  }
+  if (!out.bytes)
+    record.field(options.image_fields.empty() ? std::string("image")
+                                              : options.image_fields.front());  // throws, naming the fields
+  out.label = parse_label(record.field(options.label_field), record.shard, record.offset, record.key, options.label_field);
+  out.name = record.shard + ": " + record.key + "." + field;
+  return out;
+}
+}  // namespace
+
+TarDecodeStream::TarDecodeStream(TarShards shards, TarRecordDecodeOptions options)
+    : shards_(std::move(shards)), options_(std::move(options)) {}
+
+SampleContext TarDecodeStream::Stream::context() {
+  // As a mapped stream's (MappedIterable): the record's epoch position in a loader, else this
+  // worker's own count offset by its id.
+  const std::optional<std::uint64_t> at = inner_.position();
+  const std::size_t local = (static_cast<std::size_t>(worker_.id) << 40) + local_++;
+  return SampleContext(at ? static_cast<std::size_t>(*at) : local, worker_.seed, worker_.epoch, worker_);
+}
+
+std::optional<LabeledSample> TarDecodeStream::Stream::next() {
+  std::optional<TarRecord> r = inner_.next();
+  if (!r) return std::nullopt;
+  SampleContext ctx = context();
+  return decode_labeled_image(*r, owner_->options_, ctx.rng());
+}
+
+bool TarDecodeStream::Stream::next_into(LabeledBatch& batch, std::size_t row) {
+  std::optional<TarRecord> r = inner_.next();
+  if (!r) return false;
+  SampleContext ctx = context();
+  const TarRecordDecodeOptions& o = owner_->options_;
+  const RecordImage image = record_image(*r, o);
+  const loaders::ImageRows rows{o.transform, o.channels, std::int64_t{1} << 28, o.dct_scaling, false, 0};
+  loaders::image_row_into(rows, *image.bytes, image.name, image.label, batch, row, ctx);
+  return true;
+}
+
+LabeledBatch TarDecodeStream::make_batch(std::size_t n, BatchAllocator& allocator) const {
+  const loaders::ImageRows rows{options_.transform, options_.channels, std::int64_t{1} << 28, options_.dct_scaling, false, 0};
+  return loaders::image_batch(rows, n, allocator, "TarDecodeStream");
+}
+
 LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecodeOptions& options, Generator& rng) {
   const std::vector<std::byte>* image = nullptr;
   std::string field;

@@ -621,6 +621,76 @@ TEST_CASE("TarImages indexes shards into a map-style dataset whose batches equal
   CHECK(std::memcmp(x->image.raw(), y->image.raw(), x->image.nbytes()) != 0);
 }
 
+TEST_CASE("TarDecodeStream writes a stream's images into the batch's rows: the mapped stream's batches, under every policy",
+          "[loader][tar]") {
+  SameImages same;
+  // A third shard whose second record's label does not parse.
+  TarBuilder bad;
+  bad.file("c9/0.jpg", encode_jpeg(textured(40, 30, 3, 77), 40, 30, 3)).file("c9/0.cls", "1\n");
+  bad.file("c9/1.jpg", encode_jpeg(textured(40, 30, 3, 78), 40, 30, 3)).file("c9/1.cls", "one\n");
+  bad.file("c9/2.jpg", encode_jpeg(textured(40, 30, 3, 79), 40, 30, 3)).file("c9/2.cls", "2\n");
+  const std::string third = same.dir / "c.tar";
+  write_file(third, bad.finish());
+  TarRecordDecodeOptions o;
+  o.transform = train_transform();
+  TarShardsOptions so;
+  so.shuffle = true;
+  for (bool damaged : {false, true}) {
+    std::vector<std::string> shards = same.shards;
+    if (damaged) shards.push_back(third);
+    const TarDecodeStream direct(TarShards(shards, so), o);
+    const auto mapped =
+        TarShards(shards, so).map([o](TarRecord r, SampleContext& ctx) { return decode_labeled_image(r, o, ctx.rng()); });
+    for (OnError policy : {OnError::Raise, OnError::Skip, OnError::Replace})
+      for (int workers : {0, 3})
+        for (bool drop_last : {false, true}) {
+          INFO("damaged " << damaged << ", policy " << static_cast<int>(policy) << ", " << workers << " workers, drop_last "
+                          << drop_last);
+          DataLoaderOptions lo;
+          lo.batch_size = 4;
+          lo.num_workers = workers;
+          lo.drop_last = drop_last;
+          lo.on_error = policy;
+          lo.seed = 3;
+          DataLoader a(direct, lo);
+          DataLoader b(mapped, lo);
+          static_assert(std::is_same_v<decltype(a)::Batch, LabeledBatch>);
+          for (std::uint64_t epoch : {0, 1}) {  // the second on learned offsets
+            a.set_epoch(epoch);
+            b.set_epoch(epoch);
+            std::vector<LabeledBatch> from_a, from_b;
+            const auto errors_a = iterate_skipping_errors<DataError>(a, [&](LabeledBatch& x) { from_a.push_back(x); });
+            const auto errors_b = iterate_skipping_errors<DataError>(b, [&](LabeledBatch& x) { from_b.push_back(x); });
+            CHECK(errors_a == errors_b);
+            CHECK(errors_a.size() == (damaged && policy == OnError::Raise ? 1u : 0u));
+            REQUIRE(from_a.size() == from_b.size());
+            for (std::size_t k = 0; k < from_a.size(); ++k) {
+              CHECK(from_a[k].image.equal(from_b[k].image));
+              CHECK(from_a[k].label.equal(from_b[k].label));
+            }
+            std::size_t rows = 0;
+            for (const auto& x : from_a) rows += static_cast<std::size_t>(x.label.numel());
+            const std::size_t good = 15 + (damaged ? 2 : 0), all = 15 + (damaged ? 3 : 0);
+            if (policy == OnError::Raise)
+              CHECK(rows <= all);
+            else if (!drop_last)
+              CHECK(rows == good);
+          }
+        }
+  }
+  // A transform without a fixed size cannot be batched in place.
+  TarRecordDecodeOptions free;
+  const TarDecodeStream loose(TarShards(same.shards), free);
+  DataLoaderOptions lo;
+  lo.batch_size = 4;
+  DataLoader l(loose, lo);
+  CHECK_THROWS_WITH(
+      [&] {
+        for (LabeledBatch& b : l) (void)b;
+      }(),
+      Catch::Contains("TarDecodeStream") && Catch::Contains("fixed size"));
+}
+
 TEST_CASE("TarImages with decode=gpu fills the same encoded rows as ImageFolder", "[unit][tar][decode]") {
   // The ragged batch the device stage decodes: each image's compressed bytes and its plan.
   SameImages same;

@@ -80,10 +80,12 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
   static constexpr bool kStreaming = IterableDataset<Dataset> && !MapDataset<Dataset>;
   static constexpr bool kDefaultCollate = std::is_same_v<CollateFn, DefaultCollate>;
   static constexpr bool kDirect = !kStreaming && kDefaultCollate && DirectDataset<Dataset>;
+  // A stream that writes its samples into the batch's rows (DirectStreamDataset).
+  static constexpr bool kDirectStream = kStreaming && kDefaultCollate && DirectStreamDataset<Dataset>;
 
  public:
   using Sample = sample_t<Dataset>;
-  using Batch = typename detail::LoaderBatch<Dataset, CollateFn, kStreaming, kDirect, kDefaultCollate>::type;
+  using Batch = typename detail::LoaderBatch<Dataset, CollateFn, kStreaming, kDirect || kDirectStream, kDefaultCollate>::type;
 
   /// Throws ferry::Error naming the option when the options contradict each other.
   explicit DataLoader(Dataset dataset, DataLoaderOptions options = {}, CollateFn collate_fn = {})
@@ -233,10 +235,10 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
       detail::LoaderTraits t;
       t.streaming = kStreaming;
       if constexpr (kStreaming) t.across_workers = detail::fills_across_workers<Dataset>;
-      t.direct = kDirect;
+      t.direct = kDirect || kDirectStream;
       t.default_collate = kDefaultCollate;
       t.pinnable = kPinnable;
-      if constexpr (kDirect) t.truncatable = detail::kTruncatable<Batch>;
+      if constexpr (kDirect || kDirectStream) t.truncatable = detail::kTruncatable<Batch>;
       if constexpr (requires(const Dataset& d) {
                       { d.decodes_on_device() } -> std::convertible_to<bool>;
                     })
@@ -394,20 +396,38 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
           }
         }
         auto& st = *static_cast<StreamState*>(ctx.stream.get());
+        // Direct (DirectStreamDataset): the batch is made first and each sample written into its
+        // next row; else the samples are kept and collated.
         std::vector<Sample> samples;
-        samples.reserve(opt.batch_size);
+        std::optional<Batch> direct;
+        if constexpr (kDirectStream)
+          direct.emplace(dataset->make_batch(opt.batch_size, core.allocator()));
+        else
+          samples.reserve(opt.batch_size);
+        std::size_t kept = 0;  // rows written, or samples kept
+        // The stream's next sample into row `kept` (or kept), false at the stream's end.
+        const auto take = [&]() -> bool {
+          if constexpr (kDirectStream) {
+            return static_cast<bool>(st.stream.next_into(*direct, kept));
+          } else {
+            std::optional<Sample> s = st.stream.next();
+            if (!s) return false;
+            samples.push_back(std::move(*s));
+            return true;
+          }
+        };
         st.positions.clear();
         ctx.stream_indices = st.positions;
         // Skip: a batch spends batch_size records, good or bad (reading on while it has none: an
         // empty batch would read as the end of the stream). Replace: it reads on until full.
         std::size_t reads = 0, failures_in_a_row = 0;
         bool ended = false;
-        while (samples.size() < opt.batch_size && (opt.on_error != OnError::Skip || reads < opt.batch_size || samples.empty())) {
+        while (kept < opt.batch_size && (opt.on_error != OnError::Skip || reads < opt.batch_size || kept == 0)) {
           if (ctx.cancelled()) return {};
-          std::optional<Sample> s;
+          bool got = false;
           const std::size_t position = st.read;
           try {
-            s = st.stream.next();
+            got = take();
           } catch (...) {
             st.positions.push_back(position);  // the failing record names the batch's error
             ctx.stream_indices = st.positions;
@@ -418,7 +438,7 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
               // records, as a good one would, so the batches after it keep their records.
               if constexpr (detail::fills_across_workers<Dataset>)
                 for (std::size_t left = opt.batch_size - reads - 1; left > 0; --left, ++st.read) try {
-                    if (!st.stream.next()) break;
+                    if (!take()) break;
                   } catch (...) {
                   }
               throw;
@@ -430,19 +450,24 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
             continue;
           }
           failures_in_a_row = 0;
-          if (!s) {
+          if (!got) {
             ended = true;
             break;
           }
           ++reads;
-          samples.push_back(std::move(*s));
+          ++kept;
           st.positions.push_back(st.read++);
           ctx.stream_indices = st.positions;
         }
         ++st.batch;
-        if (samples.empty() || (opt.drop_last && ended && samples.size() < opt.batch_size)) return {};
-        ctx.stage.enter(Stage::Collate);
-        return detail::Payload::make(collate_samples(std::move(samples), st.positions));
+        if (kept == 0 || (opt.drop_last && ended && kept < opt.batch_size)) return {};
+        if constexpr (kDirectStream) {
+          if (kept < opt.batch_size) detail::truncate_rows(*direct, kept);
+          return detail::Payload::make(std::move(*direct));
+        } else {
+          ctx.stage.enter(Stage::Collate);
+          return detail::Payload::make(collate_samples(std::move(samples), st.positions));
+        }
       } else {
         (void)ctx;
         return {};

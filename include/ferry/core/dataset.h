@@ -221,6 +221,19 @@ concept IterableDataset = requires(const D& d, const WorkerInfo& w) {
   {d.open(w).next()};
 };
 
+/// A stream that can write its next sample into a row of a batch the dataset allocates (direct
+/// mode, as DirectDataset for a map-style dataset): stream.next_into(batch, row) writes the next
+/// sample and returns true, or returns false at the stream's end. The loader then makes each batch
+/// with make_batch and fills its rows, with no tensor a sample and no collate copy.
+template <class D>
+concept DirectStreamDataset =
+    IterableDataset<D> && !MapDataset<D> && requires(const D& d, const WorkerInfo& w, BatchAllocator& a) {
+  d.make_batch(std::size_t{}, a);
+  {
+    d.open(w).next_into(std::declval<std::add_lvalue_reference_t<decltype(d.make_batch(std::size_t{}, a))>>(), std::size_t{})
+    } -> std::convertible_to<bool>;
+};
+
 /// Calls d.get(i, ctx) or d.get(i), whichever the dataset has.
 template <MapDataset D>
 decltype(auto) fetch(const D& d, std::size_t i, SampleContext& ctx) {

@@ -234,6 +234,51 @@ LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecod
 /// or a transform that is not one pass.
 EncodedImage encode_labeled_image(TarRecord record, const TarRecordDecodeOptions& options, Generator& rng);
 
+/// A tar stream's records decoded as labeled images straight into the batch's rows (direct mode:
+/// no tensor a sample and no collate copy), as
+///
+///   shards.map([o](ferry::TarRecord r, ferry::SampleContext& ctx) { return ferry::decode_labeled_image(r, o, ctx.rng()); })
+///
+/// gives them, image for image and label for label (the same records, positions and generators);
+/// LabeledBatch batches. The transform must end in a fixed size (make_batch's Error says so
+/// otherwise). Everything else is the TarShards stream's: shards split across ranks, records
+/// dealt to the workers in one order, resume at any worker count, learned offsets.
+class TarDecodeStream : public DatasetBase<TarDecodeStream> {
+ public:
+  static constexpr bool kFillsAcrossWorkers = true;
+  TarDecodeStream(TarShards shards, TarRecordDecodeOptions options);
+  class Stream {
+   public:
+    /// The next record decoded as a sample of its own (outside direct mode).
+    std::optional<LabeledSample> next();
+    /// The next record decoded into row `row` of a batch made by make_batch; false at the end.
+    /// DataError (naming the shard and record) for a record that does not decode.
+    bool next_into(LabeledBatch& batch, std::size_t row);
+    std::size_t skip(std::size_t n) { return inner_.skip(n); }
+    bool progress() { return inner_.progress(); }
+    std::optional<std::uint64_t> position() const { return inner_.position(); }
+
+   private:
+    friend class TarDecodeStream;
+    Stream(const TarDecodeStream& owner, const WorkerInfo& worker)
+        : owner_(&owner), worker_(worker), inner_(owner.shards_.open(worker)) {}
+    SampleContext context();
+    const TarDecodeStream* owner_;
+    WorkerInfo worker_;
+    TarShards::Stream inner_;
+    std::size_t local_ = 0;  // samples read, for a worker's own stream's generators
+  };
+  Stream open(const WorkerInfo& worker) const { return Stream(*this, worker); }
+  /// A batch of n rows; ferry::Error unless the transform fixes the output size.
+  LabeledBatch make_batch(std::size_t n, BatchAllocator& allocator) const;
+  const TarShards& shards() const noexcept { return shards_; }
+  const TarRecordDecodeOptions& options() const noexcept { return options_; }
+
+ private:
+  TarShards shards_;
+  TarRecordDecodeOptions options_;
+};
+
 struct TarImagesOptions {
   std::vector<std::string> image_fields{"jpg", "jpeg", "png"};  ///< the first present is decoded
   std::string label_field = "cls";                              ///< decimal class index
