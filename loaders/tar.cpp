@@ -717,8 +717,17 @@ std::optional<TarRecord> TarShards::Stream::next() {
   if (!direct_) direct_ = std::make_shared<Direct>();
   if (!direct_->file || direct_->path != shard.path) {
     direct_->file.reset();
-    direct_->path = shard.path;
+    direct_->path.clear();
+    // The stamp was checked as the epoch's records were dealt; a reading made ahead for the next
+    // epoch deals them early, so a file changed since then is an error here, not stale bytes (the
+    // next epoch, finding the new stamp, reads the shard as a stream).
+    if (stamp_of(shard.path) != shard.stamp)
+      throw DataError(shard.path, at.offset,
+                      "the shard changed after its records were dealt from the offsets learned when it was first read "
+                      "(a shard rewritten while the loader reads it, or just before an epoch made ahead); the next "
+                      "epoch reads it anew");
     direct_->file = std::make_unique<loaders::RangeReader>(shard.path);
+    direct_->path = shard.path;
   }
   TarRecord rec{shard.keys.substr(at.key_begin, at.key_size), shard.path, at.offset, {}};
   for (std::uint64_t k = at.first_member; k < at.first_member + at.members; ++k) {

@@ -18,10 +18,13 @@
 // threads.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <variant>
 #include <vector>
@@ -91,24 +94,58 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& config);
 /// float=0|1, mean=, std= (normalize; implies float), dct_scaling=0|1) and its label, as
 /// {image, int64 label} std::vector<Tensor>; shuffle=1 shuffles the shard order per epoch. A
 /// stream: the loader takes no shuffle or sampler for it; its batches are filled across the
-/// workers (TarShards). decode=gpu is make_tar_gpu_stream's.
+/// workers (TarShards), each record decoded into its batch row (TarDecodeStream). decode=gpu is
+/// make_tar_gpu_stream's.
 TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& config);
 inline TarShards tar_stream_shards(const DatasetConfig& config) {
   TarShardsOptions so;
   so.shuffle = config.integer("shuffle", 1) != 0;
   return TarShards(tar_shard_paths(config), so);
 }
-inline auto make_tar_stream(const DatasetConfig& config) {
+/// make_tar_stream's dataset: a TarDecodeStream (each record decoded into its batch row) whose
+/// samples and batches are {image, int64 label} std::vector<Tensor>.
+class TarRowsStream : public DatasetBase<TarRowsStream> {
+ public:
+  static constexpr bool kFillsAcrossWorkers = true;
+  explicit TarRowsStream(TarDecodeStream inner) : inner_(std::move(inner)) {}
+  class Stream {
+   public:
+    std::optional<std::vector<Tensor>> next() {
+      std::optional<LabeledSample> s = inner_.next();
+      if (!s) return std::nullopt;
+      return std::vector<Tensor>{std::move(s->image), Tensor::scalar(s->label)};
+    }
+    bool next_into(std::vector<Tensor>& batch, std::size_t row) {
+      LabeledBatch view{batch.at(0), batch.at(1)};
+      return inner_.next_into(view, row);
+    }
+    std::size_t skip(std::size_t n) { return inner_.skip(n); }
+    bool progress() { return inner_.progress(); }
+    std::optional<std::uint64_t> position() const { return inner_.position(); }
+
+   private:
+    friend class TarRowsStream;
+    explicit Stream(TarDecodeStream::Stream inner) : inner_(std::move(inner)) {}
+    TarDecodeStream::Stream inner_;
+  };
+  Stream open(const WorkerInfo& worker) const { return Stream(inner_.open(worker)); }
+  std::vector<Tensor> make_batch(std::size_t n, BatchAllocator& allocator) const {
+    LabeledBatch b = inner_.make_batch(n, allocator);
+    return {std::move(b.image), std::move(b.label)};
+  }
+
+ private:
+  TarDecodeStream inner_;
+};
+
+inline TarRowsStream make_tar_stream(const DatasetConfig& config) {
   const std::string decode = config.str("decode", "cpu");
   if (decode == "gpu") throw Error("dataset 'tar': decode=gpu is make_tar_gpu_stream's stream");
   if (decode != "cpu") throw Error("dataset 'tar': option 'decode' must be cpu or gpu, got '" + decode + "'");
   const TarRecordDecodeOptions o = tar_stream_decode(config);
   TarShards shards = tar_stream_shards(config);
   config.finish();
-  return shards.map([o](const TarRecord& r, SampleContext& ctx) {
-    LabeledSample s = decode_labeled_image(r, o, ctx.rng());
-    return std::vector<Tensor>{std::move(s.image), Tensor::scalar(s.label)};
-  });
+  return TarRowsStream(TarDecodeStream(std::move(shards), o));
 }
 /// The name make_tar_stream had before 0.2.0 (CHANGELOG.md); kept for one minor version at least.
 [[deprecated("renamed ferry::make_tar_stream in 0.2.0")]] inline auto make_tar_images(const DatasetConfig& config) {

@@ -25,7 +25,8 @@
 // epochs the reader threads deal those records without reading them, and each worker reads its
 // own records' members at their offsets, as the indexed TarImages does (Note [Learned offsets]
 // in tar.cpp). A shard whose size, modification time or inode has changed is read as a stream
-// again.
+// again; one changed after an epoch's records were dealt (an epoch made ahead deals them as the
+// last one ends) fails that epoch's records of it with a DataError saying so.
 //
 // Opened outside a loader (WorkerInfo without a share), a stream is one worker's: shard k goes to
 // reader slot k mod (world_size * num_workers), where rank r's worker w is slot r * num_workers + w
