@@ -255,7 +255,12 @@ class TarDecodeStream : public DatasetBase<TarDecodeStream> {
     /// The next record decoded into row `row` of a batch made by make_batch; false at the end.
     /// DataError (naming the shard and record) for a record that does not decode.
     bool next_into(LabeledBatch& batch, std::size_t row);
-    std::size_t skip(std::size_t n) { return inner_.skip(n); }
+    /// Skips n records without decoding them (a resumed epoch); later records keep their generators.
+    std::size_t skip(std::size_t n) {
+      const std::size_t k = inner_.skip(n);
+      local_ += k;
+      return k;
+    }
     bool progress() { return inner_.progress(); }
     std::optional<std::uint64_t> position() const { return inner_.position(); }
 
