@@ -383,6 +383,7 @@ struct Dealt {
 
 // A lane's record being learned, or a worker's reads of learned records (one file open at a time).
 struct TarShards::Stream::Direct {
+  TarRecord reused;  // next_reused()'s record, its buffers kept from one record to the next
   bool learning = false;
   std::vector<std::pair<std::string, TarMember>> members;  // the record in hand's (field, offsets; no data)
   std::string path;
@@ -711,7 +712,35 @@ std::optional<TarRecord> TarShards::Stream::next() {
   if (!box) return std::nullopt;
   Dealt& dealt = *static_cast<Dealt*>(box.get());
   if (!dealt.learned) return std::optional<TarRecord>(std::move(dealt.record));
-  // A learned record: its members read here, on the worker's thread (Note [Learned offsets]).
+  TarRecord rec;
+  read_learned(box.get(), rec);
+  return rec;
+}
+
+const TarRecord* TarShards::Stream::next_reused() {
+  if (!direct_) direct_ = std::make_shared<Direct>();
+  TarRecord& out = direct_->reused;
+  if (!feed_) {
+    std::optional<TarRecord> r = advance(true);
+    if (!r) return nullptr;
+    out = std::move(*r);
+    return &out;
+  }
+  std::shared_ptr<void> box = feed_->next(worker_, position_);
+  if (!box) return nullptr;
+  Dealt& dealt = *static_cast<Dealt*>(box.get());
+  if (!dealt.learned) {
+    out = std::move(dealt.record);
+    return &out;
+  }
+  read_learned(box.get(), out);
+  return &out;
+}
+
+// A learned record's members read into `rec` on the worker's thread (Note [Learned offsets]);
+// rec's buffers are reused (next_reused) and fields this record lacks are dropped.
+void TarShards::Stream::read_learned(const void* dealt_box, TarRecord& rec) {
+  const Dealt& dealt = *static_cast<const Dealt*>(dealt_box);
   const LearnedShard& shard = *dealt.learned;
   const LearnedShard::Record& at = shard.records[dealt.index];
   if (!direct_) direct_ = std::make_shared<Direct>();
@@ -729,13 +758,16 @@ std::optional<TarRecord> TarShards::Stream::next() {
     direct_->file = std::make_unique<loaders::RangeReader>(shard.path);
     direct_->path = shard.path;
   }
-  TarRecord rec{shard.keys.substr(at.key_begin, at.key_size), shard.path, at.offset, {}};
-  for (std::uint64_t k = at.first_member; k < at.first_member + at.members; ++k) {
-    const LearnedShard::Member& m = shard.members[k];
-    std::vector<std::byte>& out = rec.fields[shard.fields[m.field]];
-    direct_->file->read(m.data_offset, static_cast<std::size_t>(m.size), out);
-  }
-  return rec;
+  rec.key.assign(shard.keys, static_cast<std::size_t>(at.key_begin), at.key_size);
+  if (rec.shard != shard.path) rec.shard = shard.path;
+  rec.offset = at.offset;
+  const auto members = std::span(shard.members).subspan(static_cast<std::size_t>(at.first_member), at.members);
+  std::erase_if(rec.fields, [&](const auto& field) {
+    return std::none_of(members.begin(), members.end(),
+                        [&](const LearnedShard::Member& m) { return shard.fields[m.field] == field.first; });
+  });
+  for (const LearnedShard::Member& m : members)
+    direct_->file->read(m.data_offset, static_cast<std::size_t>(m.size), rec.fields[shard.fields[m.field]]);
 }
 
 std::size_t TarShards::learned_shards() const {
@@ -914,7 +946,7 @@ std::optional<LabeledSample> TarDecodeStream::Stream::next() {
 }
 
 bool TarDecodeStream::Stream::next_into(LabeledBatch& batch, std::size_t row) {
-  std::optional<TarRecord> r = inner_.next();
+  const TarRecord* r = inner_.next_reused();  // read into this worker's buffers (decoded, then reused)
   if (!r) return false;
   SampleContext ctx = context();
   const TarRecordDecodeOptions& o = owner_->options_;

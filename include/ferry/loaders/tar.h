@@ -153,6 +153,10 @@ class TarShards : public DatasetBase<TarShards> {
 
    private:
     friend class TarShards;
+    friend class TarDecodeStream;
+    // The next record in a buffer of this stream's, valid until the next call (TarDecodeStream).
+    const TarRecord* next_reused();
+    void read_learned(const void* dealt, TarRecord& rec);
     std::optional<TarRecord> advance(bool read_data);
     std::shared_ptr<detail::BatchFeed> feed_;  // in a loader: the epoch's reader, shared by the workers
     std::uint64_t position_ = 0;
