@@ -925,6 +925,10 @@ RecordImage record_image(const TarRecord& record, const TarRecordDecodeOptions& 
   out.name = record.shard + ": " + record.key + "." + field;
   return out;
 }
+// A stream's decode settings as the image rows' (CPU decode, decode_labeled_image's pixel limit).
+loaders::ImageRows image_rows(const TarRecordDecodeOptions& o) {
+  return {o.transform, o.channels, std::int64_t{1} << 28, o.dct_scaling, false, 0};
+}
 }  // namespace
 
 TarDecodeStream::TarDecodeStream(TarShards shards, TarRecordDecodeOptions options)
@@ -949,35 +953,20 @@ bool TarDecodeStream::Stream::next_into(LabeledBatch& batch, std::size_t row) {
   const TarRecord* r = inner_.next_reused();  // read into this worker's buffers (decoded, then reused)
   if (!r) return false;
   SampleContext ctx = context();
-  const TarRecordDecodeOptions& o = owner_->options_;
-  const RecordImage image = record_image(*r, o);
-  const loaders::ImageRows rows{o.transform, o.channels, std::int64_t{1} << 28, o.dct_scaling, false, 0};
-  loaders::image_row_into(rows, *image.bytes, image.name, image.label, batch, row, ctx);
+  const RecordImage image = record_image(*r, owner_->options_);
+  loaders::image_row_into(image_rows(owner_->options_), *image.bytes, image.name, image.label, batch, row, ctx);
   return true;
 }
 
 LabeledBatch TarDecodeStream::make_batch(std::size_t n, BatchAllocator& allocator) const {
-  const loaders::ImageRows rows{options_.transform, options_.channels, std::int64_t{1} << 28, options_.dct_scaling, false, 0};
-  return loaders::image_batch(rows, n, allocator, "TarDecodeStream");
+  return loaders::image_batch(image_rows(options_), n, allocator, "TarDecodeStream");
 }
 
 LabeledSample decode_labeled_image(const TarRecord& record, const TarRecordDecodeOptions& options, Generator& rng) {
-  const std::vector<std::byte>* image = nullptr;
-  std::string field;
-  for (const std::string& f : options.image_fields) {
-    auto it = record.fields.find(f);
-    if (it != record.fields.end()) {
-      image = &it->second;
-      field = f;
-      break;
-    }
-  }
-  if (!image)
-    record.field(options.image_fields.empty() ? std::string("image")
-                                              : options.image_fields.front());  // throws, naming the fields
-  const std::int64_t label =
-      parse_label(record.field(options.label_field), record.shard, record.offset, record.key, options.label_field);
-  const std::string name = record.shard + ": " + record.key + "." + field;
+  const RecordImage r = record_image(record, options);
+  const std::vector<std::byte>* image = r.bytes;
+  const std::int64_t label = r.label;
+  const std::string& name = r.name;
   const DecodeOptions decode{options.channels, std::int64_t{1} << 28, options.dct_scaling};
   if (std::optional<Shape> shape =
           options.transform.empty() ? std::nullopt : options.transform.fixed_output_shape(options.channels)) {
