@@ -16,9 +16,10 @@
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
 //       [--per-shard 128] [--batch 64] [--drop-last] [--float (to_float + ImageNet's mean/std)] [--local-only]
 //       [--persistent | --loader-per-epoch] [--prefetch N] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
-//       [--keep-shards DIR]
+//       [--keep-shards DIR] [--photos DIR]
 // --local-only: the local-disk rows alone (no server started). --keep-shards DIR: the shards
 // written to DIR and left there (train-000.tar, ...), for bench/tar_peers.py to read the same bytes.
+// --photos DIR: the images are DIR's JPEGs, repeated (else synthetic 500x375 ones of ~171 KB).
 // --no-next-epoch-ahead: prefetch_next_epoch = false (a stream then sends no read for the next
 // epoch's first shard as an epoch ends). With --server-cpus the latency proxy runs on the server's
 // CPUs (it stands for the store), or with --proxy-with-loader on the loader's.
@@ -34,6 +35,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <optional>
@@ -189,7 +191,26 @@ int main(int argc, char** argv) {
   std::vector<test::Bytes> tars(static_cast<std::size_t>(shards));
   {
     std::vector<test::Bytes> jpgs(static_cast<std::size_t>(images));
-    std::atomic<int> next{0};
+    // --photos DIR: the JPEGs under DIR (sorted by path), repeated to make --images, instead of
+    // the synthetic ones (bench-loaders.sh cuts 171 photographs' 500x375 tiles: --images 10260 is
+    // each 60 times, the set of the stream's first measurements).
+    std::string photos;
+    for (int i = 1; i + 1 < argc; ++i)
+      if (std::string(argv[i]) == "--photos") photos = argv[i + 1];
+    std::vector<test::Bytes> found;
+    if (!photos.empty()) {
+      std::vector<std::string> paths;
+      for (const auto& e : std::filesystem::recursive_directory_iterator(photos))
+        if (e.is_regular_file() && e.path().extension() == ".jpg") paths.push_back(e.path().string());
+      std::sort(paths.begin(), paths.end());
+      for (const std::string& path : paths) found.push_back(test::read_bytes(path));
+      if (found.empty()) {
+        std::fprintf(stderr, "bench_object_store: no .jpg under --photos %s\n", photos.c_str());
+        return 2;
+      }
+      for (int i = 0; i < images; ++i) jpgs[static_cast<std::size_t>(i)] = found[static_cast<std::size_t>(i) % found.size()];
+    }
+    std::atomic<int> next{photos.empty() ? 0 : images};
     std::vector<std::thread> makers;
     for (int m = 0; m < std::max(1, cpus - server_cpus); ++m)
       makers.emplace_back([&] {

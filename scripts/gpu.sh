@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU host: unpack the carried .debs into a prefix, build ferry (Release), run the whole
 # suite with FERRY_REQUIRE_GPU=1 (GPU tests fail instead of skipping), then the GPU benchmarks.
-# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-loop|images-peers|multi|gather|rows|python|tokens]
+# Results go to $OUT (or out/). Usage: scripts/gpu.sh [build|test|demo|bench|all|libtorch|images|images-loop|images-peers|multi|gather|rows|python|tokens|tar]
+# tar: the tar stream against the indexed path and turboloader (see there; TAR_IMAGES, TAR_ARGS).
 # tokens: the device gather's GPU tests over token files, then `ferry bench tokens` with the GPU
 # gathering the windows and with the host path (TOKEN_BATCHES batches a row).
 # python: the Python package as a user installs it (pip install --no-build-isolation ., into the
@@ -140,6 +141,25 @@ if { [ "$what" = bench ] || [ "$what" = all ]; } && [ -d build/bench-data/photos
   timeout 200 build/gpu/bench/bench_gpu_decode --photos $P --runs 3 --step-ms 20 --steps 100 2>&1 | tee "$OUT/bench_gpu_decode.md"
   PYTHONUNBUFFERED=1 timeout 150 python3 bench/peers_gpu_decode.py $P --runs 3 2>&1 | tee "$OUT/peers_gpu_decode.md"
   timeout 110 build/gpu/bench/bench_faults --photos $P --runs 3 --trials 12 2>&1 | grep -v "\[warning\]" | tee "$OUT/bench_faults.md"
+fi
+if [ "$what" = tar ]; then
+  # The tar stream (mapped, and decoded into the batch) against the indexed path on the same shards,
+  # 1, 4, 11 and 64 of them, over the 500x375 photographs' tiles repeated to TAR_IMAGES (10260:
+  # each of 171 tiles 60 times), float, mean/std, 16 workers, batch 256, drop_last; then turboloader
+  # (its wheel carried in .whl/) on the 1-shard tar. BUILD_TARGETS=bench_object_store suffices;
+  # TAR_ARGS: more arguments for bench_object_store.
+  n=${TAR_IMAGES:-10260}
+  { for k in 1 4 11 64; do per=$(( (n + k - 1) / k )); mkdir -p /tmp/tar-$n-$k
+      echo "### $k shards: bench_object_store --photos build/bench-data/photos --images $n --per-shard $per" \
+        "--workers 16 --batch 256 --drop-last --float --runs 3 --local-only --no-cache-row ${TAR_ARGS:-}"
+      timeout -s KILL 200 build/gpu/bench/bench_object_store --photos build/bench-data/photos --images $n --per-shard $per \
+        --workers 16 --batch 256 --drop-last --float --runs 3 --local-only --no-cache-row --keep-shards /tmp/tar-$n-$k \
+        --only "indexed (TarImages)|stream (TarShards)|TarDecodeStream" ${TAR_ARGS:-} 2>&1 | grep -v "^object store"; done
+    if ls .whl/turboloader-*.whl > /dev/null 2>&1; then
+      [ -d /tmp/tl ] || python3 -m pip install -q --no-deps --target /tmp/tl .whl/turboloader-*.whl
+      echo "### turboloader: bench/tar_peers.py /tmp/tar-$n-1/train-000.tar --batch 256 --workers 16 --runs 3"
+      PYTHONPATH=/tmp/tl timeout -s KILL 200 python3 bench/tar_peers.py /tmp/tar-$n-1/train-000.tar --batch 256 --workers 16 --runs 3 2>&1
+    fi; } | tee "$OUT/tar-stream-$n.md"
 fi
 if [ "$what" = tokens ]; then
   # Token windows: the GPU tests of the device gather over token files (a registration that never
