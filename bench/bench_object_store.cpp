@@ -16,7 +16,7 @@
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
 //       [--per-shard 128] [--batch 64] [--drop-last] [--float (to_float + ImageNet's mean/std)] [--local-only]
 //       [--persistent | --loader-per-epoch] [--prefetch N] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
-//       [--keep-shards DIR] [--photos DIR]
+//       [--keep-shards DIR] [--photos DIR] [--round-robin]
 // --local-only: the local-disk rows alone (no server started). --keep-shards DIR: the shards
 // written to DIR and left there (train-000.tar, ...), for bench/tar_peers.py to read the same bytes.
 // --photos DIR: the images are DIR's JPEGs, repeated (else synthetic 500x375 ones of ~171 KB).
@@ -283,6 +283,9 @@ int main(int argc, char** argv) {
   const bool one_loader = !flag(argc, argv, "--loader-per-epoch"), detail = flag(argc, argv, "--detail");
   const bool no_cache_row = flag(argc, argv, "--no-cache-row");
   o.persistent_workers = flag(argc, argv, "--persistent");
+  // --round-robin: batch b made by worker b mod W on the map-style rows too (PyTorch's
+  // assignment, and the stream's), where they otherwise go to whichever worker is free.
+  o.round_robin = flag(argc, argv, "--round-robin");
   o.prefetch_factor = arg(argc, argv, "--prefetch", o.prefetch_factor);
   o.prefetch_next_epoch = !flag(argc, argv, "--no-next-epoch-ahead");
   const bool proxy_with_loader = flag(argc, argv, "--proxy-with-loader");
