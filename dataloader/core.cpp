@@ -26,7 +26,8 @@ const char* route_name(Route r) noexcept {
 
 namespace {
 
-EngineOptions engine_options(const DataLoaderOptions& o, bool streaming, std::shared_ptr<const Placement> placement) {
+EngineOptions engine_options(const DataLoaderOptions& o, const LoaderTraits& t, std::shared_ptr<const Placement> placement) {
+  const bool streaming = t.streaming;
   EngineOptions e;
   e.placement = std::move(placement);
   e.num_workers = o.num_workers;
@@ -35,6 +36,7 @@ EngineOptions engine_options(const DataLoaderOptions& o, bool streaming, std::sh
   e.round_robin = o.round_robin;
   e.persistent_workers = o.persistent_workers;
   e.streaming = streaming;
+  e.shared_stream = streaming && t.across_workers;
   e.timeout = o.timeout;
   e.redispatch_stuck = o.on_error != OnError::Raise;
   e.seed = o.seed;
@@ -84,7 +86,7 @@ LoaderCore::Parts::Parts(DataLoaderOptions o, const LoaderTraits& t, Producer& p
       pool(make_intra_pool(opt, placement)),
       allocator(opt.allocator ? opt.allocator.get() : &pageable_allocator()),
       faults({opt.max_errors, opt.max_error_fraction}, opt.on_sample_error),
-      engine(engine_options(opt, t.streaming, placement), producer) {}
+      engine(engine_options(opt, t, placement), producer) {}
 
 LoaderCore::Parts::~Parts() {
   stop();

@@ -576,7 +576,6 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
             shape.units = paths->size();
             shape.lanes = kLanes;
             shape.lane_records = std::max(key.batch, kLaneRecordsMin);
-            shape.workers = key.workers;
             shape.batch_size = key.batch;
             const std::size_t lanes = std::min(kLanes, std::max<std::size_t>(paths->size(), 1));
             const bool remote = !paths->empty() && loaders::is_remote(paths->front());
@@ -708,7 +707,7 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
 
 std::optional<TarRecord> TarShards::Stream::next() {
   if (!feed_) return advance(true);
-  std::shared_ptr<void> box = feed_->next(worker_, position_);
+  std::shared_ptr<void> box = feed_->next(batch_, position_);
   if (!box) return std::nullopt;
   Dealt& dealt = *static_cast<Dealt*>(box.get());
   if (!dealt.learned) return std::optional<TarRecord>(std::move(dealt.record));
@@ -726,7 +725,7 @@ const TarRecord* TarShards::Stream::next_reused() {
     out = std::move(*r);
     return &out;
   }
-  std::shared_ptr<void> box = feed_->next(worker_, position_);
+  std::shared_ptr<void> box = feed_->next(batch_, position_);
   if (!box) return nullptr;
   Dealt& dealt = *static_cast<Dealt*>(box.get());
   if (!dealt.learned) {
@@ -789,7 +788,7 @@ bool TarShards::Stream::progress() {
 
 std::size_t TarShards::Stream::skip(std::size_t n) {
   if (feed_) {
-    feed_->skip(worker_, n);
+    feed_->skip(n);
     return n;
   }
   // Headers only (the members' data seeked past), except the last record: reading it finds the

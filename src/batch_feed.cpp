@@ -27,11 +27,8 @@ bool BatchFeed::Sink::fail(std::exception_ptr error) {
 BatchFeed::BatchFeed(Shape shape, ReadUnit read)
     : shape_(shape),
       read_(std::move(read)),
-      lanes_(std::max<std::size_t>(1, std::min(shape.lanes, std::max<std::size_t>(shape.units, 1)))),
-      queues_(static_cast<std::size_t>(std::max(shape.workers, 1))),
-      first_batch_(queues_.size()) {
+      lanes_(std::max<std::size_t>(1, std::min(shape.lanes, std::max<std::size_t>(shape.units, 1)))) {
   if (shape_.batch_size == 0) throw Error("BatchFeed: batch_size must be positive");
-  for (std::size_t w = 0; w < first_batch_.size(); ++w) first_batch_[w] = w;
   ended_ = shape_.units == 0;
   threads_ = std::make_unique<Threads>();
   threads_->lanes.reserve(lanes_.size());
@@ -94,24 +91,24 @@ void BatchFeed::lane_main(std::size_t lane) {
   }
 }
 
-BatchFeed::Box BatchFeed::next(int worker, std::uint64_t& position) {
-  const auto w = static_cast<std::size_t>(worker);
-  if (w >= queues_.size()) throw Error("BatchFeed: worker " + std::to_string(worker) + " is not one of the feed's");
-  const auto W = static_cast<std::uint64_t>(queues_.size());
+BatchFeed::Box BatchFeed::next(std::uint64_t batch, std::uint64_t& position) {
+  const std::uint64_t B = shape_.batch_size;
   std::unique_lock l(mu_);
   bool dealt_other = false;
   for (;;) {
-    std::deque<Item>& mine = queues_[w];
-    if (!mine.empty()) {
-      Item it = std::move(mine.front());
-      mine.pop_front();
+    if (const auto mine = batches_.find(batch); mine != batches_.end() && !mine->second.empty()) {
+      Item it = std::move(mine->second.front());
+      mine->second.pop_front();
+      if (mine->second.empty()) batches_.erase(mine);
       if (dealt_other && waiting_ > 0) dealt_.notify_all();
       l.unlock();
       position = it.position;
       if (it.error) std::rethrow_exception(it.error);
       return std::move(it.record);
     }
-    if (ended_ || stopping_) {
+    // Nothing of it waits: none left when its records have all been dealt (and taken), or the
+    // epoch's records ended, or it comes before the resumed start.
+    if (ended_ || stopping_ || position_ >= (batch + 1) * B || batch < first_batch_) {
       if (dealt_other && waiting_ > 0) dealt_.notify_all();
       return nullptr;
     }
@@ -130,27 +127,26 @@ BatchFeed::Box BatchFeed::next(int worker, std::uint64_t& position) {
     ln.items.pop_front();
     ln.space.notify_one();
     if (it.end_of_unit) {
-      if (++unit_ == shape_.units) ended_ = true;
+      if (++unit_ == shape_.units) {
+        ended_ = true;
+        if (waiting_ > 0) dealt_.notify_all();  // a batch past the end waits no more
+      }
       lanes_[unit_ % lanes_.size()].space.notify_one();  // its lane may read further now
       continue;
     }
     it.position = position_++;
-    const std::uint64_t batch = it.position / shape_.batch_size;
-    const auto owner = static_cast<std::size_t>(batch % W);
-    if (batch < first_batch_[owner]) continue;  // before the owner's resumed start
-    queues_[owner].push_back(std::move(it));
-    if (owner != w) dealt_other = true;
+    const std::uint64_t owner = it.position / B;
+    if (owner < first_batch_) continue;  // before the resumed start
+    batches_[owner].push_back(std::move(it));
+    if (owner != batch) dealt_other = true;
   }
 }
 
-void BatchFeed::skip(int worker, std::size_t records) {
-  const auto w = static_cast<std::size_t>(worker);
-  if (w >= queues_.size()) throw Error("BatchFeed: worker " + std::to_string(worker) + " is not one of the feed's");
-  const auto W = static_cast<std::uint64_t>(queues_.size());
+void BatchFeed::skip(std::size_t records) {
+  const std::uint64_t batch = records / shape_.batch_size;
   std::lock_guard l(mu_);
-  first_batch_[w] = (records / shape_.batch_size) * W + w;
-  std::deque<Item>& mine = queues_[w];
-  std::erase_if(mine, [&](const Item& it) { return it.position / shape_.batch_size < first_batch_[w]; });
+  first_batch_ = batch;
+  std::erase_if(batches_, [batch](const auto& entry) { return entry.first < batch; });
 }
 
 }  // namespace ferry::detail

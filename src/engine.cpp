@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "ferry/core/error.h"
@@ -31,7 +32,8 @@ struct Result {
   int worker = -1;
   Payload payload;
   std::exception_ptr error;
-  bool end = false;  // stream mode: the worker's stream is exhausted
+  bool end = false;      // stream mode: the worker's stream is exhausted (shared: no records for this key)
+  bool skipped = false;  // stream mode: the batch's records all failed under Skip/Replace; left out
 };
 
 struct EpochState {
@@ -95,7 +97,7 @@ std::string worker_name(int worker) {
 }  // namespace
 
 std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::span<const std::size_t> indices, Stage stage,
-                                          std::optional<std::size_t> sample, bool stream) {
+                                          std::optional<std::size_t> sample, bool stream, bool shared_stream) {
   std::string what;
   DataError const* data_error = nullptr;
   try {
@@ -110,7 +112,7 @@ std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::s
   }
   std::ostringstream os;
   os << worker_name(worker) << " failed in stage '" << stage_name(stage) << "' of ";
-  if (stream)
+  if (stream && !shared_stream)
     os << "its stream batch " << batch;
   else
     os << "batch " << batch;
@@ -161,6 +163,9 @@ struct Engine::State {
   std::deque<Result> arrived;          // in_order == false
   std::vector<std::int64_t> ended_at;  // streams: first exhausted j per worker, -1 if live
   int ended = 0;
+  // Shared streams: the first key whose job found no records (the epoch ends before it).
+  static constexpr std::uint64_t kNoEnd = ~std::uint64_t{0};
+  std::uint64_t end_key = kNoEnd;
   bool inline_done = false;
   StageMeter inline_stage;
   // num_workers = 0 while a wait_poll can interrupt the consumer's wait: the batch is made on a
@@ -173,6 +178,7 @@ struct Engine::State {
     std::mutex mu;
     std::condition_variable cv;
     bool posted = false, done = false, exit = false, abandoned = false;  // guarded by mu
+    bool skipped = false;                                                // guarded by mu: the batch was left out
     Job job;                                                             // guarded by mu until taken
     std::shared_ptr<EpochState> epoch;                                   // guarded by mu until taken
     std::shared_ptr<void> keep;                                          // the producer, kept alive while a job runs
@@ -201,7 +207,7 @@ struct Engine::State {
   }
 
   // Streams, and map-style with round_robin: worker w takes the jobs whose key is w mod W.
-  bool per_worker_queues() const noexcept { return opt.streaming || opt.round_robin; }
+  bool per_worker_queues() const noexcept { return (opt.streaming && !opt.shared_stream) || opt.round_robin; }
   std::size_t queue_of(std::uint64_t key) const noexcept {
     return per_worker_queues() ? static_cast<std::size_t>(key % static_cast<std::uint64_t>(W)) : 0;
   }
@@ -354,7 +360,8 @@ struct Engine::State {
         try {
           std::rethrow_exception(init_error);
         } catch (...) {
-          r.error = wrap_current_exception(id, job.batch, job.indices, Stage::WorkerInit, std::nullopt, opt.streaming);
+          r.error = wrap_current_exception(id, job.batch, job.indices, Stage::WorkerInit, std::nullopt, opt.streaming,
+                                           opt.shared_stream);
         }
       } else {
         try {
@@ -362,12 +369,14 @@ struct Engine::State {
           if (!r.payload) {
             if (ctx.cancelled())
               drop = true;
+            else if (ctx.skipped)
+              r.skipped = true;
             else
               r.end = true;
           }
         } catch (...) {
           r.error = wrap_current_exception(id, job.batch, opt.streaming ? ctx.stream_indices : job.indices, c.stage.current(),
-                                           ctx.current_sample, opt.streaming);
+                                           ctx.current_sample, opt.streaming, opt.shared_stream);
         }
       }
       c.stage.enter(Stage::Idle);
@@ -389,6 +398,8 @@ struct Engine::State {
     for (;;) {
       if (!opt.streaming) {
         if (next_key >= total) return dispatch_ahead();
+      } else if (opt.shared_stream) {
+        if (next_key >= end_key) return;
       } else {
         if (ended == W) return;
         while (dead(next_key)) ++next_key;
@@ -402,7 +413,7 @@ struct Engine::State {
       Job job;
       job.key = next_key;
       if (opt.streaming) {
-        job.batch = static_cast<std::int64_t>(next_key / static_cast<std::uint64_t>(W));
+        job.batch = static_cast<std::int64_t>(opt.shared_stream ? next_key : next_key / static_cast<std::uint64_t>(W));
       } else {
         job.batch = static_cast<std::int64_t>(next_key);
         job.indices = ep->plan->batch(next_key);
@@ -438,6 +449,11 @@ struct Engine::State {
 
   void receive(Result r) {
     --in_flight;
+    if (r.end && opt.shared_stream) {
+      end_key = std::min(end_key, r.key);
+      return;
+    }
+    if (r.skipped && !opt.in_order) return;
     if (r.end) {
       auto& e = ended_at[static_cast<std::size_t>(r.worker)];
       if (e < 0) {
@@ -546,7 +562,8 @@ struct Engine::State {
   }
 
   // Makes one batch of a num_workers = 0 epoch on the calling thread; throws the wrapped error.
-  Payload make_inline(const Job& job, EpochState& epoch, StageMeter& stage) {
+  // skipped: set when the stream's batch was left out (JobContext::skipped).
+  Payload make_inline(const Job& job, EpochState& epoch, StageMeter& stage, bool& skipped) {
     WorkerInfo info{0, 1, opt.seed, epoch.epoch, opt.next_epoch_ahead, opt.batch_size, &epoch.share, epoch.loader_share.get()};
     JobContext ctx(info, stage, epoch.cancelled, epoch.streams[0]);
     stage.trace(opt.trace, job.batch, TraceRecorder::kInlineTrack);
@@ -557,10 +574,11 @@ struct Engine::State {
     } catch (...) {
       const Stage st = stage.enter(Stage::Idle);
       std::rethrow_exception(wrap_current_exception(-1, job.batch, opt.streaming ? ctx.stream_indices : job.indices, st,
-                                                    ctx.current_sample, opt.streaming));
+                                                    ctx.current_sample, opt.streaming, opt.shared_stream));
     }
     stage.enter(Stage::Idle);
     stage.trace(nullptr, -1, TraceRecorder::kInlineTrack);
+    skipped = !p && ctx.skipped;
     return p;
   }
 
@@ -579,10 +597,11 @@ struct Engine::State {
         lock.unlock();
         Payload p;
         std::exception_ptr error;
+        bool skipped = false;
         {
           StopScope stop_scope(&epoch->cancelled);  // a blocked allocation gives up when the epoch ends
           try {
-            p = make_inline(job, *epoch, h->stage);
+            p = make_inline(job, *epoch, h->stage, skipped);
           } catch (...) {
             error = std::current_exception();
           }
@@ -594,6 +613,7 @@ struct Engine::State {
         }
         h->payload = std::move(p);
         h->error = std::move(error);
+        h->skipped = skipped;
         h->done = true;
         h->cv.notify_all();
         lock.unlock();
@@ -622,53 +642,59 @@ struct Engine::State {
   }
 
   Payload next_inline() {
-    if (inline_done) return {};
-    if (!inline_pending) {
-      Job job;
-      job.key = delivered;
-      job.batch = static_cast<std::int64_t>(delivered);
-      if (!opt.streaming) {
-        if (delivered >= total) return {};
-        job.indices = ep->plan->batch(delivered);
-        job.epoch_indices = ep->plan->indices;
+    for (;;) {  // again after a stream's batch that was left out (JobContext::skipped)
+      if (inline_done) return {};
+      bool skipped = false;
+      if (!inline_pending) {
+        Job job;
+        job.key = delivered;
+        job.batch = static_cast<std::int64_t>(delivered);
+        if (!opt.streaming) {
+          if (delivered >= total) return {};
+          job.indices = ep->plan->batch(delivered);
+          job.epoch_indices = ep->plan->indices;
+        }
+        if (!opt.wait_poll.active()) {
+          ++delivered;
+          Payload p = make_inline(job, *ep, inline_stage, skipped);
+          if (skipped) continue;
+          if (!p) inline_done = true;
+          return p;
+        }
+        if (!helper) start_helper();
+        std::shared_ptr<void> keep = producer.keep_alive();
+        helper_keepable = keep != nullptr;
+        {
+          std::lock_guard lock(helper->mu);
+          helper->job = std::move(job);
+          helper->epoch = ep;
+          helper->keep = std::move(keep);
+          helper->done = false;
+          helper->posted = true;
+        }
+        helper->cv.notify_all();
+        inline_pending = true;
       }
-      if (!opt.wait_poll.active()) {
-        ++delivered;
-        Payload p = make_inline(job, *ep, inline_stage);
-        if (!p) inline_done = true;
-        return p;
+      InlineHelper& h = *helper;
+      std::unique_lock lock(h.mu);
+      while (!h.cv.wait_for(lock, opt.wait_poll.period, [&h] { return h.done; })) {
+        lock.unlock();
+        opt.wait_poll.check();  // Interrupted: the batch goes on being made; the next call takes it
+        lock.lock();
       }
-      if (!helper) start_helper();
-      std::shared_ptr<void> keep = producer.keep_alive();
-      helper_keepable = keep != nullptr;
-      {
-        std::lock_guard lock(helper->mu);
-        helper->job = std::move(job);
-        helper->epoch = ep;
-        helper->keep = std::move(keep);
-        helper->done = false;
-        helper->posted = true;
-      }
-      helper->cv.notify_all();
-      inline_pending = true;
-    }
-    InlineHelper& h = *helper;
-    std::unique_lock lock(h.mu);
-    while (!h.cv.wait_for(lock, opt.wait_poll.period, [&h] { return h.done; })) {
+      h.done = false;
+      inline_pending = false;
+      Payload p = std::move(h.payload);
+      const std::exception_ptr error = std::move(h.error);
+      h.error = nullptr;
+      skipped = std::exchange(h.skipped, false);
       lock.unlock();
-      opt.wait_poll.check();  // Interrupted: the batch goes on being made; the next call takes it
-      lock.lock();
+      ++delivered;
+      if (error) std::rethrow_exception(error);
+      if (skipped) continue;
+      if (!p) inline_done = true;
+      return p;
     }
-    h.done = false;
-    inline_pending = false;
-    Payload p = std::move(h.payload);
-    const std::exception_ptr error = std::move(h.error);
-    h.error = nullptr;
-    lock.unlock();
-    ++delivered;
-    if (error) std::rethrow_exception(error);
-    if (!p) inline_done = true;
-    return p;
   }
 
   // The epoch ends with a batch still posted to the helper: abandoned after an interruption (when
@@ -712,20 +738,30 @@ struct Engine::State {
     auto deadline = Clock::now() + opt.timeout;
     for (;;) {
       if (opt.in_order) {
-        if (opt.streaming) {
+        if (opt.shared_stream) {
+          if (!window->ready() && window->next() >= end_key) return {};
+        } else if (opt.streaming) {
           while (!window->ready() && !streams_done(window->next()) && dead(window->next())) window->skip();
           if (!window->ready() && streams_done(window->next())) return {};
         } else if (window->next() >= total) {
           return {};
         }
-        if (window->ready()) return deliver(window->take());
+        if (window->ready()) {
+          Result r = window->take();
+          if (!r.skipped) return deliver(std::move(r));
+          ++delivered;  // a batch whose records all failed: left out, the epoch goes on
+          dispatch();
+          continue;
+        }
       } else {
         if (!arrived.empty()) {
           Result r = std::move(arrived.front());
           arrived.pop_front();
           return deliver(std::move(r));
         }
-        if (opt.streaming ? (ended == W && in_flight == 0) : delivered >= total) return {};
+        if (opt.shared_stream ? (end_key != kNoEnd && in_flight == 0)
+                              : opt.streaming ? (ended == W && in_flight == 0) : delivered >= total)
+          return {};
       }
       dispatch();
       if (opt.timeout.count() > 0) {
@@ -813,6 +849,7 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
   s.arrived.clear();
   s.ended_at.assign(static_cast<std::size_t>(std::max(s.W, 1)), -1);
   s.ended = 0;
+  s.end_key = State::kNoEnd;
   s.inline_done = false;
   s.window = std::make_unique<ReorderWindow<Result>>(std::max<std::size_t>(s.limit(), 1), start);
   s.refill_burst = std::max<std::uint64_t>(1, s.limit() / 2);

@@ -305,7 +305,7 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
           core.io_counters(), [](const void* c) noexcept { return static_cast<const detail::JobContext*>(c)->cancelled(); },
           &ctx);
       if constexpr (kStreaming)
-        return produce_stream(ctx);
+        return produce_stream(job, ctx);
       else
         return produce_map(job, ctx);
     }
@@ -380,22 +380,33 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
       return {!ctx.cancelled(), idx.size()};
     }
 
-    detail::Payload produce_stream(detail::JobContext& ctx) {
+    // Note [One batcher across workers]: a stream that fills batches across workers makes job b
+    // from the epoch's records [bB, (b+1)B), whichever worker takes it; each batch spends its B
+    // records (a failed one dropped under Skip and Replace: another would be another batch's).
+    static constexpr bool kShared = detail::fills_across_workers<Dataset>;
+
+    detail::Payload produce_stream(const detail::Job& job, detail::JobContext& ctx) {
       if constexpr (kStreaming) {
         const DataLoaderOptions& opt = core.options();
         if (!ctx.stream) {
           ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0, 0});
           if (const std::uint64_t key = core.stream_resume_key()) {
-            // A resumed epoch (restore()): this worker's batches before `key` each used batch_size records.
+            // A resumed epoch (restore()): the batches before `key` each used batch_size records
+            // (shared: the epoch's first `key` batches; else this worker's batches before it).
             auto& fresh = *static_cast<StreamState*>(ctx.stream.get());
             const auto W = static_cast<std::uint64_t>(std::max(opt.num_workers, 1)),
                        w = static_cast<std::uint64_t>(ctx.worker.id);
-            const std::uint64_t batches = key > w ? (key - w + W - 1) / W : 0;
+            const std::uint64_t batches = kShared ? key : key > w ? (key - w + W - 1) / W : 0;
             fresh.read = detail::skip_stream(fresh.stream, static_cast<std::size_t>(batches * opt.batch_size));
             fresh.batch = static_cast<std::int64_t>(batches);
           }
         }
         auto& st = *static_cast<StreamState*>(ctx.stream.get());
+        if constexpr (kShared) {
+          detail::begin_stream_batch(st.stream, static_cast<std::uint64_t>(job.batch));
+          st.batch = job.batch;
+          st.read = static_cast<std::size_t>(job.batch) * opt.batch_size;
+        }
         // Direct (DirectStreamDataset): the batch is made first and each sample written into its
         // next row; else the samples are kept and collated.
         std::vector<Sample> samples;
@@ -420,9 +431,11 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
         ctx.stream_indices = st.positions;
         // Skip: a batch spends batch_size records, good or bad (reading on while it has none: an
         // empty batch would read as the end of the stream). Replace: it reads on until full.
+        // Shared: batch_size records a batch under every policy.
         std::size_t reads = 0, failures_in_a_row = 0;
         bool ended = false;
-        while (kept < opt.batch_size && (opt.on_error != OnError::Skip || reads < opt.batch_size || kept == 0)) {
+        while (kept < opt.batch_size &&
+               (kShared ? reads < opt.batch_size : opt.on_error != OnError::Skip || reads < opt.batch_size || kept == 0)) {
           if (ctx.cancelled()) return {};
           bool got = false;
           const std::size_t position = st.read;
@@ -460,6 +473,10 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
           ctx.stream_indices = st.positions;
         }
         ++st.batch;
+        if (kShared && kept == 0 && !ended) {
+          ctx.skipped = true;  // its records all failed under Skip/Replace: left out, not the end
+          return {};
+        }
         if (kept == 0 || (opt.drop_last && ended && kept < opt.batch_size)) return {};
         if constexpr (kDirectStream) {
           if (kept < opt.batch_size) detail::truncate_rows(*direct, kept);

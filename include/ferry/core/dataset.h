@@ -359,6 +359,12 @@ bool progress_stream(S& stream) {
   else
     return false;
 }
+/// stream.begin_batch(b) where the stream has one: a stream that fills batches across workers is
+/// told which batch of the epoch its next records are for (Note [One batcher across workers]).
+template <class S>
+void begin_stream_batch(S& stream, std::uint64_t batch) {
+  if constexpr (requires { stream.begin_batch(batch); }) stream.begin_batch(batch);
+}
 /// True for a stream dataset that fills batches across a loader's workers (it declares
 /// `static constexpr bool kFillsAcrossWorkers = true`): its batches do not depend on the worker
 /// count, so it resumes mid-epoch at another.
@@ -411,6 +417,8 @@ class MappedIterable : public DatasetBase<MappedIterable<D, F>> {
     }
     /// The inner stream's progress() (reads sent ahead moved along between batches), if it has one.
     bool progress() { return detail::progress_stream(inner_); }
+    /// The inner stream's begin_batch(b), if it has one.
+    void begin_batch(std::uint64_t batch) { detail::begin_stream_batch(inner_, batch); }
     /// The inner stream's position() (the last sample's place in the epoch), if it has one.
     std::optional<std::uint64_t> position() const { return detail::stream_position(inner_); }
 
@@ -463,16 +471,18 @@ class AcrossWorkers : public DatasetBase<AcrossWorkers<D>> {
    public:
     std::optional<Sample> next() {
       if (!feed_) return own_->next();
-      std::shared_ptr<void> box = feed_->next(worker_, position_);
+      std::shared_ptr<void> box = feed_->next(batch_, position_);
       if (!box) return std::nullopt;
       return std::optional<Sample>(std::move(*static_cast<Sample*>(box.get())));
     }
-    /// Skips this worker's first n samples (whole batches of its own: a resumed epoch).
+    /// Skips the epoch's first n samples (whole batches: a resumed epoch).
     std::size_t skip(std::size_t n) {
       if (!feed_) return detail::skip_stream(*own_, n);
-      feed_->skip(worker_, n);
+      feed_->skip(n);
       return n;
     }
+    /// In a loader: the batch of the epoch the next samples are for.
+    void begin_batch(std::uint64_t batch) { batch_ = batch; }
     std::optional<std::uint64_t> position() const {
       if (!feed_) return std::nullopt;
       return position_;
@@ -482,7 +492,7 @@ class AcrossWorkers : public DatasetBase<AcrossWorkers<D>> {
     friend class AcrossWorkers;
     std::shared_ptr<detail::BatchFeed> feed_;
     std::optional<BaseStream> own_;
-    int worker_ = 0;
+    std::uint64_t batch_ = 0;
     std::uint64_t position_ = 0;
   };
   Stream open(const WorkerInfo& worker) const {
@@ -491,7 +501,6 @@ class AcrossWorkers : public DatasetBase<AcrossWorkers<D>> {
       s.own_.emplace(base_->open(worker));
       return s;
     }
-    s.worker_ = worker.id;
     WorkerInfo one = worker;
     one.id = 0;
     one.num_workers = 1;
@@ -501,7 +510,6 @@ class AcrossWorkers : public DatasetBase<AcrossWorkers<D>> {
       shape.units = 1;
       shape.lanes = 1;
       shape.lane_records = 2 * worker.batch_size;
-      shape.workers = worker.num_workers;
       shape.batch_size = worker.batch_size;
       // The reader keeps the base alive: a worker abandoned after a timeout may outlive the loader.
       return std::make_unique<detail::BatchFeed>(shape, [base = base_, one](std::size_t, detail::BatchFeed::Sink& sink) {

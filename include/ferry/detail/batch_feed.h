@@ -6,26 +6,29 @@
 // W * (B - 1) of them to per-worker remainders, and the batches change with the worker count. A
 // BatchFeed reads the epoch's units on its own threads (lanes: lane l reads units l, l + L, ...,
 // each front to back, each once) and puts the records in one order, unit 0's, then unit 1's, and
-// so on, whatever the lanes' timing. Record p of that order belongs to batch p / B, and batch b to
-// worker b mod W: that is the engine's stream key b (the j-th batch of worker w is key j * W + w),
-// so the loader delivers batches 0, 1, 2, ... in order, each exactly the records [bB, (b+1)B) of
-// the epoch, and only the last batch can be short. The batches are the same for any W; so are the
-// records' generators when keyed by p (BatchFeed::next reports it).
+// so on, whatever the lanes' timing. Record p of that order belongs to batch p / B: batch b is
+// exactly the records [bB, (b+1)B) of the epoch, and only the last batch can be short. The
+// batches are the same for any W; so are the records' generators when keyed by p (next() reports
+// it). Batch b is the loader's job b, made by whichever worker is free (the engine's one queue, as
+// for a map-style dataset): a worker that a slower core holds back holds back one batch, not every
+// W-th (a fixed batch b mod W a worker cost 7-11% of the images/s of 16 workers; bench/RESULTS.md,
+// "Tar streams filled across the workers").
 //
-// Workers take records with next(w). A worker that finds none of its own deals records from the
-// lane of the unit being read into their owners' queues until one of its own arrives (under one
+// A worker takes batch b's records with next(b). When none is there it deals records from the
+// lane of the unit being read into their batches' queues until one of batch b arrives (under one
 // mutex: dealing moves a record, it does not copy or decode it); the lane of the unit being dealt
 // reads ahead up to 4 * `lane_records` records (so that a reader thread that waits for a core does
-// not stop every worker), the others `lane_records` each, ready when their unit's turn comes. What waits in the workers' queues is
-// bounded by the engine's window (a worker deals only up to its next batch, and it is given that
-// batch only within prefetch_factor * W batches of the oldest one not yet delivered).
+// not stop every worker), the others `lane_records` each, ready when their unit's turn comes. What
+// waits in the batches' queues is bounded by the engine's window (a worker deals only up to its
+// batch, and it is given batch b only within prefetch_factor * W batches of the oldest one not yet
+// delivered).
 //
-// Resume: a worker told to skip its first n records (skip(w, n), n a whole number of its batches)
-// drops records dealt to it before its first batch; the lanes still read them (a stream's records
-// cannot be found without reading what comes before them).
+// Resume: skip(n) drops the epoch's first n records (whole batches) as they are dealt; the lanes still
+// read them (a stream's records cannot be found without reading what comes before them).
 //
 // A failed record (a damaged shard, a unit that does not open) takes its place in the order as an
-// error: its owner's next() throws it, so the error policy sees it at its position.
+// error: next() of its batch throws it, so the error policy sees it at its position; the batch
+// still spends its B positions (DataLoader's produce_stream).
 #pragma once
 
 #include <condition_variable>
@@ -34,6 +37,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -67,7 +71,6 @@ class BatchFeed {
     std::size_t units = 1;          ///< units of the epoch (shards), read in order 0, 1, ...
     std::size_t lanes = 1;          ///< reader threads (at most units)
     std::size_t lane_records = 64;  ///< records a lane reads ahead (4x that for the unit being dealt)
-    int workers = 1;                ///< the loader's workers (1 with none)
     std::size_t batch_size = 1;
   };
   /// read(unit, sink) reads one unit front to back into the sink (it may throw: the error takes
@@ -79,11 +82,13 @@ class BatchFeed {
   BatchFeed(const BatchFeed&) = delete;
   BatchFeed& operator=(const BatchFeed&) = delete;
 
-  /// Worker w's next record and its position in the epoch's order, or a null box at the end;
-  /// rethrows a failed record's error.
-  Box next(int worker, std::uint64_t& position);
-  /// Worker w's first `records` records (whole batches of its own) are skipped (a resumed epoch).
-  void skip(int worker, std::size_t records);
+  /// Batch `batch`'s next record and its position in the epoch's order, or a null box when the
+  /// batch has none left (its records all taken, or the epoch's records ended before them);
+  /// rethrows a failed record's error. One caller a batch at a time.
+  Box next(std::uint64_t batch, std::uint64_t& position);
+  /// The epoch's first `records` records (whole batches) are dropped (a resumed epoch); the
+  /// latest call holds.
+  void skip(std::size_t records);
 
  private:
   struct Item {
@@ -104,12 +109,12 @@ class BatchFeed {
   const Shape shape_;
   const ReadUnit read_;
   std::mutex mu_;
-  std::condition_variable dealt_;  // a worker's queue or the unit being read got a record
+  std::condition_variable dealt_;  // a batch's queue or the unit being read got a record
   std::vector<Lane> lanes_;
-  std::vector<std::deque<Item>> queues_;    // by worker
-  std::vector<std::uint64_t> first_batch_;  // by worker: batches before it are not its (resume)
-  std::size_t unit_ = 0;                    // the unit being dealt
-  std::uint64_t position_ = 0;              // the next record's position
+  std::map<std::uint64_t, std::deque<Item>> batches_;  // records dealt and not yet taken, by batch
+  std::uint64_t first_batch_ = 0;                      // batches before it are dropped (resume)
+  std::size_t unit_ = 0;                               // the unit being dealt
+  std::uint64_t position_ = 0;                         // the next record's position
   bool ended_ = false, stopping_ = false;
   int waiting_ = 0;
   struct Threads;

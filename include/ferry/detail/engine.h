@@ -91,7 +91,7 @@ struct StuckSample {
 /// One batch to produce.
 struct Job {
   std::uint64_t key = 0;                                  ///< position in the epoch's key sequence
-  std::int64_t batch = 0;                                 ///< batch index (map-style) or the worker's j-th batch (stream)
+  std::int64_t batch = 0;  ///< batch index (map-style, shared streams) or the worker's j-th batch (stream)
   std::span<const std::size_t> indices;                   ///< map-style: the batch's sample indices
   std::span<const std::size_t> epoch_indices;             ///< map-style: every sample of the epoch, in order
   int attempt = 0;                                        ///< > 0: dispatched again after a worker was abandoned
@@ -120,6 +120,9 @@ class JobContext {
   }
   /// Stream mode: dataset positions read so far by this worker (named in errors).
   std::span<const std::size_t> stream_indices;
+  /// Stream mode: set by a produce() that returns an empty Payload for a batch whose records all
+  /// failed under Skip/Replace: the batch is left out and the epoch goes on (not its end).
+  bool skipped = false;
 
  private:
   const std::atomic<bool>& cancelled_;
@@ -174,6 +177,10 @@ struct EngineOptions {
   bool streaming = false;
   /// Map-style: batch b to worker b mod num_workers (DataLoaderOptions::round_robin).
   bool round_robin = false;
+  /// Streams that fill batches across workers (Note [One batcher across workers]): job b is the
+  /// epoch's batch b, taken by whichever worker is free from one queue; a job whose batch has no
+  /// records ends the epoch there. Otherwise worker w's stream makes keys w, w + W, ...
+  bool shared_stream = false;
   std::chrono::milliseconds timeout{0};
   /// Map-style: after a timeout, dispatch the stuck batch again without its stuck sample (up to
   /// max_redispatch times) instead of failing it.
@@ -251,8 +258,10 @@ class Engine {
 };
 
 /// Builds a WorkerError around the exception being handled; call only inside a catch block.
+/// stream: indices are stream positions, and batch the worker's j-th batch unless shared_stream
+/// (then the epoch's batch, as map-style).
 std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::span<const std::size_t> indices, Stage stage,
-                                          std::optional<std::size_t> sample, bool stream);
+                                          std::optional<std::size_t> sample, bool stream, bool shared_stream = false);
 
 /// Logs `message` at warning level once per process for each distinct `key`.
 void warn_once(const char* key, const std::string& message);

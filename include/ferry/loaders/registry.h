@@ -122,6 +122,7 @@ class TarRowsStream : public DatasetBase<TarRowsStream> {
     std::size_t skip(std::size_t n) { return inner_.skip(n); }
     bool progress() { return inner_.progress(); }
     std::optional<std::uint64_t> position() const { return inner_.position(); }
+    void begin_batch(std::uint64_t batch) { inner_.begin_batch(batch); }
 
    private:
     friend class TarRowsStream;

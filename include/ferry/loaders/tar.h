@@ -142,8 +142,11 @@ class TarShards : public DatasetBase<TarShards> {
    public:
     std::optional<TarRecord> next();
     /// Skips n records reading only their headers (a resumed epoch); returns how many it skipped.
-    /// In a loader, the worker's first n records (whole batches of its own).
+    /// In a loader, the epoch's first n records (whole batches).
     std::size_t skip(std::size_t n);
+    /// In a loader: the batch of the epoch the next records are for (the loader tells each
+    /// worker's stream as the worker starts a batch; Note [One batcher across workers]).
+    void begin_batch(std::uint64_t batch) { batch_ = batch; }
     /// TarReader::progress() of the shard being read, and the next epoch's opening reads sent as
     /// streams ended (the loader calls it while the worker waits).
     bool progress();
@@ -159,6 +162,7 @@ class TarShards : public DatasetBase<TarShards> {
     void read_learned(const void* dealt, TarRecord& rec);
     std::optional<TarRecord> advance(bool read_data);
     std::shared_ptr<detail::BatchFeed> feed_;  // in a loader: the epoch's reader, shared by the workers
+    std::uint64_t batch_ = 0;                  // in a loader: the batch being made
     std::uint64_t position_ = 0;
     std::vector<std::string> shards_;  // this reader's shards, in order
     std::size_t current_ = 0;
@@ -267,6 +271,7 @@ class TarDecodeStream : public DatasetBase<TarDecodeStream> {
     }
     bool progress() { return inner_.progress(); }
     std::optional<std::uint64_t> position() const { return inner_.position(); }
+    void begin_batch(std::uint64_t batch) { inner_.begin_batch(batch); }
 
    private:
     friend class TarDecodeStream;
