@@ -16,8 +16,9 @@
 // that order goes to rank k mod world_size. In a loader, a rank's shards are read once, front to
 // back, by the stream's own reader threads (up to 4 shards at a time, each read ahead up to a
 // batch), and their records are dealt to the workers in one order, shard after shard, record after
-// record: record p goes to batch p / batch_size (Note [One batcher across workers],
-// ferry/detail/batch_feed.h). So every worker decodes whatever the number of shards, every batch
+// record: record p goes to batch p / batch_size, and batch b is made by whichever worker is free
+// (Note [One batcher across workers], ferry/detail/batch_feed.h). So every worker decodes whatever
+// the number of shards, every batch
 // is full but the epoch's last (with drop_last, at most batch_size - 1 records unseen an epoch),
 // and the batches, and the generators a mapped transform draws from (ctx.rng() keyed by p), are
 // the same for any number of workers, on resume too. A local shard read whole without an error
