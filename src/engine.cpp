@@ -760,7 +760,8 @@ struct Engine::State {
           return deliver(std::move(r));
         }
         if (opt.shared_stream ? (end_key != kNoEnd && in_flight == 0)
-                              : opt.streaming ? (ended == W && in_flight == 0) : delivered >= total)
+            : opt.streaming   ? (ended == W && in_flight == 0)
+                              : delivered >= total)
           return {};
       }
       dispatch();

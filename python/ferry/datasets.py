@@ -93,9 +93,10 @@ def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size:
 
     By default a stream, read front to back: it has no len() and takes no DataLoader(shuffle=...);
     ``shuffle`` here shuffles the shard order each epoch. The stream's shards are read once, on
-    reader threads of their own, and its records are dealt to the workers in one order (shard after
-    shard): every worker decodes whatever the number of shards, every batch is full but the
-    epoch's last, and the batches are the same for any ``num_workers`` (and on resume at another).
+    reader threads of their own, and its records are put in batches in one order (shard after
+    shard), each batch made by whichever worker is free: every worker decodes whatever the number
+    of shards, every batch is full but the epoch's last, and the batches are the same for any
+    ``num_workers`` (and on resume at another).
     ``float``, ``mean``, ``std`` and ``dct_scaling`` are image_folder's. ``index=True`` (the default
     with ``decode="gpu"``) reads every member's header and every label once and makes a map-style
     dataset instead (C++ ``TarImages``): len(), DataLoader(shuffle=True) across all shards and GPU

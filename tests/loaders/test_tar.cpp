@@ -254,8 +254,7 @@ std::vector<std::vector<std::int64_t>> epoch_batches(Loader& loader) {
 // Error messages without the worker that met them: any free worker makes a stream's batch.
 std::vector<std::string> any_worker(std::vector<std::string> errors) {
   for (std::string& e : errors)
-    if (const std::size_t at = e.find("[worker "); at != std::string::npos)
-      e.replace(at, e.find(' ', at + 8) - at, "[a worker");
+    if (const std::size_t at = e.find("[worker "); at != std::string::npos) e.replace(at, e.find(' ', at + 8) - at, "[a worker");
   return errors;
 }
 }  // namespace
@@ -325,8 +324,7 @@ TEST_CASE("a stream's batch whose records all fail is left out under Skip and Re
         for (int epoch = 0; epoch < 2; ++epoch) {  // the second on learned offsets
           loader.reset_stats();
           std::vector<std::vector<std::int64_t>> batches = epoch_batches(loader);
-          if (in_order)
-            CHECK(batches == std::vector<std::vector<std::int64_t>>{{0, 1, 2, 3}, {8, 9, 10, 11}, {12, 13}});
+          if (in_order) CHECK(batches == std::vector<std::vector<std::int64_t>>{{0, 1, 2, 3}, {8, 9, 10, 11}, {12, 13}});
           std::multiset<std::int64_t> seen;
           for (const auto& b : batches) seen.insert(b.begin(), b.end());
           CHECK(seen == std::multiset<std::int64_t>{0, 1, 2, 3, 8, 9, 10, 11, 12, 13});
