@@ -465,26 +465,17 @@ Payload LoaderCore::Parts::last_stage_next() {
 void LoaderCore::Parts::await_issued(const EventFence& copied) {
   const WaitPoll& poll = engine.wait_poll();
   if (!poll && opt.timeout.count() == 0) return;  // deliver() waits, unbounded
-  using std::chrono::microseconds;
-  const microseconds limit =
-      opt.timeout.count() > 0 ? std::chrono::duration_cast<microseconds>(opt.timeout) * 2 : microseconds::max();
-  const auto since = std::chrono::steady_clock::now();
-  for (;;) {
-    const auto waited = std::chrono::duration_cast<microseconds>(std::chrono::steady_clock::now() - since);
-    microseconds slice = limit == microseconds::max() ? microseconds(100000) : std::max(limit - waited, microseconds(0));
-    if (poll) slice = std::min(slice, poll.period);
-    if (copied.wait_recorded(slice)) return;
-    if (poll) poll.check();  // Interrupted: the batch stays in `awaiting` for the next call
-    if (limit != microseconds::max() && std::chrono::steady_clock::now() - since >= limit) {
-      TimeoutError error("DataLoader timed out after " + std::to_string(2 * opt.timeout.count()) +
-                         " ms waiting for the GPU decode of batch " + std::to_string(epoch_delivered - 1) +
-                         ": a decode thread has not come back from nvJPEG (gpu_decode_threads = 1 avoids the known two-thread "
-                         "stall; see DataLoaderOptions::gpu_decode_threads)");
-      timed_out.push_back(
-          std::move(awaiting));  // (leaves it empty) the batch fails at its position; the next call takes the next one
-      throw error;
-    }
-  }
+  const std::chrono::microseconds limit = stage_timeout(opt.timeout);
+  // Interrupted (the poll) propagates: the batch stays in `awaiting` for the next call.
+  if (wait_polled(poll, limit, [&copied](std::chrono::microseconds slice) { return copied.wait_recorded(slice); })) return;
+  TimeoutError error("DataLoader timed out after " +
+                     std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(limit).count()) +
+                     " ms waiting for the GPU decode of batch " + std::to_string(epoch_delivered - 1) +
+                     ": a decode thread has not come back from nvJPEG (gpu_decode_threads = 1 avoids the known two-thread "
+                     "stall; see DataLoaderOptions::gpu_decode_threads)");
+  timed_out.push_back(
+      std::move(awaiting));  // (leaves it empty) the batch fails at its position; the next call takes the next one
+  throw error;
 }
 
 // --- Epochs (consumer thread) ---

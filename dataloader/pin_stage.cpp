@@ -141,24 +141,19 @@ Payload PinStage::next() {
     // While the pin thread waits on the workers ('fetch'), the engine's own timeout governs (it
     // abandons stuck workers and may dispatch a batch again); only a pin that stalls is ours.
     using std::chrono::microseconds;
-    const microseconds limit =
-        s.timeout.count() > 0 ? std::chrono::duration_cast<microseconds>(s.timeout) * 2 : microseconds::max();
-    auto since = std::chrono::steady_clock::now();
-    for (;;) {
-      const auto waited = std::chrono::duration_cast<microseconds>(std::chrono::steady_clock::now() - since);
-      microseconds slice = limit == microseconds::max() ? limit : std::max(limit - waited, microseconds(0));
-      if (poll) slice = std::min(slice, poll.period);
+    const microseconds limit = stage_timeout(s.timeout);
+    const auto take = [&s, &item](microseconds slice) {
       auto [got, timed_out] = s.out->pop_for(slice);
-      if (!timed_out) {
-        item = std::move(got);
-        break;
-      }
-      if (poll) poll.check();  // nothing taken: the next call waits for the same batch
-      if (limit == microseconds::max() || std::chrono::steady_clock::now() - since < limit) continue;
+      if (timed_out) return false;
+      item = std::move(got);
+      return true;
+    };
+    // Interrupted (the poll) propagates: nothing was taken, the next call waits for the same batch.
+    while (!wait_polled(poll, limit, take, microseconds::max())) {
       if (s.stage.current() != Stage::Fetch)
-        throw TimeoutError("DataLoader timed out after " + std::to_string(2 * s.timeout.count()) +
+        throw TimeoutError("DataLoader timed out after " +
+                           std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(limit).count()) +
                            " ms waiting for the pin thread, which is in stage '" + stage_name(s.stage.current()) + "'");
-      since = std::chrono::steady_clock::now();
     }
   } else {
     item = s.out->pop();

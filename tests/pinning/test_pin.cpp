@@ -262,6 +262,7 @@ TEST_CASE("a loader whose pin thread waits for blocks the consumer holds times o
       FAIL("no timeout");
     } catch (const TimeoutError& e) {
       CHECK_THAT(e.what(), Catch::Contains("pin thread"));
+      CHECK_THAT(e.what(), Catch::Contains("timed out after 400 ms"));  // twice the timeout: the workers' comes first
     }
     CHECK(kept.size() == 4);
   }

@@ -40,6 +40,7 @@
 // epoch ends. Without a keep-alive (or without a timeout) workers are joined as before.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -168,6 +169,34 @@ struct WaitPoll {
   /// Runs the poll; throws ferry::Interrupted when it asks the wait to stop.
   void check() const;
 };
+
+/// How long the consumer waits for a stage behind the workers (the pin thread, a GPU decode)
+/// before it is a TimeoutError: twice DataLoaderOptions::timeout, so that the workers' own
+/// timeout (which abandons a stuck worker) comes first; max() without a timeout.
+inline std::chrono::microseconds stage_timeout(std::chrono::milliseconds timeout) {
+  return timeout.count() > 0 ? std::chrono::duration_cast<std::chrono::microseconds>(timeout) * 2
+                             : std::chrono::microseconds::max();
+}
+
+/// The consumer's bounded wait: calls try_for(slice) (true: done) in slices of at most the poll's
+/// period (or `idle` where nothing bounds it), running the poll between them (ferry::Interrupted
+/// propagates: the caller's next call waits again), until `limit` has passed. True when try_for
+/// succeeded, false when the limit passed first (the caller raises its TimeoutError).
+template <class TryFor>
+bool wait_polled(const WaitPoll& poll, std::chrono::microseconds limit, TryFor&& try_for,
+                 std::chrono::microseconds idle = std::chrono::microseconds(100000)) {
+  using std::chrono::microseconds;
+  const bool unbounded = limit == microseconds::max();
+  const auto since = std::chrono::steady_clock::now();
+  for (;;) {
+    const auto waited = std::chrono::duration_cast<microseconds>(std::chrono::steady_clock::now() - since);
+    microseconds slice = unbounded ? idle : std::max(limit - waited, microseconds(0));
+    if (poll) slice = std::min(slice, poll.period);
+    if (try_for(slice)) return true;
+    if (poll) poll.check();
+    if (!unbounded && std::chrono::steady_clock::now() - since >= limit) return false;
+  }
+}
 
 struct EngineOptions {
   int num_workers = 0;
