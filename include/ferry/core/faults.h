@@ -70,8 +70,8 @@ struct SampleError {
   };
   enum class Action : std::uint8_t { Skipped, Replaced };
   std::uint64_t epoch = 0;
-  std::int64_t batch = 0;  ///< the batch it belonged to (stream: the worker's j-th batch)
-  std::size_t index = 0;   ///< dataset index (stream: position in the worker's stream)
+  std::int64_t batch = 0;  ///< the batch it belonged to (a worker's own stream: its j-th batch)
+  std::size_t index = 0;   ///< dataset index (stream: position in the epoch's, or the worker's own, stream)
   bool stream = false;     ///< whether `index` is a stream position
   int worker = 0;
   Kind kind = Kind::Data;

@@ -45,7 +45,9 @@ struct DataLoaderOptions {
   std::chrono::milliseconds timeout{0};
   /// What a damaged or stuck sample costs: its batch (Raise), itself (Skip: the batch comes one
   /// row short) or nothing (Replace: another sample of the epoch takes its row, by a rule of
-  /// (seed, epoch, index)). See ferry/core/faults.h.
+  /// (seed, epoch, index)). A stream filled across workers spends each batch's records under both
+  /// Skip and Replace: a bad record leaves its row out, and a batch whose records all fail is left
+  /// out (Note [One batcher across workers]). See ferry/core/faults.h.
   OnError on_error = OnError::Raise;
   /// Skip/Replace: more than this many bad samples in one epoch fail the batch at hand and every
   /// later one that meets another; 0: no count limit.
