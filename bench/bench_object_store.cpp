@@ -210,9 +210,10 @@ int main(int argc, char** argv) {
       }
       for (int i = 0; i < images; ++i) jpgs[static_cast<std::size_t>(i)] = found[static_cast<std::size_t>(i) % found.size()];
     }
-    std::atomic<int> next{photos.empty() ? 0 : images};
+    std::atomic<int> next{0};
     std::vector<std::thread> makers;
-    for (int m = 0; m < std::max(1, cpus - server_cpus); ++m)
+    const int encoders = photos.empty() ? std::max(1, cpus - server_cpus) : 0;  // with --photos, none to encode
+    for (int m = 0; m < encoders; ++m)
       makers.emplace_back([&] {
         for (int i; (i = next.fetch_add(1)) < images;) {
           // 500x375 photographs' size class: smooth gradients with texture, about 171 KB at quality 90.

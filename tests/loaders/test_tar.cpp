@@ -33,6 +33,10 @@ std::vector<std::string> write_shards(const TempDir& dir, int shards, int per_sh
   }
   return paths;
 }
+// A record "s<shard>/<k>" as the number shard * 100 + k.
+std::int64_t record_id(const TarRecord& r) {
+  return std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 + std::stoi(r.key.substr(r.key.find('/') + 1));
+}
 }  // namespace
 
 TEST_CASE("TarReader reads ustar, GNU long-name and pax members, skipping directories", "[unit][tar]") {
@@ -177,10 +181,7 @@ TEST_CASE("tar shards resume mid-epoch: every worker's shards from the record af
     so.shuffle = true;  // the shard order is the epoch's: a resume must follow it
     return TarShards(paths, so).map([](TarRecord r, SampleContext& ctx) {
       decoded.fetch_add(1);  // what a decode would cost
-      return static_cast<std::int64_t>(std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 +
-                                       std::stoi(r.key.substr(r.key.find('/') + 1))) *
-                 10 +
-             static_cast<std::int64_t>(ctx.rng().randint(10));
+      return record_id(r) * 10 + static_cast<std::int64_t>(ctx.rng().randint(10));
     });
   };
   auto values = [](const Tensor& t) {
@@ -237,10 +238,8 @@ std::vector<std::string> write_uneven_shards(const TempDir& dir, int shards, std
 }
 // A record's identity (shard * 100 + k) * 10 + a draw from its generator.
 auto identified(const std::vector<std::string>& paths) {
-  return TarShards(paths).map([](TarRecord r, SampleContext& ctx) {
-    const std::int64_t id = std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 + std::stoi(r.key.substr(r.key.find('/') + 1));
-    return id * 10 + static_cast<std::int64_t>(ctx.rng().randint(10));
-  });
+  return TarShards(paths).map(
+      [](TarRecord r, SampleContext& ctx) { return record_id(r) * 10 + static_cast<std::int64_t>(ctx.rng().randint(10)); });
 }
 std::vector<std::int64_t> values_of(const Tensor& t) {
   return std::vector<std::int64_t>(t.data<std::int64_t>(), t.data<std::int64_t>() + t.numel());
@@ -268,8 +267,7 @@ TEST_CASE("a stream's batch is made by whichever worker is free: a slow worker h
   // 0 would make 14 or 15 of the 44 batches (and the others wait for it).
   auto ds = TarShards(paths).map([](TarRecord r, SampleContext& ctx) {
     if (ctx.worker().id == 0) std::this_thread::sleep_for(std::chrono::milliseconds(40));
-    const std::int64_t id = std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 + std::stoi(r.key.substr(r.key.find('/') + 1));
-    return id * 10 + ctx.worker().id;
+    return record_id(r) * 10 + ctx.worker().id;
   });
   DataLoaderOptions o;
   o.batch_size = 2;
@@ -551,10 +549,7 @@ TEST_CASE(
   paths.push_back(dir / "damaged.tar");
   write_file(paths.back(), damaged);
   TarShards shards(paths, so);
-  auto ds = shards.map([](TarRecord r) {
-    return static_cast<std::int64_t>(std::stoi(r.key.substr(1, r.key.find('/') - 1)) * 100 +
-                                     std::stoi(r.key.substr(r.key.find('/') + 1)));
-  });
+  auto ds = shards.map([](TarRecord r) { return record_id(r); });
   DataLoaderOptions o;
   o.batch_size = 1;
   o.num_workers = 2;

@@ -11,8 +11,7 @@
 // batches are the same for any W; so are the records' generators when keyed by p (next() reports
 // it). Batch b is the loader's job b, made by whichever worker is free (the engine's one queue, as
 // for a map-style dataset): a worker that a slower core holds back holds back one batch, not every
-// W-th (a fixed batch b mod W a worker cost 7-11% of the images/s of 16 workers; bench/RESULTS.md,
-// "Tar streams filled across the workers").
+// W-th (bench/RESULTS.md, "Tar streams filled across the workers", measures what that cost).
 //
 // A worker takes batch b's records with next(b). When none is there it deals records from the
 // lane of the unit being read into their batches' queues until one of batch b arrives (under one
