@@ -14,14 +14,14 @@ OnError parse_on_error(const std::string& text, const std::string& what) {
   if (text == "raise") return OnError::Raise;
   if (text == "skip") return OnError::Skip;
   if (text == "replace") return OnError::Replace;
-  throw Error(what + " must be raise, skip or replace, got '" + text + "'");
+  throw OptionError(what + " must be raise, skip or replace, got '" + text + "'");
 }
 
 Gather parse_gather(const std::string& text, const std::string& what) {
   if (text == "auto") return Gather::Auto;
   if (text == "host") return Gather::Host;
   if (text == "device") return Gather::Device;
-  throw Error(what + " must be auto, host or device, got '" + text + "'");
+  throw OptionError(what + " must be auto, host or device, got '" + text + "'");
 }
 
 }  // namespace ferry
@@ -29,17 +29,17 @@ Gather parse_gather(const std::string& text, const std::string& what) {
 namespace ferry::detail {
 
 void validate_options(const DataLoaderOptions& o, bool streaming) {
-  auto fail = [](const std::string& m) { throw Error("DataLoaderOptions: " + m); };
-  if (o.batch_size == 0) fail("batch_size must be >= 1");
+  auto fail = [](const std::string& m) { throw OptionError("DataLoaderOptions: " + m); };
+  if (o.batch_size == 0) fail("batch_size must be >= 1, got 0");
   if (o.num_workers < 0) fail("num_workers must be >= 0, got " + std::to_string(o.num_workers));
   if (o.prefetch_factor < 1) fail("prefetch_factor must be >= 1, got " + std::to_string(o.prefetch_factor));
-  if (o.timeout.count() < 0) fail("timeout must be >= 0 ms");
+  if (o.timeout.count() < 0) fail("timeout must be >= 0 ms, got " + std::to_string(o.timeout.count()));
   if (!(o.max_error_fraction >= 0 && o.max_error_fraction <= 1))
     fail("max_error_fraction must be in [0, 1], got " + shortest(o.max_error_fraction));
   if (o.io_retries < 0) fail("io_retries must be >= 0, got " + std::to_string(o.io_retries));
   if (o.io_retry_backoff.count() < 0) fail("io_retry_backoff must be >= 0 ms");
-  if (o.persistent_workers && o.num_workers == 0) fail("persistent_workers=true needs num_workers > 0");
-  if (o.intra_batch_threads < 1) fail("intra_batch_threads must be >= 1");
+  if (o.persistent_workers && o.num_workers == 0) fail("persistent_workers=true needs num_workers > 0, got 0");
+  if (o.intra_batch_threads < 1) fail("intra_batch_threads must be >= 1, got " + std::to_string(o.intra_batch_threads));
   if (o.sampler && o.shuffle) fail("sampler and shuffle=true are mutually exclusive (shuffle inside the sampler)");
   if (o.batch_sampler && (o.batch_size != 1 || o.shuffle || o.sampler || o.drop_last))
     fail("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and drop_last");

@@ -40,6 +40,7 @@ from ._ferry import (  # noqa: F401  (re-exported)
     Error,
     Interrupted,
     IoError,
+    OptionError,
     TimeoutError,
     WorkerError,
     object_store_stats,
@@ -50,7 +51,8 @@ from ._python import WorkerInfo, get_worker_info, sample_seed  # noqa: F401
 __all__ = [
     "DataLoader", "LoaderStats", "datasets", "load_plugin", "Dataset", "get_worker_info", "WorkerInfo",
     "sample_seed",
-    "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted", "object_store_stats",
+    "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted", "OptionError",
+    "object_store_stats",
 ]
 __version__ = "0.2.0"
 
@@ -71,6 +73,13 @@ def _torch():
     import torch.utils.dlpack
 
     return torch
+
+
+def _integer(name: str, value: Any) -> int:
+    """An int argument as the library takes it (its range is the library's rule: OptionError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"DataLoader: {name}={value!r} is not an int")
+    return int(value)
 
 
 def _device_index(device: Any) -> Optional[int]:
@@ -313,10 +322,9 @@ class DataLoader:
             for name, value in given.items():
                 if value is not None:
                     raise TypeError(f"DataLoader: {name}= is not for a ferry dataset: {_NOT_FOR_FERRY_DATASETS[name]}")
-            if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
-                raise ValueError(f"DataLoader: batch_size must be an int >= 1, got {batch_size!r}"
-                                 + (" (batch_size=None, samples without batching, is for Python datasets)"
-                                    if batch_size is None else ""))
+            if batch_size is None:
+                raise ValueError("DataLoader: batch_size=None (samples without batching) is for Python datasets; "
+                                 "a ferry dataset's loader batches")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)
                                  or not 0 <= seed < 2**64):
             raise ValueError(f"DataLoader: seed must be an int in [0, 2**64) or None, got {seed!r}")
@@ -326,8 +334,23 @@ class DataLoader:
         if multiprocessing_context is not None and not (python and worker_type == "process"):
             warnings.warn("DataLoader: multiprocessing_context has no effect: this loader's workers are threads",
                           stacklevel=2)
-        if isinstance(num_workers, bool) or not isinstance(num_workers, numbers.Integral) or num_workers < 0:
-            raise ValueError(f"DataLoader: num_workers must be an int >= 0, got {num_workers!r}")
+
+        def make_options(batch: Any, shuffle: bool, drop_last: bool, pin: bool, device: Optional[int], stream: int) -> Any:
+            # The library's options, checked by its one set of rules (ferry::detail::validate_options;
+            # a value out of range is an OptionError, a ValueError as PyTorch raises).
+            return _ferry.make_options(
+                batch_size=batch, shuffle=shuffle, num_workers=num_workers, pin_memory=pin,
+                drop_last=drop_last, timeout=float(timeout),
+                prefetch_factor=2 if prefetch_factor is None else prefetch_factor,
+                persistent_workers=persistent_workers, seed=seed, device=device, in_order=in_order,
+                on_error=on_error, max_errors=max_errors, max_error_fraction=max_error_fraction, gather=gather,
+                pinned_memory_limit=pinned_memory_limit, stream=stream, trace_batches=trace_batches,
+                gpu_decode_threads=gpu_decode_threads)
+
+        # Checked before a Python dataset's workers, slabs or zygote are asked for.
+        num_workers = _integer("num_workers", num_workers)
+        asked = make_options(1 if batch_size is None else _integer("batch_size", batch_size), shuffle, drop_last,
+                             bool(pin_memory), _device_index(device), 0)
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = int(seed)
@@ -362,7 +385,7 @@ class DataLoader:
             # consumer's stream as batches arrive.
             cpp_dataset, engine, self._pool = _bridge.make_dataset(
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
-                drop_last=drop_last, collate_fn=collate_fn, pin_memory=pin_memory or self.device is not None,
+                drop_last=drop_last, collate_fn=collate_fn, pin_memory=_ferry.pins(asked),
                 worker_init_fn=worker_init_fn, generator=generator, num_workers=num_workers, worker_type=worker_type,
                 multiprocessing_context=multiprocessing_context, seeds=self._seeds, torch_order=self._torch_seeds,
                 sample_seeding=sample_seeding,
@@ -419,14 +442,8 @@ class DataLoader:
         # torch's C importer of DLPack capsules (what torch.utils.dlpack.from_dlpack calls for a
         # capsule, without its Python-level checks: a few microseconds a tensor).
         convert = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
-        options = _ferry.make_options(
-            batch_size=engine_batch, shuffle=engine_shuffle, num_workers=num_workers,
-            pin_memory=pin_memory and not python, drop_last=engine_drop_last, timeout=float(timeout),
-            prefetch_factor=2 if prefetch_factor is None else prefetch_factor,
-            persistent_workers=persistent_workers, seed=seed, device=None if python else self.device,
-            in_order=in_order, on_error=on_error, max_errors=max_errors, max_error_fraction=max_error_fraction,
-            gather=gather, pinned_memory_limit=pinned_memory_limit, stream=0 if python else stream_handle,
-            trace_batches=trace_batches, gpu_decode_threads=gpu_decode_threads)
+        options = make_options(engine_batch, engine_shuffle, engine_drop_last, bool(pin_memory) and not python,
+                               None if python else self.device, 0 if python else stream_handle)
         if num_replicas is not None or rank is not None:
             if python:
                 raise TypeError("DataLoader: num_replicas= and rank= are for ferry datasets; a Python dataset takes "

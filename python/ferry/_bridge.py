@@ -68,8 +68,6 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
     if iterable and (shuffle or sampler is not None or batch_sampler is not None):
         what = "shuffle" if shuffle else "sampler" if sampler is not None else "batch_sampler"
         raise ValueError(f"DataLoader: an iterable dataset decides its own order: {what} is not for it")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1):
-        raise ValueError(f"DataLoader: batch_size must be an int >= 1 or None, got {batch_size!r}")
 
     import torch  # a Python dataset's batches are torch's
     import torch.utils.data as data

@@ -22,6 +22,7 @@ struct Exceptions {
   PyObject* io = nullptr;
   PyObject* cuda = nullptr;
   PyObject* interrupted = nullptr;
+  PyObject* option = nullptr;
 };
 Exceptions g_exc;
 
@@ -68,6 +69,8 @@ void translate(const std::exception_ptr& p, void*) {
     raise(g_exc.cuda, e.what());
   } catch (const ferry::Interrupted& e) {
     raise(g_exc.interrupted, e.what());
+  } catch (const ferry::OptionError& e) {
+    raise(g_exc.option, e.what());
   } catch (const ferry::Error& e) {
     raise(g_exc.error, e.what());
   }
@@ -87,6 +90,12 @@ void register_errors(nb::module_& m) {
   g_exc.io = new_exception(m, "IoError", g_exc.data, "A DataError from the operating system. Attributes: file, errno.");
   g_exc.cuda = new_exception(m, "CudaError", g_exc.error, "A CUDA call failed, or the device asked for is not usable.");
   g_exc.interrupted = new_exception(m, "Interrupted", g_exc.error, "The wait for a batch was interrupted.");
+  // A ValueError too: PyTorch's DataLoader raises ValueError for an option out of range.
+  nb::object option_bases = nb::steal(PyTuple_Pack(2, g_exc.error, PyExc_ValueError));
+  if (!option_bases.is_valid()) throw nb::python_error();
+  g_exc.option = new_exception(m, "OptionError", option_bases.ptr(),
+                               "A loader option out of its range, or options that conflict; names the option and "
+                               "the value given. Also a ValueError.");
   nb::register_exception_translator(translate);
 }
 

@@ -25,6 +25,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -320,20 +321,28 @@ class PyLoader {
 
 // --- options --------------------------------------------------------------------------------------
 
-ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int num_workers, bool pin_memory, bool drop_last,
+ferry::DataLoaderOptions make_options(std::int64_t batch_size, bool shuffle, int num_workers, bool pin_memory, bool drop_last,
                                       double timeout, int prefetch_factor, bool persistent_workers, std::uint64_t seed,
                                       std::optional<int> device, bool in_order, const std::string& on_error,
                                       std::size_t max_errors, double max_error_fraction, const std::string& gather,
                                       std::optional<std::size_t> pinned_memory_limit, std::uintptr_t stream,
                                       std::int64_t trace_batches, int gpu_decode_threads) {
-  // Conversions only: every rule is the library's (ferry::detail::normalize_options).
+  // Conversions, then the library's rules (ferry::detail::validate_options, before any worker
+  // starts; the loader checks again knowing whether the dataset is a stream). A conversion that
+  // cannot be made is an OptionError too.
+  auto cannot = [](const std::string& what) { throw ferry::OptionError("DataLoader: " + what); };
   ferry::DataLoaderOptions o;
-  o.batch_size = batch_size;
+  if (batch_size < 0) cannot("batch_size=" + std::to_string(batch_size) + " is not a number of samples");
+  o.batch_size = static_cast<std::size_t>(batch_size);
   o.shuffle = shuffle;
   o.num_workers = num_workers;
   o.pin_memory = pin_memory;
   o.drop_last = drop_last;
-  if (!(timeout >= 0)) throw ferry::Error("DataLoader: timeout must be >= 0 seconds");
+  if (!(timeout >= 0) || timeout > 1e12) {
+    std::ostringstream given;
+    given << timeout;
+    cannot("timeout=" + given.str() + " is not a number of seconds >= 0");
+  }
   o.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(timeout * 1000.0 + 0.5));
   o.prefetch_factor = prefetch_factor;
   o.persistent_workers = persistent_workers;
@@ -347,8 +356,9 @@ ferry::DataLoaderOptions make_options(std::size_t batch_size, bool shuffle, int 
   o.gather = ferry::parse_gather(gather, "DataLoader: gather");
   if (pinned_memory_limit) o.pinned_memory_limit = *pinned_memory_limit;
   o.consumer_stream = reinterpret_cast<void*>(stream);
-  if (trace_batches < 0) throw ferry::Error("DataLoader: trace_batches must be >= 0");
+  if (trace_batches < 0) cannot("trace_batches=" + std::to_string(trace_batches) + " is not a number of batches");
   if (trace_batches > 0) o.trace = std::make_shared<ferry::TraceRecorder>(trace_batches);
+  ferry::detail::validate_options(o, /*streaming=*/false);
   return o;
 }
 
@@ -376,6 +386,9 @@ void register_loader(nb::module_& m) {
       },
       "options"_a, "dataset"_a, "num_replicas"_a, "rank"_a,
       "The options with this rank's DistributedSampler over the dataset (C++ ferry::DistributedSampler).");
+  m.def(
+      "pins", [](const ferry::DataLoaderOptions& o) { return ferry::detail::normalize_options(o, false).pin_memory; },
+      "options"_a, "Whether a loader with these options pins its batches (a device implies pinning).");
   m.def("make_options", &make_options, "batch_size"_a, "shuffle"_a, "num_workers"_a, "pin_memory"_a, "drop_last"_a, "timeout"_a,
         "prefetch_factor"_a, "persistent_workers"_a, "seed"_a, "device"_a.none(), "in_order"_a, "on_error"_a, "max_errors"_a,
         "max_error_fraction"_a, "gather"_a, "pinned_memory_limit"_a.none(), "stream"_a, "trace_batches"_a,

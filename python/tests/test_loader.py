@@ -3,6 +3,7 @@ without a copy, errors as Python exceptions, Ctrl-C, and cleanup."""
 
 import gc
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -391,14 +392,46 @@ def test_shuffle_with_a_stream_is_a_value_error(tar_dir):
 
 def test_bad_batch_size_and_seed_are_one_line_value_errors():
     ds = ferry.datasets.synthetic(n=10, shape=(2,))
-    for bad in (None, 0, -1, 2.5, True):
-        with pytest.raises(ValueError, match="batch_size must be an int >= 1") as info:
+    for bad, says in ((None, "batch_size=None"), (0, "batch_size must be >= 1, got 0"), (-1, "batch_size=-1"),
+                      (2.5, "batch_size=2.5 is not an int"), (True, "batch_size=True is not an int")):
+        with pytest.raises(ValueError, match=re.escape(says)) as info:
             ferry.DataLoader(ds, batch_size=bad)
         assert "\n" not in str(info.value)
-    with pytest.raises(ValueError, match="batch_size=None, samples without batching, is for Python datasets"):
+    with pytest.raises(ValueError, match=r"batch_size=None \(samples without batching\) is for Python datasets"):
         ferry.DataLoader(ds, batch_size=None)
     with pytest.raises(ValueError, match="seed must be an int"):
         ferry.DataLoader(ds, seed=-1)
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return i * i
+
+
+def test_option_errors_are_the_librarys_and_value_errors():
+    # One set of rules (ferry::detail::validate_options) for ferry's and Python datasets, raised as
+    # ferry.OptionError, a ValueError as PyTorch raises, before any worker process is asked for.
+    cases = [
+        (dict(num_workers=-1), "num_workers must be >= 0, got -1"),
+        (dict(num_workers=2, prefetch_factor=0), "prefetch_factor must be >= 1, got 0"),
+        (dict(persistent_workers=True), "persistent_workers=true needs num_workers > 0"),
+        (dict(timeout=-1), "timeout=-1 is not a number of seconds >= 0"),
+        (dict(max_error_fraction=2.0), "max_error_fraction must be in [0, 1], got 2"),
+        (dict(device=-1), "device=-1 is not a CUDA device index"),
+        (dict(on_error="ignore"), "on_error must be raise, skip or replace, got 'ignore'"),
+    ]
+    before = set(os.listdir("/proc"))
+    for ds in (ferry.datasets.synthetic(n=8, shape=(2,)), _Squares()):
+        for kwargs, says in cases:
+            with pytest.raises(ferry.OptionError, match=re.escape(says)) as info:
+                ferry.DataLoader(ds, batch_size=2, **kwargs)
+            assert isinstance(info.value, ValueError) and isinstance(info.value, ferry.Error)
+    children = [p for p in set(os.listdir("/proc")) - before if p.isdigit()
+                and os.path.exists(f"/proc/{p}/stat") and open(f"/proc/{p}/stat").read().split()[3] == str(os.getpid())]
+    assert children == []  # no worker or zygote made for a loader refused
 
 
 def test_the_seed_is_visible_and_fixed_by_default(rows_npy):

@@ -15,6 +15,9 @@
 //   IoError       a DataError from the operating system (open, read, map) with its errno; the
 //                 transient ones (EINTR, EAGAIN, EIO, ETIMEDOUT: network file systems) are
 //                 retried by the loader before they count (DataLoaderOptions::io_retries).
+//   OptionError   a loader option is out of its range or conflicts with another; the message
+//                 names the option and the value given. Thrown when the loader is made, before
+//                 any worker starts (Python: also a ValueError, as PyTorch raises).
 //
 // Thread safety: exception objects are immutable after construction.
 #pragma once
@@ -51,6 +54,13 @@ class WorkerError : public Error, public std::nested_exception {
  private:
   int worker_;
   std::int64_t batch_;
+};
+
+/// A DataLoaderOptions value out of its range, or options that conflict (ferry::detail::
+/// normalize_options, the one place that checks them); the message names the option.
+class OptionError : public Error {
+ public:
+  using Error::Error;
 };
 
 /// A stage produced nothing within the configured timeout.
