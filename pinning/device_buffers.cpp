@@ -67,8 +67,8 @@ void DeviceBuffers::release(Buffer* b) noexcept {
     b->released.record(consumer_);
     b->has_release = true;
   } catch (const std::exception& e) {
-    warn_once("device-release", std::string("DeviceStage: recording a release event failed: ") + e.what() +
-                                    "; synchronizing instead");
+    warn_once("device-release",
+              std::string("DeviceStage: recording a release event failed: ") + e.what() + "; synchronizing instead");
     try {
       consumer_.synchronize();
     } catch (...) {

@@ -65,7 +65,7 @@ class DecodeStage {
   };
   const int device_, threads_;
   const bool high_priority_;
-  mutable std::mutex mu_;                   // decoder_: made on the stage's thread, read for the statistics on any
+  mutable std::mutex mu_;                    // decoder_: made on the stage's thread, read for the statistics on any
   std::unique_ptr<GpuJpegDecoder> decoder_;  // its threads issue the decodes (Note [Decode threads])
   std::vector<Pending> decodes_;
 };

@@ -12,8 +12,8 @@ namespace ferry::detail {
 void GatherStage::check_index(const Tensor& index, const char* what) const {
   if (!index.defined() || index.dtype() != DType::Int64 || index.dim() != 1 ||
       (!index.device().is_host() && index.device() != Device::cuda(device_)))
-    throw Error(std::string("DeviceStage::") + what + ": expected an int64 [B] index on the host or on cuda:" +
-                std::to_string(device_) + ", got " + index.str());
+    throw Error(std::string("DeviceStage::") + what +
+                ": expected an int64 [B] index on the host or on cuda:" + std::to_string(device_) + ", got " + index.str());
   if (index.device().is_host() && index.size(0) > DeviceStage::gather_index_in_launch)
     throw Error(std::string("DeviceStage::") + what + ": a host index of " + std::to_string(index.size(0)) +
                 " rows is more than a launch carries (" + std::to_string(DeviceStage::gather_index_in_launch) +
@@ -44,8 +44,7 @@ Tensor GatherStage::rows(DeviceBuffers& buffers, const Tensor& index, const void
   Shape shape{rows};
   std::size_t out_row_bytes = row_bytes;
   if (t) {
-    if (std::string why = row_transform_problem(*t, dtype, row_bytes, "DeviceStage::gather_rows"); !why.empty())
-      throw Error(why);
+    if (std::string why = row_transform_problem(*t, dtype, row_bytes, "DeviceStage::gather_rows"); !why.empty()) throw Error(why);
     field.out_kind = pass_output_of(t->dtype);
     field.chw = t->dtype != DType::UInt8 && !t->channels_last;
     field.flip = t->flip_p > 0;
@@ -80,8 +79,8 @@ Tensor GatherStage::windows(DeviceBuffers& buffers, const Tensor& index, const v
     const std::int64_t* word = index.data<std::int64_t>();
     for (std::int64_t i = 0; i < index.size(0); ++i)
       if (word[i] < 0 || word[i] > elements - w.length - w.shift)
-        throw Error("DeviceStage::gather_windows: window " + std::to_string(i) + " starts at element " +
-                    std::to_string(word[i]) + ", past the last that fits an array of " + std::to_string(elements));
+        throw Error("DeviceStage::gather_windows: window " + std::to_string(i) + " starts at element " + std::to_string(word[i]) +
+                    ", past the last that fits an array of " + std::to_string(elements));
   }
   const std::int64_t n = index.size(0);
   GatherField field;
@@ -92,8 +91,8 @@ Tensor GatherStage::windows(DeviceBuffers& buffers, const Tensor& index, const v
   field.shift = w.shift;
   field.out_elem_bytes = static_cast<int>(itemsize(w.dtype));
   field.src_signed = !w.is_unsigned;
-  Tensor out = buffers.place(static_cast<std::size_t>(n * w.length) * itemsize(w.dtype), w.dtype, Shape{n, w.length},
-                             "gather_windows");
+  Tensor out =
+      buffers.place(static_cast<std::size_t>(n * w.length) * itemsize(w.dtype), w.dtype, Shape{n, w.length}, "gather_windows");
   field.dst = out.raw();
   gathers_.push_back({index, field});
   return out;
