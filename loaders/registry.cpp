@@ -526,8 +526,16 @@ void DatasetRegistry::add(const std::string& name, Factory factory, std::string 
     throw Error("DatasetRegistry: a dataset named '" + name + "' is already registered");
 }
 
-OpenedDataset DatasetRegistry::open(const std::string& name, const std::string& config) const {
+OpenedDataset DatasetRegistry::open(const std::string& name, const std::string& config, std::vector<std::string>* classes) const {
+  if (classes) classes->clear();
   if (name == "tokens" || name == "megatron") return make_token_sequences(DatasetConfig(name, config));
+  if (name == "image_folder" && classes) {  // the registry's own image_folder, its classes kept
+    const DatasetConfig c(name, config);
+    ImageFolder folder = make_image_folder(c);
+    *classes = folder.classes();
+    if (c.str("decode", "cpu") == "gpu") return folder;
+    return DynamicDataset(ferry::map(std::move(folder), labeled));
+  }
   if (name == "tar") {
     const DatasetConfig c("tar", config);
     if (c.str("decode", "cpu") == "gpu") return make_tar_gpu_stream(c);

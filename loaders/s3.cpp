@@ -511,11 +511,14 @@ struct Answer {
 // after the last attempt. A permanent failure comes back as an Answer for the caller to name.
 Answer run(const Config& c, const Request& r, const std::string& where, std::uint64_t offset) {
   thread_local std::minstd_rand rng(static_cast<unsigned>(std::hash<std::thread::id>{}(std::this_thread::get_id())));
-  const auto given_up = [&] {
-    return IoError(where, offset,
-                   "object storage: the loader gave up on this read (its worker was abandoned at the "
-                   "timeout, or the epoch ended)",
-                   ECANCELED);
+  const auto given_up = [&]() -> std::exception_ptr {
+    if (detail::io_deadline_passed())  // ferry::ReadDeadline (a dataset being built), not a loader
+      return std::make_exception_ptr(TimeoutError(where + ": object storage: no answer within the read deadline of " +
+                                                  std::to_string(detail::io_deadline_ms()) + " ms"));
+    return std::make_exception_ptr(IoError(where, offset,
+                                           "object storage: the loader gave up on this read (its worker was abandoned "
+                                           "at the timeout, or the epoch ended)",
+                                           ECANCELED));
   };
   std::string why;
   for (int attempt = 1;; ++attempt) {
@@ -524,7 +527,7 @@ Answer run(const Config& c, const Request& r, const std::string& where, std::uin
     try {
       o = try_once(c, r, p, q);
     } catch (const Cancelled&) {
-      throw given_up();
+      std::rethrow_exception(given_up());
     }
     if (o.kind == Outcome::Ok) {
       Attempt& w = *o.winner;
@@ -541,8 +544,15 @@ Answer run(const Config& c, const Request& r, const std::string& where, std::uin
     detail::count_io(&detail::IoCounters::retries, 1);
     // Full jitter: a uniform wait in [0, min(2 s, 50 ms * 2^attempt)].
     const double cap = std::min(2.0, 0.05 * static_cast<double>(1u << std::min(attempt, 10)));
-    std::this_thread::sleep_for(std::chrono::duration<double>(std::uniform_real_distribution<double>(0, cap)(rng)));
-    if (detail::io_cancelled()) throw given_up();
+    // Slept in steps of 0.1 s at most, so that a loader giving up or a read deadline ends it soon.
+    const auto wake = std::chrono::steady_clock::now() +
+                      std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::chrono::duration<double>(std::uniform_real_distribution<double>(0, cap)(rng)));
+    for (auto now = std::chrono::steady_clock::now(); now < wake; now = std::chrono::steady_clock::now()) {
+      if (detail::io_cancelled()) std::rethrow_exception(given_up());
+      std::this_thread::sleep_for(std::min<std::chrono::steady_clock::duration>(wake - now, std::chrono::milliseconds(100)));
+    }
+    if (detail::io_cancelled()) std::rethrow_exception(given_up());
   }
   throw IoError(where, offset, "object storage: " + why + " (after " + std::to_string(c.attempts) + " attempts)", EIO);
 }

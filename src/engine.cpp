@@ -100,8 +100,12 @@ std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::s
                                           std::optional<std::size_t> sample, bool stream, bool shared_stream) {
   std::string what;
   DataError const* data_error = nullptr;
+  IoError const* io_error = nullptr;
   try {
     throw;
+  } catch (const IoError& e) {
+    data_error = io_error = &e;  // alive until our caller's catch block ends
+    what = e.what();
   } catch (const DataError& e) {
     data_error = &e;  // the object our caller is handling: alive until its catch block ends
     what = e.what();
@@ -118,9 +122,10 @@ std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::s
     os << "batch " << batch;
   if (sample) os << " at sample " << *sample;
   if (!indices.empty()) os << " (" << describe_indices(indices, stream ? "stream positions" : "samples") << ")";
+  if (io_error) return std::make_exception_ptr(io_error->with_context(os.str()));  // keeps its errno
   if (data_error) {
-    // Bad data keeps its type so the consumer can catch DataError and skip it; where it happened
-    // goes at the end of the message, after the file and offset.
+    // Bad data keeps its type so the consumer can catch DataError (or IoError) and skip it; where
+    // it happened goes at the end of the message, after the file and offset.
     return std::make_exception_ptr(data_error->with_context(os.str()));
   }
   os << ": " << what;

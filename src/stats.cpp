@@ -1,6 +1,7 @@
 // Loader statistics: see include/ferry/core/stats.h.
 #include "ferry/core/stats.h"
 #include "ferry/detail/io_counters.h"
+#include "ferry/loaders/storage.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -100,9 +101,13 @@ namespace {
 thread_local IoCounters* t_io = nullptr;
 thread_local CancelCheck t_cancelled = nullptr;
 thread_local const void* t_cancel_arg = nullptr;
+thread_local std::chrono::steady_clock::time_point t_deadline;  // ReadDeadline's, where t_deadline_ms > 0
+thread_local long long t_deadline_ms = 0;
 }  // namespace
 IoCounters* current_io() noexcept { return t_io; }
-bool io_cancelled() noexcept { return t_cancelled != nullptr && t_cancelled(t_cancel_arg); }
+bool io_deadline_passed() noexcept { return t_deadline_ms > 0 && std::chrono::steady_clock::now() >= t_deadline; }
+long long io_deadline_ms() noexcept { return t_deadline_ms; }
+bool io_cancelled() noexcept { return (t_cancelled != nullptr && t_cancelled(t_cancel_arg)) || io_deadline_passed(); }
 ScopedIo::ScopedIo(IoCounters* counters, CancelCheck cancelled, const void* arg) noexcept
     : previous_(t_io), previous_check_(t_cancelled), previous_arg_(t_cancel_arg) {
   t_io = counters;
@@ -115,5 +120,15 @@ ScopedIo::~ScopedIo() {
   t_cancel_arg = previous_arg_;
 }
 }  // namespace detail
+
+ReadDeadline::ReadDeadline(std::chrono::milliseconds limit) noexcept
+    : previous_at_(detail::t_deadline), previous_ms_(detail::t_deadline_ms) {
+  detail::t_deadline = std::chrono::steady_clock::now() + limit;
+  detail::t_deadline_ms = std::max<long long>(limit.count(), 1);
+}
+ReadDeadline::~ReadDeadline() {
+  detail::t_deadline = previous_at_;
+  detail::t_deadline_ms = previous_ms_;
+}
 
 }  // namespace ferry

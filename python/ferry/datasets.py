@@ -8,12 +8,21 @@ AWS_ACCESS_KEY_ID, AWS_PROFILE, ~/.aws/credentials, ...: the C++ header
 ferry/loaders/storage.h lists them); ``ferry.object_store_stats()`` counts requests, bytes,
 retries, hedges and on-disk cache hits (FERRY_S3_CACHE_DIR keeps what was read on local disk).
 
+``timeout`` (seconds; every dataset here takes it): a deadline for the object-store reads made
+while the dataset is built (an .npy's or IDX file's header, an image folder's listing, an indexed
+tar's headers, a token file's index), as DataLoader(timeout=) bounds a loader's reads: past it,
+ferry.TimeoutError names the URL. None (the default) waits through every retry of a silent
+server (AWS_MAX_ATTEMPTS x FERRY_S3_STALL_SECONDS). A read that fails for good is the same
+error as in a loader: ferry.DataError naming the URL, or ferry.IoError (a DataError) once its
+retries are spent.
+
 Every dataset yields samples as a tuple of fields; the loader stacks them into batches
 (image datasets: ``(images, labels)``, labels as int64).
 """
 
 from __future__ import annotations
 
+import builtins
 from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _ferry
@@ -42,16 +51,23 @@ def _config(**options) -> str:
     return ",".join(f"{k}={_value(k, v)}" for k, v in options.items() if v is not None)
 
 
-def registry(name: str, **options) -> Dataset:
+def _make(name: str, timeout: Optional[float], **options) -> Dataset:
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, builtins.float))
+                                or not timeout > 0):
+        raise ValueError(f"{name}: timeout={timeout!r} is not a number of seconds > 0 (None: no deadline)")
+    return _ferry.make_dataset(name, _config(**options), None if timeout is None else builtins.float(timeout))
+
+
+def registry(name: str, timeout: Optional[float] = None, **options) -> Dataset:
     """Any dataset the registry knows (the built-in ones, and those a plugin registered), configured
     with its keys: ``ferry.datasets.registry("ramp", n=1000, dim=16)``. ferry.Error names an
-    unknown dataset or key."""
-    return _ferry.make_dataset(name, _config(**options))
+    unknown dataset or key. ``timeout``: as every dataset's here (see the module's help)."""
+    return _make(name, timeout, **options)
 
 
 def image_folder(root: str, size: int = 224, random_crop: bool = False, channels: int = 3,
                  float: Optional[bool] = None, mean: Optional[Floats] = None, std: Optional[Floats] = None,
-                 dct_scaling: bool = False, decode: str = "cpu") -> Dataset:
+                 dct_scaling: bool = False, decode: str = "cpu", timeout: Optional[float] = None) -> Dataset:
     """JPEG/PNG images in ``root/<class>/<image>``, labels by class folder (sorted), as
     ``(image, label)``: uint8 HWC as decoded, or float32 CHW with ``float=True`` or mean/std
     (normalize, per channel: one value or one per channel).
@@ -61,33 +77,33 @@ def image_folder(root: str, size: int = 224, random_crop: bool = False, channels
     loader's device (DataLoader(device=...)), with the same crops as the CPU path."""
     if decode not in ("cpu", "gpu"):
         raise ValueError(f"image_folder: decode must be 'cpu' or 'gpu', got {decode!r}")
-    return _ferry.make_dataset("image_folder", _config(
-        root=root, size=size, channels=channels, random_crop=random_crop, float=float, mean=mean, std=std,
-        dct_scaling=dct_scaling, decode=decode))
+    return _make("image_folder", timeout,
+                 root=root, size=size, channels=channels, random_crop=random_crop, float=float, mean=mean, std=std,
+                 dct_scaling=dct_scaling, decode=decode)
 
 
 def idx(images: str, labels: str, flip: bool = False, float: Optional[bool] = None,
-        mean: Optional[float] = None, std: Optional[float] = None) -> Dataset:
+        mean: Optional[float] = None, std: Optional[float] = None, timeout: Optional[float] = None) -> Dataset:
     """IDX images and labels (the MNIST / Fashion-MNIST format, raw or .gz) as ``(image, label)``:
     uint8 28x28 images as the file stores them (batches ``[B, 28, 28]``), or float32 1x28x28 with
     ``float=True`` or mean/std (batches ``[B, 1, 28, 28]``, as torchvision's ToTensor gives);
     flip: random horizontal flip.
     With DataLoader(device=...) the GPU gathers each batch's images and labels itself, the flip and
     normalize included, with no worker (gather="host" has workers do it); the batches are the same."""
-    return _ferry.make_dataset("idx", _config(images=images, labels=labels, flip=flip, float=float, mean=mean, std=std))
+    return _make("idx", timeout, images=images, labels=labels, flip=flip, float=float, mean=mean, std=std)
 
 
-def npy(path: str) -> Dataset:
+def npy(path: str, timeout: Optional[float] = None) -> Dataset:
     """The rows of a .npy array (memory-mapped) as ``(row,)``. With DataLoader(device=...,
     gather="device") the GPU gathers each batch's rows straight from the registered mapping;
     gather="auto" leaves a mapped file to the workers (see ferry/pinning/gather.h)."""
-    return _ferry.make_dataset("npy", _config(path=path))
+    return _make("npy", timeout, path=path)
 
 
 def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size: int = 224,
         random_crop: bool = False, channels: int = 3, shuffle: bool = True, index: Optional[bool] = None,
         float: Optional[bool] = None, mean: Optional[Floats] = None, std: Optional[Floats] = None,
-        dct_scaling: bool = False, decode: str = "cpu") -> Dataset:
+        dct_scaling: bool = False, decode: str = "cpu", timeout: Optional[float] = None) -> Dataset:
     """WebDataset-style tar shards (``<key>.jpg`` + ``<key>.cls``) as ``(image, label)``: ``dir``
     (its .tar files) or a list of ``shards``.
 
@@ -114,17 +130,16 @@ def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size:
     if index:
         if not shuffle:
             raise ValueError("tar: shuffle= is the stream's shard order; an indexed tar is shuffled by DataLoader(shuffle=...)")
-        return _ferry.make_dataset("tar_index", _config(
-            dir=dir, shards=shard_list, size=size, random_crop=random_crop, channels=channels, float=float,
-            mean=mean, std=std, dct_scaling=dct_scaling, decode=decode))
-    return _ferry.make_dataset("tar", _config(dir=dir, shards=shard_list, size=size, random_crop=random_crop,
-                                              channels=channels, shuffle=shuffle, float=float, mean=mean, std=std,
-                                              dct_scaling=dct_scaling, decode=decode))
+        return _make("tar_index", timeout, dir=dir, shards=shard_list, size=size, random_crop=random_crop,
+                     channels=channels, float=float, mean=mean, std=std, dct_scaling=dct_scaling, decode=decode)
+    return _make("tar", timeout, dir=dir, shards=shard_list, size=size, random_crop=random_crop, channels=channels,
+                 shuffle=shuffle, float=float, mean=mean, std=std, dct_scaling=dct_scaling, decode=decode)
 
 
 def tokens(path: str, seq_len: int = 1024, dtype: Optional[str] = None, eod: Optional[int] = None,
            packed: bool = False, random_offset: bool = False, num_samples: Optional[int] = None,
-           vocab_size: Optional[int] = None, out_dtype: str = "int64", format: str = "auto") -> Dataset:
+           vocab_size: Optional[int] = None, out_dtype: str = "int64", format: str = "auto",
+           timeout: Optional[float] = None) -> Dataset:
     """A flat token file as language-model sequences (C++ ``ferry::TokenSequences``): nanoGPT's raw
     ``.bin`` (give ``dtype``, e.g. "uint16"), llm.c's ``.bin`` or a 1-D ``.npy`` (their dtype from the
     header), memory-mapped, or an ``s3://`` object read by ranged requests.
@@ -138,14 +153,16 @@ def tokens(path: str, seq_len: int = 1024, dtype: Optional[str] = None, eod: Opt
     (restarting at 0 at each document) and ``cu_seqlens`` ``[B, seq_len + 1]`` int32 (each sequence's
     document offsets, then seq_len, padded by repeating seq_len). ``vocab_size``: a token id at or
     past it is a ferry.DataError naming the file and offset."""
-    return _ferry.make_dataset("tokens", _config(
-        path=path, seq_len=seq_len, dtype=dtype, eod=eod, packed=packed or None, random_offset=random_offset or None,
-        num_samples=num_samples, vocab=vocab_size, out_dtype=out_dtype, format=format))
+    return _make("tokens", timeout,
+                 path=path, seq_len=seq_len, dtype=dtype, eod=eod, packed=packed or None,
+                 random_offset=random_offset or None, num_samples=num_samples, vocab=vocab_size, out_dtype=out_dtype,
+                 format=format)
 
 
 def megatron(prefix: str, seq_len: int = 1024, packed: bool = False, random_offset: bool = False,
              num_samples: Optional[int] = None, vocab_size: Optional[int] = None, out_dtype: str = "int64",
-             shuffle_documents: bool = False, document_block: int = 256, best_fit_group: int = 0) -> Dataset:
+             shuffle_documents: bool = False, document_block: int = 256, best_fit_group: int = 0,
+             timeout: Optional[float] = None) -> Dataset:
     """A Megatron-LM indexed dataset (``prefix.bin`` + ``prefix.idx``, as megatron-core's
     ``IndexedDatasetBuilder`` writes them; local or ``s3://``) as sequences, like ``tokens``: each of
     its sequences is a document, so ``packed=True`` needs no eod id. Opening reads only the index's
@@ -155,11 +172,11 @@ def megatron(prefix: str, seq_len: int = 1024, packed: bool = False, random_offs
     ``best_fit_group=G`` (with ``packed=True``): best-fit packing, each group of G sequences taking
     the stream's next G * seq_len tokens and placing its documents whole where they fit (no token
     dropped, no padding; ferry/loaders/tokens.h, Note [Best-fit packing])."""
-    return _ferry.make_dataset("megatron", _config(
-        prefix=prefix, seq_len=seq_len, packed=packed or None, random_offset=random_offset or None,
-        shuffle_documents=shuffle_documents or None, document_block=document_block if shuffle_documents else None,
-        best_fit_group=best_fit_group or None,
-        num_samples=num_samples, vocab=vocab_size, out_dtype=out_dtype))
+    return _make("megatron", timeout,
+                 prefix=prefix, seq_len=seq_len, packed=packed or None, random_offset=random_offset or None,
+                 shuffle_documents=shuffle_documents or None,
+                 document_block=document_block if shuffle_documents else None, best_fit_group=best_fit_group or None,
+                 num_samples=num_samples, vocab=vocab_size, out_dtype=out_dtype)
 
 
 def mixture(sources: Sequence[Tuple[Dataset, float]], seed: int = 0, block: int = 1000, size: Optional[int] = None,
@@ -184,9 +201,9 @@ def synthetic(n: int = 10000, shape: Sequence[int] = (3, 224, 224), dtype: str =
               throw_rate: float = 0, delay_rate: float = 0, delay_ms: int = 0, fault_seed: int = 0) -> Dataset:
     """In-memory patterns as ``(sample, label)``: sample i's bytes are all i % 251, its label i % 10.
     throw_rate/delay_rate/delay_ms inject failures and delays (to try a pipeline's fault handling)."""
-    return _ferry.make_dataset("synthetic", _config(
-        n=n, shape="x".join(str(int(d)) for d in shape), dtype=dtype, throw_rate=throw_rate or None,
-        delay_rate=delay_rate or None, delay_ms=delay_ms or None, fault_seed=fault_seed or None))
+    return _make("synthetic", None,
+                 n=n, shape="x".join(str(int(d)) for d in shape), dtype=dtype, throw_rate=throw_rate or None,
+                 delay_rate=delay_rate or None, delay_ms=delay_ms or None, fault_seed=fault_seed or None)
 
 
 def load_plugin(path: str) -> List[str]:

@@ -5,6 +5,9 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
+
+#include "ferry/loaders/storage.h"
 #include "python_datasets.h"
 
 namespace ferry_py {
@@ -12,11 +15,13 @@ namespace {
 
 using namespace nb::literals;
 
-PyDataset make_dataset(const std::string& name, const std::string& config) {
+PyDataset make_dataset(const std::string& name, const std::string& config, std::optional<double> timeout) {
   PyDataset d;
   d.name = name;
   d.config = config;
-  d.opened.emplace(ferry::DatasetRegistry::global().open(name, config));
+  std::optional<ferry::ReadDeadline> deadline;  // the reads made while it is built (ferry/loaders/storage.h)
+  if (timeout) deadline.emplace(std::chrono::milliseconds(static_cast<long long>(*timeout * 1000.0 + 0.5)));
+  d.opened.emplace(ferry::DatasetRegistry::global().open(name, config, &d.classes));
   if (const auto* seqs = std::get_if<ferry::TokenSequences>(&*d.opened)) {  // dict batches
     d.fields = seqs->field_names();
     d.token_type = ferry::token_type_name(seqs->corpus().type());
@@ -93,16 +98,26 @@ void register_datasets(nb::module_& m) {
       .def_ro("name", &PyDataset::name)
       .def_ro("config", &PyDataset::config)
       .def_ro("fields", &PyDataset::fields, "Field names when batches are dicts (token sequences), else empty.")
-      .def_ro("token_type", &PyDataset::token_type, "Token sequences: the file's token type (\"uint16\", ...); else empty.");
+      .def_ro("token_type", &PyDataset::token_type, "Token sequences: the file's token type (\"uint16\", ...); else empty.")
+      .def_ro("classes", &PyDataset::classes,
+              "An image folder's class names, sorted (label i is classes[i], as torchvision's ImageFolder); else empty.")
+      .def_prop_ro(
+          "class_to_idx",
+          [](const PyDataset& d) {
+            nb::dict out;
+            for (std::size_t i = 0; i < d.classes.size(); ++i) out[nb::str(d.classes[i].c_str())] = i;
+            return out;
+          },
+          "An image folder's {class name: label}, as torchvision's ImageFolder; else empty.");
   m.def("raw_token_windows", &raw_token_windows, "dataset"_a,
         "A token dataset with raw windows over the same open corpus, and the dtype they widen to.");
   m.def("token_gather_problem", &token_gather_problem, "dataset"_a,
         "Why the GPU cannot gather a token dataset's windows from its file's mapping ('' when it can).");
   m.def("make_mixture", &make_mixture, "sources"_a, "weights"_a, "seed"_a, "block"_a, "size"_a.none(), "schedule"_a,
         "A weighted mixture of ferry datasets (C++ ferry::Mixture).");
-  m.def("make_dataset", &make_dataset, "name"_a, "config"_a,
+  m.def("make_dataset", &make_dataset, "name"_a, "config"_a, "timeout"_a.none() = nb::none(),
         "The registry's dataset `name` from a 'key=value,...' configuration (and 'tar', and "
-        "image_folder with decode=gpu).");
+        "image_folder with decode=gpu); its object-store reads bounded by `timeout` seconds (ferry::ReadDeadline).");
   m.def(
       "python_dataset",
       [](nb::object fetch, nb::object fetch_one, std::optional<std::size_t> size, nb::object open, nb::object finish,

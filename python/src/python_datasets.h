@@ -151,6 +151,7 @@ struct PyDataset {
   std::optional<ferry::OpenedDataset> opened;  // ferry's own datasets (DatasetRegistry::open)
   std::vector<std::string> fields;             // named fields: batches are dicts (token sequences)
   std::string token_type;                      // token sequences: the file's token type ("uint16", ...)
+  std::vector<std::string> classes;            // an image folder's class names (label i: classes[i])
   // A Python dataset (Note [Python datasets]).
   std::optional<PyMap> py_map;
   std::optional<PyIter> py_iter;

@@ -65,6 +65,15 @@ def test_persistent_workers_make_the_next_epoch_ahead_with_the_same_batches(imag
     assert epochs[0] != epochs[1]
 
 
+def test_an_image_folder_names_its_classes_as_torchvision_does(image_root):
+    ds = ferry.datasets.image_folder(str(image_root), size=16)
+    assert ds.classes == sorted(os.listdir(image_root)) == ["a", "b", "c"]
+    assert ds.class_to_idx == {"a": 0, "b": 1, "c": 2}
+    labels = torch.cat([y for _, y in ferry.DataLoader(ds, batch_size=8)])
+    assert [ds.classes[i] for i in labels.tolist()] == ["a"] * 8 + ["b"] * 8 + ["c"] * 8
+    assert ferry.datasets.synthetic(n=4, shape=(2,)).classes == []
+
+
 def test_image_batches_equal_the_cpp_loaders(image_root):
     ds = ferry.datasets.image_folder(str(image_root), size=16, random_crop=True, mean=[0.5, 0.4, 0.3], std=0.2)
     loader = ferry.DataLoader(ds, batch_size=5, shuffle=True, num_workers=2, seed=4)

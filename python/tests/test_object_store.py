@@ -104,3 +104,30 @@ def test_gpu_decode_over_s3_equals_local(object_store, tmp_path):
     want = batches(ferry.datasets.tar(shards=[str(shards / "train-0.tar")], **stream))
     assert len(got) == 4 and got[0][0].shape == (6, 48, 48, 3) and got[0][0].dtype == torch.uint8  # HWC, as the CPU stream
     assert all(torch.equal(g, w) for b, c in zip(got, want) for g, w in zip(b, c))
+
+
+def test_a_silent_server_and_a_dataset_built_with_a_timeout(monkeypatch):
+    # A loopback socket that listens and never answers: without a deadline a dataset's first read
+    # would wait out every attempt's stall limit; with timeout= it is a ferry.TimeoutError naming
+    # the URL, as a loader's timeout is.
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{silent.getsockname()[1]}")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "ferry-test-key")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "ferry-test-secret")
+        monkeypatch.setenv("FERRY_S3_STALL_SECONDS", "600")
+        for make in (lambda: ferry.datasets.npy("s3://silent/x.npy", timeout=0.3),
+                     lambda: ferry.datasets.image_folder("s3://silent/train/", timeout=0.3),
+                     lambda: ferry.datasets.tokens("s3://silent/t.bin", dtype="uint16", timeout=0.3)):
+            with pytest.raises(ferry.TimeoutError, match=r"s3://silent/.*read deadline of 300 ms") as info:
+                make()
+            assert "ferry-test-secret" not in str(info.value)
+        for bad in (0, -1, "1", True):
+            with pytest.raises(ValueError, match="is not a number of seconds > 0"):
+                ferry.datasets.npy("s3://silent/x.npy", timeout=bad)
+    finally:
+        silent.close()

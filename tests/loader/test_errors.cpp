@@ -3,6 +3,8 @@
 // are refused with the option named; and that a stalled stage raises TimeoutError.
 #include <catch2/catch.hpp>
 
+#include <cerrno>
+
 #include "ferry/ferry.h"
 #include "helpers.h"
 
@@ -162,6 +164,9 @@ TEST_CASE("contradictory options are refused, naming the option", "[errors]") {
   o = {};
   o.prefetch_factor = 0;
   CHECK_THROWS_WITH(make(o), Catch::Contains("prefetch_factor must be >= 1"));
+  o = {};
+  o.num_workers = -1;
+  CHECK_THROWS_AS(make(o), OptionError);  // a ferry::Error of its own (Python: also a ValueError)
 }
 
 TEST_CASE("a stalled fetch raises TimeoutError naming the stage and batch", "[errors][timeout]") {
@@ -207,6 +212,34 @@ struct BadFile {
   }
 };
 }  // namespace
+
+struct UnreadableFile {
+  std::size_t size() const { return 12; }
+  std::int64_t get(std::size_t i) const {
+    if (i == 6) throw IoError("shard-4.bin", 512, "read: permission denied", EACCES);
+    return static_cast<std::int64_t>(i);
+  }
+};
+
+TEST_CASE("an IoError keeps its type and errno on the consumer, as where a dataset is built", "[errors]") {
+  for (int workers : {0, 2}) {
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = workers;
+    DataLoader loader(UnreadableFile{}, o);
+    auto errors = test::iterate_skipping_errors<IoError>(
+        loader, [](Tensor&) {},
+        [](const IoError& e) {
+          CHECK(e.error_number() == EACCES);
+          CHECK(e.file() == "shard-4.bin");
+          CHECK(e.offset() == 512);
+          return std::string();
+        });
+    REQUIRE(errors.size() == 1);
+    CHECK_THAT(errors[0], Catch::StartsWith("shard-4.bin: at byte 512: read: permission denied [") &&
+                              Catch::Contains("batch 1") && Catch::Contains("at sample 6"));
+  }
+}
 
 TEST_CASE("a DataError keeps its type, file and offset on the consumer, and the epoch goes on", "[errors]") {
   for (int workers : {0, 2}) {

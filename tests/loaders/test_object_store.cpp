@@ -673,6 +673,53 @@ TEST_CASE("a store that does not answer: retried, then a transient IoError namin
   ObjectStore::get().use();
 }
 
+TEST_CASE("a server that accepts and never answers: a dataset built under a ReadDeadline ends with a TimeoutError",
+          "[s3][errors]") {
+  (void)data();
+  // A loopback socket that listens but never accepts: connections complete (the kernel's
+  // backlog), requests are sent, and nothing ever comes back.
+  const int s = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(s >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof a;
+  REQUIRE(::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  REQUIRE(::listen(s, 64) == 0);
+  REQUIRE(::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len) == 0);
+  ::setenv("AWS_ENDPOINT_URL", ("http://127.0.0.1:" + std::to_string(ntohs(a.sin_port))).c_str(), 1);
+  ::setenv("AWS_MAX_ATTEMPTS", "5", 1);
+  ::setenv("FERRY_S3_STALL_SECONDS", "600", 1);  // without the deadline: 50 minutes
+  bool caught = false;
+  {
+    ReadDeadline bound(std::chrono::milliseconds(300));
+    try {
+      (void)NpyDataset("s3://ferry-data/arrays/x.npy");
+    } catch (const TimeoutError& e) {
+      caught = true;
+      CHECK_THAT(std::string(e.what()),
+                 Catch::Contains("s3://ferry-data/arrays/x.npy") && Catch::Contains("read deadline of 300 ms"));
+      CHECK(std::string(e.what()).find(kS3Secret) == std::string::npos);
+    }
+  }
+  CHECK(caught);
+  CHECK(detail::io_deadline_ms() == 0);  // the scope is gone
+  CHECK_FALSE(detail::io_cancelled());
+  {  // nested: the inner scope's deadline counts while it lives, then the outer one's again
+    ReadDeadline outer(std::chrono::seconds(60));
+    {
+      ReadDeadline inner(std::chrono::milliseconds(1));
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      CHECK(detail::io_deadline_passed());
+    }
+    CHECK(detail::io_deadline_ms() == 60000);
+    CHECK_FALSE(detail::io_deadline_passed());
+  }
+  ::unsetenv("FERRY_S3_STALL_SECONDS");
+  ::close(s);
+  ObjectStore::get().use();
+}
+
 TEST_CASE("shard patterns expand as WebDataset writes them", "[unit][tar]") {
   CHECK(expand_braces("a.tar") == std::vector<std::string>{"a.tar"});
   CHECK(expand_braces("s-{08..11}.tar") == std::vector<std::string>{"s-08.tar", "s-09.tar", "s-10.tar", "s-11.tar"});

@@ -8,13 +8,15 @@
 //                 worker, the batch index, the stage and the sample indices; the original exception
 //                 is nested (std::rethrow_if_nested(e), or e.original()).
 //   TimeoutError  no batch arrived within DataLoaderOptions::timeout; names the stage that stalled.
+//                 Also an object-store read past a ReadDeadline (ferry/loaders/storage.h).
 //   DataError     a file or record is malformed; names the file and the offset or sample. It
 //                 reaches the consumer unwrapped (worker and batch appended to the message).
 //   Interrupted   DataLoaderOptions::wait_poll asked the consumer's wait for a batch to stop (a
 //                 front-end noticed Ctrl-C); nothing is lost, the next call waits again.
 //   IoError       a DataError from the operating system (open, read, map) with its errno; the
 //                 transient ones (EINTR, EAGAIN, EIO, ETIMEDOUT: network file systems) are
-//                 retried by the loader before they count (DataLoaderOptions::io_retries).
+//                 retried by the loader before they count (DataLoaderOptions::io_retries). Like a
+//                 DataError it reaches the consumer unwrapped, still an IoError.
 //   OptionError   a loader option is out of its range or conflicts with another; the message
 //                 names the option and the value given. Thrown when the loader is made, before
 //                 any worker starts (Python: also a ValueError, as PyTorch raises).
@@ -63,7 +65,7 @@ class OptionError : public Error {
   using Error::Error;
 };
 
-/// A stage produced nothing within the configured timeout.
+/// A stage produced nothing within the configured timeout, or a read outlived its ReadDeadline.
 class TimeoutError : public Error {
  public:
   using Error::Error;
@@ -113,8 +115,11 @@ class IoError : public DataError {
   int error_number() const noexcept { return errno_; }
   /// Whether retrying the same call may succeed.
   bool transient() const noexcept;
+  /// The same error, still an IoError, with `context` appended to the message (DataError's).
+  IoError with_context(const std::string& context) const { return IoError(*this, context); }
 
  private:
+  IoError(const IoError& e, const std::string& context) : DataError(e.DataError::with_context(context)), errno_(e.errno_) {}
   int errno_;
 };
 

@@ -21,9 +21,13 @@ struct IoCounters {
 IoCounters* current_io() noexcept;
 
 /// Whether the loader gave up on the calling thread's work (the batch's worker was abandoned at
-/// its timeout, or the epoch is ending): a read in progress should end now. False outside a
-/// loader's work.
+/// its timeout, or the epoch is ending), or the thread's read deadline (ferry::ReadDeadline) has
+/// passed: a read in progress should end now. False outside a loader's work and a deadline.
 bool io_cancelled() noexcept;
+/// Whether the calling thread's read deadline (ferry::ReadDeadline) has passed, and its limit in
+/// milliseconds (0 without one): a read given up for it is a TimeoutError.
+bool io_deadline_passed() noexcept;
+long long io_deadline_ms() noexcept;
 
 /// Asks whether the work was given up; `arg` is passed back.
 using CancelCheck = bool (*)(const void* arg) noexcept;

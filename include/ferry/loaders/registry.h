@@ -190,8 +190,9 @@ class DatasetRegistry {
   /// Creates dataset `name` from a "key=value,..." string.
   DynamicDataset create(const std::string& name, const std::string& config = {}) const;
   /// Opens dataset `name` the way the loader takes it (OpenedDataset): what the `ferry` tool and
-  /// the Python module call, so that neither dispatches by hand.
-  OpenedDataset open(const std::string& name, const std::string& config = {}) const;
+  /// the Python module call, so that neither dispatches by hand. `classes`, where given, receives
+  /// an image folder's class names (its label i is classes[i]); other datasets leave it empty.
+  OpenedDataset open(const std::string& name, const std::string& config = {}, std::vector<std::string>* classes = nullptr) const;
   bool contains(const std::string& name) const;
   /// Registered names, sorted.
   std::vector<std::string> names() const;

@@ -55,9 +55,33 @@
 // may change them between loaders.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 
 namespace ferry {
+
+/// Bounds the object-store reads the calling thread makes while it lives, as a loader's `timeout`
+/// bounds its workers': those a dataset makes when it is built (an .npy's or IDX file's header, an
+/// image folder's listing, an indexed tar's headers, a token file's index). A read still going
+/// `limit` after the scope began ends within 0.1 s with a TimeoutError naming the URL; without it
+/// a silent server is waited for through every attempt's stall limit (AWS_MAX_ATTEMPTS times
+/// FERRY_S3_STALL_SECONDS). Scopes nest (the inner one's deadline counts while it lives); a read
+/// on a local file is not bounded.
+///
+///   { ferry::ReadDeadline bound(std::chrono::seconds(30)); ferry::NpyDataset x("s3://bucket/x.npy"); }
+///
+/// Python: every ``ferry.datasets`` function's ``timeout=`` (seconds).
+class ReadDeadline {
+ public:
+  explicit ReadDeadline(std::chrono::milliseconds limit) noexcept;
+  ~ReadDeadline();
+  ReadDeadline(const ReadDeadline&) = delete;
+  ReadDeadline& operator=(const ReadDeadline&) = delete;
+
+ private:
+  std::chrono::steady_clock::time_point previous_at_;
+  long long previous_ms_;
+};
 
 /// What the object-store readers of this process have done since it started (all loaders).
 struct ObjectStoreStats {
