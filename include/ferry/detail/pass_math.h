@@ -1,6 +1,6 @@
 // ferry/detail/pass_math.h — one output value of an ImagePassPlan, for host and device code.
 //
-// The same arithmetic as the CPU pass in loaders/transforms.cpp (taps with half-pixel centres
+// The same arithmetic as the CPU pass in loaders/image_pass.cpp (taps with half-pixel centres
 // as ATen's area_pixel_compute_source_index, two lerps, round half to even, one multiply-add),
 // written per output pixel so a CUDA kernel can evaluate it. Compiled for the device without
 // fused multiply-add contraction (-fmad=false), it gives the CPU pass's values bit for bit on the
