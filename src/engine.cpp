@@ -104,11 +104,9 @@ std::exception_ptr wrap_current_exception(int worker, std::int64_t batch, std::s
   try {
     throw;
   } catch (const IoError& e) {
-    data_error = io_error = &e;  // alive until our caller's catch block ends
-    what = e.what();
+    io_error = &e;  // alive until our caller's catch block ends
   } catch (const DataError& e) {
     data_error = &e;  // the object our caller is handling: alive until its catch block ends
-    what = e.what();
   } catch (const std::exception& e) {
     what = e.what();
   } catch (...) {

@@ -349,8 +349,9 @@ class DataLoader:
 
         # Checked before a Python dataset's workers, slabs or zygote are asked for.
         num_workers = _integer("num_workers", num_workers)
+        device_index = _device_index(device)
         asked = make_options(1 if batch_size is None else _integer("batch_size", batch_size), shuffle, drop_last,
-                             bool(pin_memory), _device_index(device), 0)
+                             bool(pin_memory), device_index, 0)
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = int(seed)
@@ -369,7 +370,7 @@ class DataLoader:
         self.generator = generator
         self.multiprocessing_context = multiprocessing_context
         self.pin_memory_device = pin_memory_device
-        self.device = _device_index(device)
+        self.device = device_index
         self._python = python
         self._pool = None
         self._pending: "collections.deque" = collections.deque()  # (copy event, CPU batch), see _copied
