@@ -294,12 +294,16 @@ class Pool:
             if slabs is not None:
                 drops = [i for i in slot.mapped if i in slabs.retired]
                 slot.mapped.difference_update(drops)
-            if lease is not None and lease.id not in slot.mapped:
-                slot.conn.send(("slab", lease.id, lease.size))
-                multiprocessing.reduction.send_handle(slot.conn, lease.fd, slot.proc.pid)
-                slot.mapped.add(lease.id)
-            slot.conn.send(message + (None if lease is None else lease.id, drops))
-            blob, needed, placed, missed = self._reply(slot, worker, message)
+            self._send_slab(slot, lease)
+            slot.conn.send(message + (None if lease is None else lease.id, drops, slabs is not None))
+            kind, value = self._reply(slot, worker, message, kinds=True)
+            while kind == "need" and slabs is not None:  # no slab, or too small (Note [Slabs])
+                given, lease = lease, None
+                lease = slabs.lease_for(value, given)
+                self._send_slab(slot, lease)
+                slot.conn.send(("into", None if lease is None else lease.id))
+                kind, value = self._reply(slot, worker, message, kinds=True)
+            blob, placed, missed = value
         except BaseException:
             if lease is not None and slabs is not None:
                 slabs.give_back(lease)
@@ -307,9 +311,18 @@ class Pool:
         slot.busy = False
         if slabs is None:
             return pickle.loads(blob)
-        return slabs.view_batch(blob, lease, needed, placed, missed)
+        return slabs.view_batch(blob, lease, placed, missed)
 
-    def _reply(self, slot: _Slot, worker: int, message: Any) -> Any:
+    @staticmethod
+    def _send_slab(slot: _Slot, lease: Optional[_slabs.Slab]) -> None:
+        """The slab's descriptor, to a process that has not mapped it yet."""
+        if lease is not None and lease.id not in slot.mapped:
+            slot.conn.send(("slab", lease.id, lease.size))
+            multiprocessing.reduction.send_handle(slot.conn, lease.fd, slot.proc.pid)
+            slot.mapped.add(lease.id)
+
+    def _reply(self, slot: _Slot, worker: int, message: Any, kinds: bool = False) -> Any:
+        """The process's reply to `message` (with `kinds`, as (kind, value)), or its exception."""
         try:
             kind, value = slot.conn.recv()  # the GIL is released while the pipe is read
         except (EOFError, OSError):
@@ -329,7 +342,7 @@ class Pool:
         if kind == "error":
             raise _worker.unwrap(value) from RemoteTraceback(f"in worker process {worker} (pid {slot.proc.pid}):\n"
                                                              f"{value[2]}")
-        return value
+        return (kind, value) if kinds else value
 
     def close(self, exiting: bool = False) -> None:
         """Stops the processes. At exit a process still making a batch for an abandoned thread is

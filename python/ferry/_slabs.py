@@ -13,13 +13,18 @@ the device copy reads straight from what the worker wrote.
 A slab is leased by the loader's worker thread for one batch and comes back when the last tensor
 viewing it is freed (torch.frombuffer holds the lease object; its __del__ returns the slab), and,
 for batches copied to a device, not before the copy's event has completed (the loader keeps the
-CPU batch until then). Slabs are sized from the batches seen (1.25x the largest, rounded up to
-1 MiB): the first batch of each process, and a batch larger than the slabs, travel as torch's
-per-tensor shared memory (one warning), and newer, larger slabs replace the old ones. The number
-of slabs is bounded (workers x prefetch_factor + 4) and, when pinned, so are their bytes
-(pinned_memory_limit, or half the machine's memory and 3/4 of what is free); a batch that finds
-no slab free travels the torch way, never waits. memfd segments have no name: nothing is left in
-/dev/shm whatever happens to either process.
+CPU batch until then). A request carries a free slab where there is one; a process whose batch
+has none, or does not fit the one it was given, says how many bytes it needs ("need") once it has
+collated the batch, and the worker thread answers with a slab that holds them: a free one, or a
+new one made then (1.25x the largest batch seen, rounded up to 1 MiB; registering it takes
+tens of milliseconds for a batch of 150 MB), outside the lock, so that worker threads making
+slabs do not wait for one another, and only as slabs are needed (the first epoch makes them;
+later ones reuse them). A slab smaller than the largest batch seen is retired as it comes back.
+The number of slabs is bounded (workers x prefetch_factor + 4) and, when pinned, so are their
+bytes (pinned_memory_limit, or half the machine's memory and 3/4 of what is free); a batch that
+finds no slab within the bounds (a loop that keeps many batches) travels as torch's per-tensor
+shared memory, never waits. memfd segments have no name: nothing is left in /dev/shm whatever
+happens to either process.
 """
 
 from __future__ import annotations
@@ -32,8 +37,9 @@ import multiprocessing.reduction
 import os
 import pickle
 import threading
+import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _ferry
 
@@ -100,17 +106,20 @@ class Slabs:
         if limit is None:  # the loader's own rule for an unset pinned budget (DataLoaderOptions)
             limit = _ferry.pinned_growth_cap() or _ferry.DEFAULT_PINNED_MEMORY_LIMIT
         self.limit = limit
-        self.size = 0  # learned from the batches
+        self.size = 0  # learned from the batches: a new slab's size
         self._lock = threading.Lock()
         self._free: List[Slab] = []
         self._returned: "collections.deque[Slab]" = collections.deque()
         self._live: Dict[int, Slab] = {}
+        self._making = 0  # slabs being made (outside the lock), counted against the bounds
         self.retired: set = set()  # ids the processes should unmap
         self._next_id = 0
         self._closed = False
         self._warned = False
         self.batches = 0  # batches whose tensors all travelled in a slab
         self.misses = 0  # batches (or parts) that travelled as torch's shared memory
+        self.made = 0  # slabs made
+        self.make_seconds = 0.0  # spent making them (memfd, mapping, cudaHostRegister)
 
     def _collect(self) -> None:  # under the lock
         while self._returned:
@@ -125,24 +134,69 @@ class Slabs:
         self.retired.add(slab.id)
         slab.close()
 
+    def _take_free(self, needed: int) -> Optional[Slab]:  # under the lock
+        while self._free:
+            slab = self._free.pop()
+            if slab.size >= max(needed, self.size):
+                return slab
+            self._retire(slab)
+        return None
+
     def lease(self) -> Optional[Slab]:
-        """A free slab for one batch, or None (sizes not known yet, or none free within the bounds)."""
+        """A free slab for a batch about to be asked for, or None (none free: the process asks
+        for one once it knows the batch's bytes, lease_for)."""
         with self._lock:
             self._collect()
             if self._closed or self.size == 0:
                 return None
-            while self._free:
-                slab = self._free.pop()
-                if slab.size >= self.size:
-                    return slab
-                self._retire(slab)
-            if len(self._live) >= self.max_count or (
-                    self.pinned and (len(self._live) + 1) * self.size > self.limit):
+            return self._take_free(self.size)
+
+    def lease_for(self, needed: int, given: Optional[Slab]) -> Optional[Slab]:
+        """A slab of at least `needed` bytes for a batch a process has collated (it did not fit
+        `given`, which comes back): a free one, or one made now; None past the bounds (the batch
+        then travels as torch's shared memory)."""
+        with self._lock:
+            if needed > self.size:  # new slabs grow to hold it; smaller ones retire
+                self.size = _round_up(needed + needed // 4, _ROUND)
+            if given is not None:
+                self._returned.append(given)
+            self._collect()
+            if self._closed:
                 return None
-            slab = Slab(self._next_id, self.size, self.pinned)
+            slab = self._take_free(needed)
+            if slab is not None:
+                return slab
+            count = len(self._live) + self._making
+            if count >= self.max_count or (self.pinned and (count + 1) * self.size > self.limit):
+                return None
+            self._making += 1
+            slab_id, size = self._next_id, self.size
             self._next_id += 1
-            self._live[slab.id] = slab
-            return slab
+        started = time.perf_counter()
+        try:
+            slab = Slab(slab_id, size, self.pinned)  # tens of ms when registered: not under the lock
+        except Exception as exc:  # noqa: BLE001  (no memory, or CUDA's refusal: this batch goes torch's way)
+            with self._lock:
+                self._making -= 1
+                warn, self._warned = not self._warned, True
+            if warn:
+                warnings.warn(f"DataLoader: a shared-memory slab of {size} bytes for the worker processes' batches "
+                              f"could not be made ({exc}); batches without one travel as torch's shared memory",
+                              RuntimeWarning, stacklevel=2)
+            return None
+        except BaseException:
+            with self._lock:
+                self._making -= 1
+            raise
+        with self._lock:
+            self._making -= 1
+            self.made += 1
+            self.make_seconds += time.perf_counter() - started
+            if not self._closed:
+                self._live[slab.id] = slab
+                return slab
+        slab.close()  # the loader closed meanwhile
+        return None
 
     def give_back(self, slab: Slab) -> None:
         """A leased slab back: its batch's views are gone, or no batch took it. Takes no lock (it
@@ -151,24 +205,8 @@ class Slabs:
         if self._closed:  # the loader is gone: nobody else will take it back (see close)
             self._drain_closed()
 
-    def saw(self, needed: int, leased: Optional[Slab]) -> None:
-        """A batch needed `needed` bytes; slabs grow to hold it."""
-        with self._lock:
-            if needed <= self.size:
-                return
-            if leased is not None and not self._warned:
-                self._warned = True
-                warnings.warn(f"DataLoader: a batch of {needed} bytes is larger than the worker processes' "
-                              f"shared-memory slabs ({self.size} bytes): it travels as torch's shared memory "
-                              "(slower), and larger slabs replace these", RuntimeWarning, stacklevel=2)
-            self.size = _round_up(needed + needed // 4, _ROUND)
-            for slab in self._free:
-                self._retire(slab)
-            self._free = []
-
-    def view_batch(self, blob: bytes, slab: Optional[Slab], needed: int, placed: bool, missed: bool) -> Any:
+    def view_batch(self, blob: bytes, slab: Optional[Slab], placed: bool, missed: bool) -> Any:
         """The batch a process pickled, its tensors rebuilt as views of `slab`."""
-        self.saw(needed, slab if missed else None)
         with self._lock:
             if missed or not placed:
                 self.misses += int(missed)
@@ -230,8 +268,8 @@ class ProcessSlabs:
     def add(self, slab_id: int, size: int, fd: int) -> None:
         import torch
 
-        try:
-            mm = mmap.mmap(fd, size)
+        try:  # its pages are there (the main process made them): map them all now, not a fault a page
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         self._maps[slab_id] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
@@ -244,29 +282,60 @@ class ProcessSlabs:
                 del base, entry
                 mm.close()
 
-    def dump(self, batch: Any, slab_id: Optional[int]) -> Tuple[bytes, int, bool, bool]:
-        """The batch pickled with its tensors written into slab `slab_id` (those that fit; the
-        rest, and every tensor without a slab, as torch's shared memory); the bytes all its
-        tensors need; whether any went into the slab; whether any did not."""
+    def dump(self, batch: Any, slab_id: Optional[int],
+             ask: Optional[Callable[[int], Optional[int]]] = None) -> Tuple[bytes, bool, bool]:
+        """The batch pickled with its tensors written into slab `slab_id`; whether any went into
+        the slab; whether any did not (those, and every tensor without a slab, go as torch's
+        shared memory). With `ask` (the main process's answer, a slab's id or None, for a batch
+        of so many bytes), a batch that has no slab or does not fit its slab asks for one."""
+        if ask is not None:
+            if slab_id is not None:
+                try:
+                    return self._dump(batch, slab_id, _STRICT)
+                except _NoRoom:
+                    pass
+            needed = _SlabPickler(_Discard(), None, _MEASURE).measure(batch)
+            slab_id = ask(needed) if needed else None
+        return self._dump(batch, slab_id, _LENIENT)
+
+    def _dump(self, batch: Any, slab_id: Optional[int], mode: int) -> Tuple[bytes, bool, bool]:
         base = self._maps[slab_id][1] if slab_id is not None else None
         out = io.BytesIO()
-        pickler = _SlabPickler(out, base)
+        pickler = _SlabPickler(out, base, mode)
         pickler.dump(batch)
-        return out.getvalue(), pickler.needed, pickler.placed, pickler.missed
+        return out.getvalue(), pickler.placed, pickler.missed
+
+
+_LENIENT, _STRICT, _MEASURE = 0, 1, 2  # a tensor that does not fit: torch's way, _NoRoom, counted only
+
+
+class _NoRoom(Exception):
+    """A tensor does not fit the slab (strict dumps)."""
+
+
+class _Discard:
+    def write(self, data: Any) -> int:
+        return len(data)
 
 
 class _SlabPickler(multiprocessing.reduction.ForkingPickler):
-    def __init__(self, file: Any, base: Any) -> None:
+    def __init__(self, file: Any, base: Any, mode: int) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         import torch
 
         self._torch = torch
         self._base = base
+        self._mode = mode
         self._capacity = 0 if base is None else base.numel()
         self._offset = 0
         self.needed = 0
         self.placed = self.missed = False
         self._seen: Dict[int, Any] = {}
+
+    def measure(self, batch: Any) -> int:
+        """The bytes the batch's tensors need in a slab (nothing is written or shared)."""
+        self.dump(batch)
+        return self.needed
 
     def persistent_id(self, obj: Any) -> Any:
         torch = self._torch
@@ -280,13 +349,18 @@ class _SlabPickler(multiprocessing.reduction.ForkingPickler):
         nbytes = obj.numel() * obj.element_size()
         self.needed = _round_up(self.needed, ALIGN) + nbytes
         start = _round_up(self._offset, ALIGN)
-        if self._base is None or start + nbytes > self._capacity:
+        if self._mode == _MEASURE:
+            pid = ("measured", nbytes)
+        elif self._base is None or start + nbytes > self._capacity:
+            if self._mode == _STRICT:
+                raise _NoRoom
             self.missed = True
             return None  # torch's way: its own shared memory
-        src = obj.resolve_conj().resolve_neg() if obj.is_complex() else obj
-        self._base[start:start + nbytes].view(obj.dtype).view(obj.shape).copy_(src)
-        self._offset = start + nbytes
-        self.placed = True
-        pid = ("ferry-slab", start, obj.dtype, tuple(obj.shape), nbytes)
+        else:
+            src = obj.resolve_conj().resolve_neg() if obj.is_complex() else obj
+            self._base[start:start + nbytes].view(obj.dtype).view(obj.shape).copy_(src)
+            self._offset = start + nbytes
+            self.placed = True
+            pid = ("ferry-slab", start, obj.dtype, tuple(obj.shape), nbytes)
         self._seen[id(obj)] = (obj, pid)  # keeps obj alive, so its id is not reused meanwhile
         return pid

@@ -140,6 +140,17 @@ def send(conn: Any, reply: Any) -> None:
         exit_now()
 
 
+def ask(conn: Any, slabs: _slabs.ProcessSlabs, needed: int) -> Optional[int]:
+    """Asks the main process for a slab of `needed` bytes (Note [Slabs]): its id, or None."""
+    conn.send(("need", needed))
+    while True:
+        message = conn.recv()
+        if message[0] == "slab":  # a slab this process has not mapped yet; its descriptor follows
+            slabs.add(message[1], message[2], multiprocessing.reduction.recv_handle(conn))
+            continue
+        return message[1]  # ("into", id or None)
+
+
 def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error: Optional[tuple] = None) -> None:
     """The worker's loop: batches for the loader's worker thread `worker`, until told to stop or
     the pipe closes. `payload` is (dataset, fetch mode, finish, worker_init_fn, sample seeding);
@@ -182,10 +193,10 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
                     start(worker, workers, message[1], dataset, init)
                     reply = ("ok", None)
             elif message[0] == "map":  # a batch, collated here and written into its slab
-                _, indices, seed, epoch, slab, drops = message
+                _, indices, seed, epoch, slab, drops, asks = message
                 slabs.drop(drops)
                 batch = finish(_python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding))
-                reply = ("ok", slabs.dump(batch, slab))
+                reply = ("ok", slabs.dump(batch, slab, (lambda needed: ask(conn, slabs, needed)) if asks else None))
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
                 _, index, seed, epoch = message
                 reply = ("ok", _python.fetch_samples(dataset, None, [index], seed, epoch, seeding)[0])
