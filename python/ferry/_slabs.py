@@ -350,7 +350,7 @@ class _SlabPickler(multiprocessing.reduction.ForkingPickler):
         self.needed = _round_up(self.needed, ALIGN) + nbytes
         start = _round_up(self._offset, ALIGN)
         if self._mode == _MEASURE:
-            pid = ("measured", nbytes)
+            pid: Any = ("measured", nbytes)
         elif self._base is None or start + nbytes > self._capacity:
             if self._mode == _STRICT:
                 raise _NoRoom
