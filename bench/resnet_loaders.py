@@ -270,7 +270,12 @@ def main():
               f"{statistics.median(firsts):.2f} |",
               flush=True)
         if made and os.environ.get("RESNET_STATS"):  # the last ferry loader's own account, to stderr
-            print(f"{key}: {made[-1].stats()}", file=sys.stderr, flush=True)
+            stats = made[-1].stats()
+            slabs = {k: v for k, v in stats.items() if k.startswith("slab")}
+            pool = getattr(made[-1], "_pool", None)
+            if pool is not None and pool.slabs is not None:
+                slabs.update(size=pool.slabs.size, limit=pool.slabs.limit, max_count=pool.slabs.max_count)
+            print(f"{key}: {stats}{slabs or ''}", file=sys.stderr, flush=True)
         made.clear()
 
 
