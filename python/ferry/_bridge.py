@@ -108,8 +108,10 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
                            slabs)
 
     def finish(samples: List[Any]) -> Any:
-        if samples and isinstance(samples[0], _procs.Collated):
-            batch = samples[0].batch  # collated by a worker process
+        if samples and isinstance(samples[0], _procs.Collated):  # collated by a worker process
+            batch = samples[0].batch
+            if samples[0].pinned:  # only objects with a pin_memory() of their own are asked
+                return pin(batch, tensors=False) if pinning else batch
         else:
             batch = collate(samples)
         return pin(batch) if pinning else batch
@@ -149,8 +151,7 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
     getitems = getattr(dataset, "__getitems__", None) if batch_size is not None else None
     if pool is not None:
         def fetch(indices: List[int], seed: int, epoch: int) -> List[Any]:
-            batch = pool.call(_local.info.id, ("map", list(indices), seed, epoch))
-            return [_procs.Collated(batch)] + [None] * (len(indices) - 1)
+            return [pool.call(_local.info.id, ("map", list(indices), seed, epoch))] + [None] * (len(indices) - 1)
 
         def fetch_one(index: int, seed: int, epoch: int) -> Any:
             return pool.call(_local.info.id, ("one", index, seed, epoch))

@@ -303,15 +303,15 @@ class Pool:
                 self._send_slab(slot, lease)
                 slot.conn.send(("into", None if lease is None else lease.id))
                 kind, value = self._reply(slot, worker, message, kinds=True)
-            blob, placed, missed = value
+            blob, placed, missed, whole = value
         except BaseException:
             if lease is not None and slabs is not None:
                 slabs.give_back(lease)
             raise
         slot.busy = False
         if slabs is None:
-            return pickle.loads(blob)
-        return slabs.view_batch(blob, lease, placed, missed)
+            return Collated(pickle.loads(blob), False)
+        return Collated(slabs.view_batch(blob, lease, placed, missed), whole and slabs.pinned)
 
     @staticmethod
     def _send_slab(slot: _Slot, lease: Optional[_slabs.Slab]) -> None:
@@ -408,12 +408,13 @@ def _stop(slots: List[_Slot], wait: float) -> None:
 
 
 class Collated:
-    """A batch collated in a worker process (what fetch gives the loader's collate step)."""
+    """A batch collated in a worker process (what fetch gives the loader's collate step), and
+    whether its tensors are all in a registered slab (pinned already: no CUDA call asks again)."""
 
-    __slots__ = ("batch",)
+    __slots__ = ("batch", "pinned")
 
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
+    def __init__(self, batch: Any, pinned: bool) -> None:
+        self.batch, self.pinned = batch, pinned
 
 
 class RemoteStream:

@@ -138,10 +138,11 @@ def _map_tensors(obj: Any, on_tensor: Callable[[Any], Any], on_other: Callable[[
     return walk(obj)
 
 
-def pin(obj: Any) -> Any:
+def pin(obj: Any, tensors: bool = True) -> Any:
     """torch's pin_memory rules: tensors (and any object with a pin_memory() method) are copied to
-    page-locked memory; anything else is kept as it is."""
-    return _map_tensors(obj, lambda t: t.pin_memory(),
+    page-locked memory; anything else is kept as it is. `tensors=False`: the tensors are pinned
+    already (a worker process's slab) and kept as they are."""
+    return _map_tensors(obj, (lambda t: t.pin_memory()) if tensors else (lambda t: t),
                         lambda o: o.pin_memory() if hasattr(o, "pin_memory") else o)
 
 

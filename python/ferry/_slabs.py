@@ -64,7 +64,9 @@ class Slab:
         self.fd = os.memfd_create(f"ferry-slab-{slab_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
-            self.mm = mmap.mmap(self.fd, size)
+            # Its pages made now (allocated and zeroed by the kernel, outside CUDA's driver), so
+            # that cudaHostRegister, during which the process's other CUDA calls wait, only pins them.
+            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if pinned else 0))
         except BaseException:
             os.close(self.fd)
             raise
@@ -283,10 +285,10 @@ class ProcessSlabs:
                 mm.close()
 
     def dump(self, batch: Any, slab_id: Optional[int],
-             ask: Optional[Callable[[int], Optional[int]]] = None) -> Tuple[bytes, bool, bool]:
+             ask: Optional[Callable[[int], Optional[int]]] = None) -> Tuple[bytes, bool, bool, bool]:
         """The batch pickled with its tensors written into slab `slab_id`; whether any went into
-        the slab; whether any did not (those, and every tensor without a slab, go as torch's
-        shared memory). With `ask` (the main process's answer, a slab's id or None, for a batch
+        the slab; whether any that a slab takes did not (those, and every tensor without a slab,
+        go as torch's shared memory); whether every tensor did. With `ask` (the main process's answer, a slab's id or None, for a batch
         of so many bytes), a batch that has no slab or does not fit its slab asks for one."""
         if ask is not None:
             if slab_id is not None:
@@ -298,12 +300,13 @@ class ProcessSlabs:
             slab_id = ask(needed) if needed else None
         return self._dump(batch, slab_id, _LENIENT)
 
-    def _dump(self, batch: Any, slab_id: Optional[int], mode: int) -> Tuple[bytes, bool, bool]:
+    def _dump(self, batch: Any, slab_id: Optional[int], mode: int) -> Tuple[bytes, bool, bool, bool]:
         base = self._maps[slab_id][1] if slab_id is not None else None
         out = io.BytesIO()
         pickler = _SlabPickler(out, base, mode)
         pickler.dump(batch)
-        return out.getvalue(), pickler.placed, pickler.missed
+        whole = pickler.placed and not pickler.missed and not pickler.foreign
+        return out.getvalue(), pickler.placed, pickler.missed, whole
 
 
 _LENIENT, _STRICT, _MEASURE = 0, 1, 2  # a tensor that does not fit: torch's way, _NoRoom, counted only
@@ -330,6 +333,7 @@ class _SlabPickler(multiprocessing.reduction.ForkingPickler):
         self._offset = 0
         self.needed = 0
         self.placed = self.missed = False
+        self.foreign = False  # a tensor that no slab takes (on a device, sparse, requiring grad, quantized)
         self._seen: Dict[int, Any] = {}
 
     def measure(self, batch: Any) -> int:
@@ -342,7 +346,8 @@ class _SlabPickler(multiprocessing.reduction.ForkingPickler):
         if type(obj) is not torch.Tensor:
             return None
         if obj.device.type != "cpu" or obj.layout != torch.strided or obj.requires_grad or obj.is_quantized:
-            return None
+            self.foreign = True
+            return None  # torch's way
         known = self._seen.get(id(obj))
         if known is not None:
             return known[1]

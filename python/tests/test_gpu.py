@@ -168,6 +168,20 @@ def test_worker_processes_write_into_registered_slabs_that_are_the_pinned_batche
     assert stats["slab_misses"] == 0 and stats["slab_batches"] == 60
 
 
+def _rows_and_a_parameter(samples):
+    """default_collate, and a tensor that requires grad: no slab takes it, so pin_memory copies it."""
+    return {"rows": torch.utils.data.default_collate(samples), "grad": torch.ones(3, requires_grad=True)}
+
+
+def test_a_batch_partly_outside_its_slab_is_still_pinned_whole():
+    loader = ferry.DataLoader(_Rows(), batch_size=4, num_workers=2, pin_memory=True, collate_fn=_rows_and_a_parameter)
+    for k, batch in enumerate(loader):
+        assert _in_a_slab(loader, batch["rows"]) and batch["rows"].is_pinned()
+        assert batch["grad"].is_pinned() and torch.equal(batch["grad"], torch.ones(3))
+        if k == 5:
+            break
+
+
 def test_slabs_are_not_written_again_before_their_device_copy_ran():
     # The consumer's stream sleeps before each batch's copy, so the copies lag far behind the
     # workers; a slab handed back when its batch was queued (not copied) would be overwritten.
