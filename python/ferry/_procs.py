@@ -299,7 +299,7 @@ class Pool:
             kind, value = self._reply(slot, worker, message, kinds=True)
             while kind == "need" and slabs is not None:  # no slab, or too small (Note [Slabs])
                 given, lease = lease, None
-                lease = slabs.lease_for(value, given)
+                lease = slabs.lease_for(value, given, worker)
                 self._send_slab(slot, lease)
                 slot.conn.send(("into", None if lease is None else lease.id))
                 kind, value = self._reply(slot, worker, message, kinds=True)

@@ -16,10 +16,11 @@ for batches copied to a device, not before the copy's event has completed (the l
 CPU batch until then). A request carries a free slab where there is one; a process whose batch
 has none, or does not fit the one it was given, says how many bytes it needs ("need") once it has
 collated the batch, and the worker thread answers with a slab that holds them: a free one, or a
-new one made then (1.25x the largest batch seen, rounded up to 1 MiB; registering it takes
-tens of milliseconds for a batch of 150 MB), outside the lock, so that worker threads making
-slabs do not wait for one another, and only as slabs are needed (the first epoch makes them;
-later ones reuse them). A slab smaller than the largest batch seen is retired as it comes back.
+new one made then (1.25x the largest batch seen, rounded up to 1 MiB; registering a slab of a
+float image batch takes a tenth of a second or more, and CUDA registers one at a time: see
+bench/RESULTS.md, "Python datasets"), outside the lock that leases take, one at a time with the lowest worker first (under round-robin the batch the
+consumer waits for), and only as slabs are needed (the first epoch makes them; later ones reuse
+them). A slab smaller than the largest batch seen is retired as it comes back.
 The number of slabs is bounded (workers x prefetch_factor + 4) and, when pinned, so are their
 bytes (pinned_memory_limit, or half the machine's memory and 3/4 of what is free); a batch that
 finds no slab within the bounds (a loop that keeps many batches) travels as torch's per-tensor
@@ -64,9 +65,7 @@ class Slab:
         self.fd = os.memfd_create(f"ferry-slab-{slab_id}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, size)
-            # Its pages made now (allocated and zeroed by the kernel, outside CUDA's driver), so
-            # that cudaHostRegister, during which the process's other CUDA calls wait, only pins them.
-            self.mm = mmap.mmap(self.fd, size, flags=mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if pinned else 0))
+            self.mm = mmap.mmap(self.fd, size)
         except BaseException:
             os.close(self.fd)
             raise
@@ -114,6 +113,9 @@ class Slabs:
         self._returned: "collections.deque[Slab]" = collections.deque()
         self._live: Dict[int, Slab] = {}
         self._making = 0  # slabs being made (outside the lock), counted against the bounds
+        self._make_turn = threading.Condition()  # lease_for's turns: one at a time, lowest worker first
+        self._queue: List[int] = []  # the workers waiting for their turn
+        self._queue_busy = False
         self.retired: set = set()  # ids the processes should unmap
         self._next_id = 0
         self._closed = False
@@ -153,10 +155,27 @@ class Slabs:
                 return None
             return self._take_free(self.size)
 
-    def lease_for(self, needed: int, given: Optional[Slab]) -> Optional[Slab]:
+    def lease_for(self, needed: int, given: Optional[Slab], worker: int = 0) -> Optional[Slab]:
         """A slab of at least `needed` bytes for a batch a process has collated (it did not fit
         `given`, which comes back): a free one, or one made now; None past the bounds (the batch
-        then travels as torch's shared memory)."""
+        then travels as torch's shared memory). Slabs are made one at a time, the lowest
+        `worker` waiting first: CUDA registers one at a time whatever the threads
+        (bench/probe_slabs.py), and with batch b made by worker b mod num_workers the
+        lowest worker's batch is the one the consumer waits for."""
+        with self._make_turn:
+            self._queue.append(worker)
+            while self._queue_busy or min(self._queue) != worker:
+                self._make_turn.wait()
+            self._queue.remove(worker)
+            self._queue_busy = True
+        try:
+            return self._lease_for(needed, given)
+        finally:
+            with self._make_turn:
+                self._queue_busy = False
+                self._make_turn.notify_all()
+
+    def _lease_for(self, needed: int, given: Optional[Slab]) -> Optional[Slab]:
         with self._lock:
             if needed > self.size:  # new slabs grow to hold it; smaller ones retire
                 self.size = _round_up(needed + needed // 4, _ROUND)
