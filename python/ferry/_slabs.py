@@ -164,9 +164,12 @@ class Slabs:
         lowest worker's batch is the one the consumer waits for."""
         with self._make_turn:
             self._queue.append(worker)
-            while self._queue_busy or min(self._queue) != worker:
-                self._make_turn.wait()
-            self._queue.remove(worker)
+            try:
+                while self._queue_busy or min(self._queue) != worker:
+                    self._make_turn.wait()
+            finally:  # also when the wait is interrupted: a turn left queued would stop the others
+                self._queue.remove(worker)
+                self._make_turn.notify_all()
             self._queue_busy = True
         try:
             return self._lease_for(needed, given)

@@ -801,6 +801,44 @@ def test_a_batch_larger_than_the_slabs_gets_a_larger_slab_and_the_small_ones_ret
     assert ours.stats()["slab_misses"] == 0 and len(slabs._live) <= slabs.max_count
 
 
+def test_slabs_are_made_one_at_a_time_the_lowest_worker_first(monkeypatch):
+    from ferry import _slabs
+
+    real, order, at_once, gate = _slabs.Slab, [], [0, 0], threading.Event()
+
+    def slow(slab_id, size, pinned):  # the first one made holds its turn until the others queue
+        at_once[0] += 1
+        at_once[1] = max(at_once)
+        order.append(threading.current_thread().name)
+        if len(order) == 1:
+            gate.wait(10)
+        at_once[0] -= 1
+        return real(slab_id, size, pinned)
+
+    monkeypatch.setattr(_slabs, "Slab", slow)
+    slabs = _slabs.Slabs(pinned=False, max_count=8, limit=None)
+    got = []
+    threads = [threading.Thread(target=lambda w=w: got.append(slabs.lease_for(4096, None, w)), name=str(w))
+               for w in (5, 3, 4, 1)]
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while not order and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for t in threads[1:]:
+        t.start()
+    while len(slabs._queue) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert order == ["5", "1", "3", "4"] and at_once[1] == 1
+    assert len(got) == 4 and all(s is not None and s.size >= 4096 for s in got)
+    for slab in got:
+        slabs.give_back(slab)
+    slabs.close()
+    assert all(s.fd < 0 for s in got)
+
+
 def test_batches_held_past_the_slabs_and_past_the_loader_stay_right_and_are_freed(slabs_on):
     gc.collect()
     fds = fd_count()
