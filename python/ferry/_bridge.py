@@ -176,9 +176,11 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
             attributes["sampler"] = data.RandomSampler(dataset) if shuffle else data.SequentialSampler(dataset)
             if batch_size is not None:
                 attributes["batch_sampler"] = data.BatchSampler(attributes["sampler"], batch_size, drop_last)
+    chunked = False  # batch_sampler is our BatchSampler over a sampler: its batches are slices of the order
     if batch_sampler is None and sampler is not None:
         attributes["sampler"] = sampler
         batch_sampler = data.BatchSampler(sampler, engine["batch_size"], drop_last)
+        chunked = True
         if batch_size is not None:
             attributes["batch_sampler"] = batch_sampler
     if batch_sampler is not None:
@@ -190,6 +192,11 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
                 states[epoch] = bytes(order[0].get_state().numpy())
                 for old in [e for e in states if e + 2 < epoch]:
                     del states[old]
+            if chunked:  # what BatchSampler yields, without a Python step an index (0.3 s for a million)
+                indices = list(user.sampler)
+                size = user.batch_size
+                stop = len(indices) - len(indices) % size if user.drop_last else len(indices)
+                return [indices[i:i + size] for i in range(0, stop, size)]
             return [list(b) for b in user]
 
         plan_batches = len(batch_sampler)

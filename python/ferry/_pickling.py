@@ -10,7 +10,13 @@ in-place change in the main process is seen there too); numpy arrays by value.
 
 Whether a dataset changed is told by its fingerprint: the same pickling with each tensor named by
 its identity and version counter instead of its storage, so that taking one costs about what the
-pickling of its Python objects costs, and shares nothing.
+pickling of its Python objects costs, and shares nothing. At an epoch's start the question is
+first asked of a quick fingerprint: the same, pickled without pickle's memo (its "fast" mode), so
+an object reached twice is written twice and identity is not recorded, only values. For a million
+(path, label) tuples it took 0.08-0.16 s where the memo's took 0.5-0.9 s (2-core machine). When the
+quick fingerprints match, nothing of value changed and the dataset is not sent again; when they
+differ, the full fingerprint decides and the dataset is sent. A dataset with a cycle, or one whose
+shared objects make the quick form grow past four times the full one, gets no quick fingerprint.
 """
 
 from __future__ import annotations
@@ -66,6 +72,34 @@ def fingerprint(obj: Any) -> Tuple[bytes, bool]:
     pickler = _Fingerprinter(buf)
     pickler.dump(obj)
     return buf.getvalue(), pickler.tensors == 0
+
+
+class _Capped(io.BytesIO):
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self._limit = limit
+
+    def write(self, data: Any) -> int:  # type: ignore[override]
+        if self.tell() + len(data) > self._limit:
+            raise _TooLarge
+        return super().write(data)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def quick_fingerprint(obj: Any, limit: int) -> Optional[bytes]:
+    """`obj`'s values, pickled without the memo (tensors named as by fingerprint()); None where
+    that cannot be taken: a cycle, more than `limit` bytes, or anything that does not pickle."""
+    buf = _Capped(limit)
+    pickler = _Fingerprinter(buf)
+    pickler.fast = True  # no memo: each object reached is written again (a cycle raises ValueError)
+    try:
+        pickler.dump(obj)
+    except Exception:  # noqa: BLE001  (then the full fingerprint answers)
+        return None
+    return buf.getvalue()
 
 
 def _check(obj: Any) -> Optional[BaseException]:

@@ -207,6 +207,11 @@ def test_a_users_sampler_batch_sampler_and_generator_give_torchs_order(kind):
     ours = list(loader(ds, kind, batch_size=4, sampler=sampler))
     sampler.generator.manual_seed(5)
     assert_same(ours, tud.DataLoader(ds, batch_size=4, sampler=sampler))
+    sampler.generator.manual_seed(5)
+    ours = list(loader(ds, kind, batch_size=4, sampler=sampler, drop_last=True))  # 14 indices: 3 batches
+    sampler.generator.manual_seed(5)
+    assert len(ours) == 3
+    assert_same(ours, tud.DataLoader(ds, batch_size=4, sampler=sampler, drop_last=True))
 
     batches = [[3, 1], [0], [39, 38, 37]]
     assert_same(loader(ds, kind, batch_sampler=batches), tud.DataLoader(ds, batch_sampler=batches))

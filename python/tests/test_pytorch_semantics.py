@@ -114,6 +114,46 @@ def test_a_dataset_changed_between_epochs_reaches_fresh_workers_only(persistent)
     assert seen["ferry"][2] == ([0, 0, 0, 0] if persistent else [20, 20, 20, 20])
 
 
+class Cyclic(Mutable):
+    """A dataset that refers to itself, and to one list from two places."""
+
+    def __init__(self):
+        super().__init__()
+        self.me = self
+        self.shared = [0]
+        self.also = self.shared
+
+    def __getitem__(self, i):
+        return self.value + self.also[0]
+
+
+@pytest.mark.parametrize("kind", [Mutable, Cyclic], ids=["plain", "cyclic"])
+def test_a_dataset_is_sent_again_only_when_its_values_changed(kind, monkeypatch):
+    import ferry._procs
+    import ferry._zygote
+
+    sent = []
+    real = ferry._zygote.LoaderZygote.send_payload
+    monkeypatch.setattr(ferry._zygote.LoaderZygote, "send_payload", lambda self, blob: sent.append(1) or real(self, blob))
+    full = []
+    check = ferry._procs.check_picklable
+    monkeypatch.setattr(ferry._procs, "check_picklable", lambda payload: full.append(1) or check(payload))
+    ds = kind()
+    loader = ferry.DataLoader(ds, batch_size=2, num_workers=2)
+    got = []
+    for epoch in range(4):
+        if epoch == 2:
+            ds.value = 10
+        if epoch == 3 and kind is Cyclic:
+            ds.shared[0] = 5  # changed through the other reference
+        got.append(rows(loader))
+    assert got == [[0] * 4, [0] * 4, [10] * 4, [15 if kind is Cyclic else 10] * 4]
+    assert len(sent) == (3 if kind is Cyclic else 2)  # when made, then at each epoch whose values changed
+    # The full fingerprint is taken when the loader is made and, where the quick one answers,
+    # only when it saw a change (a cyclic dataset has no quick one: every epoch asks).
+    assert len(full) == (5 if kind is Cyclic else 2)
+
+
 class Counted(tud.Dataset):
     def __len__(self):
         return 4
