@@ -33,6 +33,15 @@ def require_gpu():
     pytest.skip("needs a CUDA device")
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, or one gone while it was looked at, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 def interrupt_after(argv, wait=0.7, started=None):
     """Runs the program `argv` (which prints "ready", then iterates a loader and prints
     "interrupted <time.monotonic()>" when it catches KeyboardInterrupt), sends SIGINT `wait`

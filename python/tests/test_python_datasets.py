@@ -19,7 +19,7 @@ import torch
 import torch.utils.data as tud
 
 import ferry
-from conftest import interrupt_after
+from conftest import alive, interrupt_after
 
 
 class Squares:
@@ -63,15 +63,6 @@ def kind_id(kind):
 
 def loader(ds, kind, **kw):
     return ferry.DataLoader(ds, num_workers=kind[0], worker_type=kind[1], **kw)
-
-
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def wait_gone(pids, seconds=10.0):

@@ -19,6 +19,7 @@ import torch
 import torch.utils.data as tud
 
 import ferry
+from conftest import alive
 
 PYTHON_PATH = os.pathsep.join(p for p in [os.path.dirname(os.path.dirname(ferry.__file__)),
                                           os.environ.get("PYTHONPATH", "")] if p)
@@ -309,14 +310,6 @@ ENDING = textwrap.dedent("""
         os._exit(0)
     os.kill(os.getpid(), signal.SIGKILL)
 """)
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
