@@ -247,6 +247,45 @@ def run_python(args, stdin=None, timeout=120):
                           timeout=timeout)
 
 
+MUTATED = textwrap.dedent("""
+    import torch, ferry, ferry._procs
+
+    full = []
+    check = ferry._procs.check_picklable
+    ferry._procs.check_picklable = lambda payload: full.append(1) or check(payload)
+
+    class Scaled(torch.utils.data.Dataset):       # defined in __main__: it travels by value
+        offset = 0
+        def __init__(self):
+            self.scale = 1
+        def __len__(self):
+            return 4
+        def __getitem__(self, i):
+            return i * self.scale + self.offset
+
+    ds = Scaled()
+    loader = ferry.DataLoader(ds, batch_size=2, num_workers=2)
+    got = []
+    for epoch in range(5):
+        if epoch == 2:
+            ds.scale = 10
+        if epoch == 4:
+            Scaled.offset = 1                     # the class's own attribute
+        got.append([b.tolist() for b in loader])
+    print(got, len(full))
+""")
+
+
+def test_a_scripts_dataset_changed_between_epochs_is_seen_and_an_unchanged_one_not_pickled_again(tmp_path):
+    script = tmp_path / "mutate.py"
+    script.write_text(MUTATED)
+    done = run_python([str(script)])
+    assert done.returncode == 0, done.stderr
+    # The full fingerprint only when the loader is made and at the epochs that changed the dataset.
+    assert done.stdout.strip() == ("[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 10], [20, 30]], [[0, 10], [20, 30]], "
+                                   "[[1, 11], [21, 31]]] 3")
+
+
 def test_a_script_without_a_main_guard_runs(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
