@@ -23,6 +23,7 @@ shared objects make the quick form grow past four times the full one, gets no qu
 
 from __future__ import annotations
 
+import hashlib
 import io
 import multiprocessing.reduction
 import pickle
@@ -78,15 +79,19 @@ def fingerprint(obj: Any) -> Tuple[bytes, bool]:
     return buf.getvalue(), pickler.tensors == 0
 
 
-class _Capped(io.BytesIO):
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self._limit = limit
+class _Digest:
+    """A pickle's SHA-256, taken as it is written (the pickle itself is not kept), and at most `limit` bytes."""
 
-    def write(self, data: Any) -> int:  # type: ignore[override]
-        if self.tell() + len(data) > self._limit:
+    def __init__(self, limit: int) -> None:
+        self._limit, self._written = limit, 0
+        self.hash = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self._written += len(data)
+        if self._written > self._limit:
             raise _TooLarge
-        return super().write(data)
+        self.hash.update(data)
+        return len(data)
 
 
 class _TooLarge(Exception):
@@ -127,16 +132,16 @@ _DESCRIPTORS = (staticmethod, classmethod, property)
 
 
 def quick_fingerprint(obj: Any, limit: int) -> Optional[bytes]:
-    """`obj`'s values, pickled without the memo (tensors named as by fingerprint(), classes and
-    functions by identity); None where that cannot be taken: a cycle, more than `limit` bytes, or
-    anything that does not pickle."""
-    buf = _Capped(limit)
-    pickler = _Quick(buf)
+    """The SHA-256 of `obj`'s values, pickled without the memo (tensors named as by fingerprint(),
+    classes and functions by identity); None where that cannot be taken: a cycle, more than `limit`
+    bytes, or anything that does not pickle."""
+    out = _Digest(limit)
+    pickler = _Quick(out)
     try:
         pickler.dump(obj)
     except Exception:  # noqa: BLE001  (then the full fingerprint answers)
         return None
-    return buf.getvalue()
+    return out.hash.digest()
 
 
 def _check(obj: Any) -> Optional[BaseException]:
