@@ -254,6 +254,8 @@ MUTATED = textwrap.dedent("""
     check = ferry._procs.check_picklable
     ferry._procs.check_picklable = lambda payload: full.append(1) or check(payload)
 
+    SHIFT = 0
+
     class Scaled(torch.utils.data.Dataset):       # defined in __main__: it travels by value
         offset = 0
         def __init__(self):
@@ -261,16 +263,18 @@ MUTATED = textwrap.dedent("""
         def __len__(self):
             return 4
         def __getitem__(self, i):
-            return i * self.scale + self.offset
+            return i * self.scale + self.offset + SHIFT
 
     ds = Scaled()
     loader = ferry.DataLoader(ds, batch_size=2, num_workers=2)
     got = []
-    for epoch in range(5):
+    for epoch in range(6):
         if epoch == 2:
             ds.scale = 10
         if epoch == 4:
             Scaled.offset = 1                     # the class's own attribute
+        if epoch == 5:
+            SHIFT = 100                           # a global its method reads
         got.append([b.tolist() for b in loader])
     print(got, len(full))
 """)
@@ -283,7 +287,7 @@ def test_a_scripts_dataset_changed_between_epochs_is_seen_and_an_unchanged_one_n
     assert done.returncode == 0, done.stderr
     # The full fingerprint only when the loader is made and at the epochs that changed the dataset.
     assert done.stdout.strip() == ("[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 10], [20, 30]], [[0, 10], [20, 30]], "
-                                   "[[1, 11], [21, 31]]] 3")
+                                   "[[1, 11], [21, 31]], [[101, 111], [121, 131]]] 4")
 
 
 def test_a_script_without_a_main_guard_runs(tmp_path):
