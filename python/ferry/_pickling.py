@@ -134,7 +134,7 @@ class _Quick(pickle.Pickler):
                 f = v.__func__ if isinstance(v, (staticmethod, classmethod)) else v
                 if isinstance(f, types.FunctionType):
                     functions.append(f)
-                elif not k.startswith("__") and not callable(v) and not isinstance(v, property):
+                elif not k.startswith("__") and not callable(v) and not isinstance(v, _DESCRIPTORS):
                     data.append((k, v))
             return _named, (id(obj), tuple(data), tuple(_globals_of(f) for f in functions))
         if isinstance(obj, types.FunctionType):
@@ -172,6 +172,7 @@ def _globals_of(f: types.FunctionType) -> Tuple[Tuple[str, Any], ...]:
 
 
 _CODE_TYPES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)
+_DESCRIPTORS = (property, types.MemberDescriptorType, types.GetSetDescriptorType)  # a class's, not data
 
 
 def quick_fingerprint(obj: Any, limit: int) -> Optional[bytes]:
