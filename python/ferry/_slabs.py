@@ -18,7 +18,8 @@ has none, or does not fit the one it was given, says how many bytes it needs ("n
 collated the batch, and the worker thread answers with a slab that holds them: a free one, or a
 new one made then (1.25x the largest batch seen, rounded up to 1 MiB; registering a slab of a
 float image batch takes a tenth of a second or more, and CUDA registers one at a time: see
-bench/RESULTS.md, "Python datasets"), outside the lock that leases take, one at a time with the lowest worker first (under round-robin the batch the
+bench/RESULTS.md, "Python datasets"), outside the lock that leases take (a free slab is
+taken without waiting for a turn), one at a time with the lowest worker first (under round-robin the batch the
 consumer waits for), and only as slabs are needed (the first epoch makes them; later ones reuse
 them). A slab smaller than the largest batch seen is retired as it comes back.
 The number of slabs is bounded (workers x prefetch_factor + 4) and, when pinned, so are their
@@ -162,6 +163,9 @@ class Slabs:
         `worker` waiting first: CUDA registers one at a time whatever the threads
         (bench/probe_slabs.py), and with batch b made by worker b mod num_workers the
         lowest worker's batch is the one the consumer waits for."""
+        slab = self._lease_for(needed, given, make=False)  # a free one needs no turn
+        if slab is not None or self._closed:
+            return slab
         with self._make_turn:
             self._queue.append(worker)
             try:
@@ -172,13 +176,13 @@ class Slabs:
                 self._make_turn.notify_all()
             self._queue_busy = True
         try:
-            return self._lease_for(needed, given)
+            return self._lease_for(needed, None, make=True)
         finally:
             with self._make_turn:
                 self._queue_busy = False
                 self._make_turn.notify_all()
 
-    def _lease_for(self, needed: int, given: Optional[Slab]) -> Optional[Slab]:
+    def _lease_for(self, needed: int, given: Optional[Slab], make: bool) -> Optional[Slab]:
         with self._lock:
             if needed > self.size:  # new slabs grow to hold it; smaller ones retire
                 self.size = _round_up(needed + needed // 4, _ROUND)
@@ -188,7 +192,7 @@ class Slabs:
             if self._closed:
                 return None
             slab = self._take_free(needed)
-            if slab is not None:
+            if slab is not None or not make:
                 return slab
             count = len(self._live) + self._making
             if count >= self.max_count or (self.pinned and (count + 1) * self.size > self.limit):
