@@ -15,13 +15,13 @@ viewing it is freed (torch.frombuffer holds the lease object; its __del__ return
 for batches copied to a device, not before the copy's event has completed (the loader keeps the
 CPU batch until then). A request carries a free slab where there is one; a process whose batch
 has none, or does not fit the one it was given, says how many bytes it needs ("need") once it has
-collated the batch, and the worker thread answers with a slab that holds them: a free one, or a
-new one made then (1.25x the largest batch seen, rounded up to 1 MiB; registering a slab of a
-float image batch takes a tenth of a second or more, and CUDA registers one at a time: see
-bench/RESULTS.md, "Python datasets"), outside the lock that leases take (a free slab is
-taken without waiting for a turn), one at a time with the lowest worker first (under round-robin the batch the
-consumer waits for), and only as slabs are needed (the first epoch makes them; later ones reuse
-them). A slab smaller than the largest batch seen is retired as it comes back.
+collated the batch, and the worker thread answers with a slab that holds them: a free one, taken
+at once, or a new one made then (1.25x the largest batch seen, rounded up to 1 MiB). Registering
+a slab of a float image batch takes a tenth of a second or more, and CUDA registers one at a time
+(bench/RESULTS.md, "Python datasets"): slabs are made outside the lock that leases take, one at a
+time, the lowest worker first (under round-robin, the batch the consumer waits for), and only as
+they are needed (the first epoch makes them; later ones reuse them). A slab smaller than the
+largest batch seen is retired as it comes back.
 The number of slabs is bounded (workers x prefetch_factor + 4) and, when pinned, so are their
 bytes (pinned_memory_limit, or half the machine's memory and 3/4 of what is free); a batch that
 finds no slab within the bounds (a loop that keeps many batches) travels as torch's per-tensor
