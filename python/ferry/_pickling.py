@@ -43,7 +43,7 @@ class _Pickler(cloudpickle.Pickler):
                               cloudpickle.Pickler.dispatch_table)
 
 
-def _tensor_name(key: Tuple[int, int]) -> Tuple[int, int]:  # only pickled, never unpickled
+def _named(*key: Any) -> Any:  # what fingerprints write in an object's place: only pickled, never unpickled
     return key
 
 
@@ -60,7 +60,7 @@ class _Fingerprinter(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, self._tensor):
             self.tensors += 1
-            return _tensor_name, ((id(obj), obj._version),)
+            return _named, (id(obj), obj._version)
         return super().reducer_override(obj)
 
 
@@ -99,10 +99,6 @@ class _TooLarge(Exception):
     pass
 
 
-def _named(*key: Any) -> Any:  # only pickled, never unpickled
-    return key
-
-
 class _Quick(pickle.Pickler):
     """pickle without the memo, tensors named by identity and version, classes and functions by
     identity. A class or function that travels by value (a script's, a notebook's) is written
@@ -122,9 +118,9 @@ class _Quick(pickle.Pickler):
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, self._tensor):
-            return _tensor_name, ((id(obj), obj._version),)
-        if not isinstance(obj, _CODE_TYPES) or obj is _named or obj is _tensor_name:
-            return NotImplemented  # (the two namers themselves are written by name)
+            return _named, (id(obj), obj._version)
+        if not isinstance(obj, _CODE_TYPES) or obj is _named:
+            return NotImplemented  # (the namer itself is written by name)
         if id(obj) in self._written or not _by_value(obj):
             return _named, (id(obj),)
         self._written.add(id(obj))
