@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <deque>
 #include <string>
 #include <utility>
 
@@ -90,21 +89,20 @@ LoaderCore::Parts::Parts(DataLoaderOptions o, const LoaderTraits& t, Producer& p
 
 LoaderCore::Parts::~Parts() {
   stop();
-  if (registration) {
+  if (gather) {
     // Gathers still running read the registered arrays: finish them before unregistering.
     try {
       device_stage->copy_stream().synchronize();
     } catch (...) {
     }
-    registration.reset();
+    gather.reset();
   }
 }
 
 // The pin thread and workers stop before anything they use is destroyed. Idempotent.
 void LoaderCore::Parts::stop() noexcept {
-  plan_ahead.reset();  // joins the thread making the next plan (Parts may outlive the loader: an abandoned worker keeps it)
-  device_queue.clear();
-  awaiting = Payload();
+  epochs.plan_ahead.reset();  // joins the thread making the next plan (Parts may outlive the loader: an abandoned worker keeps it)
+  if (hand_over) hand_over->clear();
   if (pin_stage) pin_stage->stop();
   engine.shutdown();
 }
@@ -135,7 +133,7 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
     throw CudaError("DataLoader: device=cuda:" + std::to_string(*opt.device) + " needs CUDA, which is unavailable (" +
                     cuda::unavailable_reason() + ")");
   if (gather_refused) s.choose_gather(std::move(gather), std::move(*gather_refused));
-  if (s.gathering)
+  if (s.gathering())
     s.setup_gather();
   else if (opt.pin_memory)
     s.setup_pinning();
@@ -156,14 +154,18 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
     d.decode_threads = opt.gpu_decode_threads;
     s.device_stage = std::make_unique<DeviceStage>(d, s.pinned_pool);
   }
+  // The route: chosen here, once; the stages it names exist (Note [Device stage]).
   if (!s.pin_stage)
     s.route = Route::Workers;
   else if (!s.device_stage)
     s.route = Route::Pinned;
-  else if (s.issue_on_pin_thread)
+  else if (s.gathering() || s.traits.gpu_decode)  // the pin thread issues the gathers or the decode
     s.route = Route::DeviceIssued;
   else
     s.route = Route::PinnedToDevice;
+  if (s.device_stage)
+    s.hand_over = std::make_unique<DeviceHandOver>(*s.pin_stage, *s.device_stage, s.typed, opt.device_prefetch,
+                                                   s.engine.wait_poll(), opt.timeout);
   log_debug(describe_options(opt, s.traits.streaming) + "; route: " + route_name(s.route));
 }
 
@@ -178,7 +180,7 @@ std::shared_ptr<PinnedPool> LoaderCore::Parts::pageable_cache(std::size_t limit)
 bool LoaderCore::Parts::make_pinned_pool() {
   pinned_pool = opt.pinned_pool;
   if (pinned_pool) return true;
-  if (!gathering && !cuda::available()) {
+  if (!gathering() && !cuda::available()) {
     warn_once("pin_memory-no-cuda", "DataLoader: pin_memory=true but CUDA is unavailable (" + cuda::unavailable_reason() +
                                         "); delivering pageable batches");
     return false;
@@ -195,11 +197,7 @@ bool LoaderCore::Parts::make_pinned_pool() {
 void LoaderCore::Parts::choose_gather(std::vector<HostRows> fields, std::string why) {
   if (why.empty()) {
     try {
-      registration = std::make_unique<RowRegistration>(fields, *opt.device, opt.register_memory_limit);
-      gathering = true;
-      gather_fields = std::move(fields);
-      for (const HostRows& r : gather_fields)
-        if (r.transform && r.transform->flip_p > 0) gather_flip_p = r.transform->flip_p;
+      gather = std::make_unique<GatherPath>(fields, *opt.device, opt.register_memory_limit);
       return;
     } catch (const Error& e) {
       why = e.what();
@@ -234,8 +232,8 @@ void LoaderCore::Parts::setup_gather() {
   make_pinned_pool();
   allocator = pinned_pool.get();  // index blocks of batches too large for the gather's launch
   // The pin thread issues each batch's index copy and gathers, so the consumer's thread only
-  // takes finished batches (issuing there left the GPU idle between synchronized steps).
-  issue_on_pin_thread = true;
+  // takes finished batches (issuing there left the GPU idle between synchronized steps):
+  // Route::DeviceIssued.
   // Small batches ready together go in one launch (PinGroup, DeviceStage::end_held): a
   // launch, its events and its hand-over cost the pin thread about as much as a 0.8 MB batch
   // takes the link (Note [Device gather]).
@@ -244,8 +242,7 @@ void LoaderCore::Parts::setup_gather() {
   // device memory. Up to kGatherDepthMax batches (24: 256-row batches of rows below 2^31 then
   // fill one launch of 6,144 narrow indices a group, or two of 3,072 wide ones; 16 made launches
   // of 12 and 4), or kGatherDepthBytes of them.
-  std::size_t batch_bytes = 0;
-  for (const HostRows& f : gather_fields) batch_bytes += static_cast<std::size_t>(opt.batch_size) * gathered_row_bytes(f);
+  const std::size_t batch_bytes = gather->batch_bytes(static_cast<std::size_t>(opt.batch_size));
   const std::size_t by_bytes = kGatherDepthBytes / std::max<std::size_t>(batch_bytes, 1);
   const int depth =
       std::max(opt.pin_depth + opt.device_prefetch, static_cast<int>(std::min<std::size_t>(by_bytes, kGatherDepthMax)));
@@ -253,11 +250,11 @@ void LoaderCore::Parts::setup_gather() {
       engine,
       [this](Payload& p, std::int64_t batch) {
         const std::int64_t t0 = opt.trace ? now_ns() : 0;
-        p = gather_batch(p.get<GatherIndex>().index, true);
+        p = gather->batch(*device_stage, typed, p.get<GatherIndex>().index, true);
         if (opt.trace && opt.trace->wants(batch))
           opt.trace->span(TraceRecorder::kPinTrack, "issue the gather", batch, t0, now_ns());
       },
-      depth, opt.timeout, opt.trace.get(), placement, PinGroup{depth, [this] { flush_held(); }});
+      depth, opt.timeout, opt.trace.get(), placement, PinGroup{depth, [this] { gather->flush(*device_stage); }});
 }
 
 void LoaderCore::Parts::setup_pinning() {
@@ -266,7 +263,7 @@ void LoaderCore::Parts::setup_pinning() {
     throw Error(
         "DataLoader: pin_memory=true, but the batch type has no pin_memory: give it a member "
         "`void pin_memory(ferry::PinContext&)` or specialize ferry::PinMemory");
-  issue_on_pin_thread = traits.gpu_decode;
+  const bool issue_on_pin_thread = traits.gpu_decode;  // Route::DeviceIssued
   if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads, placement);
   const std::size_t behind =
       static_cast<std::size_t>(opt.pin_depth) + (opt.device ? static_cast<std::size_t>(opt.device_prefetch) : 0) + 2;
@@ -283,7 +280,7 @@ void LoaderCore::Parts::setup_pinning() {
   }
   pin_stage = std::make_unique<PinStage>(
       engine,
-      [this](Payload& p, std::int64_t batch) {
+      [this, issue_on_pin_thread](Payload& p, std::int64_t batch) {
         const std::int64_t t0 = opt.trace ? now_ns() : 0;
         PinContext ctx(*pin_blocks, pin_copy_pool.get());
         typed.walk(p, ctx);
@@ -308,78 +305,7 @@ void LoaderCore::Parts::setup_pinning() {
       opt.pin_depth + (issue_on_pin_thread ? opt.device_prefetch : 0), opt.timeout, opt.trace.get(), placement);
 }
 
-// Device gather, several small batches a launch: the held batches' launch, issued, and each held
-// batch given its fence (or one carrying the launch's error). Runs on the pin thread.
-void LoaderCore::Parts::flush_held() {
-  if (held_slots.empty()) return;
-  std::vector<std::shared_ptr<const EventFence>*> slots = std::move(held_slots);
-  held_slots.clear();
-  std::vector<std::shared_ptr<const EventFence>> fences;
-  try {
-    fences = device_stage->issue_held();
-    if (fences.size() != slots.size())
-      throw Error("DataLoader: " + std::to_string(slots.size()) + " batches held for one launch, " +
-                  std::to_string(fences.size()) + " issued");
-  } catch (...) {
-    // Every held batch fails at its hand-over (deliver rethrows the fence's error): none of them
-    // may reach the consumer unwritten.
-    const std::exception_ptr error = std::current_exception();
-    for (std::shared_ptr<const EventFence>* slot : slots) {
-      auto failed = EventFence::deferred(cuda::Event::create(device_stage->device()));
-      failed->recorded(error);  // never recorded on a stream: waiting on it returns at once
-      *slot = std::move(failed);
-    }
-    throw;
-  }
-  for (std::size_t k = 0; k < slots.size(); ++k) *slots[k] = std::move(fences[k]);
-}
-
-// Device gather: the batch of `index`, made by the GPU: the index's copy (when it is too large to
-// travel in the launch), then one gather launch for its fields on the copy stream, now or with
-// the batches held beside it (`hold`; Note [Device gather]). Runs on the pin thread.
-Payload LoaderCore::Parts::gather_batch(const Tensor& index, bool hold) {
-  auto aligned = [](std::size_t b) { return (b + 63) / 64 * 64; };
-  const std::size_t rows = static_cast<std::size_t>(index.size(0));
-  // Up to gather_index_in_launch rows the indices travel in the kernel's launch; a larger
-  // batch's go to the device first (from their pinned block).
-  const bool in_launch = index.size(0) <= DeviceStage::gather_index_in_launch;
-  std::size_t bytes = in_launch ? 0 : aligned(index.nbytes());
-  for (const HostRows& f : gather_fields) bytes += aligned(rows * gathered_row_bytes(f));
-  device_stage->begin(bytes, hold);  // held batches: small, several to a launch and to a buffer
-  std::vector<Tensor> fields;
-  fields.reserve(gather_fields.size());
-  try {
-    const Tensor index_dev = in_launch ? index : device_stage->move(index);
-    for (std::size_t k = 0; k < gather_fields.size(); ++k) {
-      const HostRows& f = gather_fields[k];
-      if (f.window)
-        fields.push_back(device_stage->gather_windows(index_dev, registration->device_rows(k), f.dtype, f.rows, *f.window));
-      else
-        fields.push_back(device_stage->gather_rows(index_dev, registration->device_rows(k), f.row_bytes, f.dtype, f.row_shape,
-                                                   f.transform ? &*f.transform : nullptr));
-    }
-    Payload p = Payload::make(DeviceBatch{typed.from_fields(std::move(fields)), nullptr});
-    DeviceBatch& d = p.get<DeviceBatch>();  // on the heap: a held batch's slot stays put
-    bool held = false;
-    if (hold) {
-      held = device_stage->end_held();
-      if (!held && !held_slots.empty()) {  // no room left: the held launch goes first
-        flush_held();
-        held = device_stage->end_held();
-      }
-    }
-    if (held)
-      held_slots.push_back(&d.copied);
-    else
-      d.copied = device_stage->end();
-    return p;
-  } catch (...) {
-    device_stage->abort();
-    throw;
-  }
-}
-
-bool LoaderCore::gathering() const noexcept { return p_->gathering; }
+bool LoaderCore::gathering() const noexcept { return p_->gathering(); }
 
 Payload LoaderCore::gather_index(const Job& job, JobContext& ctx) {
   Parts& s = *p_;
@@ -387,23 +313,7 @@ Payload LoaderCore::gather_index(const Job& job, JobContext& ctx) {
   // Pinned only when the batch is too large for its indices to travel in the gather's launch.
   BatchAllocator& a =
       job.indices.size() <= static_cast<std::size_t>(DeviceStage::gather_index_in_launch) ? pageable_allocator() : *s.allocator;
-  const RowFlips flips{s.gather_flip_p, s.opt.seed, ctx.worker.epoch};
-  Tensor index = detail::gather_index(job.indices, s.traits.dataset_size, a, flips);
-  if (const HostRows& f = s.gather_fields.front(); f.window) {
-    // Windows (RowWindow): each word is the sample's window start, the same for every field
-    // (gather_unavailable refuses fields that mix windows and rows).
-    std::int64_t* word = index.data<std::int64_t>();
-    for (std::size_t k = 0; k < job.indices.size(); ++k) {
-      const std::uint64_t start = f.window->start(job.indices[k], s.opt.seed, ctx.worker.epoch);
-      for (const HostRows& g : s.gather_fields)
-        if (start > static_cast<std::uint64_t>(g.rows - g.window->length - g.window->shift))
-          throw Error("device gather: sample " + std::to_string(job.indices[k]) + "'s window starts at element " +
-                      std::to_string(start) + ", past the last that fits " + g.name + " (" + std::to_string(g.rows) +
-                      " elements)");
-      word[k] = static_cast<std::int64_t>(start);
-    }
-  }
-  return Payload::make(GatherIndex{std::move(index)});
+  return Payload::make(GatherIndex{s.gather->index(job.indices, s.traits.dataset_size, a, s.opt.seed, ctx.worker.epoch)});
 }
 
 // The next batch for the consumer, from the last stage of the route.
@@ -411,71 +321,12 @@ Payload LoaderCore::Parts::last_stage_next() {
   switch (route) {
     case Route::Workers: return engine.next();
     case Route::Pinned: return pin_stage->next();
-    case Route::DeviceIssued: {
-      // The pin thread has issued the batch's copies and gathers or decode; the consumer's stream
-      // waits on them here, at hand-over (Note [Device stage]).
-      if (!awaiting) {
-        awaiting = pin_stage->next();
-        if (!awaiting) return {};
-      }
-      // A gathered batch always has its fence (flush_held sets a held one's before hand-over).
-      if (const auto& copied = awaiting.get<DeviceBatch>().copied)
-        await_issued(*copied);  // an interruption keeps it
-      else if (gathering) {
-        awaiting = Payload();
-        throw Error("DataLoader: a gathered batch reached the consumer without its fence");
-      }
-      Payload p = std::move(awaiting);  // leaves `awaiting` empty
-      DeviceBatch& d = p.get<DeviceBatch>();
-      if (d.copied) device_stage->deliver(*d.copied);  // rethrows a decode's error, at the batch's position
-      return std::move(d.batch);
-    }
-    case Route::PinnedToDevice: break;
+    // The pin thread has issued the batch's copies and gathers or decode; the consumer's stream
+    // waits on them here, at hand-over (Note [Device stage]).
+    case Route::DeviceIssued: return hand_over->next_issued(epochs.epoch_delivered - 1, gathering());
+    case Route::PinnedToDevice: return hand_over->next_copied();
   }
-  // Issue the copies of up to device_prefetch batches ahead, so batch i+1 transfers while
-  // batch i computes. Failures keep their position in the queue.
-  while (device_queue.size() < static_cast<std::size_t>(opt.device_prefetch) && !device_end) {
-    DeviceItem item;
-    try {
-      Payload p = pin_stage->next();
-      if (!p) {
-        device_end = true;
-        break;
-      }
-      PinContext ctx(*device_stage);
-      typed.walk(p, ctx);
-      item.copied = ctx.device_copy();
-      item.batch = std::move(p);
-    } catch (const Interrupted&) {
-      if (device_queue.empty()) throw;  // nothing to hand over yet; nothing taken
-      break;                            // hand over the batch already issued
-    } catch (...) {
-      item.error = std::current_exception();
-    }
-    device_queue.push_back(std::move(item));
-  }
-  if (device_queue.empty()) return {};
-  DeviceItem item = std::move(device_queue.front());
-  device_queue.pop_front();
-  if (item.error) std::rethrow_exception(item.error);
-  if (item.copied) device_stage->deliver(*item.copied);  // order the consumer after this copy only
-  return std::move(item.batch);
-}
-
-void LoaderCore::Parts::await_issued(const EventFence& copied) {
-  const WaitPoll& poll = engine.wait_poll();
-  if (!poll && opt.timeout.count() == 0) return;  // deliver() waits, unbounded
-  const std::chrono::microseconds limit = stage_timeout(opt.timeout);
-  // Interrupted (the poll) propagates: the batch stays in `awaiting` for the next call.
-  if (wait_polled(poll, limit, [&copied](std::chrono::microseconds slice) { return copied.wait_recorded(slice); })) return;
-  TimeoutError error("DataLoader timed out after " +
-                     std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(limit).count()) +
-                     " ms waiting for the GPU decode of batch " + std::to_string(epoch_delivered - 1) +
-                     ": a decode thread has not come back from nvJPEG (gpu_decode_threads = 1 avoids the known two-thread "
-                     "stall; see DataLoaderOptions::gpu_decode_threads)");
-  timed_out.push_back(
-      std::move(awaiting));  // (leaves it empty) the batch fails at its position; the next call takes the next one
-  throw error;
+  return {};
 }
 
 // --- Epochs (consumer thread) ---
@@ -485,53 +336,51 @@ void LoaderCore::begin_epoch() {
   std::shared_ptr<const BatchPlan> plan;
   std::uint64_t start = 0;
   if (!s.traits.streaming) {
-    if (s.resume) {  // restore(): the saved epoch, from the batch after the last one received
-      plan = s.resume->plan;
-      start = s.resume->batch;
-      s.segment_start = s.resume->segment_start;
-      s.resume.reset();
+    if (s.epochs.resume) {  // restore(): the saved epoch, from the batch after the last one received
+      plan = s.epochs.resume->plan;
+      start = s.epochs.resume->batch;
+      s.epochs.segment_start = s.epochs.resume->segment_start;
+      s.epochs.resume.reset();
     } else {
-      s.segment_start = 0;
+      s.epochs.segment_start = 0;
       // The plan the epoch's first batches were made ahead with (prefetch_next_epoch), if this
       // is that epoch; the engine then takes those batches over.
-      plan = s.engine.plan_made_ahead(s.next_epoch);
-      if (!plan && s.plan_ahead && s.plan_ahead->epoch == s.next_epoch)
-        plan = s.plan_ahead->plan.get();  // a sampler's error, here
-      s.plan_ahead.reset();
-      if (!plan) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.next_epoch));
+      plan = s.engine.plan_made_ahead(s.epochs.next_epoch);
+      if (!plan && s.epochs.plan_ahead && s.epochs.plan_ahead->epoch == s.epochs.next_epoch)
+        plan = s.epochs.plan_ahead->plan.get();  // a sampler's error, here
+      s.epochs.plan_ahead.reset();
+      if (!plan) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.epochs.next_epoch));
     }
-    s.epoch_plan = plan;
-    s.epoch_plan_hash.reset();
+    s.epochs.epoch_plan = plan;
+    s.epochs.epoch_plan_hash.reset();
   } else {
-    if (s.resume) start = s.resume->batch;  // each worker's stream skips what its batches before used
-    s.resume.reset();
-    s.stream_resume_key.store(start, std::memory_order_relaxed);
+    if (s.epochs.resume) start = s.epochs.resume->batch;  // each worker's stream skips what its batches before used
+    s.epochs.resume.reset();
+    s.epochs.stream_resume_key.store(start, std::memory_order_relaxed);
   }
-  s.epoch_exhausted = false;
-  s.stopped_mid_epoch = false;
+  s.epochs.epoch_exhausted = false;
+  s.epochs.stopped_mid_epoch = false;
   if (!s.stats.origin_ns) s.stats.origin_ns = now_ns();  // before any stage starts work
-  s.faults.begin_epoch(s.next_epoch, plan ? plan->indices.size() : s.traits.dataset_size);
-  s.engine.begin_epoch(s.next_epoch, std::move(plan), start);
-  s.epoch_delivered = static_cast<std::int64_t>(start);
-  s.live_epoch = s.next_epoch;
+  s.faults.begin_epoch(s.epochs.next_epoch, plan ? plan->indices.size() : s.traits.dataset_size);
+  s.engine.begin_epoch(s.epochs.next_epoch, std::move(plan), start);
+  s.epochs.epoch_delivered = static_cast<std::int64_t>(start);
+  s.epochs.live_epoch = s.epochs.next_epoch;
   if (!s.traits.streaming && s.opt.prefetch_next_epoch) {
-    const std::uint64_t next = s.next_epoch + 1;
+    const std::uint64_t next = s.epochs.next_epoch + 1;
     if (s.engine.prefetches_next()) {
       s.engine.prefetch_next(next, std::make_shared<const BatchPlan>(s.batch_sampler->plan(next)));
     } else if (s.batch_sampler->plans_ahead()) {
       // A plan takes a few ns an index (bench_plan: a million-index epoch, 2.7-3.5 ms on a
       // 2-core machine), which would otherwise hold up the next epoch's start.
-      s.plan_ahead = Parts::PlanAhead{next, std::async(std::launch::async, [sampler = s.batch_sampler, next] {
+      s.epochs.plan_ahead = EpochBook::PlanAhead{next, std::async(std::launch::async, [sampler = s.batch_sampler, next] {
                                         name_this_thread("ferry-plan");  // else it shows as the consumer, its maker
                                         return std::make_shared<const BatchPlan>(sampler->plan(next));
                                       })};
     }
   }
   if (s.pin_stage) s.pin_stage->start();
-  s.device_queue.clear();
-  s.awaiting = Payload();
-  s.device_end = false;
-  ++s.next_epoch;
+  if (s.hand_over) s.hand_over->clear();
+  ++s.epochs.next_epoch;
 }
 
 // The next batch for the consumer, timing the wait (stats, trace).
@@ -540,7 +389,7 @@ Payload LoaderCore::next() {
   const std::int64_t t0 = now_ns();
   if (!s.stats.origin_ns) s.stats.origin_ns = t0;
   TraceRecorder* trace = s.opt.trace.get();
-  const std::int64_t batch = s.epoch_delivered;
+  const std::int64_t batch = s.epochs.epoch_delivered;
   if (trace && s.stats.last_delivered_ns && trace->wants(batch - 1))
     trace->span(TraceRecorder::kConsumerTrack, "consumer holds batch", batch - 1, s.stats.last_delivered_ns, t0);
   struct Timer {
@@ -558,19 +407,19 @@ Payload LoaderCore::next() {
       }
     }
   } timer{s, t0, batch};
-  ++s.epoch_delivered;  // a failed batch takes its position too
+  ++s.epochs.epoch_delivered;  // a failed batch takes its position too
   Payload p;
   try {
     p = s.last_stage_next();
   } catch (const Interrupted&) {
-    --s.epoch_delivered;  // no batch taken: the next call waits for the same one
+    --s.epochs.epoch_delivered;  // no batch taken: the next call waits for the same one
     throw;
   }
   if (p) {
     ++s.stats.delivered_batches;
   } else {
     s.stats.last_delivered_ns = 0;
-    s.epoch_exhausted = true;
+    s.epochs.epoch_exhausted = true;
   }
   return p;
 }
@@ -579,12 +428,11 @@ void LoaderCore::end_epoch() noexcept {
   Parts& s = *p_;
   // An epoch left early (break): state() keeps its position until begin(), set_epoch() or
   // restore(), as it did while the iterator lived.
-  s.stopped_mid_epoch = s.engine.epoch_live() && !s.epoch_exhausted;
+  s.epochs.stopped_mid_epoch = s.engine.epoch_live() && !s.epochs.epoch_exhausted;
   s.stats.last_delivered_ns = 0;
-  s.device_queue.clear();
-  s.awaiting = Payload();
+  if (s.hand_over) s.hand_over->clear();
   if (s.pin_stage) s.pin_stage->stop();  // the pin thread, which also calls the engine, is gone after this
-  if (s.stopped_mid_epoch) s.stopped_key = s.engine.next_key();
+  if (s.epochs.stopped_mid_epoch) s.epochs.stopped_key = s.engine.next_key();
   s.engine.end_epoch();
 }
 
@@ -597,11 +445,11 @@ std::size_t LoaderCore::batches_per_epoch() const {
   return s.opt.drop_last ? n / b : (n + b - 1) / b;
 }
 
-std::uint64_t LoaderCore::next_epoch() const noexcept { return p_->next_epoch; }
+std::uint64_t LoaderCore::next_epoch() const noexcept { return p_->epochs.next_epoch; }
 
 void LoaderCore::set_epoch(std::uint64_t epoch) noexcept {
-  p_->next_epoch = epoch;
-  p_->stopped_mid_epoch = false;
+  p_->epochs.next_epoch = epoch;
+  p_->epochs.stopped_mid_epoch = false;
 }
 
 // --- Accessors ---
@@ -610,7 +458,7 @@ const DataLoaderOptions& LoaderCore::options() const noexcept { return p_->opt; 
 Route LoaderCore::route() const noexcept { return p_->route; }
 BatchAllocator& LoaderCore::allocator() const noexcept { return *p_->allocator; }
 ParallelFor* LoaderCore::intra_pool() const noexcept { return p_->pool.get(); }
-std::uint64_t LoaderCore::stream_resume_key() const noexcept { return p_->stream_resume_key.load(std::memory_order_relaxed); }
+std::uint64_t LoaderCore::stream_resume_key() const noexcept { return p_->epochs.stream_resume_key.load(std::memory_order_relaxed); }
 void LoaderCore::init_worker(const WorkerInfo& worker) {
   if (p_->opt.worker_init_fn) p_->opt.worker_init_fn(worker);
 }

@@ -1,10 +1,11 @@
 // LoaderCore's parts (dataloader/): what core.cpp (the route, epochs), policy.cpp (the per-sample
-// error policy) and resume.cpp (state, restore, statistics) share. Private to this folder.
+// error policy) and resume.cpp (state, restore, statistics) share; the route's owners of their own
+// (the device gather, the device hand-over) are in gather_path.h and hand_over.h. Private to this
+// folder.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <future>
 #include <memory>
@@ -27,19 +28,10 @@
 #include "ferry/pinning/gather.h"
 #include "ferry/pinning/pin.h"
 #include "ferry/pinning/pool.h"
+#include "gather_path.h"
+#include "hand_over.h"
 
 namespace ferry::detail {
-
-/// A device-gather batch before the device stage: its sample indices, in a pinned block.
-struct GatherIndex {
-  Tensor index;  ///< int64 [B]
-};
-
-/// A batch whose device work is issued: the consumer's stream waits on `copied` at hand-over.
-struct DeviceBatch {
-  Payload batch;
-  std::shared_ptr<const EventFence> copied;
-};
 
 /// Statistics kept on the consumer's thread, and the counters' values at reset_stats().
 struct StatsBook {
@@ -56,63 +48,9 @@ struct StatsBook {
   } base;
 };
 
-struct LoaderCore::Parts {
-  Parts(DataLoaderOptions o, const LoaderTraits& t, Producer& producer, TypedBatches& typed);
-  ~Parts();
-
-  void stop() noexcept;
-  // The route (core.cpp).
-  bool make_pinned_pool();
-  std::shared_ptr<PinnedPool> pageable_cache(std::size_t limit);
-  void choose_gather(std::vector<HostRows> fields, std::string why);
-  void setup_gather();
-  /// The device gather's batches in flight, for small batches (setup_gather).
-  static constexpr std::size_t kGatherDepthMax = 24, kGatherDepthBytes = std::size_t{32} << 20;
-  void setup_pinning();
-  /// `hold`: the batch may join the held launch (DeviceStage::end_held); its fence is then set by
-  /// flush_held(), before the pin stage hands it over.
-  Payload gather_batch(const Tensor& index, bool hold = false);
-  /// Issues the held batches' gathers and gives each held batch its fence.
-  void flush_held();
-  Payload last_stage_next();
-  /// The worker threads that make batches: num_workers, or 0 where they are made inline (the
-  /// device gather makes them on the pin thread whatever num_workers says).
-  int producers() const noexcept { return gathering ? 0 : opt.num_workers; }
-  // Resume (resume.cpp).
-  std::shared_ptr<const DistributedSampler> distributed() const;
-  std::shared_ptr<const BatchPlan> plan_of(std::uint64_t epoch, std::size_t segment_start) const;
-  // The error policy (policy.cpp).
-  /// Tries fn on sample i, the first try counted as try `first` (for the backoff and io_retries).
-  std::exception_ptr attempt(std::size_t row, std::size_t i, JobContext& ctx, StageMeter* meter, const SampleFn& fn,
-                             int first = 0);
-  bool retry_after(const std::exception_ptr& e, int a, JobContext& ctx);
-  bool fetch_row(const Job& job, JobContext& ctx, std::size_t r, std::size_t row, StageMeter* meter, const SampleFn& fn,
-                 std::size_t* used);
-
-  const LoaderTraits traits;
-  DataLoaderOptions opt;
-  TypedBatches& typed;
-  std::shared_ptr<const BatchSampler> batch_sampler;
-  // The next epoch's plan, made on a thread of its own while this epoch runs (begin_epoch), where
-  // the engine does not make the next epoch's first batches ahead itself. Its future joins that
-  // thread when dropped.
-  struct PlanAhead {
-    std::uint64_t epoch = 0;
-    std::future<std::shared_ptr<const BatchPlan>> plan;
-  };
-  std::optional<PlanAhead> plan_ahead;
-  std::shared_ptr<const Placement> placement;  // Note [NUMA placement]; null: not placed
-  std::unique_ptr<ParallelFor> pool;           // intra_batch_threads
-  BatchAllocator* allocator;                   // where workers write batches
-  FaultLog faults;
-  std::shared_ptr<PinnedPool> pinned_pool;
-  std::shared_ptr<PinnedPool> collate_pool;  // copy mode, or no pinning: recycled pageable batch buffers
-  std::unique_ptr<DepthCheckedAllocator> pin_blocks, direct_blocks;
-  std::unique_ptr<ParallelFor> pin_copy_pool;
-  StatsBook stats;  // consumer thread
-  IoCounters io;    // this loader's object-store reads (its workers add to them)
-
-  // Epochs and resume (state(), restore()); consumer thread.
+/// Where the loader is in its epochs: what begin/next/end_epoch move along and state() and
+/// restore() read and set (core.cpp, resume.cpp). Consumer thread, but for stream_resume_key.
+struct EpochBook {
   std::int64_t epoch_delivered = 0;  // batches handed over in the live epoch (failed ones too)
   std::uint64_t next_epoch = 0;
   struct Resume {
@@ -131,36 +69,72 @@ struct LoaderCore::Parts {
   // Streams: the resumed epoch's first key. Written before the epoch's workers start; atomic
   // because a worker abandoned in an earlier epoch's open() may still read it.
   std::atomic<std::uint64_t> stream_resume_key{0};
+  // The next epoch's plan, made on a thread of its own while this epoch runs (begin_epoch), where
+  // the engine does not make the next epoch's first batches ahead itself. Its future joins that
+  // thread when dropped.
+  struct PlanAhead {
+    std::uint64_t epoch = 0;
+    std::future<std::shared_ptr<const BatchPlan>> plan;
+  };
+  std::optional<PlanAhead> plan_ahead;
+};
+
+struct LoaderCore::Parts {
+  Parts(DataLoaderOptions o, const LoaderTraits& t, Producer& producer, TypedBatches& typed);
+  ~Parts();
+
+  void stop() noexcept;
+  // The route (core.cpp).
+  bool make_pinned_pool();
+  std::shared_ptr<PinnedPool> pageable_cache(std::size_t limit);
+  void choose_gather(std::vector<HostRows> fields, std::string why);
+  void setup_gather();
+  /// The device gather's batches in flight, for small batches (setup_gather).
+  static constexpr std::size_t kGatherDepthMax = 24, kGatherDepthBytes = std::size_t{32} << 20;
+  void setup_pinning();
+  Payload last_stage_next();
+  bool gathering() const noexcept { return gather != nullptr; }
+  /// The worker threads that make batches: num_workers, or 0 where they are made inline (the
+  /// device gather makes them on the pin thread whatever num_workers says).
+  int producers() const noexcept { return gathering() ? 0 : opt.num_workers; }
+  // Resume (resume.cpp).
+  std::shared_ptr<const DistributedSampler> distributed() const;
+  std::shared_ptr<const BatchPlan> plan_of(std::uint64_t epoch, std::size_t segment_start) const;
+  // The error policy (policy.cpp).
+  /// Tries fn on sample i, the first try counted as try `first` (for the backoff and io_retries).
+  std::exception_ptr attempt(std::size_t row, std::size_t i, JobContext& ctx, StageMeter* meter, const SampleFn& fn,
+                             int first = 0);
+  bool retry_after(const std::exception_ptr& e, int a, JobContext& ctx);
+  bool fetch_row(const Job& job, JobContext& ctx, std::size_t r, std::size_t row, StageMeter* meter, const SampleFn& fn,
+                 std::size_t* used);
+
+  const LoaderTraits traits;
+  DataLoaderOptions opt;
+  TypedBatches& typed;
+  std::shared_ptr<const BatchSampler> batch_sampler;
+  std::shared_ptr<const Placement> placement;  // Note [NUMA placement]; null: not placed
+  std::unique_ptr<ParallelFor> pool;           // intra_batch_threads
+  BatchAllocator* allocator;                   // where workers write batches
+  FaultLog faults;
+  std::shared_ptr<PinnedPool> pinned_pool;
+  std::shared_ptr<PinnedPool> collate_pool;  // copy mode, or no pinning: recycled pageable batch buffers
+  std::unique_ptr<DepthCheckedAllocator> pin_blocks, direct_blocks;
+  std::unique_ptr<ParallelFor> pin_copy_pool;
+  StatsBook stats;  // consumer thread
+  IoCounters io;    // this loader's object-store reads (its workers add to them)
+
+  EpochBook epochs;  // consumer thread (stream_resume_key: workers too)
 
   Engine engine;                        // built after, and shut down before, everything it calls into
   std::unique_ptr<PinStage> pin_stage;  // the engine's consumer when pinning; stops first
   std::unique_ptr<DeviceStage> device_stage;
-  Route route = Route::Workers;
-  // Device gather: the dataset's fields and their registration (undone after the copy stream has
-  // finished, in ~Parts).
-  std::vector<HostRows> gather_fields;
-  std::vector<std::shared_ptr<const EventFence>*> held_slots;  // DeviceBatch::copied of the held batches (pin thread)
-  double gather_flip_p = 0;  // the flip a sample draws for the fields' row transforms (RowTransform::flip_p)
-  std::unique_ptr<RowRegistration> registration;
-  bool gathering = false;
-  bool issue_on_pin_thread = false;  // gather or GPU decode: the pin thread issues the device work
-  struct DeviceItem {
-    Payload batch;
-    std::shared_ptr<const EventFence> copied;  // the batch's copy; the consumer waits at hand-over
-    std::exception_ptr error;
-  };
-  std::deque<DeviceItem> device_queue;  // copies issued, not yet delivered (consumer thread)
-  bool device_end = false;
-  // Route::DeviceIssued: the batch taken from the pin thread whose GPU decode the consumer waits
-  // for its decode thread to issue; kept across an interruption (consumer thread).
-  Payload awaiting;
-  // Batches whose decode timed out (await_issued): never delivered, and kept until the loader goes,
-  // so that their device buffers are not reused while a decode may still come back and write them.
-  std::vector<Payload> timed_out;
-  // Waits until `copied` (a GPU decode's deferred fence) is recorded, running the wait poll and
-  // bounded by twice the timeout (TimeoutError): a decode thread that never returns does not hold
-  // the consumer for good.
-  void await_issued(const EventFence& copied);
+  // The device gather (null: the host path); its registration is undone after the copy stream
+  // has finished, in ~Parts.
+  std::unique_ptr<GatherPath> gather;
+  // The consumer's end of a route with a device stage (null without one). Declared after the
+  // stages it takes from: it goes first, with the batches it holds.
+  std::unique_ptr<DeviceHandOver> hand_over;
+  Route route = Route::Workers;  // chosen once, by build_route; last_stage_next follows it
 };
 
 }  // namespace ferry::detail

@@ -43,9 +43,9 @@ LoaderState LoaderCore::save_state() const {
   if (s.traits.streaming) {
     st.batch_size = s.opt.batch_size;
     st.stream_workers = static_cast<std::uint64_t>(std::max(s.opt.num_workers, 1));
-    if ((live && !s.epoch_exhausted) || s.stopped_mid_epoch) {
-      st.epoch = s.live_epoch;
-      const std::int64_t key = live ? s.engine.next_key() : s.stopped_key;
+    if ((live && !s.epochs.epoch_exhausted) || s.epochs.stopped_mid_epoch) {
+      st.epoch = s.epochs.live_epoch;
+      const std::int64_t key = live ? s.engine.next_key() : s.epochs.stopped_key;
       if (key < 0)
         throw Error(
             "DataLoader::state(): a stream delivered out of order (in_order = false) has no position to resume "
@@ -56,40 +56,40 @@ LoaderState LoaderCore::save_state() const {
             "varying number of records per batch); save the state between epochs");
       st.batches = static_cast<std::uint64_t>(key);
     } else {
-      st.epoch = live ? s.live_epoch + 1 : s.next_epoch;
-      if (!live && s.resume) st.batches = s.resume->batch;
+      st.epoch = live ? s.epochs.live_epoch + 1 : s.epochs.next_epoch;
+      if (!live && s.epochs.resume) st.batches = s.epochs.resume->batch;
     }
     return st;
   } else {
     std::shared_ptr<const BatchPlan> plan;
     std::uint64_t k = 0;
     std::size_t segment = 0;
-    if ((live || s.stopped_mid_epoch) && s.epoch_plan) {
-      st.epoch = s.live_epoch;
-      k = std::min<std::uint64_t>(static_cast<std::uint64_t>(s.epoch_delivered), s.epoch_plan->size());
-      plan = s.epoch_plan;
-      segment = s.segment_start;
+    if ((live || s.epochs.stopped_mid_epoch) && s.epochs.epoch_plan) {
+      st.epoch = s.epochs.live_epoch;
+      k = std::min<std::uint64_t>(static_cast<std::uint64_t>(s.epochs.epoch_delivered), s.epochs.epoch_plan->size());
+      plan = s.epochs.epoch_plan;
+      segment = s.epochs.segment_start;
       if (k == plan->size()) {  // every batch received: the next epoch, from its start
         ++st.epoch;
         k = 0;
         plan.reset();
         segment = 0;
       }
-    } else if (s.resume) {
-      st.epoch = s.next_epoch;
-      k = s.resume->batch;
-      plan = s.resume->plan;
-      segment = s.resume->segment_start;
+    } else if (s.epochs.resume) {
+      st.epoch = s.epochs.next_epoch;
+      k = s.epochs.resume->batch;
+      plan = s.epochs.resume->plan;
+      segment = s.epochs.resume->segment_start;
     } else {
-      st.epoch = s.next_epoch;
+      st.epoch = s.epochs.next_epoch;
     }
-    const bool hash_cached = plan && plan == s.epoch_plan;
+    const bool hash_cached = plan && plan == s.epochs.epoch_plan;
     if (!plan) plan = s.plan_of(st.epoch, segment);
     st.batches = k;
     st.batches_per_epoch = plan->size();
     st.samples_per_epoch = plan->indices.size();
-    if (hash_cached && !s.epoch_plan_hash) s.epoch_plan_hash = hash_plan(*plan);
-    st.plan_hash = hash_cached ? *s.epoch_plan_hash : hash_plan(*plan);
+    if (hash_cached && !s.epochs.epoch_plan_hash) s.epochs.epoch_plan_hash = hash_plan(*plan);
+    st.plan_hash = hash_cached ? *s.epochs.epoch_plan_hash : hash_plan(*plan);
     if (auto d = s.distributed()) {
       st.world_size = d->world_size();
       st.rank = d->rank();
@@ -104,7 +104,7 @@ void LoaderCore::restore_state(const LoaderState& st) {
   Parts& s = *p_;
   if (s.engine.epoch_live())
     throw Error("DataLoader::restore(): an iterator of this loader is live; restore before begin() or after the epoch");
-  s.stopped_mid_epoch = false;
+  s.epochs.stopped_mid_epoch = false;
   auto differs = [](const char* what, auto saved, auto here) {
     throw Error(std::string("DataLoader::restore(): the state is another loader's: its ") + what + " is " +
                 std::to_string(saved) + ", this loader's is " + std::to_string(here));
@@ -123,11 +123,11 @@ void LoaderCore::restore_state(const LoaderState& st) {
       if (st.batch_size != s.opt.batch_size) differs("batch size", st.batch_size, s.opt.batch_size);
       if (s.opt.on_error != OnError::Raise)
         throw Error("DataLoader::restore(): a stream resumes mid-epoch under on_error = Raise only");
-      s.resume = Parts::Resume{nullptr, st.batches, 0};
+      s.epochs.resume = EpochBook::Resume{nullptr, st.batches, 0};
     } else {
-      s.resume.reset();
+      s.epochs.resume.reset();
     }
-    s.next_epoch = st.epoch;
+    s.epochs.next_epoch = st.epoch;
   } else {
     const auto d = s.distributed();
     if (st.world_size && !d)
@@ -158,11 +158,11 @@ void LoaderCore::restore_state(const LoaderState& st) {
                   std::to_string(st.batches_per_epoch) + " of " + std::to_string(st.samples_per_epoch) +
                   " saved, or the same counts in another order): another sampler, shuffle, batch_size or drop_last, or a "
                   "sampler that is not a function of the epoch");
-    s.next_epoch = st.epoch;
+    s.epochs.next_epoch = st.epoch;
     if (k == 0 && segment == 0)
-      s.resume.reset();
+      s.epochs.resume.reset();
     else
-      s.resume = Parts::Resume{std::move(plan), k, segment};
+      s.epochs.resume = EpochBook::Resume{std::move(plan), k, segment};
   }
 }
 
@@ -179,9 +179,9 @@ LoaderStats LoaderCore::stats() const {
   s.fetch_seconds = secs(Stage::Fetch);
   s.transform_seconds = secs(Stage::Transform);
   s.collate_seconds = secs(Stage::Collate);
-  s.pinning = c.pin_stage != nullptr && !c.gathering;
+  s.pinning = c.pin_stage != nullptr && !c.gathering();
   s.device = c.device_stage != nullptr;
-  if (c.pin_stage && !c.gathering) s.pin_seconds = static_cast<double>(c.pin_stage->pin_ns() - c.stats.base.pin_ns) / 1e9;
+  if (c.pin_stage && !c.gathering()) s.pin_seconds = static_cast<double>(c.pin_stage->pin_ns() - c.stats.base.pin_ns) / 1e9;
   if (c.device_stage) {
     const DeviceStageStats d = c.device_stage->stats();
     s.copy_seconds = (d.copy_ms - c.stats.base.copy_ms) / 1e3;
@@ -191,7 +191,7 @@ LoaderStats LoaderCore::stats() const {
     s.gather_seconds = (d.gather_ms - c.stats.base.gather_ms) / 1e3;
     s.rows_gathered = d.rows_gathered - c.stats.base.rows_gathered;
   }
-  s.device_gather = c.gathering;
+  s.device_gather = c.gathering();
   s.wait_seconds = static_cast<double>(c.stats.wait_ns - c.stats.base.wait_ns) / 1e9;
   const FaultCounts f = c.faults.counts();
   s.samples_skipped = f.skipped - c.stats.base.faults.skipped;
