@@ -101,7 +101,8 @@ LoaderCore::Parts::~Parts() {
 
 // The pin thread and workers stop before anything they use is destroyed. Idempotent.
 void LoaderCore::Parts::stop() noexcept {
-  epochs.plan_ahead.reset();  // joins the thread making the next plan (Parts may outlive the loader: an abandoned worker keeps it)
+  epochs.plan_ahead
+      .reset();  // joins the thread making the next plan (Parts may outlive the loader: an abandoned worker keeps it)
   if (hand_over) hand_over->clear();
   if (pin_stage) pin_stage->stop();
   engine.shutdown();
@@ -373,9 +374,9 @@ void LoaderCore::begin_epoch() {
       // A plan takes a few ns an index (bench_plan: a million-index epoch, 2.7-3.5 ms on a
       // 2-core machine), which would otherwise hold up the next epoch's start.
       s.epochs.plan_ahead = EpochBook::PlanAhead{next, std::async(std::launch::async, [sampler = s.batch_sampler, next] {
-                                        name_this_thread("ferry-plan");  // else it shows as the consumer, its maker
-                                        return std::make_shared<const BatchPlan>(sampler->plan(next));
-                                      })};
+                                                   name_this_thread("ferry-plan");  // else it shows as the consumer, its maker
+                                                   return std::make_shared<const BatchPlan>(sampler->plan(next));
+                                                 })};
     }
   }
   if (s.pin_stage) s.pin_stage->start();
@@ -458,7 +459,9 @@ const DataLoaderOptions& LoaderCore::options() const noexcept { return p_->opt; 
 Route LoaderCore::route() const noexcept { return p_->route; }
 BatchAllocator& LoaderCore::allocator() const noexcept { return *p_->allocator; }
 ParallelFor* LoaderCore::intra_pool() const noexcept { return p_->pool.get(); }
-std::uint64_t LoaderCore::stream_resume_key() const noexcept { return p_->epochs.stream_resume_key.load(std::memory_order_relaxed); }
+std::uint64_t LoaderCore::stream_resume_key() const noexcept {
+  return p_->epochs.stream_resume_key.load(std::memory_order_relaxed);
+}
 void LoaderCore::init_worker(const WorkerInfo& worker) {
   if (p_->opt.worker_init_fn) p_->opt.worker_init_fn(worker);
 }
