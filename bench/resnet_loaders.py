@@ -17,7 +17,9 @@ median of --runs passes of --steps steps after --warmup steps):
   * the uint8 recipe (PILToTensor instead of ToTensor + Normalize, normalized on the GPU in the
     step) through each of the two.
 Busy host cores: every process's CPU time (/proc/stat, all cores) over the measured wall time.
-First batch: seconds from making the loader to its first batch in hand (median of the runs).
+First batch: seconds from making the loader to its first batch in hand (median of the runs), and
+in the row's first run. Each run's ferry loader is closed and dropped after it (its stats()
+kept for the slab counters), as a torch loader goes with its last reference.
 With the defaults (8 + 30 steps of 256 of a 10,260-image folder) the measured steps lie inside
 the first epoch; more steps cross epochs, where a loader without persistent workers starts its
 workers again (rows with --steps 80 say what that costs).
@@ -248,12 +250,12 @@ def main():
     print(f"# ResNet-50 bf16 channels_last, batch {args.batch}, {args.steps} steps after {args.warmup}, "
           f"median of {args.runs}; {torch.cuda.get_device_name(0)}, {os.cpu_count()} vCPUs, torch {torch.__version__}, "
           f"torchvision {torchvision.__version__}, images {args.images}, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
-    print("| loader | images/s (median) | runs | / GPU alone | busy host cores | first batch (s) |")
-    print("|---|---:|---|---:|---:|---:|")
+    print("| loader | images/s (median) | runs | / GPU alone | busy host cores | first batch (s) | first batch, the row's first run (s) |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     alone = None
     for key in args.rows.split(","):
         name, make, prepare = rows[key]
-        rates, cores, firsts = [], [], []
+        rates, cores, firsts, report = [], [], [], None
         for _ in range(args.runs):
             made_at = time.perf_counter()
             batches = make()
@@ -262,21 +264,24 @@ def main():
             cores.append(c)
             firsts.append(first)
             del batches
+            if made:  # a ferry loader of this run: its own account, then closed (as torch's goes with its last reference)
+                stats = made[-1].stats()
+                slabs = {k: v for k, v in stats.items() if k.startswith("slab")}
+                pool = getattr(made[-1], "_pool", None)
+                if pool is not None and pool.slabs is not None:
+                    slabs.update(size=pool.slabs.size, limit=pool.slabs.limit, max_count=pool.slabs.max_count)
+                report = f"{key}: {stats}{slabs or ''}"
+                made[-1].close()
+                made.clear()
         med = statistics.median(rates)
         if key == "gpu":
             alone = med
         ratio = f"{med / alone:.3f}" if alone else "-"
         print(f"| {name} | {med:,.0f} | {', '.join(f'{r:,.0f}' for r in rates)} | {ratio} | {statistics.median(cores):.1f} | "
-              f"{statistics.median(firsts):.2f} |",
+              f"{statistics.median(firsts):.2f} | {firsts[0]:.2f} |",
               flush=True)
-        if made and os.environ.get("RESNET_STATS"):  # the last ferry loader's own account, to stderr
-            stats = made[-1].stats()
-            slabs = {k: v for k, v in stats.items() if k.startswith("slab")}
-            pool = getattr(made[-1], "_pool", None)
-            if pool is not None and pool.slabs is not None:
-                slabs.update(size=pool.slabs.size, limit=pool.slabs.limit, max_count=pool.slabs.max_count)
-            print(f"{key}: {stats}{slabs or ''}", file=sys.stderr, flush=True)
-        made.clear()
+        if report and os.environ.get("RESNET_STATS"):  # the last ferry loader's own account, to stderr
+            print(report, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
