@@ -99,13 +99,8 @@ constexpr const char* kMegatronHelp =
 
 std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) {
   std::vector<float> out;
-  const std::string text = c.str(key);
-  std::size_t start = 0;
-  while (start <= text.size()) {
-    const std::size_t end = std::min(text.find(':', start), text.size());
-    out.push_back(parse_float(c, key, text.substr(start, end - start)));
-    start = end + 1;
-  }
+  for (const std::string& item : c.items(key)) out.push_back(parse_float(c, key, item));  // "a:b:c", or typed items
+  if (out.empty()) throw Error("dataset '" + c.dataset() + "': option '" + key + "' has no value");
   return out;
 }
 
@@ -459,22 +454,58 @@ DatasetConfig::DatasetConfig(std::string dataset, const std::string& text) : dat
     if (key.empty()) throw Error("dataset '" + dataset_ + "': option '" + trim(item) + "' has an empty key");
     if (!values_.emplace(key, unescape(raw)).second)
       throw Error("dataset '" + dataset_ + "': option '" + key + "' is given twice");
-    raw_.emplace(key, raw);
+    std::vector<std::string>& items = items_[key];
+    for (const std::string& piece : split_unescaped(raw, ':', true))
+      if (!piece.empty()) items.push_back(unescape(piece));
+    scalar_[key] = true;
   }
 }
 
-std::vector<std::string> DatasetConfig::items(const std::string& key) const {
-  const std::string value = str(key);  // required; marks it read
-  (void)value;
-  std::vector<std::string> out;
-  for (const std::string& piece : split_unescaped(raw_.at(key), ':', true))
-    if (!piece.empty()) out.push_back(unescape(piece));
+DatasetConfig::DatasetConfig(std::string dataset, const Values& values) : dataset_(std::move(dataset)) {
+  for (const auto& [key, items] : values) {
+    if (key.empty()) throw Error("dataset '" + dataset_ + "': an option has an empty key");
+    std::string joined;
+    for (std::size_t k = 0; k < items.size(); ++k) joined += (k ? ":" : "") + items[k];
+    values_.emplace(key, std::move(joined));
+    items_.emplace(key, items);
+    scalar_[key] = items.size() == 1;
+  }
+}
+
+std::string DatasetConfig::text() const {
+  auto escaped = [](const std::string& v) {
+    std::string out;
+    for (char c : v) {
+      if (c == '\\' || c == ',' || c == '=' || c == ':') out += '\\';
+      out += c;
+    }
+    return out;
+  };
+  std::string out;
+  for (const auto& [key, items] : items_) {
+    out += (out.empty() ? "" : ",") + escaped(key) + "=";
+    if (scalar_.at(key) && items.size() == 1) {
+      out += escaped(values_.at(key));  // a text value read whole (its ':' included)
+      continue;
+    }
+    for (std::size_t k = 0; k < items.size(); ++k) out += (k ? ":" : "") + escaped(items[k]);
+  }
   return out;
+}
+
+std::vector<std::string> DatasetConfig::items(const std::string& key) const {
+  auto it = items_.find(key);
+  if (it == items_.end()) throw Error("dataset '" + dataset_ + "': option '" + key + "' is required");
+  read_.push_back(key);
+  return it->second;
 }
 
 std::string DatasetConfig::str(const std::string& key) const {
   auto it = values_.find(key);
   if (it == values_.end()) throw Error("dataset '" + dataset_ + "': option '" + key + "' is required");
+  if (!scalar_.at(key))
+    throw Error("dataset '" + dataset_ + "': option '" + key + "' takes one value, got a list of " +
+                std::to_string(items_.at(key).size()));
   read_.push_back(key);
   return it->second;
 }
@@ -527,31 +558,41 @@ void DatasetRegistry::add(const std::string& name, Factory factory, std::string 
 }
 
 OpenedDataset DatasetRegistry::open(const std::string& name, const std::string& config, std::vector<std::string>* classes) const {
+  return open(DatasetConfig(name, config), classes);
+}
+
+OpenedDataset DatasetRegistry::open(const DatasetConfig& config, std::vector<std::string>* classes) const {
   if (classes) classes->clear();
-  if (name == "tokens" || name == "megatron") return make_token_sequences(DatasetConfig(name, config));
+  const std::string& name = config.dataset();
+  if (name == "tokens" || name == "megatron") return make_token_sequences(DatasetConfig(config));
   if (name == "image_folder" && classes) {  // the registry's own image_folder, its classes kept
-    const DatasetConfig c(name, config);
+    const DatasetConfig c(config);
     ImageFolder folder = make_image_folder(c);
     *classes = folder.classes();
     if (c.str("decode", "cpu") == "gpu") return folder;
     return DynamicDataset(ferry::map(std::move(folder), labeled));
   }
   if (name == "tar") {
-    const DatasetConfig c("tar", config);
+    const DatasetConfig c(config);
     if (c.str("decode", "cpu") == "gpu") return make_tar_gpu_stream(c);
     return make_tar_stream(c);  // names any other value but cpu
   }
   if (name == "image_folder" || name == "tar_index") {
-    const DatasetConfig c(name, config);
+    const DatasetConfig c(config);
     if (c.str("decode", "cpu") == "gpu") {
       if (name == "image_folder") return make_image_folder(c);
       return make_tar_index(c);
     }
   }
-  return create(name, config);
+  return create(config);
 }
 
 DynamicDataset DatasetRegistry::create(const std::string& name, const std::string& config) const {
+  return create(DatasetConfig(name, config));
+}
+
+DynamicDataset DatasetRegistry::create(const DatasetConfig& config) const {
+  const std::string& name = config.dataset();
   Factory f;
   {
     std::lock_guard lock(mu_);
@@ -563,7 +604,7 @@ DynamicDataset DatasetRegistry::create(const std::string& name, const std::strin
     }
     f = it->second.factory;
   }
-  return f(DatasetConfig(name, config));
+  return f(DatasetConfig(config));  // a copy: what this factory reads, finish() checks
 }
 
 bool DatasetRegistry::contains(const std::string& name) const {

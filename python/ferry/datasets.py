@@ -23,7 +23,7 @@ Every dataset yields samples as a tuple of fields; the loader stacks them into b
 from __future__ import annotations
 
 import builtins
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _ferry
 from ._ferry import Dataset
@@ -34,21 +34,18 @@ __all__ = ["Dataset", "image_folder", "idx", "npy", "tar", "tokens", "megatron",
 Floats = Union[float, Sequence[float]]
 
 
-def _value(key: str, value) -> str:
-    """A value as the registry's key=value text takes it: a list's items joined by ':', and every
-    ',', '=', ':' and backslash of a value escaped with a backslash (so a path may hold any)."""
+def _items(value) -> List[str]:
+    """A value as the registry's typed options take it (DatasetConfig::Values): its items as
+    they are, one for a scalar; a path is a path, whatever characters it holds."""
     if isinstance(value, bool):
-        return "1" if value else "0"
+        return ["1" if value else "0"]
     if isinstance(value, (list, tuple)):
-        return ":".join(_value(key, v) for v in value)
-    text = str(value)
-    for c in "\\,=:":
-        text = text.replace(c, "\\" + c)
-    return text
+        return [item for v in value for item in _items(v)]
+    return [str(value)]
 
 
-def _config(**options) -> str:
-    return ",".join(f"{k}={_value(k, v)}" for k, v in options.items() if v is not None)
+def _config(**options) -> Dict[str, List[str]]:
+    return {k: _items(v) for k, v in options.items() if v is not None}
 
 
 def _make(name: str, timeout: Optional[float], **options) -> Dataset:

@@ -1,5 +1,6 @@
 // python/src/datasets.cpp — ferry._ferry's datasets: the registry's, token windows, mixtures,
 // and the Python datasets the package hands over (ferry/_bridge.py makes their callables).
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
@@ -15,18 +16,28 @@ namespace {
 
 using namespace nb::literals;
 
-PyDataset make_dataset(const std::string& name, const std::string& config, std::optional<double> timeout) {
+// `config`: typed values (each key's items as they are: what ferry.datasets passes), or the
+// registry's "key=value,..." text.
+PyDataset make_dataset_from(const ferry::DatasetConfig& config, std::optional<double> timeout) {
   PyDataset d;
-  d.name = name;
-  d.config = config;
+  d.name = config.dataset();
+  d.config = config.text();
   std::optional<ferry::ReadDeadline> deadline;  // the reads made while it is built (ferry/loaders/storage.h)
   if (timeout) deadline.emplace(std::chrono::milliseconds(static_cast<long long>(*timeout * 1000.0 + 0.5)));
-  d.opened.emplace(ferry::DatasetRegistry::global().open(name, config, &d.classes));
+  d.opened.emplace(ferry::DatasetRegistry::global().open(config, &d.classes));
   if (const auto* seqs = std::get_if<ferry::TokenSequences>(&*d.opened)) {  // dict batches
     d.fields = seqs->field_names();
     d.token_type = ferry::token_type_name(seqs->corpus().type());
   }
   return d;
+}
+
+PyDataset make_dataset(const std::string& name, const ferry::DatasetConfig::Values& values, std::optional<double> timeout) {
+  return make_dataset_from(ferry::DatasetConfig(name, values), timeout);
+}
+
+PyDataset make_dataset_text(const std::string& name, const std::string& config, std::optional<double> timeout) {
+  return make_dataset_from(ferry::DatasetConfig(name, config), timeout);
 }
 
 // The same token sequences with raw windows (TokenSequenceOptions::raw), over the corpus already
@@ -116,8 +127,11 @@ void register_datasets(nb::module_& m) {
   m.def("make_mixture", &make_mixture, "sources"_a, "weights"_a, "seed"_a, "block"_a, "size"_a.none(), "schedule"_a,
         "A weighted mixture of ferry datasets (C++ ferry::Mixture).");
   m.def("make_dataset", &make_dataset, "name"_a, "config"_a, "timeout"_a.none() = nb::none(),
-        "The registry's dataset `name` from a 'key=value,...' configuration (and 'tar', and "
-        "image_folder with decode=gpu); its object-store reads bounded by `timeout` seconds (ferry::ReadDeadline).");
+        "The registry's dataset `name` from typed options: each key's items as they are (one for a scalar), "
+        "nothing escaped or split (and 'tar', and image_folder with decode=gpu); its object-store reads bounded by "
+        "`timeout` seconds (ferry::ReadDeadline).");
+  m.def("make_dataset", &make_dataset_text, "name"_a, "config"_a, "timeout"_a.none() = nb::none(),
+        "The same from the registry's 'key=value,...' text (a backslash escapes ',', '=', ':' and itself).");
   m.def(
       "python_dataset",
       [](nb::object fetch, nb::object fetch_one, std::optional<std::size_t> size, nb::object open, nb::object finish,

@@ -130,7 +130,8 @@ def test_tar_stream_fills_batches_across_workers(tar_dir, workers):
 
 
 def test_paths_with_commas_equals_and_colons(tar_dir, tmp_path):
-    # Option values travel escaped: a shard or folder name may hold ',', '=', ':' and backslashes.
+    # Option values travel as typed items, nothing escaped or split: a shard or folder name may hold
+    # ",", "=", ":" and backslashes.
     odd = tmp_path / "run,a=b"
     odd.mkdir()
     shutil.copy(tar_dir / "shard-0.tar", odd / "2024-01-01T00:00:00,k=v\\x.tar")

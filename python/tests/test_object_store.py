@@ -33,7 +33,7 @@ def test_tar_shards_and_npy_over_s3_equal_local(object_store, tar_dir, rows_npy)
     assert len(remote) == 3 and _same(remote, local)
     streamed = _batches(ferry.datasets.tar(dir=url, size=16, shuffle=False), batch_size=6)
     assert sum(len(b[1]) for b in streamed) == 12
-    # A key with a timestamp (its ':' escaped on the way to the registry, not a list separator).
+    # A key with a timestamp (its ':' an item's own on the way to the registry, not a list separator).
     stamped = object_store(tar_dir / "shard-0.tar", "stamped/shard-2024-01-01T00:00:00.tar")
     assert sum(len(b[1]) for b in _batches(ferry.datasets.tar(shards=[stamped], size=16), batch_size=4)) == 6
     # The stream's batches filled across the workers: the local stream's, for any number of them.

@@ -35,6 +35,34 @@ TEST_CASE("options parse as key=value, and typos are errors", "[unit][registry]"
   CHECK_THROWS_WITH(typo.finish(), Catch::Contains("unknown option 'sahpe' (it takes: n)"));
 }
 
+TEST_CASE("typed options are taken as they are, and read back as text", "[unit][registry]") {
+  // What the Python package passes: each key's items, nothing escaped or split.
+  const DatasetConfig::Values values{
+      {"path", {R"(a,b=c:d\e)"}}, {"shards", {"s3://b/2024-01-01T00:00:00.tar", "s3://b/year=2024/x,y.tar"}}, {"n", {"10"}}};
+  const DatasetConfig c("demo", values);
+  CHECK(c.str("path") == R"(a,b=c:d\e)");
+  CHECK(c.items("shards") == values.at("shards"));
+  CHECK(c.integer("n") == 10);
+  CHECK(c.items("path") == std::vector<std::string>{R"(a,b=c:d\e)"});  // a scalar is a list of one
+  c.finish();
+  CHECK_THROWS_WITH(c.str("shards"), Catch::Contains("option 'shards' takes one value, got a list of 2"));
+  // text() escapes what the text form would split: the same options read back.
+  const DatasetConfig again("demo", c.text());
+  CHECK(again.str("path") == c.str("path"));
+  CHECK(again.items("shards") == values.at("shards"));
+  CHECK(again.integer("n") == 10);
+  // A text value keeps its ':' through text() (str() reads it whole).
+  const DatasetConfig text("demo", R"(root=s3://b/x\:y)");
+  CHECK(DatasetConfig("demo", text.text()).str("root") == "s3://b/x:y");
+  CHECK_THROWS_WITH(DatasetConfig("demo", DatasetConfig::Values{{"", {"1"}}}), Catch::Contains("empty key"));
+  // The registry opens a dataset from typed options as from text.
+  auto& reg = DatasetRegistry::global();
+  const DynamicDataset ramp = reg.create(DatasetConfig("synthetic", DatasetConfig::Values{{"n", {"7"}}}));
+  CHECK(ramp.size() == 7);
+  CHECK_THROWS_WITH(reg.create(DatasetConfig("synthetic", DatasetConfig::Values{{"nn", {"7"}}})),
+                    Catch::Contains("unknown option 'nn'"));
+}
+
 TEST_CASE("built-in datasets by name", "[unit][registry]") {
   auto& reg = DatasetRegistry::global();
   for (const char* name : {"idx", "npy", "image_folder", "synthetic"}) CHECK(reg.contains(name));

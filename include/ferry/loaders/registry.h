@@ -42,10 +42,16 @@ namespace ferry {
 /// escapes the character after it, so a value may hold any: "\," "\=" "\:" and "\\" stand for
 /// ',' '=' ':' and a backslash (a key with a timestamp: "shards=s3://b/2024-01-01T00\:00.tar");
 /// values() and str() give them unescaped.
+/// Front-ends that hold typed values (the Python package) pass them as `Values` instead: each key's
+/// items as they are, nothing escaped or split (a path is a path, whatever characters it holds).
 class DatasetConfig {
  public:
+  /// Each key's value as a list of items: one item for a scalar, several for a list.
+  using Values = std::map<std::string, std::vector<std::string>>;
   DatasetConfig(std::string dataset, const std::string& text);
-  std::string str(const std::string& key) const;  ///< required
+  DatasetConfig(std::string dataset, const Values& values);
+  /// Required. A list given as Values of other than one item is an Error here (items() reads it).
+  std::string str(const std::string& key) const;
   /// A required list: the value split at each ':' that is not escaped and not a URL's "://".
   std::vector<std::string> items(const std::string& key) const;
   std::string str(const std::string& key, const std::string& fallback) const;
@@ -55,12 +61,15 @@ class DatasetConfig {
   void finish() const;
   const std::map<std::string, std::string>& values() const noexcept { return values_; }
   const std::string& dataset() const noexcept { return dataset_; }
+  /// The options as "key=value,..." text, escaped: DatasetConfig(dataset(), text()) reads the same.
+  std::string text() const;
 
  private:
   std::string unescape(const std::string& text) const;
   std::string dataset_;
-  std::map<std::string, std::string> values_;  // unescaped
-  std::map<std::string, std::string> raw_;     // as written (for items())
+  std::map<std::string, std::string> values_;              // unescaped (a Values list: its items joined by ':')
+  std::map<std::string, std::vector<std::string>> items_;  // each value's items, unescaped
+  std::map<std::string, bool> scalar_;                     // whether str() may read it
   mutable std::vector<std::string> read_;
 };
 
@@ -187,12 +196,16 @@ class DatasetRegistry {
 
   /// Registers `name`; ferry::Error when the name is taken.
   void add(const std::string& name, Factory factory, std::string help = {});
-  /// Creates dataset `name` from a "key=value,..." string.
+  /// Creates dataset `name` from a "key=value,..." string, or from typed values
+  /// (DatasetConfig(name, values)).
   DynamicDataset create(const std::string& name, const std::string& config = {}) const;
+  DynamicDataset create(const DatasetConfig& config) const;
   /// Opens dataset `name` the way the loader takes it (OpenedDataset): what the `ferry` tool and
   /// the Python module call, so that neither dispatches by hand. `classes`, where given, receives
   /// an image folder's class names (its label i is classes[i]); other datasets leave it empty.
   OpenedDataset open(const std::string& name, const std::string& config = {}, std::vector<std::string>* classes = nullptr) const;
+  /// The same from typed values: DatasetConfig(name, values), its dataset() the name.
+  OpenedDataset open(const DatasetConfig& config, std::vector<std::string>* classes = nullptr) const;
   bool contains(const std::string& name) const;
   /// Registered names, sorted.
   std::vector<std::string> names() const;
