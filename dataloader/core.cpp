@@ -101,8 +101,8 @@ LoaderCore::Parts::~Parts() {
 
 // The pin thread and workers stop before anything they use is destroyed. Idempotent.
 void LoaderCore::Parts::stop() noexcept {
-  epochs.plan_ahead
-      .reset();  // joins the thread making the next plan (Parts may outlive the loader: an abandoned worker keeps it)
+  // Joins the thread making the next plan (Parts may outlive the loader: an abandoned worker keeps it).
+  epochs.plan_ahead.reset();
   if (hand_over) hand_over->clear();
   if (pin_stage) pin_stage->stop();
   engine.shutdown();
@@ -166,7 +166,7 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
     s.route = Route::PinnedToDevice;
   if (s.device_stage)
     s.hand_over = std::make_unique<DeviceHandOver>(*s.pin_stage, *s.device_stage, s.typed, opt.device_prefetch,
-                                                   s.engine.wait_poll(), opt.timeout);
+                                                   s.engine.wait_poll(), opt.timeout, s.gathering());
   log_debug(describe_options(opt, s.traits.streaming) + "; route: " + route_name(s.route));
 }
 
@@ -324,7 +324,7 @@ Payload LoaderCore::Parts::last_stage_next() {
     case Route::Pinned: return pin_stage->next();
     // The pin thread has issued the batch's copies and gathers or decode; the consumer's stream
     // waits on them here, at hand-over (Note [Device stage]).
-    case Route::DeviceIssued: return hand_over->next_issued(epochs.epoch_delivered - 1, gathering());
+    case Route::DeviceIssued: return hand_over->next_issued(epochs.epoch_delivered - 1);
     case Route::PinnedToDevice: return hand_over->next_copied();
   }
   return {};

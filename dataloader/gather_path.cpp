@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "ferry/core/error.h"
+#include "hand_over.h"
 
 namespace ferry::detail {
 

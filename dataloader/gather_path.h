@@ -22,12 +22,6 @@ struct GatherIndex {
   Tensor index;  ///< int64 [B]
 };
 
-/// A batch whose device work is issued: the consumer's stream waits on `copied` at hand-over.
-struct DeviceBatch {
-  Payload batch;
-  std::shared_ptr<const EventFence> copied;
-};
-
 class GatherPath {
  public:
   /// Registers `fields` with CUDA on `device` (RowRegistration): Error, naming why, where it

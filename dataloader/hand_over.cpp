@@ -4,8 +4,6 @@
 #include <string>
 #include <utility>
 
-#include "gather_path.h"
-
 namespace ferry::detail {
 
 void DeviceHandOver::clear() noexcept {
@@ -14,14 +12,14 @@ void DeviceHandOver::clear() noexcept {
   end_ = false;
 }
 
-Payload DeviceHandOver::next_issued(std::int64_t batch, bool fenced) {
+Payload DeviceHandOver::next_issued(std::int64_t batch) {
   if (!awaiting_) {
     awaiting_ = pin_.next();
     if (!awaiting_) return {};
   }
   if (const auto& copied = awaiting_.get<DeviceBatch>().copied)
     await_issued(*copied, batch);  // an interruption keeps it
-  else if (fenced) {
+  else if (fenced_) {
     awaiting_ = Payload();
     throw Error("DataLoader: a gathered batch reached the consumer without its fence");
   }

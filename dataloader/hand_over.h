@@ -18,13 +18,21 @@
 
 namespace ferry::detail {
 
+/// A batch whose device work is issued (by the pin thread: the device gather's, or GPU decode's):
+/// the consumer's stream waits on `copied` at hand-over.
+struct DeviceBatch {
+  Payload batch;
+  std::shared_ptr<const EventFence> copied;
+};
+
 class DeviceHandOver {
  public:
-  /// `pin`, `device` and `typed` outlive the hand-over; `poll` is the engine's wait poll, and
-  /// `timeout` the loader's (0: unbounded).
+  /// `pin`, `device`, `typed` and `poll` (the engine's wait poll) outlive the hand-over (LoaderCore::Parts
+  /// declares it after them); `timeout` is the loader's (0: unbounded). `fenced`: every issued batch
+  /// carries its fence (the device gather; GPU decode's may not).
   DeviceHandOver(PinStage& pin, DeviceStage& device, TypedBatches& typed, int device_prefetch, const WaitPoll& poll,
-                 std::chrono::milliseconds timeout) noexcept
-      : pin_(pin), device_(device), typed_(typed), prefetch_(device_prefetch), poll_(poll), timeout_(timeout) {}
+                 std::chrono::milliseconds timeout, bool fenced) noexcept
+      : pin_(pin), device_(device), typed_(typed), prefetch_(device_prefetch), poll_(poll), timeout_(timeout), fenced_(fenced) {}
 
   /// Route::PinnedToDevice: issues the copies of up to `device_prefetch` pinned batches ahead on
   /// the consumer's thread (batch i+1 transfers while batch i computes), then hands over the
@@ -32,10 +40,10 @@ class DeviceHandOver {
   Payload next_copied();
   /// Route::DeviceIssued: the pin thread has issued the batch's gathers or GPU decode (a
   /// DeviceBatch); the consumer's stream waits on its fence here. `batch`: its position in the
-  /// epoch, for a timeout's message. `fenced`: every batch carries a fence (the device gather).
+  /// epoch, for a timeout's message.
   /// An interruption (the wait poll) keeps the batch for the next call; a decode that does not
   /// come back within twice the timeout is a TimeoutError, and its batch is kept, never delivered.
-  Payload next_issued(std::int64_t batch, bool fenced);
+  Payload next_issued(std::int64_t batch);
   /// Drops what an epoch left (begin, end, stop).
   void clear() noexcept;
 
@@ -48,6 +56,7 @@ class DeviceHandOver {
   const int prefetch_;
   const WaitPoll& poll_;
   const std::chrono::milliseconds timeout_;
+  const bool fenced_;
   struct Item {
     Payload batch;
     std::shared_ptr<const EventFence> copied;  // the batch's copy; the consumer waits at hand-over
