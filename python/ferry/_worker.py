@@ -21,6 +21,7 @@ import multiprocessing.reduction
 import os
 import pickle
 import select
+import shutil
 import signal
 import sys
 import threading
@@ -31,8 +32,21 @@ from typing import Any, Optional
 from . import _python, _slabs
 
 
+def _tempdir() -> Optional[str]:
+    return multiprocessing.process.current_process()._config.get("tempdir")  # type: ignore[attr-defined]
+
+
+# The temporary folder this process started with, which is not its own to remove; a folder it
+# made later is removed as it exits. `False`: not recorded (not a worker), nothing removed.
+_inherited_tempdir: Any = False
+
+
 def exit_now(code: int = 0) -> None:
-    """Ends this process at once, its own output flushed (never the main process's exit handlers)."""
+    """Ends this process at once, its own output flushed and its own temporary folder removed
+    (never the main process's exit handlers)."""
+    own = _tempdir()
+    if _inherited_tempdir is not False and own is not None and own != _inherited_tempdir:
+        shutil.rmtree(own, ignore_errors=True)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -224,6 +238,8 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
 def main(conn: Any, worker: int, workers: int, main_pid: int) -> None:
     """A worker started by a multiprocessing context (multiprocessing_context=...): the payload
     comes first over the pipe."""
+    global _inherited_tempdir
+    _inherited_tempdir = _tempdir()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     die_with(main_pid)
     payload, error = None, None

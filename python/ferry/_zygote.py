@@ -161,7 +161,7 @@ def _serve(conn: Any, main_pid: int, modules: Optional[list] = None) -> None:
             try:
                 os.close(main)
                 conn.close()
-                _serve_loader(multiprocessing.connection.Connection(fd), main_pid)
+                _serve_loader(multiprocessing.connection.Connection(fd), main_pid, message[2])
             finally:
                 os._exit(0)
         os.close(fd)
@@ -171,9 +171,12 @@ def _serve(conn: Any, main_pid: int, modules: Optional[list] = None) -> None:
             os._exit(0)
 
 
-def _serve_loader(conn: Any, main_pid: int) -> None:
-    """A loader's zygote: holds the loader's dataset and forks its workers (Note [Zygote])."""
+def _serve_loader(conn: Any, main_pid: int, tempdir: str) -> None:
+    """A loader's zygote: holds the loader's dataset and forks its workers (Note [Zygote]).
+    `tempdir`: the main process's temporary folder, which the workers use as their own."""
     from . import _worker
+
+    multiprocessing.process.current_process()._config["tempdir"] = tempdir  # type: ignore[attr-defined]
 
     try:
         main = os.pidfd_open(main_pid)
@@ -316,7 +319,10 @@ class Zygote:
         parent, child = multiprocessing.Pipe(duplex=True)
         try:
             with self._lock:
-                self.conn.send(("loader", _main_modules()))
+                # The workers' temporary files (the listener torch's tensors are shared through)
+                # go in this process's folder, which it removes as it exits: a worker ends with
+                # os._exit or SIGKILL and would leave a folder of its own behind.
+                self.conn.send(("loader", _main_modules(), multiprocessing.util.get_temp_dir()))
                 multiprocessing.reduction.send_handle(self.conn, child.fileno(), self.pid)
                 _, pid = self.conn.recv()
         finally:

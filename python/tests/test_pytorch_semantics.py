@@ -372,6 +372,41 @@ def test_the_main_process_ending_mid_epoch_leaves_nothing_and_prints_nothing(tmp
     assert set(os.listdir("/dev/shm")) - shm_before == set()
 
 
+TEMPORARY = textwrap.dedent("""
+    import sys, torch, ferry
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 12
+        def __getitem__(self, i):
+            return torch.full((3,), i)
+
+    if __name__ == "__main__":  # forkserver's workers import this script
+        context = None if sys.argv[1] == "zygote" else sys.argv[1]
+        loader = ferry.DataLoader(Rows(), batch_size=None, num_workers=2, multiprocessing_context=context)
+        for epoch in range(2):  # workers that are not persistent: each epoch's own processes
+            assert sorted(int(row[0]) for row in loader) == list(range(12))
+        print("ok")
+""")
+
+
+@pytest.mark.parametrize("context", ["zygote", "forkserver"])
+def test_worker_processes_leave_no_temporary_folder(tmp_path, context):
+    # Samples without automatic batching travel torch's way (a tensor's storage handed over
+    # through multiprocessing's resource sharer, whose listener lives in a temporary folder); a
+    # worker ends with os._exit, so a folder of its own would outlive it.
+    script = tmp_path / "temporary.py"
+    script.write_text(TEMPORARY)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = dict(os.environ, PYTHONPATH=PYTHON_PATH, TMPDIR=str(scratch))
+    done = subprocess.run([sys.executable, str(script), context], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "ok\n"
+    assert sorted(os.listdir(scratch)) == []
+
+
 def test_a_named_multiprocessing_context_gives_the_same_batches_and_seeds():
     # multiprocessing_context="forkserver" starts each worker that way (it imports the test
     # module again) instead of forking it from the zygote; what the user sees is the same.
