@@ -61,45 +61,70 @@ class LocalBlob final : public Blob {
 
 }  // namespace
 
-// An opening read sent ahead (open_ahead, hold_ahead), and the object it is for. This thread's
-// lives with the thread: the next open_ahead() or resume_ahead() replaces a read not taken,
-// Blob::open() takes or drops it, and the thread's end closes its connection. One asked for with
-// open_ahead_later() waits (`later`) until the thread's object being read has asked for its last
-// piece.
-struct SentOpen {
+// OpenAhead's read, and the object it is for. One asked for with send_later() waits (`later`)
+// until the object being read with it has asked for its last piece.
+struct OpenAhead::Sent {
   std::string path;  // empty: none in flight
   std::size_t first_piece = 0;
-  std::unique_ptr<s3::ReadAhead> read;  // made at the thread's first open_ahead()
-  bool later = false;                   // not sent yet
+  s3::ReadAhead read;
+  bool later = false;  // not sent yet
 
   // Sends a read asked for later; false when it cannot be (a bad URL: its own open names it).
   bool send() {
-    if (!read) read = std::make_unique<s3::ReadAhead>();
     later = false;
     try {
-      read->start_first(s3::parse(path), first_piece);
+      read.start_first(s3::parse(path), first_piece);
       return true;
     } catch (const Error&) {
-      read->cancel();
+      read.cancel();
       path.clear();
       return false;
     }
   }
+  // Drops the read in flight, if any.
+  void clear() {
+    if (!path.empty() && !later) read.cancel();
+    path.clear();
+    later = false;
+  }
 };
 
-void SentOpenDelete::operator()(SentOpen* p) const noexcept { delete p; }
+OpenAhead::OpenAhead() = default;
+OpenAhead::~OpenAhead() = default;
+OpenAhead::OpenAhead(OpenAhead&&) noexcept = default;
+OpenAhead& OpenAhead::operator=(OpenAhead&&) noexcept = default;
 
-namespace {
-
-SentOpen& pending_open() {
-  thread_local SentOpen p;
-  return p;
+const std::string& OpenAhead::path() const noexcept {
+  static const std::string none;
+  return sent_ ? sent_->path : none;
 }
 
+bool OpenAhead::progress() { return sent_ && !sent_->path.empty() && !sent_->later && sent_->read.progress(); }
+
+void OpenAhead::send_later(const std::string& path, std::size_t first_piece) {
+  if (sent_) sent_->clear();
+  if (!is_remote(path) || first_piece == 0) return;
+  if (cache::enabled() && cache::contains(cache::size_key(path))) return;  // its open reads the disk
+  if (!sent_) sent_ = std::make_unique<Sent>();                            // (its connection is made at the first send)
+  sent_->path = path;
+  sent_->first_piece = first_piece;
+  sent_->later = true;
+}
+
+void OpenAhead::send(const std::string& path, std::size_t first_piece) {
+  send_later(path, first_piece);
+  send_now();
+}
+
+void OpenAhead::send_now() {
+  if (sent_ && sent_->later && !sent_->path.empty()) sent_->send();
+}
+
+// Not in the anonymous namespace: OpenAhead names it a friend.
 class ObjectBlob final : public Blob {
  public:
-  ObjectBlob(const std::string& url, s3::Url where, std::uint64_t size, std::vector<std::byte> first = {})
-      : Blob(url, size), url_(std::move(where)), first_(std::move(first)) {}
+  ObjectBlob(const std::string& url, s3::Url where, std::uint64_t size, std::vector<std::byte> first, OpenAhead* ahead)
+      : Blob(url, size), url_(std::move(where)), first_(std::move(first)), next_open_(ahead) {}
   bool remote() const noexcept override { return true; }
   // Reads are sequential more often than not (a tar stream, an index of headers): the two pieces
   // after this one are requested before this one is returned, and arrive while it is parsed (two,
@@ -122,7 +147,7 @@ class ObjectBlob final : public Blob {
         std::size_t k = 0;
         for (Ahead& o : ahead_)
           if (&o != a && o.sent) others[k++] = &o.read;
-        others[k++] = pending_open().read.get();
+        if (s3::ReadAhead* open = next_open_read()) others[k++] = open;
         taken = a->read.take(offset, n, dst, std::span<s3::ReadAhead* const>(others.data(), k));
       }
       if (!taken) s3::read(url_, offset, n, dst);
@@ -159,16 +184,14 @@ class ObjectBlob final : public Blob {
         }
     }
     // Every piece to this object's end asked for: an opening read asked for later goes now.
-    if (next >= size_) {
-      SentOpen& later = pending_open();
-      if (later.later && !later.path.empty()) later.send();
-    }
+    if (next >= size_ && next_open_) next_open_->send_now();
     return n;
   }
   bool progress() const override {
     bool moving = false;
     for (Ahead& a : ahead_)
       if (a.sent && a.read.progress()) moving = true;
+    if (next_open_ && next_open_->progress()) moving = true;
     return moving;
   }
 
@@ -185,12 +208,17 @@ class ObjectBlob final : public Blob {
       if (a.sent && a.offset == offset && a.n == n) return &a;
     return nullptr;
   }
+  // The next object's opening read, on its way: moved along while this object's reads wait.
+  s3::ReadAhead* next_open_read() const {
+    if (!next_open_ || !next_open_->sent_) return nullptr;
+    OpenAhead::Sent& sent = *next_open_->sent_;
+    return sent.path.empty() || sent.later ? nullptr : &sent.read;
+  }
   s3::Url url_;
   mutable std::vector<std::byte> first_;  // bytes [0, first_.size()) read with the open
   mutable std::array<Ahead, kAhead> ahead_;
+  OpenAhead* next_open_;  // the reader's, for the object it opens next (or null)
 };
-
-}  // namespace
 
 // The whole object at `url`, from the on-disk cache when it holds it.
 static void get_object(const std::string& url, std::vector<std::byte>& out) {
@@ -242,18 +270,23 @@ std::size_t LocalBlob::read_at(std::uint64_t offset, std::byte* dst, std::size_t
 
 std::unique_ptr<Blob> Blob::open(const std::string& path) { return open(path, 0); }
 
-std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piece) {
+std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piece, OpenAhead* ahead) {
   if (is_remote(path)) {
     s3::Url url = s3::parse(path);
     std::uint64_t size = 0;
     std::vector<std::byte> first;
     const bool caching = cache::enabled();
     if (!caching || !cache::load(cache::size_key(path), reinterpret_cast<std::byte*>(&size), sizeof size)) {
-      SentOpen& ahead = pending_open();
-      const bool sent = ahead.path == path && !ahead.later && ahead.first_piece >= first_piece && first_piece > 0;
-      ahead.path.clear();
-      ahead.later = false;
-      if (!sent || !ahead.read->take_first(url, ahead.first_piece, first, size)) {
+      // The read sent ahead for this object is taken; one for another object is dropped.
+      OpenAhead::Sent* const sent = ahead ? ahead->sent_.get() : nullptr;
+      const bool mine = sent && sent->path == path && !sent->later && sent->first_piece >= first_piece && first_piece > 0;
+      const bool taken = mine && sent->read.take_first(url, sent->first_piece, first, size);
+      if (sent) {
+        if (!mine) sent->clear();
+        sent->path.clear();
+        sent->later = false;
+      }
+      if (!taken) {
         if (first_piece > 0)
           size = s3::first_piece(url, first_piece, first);
         else
@@ -270,57 +303,12 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
       }
     }
     if (size == 0) throw DataError(path, DataError::kNoOffset, "is empty (0 bytes)");
-    return std::make_unique<ObjectBlob>(path, std::move(url), size, std::move(first));
+    return std::make_unique<ObjectBlob>(path, std::move(url), size, std::move(first), ahead);
   }
   Fd f;
   const std::size_t size = open_regular(path, f);
   const int fd = std::exchange(f.fd, -1);
   return std::make_unique<LocalBlob>(path, fd, size);
-}
-
-bool progress_ahead() {
-  SentOpen& ahead = pending_open();
-  return !ahead.path.empty() && !ahead.later && ahead.read->progress();
-}
-
-namespace {
-// This thread's opening read of `path` replaced by a new one, sent now or later; false (and none
-// kept) where no read goes ahead.
-bool ask_ahead(const std::string& path, std::size_t first_piece) {
-  SentOpen& ahead = pending_open();
-  ahead.path.clear();
-  ahead.later = false;
-  if (ahead.read) ahead.read->cancel();
-  if (!is_remote(path) || first_piece == 0) return false;
-  if (cache::enabled() && cache::contains(cache::size_key(path))) return false;  // its open reads the disk
-  ahead.path = path;
-  ahead.first_piece = first_piece;
-  ahead.later = true;
-  return true;
-}
-}  // namespace
-
-void open_ahead(const std::string& path, std::size_t first_piece) {
-  if (ask_ahead(path, first_piece)) pending_open().send();
-}
-
-void open_ahead_later(const std::string& path, std::size_t first_piece) { ask_ahead(path, first_piece); }
-
-HeldOpen hold_ahead(const std::string& path) {
-  SentOpen& ahead = pending_open();
-  if (ahead.path.empty() || ahead.path != path) return nullptr;
-  if (ahead.later && !ahead.send()) return nullptr;
-  HeldOpen held(new SentOpen{std::exchange(ahead.path, {}), ahead.first_piece, std::move(ahead.read)});
-  return held;
-}
-
-bool progress_held(SentOpen& held) { return held.read && held.read->progress(); }
-
-const std::string& held_path(const SentOpen& held) noexcept { return held.path; }
-
-void resume_ahead(HeldOpen held) {
-  if (!held || !held->read) return;
-  pending_open() = std::move(*held);  // the read this thread had is dropped (its connection closes)
 }
 
 std::vector<ListedFile> list_prefix(const std::string& dir) {

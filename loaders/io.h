@@ -3,6 +3,7 @@
 // (loaders/s3.h): these functions are the seam between the formats and where bytes live.
 //
 //   Blob         one file or object: its size and ranged reads (tar streams read through it)
+//   OpenAhead    a reader's opening read of the next object, sent while it reads this one
 //   list_prefix  the objects under an s3:// prefix (image folders, shard folders; local folders
 //                are listed by their loaders, with std::filesystem)
 //   MappedFile   a read-only memory map of a whole file (shared, so Tensors can point into it);
@@ -28,6 +29,8 @@ namespace ferry::loaders {
 /// True for a path that names an object in S3-compatible storage ("s3://bucket/key").
 bool is_remote(std::string_view path) noexcept;
 
+class OpenAhead;
+
 /// One file or object, read by ranges.
 class Blob {
  public:
@@ -36,8 +39,11 @@ class Blob {
   /// or empty.
   static std::unique_ptr<Blob> open(const std::string& path);
   /// The same; an object's first `first_piece` bytes come with its size, in one request (or from
-  /// open_ahead()), for a reader that will read it from the start in pieces of that size.
-  static std::unique_ptr<Blob> open(const std::string& path, std::size_t first_piece);
+  /// `ahead`'s read, when it was sent for this object), for a reader that will read it from the
+  /// start in pieces of that size. With `ahead`, the blob moves its read along while it waits for
+  /// its own, and sends one asked for with send_later() once every piece to its end is asked for;
+  /// `ahead` must outlive the blob.
+  static std::unique_ptr<Blob> open(const std::string& path, std::size_t first_piece, OpenAhead* ahead = nullptr);
   virtual ~Blob() = default;
   std::uint64_t size() const noexcept { return size_; }
   const std::string& name() const noexcept { return name_; }
@@ -45,8 +51,9 @@ class Blob {
   virtual bool remote() const noexcept = 0;
   /// Reads up to `n` bytes at `offset` into `dst`; fewer only where the blob ends.
   virtual std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const = 0;
-  /// Moves reads sent ahead along without waiting (a reader calls it between its reads, often, and
-  /// its worker while it waits); true while some are still on their way.
+  /// Moves reads sent ahead (this object's next pieces, and the OpenAhead it was opened with)
+  /// along without waiting (a reader calls it between its reads, often, and its worker while it
+  /// waits); true while some are still on their way.
   virtual bool progress() const { return false; }
 
  protected:
@@ -55,38 +62,38 @@ class Blob {
   std::uint64_t size_;
 };
 
-/// Sends the opening read of `path` (a Blob::open(path, n) to come on this thread, n <=
-/// first_piece) ahead, so that its first byte is here when it is opened: a stream calls it for its
-/// next shard. Nothing for a local path or one whose size the disk cache holds; one at a time on a
-/// thread (a second replaces the first). A first piece larger than the open's is kept whole: the
-/// blob's reads take their bytes from it.
-void open_ahead(const std::string& path, std::size_t first_piece);
-/// Moves this thread's open_ahead() read along without waiting (call it between records); true
-/// while it is still on its way.
-bool progress_ahead();
+/// The opening read of the object a reader opens next, sent ahead so that its first byte is here
+/// when Blob::open(path, n, &ahead) opens it (n <= the read's first piece): a stream sends its
+/// next shard's as it opens one. A reader's own, used by one thread at a time (it may be handed to
+/// another thread: the next epoch's worker); one read at a time, a second replacing the first.
+/// A read not taken closes its connection when it is replaced or the OpenAhead is dropped. A
+/// first piece larger than the open's is kept whole: the blob's reads take their bytes from it.
+class OpenAhead {
+ public:
+  OpenAhead();
+  ~OpenAhead();
+  OpenAhead(OpenAhead&&) noexcept;
+  OpenAhead& operator=(OpenAhead&&) noexcept;
+  /// Sends the opening read of `path` now. Nothing for a local path, or one whose size the disk
+  /// cache holds (its open reads the disk).
+  void send(const std::string& path, std::size_t first_piece);
+  /// The same, sent at the first read of the object this was opened with (Blob::open) that finds
+  /// every piece to its end asked for, or at send_now(): a stream asks for its next epoch's first
+  /// shard as it opens its last, and the read goes when that shard's reads have.
+  void send_later(const std::string& path, std::size_t first_piece);
+  /// Sends a read asked for with send_later() now (before it is handed to another reader).
+  void send_now();
+  /// Moves the read along without waiting; true while it is on its way.
+  bool progress();
+  /// The object the read is for; empty when there is none.
+  const std::string& path() const noexcept;
 
-/// open_ahead(), the read sent at the first read of the object this thread reads now that finds
-/// every piece to its end asked for (never while the thread reads no object; hold_ahead() sends
-/// it at the latest): a stream asks for its next epoch's first shard as it opens its last, and the
-/// read goes when that shard's reads have.
-void open_ahead_later(const std::string& path, std::size_t first_piece);
-
-/// An opening read taken off its thread (HeldOpen), for an open of the object on another thread:
-/// the next epoch's worker may be a new thread. Its connection closes when it is dropped.
-struct SentOpen;
-struct SentOpenDelete {
-  void operator()(SentOpen* p) const noexcept;
+ private:
+  friend class Blob;
+  friend class ObjectBlob;
+  struct Sent;
+  std::unique_ptr<Sent> sent_;
 };
-using HeldOpen = std::unique_ptr<SentOpen, SentOpenDelete>;
-/// This thread's open_ahead() or open_ahead_later() read of `path`, sent now if it was not, taken
-/// off the thread; null when the thread has none for it.
-HeldOpen hold_ahead(const std::string& path);
-/// Moves a held read along without waiting (one thread at a time); true while it is on its way.
-bool progress_held(SentOpen& held);
-/// Makes `held` this thread's open_ahead() read (dropping the one it had), for Blob::open.
-void resume_ahead(HeldOpen held);
-/// The object a held read is for.
-const std::string& held_path(const SentOpen& held) noexcept;
 
 /// An object found by list_prefix: its URL and size.
 struct ListedFile {

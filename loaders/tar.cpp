@@ -193,11 +193,13 @@ void parse_pax(const std::string& text, const std::string& name, std::uint64_t a
 
 }  // namespace
 
-TarReader::TarReader(const std::string& path) : impl_(std::make_unique<Impl>()) {
+TarReader::TarReader(const std::string& path) : TarReader(path, nullptr) {}
+
+TarReader::TarReader(const std::string& path, loaders::OpenAhead* ahead) : impl_(std::make_unique<Impl>()) {
   impl_->name = path;
   // DataError: missing, a directory, empty, unreadable. An object is read in larger pieces (each
   // read is a request), the first with the open.
-  impl_->blob = loaders::Blob::open(path, kObjectPiece);
+  impl_->blob = loaders::Blob::open(path, kObjectPiece, ahead);
   impl_->size = impl_->blob->size();
   impl_->buf.resize(impl_->blob->remote() ? kObjectPiece : std::size_t{1} << 20);
 }
@@ -220,9 +222,7 @@ std::optional<TarMember> TarReader::next() { return next(true); }
 bool TarReader::progress() {
   Impl& r = *impl_;
   if (!r.blob || !r.blob->remote()) return false;
-  const bool pieces = r.blob->progress();  // this object's next pieces and the next object's open, on their way
-  const bool open = loaders::progress_ahead();
-  return pieces || open;
+  return r.blob->progress();  // this object's next pieces and the next object's open, on their way
 }
 
 std::optional<TarMember> TarReader::next(bool read_data) {
@@ -396,7 +396,7 @@ struct TarShards::Stream::Direct {
 // whichever thread).
 struct TarShards::Held {
   std::mutex mu;
-  std::map<int, loaders::HeldOpen> by_worker;
+  std::map<int, loaders::OpenAhead> by_worker;
 
   // Local shards' learned record offsets (Note [Learned offsets]), by path.
   std::mutex learned_mu;
@@ -428,18 +428,18 @@ struct TarShards::Held {
     if (!l) return false;
     bool moving = false;
     for (auto& [w, read] : by_worker)
-      if (read && loaders::progress_held(*read)) moving = true;
+      if (read.progress()) moving = true;
     return moving;
   }
-  void put(int worker, loaders::HeldOpen read) {
+  void put(int worker, loaders::OpenAhead read) {
     std::lock_guard l(mu);
     by_worker[worker] = std::move(read);  // one not taken is dropped (its connection closes)
   }
-  loaders::HeldOpen take(int worker) {
+  loaders::OpenAhead take(int worker) {
     std::lock_guard l(mu);
     auto it = by_worker.find(worker);
-    if (it == by_worker.end()) return nullptr;
-    loaders::HeldOpen read = std::move(it->second);
+    if (it == by_worker.end()) return {};
+    loaders::OpenAhead read = std::move(it->second);
     by_worker.erase(it);
     return read;
   }
@@ -550,6 +550,7 @@ constexpr int kFeedHeld = -1;
 
 TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
   Stream s;
+  s.ahead_ = std::make_shared<loaders::OpenAhead>();
   if (worker.share && worker.batch_size > 0) {
     if (worker.num_workers < 1 || worker.id < 0 || worker.id >= worker.num_workers)
       throw Error("TarShards: worker " + std::to_string(worker.id) + " of " + std::to_string(worker.num_workers) +
@@ -593,8 +594,12 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
             std::weak_ptr<Held::Slot> ahead_to = key.ahead && !remote ? weak_slot : std::weak_ptr<Held::Slot>();
             // Local shards: learned as they are read, then dealt from what was learned (Note [Learned offsets]).
             std::shared_ptr<Held> learn = remote ? nullptr : held_open;
-            auto feed = std::make_unique<detail::BatchFeed>(shape, [paths, lanes, next_first, held, used, ahead_to, key, learn](
-                                                                       std::size_t unit, detail::BatchFeed::Sink& sink) {
+            // Each lane's opening read of its next shard (lane l reads units l, l + lanes, ...,
+            // on its own thread).
+            auto lane_ahead = std::make_shared<std::vector<std::shared_ptr<loaders::OpenAhead>>>();
+            for (std::size_t l = 0; l < lanes; ++l) lane_ahead->push_back(std::make_shared<loaders::OpenAhead>());
+            auto feed = std::make_unique<detail::BatchFeed>(shape, [paths, lanes, next_first, held, used, ahead_to, key, learn,
+                                                                    lane_ahead](std::size_t unit, detail::BatchFeed::Sink& sink) {
               const std::string& path = (*paths)[unit];
               if (std::shared_ptr<const LearnedShard> known = learn ? learn->learned_for(path) : nullptr) {
                 for (std::size_t i = 0; i < known->records.size(); ++i) {
@@ -607,6 +612,7 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
                 // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
                 Stream one;
                 one.shards_.push_back(path);
+                one.ahead_ = (*lane_ahead)[unit % lanes];
                 if (held && (unit == 0 || unit + 1 == paths->size())) {
                   one.held_ = held;
                   one.worker_ = kFeedHeld;
@@ -639,7 +645,7 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
                     if (!sink.fail(std::move(failed))) return;
                     continue;
                   }
-                  if (!opened && unit + lanes < paths->size()) loaders::open_ahead((*paths)[unit + lanes], kAheadPiece);
+                  if (!opened && unit + lanes < paths->size()) one.ahead_->send((*paths)[unit + lanes], kAheadPiece);
                   opened = true;
                   if (!r) break;
                   if (learning) {
@@ -805,20 +811,20 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
     // The opening read the last epoch's stream of this worker sent for this one, made this
     // thread's for the first shard's open (dropped when it is for another shard).
     if (held_ && !shards_.empty()) {
-      loaders::HeldOpen read = held_->take(worker_);
-      if (read && loaders::held_path(*read) == shards_.front()) loaders::resume_ahead(std::move(read));
+      loaders::OpenAhead read = held_->take(worker_);
+      if (!read.path().empty() && read.path() == shards_.front()) *ahead_ = std::move(read);
     }
   }
   while (current_ < shards_.size()) {
     try {
       if (!reader_) {
-        reader_.emplace(shards_[current_]);
+        reader_.emplace(TarReader(shards_[current_], ahead_.get()));
         // The next shard's opening read goes out now, and arrives while this one is parsed; from
         // the last shard, the next epoch's first shard's, once this one's pieces are all asked for.
         if (current_ + 1 < shards_.size())
-          loaders::open_ahead(shards_[current_ + 1], kAheadPiece);
+          ahead_->send(shards_[current_ + 1], kAheadPiece);
         else if (!next_first_.empty())
-          loaders::open_ahead_later(next_first_, kAheadPiece);
+          ahead_->send_later(next_first_, kAheadPiece);
       }
       std::optional<TarMember> first = pending_ ? std::move(pending_) : reader_->next(read_data);
       pending_.reset();
@@ -874,7 +880,15 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
     }
   }
   // The stream's end: the next epoch's first opening read, held for the next epoch's stream.
-  if (!next_first_.empty()) held_->put(worker_, loaders::hold_ahead(std::exchange(next_first_, {})));
+  if (!next_first_.empty()) {
+    loaders::OpenAhead read;  // none when the read was not sent (one held before is dropped)
+    if (ahead_->path() == next_first_) {
+      ahead_->send_now();
+      read = std::move(*ahead_);
+    }
+    held_->put(worker_, std::move(read));
+    next_first_.clear();
+  }
   return std::nullopt;
 }
 
@@ -1058,9 +1072,10 @@ TarImages::TarImages(std::vector<std::string> shards, TarImagesOptions options) 
   if (options_.image_fields.empty()) throw Error("TarImages: image_fields is empty");
   if (decodes_on_device()) loaders::check_gpu_decode("TarImages", options_.channels, options_.transform);
   std::vector<std::byte> label;
+  loaders::OpenAhead ahead;  // the next shard's opening read, sent while this one's headers are read
   for (std::size_t s = 0; s < paths.size(); ++s) {
-    TarReader reader(paths[s]);
-    if (s + 1 < paths.size()) loaders::open_ahead(paths[s + 1], kObjectPiece);
+    TarReader reader(paths[s], &ahead);
+    if (s + 1 < paths.size()) ahead.send(paths[s + 1], kObjectPiece);
     const loaders::RangeReader file(paths[s]);  // the labels: read and parsed here, once
     Record* rec = nullptr;
     while (std::optional<TarMember> m = reader.next(false)) {  // headers only: the data is seeked past

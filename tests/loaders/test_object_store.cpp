@@ -374,6 +374,42 @@ TEST_CASE("a stream opens each shard with one request, the next one's sent while
   ::unsetenv("FERRY_S3_HEDGE_AFTER");
 }
 
+TEST_CASE("a loader's reader lanes open each shard from the read their lane sent ahead, none wasted", "[s3][tar]") {
+  // Nine small shards, more than the loader's reader lanes: each lane sends its next shard's
+  // opening read as it opens one, and that lane's next open takes it. A read sent by one lane and
+  // looked for by another would be dropped, and its shard read again: more than nine requests.
+  const Data& d = data();
+  (void)d;
+  std::vector<std::string> shards;
+  for (int s = 0; s < 9; ++s) {
+    TarBuilder t;
+    for (int r = 0; r < 3; ++r)
+      t.file("s" + std::to_string(s) + "r" + std::to_string(r) + ".bin", "x")
+          .file("s" + std::to_string(s) + "r" + std::to_string(r) + ".cls", "1");
+    ObjectStore::get().put(std::string(kBucket) + "/lanes/" + std::to_string(s) + ".tar", t.finish());
+    shards.push_back(Data::url("lanes/" + std::to_string(s) + ".tar"));
+  }
+  TarShardsOptions so;
+  so.shuffle = false;
+  auto keys = TarShards(shards, so).map([](TarRecord r) { return r.key; });
+  for (int workers : {1, 3}) {
+    INFO(workers << " workers");
+    DataLoaderOptions o;
+    o.batch_size = 4;
+    o.num_workers = workers;
+    o.prefetch_next_epoch = false;
+    ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+    const ObjectStoreStats before = object_store_stats();
+    std::vector<std::string> all;
+    for (auto& batch : DataLoader(keys, o)) all.insert(all.end(), batch.begin(), batch.end());
+    ::unsetenv("FERRY_S3_HEDGE_AFTER");
+    CHECK(all.size() == 27);
+    CHECK(all.front() == "s0r0");
+    CHECK(all.back() == "s8r2");
+    CHECK(object_store_stats().requests - before.requests == 9);
+  }
+}
+
 TEST_CASE("a shard opened ahead reads on past the two pieces its opening read brought", "[s3][tar]") {
   // A small shard, then one of 20 records of 1 MiB (20 MiB): the second's opening read, sent as
   // the first opens, brings 16 MiB; its reads take their bytes from them, and only the last 4 MiB

@@ -72,6 +72,10 @@
 
 namespace ferry {
 
+namespace loaders {
+class OpenAhead;  // the next shard's opening read, sent ahead (loaders/io.h)
+}
+
 /// One regular file of a tar archive.
 struct TarMember {
   std::string path;
@@ -105,6 +109,11 @@ class TarReader {
   const std::string& name() const noexcept;
 
  private:
+  friend class TarShards;
+  friend class TarImages;
+  // Opens `path` taking `ahead`'s read when it was sent for it; the blob moves `ahead` along
+  // while it waits and sends one asked for later (`ahead` must outlive the reader).
+  TarReader(const std::string& path, loaders::OpenAhead* ahead);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -171,6 +180,9 @@ class TarShards : public DatasetBase<TarShards> {
     std::optional<TarMember> pending_;  // first member of the next record
     std::exception_ptr deferred_;       // a damaged member met after a complete record: thrown next
     std::shared_ptr<Held> held_;        // the dataset's (null without next_epoch_ahead)
+    // The next shard's opening read: the stream's own, or its lane's (a loader's reader of one
+    // shard a stream: the read of the lane's next shard is sent while this one is read).
+    std::shared_ptr<loaders::OpenAhead> ahead_;
     int worker_ = 0;
     bool started_ = false;
     std::string next_first_;  // the worker's first shard of the next epoch (sent for as the last is read)
