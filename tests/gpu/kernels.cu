@@ -58,6 +58,23 @@ void launch_spin(void* stream, double microseconds) {
   check(cudaGetLastError(), "spin kernel launch");
 }
 
+void* record_event(void* stream) {
+  cudaEvent_t e = nullptr;
+  check(cudaEventCreate(&e), "cudaEventCreate");
+  check(cudaEventRecord(e, static_cast<cudaStream_t>(stream)), "cudaEventRecord");
+  return e;
+}
+
+double event_ms(void* a, void* b) {
+  check(cudaEventSynchronize(static_cast<cudaEvent_t>(a)), "cudaEventSynchronize");
+  check(cudaEventSynchronize(static_cast<cudaEvent_t>(b)), "cudaEventSynchronize");
+  float ms = 0;
+  check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(a), static_cast<cudaEvent_t>(b)), "cudaEventElapsedTime");
+  return ms;
+}
+
+void destroy_event(void* event) { cudaEventDestroy(static_cast<cudaEvent_t>(event)); }
+
 double step_alone_ms(void* stream, double step_ms, int steps) {
   auto s = static_cast<cudaStream_t>(stream);
   for (int k = 0; k < 3; ++k) launch_spin(stream, step_ms * 1000);

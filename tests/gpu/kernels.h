@@ -15,6 +15,12 @@ inline std::uint32_t pattern(std::int64_t index, std::int64_t col) {
 void launch_work(void* stream, long long iters, int blocks_per_sm = 4);
 /// Occupies one SM for about `microseconds` on `stream`.
 void launch_spin(void* stream, double microseconds);
+/// A CUDA event recorded on `stream` now (a cudaEvent_t as void*; destroy_event() frees it).
+void* record_event(void* stream);
+/// Milliseconds from event `a` to event `b` on the GPU's clock, negative when `b` came first
+/// (waits for both).
+double event_ms(void* a, void* b);
+void destroy_event(void* event);
 /// A training step's baseline: the mean wall time in ms of `steps` spins of `step_ms` on
 /// `stream`, each followed by a stream synchronize (after 3 unmeasured ones).
 double step_alone_ms(void* stream, double step_ms, int steps);
