@@ -41,7 +41,7 @@ struct DataLoaderOptions {
   /// stuck longer is abandoned and replaced (see "Timeouts" in ferry/core/dataloader.h). With
   /// num_workers = 0 there is no worker to abandon and it does not apply (as in PyTorch). The
   /// stages after the workers get twice as long: the pin thread (with GPU decode, the first batch's
-  /// includes nvJPEG's start there, over 0.6 s on an H100) and a GPU decode's nvJPEG call.
+  /// includes nvJPEG's start there, which can take most of a second) and a GPU decode's nvJPEG call.
   std::chrono::milliseconds timeout{0};
   /// What a damaged or stuck sample costs: its batch (Raise), itself (Skip: the batch comes one
   /// row short) or nothing (Replace: another sample of the epoch takes its row, by a rule of
@@ -148,10 +148,10 @@ struct DataLoaderOptions {
   /// With `device`: run the device stage's stream (copies, GPU decode, the device gather) at the
   /// device's highest stream priority, so that when it shares the GPU with a training step its
   /// kernels are scheduled ahead of the step's waiting blocks rather than after the step's kernels
-  /// end. Off by default: measured with GPU decode beside a step that fills the GPU (one kernel or
-  /// 40 short ones), it changed nothing (bench/RESULTS.md "Images: decode memory in the stream's
-  /// order"; bench_gpu_decode --loop-only compares both): nvJPEG runs its kernels on streams of
-  /// its own, which this priority does not reach (see gpu_decode_threads).
+  /// end. Off by default: with GPU decode beside a step that fills the GPU it changed nothing
+  /// measurable (bench/RESULTS.md, "GPU JPEG decode"; bench_gpu_decode --loop-only compares both):
+  /// nvJPEG runs its kernels on streams of its own, which this priority does not reach (see
+  /// gpu_decode_threads).
   bool high_priority_copies = false;
   /// With `device` and GPU decode (ImageFolderOptions::decode = Gpu, TarImages): threads that
   /// issue the batches' decodes, each with its own nvJPEG state, stream and decode scratch (GPU
@@ -160,14 +160,13 @@ struct DataLoaderOptions {
   /// in pinning/gpu_decode.cu), and that thread is a busy CPU core meanwhile. 0 (the default):
   /// chosen from the hardware at the first decode: 2 where nvJPEG finds JPEG engines on the GPU
   /// (A100, H100, H200: its hardware backend) and the machine has 8 CPUs or more, else 1
-  /// (LoaderStats::decode_threads says which). One decodes about 29,000 500x375 images/s on an
-  /// H100 with 1.3 busy cores; two about 1.5x that on 2.4 cores, within 0.89 of what all the
-  /// H100's engines give (3-4 threads, a busy core each). Beside a step, set
-  /// CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA starts: at CUDA's default of 8,
-  /// nvJPEG's kernels wait behind the step's (a warning says so). Known issue: two decode threads
-  /// have stopped for good (both inside nvjpegDecodeBatched) on an H100 with nvJPEG 13.0, in 7 of
-  /// 1,204 loaders of 30 batches while the process took profiling signals (SIGPROF); not seen with
-  /// 1 thread, nor without signals (bench/RESULTS.md "GPU decode: the two-thread stall"). A decode
+  /// (LoaderStats::decode_threads says which). A second thread adds about half of what one
+  /// decodes, for about a busy core more (bench/RESULTS.md, "GPU JPEG decode", has the figures by
+  /// GPU). Beside a step, set CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before CUDA
+  /// starts: at CUDA's default of 8, nvJPEG's kernels wait behind the step's (a warning says so).
+  /// Known issue: two decode threads have stopped for good, both inside nvjpegDecodeBatched (nvJPEG
+  /// 13.0), in 7 of 1,204 loaders of 30 batches while the process took profiling signals (SIGPROF);
+  /// never with 1 thread, nor without signals (bench/RESULTS.md, "GPU JPEG decode"). A decode
   /// that stops does not stop the program: with `timeout` its batch fails with TimeoutError after
   /// twice the timeout, `wait_poll` (Ctrl-C in Python) interrupts the wait, and destroying the
   /// loader gives up on it after 10 s, leaving its memory unfreed. Where that matters, set 1.
@@ -187,7 +186,7 @@ struct DataLoaderOptions {
   /// parallel parts and large collate copies (>= 4 MiB) are split, on one oneTBB arena of
   /// intra_batch_threads x num_workers threads (at most the hardware's). 1: each worker does its
   /// batch alone. For few, large batches (38 MB images) few workers with several threads each
-  /// gather faster than many single-threaded ones (bench/RESULTS.md). A loader whose batches the
+  /// gather faster than many single-threaded ones. A loader whose batches the
   /// device gather makes fetches no samples and starts none of these threads.
   int intra_batch_threads = 1;
   /// Where batch buffers come from; null means pageable host memory.

@@ -33,13 +33,11 @@
 //
 // Mapped files: gather = Auto leaves rows that are a file's mapping (HostRows::mapped_file, a
 // .npy, a token file) to the host path; gather = Device gathers them from a copy. A mapping is
-// never registered in place: on an H100 host cudaHostRegister of a .npy mapping (74 MB and 589 MB,
-// written by another process) did not return, the thread running in the kernel, killable only by
-// SIGKILL (scripts/npy-register-probe.sh; faulting the pages in first changed nothing), and on an
-// H200 host the same happened to a 400 MB token file, while files the suite wrote itself
-// registered. Those hosts are VMs with a ZONE_MOVABLE (memory hot-plug); a long-term pin must
-// first move each page out of that zone, and page-cache pages that cannot be moved are a
-// plausible cause, not a confirmed one. So RowRegistration copies a mapped file's rows once into
+// never registered in place: on some hosts cudaHostRegister of a file's mapping did not return,
+// its thread running in the kernel, killable only by SIGKILL (scripts/npy-register-probe.sh;
+// bench/RESULTS.md, "Python"), while files the suite wrote itself registered; a long-term pin of
+// page-cache pages that cannot be moved (a VM's ZONE_MOVABLE) is a plausible cause, not a
+// confirmed one. So RowRegistration copies a mapped file's rows once into
 // page-locked memory of its own (cudaHostAlloc, mapped; within register_memory_limit), and the GPU
 // reads the copy: the file's bytes are read once at the loader's start (by up to 8 threads), and
 // held twice in memory (page cache and copy) while the loader lives.
