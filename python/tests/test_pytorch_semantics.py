@@ -241,8 +241,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def run_python(args, stdin=None, timeout=120):
-    env = dict(os.environ, PYTHONPATH=PYTHON_PATH)
+def run_python(args, stdin=None, timeout=120, **env_vars):
+    env = dict(os.environ, PYTHONPATH=PYTHON_PATH, **env_vars)
     return subprocess.run([sys.executable, *args], input=stdin, capture_output=True, text=True, env=env,
                           timeout=timeout)
 
@@ -359,8 +359,11 @@ ENDING = textwrap.dedent("""
 def test_the_main_process_ending_mid_epoch_leaves_nothing_and_prints_nothing(tmp_path, how):
     script = tmp_path / "ending.py"
     script.write_text(ENDING)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     shm_before = set(os.listdir("/dev/shm"))
-    done = run_python([str(script), how])  # returns once every process holding its output has ended
+    # Returns once every process holding its output has ended.
+    done = run_python([str(script), how], TMPDIR=str(scratch))
     assert done.returncode == (0 if how == "exit" else -signal.SIGKILL), done.stderr
     assert done.stderr == ""
     pids = [int(p) for p in done.stdout.split()]
@@ -370,6 +373,7 @@ def test_the_main_process_ending_mid_epoch_leaves_nothing_and_prints_nothing(tmp
         time.sleep(0.05)
     assert [p for p in pids if alive(p)] == []
     assert set(os.listdir("/dev/shm")) - shm_before == set()
+    assert os.listdir(scratch) == []  # the main process's temporary folder: removed by the zygote
 
 
 TEMPORARY = textwrap.dedent("""
