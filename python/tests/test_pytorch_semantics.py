@@ -333,6 +333,15 @@ def test_a_fresh_zygote_starts_no_zygote_of_its_own():
 
 # --- quiet ends ------------------------------------------------------------------------------------
 
+def run_in_scratch(tmp_path, script_text, arg):
+    """Runs a script with a temporary directory of its own (TMPDIR): its result and that directory."""
+    script = tmp_path / "script.py"
+    script.write_text(script_text)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    return run_python([str(script), arg], TMPDIR=str(scratch)), scratch
+
+
 ENDING = textwrap.dedent("""
     import os, signal, sys, time, torch, ferry
 
@@ -357,13 +366,8 @@ ENDING = textwrap.dedent("""
 
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_the_main_process_ending_mid_epoch_leaves_nothing_and_prints_nothing(tmp_path, how):
-    script = tmp_path / "ending.py"
-    script.write_text(ENDING)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
     shm_before = set(os.listdir("/dev/shm"))
-    # Returns once every process holding its output has ended.
-    done = run_python([str(script), how], TMPDIR=str(scratch))
+    done, scratch = run_in_scratch(tmp_path, ENDING, how)  # once every process holding its output has ended
     assert done.returncode == (0 if how == "exit" else -signal.SIGKILL), done.stderr
     assert done.stderr == ""
     pids = [int(p) for p in done.stdout.split()]
@@ -399,13 +403,7 @@ def test_worker_processes_leave_no_temporary_folder(tmp_path, context):
     # Samples without automatic batching travel torch's way (a tensor's storage handed over
     # through multiprocessing's resource sharer, whose listener lives in a temporary folder); a
     # worker ends with os._exit, so a folder of its own would outlive it.
-    script = tmp_path / "temporary.py"
-    script.write_text(TEMPORARY)
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    env = dict(os.environ, PYTHONPATH=PYTHON_PATH, TMPDIR=str(scratch))
-    done = subprocess.run([sys.executable, str(script), context], capture_output=True, text=True, env=env,
-                          timeout=120)
+    done, scratch = run_in_scratch(tmp_path, TEMPORARY, context)
     assert done.returncode == 0, done.stderr
     assert done.stdout == "ok\n"
     assert sorted(os.listdir(scratch)) == []
