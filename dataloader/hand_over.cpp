@@ -68,8 +68,8 @@ void DeviceHandOver::await_issued(const EventFence& copied, std::int64_t batch) 
                      " ms waiting for the GPU decode of batch " + std::to_string(batch) +
                      ": a decode thread has not come back from nvJPEG (gpu_decode_threads = 1 avoids the known two-thread "
                      "stall; see DataLoaderOptions::gpu_decode_threads)");
-  timed_out_.push_back(
-      std::move(awaiting_));  // (leaves it empty) the batch fails at its position; the next call takes the next one
+  // The batch fails at its position (`awaiting_` left empty); the next call takes the next one.
+  timed_out_.push_back(std::move(awaiting_));
   throw error;
 }
 

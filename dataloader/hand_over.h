@@ -57,9 +57,7 @@ class DeviceHandOver {
   const WaitPoll& poll_;
   const std::chrono::milliseconds timeout_;
   const bool fenced_;
-  struct Item {
-    Payload batch;
-    std::shared_ptr<const EventFence> copied;  // the batch's copy; the consumer waits at hand-over
+  struct Item : DeviceBatch {  // `copied`: the batch's copy, issued here; the consumer waits at hand-over
     std::exception_ptr error;
   };
   std::deque<Item> queue_;  // copies issued, not yet delivered

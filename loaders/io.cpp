@@ -99,7 +99,14 @@ const std::string& OpenAhead::path() const noexcept {
   return sent_ ? sent_->path : none;
 }
 
-bool OpenAhead::progress() { return sent_ && !sent_->path.empty() && !sent_->later && sent_->read.progress(); }
+s3::ReadAhead* OpenAhead::in_flight() const noexcept {
+  return sent_ && !sent_->path.empty() && !sent_->later ? &sent_->read : nullptr;
+}
+
+bool OpenAhead::progress() {
+  s3::ReadAhead* read = in_flight();
+  return read && read->progress();
+}
 
 void OpenAhead::send_later(const std::string& path, std::size_t first_piece) {
   if (sent_) sent_->clear();
@@ -147,7 +154,7 @@ class ObjectBlob final : public Blob {
         std::size_t k = 0;
         for (Ahead& o : ahead_)
           if (&o != a && o.sent) others[k++] = &o.read;
-        if (s3::ReadAhead* open = next_open_read()) others[k++] = open;
+        if (s3::ReadAhead* open = next_open_ ? next_open_->in_flight() : nullptr) others[k++] = open;
         taken = a->read.take(offset, n, dst, std::span<s3::ReadAhead* const>(others.data(), k));
       }
       if (!taken) s3::read(url_, offset, n, dst);
@@ -208,16 +215,10 @@ class ObjectBlob final : public Blob {
       if (a.sent && a.offset == offset && a.n == n) return &a;
     return nullptr;
   }
-  // The next object's opening read, on its way: moved along while this object's reads wait.
-  s3::ReadAhead* next_open_read() const {
-    if (!next_open_ || !next_open_->sent_) return nullptr;
-    OpenAhead::Sent& sent = *next_open_->sent_;
-    return sent.path.empty() || sent.later ? nullptr : &sent.read;
-  }
   s3::Url url_;
   mutable std::vector<std::byte> first_;  // bytes [0, first_.size()) read with the open
   mutable std::array<Ahead, kAhead> ahead_;
-  OpenAhead* next_open_;  // the reader's, for the object it opens next (or null)
+  OpenAhead* next_open_;  // the reader's, for the object it opens next (or null): moved along while this one's reads wait
 };
 
 // The whole object at `url`, from the on-disk cache when it holds it.
@@ -281,11 +282,10 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
       OpenAhead::Sent* const sent = ahead ? ahead->sent_.get() : nullptr;
       const bool mine = sent && sent->path == path && !sent->later && sent->first_piece >= first_piece && first_piece > 0;
       const bool taken = mine && sent->read.take_first(url, sent->first_piece, first, size);
-      if (sent) {
-        if (!mine) sent->clear();
-        sent->path.clear();
-        sent->later = false;
-      }
+      if (mine)
+        sent->path.clear();  // taken: nothing left in flight
+      else if (sent)
+        sent->clear();
       if (!taken) {
         if (first_piece > 0)
           size = s3::first_piece(url, first_piece, first);

@@ -30,6 +30,9 @@ namespace ferry::loaders {
 bool is_remote(std::string_view path) noexcept;
 
 class OpenAhead;
+namespace s3 {
+class ReadAhead;
+}
 
 /// One file or object, read by ranges.
 class Blob {
@@ -92,6 +95,8 @@ class OpenAhead {
   friend class Blob;
   friend class ObjectBlob;
   struct Sent;
+  // The read on its way (sent, not yet taken), or null.
+  s3::ReadAhead* in_flight() const noexcept;
   std::unique_ptr<Sent> sent_;
 };
 

@@ -550,7 +550,6 @@ constexpr int kFeedHeld = -1;
 
 TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
   Stream s;
-  s.ahead_ = std::make_shared<loaders::OpenAhead>();
   if (worker.share && worker.batch_size > 0) {
     if (worker.num_workers < 1 || worker.id < 0 || worker.id >= worker.num_workers)
       throw Error("TarShards: worker " + std::to_string(worker.id) + " of " + std::to_string(worker.num_workers) +
@@ -702,6 +701,7 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
     return s;
   }
   for (std::size_t k : assignment(worker.id, worker.num_workers, worker.seed, worker.epoch)) s.shards_.push_back(shards_[k]);
+  s.ahead_ = std::make_shared<loaders::OpenAhead>();
   if (worker.next_epoch_ahead && !s.shards_.empty() && loaders::is_remote(s.shards_.front())) {
     s.held_ = held_;
     s.worker_ = worker.id;
@@ -812,7 +812,7 @@ std::optional<TarRecord> TarShards::Stream::advance(bool read_data) {
     // thread's for the first shard's open (dropped when it is for another shard).
     if (held_ && !shards_.empty()) {
       loaders::OpenAhead read = held_->take(worker_);
-      if (!read.path().empty() && read.path() == shards_.front()) *ahead_ = std::move(read);
+      if (read.path() == shards_.front()) *ahead_ = std::move(read);
     }
   }
   while (current_ < shards_.size()) {

@@ -142,14 +142,14 @@ def _serve(conn: Any, main_pid: int, modules: Optional[list] = None) -> None:
         os._exit(0)
     _preload()
     _import(modules or [])
-    tempdirs: set = set()  # the main process's temporary folder, which its workers use
+    tempdir: Optional[str] = None  # the main process's temporary folder, which its workers use
     while True:
         ready, _, _ = select.select([conn.fileno(), main], [], [], 1.0)
         _reap()
         if main in ready:
             # The main process is gone without its exit handlers (os._exit, a signal) when this
             # runs first; its folder, which they would have removed, is removed here.
-            for tempdir in tempdirs:
+            if tempdir is not None:
                 shutil.rmtree(tempdir, ignore_errors=True)
             os._exit(0)
         if conn.fileno() not in ready:
@@ -162,7 +162,7 @@ def _serve(conn: Any, main_pid: int, modules: Optional[list] = None) -> None:
         if message[0] != "loader":
             os._exit(0)
         _import(message[1])  # what the main process has imported, once here for every later loader
-        tempdirs.add(message[2])
+        tempdir = message[2]
         pid = os.fork()
         if pid == 0:
             try:

@@ -176,13 +176,14 @@ class TarShards : public DatasetBase<TarShards> {
     std::uint64_t position_ = 0;
     std::vector<std::string> shards_;  // this reader's shards, in order
     std::size_t current_ = 0;
+    // The next shard's opening read: the stream's own, or its lane's (a loader's reader of one
+    // shard a stream: the read of the lane's next shard is sent while this one is read). Declared
+    // before reader_, whose blob points to it.
+    std::shared_ptr<loaders::OpenAhead> ahead_;
     std::optional<TarReader> reader_;
     std::optional<TarMember> pending_;  // first member of the next record
     std::exception_ptr deferred_;       // a damaged member met after a complete record: thrown next
     std::shared_ptr<Held> held_;        // the dataset's (null without next_epoch_ahead)
-    // The next shard's opening read: the stream's own, or its lane's (a loader's reader of one
-    // shard a stream: the read of the lane's next shard is sent while this one is read).
-    std::shared_ptr<loaders::OpenAhead> ahead_;
     int worker_ = 0;
     bool started_ = false;
     std::string next_first_;  // the worker's first shard of the next epoch (sent for as the last is read)
