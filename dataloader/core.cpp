@@ -357,6 +357,7 @@ void LoaderCore::begin_epoch() {
   } else {
     if (s.epochs.resume) start = s.epochs.resume->batch;  // each worker's stream skips what its batches before used
     s.epochs.resume.reset();
+    s.epochs.stream_resume_epoch.store(s.epochs.next_epoch, std::memory_order_relaxed);
     s.epochs.stream_resume_key.store(start, std::memory_order_relaxed);
   }
   s.epochs.epoch_exhausted = false;
@@ -366,7 +367,9 @@ void LoaderCore::begin_epoch() {
   s.engine.begin_epoch(s.epochs.next_epoch, std::move(plan), start);
   s.epochs.epoch_delivered = static_cast<std::int64_t>(start);
   s.epochs.live_epoch = s.epochs.next_epoch;
-  if (!s.traits.streaming && s.opt.prefetch_next_epoch) {
+  if (s.traits.streaming && s.traits.across_workers && s.opt.prefetch_next_epoch && s.engine.prefetches_next()) {
+    s.engine.prefetch_next(s.epochs.next_epoch + 1, nullptr);  // its jobs go out once this epoch's end is known
+  } else if (!s.traits.streaming && s.opt.prefetch_next_epoch) {
     const std::uint64_t next = s.epochs.next_epoch + 1;
     if (s.engine.prefetches_next()) {
       s.engine.prefetch_next(next, std::make_shared<const BatchPlan>(s.batch_sampler->plan(next)));
@@ -459,8 +462,9 @@ const DataLoaderOptions& LoaderCore::options() const noexcept { return p_->opt; 
 Route LoaderCore::route() const noexcept { return p_->route; }
 BatchAllocator& LoaderCore::allocator() const noexcept { return *p_->allocator; }
 ParallelFor* LoaderCore::intra_pool() const noexcept { return p_->pool.get(); }
-std::uint64_t LoaderCore::stream_resume_key() const noexcept {
-  return p_->epochs.stream_resume_key.load(std::memory_order_relaxed);
+std::uint64_t LoaderCore::stream_resume_key(std::uint64_t epoch) const noexcept {
+  const EpochBook& e = p_->epochs;
+  return e.stream_resume_epoch.load(std::memory_order_relaxed) == epoch ? e.stream_resume_key.load(std::memory_order_relaxed) : 0;
 }
 void LoaderCore::init_worker(const WorkerInfo& worker) {
   if (p_->opt.worker_init_fn) p_->opt.worker_init_fn(worker);

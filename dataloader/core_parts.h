@@ -66,9 +66,11 @@ struct EpochBook {
   bool epoch_exhausted = false;    // the live iterator reached the epoch's end
   bool stopped_mid_epoch = false;  // the last epoch ended early: state() is its position
   std::int64_t stopped_key = 0;    // streams: the engine's next key when it did
-  // Streams: the resumed epoch's first key. Written before the epoch's workers start; atomic
-  // because a worker abandoned in an earlier epoch's open() may still read it.
+  // Streams: the resumed epoch and its first key. Written before the epoch's workers start;
+  // atomic because a worker abandoned in an earlier epoch's open() may still read them, and a
+  // worker making the next epoch's first batches ahead reads them too (that epoch starts at 0).
   std::atomic<std::uint64_t> stream_resume_key{0};
+  std::atomic<std::uint64_t> stream_resume_epoch{0};
   // The next epoch's plan, made on a thread of its own while this epoch runs (begin_epoch), where
   // the engine does not make the next epoch's first batches ahead itself. Its future joins that
   // thread when dropped.

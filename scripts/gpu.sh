@@ -148,13 +148,14 @@ if [ "$what" = tar ]; then
   # each of 171 tiles 60 times), float, mean/std, 16 workers, batch 256, drop_last; then turboloader
   # (its wheel carried in .whl/) on the 1-shard tar. BUILD_TARGETS=bench_object_store suffices;
   # TAR_ARGS: more arguments for bench_object_store.
+  # TAR_SHARDS: the shard counts (default "1 4 11 64"); TAR_ONLY: the rows (bench_object_store --only).
   n=${TAR_IMAGES:-10260}
-  { for k in 1 4 11 64; do per=$(( (n + k - 1) / k )); mkdir -p /tmp/tar-$n-$k
+  { for k in ${TAR_SHARDS:-1 4 11 64}; do per=$(( (n + k - 1) / k )); mkdir -p /tmp/tar-$n-$k
       echo "### $k shards: bench_object_store --photos build/bench-data/photos --images $n --per-shard $per" \
         "--workers 16 --batch 256 --drop-last --float --runs 3 --local-only --no-cache-row ${TAR_ARGS:-}"
       timeout -s KILL 200 build/gpu/bench/bench_object_store --photos build/bench-data/photos --images $n --per-shard $per \
         --workers 16 --batch 256 --drop-last --float --runs 3 --local-only --no-cache-row --keep-shards /tmp/tar-$n-$k \
-        --only "indexed (TarImages)|stream (TarShards)|TarDecodeStream" ${TAR_ARGS:-} 2>&1 | grep -v "^object store"; done
+        --only "${TAR_ONLY:-indexed (TarImages)|stream (TarShards)|TarDecodeStream}" ${TAR_ARGS:-} 2>&1 | grep -v "^object store"; done
     if ls .whl/turboloader-*.whl > /dev/null 2>&1; then
       [ -d /tmp/tl ] || python3 -m pip install -q --no-deps --target /tmp/tl .whl/turboloader-*.whl
       echo "### turboloader: bench/tar_peers.py /tmp/tar-$n-1/train-000.tar --batch 256 --workers 16 --runs 3"

@@ -161,7 +161,7 @@ struct Engine::State {
   std::shared_ptr<EpochState> ahead;
   std::uint64_t ahead_dispatched = 0;
   bool can_prefetch_next() const {
-    return !opt.streaming && opt.in_order && opt.persistent_workers && W > 0 && opt.timeout.count() == 0;
+    return (!opt.streaming || opt.shared_stream) && opt.in_order && opt.persistent_workers && W > 0 && opt.timeout.count() == 0;
   }
   std::deque<Result> arrived;          // in_order == false
   std::vector<std::int64_t> ended_at;  // streams: first exhausted j per worker, -1 if live
@@ -402,7 +402,7 @@ struct Engine::State {
       if (!opt.streaming) {
         if (next_key >= total) return dispatch_ahead();
       } else if (opt.shared_stream) {
-        if (next_key >= end_key) return;
+        if (next_key >= end_key) return dispatch_ahead();
       } else {
         if (ended == W) return;
         while (dead(next_key)) ++next_key;
@@ -428,15 +428,21 @@ struct Engine::State {
     }
   }
 
+  // A shared stream's next epoch goes out once the live one's end is known (a job found no
+  // records), keyed after it; its jobs past that epoch's own end come back as ends, as the live
+  // epoch's do.
   void dispatch_ahead() {
     if (!ahead || !window) return;
     const std::size_t k = limit();
-    while (ahead_dispatched < ahead->plan->size() && total + ahead_dispatched < window->next() + k) {
+    const std::uint64_t live_end = opt.streaming ? end_key : total;
+    while ((opt.streaming || ahead_dispatched < ahead->plan->size()) && live_end + ahead_dispatched < window->next() + k) {
       Job job;
       job.key = ahead_dispatched;
       job.batch = static_cast<std::int64_t>(ahead_dispatched);
-      job.indices = ahead->plan->batch(ahead_dispatched);
-      job.epoch_indices = ahead->plan->indices;
+      if (!opt.streaming) {
+        job.indices = ahead->plan->batch(ahead_dispatched);
+        job.epoch_indices = ahead->plan->indices;
+      }
       queues[queue_of(ahead_dispatched)]->push(Task{ahead, job});
       ++ahead_dispatched;
     }
@@ -454,6 +460,7 @@ struct Engine::State {
     --in_flight;
     if (r.end && opt.shared_stream) {
       end_key = std::min(end_key, r.key);
+      dispatch_ahead();  // the epoch's end is known: the next one's first batches (an epoch may end at once)
       return;
     }
     if (r.skipped && !opt.in_order) return;
@@ -865,7 +872,7 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
 void Engine::prefetch_next(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan) {
   State& s = *state_;
   s.drop_ahead();
-  if (!s.live || !s.can_prefetch_next() || !plan) return;
+  if (!s.live || !s.can_prefetch_next() || (!plan && !s.opt.streaming)) return;
   s.ahead = std::make_shared<EpochState>(epoch, std::move(plan), s.W, s.loader_share);
   s.dispatch();
 }

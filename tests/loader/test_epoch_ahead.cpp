@@ -84,6 +84,69 @@ TEST_CASE("persistent workers make the next epoch's first batches ahead; the bat
   CHECK(first != second);
 }
 
+namespace {
+// A stream of n records, epoch * 1000 + i, that logs each record read (epoch, i).
+struct RecordedStream : DatasetBase<RecordedStream> {
+  std::int64_t n = 30;
+  std::shared_ptr<Recorded::Log> log = std::make_shared<Recorded::Log>();
+  struct Stream {
+    std::uint64_t epoch;
+    std::int64_t i, n;
+    std::shared_ptr<Recorded::Log> log;
+    std::optional<std::int64_t> next() {
+      if (i >= n) return std::nullopt;
+      {
+        std::lock_guard lock(log->mu);
+        log->fetched.emplace(epoch, static_cast<std::size_t>(i));
+      }
+      return static_cast<std::int64_t>(epoch) * 1000 + i++;
+    }
+  };
+  Stream open(const WorkerInfo& w) const { return Stream{w.epoch, 0, n, log}; }
+};
+
+DataLoaderOptions stream_options(bool ahead) {
+  DataLoaderOptions o = ahead_options(ahead);
+  o.shuffle = false;  // a stream decides its own order
+  return o;
+}
+}  // namespace
+
+TEST_CASE("persistent workers make a shared stream's next epoch's first batches ahead; the batches are the same",
+          "[loader][ahead][stream]") {
+  RecordedStream plain;
+  const auto ds = plain.across_workers();
+  std::vector<std::int64_t> reference;
+  {
+    DataLoaderOptions o = stream_options(false);
+    o.persistent_workers = false;
+    DataLoader loader(RecordedStream{}.across_workers(), o);
+    for (int e = 0; e < 3; ++e)
+      for (Tensor& b : loader)
+        for (std::int64_t r = 0; r < b.numel(); ++r) reference.push_back(b.data<std::int64_t>()[r]);
+    CHECK(reference.size() == 3 * 30);
+  }
+  DataLoader loader(ds, stream_options(true));
+  std::vector<std::int64_t> values;
+  for (std::uint64_t e = 0; e < 3; ++e) {
+    INFO("epoch " << e);
+    for (Tensor& b : loader)
+      for (std::int64_t r = 0; r < b.numel(); ++r) values.push_back(b.data<std::int64_t>()[r]);
+    // Between epochs the next epoch's records are being read: its stream was opened by the
+    // batches made ahead, before begin() asked for it.
+    CHECK(eventually([&] { return plain.log->count(e + 1) > 0; }));
+  }
+  CHECK(values == reference);
+  // Without persistent workers nothing of the next epoch is read before it begins.
+  RecordedStream other;
+  DataLoaderOptions o = stream_options(true);
+  o.persistent_workers = false;
+  DataLoader fresh(other.across_workers(), o);
+  for (Tensor& b : fresh) (void)b;
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(other.log->count(1) == 0);
+}
+
 TEST_CASE("work made ahead for an epoch that does not follow is dropped", "[loader][ahead]") {
   Recorded ds;
   DataLoader loader(ds, ahead_options(true));

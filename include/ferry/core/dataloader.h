@@ -390,7 +390,7 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
         const DataLoaderOptions& opt = core.options();
         if (!ctx.stream) {
           ctx.stream = std::make_shared<StreamState>(StreamState{dataset->open(ctx.worker), {}, 0, 0});
-          if (const std::uint64_t key = core.stream_resume_key()) {
+          if (const std::uint64_t key = core.stream_resume_key(ctx.worker.epoch)) {
             // A resumed epoch (restore()): the batches before `key` each used batch_size records
             // (shared: the epoch's first `key` batches; else this worker's batches before it).
             auto& fresh = *static_cast<StreamState*>(ctx.stream.get());

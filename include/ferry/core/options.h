@@ -71,10 +71,11 @@ struct DataLoaderOptions {
   int prefetch_factor = 2;
   /// Keep the workers (and worker_init_fn's effects) across epochs. Needs num_workers > 0.
   bool persistent_workers = false;
-  /// With persistent_workers (map-style, in order, num_workers > 0, no timeout): once all of an
-  /// epoch's batches are handed to the workers, they go on with the next epoch's first batches
-  /// (those the prefetch window has room for), so the next epoch starts without waiting for its
-  /// first batch. The next epoch is the one begin() would start next (set_epoch() before the
+  /// With persistent_workers (map-style or a stream that fills batches across workers, in order,
+  /// num_workers > 0, no timeout): once all of an epoch's batches are handed to the workers (for
+  /// a stream: once its end is known), they go on with the next epoch's first batches (those the
+  /// prefetch window has room for), so the next epoch starts without waiting for its first batch
+  /// and no worker idles through the epoch's last round. The next epoch is the one begin() would start next (set_epoch() before the
   /// current epoch ends picks another); its plan comes from the sampler's plan(epoch) ahead of
   /// time, and work made for an epoch that does not follow (set_epoch, restore) is dropped. A
   /// sample error met ahead is reported then, and counts toward its own epoch. Where the workers

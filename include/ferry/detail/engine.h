@@ -243,8 +243,10 @@ class Engine {
   /// Makes the first batches of the epoch after the live one while the live one's last batches
   /// are consumed: once all the live epoch's jobs are out, `plan`'s jobs follow, as many as the
   /// prefetch window has room for. begin_epoch(epoch, plan) with the same plan (the same pointer)
-  /// from batch 0 then takes them over; any other begin_epoch drops them. Map-style, in order,
-  /// persistent workers, no timeout; otherwise it does nothing.
+  /// from batch 0 then takes them over; any other begin_epoch drops them. A stream that fills
+  /// batches across workers (shared_stream) passes a null plan: the next epoch's jobs follow once
+  /// the live epoch's end is known. Map-style or shared streams, in order, persistent workers, no
+  /// timeout; otherwise it does nothing.
   void prefetch_next(std::uint64_t epoch, std::shared_ptr<const BatchPlan> plan);
   /// Whether prefetch_next can apply to this engine's options.
   bool prefetches_next() const noexcept;

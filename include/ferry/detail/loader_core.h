@@ -122,8 +122,8 @@ class LoaderCore {
   /// A stream's record at `position` failed (the exception in flight): under Raise rethrows it,
   /// else reports it and returns; throws after 1024 failures in a row.
   void stream_record_failed(JobContext& ctx, std::int64_t batch, std::size_t position, std::size_t failures_in_a_row);
-  /// Streams: the resumed epoch's first batch key (0: from the start).
-  std::uint64_t stream_resume_key() const noexcept;
+  /// Streams: the first batch key of `epoch` when it is the resumed epoch (0: from the start).
+  std::uint64_t stream_resume_key(std::uint64_t epoch) const noexcept;
   void init_worker(const WorkerInfo& worker);
   /// This loader's object-store counters: a worker makes them current while it makes a batch.
   IoCounters* io_counters() noexcept;
