@@ -286,32 +286,37 @@ TEST_CASE("a stream over s3:// fills batches across workers: the local batches f
       local.push_back(d.local(name));
       remote.push_back(Data::url(name));
     }
-    const auto batches = [](const std::vector<std::string>& paths, int workers) {
+    // Epochs 2 and 3 (persistent workers make epoch 3's first batches as epoch 2 ends).
+    const auto batches = [](const std::vector<std::string>& paths, int workers, bool persistent = false) {
       auto ds = TarShards(paths).map([](TarRecord r, SampleContext& ctx) {
         return r.key + "#" + std::to_string(ctx.rng().randint(1000));  // the record and its generator's draw
       });
       DataLoaderOptions o;
       o.batch_size = 4;
       o.num_workers = workers;
+      o.persistent_workers = persistent;
       o.seed = 11;
       DataLoader loader(ds, o, [](std::vector<std::string> v) { return v; });
       loader.set_epoch(2);
       std::vector<std::vector<std::string>> out;
-      for (auto& batch : loader) out.push_back(batch);
+      for (int e = 0; e < 2; ++e)
+        for (auto& batch : loader) out.push_back(batch);
       return out;
     };
     const auto expected = batches(local, 0);
     std::size_t n = 0;
     for (int s = 0; s < shards; ++s) n += static_cast<std::size_t>(3 + (7 * s) % 11);
-    REQUIRE(expected.size() == (n + 3) / 4);
+    REQUIRE(expected.size() == 2 * ((n + 3) / 4));
     std::set<std::string> keys;
-    for (const auto& b : expected)
-      for (const auto& v : b) CHECK(keys.insert(v.substr(0, v.find('#'))).second);
+    for (std::size_t b = 0; b < expected.size() / 2; ++b)
+      for (const auto& v : expected[b]) CHECK(keys.insert(v.substr(0, v.find('#'))).second);
     CHECK(keys.size() == n);
     for (int workers : {0, 1, 2, 4, 16}) {
       INFO(shards << " shards, " << workers << " workers");
       CHECK(batches(remote, workers) == expected);
     }
+    INFO(shards << " shards, 4 persistent workers");
+    CHECK(batches(remote, 4, true) == expected);
   }
 }
 
