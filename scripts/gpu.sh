@@ -93,6 +93,11 @@ if [ "$what" = python ]; then
     (cd /tmp && PYTHONUNBUFFERED=1 timeout 300 $PY "$OLDPWD/bench/python_objects.py" ${PYOBJ_ARGS:-} 2>&1) \
       | tee "$OUT/python_objects.md"
   fi
+  if [ "${FIRST_LOADER:-0}" = 1 ]; then  # a process's first loader, ferry against PyTorch (bench/first_loader.py)
+    links build/bench-data/photos /tmp/ferry-photos60 60
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout 300 $PY "$OLDPWD/bench/first_loader.py" --images /tmp/ferry-photos60 \
+      ${FIRST_LOADER_ARGS:-} 2>&1) | tee "$OUT/first_loader.md"
+  fi
   if [ "${RESNET_BENCH:-0}" = 1 ]; then  # ResNet-50 fed by ferry and by PyTorch's DataLoader (bench/resnet_loaders.py)
     links build/bench-data/photos /tmp/ferry-photos60 60
     (cd /tmp && PYTHONUNBUFFERED=1 timeout 300 $PY "$OLDPWD/bench/resnet_loaders.py" --images /tmp/ferry-photos60 \
