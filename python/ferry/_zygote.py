@@ -9,7 +9,12 @@ dataset (9 s to the first batch where torch's fork took 2.4 s, bench/RESULTS.md)
 the main script again, so a script without a main guard, or one fed on standard input, fails.
 
 ferry forks a zygote from the main process when ferry is imported, while the process has one
-thread (otherwise it starts one as a fresh interpreter); the zygote imports torch and the
+thread, or its other threads are all OpenBLAS's (otherwise it starts one as a fresh interpreter,
+which imports torch and the rest again: 7.7 s on an H200 host, bench/RESULTS.md "A process's
+first loader"). numpy's OpenBLAS starts a thread a CPU as numpy is imported, and torch imports
+numpy, so a script that imports torch before ferry has them; OpenBLAS shuts them down before a
+fork (its pthread_atfork handler) and starts them again when next used, so the fork copies no
+lock of theirs. The zygote imports torch and the
 installed packages the main process has imported (torchvision, PIL) at once, in the background
 of the script, and those imported since as each loader asks for a loader zygote. A loader asks the zygote for a
 loader zygote of its own, sends it the dataset once (Note [Datasets by value]), and the loader
@@ -48,6 +53,42 @@ def _threads() -> int:
         return threading.active_count()
 
 
+# What OpenBLAS builds name their thread count's getter (numpy's wheels carry scipy_openblas64_).
+_OPENBLAS_GETTERS = ("openblas_get_num_threads", "openblas_get_num_threads64_", "scipy_openblas_get_num_threads64_",
+                     "scipy_openblas_get_num_threads")
+
+
+def _openblas_threads() -> int:
+    """Threads the OpenBLAS libraries loaded in this process run besides the caller's (a library
+    set to n threads starts n - 1). Only libraries already loaded are asked; 0 when none is."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line}
+    except OSError:
+        return 0
+    import ctypes
+
+    total = 0
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        except OSError:
+            continue
+        for name in _OPENBLAS_GETTERS:
+            getter = getattr(lib, name, None)
+            if getter is not None:
+                total += max(int(getter()) - 1, 0)
+                break
+    return total
+
+
+def _fork_safe() -> bool:
+    """Whether the zygote may be forked from this process (Note [Zygote]): it runs one thread, or
+    its others are all OpenBLAS's, which OpenBLAS shuts down before a fork."""
+    n = _threads()
+    return n == 1 or n == 1 + _openblas_threads()
+
+
 # Set for a fresh zygote's own import of ferry, which must not start a zygote of its own.
 _IN_ZYGOTE = "FERRY_ZYGOTE_PROCESS"
 
@@ -58,14 +99,15 @@ def enabled() -> bool:
 
 def at_import() -> None:
     """Starts the zygote now (ferry's import, Note [Zygote]): forked if this process runs one
-    thread, else a fresh interpreter (which imports torch while the script goes on)."""
+    thread (OpenBLAS's aside), else a fresh interpreter (which imports torch while the script goes
+    on)."""
     global _zygote
     if not enabled() or os.environ.get(_IN_ZYGOTE):
         return
     with _lock:
         if _zygote is None:
             try:
-                _zygote = Zygote.fork() if _threads() == 1 else Zygote.fresh()
+                _zygote = Zygote.fork() if _fork_safe() else Zygote.fresh()
             except OSError:
                 pass  # get() starts one when a loader needs it
 

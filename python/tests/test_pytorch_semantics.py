@@ -331,6 +331,49 @@ def test_a_fresh_zygote_starts_no_zygote_of_its_own():
     assert done.stdout.split() == ["True", "0"]
 
 
+def test_the_zygote_is_forked_where_the_other_threads_are_openblas_s(monkeypatch):
+    # Note [Zygote]: OpenBLAS shuts its threads down before a fork; any other thread means a fresh
+    # interpreter.
+    z = ferry._zygote
+    monkeypatch.setattr(z, "_threads", lambda: 3)
+    monkeypatch.setattr(z, "_openblas_threads", lambda: 2)
+    assert z._fork_safe()
+    monkeypatch.setattr(z, "_openblas_threads", lambda: 1)  # a thread that is not OpenBLAS's
+    assert not z._fork_safe()
+    monkeypatch.setattr(z, "_threads", lambda: 1)
+    monkeypatch.setattr(z, "_openblas_threads", lambda: 0)
+    assert z._fork_safe()
+
+
+BLAS_IN_WORKERS = textwrap.dedent("""
+    import os, numpy, torch, ferry
+
+    class Blas(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+        def __getitem__(self, i):
+            a = numpy.full((300, 300), float(i))
+            return torch.tensor(float((a @ a)[0, 0]))  # a product OpenBLAS splits across its threads
+
+    z = ferry._zygote._zygote
+    print(z._popen is None, [b.tolist() for b in ferry.DataLoader(Blas(), batch_size=4, num_workers=2)])
+""")
+
+
+def test_numpy_s_openblas_threads_leave_the_zygote_forked_and_its_workers_use_blas():
+    # torch imports numpy, whose OpenBLAS starts a thread a CPU: ferry imported after torch still
+    # forks its zygote, and BLAS works in the workers forked from it.
+    probe = run_python(["-c", "import numpy\nfrom ferry import _zygote\nprint(_zygote._openblas_threads())"])
+    assert probe.returncode == 0, probe.stderr
+    if int(probe.stdout.split()[-1]) == 0:
+        pytest.skip("this numpy's BLAS runs no threads of its own (not OpenBLAS, or one CPU)")
+    done = run_python(["-c", BLAS_IN_WORKERS], timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split(" ", 1)[0] == "True"
+    assert done.stdout.split(" ", 1)[1].strip() == str([[300.0 * i * i for i in range(4)], [300.0 * i * i for i in range(4, 8)]])
+    assert "multi-threaded" not in done.stderr  # no fork warning: OpenBLAS's threads were down as it forked
+
+
 # --- quiet ends ------------------------------------------------------------------------------------
 
 def run_in_scratch(tmp_path, script_text, arg):
