@@ -10,8 +10,8 @@ the main script again, so a script without a main guard, or one fed on standard 
 
 ferry forks a zygote from the main process when ferry is imported, while the process has one
 thread, or its other threads are all OpenBLAS's (otherwise it starts one as a fresh interpreter,
-which imports torch and the rest again: 7.7-9.2 s on an H200 host, bench/RESULTS.md "A process's
-first loader"). numpy's OpenBLAS starts a thread a CPU as numpy is imported, and torch imports
+which imports torch and the rest again; the script's own imports of them took 7.7-9.2 s on an
+H200 host, bench/RESULTS.md "A process's first loader"). numpy's OpenBLAS starts a thread a CPU as numpy is imported, and torch imports
 numpy, so a script that imports torch before ferry has them; OpenBLAS shuts them down before a
 fork (its pthread_atfork handler) and starts them again when next used, so the fork copies no
 lock of theirs. The zygote imports torch and the
