@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, NoReturn, Optional, Tuple
 
 _lock = threading.Lock()
 _zygote: "Optional[Zygote]" = None
@@ -189,18 +189,16 @@ def _serve(conn: Any, main_pid: int, modules: Optional[list] = None) -> None:
         ready, _, _ = select.select([conn.fileno(), main], [], [], 1.0)
         _reap()
         if main in ready:
-            # The main process is gone without its exit handlers (os._exit, a signal) when this
-            # runs first; its folder, which they would have removed, is removed here.
-            if tempdir is not None:
-                shutil.rmtree(tempdir, ignore_errors=True)
-            os._exit(0)
+            _main_gone(main, tempdir)
         if conn.fileno() not in ready:
             continue
         try:
             message = conn.recv()
             fd = multiprocessing.reduction.recv_handle(conn)
         except (EOFError, OSError):
-            os._exit(0)
+            # A process's pipes close as it ends, before its pidfd says it has: the main process
+            # may be gone without its exit handlers here too.
+            _main_gone(main, tempdir)
         if message[0] != "loader":
             os._exit(0)
         _import(message[1])  # what the main process has imported, once here for every later loader
@@ -218,6 +216,16 @@ def _serve(conn: Any, main_pid: int, modules: Optional[list] = None) -> None:
             conn.send(("pid", pid))
         except OSError:
             os._exit(0)
+
+
+def _main_gone(main: int, tempdir: Optional[str]) -> NoReturn:
+    """Ends the zygote, whose main process has ended or closed its pipe. A main process gone
+    without its exit handlers (os._exit, a signal) leaves its temporary folder, which they would
+    have removed: it is removed here once the main process's pidfd says it has ended (a main
+    process that closed the pipe and lives on removes its own as it exits)."""
+    if tempdir is not None and select.select([main], [], [], 2.0)[0]:
+        shutil.rmtree(tempdir, ignore_errors=True)
+    os._exit(0)
 
 
 def _serve_loader(conn: Any, main_pid: int, tempdir: str) -> None:
