@@ -367,11 +367,13 @@ void LoaderCore::begin_epoch() {
   s.engine.begin_epoch(s.epochs.next_epoch, std::move(plan), start);
   s.epochs.epoch_delivered = static_cast<std::int64_t>(start);
   s.epochs.live_epoch = s.epochs.next_epoch;
-  if (s.traits.streaming && s.traits.across_workers && s.opt.prefetch_next_epoch && s.engine.prefetches_next()) {
-    s.engine.prefetch_next(s.epochs.next_epoch + 1, nullptr);  // its jobs go out once this epoch's end is known
-  } else if (!s.traits.streaming && s.opt.prefetch_next_epoch) {
+  if (s.opt.prefetch_next_epoch) {
     const std::uint64_t next = s.epochs.next_epoch + 1;
-    if (s.engine.prefetches_next()) {
+    if (s.traits.streaming) {
+      // No plan: a stream that fills batches across workers sends the next epoch's jobs once this
+      // one's end is known (the engine does nothing for other streams).
+      s.engine.prefetch_next(next, nullptr);
+    } else if (s.engine.prefetches_next()) {
       s.engine.prefetch_next(next, std::make_shared<const BatchPlan>(s.batch_sampler->plan(next)));
     } else if (s.batch_sampler->plans_ahead()) {
       // A plan takes a few ns an index (bench_plan: a million-index epoch, 2.7-3.5 ms on a

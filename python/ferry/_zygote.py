@@ -11,13 +11,13 @@ the main script again, so a script without a main guard, or one fed on standard 
 ferry forks a zygote from the main process when ferry is imported, while the process has one
 thread, or its other threads are all OpenBLAS's (otherwise it starts one as a fresh interpreter,
 which imports torch and the rest again; the script's own imports of them took 7.7-9.2 s on an
-H200 host, bench/RESULTS.md "A process's first loader"). numpy's OpenBLAS starts a thread a CPU as numpy is imported, and torch imports
-numpy, so a script that imports torch before ferry has them; OpenBLAS shuts them down before a
-fork (its pthread_atfork handler) and starts them again when next used, so the fork copies no
-lock of theirs. The zygote imports torch and the
-installed packages the main process has imported (torchvision, PIL) at once, in the background
-of the script, and those imported since as each loader asks for a loader zygote. A loader asks the zygote for a
-loader zygote of its own, sends it the dataset once (Note [Datasets by value]), and the loader
+H200 host, bench/RESULTS.md "A process's first loader"). numpy's OpenBLAS starts a thread a CPU
+as numpy is imported, and torch imports numpy, so a script that imports torch before ferry has
+them; OpenBLAS shuts them down before a fork (its pthread_atfork handler) and starts them again
+when next used, so the fork copies no lock of theirs. The zygote imports torch and the installed
+packages the main process has imported (torchvision, PIL) at once, in the background of the
+script, and those imported since as each loader asks for a loader zygote. A loader asks the
+zygote for a loader zygote of its own, sends it the dataset once (Note [Datasets by value]), and the loader
 zygote, having imported what the dataset needs, forks the workers: each starts in a few
 milliseconds with the dataset already in memory, copy-on-write, and never runs the main script.
 Every process here watches the main process (a pidfd) and ends with it, quietly (Note [Quiet

@@ -75,9 +75,10 @@ struct DataLoaderOptions {
   /// num_workers > 0, no timeout): once all of an epoch's batches are handed to the workers (for
   /// a stream: once its end is known), they go on with the next epoch's first batches (those the
   /// prefetch window has room for), so the next epoch starts without waiting for its first batch
-  /// and no worker idles through the epoch's last round. The next epoch is the one begin() would start next (set_epoch() before the
-  /// current epoch ends picks another); its plan comes from the sampler's plan(epoch) ahead of
-  /// time, and work made for an epoch that does not follow (set_epoch, restore) is dropped. A
+  /// and no worker idles through the epoch's last round. The next epoch is the one begin() would
+  /// start next (set_epoch() before the current epoch ends picks another); its plan comes from the
+  /// sampler's plan(epoch) ahead of time, and work made for an epoch that does not follow
+  /// (set_epoch, restore) is dropped. A
   /// sample error met ahead is reported then, and counts toward its own epoch. Where the workers
   /// cannot (none, or not persistent), the next epoch's plan alone is made ahead, on a thread of
   /// its own while this epoch runs, for a sampler whose plans_ahead() is true. A stream of tar
