@@ -7,7 +7,11 @@ workers with the dataset in them, and what the processes' memory becomes as the 
 every object (copy-on-write pages copied as reference counts change). Rows, side by side in one
 run, each a fresh loader with --workers worker processes, batch --batch, shuffled:
   * torch.utils.data.DataLoader (fork, its default on Linux);
-  * ferry.DataLoader (workers forked from ferry's zygote, the dataset sent once).
+  * ferry.DataLoader, its loader zygote forked from this process with the dataset in it (this
+    process runs one thread when the loader is made; Note [Loader zygotes forked from the main
+    process] in python/ferry/_zygote.py), the workers forked from that;
+  * ferry.DataLoader as where the process runs other threads: the dataset pickled and sent once to
+    a loader zygote forked from ferry's zygote.
 Columns: seconds from DataLoader(...) to the first batch in hand (median of --runs); the whole
 process tree's memory (the sum of every process's PSS, so shared pages count once, from
 /proc/<pid>/smaps_rollup) at the first batch and after a whole epoch; seconds for the epoch.
@@ -68,10 +72,11 @@ def pss_gib(pids):
 
 
 def row(make, runs):
-    firsts, mem_first, mem_end, epochs = [], [], [], []
+    firsts, mem_first, mem_end, epochs, forked = [], [], [], [], set()
     for _ in range(runs):
         t0 = time.perf_counter()
         loader = make()
+        forked.add(getattr(getattr(loader, "_pool", None), "forked", None))
         it = iter(loader)
         next(it)
         firsts.append(time.perf_counter() - t0)
@@ -87,7 +92,8 @@ def row(make, runs):
                 mem_end.append(pss_gib(set(pids)))
         epochs.append(time.perf_counter() - t1)
         del it, loader
-    return statistics.median(firsts), statistics.median(mem_first), statistics.median(mem_end), statistics.median(epochs)
+    return (statistics.median(firsts), statistics.median(mem_first), statistics.median(mem_end), statistics.median(epochs),
+            forked)
 
 
 def main():
@@ -108,11 +114,17 @@ def main():
     print("|---|---:|---:|---:|---:|")
     rows = {
         "torch DataLoader (fork)": lambda: tud.DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers),
-        "ferry.DataLoader (zygote)": lambda: ferry.DataLoader(ds, batch_size=args.batch, shuffle=True,
-                                                              num_workers=args.workers),
+        "ferry.DataLoader (loader zygote forked from this process)": lambda: ferry.DataLoader(
+            ds, batch_size=args.batch, shuffle=True, num_workers=args.workers),
+        "ferry.DataLoader (dataset sent to a loader zygote)": lambda: ferry.DataLoader(
+            ds, batch_size=args.batch, shuffle=True, num_workers=args.workers),
     }
+    fork_safe = ferry._zygote.fork_safe
     for name, make in rows.items():
-        first, m1, m2, epoch = row(make, args.runs)
+        ferry._zygote.fork_safe = (lambda: False) if "sent" in name else fork_safe
+        first, m1, m2, epoch, forked = row(make, args.runs)
+        if "ferry" in name and forked != {"forked from this" in name}:
+            name += f" (NOT AS NAMED: forked {sorted(map(str, forked))})"
         print(f"| {name} | {first:.2f} | {m1:.2f} | {m2:.2f} | {epoch:.1f} |", flush=True)
 
 

@@ -141,10 +141,17 @@ class _Quick(pickle.Pickler):
 
 def _by_value(obj: Any) -> bool:
     """Whether cloudpickle writes `obj` (a class or function) by value: its module is __main__ or
-    cannot be imported."""
-    module = getattr(obj, "__module__", None)
-    return isinstance(obj, (type, types.FunctionType)) and (
-        module is None or sys.modules.get(module) in (None, sys.modules.get("__main__")))
+    cannot be imported, or its module does not hold it under its name (a lambda, a function or
+    class made inside a function)."""
+    if not isinstance(obj, (type, types.FunctionType)):
+        return False
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    if module is None or module is sys.modules.get("__main__"):
+        return True
+    found: Any = module
+    for part in getattr(obj, "__qualname__", "<>").split("."):
+        found = getattr(found, part, None)
+    return found is not obj
 
 
 def _filled(cell: Any) -> bool:

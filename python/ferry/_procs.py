@@ -98,6 +98,10 @@ def check_picklable(payload: tuple) -> "tuple[bytes, bool]":
         "the worker (in __getitem__, or worker_init_fn), or pass worker_type='thread'") from exc
 
 
+# The quick fingerprint's limit where no full one was taken (a loader zygote forked from this process).
+_QUICK_LIMIT = 1 << 30
+
+
 class _Slot:
     def __init__(self, proc: Any, conn: Any, generation: int) -> None:
         self.proc, self.conn, self.busy = proc, conn, False
@@ -117,8 +121,23 @@ class Pool:
         self._ctx = ctx  # None: forked from the loader's zygote
         self.slabs = slabs
         self._payload = payload  # (dataset, fetch mode, finish, worker_init_fn, sample seeding)
-        self._fingerprint, plain = check_picklable(payload)
-        self._quick = self._quick_fingerprint()
+        forked = None
+        self._fingerprint: Optional[bytes] = None  # None: not taken (a loader zygote forked from this process)
+        if ctx is None and _zygote.fork_safe():
+            # Note [Loader zygotes forked from the main process] (_zygote.py): the quick
+            # fingerprint is what a later epoch compares with, and a first check that the dataset
+            # pickles (where it does not, the full fingerprint names what fails).
+            self._quick = self._quick_fingerprint()
+            if self._quick is None:  # none to be had (a cycle): the full one, as below
+                self._fingerprint, plain = check_picklable(payload)
+            try:
+                forked = _zygote.LoaderZygote.forked(payload)
+            except OSError:
+                pass
+        if forked is None:
+            if self._fingerprint is None:
+                self._fingerprint, plain = check_picklable(payload)
+            self._quick = self._quick_fingerprint()
         self._lock = threading.Lock()
         self._start_locks: Dict[int, threading.Lock] = {}
         self._prestarter: Optional[threading.Thread] = None
@@ -131,7 +150,10 @@ class Pool:
         self._connect_lock = threading.Lock()
         self._connected = False
         self._connect_error: Optional[BaseException] = None
-        if ctx is None:
+        self._forked = forked is not None
+        if forked is not None:
+            self._loader_zygote, self._connected = forked, True
+        elif ctx is None:
             # The dataset is pickled now, as it is; it travels once to this loader's zygote (which
             # loads it while the script goes on) on the prestart thread, which may first wait for
             # a fresh zygote's imports; the workers are forked from it.
@@ -143,6 +165,12 @@ class Pool:
             from multiprocessing import forkserver
 
             forkserver.ensure_running()
+
+    @property
+    def forked(self) -> bool:
+        """Whether this loader's zygote was forked from this process (Note [Loader zygotes forked
+        from the main process])."""
+        return self._forked
 
     def _zygote_of_loader(self) -> _zygote.LoaderZygote:
         """This loader's zygote, asked for (and sent the dataset) by the first caller; the others
@@ -171,8 +199,10 @@ class Pool:
         return self._loader_zygote
 
     def _quick_fingerprint(self) -> Optional[bytes]:
-        """The payload's quick fingerprint (Note [Datasets by value]), at most four times its full one."""
-        return _pickling.quick_fingerprint(self._payload, 4 * len(self._fingerprint) + (1 << 20))
+        """The payload's quick fingerprint (Note [Datasets by value]), at most four times its full one
+        (_QUICK_LIMIT where none was taken)."""
+        limit = _QUICK_LIMIT if self._fingerprint is None else 4 * len(self._fingerprint) + (1 << 20)
+        return _pickling.quick_fingerprint(self._payload, limit)
 
     def _dumps(self) -> bytes:
         import torch.multiprocessing  # noqa: F401  (the tensor reductions)
@@ -265,7 +295,7 @@ class Pool:
                 parent.send_bytes(blob)  # read first by the process; the GIL is released while this waits
             except OSError:
                 pass  # the process is gone: the first call finds it so and says how it ended
-        slot = _Slot(proc, parent, generation)
+        slot = _Slot(proc, _zygote.own(parent), generation)
         with self._lock:
             closed = self._closed
             if not closed:

@@ -41,6 +41,7 @@ import pickle
 import threading
 import time
 import warnings
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _ferry
@@ -52,6 +53,9 @@ ALIGN = 256  # each tensor's offset in a slab (DMA- and vector-friendly)
 # 1.25-1.42x without; bench/RESULTS.md). The tests turn this on to run the slab path without CUDA.
 FOR_PAGEABLE = False
 _ROUND = 1 << 20
+# The slabs this process has made and not closed: a loader zygote forked from it closes its copies
+# of their files (Note [Loader zygotes forked from the main process] in _zygote.py).
+made: "weakref.WeakSet[Slab]" = weakref.WeakSet()
 
 
 def _round_up(n: int, to: int) -> int:
@@ -67,6 +71,9 @@ class Slab:
         try:
             os.ftruncate(self.fd, size)
             self.mm = mmap.mmap(self.fd, size)
+            # Not in a process forked from this one (a loader zygote, Note [Loader zygotes forked
+            # from the main process] in _zygote.py), which would keep the segment after its loader.
+            self.mm.madvise(mmap.MADV_DONTFORK)
         except BaseException:
             os.close(self.fd)
             raise
@@ -81,6 +88,14 @@ class Slab:
                 raise
             self.registered = True
         self.lease_type = type("SlabLease", (ctypes.c_uint8 * size,), {"__del__": _lease_gone})
+        made.add(self)
+
+    def forget(self) -> None:
+        """In a process forked from the one that made it: closes this process's copy of its file."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.registered = False
 
     def close(self) -> None:
         if self.fd < 0:

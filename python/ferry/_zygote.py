@@ -24,13 +24,34 @@ Every process here watches the main process (a pidfd) and ends with it, quietly 
 ends] in ferry/_worker.py); a loader zygote ends when its loader closes its pipe, killing any
 worker left. The loader zygote reaps its workers only when asked ("status"), so a worker's pid
 stays its own until the main process (which holds a pidfd of it) has read how it ended.
+
+Note [Loader zygotes forked from the main process]
+A dataset made after ferry's import is not in the zygote: it is pickled and sent, and a million
+(path, label) tuples took 1.2 s to reach their first batch that way, where torch's fork took 0.1 s
+(2-core machine; bench/RESULTS.md "A million Python objects"). So a loader made while its process
+runs one thread (OpenBLAS's aside, as for the zygote; the loader's own threads start later) forks
+its loader zygote itself: the dataset is there as it is, copy-on-write, neither pickled nor sent.
+What is taken instead is its quick fingerprint (Note [Datasets by value]), which an epoch's start
+compares with as before (the first epoch's too: a dataset changed between DataLoader() and
+iter() is sent), and which is a first check that the dataset pickles: where it does not, the full
+fingerprint is taken and names what fails, as on the other path. The child holds the main
+process's memory and files: it freezes the collector (no finalizer of the main process's objects
+runs there), closes its copies of ferry's other pipes (registered with own()) and slab files (a
+slab is not mapped in a child, MADV_DONTFORK), so that another loader's processes end when that
+loader closes them; drops the zygote's handle (a worker's own loaders start their own); puts the
+script's signal handlers back to the default (a SIGTERM handler that saves a checkpoint must not run
+in it); and the main process flushes its standard streams first, so no worker writes their
+buffered text again. It is the main process's child, reaped when its loader closes it; a main
+process that ends without its exit handlers has its temporary folder removed by it, as by the zygote.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
+import multiprocessing.util
 import os
 import pickle
 import select
@@ -40,10 +61,20 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any, NoReturn, Optional, Tuple
 
 _lock = threading.Lock()
 _zygote: "Optional[Zygote]" = None
+# ferry's own pipes in this process (to its zygotes and workers): a loader zygote forked from this
+# process closes its copies (Note [Loader zygotes forked from the main process]).
+_owned: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def own(obj: Any) -> Any:
+    """Notes `obj` (a Connection) as one of ferry's pipes."""
+    _owned.add(obj)
+    return obj
 
 
 def _threads() -> int:
@@ -80,6 +111,12 @@ def _openblas_threads() -> int:
                 total += max(int(getter()) - 1, 0)
                 break
     return total
+
+
+def fork_safe() -> bool:
+    """Whether a loader zygote may be forked from this process now (Note [Loader zygotes forked
+    from the main process])."""
+    return enabled() and _fork_safe()
 
 
 def _fork_safe() -> bool:
@@ -228,9 +265,10 @@ def _main_gone(main: int, tempdir: Optional[str]) -> NoReturn:
     os._exit(0)
 
 
-def _serve_loader(conn: Any, main_pid: int, tempdir: str) -> None:
+def _serve_loader(conn: Any, main_pid: int, tempdir: str, payload: Optional[tuple] = None) -> None:
     """A loader's zygote: holds the loader's dataset and forks its workers (Note [Zygote]).
-    `tempdir`: the main process's temporary folder, which the workers use as their own."""
+    `tempdir`: the main process's temporary folder, which the workers use as their own. `payload`:
+    the dataset already here (forked from the main process), else sent as a pickle."""
     from . import _worker
 
     multiprocessing.process.current_process()._config["tempdir"] = tempdir  # type: ignore[attr-defined]
@@ -239,11 +277,14 @@ def _serve_loader(conn: Any, main_pid: int, tempdir: str) -> None:
         main = os.pidfd_open(main_pid)
     except OSError:
         return
-    payload: Optional[tuple] = None
     error: Optional[tuple] = None
     children: set = set()
 
-    def end() -> None:
+    def end(closed: bool = True) -> NoReturn:
+        """Ends this process and its workers. `closed`: the loader said so; else the main process
+        has ended or is ending (its pipe closed unasked), and its temporary folder is removed as
+        the zygote's _main_gone() does (a loader zygote forked from the main process has no zygote
+        that knows the folder)."""
         for pid in children:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -254,16 +295,18 @@ def _serve_loader(conn: Any, main_pid: int, tempdir: str) -> None:
                 os.waitpid(pid, 0)
             except OSError:
                 pass
-        os._exit(0)
+        if closed:
+            os._exit(0)
+        _main_gone(main, tempdir)
 
     while True:
         ready, _, _ = select.select([conn.fileno(), main], [], [])
         if main in ready:
-            end()
+            end(closed=False)
         try:
             message = conn.recv()
         except (EOFError, OSError):
-            end()
+            end(closed=False)
         kind = message[0]
         if kind == "payload":
             try:
@@ -279,7 +322,7 @@ def _serve_loader(conn: Any, main_pid: int, tempdir: str) -> None:
             try:
                 fd = multiprocessing.reduction.recv_handle(conn)
             except (EOFError, OSError):
-                end()
+                end(closed=False)
             if payload is None:
                 os.close(fd)
                 reply = ("error", error or ("RuntimeError", "no dataset was sent", "", None))
@@ -313,12 +356,12 @@ def _serve_loader(conn: Any, main_pid: int, tempdir: str) -> None:
                     break
                 time.sleep(0.005)
             reply = ("status", code)
-        else:
+        else:  # "close"
             end()
         try:
             conn.send(reply)
         except OSError:
-            end()
+            end(closed=False)
 
 
 def _rebuild_error(value: tuple) -> BaseException:
@@ -334,7 +377,7 @@ class Zygote:
     """The main side of the zygote."""
 
     def __init__(self, conn: Any, pid: int, popen: Optional[subprocess.Popen] = None) -> None:
-        self.conn, self.pid, self._popen = conn, pid, popen
+        self.conn, self.pid, self._popen = own(conn), pid, popen
         self._lock = threading.Lock()
         self._pidfd: Optional[int] = os.pidfd_open(pid)
 
@@ -422,12 +465,64 @@ def _serve_fresh(fd: int, main_pid: int) -> None:
         os._exit(0)
 
 
+def _forked_from_main() -> None:
+    """In a loader zygote just forked from the main process: what it has of the main process's
+    that is not the loader's own is let go (Note [Loader zygotes forked from the main process])."""
+    global _zygote
+    gc.freeze()  # the main process's objects are never collected here (no finalizer of theirs runs)
+    # What multiprocessing runs in a child it forks: its resource sharer (which torch's tensors
+    # travel through) forgets the main process's listener and starts its own when asked.
+    getattr(multiprocessing.util, "_run_after_forkers", lambda: None)()
+    for sig in signal.valid_signals():
+        try:
+            if callable(signal.getsignal(sig)):  # a handler of the script's (a SIGTERM checkpoint)
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            pass
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    from . import _slabs
+
+    for obj in list(_owned):
+        try:
+            obj.close()  # this process's copy of the pipe
+        except OSError:
+            pass
+    for slab in list(_slabs.made):
+        slab.forget()  # its mapping was not copied (MADV_DONTFORK); the file is closed here
+    _zygote = None  # a worker's own loaders start a zygote of their own
+    _owned.clear()
+
+
 class LoaderZygote:
     """The main side of one loader's zygote."""
 
-    def __init__(self, conn: Any, pid: int) -> None:
-        self.conn, self.pid = conn, pid
+    def __init__(self, conn: Any, pid: int, child: bool = False) -> None:
+        self.conn, self.pid = own(conn), pid
+        self._child = child  # forked from this process, which reaps it
         self._lock = threading.Lock()
+
+    @classmethod
+    def forked(cls, payload: tuple) -> "LoaderZygote":
+        """A loader zygote forked from this process, holding `payload` as it is now (Note [Loader
+        zygotes forked from the main process]). Only where fork_safe()."""
+        parent, child = multiprocessing.Pipe(duplex=True)
+        main_pid = os.getpid()
+        tempdir = multiprocessing.util.get_temp_dir()
+        for stream in (sys.stdout, sys.stderr):  # what they hold is written once, not again by a worker
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        pid = os.fork()
+        if pid == 0:
+            try:
+                parent.close()
+                _forked_from_main()
+                _serve_loader(child, main_pid, tempdir, payload)
+            finally:
+                os._exit(0)
+        child.close()
+        return cls(parent, pid, child=True)
 
     def send_payload(self, blob: bytes) -> None:
         with self._lock:
@@ -461,10 +556,28 @@ class LoaderZygote:
         return code
 
     def close(self) -> None:
+        if self._lock.acquire(blocking=False):  # else a call is in flight: the pipe's end says it
+            try:
+                self.conn.send(("close",))
+            except OSError:
+                pass
+            finally:
+                self._lock.release()
         try:
             self.conn.close()
         except OSError:
             pass
+        if self._child:  # it ends as its pipe closes (its workers killed first): reaped here
+            self._child = False
+            try:
+                fd = os.pidfd_open(self.pid)
+                try:
+                    select.select([fd], [], [], 5.0)
+                finally:
+                    os.close(fd)
+                os.waitpid(self.pid, os.WNOHANG)
+            except (OSError, ChildProcessError):
+                pass
 
 
 class ForkedProcess:

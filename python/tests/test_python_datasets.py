@@ -354,13 +354,19 @@ def test_what_cannot_cross_a_process_is_named_and_lambdas_travel():
     assert len(list(ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2, worker_type="thread"))) == 4
 
 
-def test_the_dataset_travels_once_a_loader_with_its_tensors_shared():
-    # The dataset is pickled once and sent to the loader's zygote; its tensors go by shared
-    # memory (the workers map the same storage).
+@pytest.mark.parametrize("forked", [True, False], ids=["loader-zygote-forked", "dataset-sent"])
+def test_the_dataset_travels_once_a_loader_with_its_tensors_shared(forked, monkeypatch):
+    # The loader's zygote is forked from this process with the dataset in it; or the dataset is
+    # pickled once and sent to the loader's zygote, its tensors by shared memory (the workers map
+    # the same storage). Either way an in-place change reaches the next epoch's workers.
+    import ferry._zygote
+
+    monkeypatch.setattr(ferry._zygote, "fork_safe", lambda: forked)
     big = tud.TensorDataset(torch.zeros(256, 1 << 12, dtype=torch.uint8), torch.arange(256))
     ours = ferry.DataLoader(big, num_workers=2, batch_size=64)
+    assert ours._pool.forked == forked
     assert [b[1].tolist() for b in ours][0] == list(range(64))
-    assert big.tensors[0].is_shared()
+    assert big.tensors[0].is_shared() != forked
     big.tensors[0][0, 0] = 7  # in place: the next epoch's workers see it
     assert int(next(iter(ours))[0][0, 0]) == 7
 

@@ -128,8 +128,18 @@ class Cyclic(Mutable):
         return self.value + self.also[0]
 
 
+@pytest.fixture(params=["forked", "sent"], ids=["loader-zygote-forked", "dataset-sent"])
+def zygote_path(request, monkeypatch):
+    """Each loader's zygote forked from this process with the dataset in it, or asked of the
+    zygote and sent the dataset (Note [Loader zygotes forked from the main process])."""
+    import ferry._zygote
+
+    monkeypatch.setattr(ferry._zygote, "fork_safe", lambda: request.param == "forked")
+    return request.param
+
+
 @pytest.mark.parametrize("kind", [Mutable, Cyclic], ids=["plain", "cyclic"])
-def test_a_dataset_is_sent_again_only_when_its_values_changed(kind, monkeypatch):
+def test_a_dataset_is_sent_again_only_when_its_values_changed(kind, monkeypatch, zygote_path):
     import ferry._procs
     import ferry._zygote
 
@@ -149,10 +159,14 @@ def test_a_dataset_is_sent_again_only_when_its_values_changed(kind, monkeypatch)
             ds.shared[0] = 5  # changed through the other reference
         got.append(rows(loader))
     assert got == [[0] * 4, [0] * 4, [10] * 4, [15 if kind is Cyclic else 10] * 4]
-    assert len(sent) == (3 if kind is Cyclic else 2)  # when made, then at each epoch whose values changed
-    # The full fingerprint is taken when the loader is made and, where the quick one answers,
-    # only when it saw a change (a cyclic dataset has no quick one: every epoch asks).
-    assert len(full) == (5 if kind is Cyclic else 2)
+    forked = zygote_path == "forked"
+    assert [p.forked for p in [loader._pool]] == [forked]
+    # Sent when made (not to a loader zygote forked with it), then at each epoch whose values changed.
+    assert len(sent) == (2 if kind is Cyclic else 1) + (not forked)
+    # The full fingerprint is taken when the loader is made (only where it has no quick one, when
+    # its zygote is forked) and, where the quick one answers, only when it saw a change (a cyclic
+    # dataset has no quick one: every epoch asks).
+    assert len(full) == (5 if kind is Cyclic else 1 + (not forked))
 
 
 class Counted(tud.Dataset):
@@ -248,8 +262,10 @@ def run_python(args, stdin=None, timeout=120, **env_vars):
 
 
 MUTATED = textwrap.dedent("""
-    import torch, ferry, ferry._procs
+    import sys, torch, ferry, ferry._procs, ferry._zygote
 
+    if sys.argv[1] == "sent":
+        ferry._zygote.fork_safe = lambda: False
     full = []
     check = ferry._procs.check_picklable
     ferry._procs.check_picklable = lambda payload: full.append(1) or check(payload)
@@ -276,18 +292,84 @@ MUTATED = textwrap.dedent("""
         if epoch == 5:
             SHIFT = 100                           # a global its method reads
         got.append([b.tolist() for b in loader])
-    print(got, len(full))
+    print(got, len(full), loader._pool.forked)
 """)
 
 
-def test_a_scripts_dataset_changed_between_epochs_is_seen_and_an_unchanged_one_not_pickled_again(tmp_path):
+@pytest.mark.parametrize("path", ["forked", "sent"])
+def test_a_scripts_dataset_changed_between_epochs_is_seen_and_an_unchanged_one_not_pickled_again(tmp_path, path):
     script = tmp_path / "mutate.py"
     script.write_text(MUTATED)
+    done = run_python([str(script), path])
+    assert done.returncode == 0, done.stderr
+    # The full fingerprint at the epochs that changed the dataset, and when the loader is made
+    # where its zygote is not forked from this process (a fresh one is: one thread).
+    assert done.stdout.strip() == ("[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 10], [20, 30]], [[0, 10], [20, 30]], "
+                                   "[[1, 11], [21, 31]], [[101, 111], [121, 131]]] "
+                                   + ("3 True" if path == "forked" else "4 False"))
+
+
+FORKED = textwrap.dedent("""
+    import os, signal, sys, time, torch, ferry
+
+    print("made before")                          # left in this process's buffer (a pipe)
+    signal.signal(signal.SIGTERM, lambda *a: print("the script's handler ran", flush=True))
+
+    class Items(torch.utils.data.Dataset):
+        def __init__(self):
+            self.items = [(f"/data/{i}.jpg", i) for i in range(5000)]
+        def __len__(self):
+            return 8
+        def __getitem__(self, i):
+            if i == 0:
+                print("a worker writes", flush=True)
+            return self.items[i][1]
+
+    def sockets(pid):
+        out = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                out.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+            except OSError:
+                pass
+        return {s for s in out if s.startswith("socket:")}
+
+    def children():
+        return set(open(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read().split())
+
+    ds = Items()
+    a = ferry.DataLoader(ds, batch_size=4, num_workers=2)
+    ds.items[1] = ("/data/changed.jpg", 100)      # after the loader is made: its first epoch sees it
+    first = [b.tolist() for b in a]
+    za = a._pool._loader_zygote
+    b = ferry.DataLoader(Items(), batch_size=4, num_workers=2)
+    zb = b._pool._loader_zygote
+    assert len(list(b)) == 2                      # b's zygote has forked its workers: it let go of a's pipes before
+    mine = {f"socket:[{os.fstat(c.fileno()).st_ino}]" for c in (za.conn,)}
+    kept = mine & sockets(zb.pid)                 # a's pipe, held by b's zygote
+    child = str(za.pid) in children()
+    os.kill(zb.pid, signal.SIGTERM)               # b's zygote ends by it, quietly
+    time.sleep(0.5)
+    a._pool.close()
+    print(first, a._pool.forked, b._pool.forked, child, len(kept), os.path.exists(f"/proc/{za.pid}"))
+""")
+
+
+def test_a_loader_zygote_forked_from_the_main_process(tmp_path):
+    # Note [Loader zygotes forked from the main process]: a process of one thread forks each
+    # loader's zygote itself, with the dataset in it.
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
     done = run_python([str(script)])
     assert done.returncode == 0, done.stderr
-    # The full fingerprint only when the loader is made and at the epochs that changed the dataset.
-    assert done.stdout.strip() == ("[[[0, 1], [2, 3]], [[0, 1], [2, 3]], [[0, 10], [20, 30]], [[0, 10], [20, 30]], "
-                                   "[[1, 11], [21, 31]], [[101, 111], [121, 131]]] 4")
+    lines = done.stdout.splitlines()
+    # The first epoch sees the dataset as it was at iter(), not as the fork saw it; the main
+    # process's buffered output is written once; the loader zygote is this process's child, holds
+    # no pipe of another loader's, and is reaped when its loader closes; the script's SIGTERM
+    # handler does not run in it.
+    assert lines.count("made before") == 1, done.stdout
+    assert lines[-1] == "[[0, 100, 2, 3], [4, 5, 6, 7]] True True True 0 False", done.stdout
+    assert "the script's handler ran" not in done.stdout
 
 
 def test_a_script_without_a_main_guard_runs(tmp_path):
