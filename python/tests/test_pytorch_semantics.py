@@ -169,6 +169,16 @@ def test_a_dataset_is_sent_again_only_when_its_values_changed(kind, monkeypatch,
     assert len(full) == (5 if kind is Cyclic else 1 + (not forked))
 
 
+def test_a_change_in_what_a_lambda_holds_reaches_fresh_workers(zygote_path):
+    # A lambda of an importable module travels by value (cloudpickle), so the quick fingerprint
+    # takes its closure too: a change there between epochs is sent to the next epoch's workers.
+    box = [0]
+    loader = ferry.DataLoader(Mutable(), batch_size=2, num_workers=2, collate_fn=lambda b: [x + box[0] for x in b])
+    first = list(loader)
+    box[0] = 5
+    assert (first, list(loader)) == ([[0, 0], [0, 0]], [[5, 5], [5, 5]])
+
+
 class Counted(tud.Dataset):
     def __len__(self):
         return 4
