@@ -357,8 +357,8 @@ void LoaderCore::begin_epoch() {
   } else {
     if (s.epochs.resume) start = s.epochs.resume->batch;  // each worker's stream skips what its batches before used
     s.epochs.resume.reset();
-    s.epochs.stream_resume_epoch.store(s.epochs.next_epoch, std::memory_order_relaxed);
-    s.epochs.stream_resume_key.store(start, std::memory_order_relaxed);
+    const std::lock_guard lock(s.epochs.stream_resume_mu);
+    s.epochs.stream_resume = {s.epochs.next_epoch, start};
   }
   s.epochs.epoch_exhausted = false;
   s.epochs.stopped_mid_epoch = false;
@@ -466,7 +466,8 @@ BatchAllocator& LoaderCore::allocator() const noexcept { return *p_->allocator; 
 ParallelFor* LoaderCore::intra_pool() const noexcept { return p_->pool.get(); }
 std::uint64_t LoaderCore::stream_resume_key(std::uint64_t epoch) const noexcept {
   const EpochBook& e = p_->epochs;
-  return e.stream_resume_epoch.load(std::memory_order_relaxed) == epoch ? e.stream_resume_key.load(std::memory_order_relaxed) : 0;
+  const std::lock_guard lock(e.stream_resume_mu);
+  return e.stream_resume.epoch == epoch ? e.stream_resume.key : 0;
 }
 void LoaderCore::init_worker(const WorkerInfo& worker) {
   if (p_->opt.worker_init_fn) p_->opt.worker_init_fn(worker);

@@ -4,11 +4,11 @@
 // folder.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -49,7 +49,7 @@ struct StatsBook {
 };
 
 /// Where the loader is in its epochs: what begin/next/end_epoch move along and state() and
-/// restore() read and set (core.cpp, resume.cpp). Consumer thread, but for stream_resume_key.
+/// restore() read and set (core.cpp, resume.cpp). Consumer thread, but for stream_resume (its lock).
 struct EpochBook {
   std::int64_t epoch_delivered = 0;  // batches handed over in the live epoch (failed ones too)
   std::uint64_t next_epoch = 0;
@@ -66,11 +66,15 @@ struct EpochBook {
   bool epoch_exhausted = false;    // the live iterator reached the epoch's end
   bool stopped_mid_epoch = false;  // the last epoch ended early: state() is its position
   std::int64_t stopped_key = 0;    // streams: the engine's next key when it did
-  // Streams: the resumed epoch and its first key. Written before the epoch's workers start;
-  // atomic because a worker abandoned in an earlier epoch's open() may still read them, and a
+  // Streams: the resumed epoch and its first key, set together and read together (one lock: a
+  // reader must not see one epoch's number with another's key). Written before the epoch's
+  // workers start; a worker abandoned in an earlier epoch's open() may still read them, and a
   // worker making the next epoch's first batches ahead reads them too (that epoch starts at 0).
-  std::atomic<std::uint64_t> stream_resume_key{0};
-  std::atomic<std::uint64_t> stream_resume_epoch{0};
+  struct StreamResume {
+    std::uint64_t epoch = 0, key = 0;
+  };
+  mutable std::mutex stream_resume_mu;
+  StreamResume stream_resume;  // under stream_resume_mu
   // The next epoch's plan, made on a thread of its own while this epoch runs (begin_epoch), where
   // the engine does not make the next epoch's first batches ahead itself. Its future joins that
   // thread when dropped.
@@ -125,7 +129,7 @@ struct LoaderCore::Parts {
   StatsBook stats;  // consumer thread
   IoCounters io;    // this loader's object-store reads (its workers add to them)
 
-  EpochBook epochs;  // consumer thread (stream_resume_key: workers too)
+  EpochBook epochs;  // consumer thread (stream_resume: workers too, under its lock)
 
   Engine engine;                        // built after, and shut down before, everything it calls into
   std::unique_ptr<PinStage> pin_stage;  // the engine's consumer when pinning; stops first
