@@ -24,7 +24,6 @@ shared objects make the quick form grow past four times the full one, gets no qu
 
 from __future__ import annotations
 
-import hashlib
 import io
 import multiprocessing.reduction
 import pickle
@@ -34,6 +33,8 @@ from collections import ChainMap
 from typing import Any, List, Optional, Tuple
 
 import cloudpickle
+
+from . import _ferry
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -81,11 +82,12 @@ def fingerprint(obj: Any) -> Tuple[bytes, bool]:
 
 
 class _Digest:
-    """A pickle's SHA-256, taken as it is written (the pickle itself is not kept), and at most `limit` bytes."""
+    """A pickle's digest (Note [A fingerprint's digest] in python/src/digest.cpp), taken as it is
+    written (the pickle itself is not kept), and at most `limit` bytes."""
 
     def __init__(self, limit: int) -> None:
         self._limit, self._written = limit, 0
-        self.hash = hashlib.sha256()
+        self.hash = _ferry.Digest()
 
     def write(self, data: Any) -> int:
         self._written += len(data)
@@ -179,7 +181,7 @@ _DESCRIPTORS = (property, types.MemberDescriptorType, types.GetSetDescriptorType
 
 
 def quick_fingerprint(obj: Any, limit: int) -> Optional[bytes]:
-    """The SHA-256 of `obj`'s values, pickled without the memo (tensors named as by fingerprint(),
+    """The digest of `obj`'s values, pickled without the memo (tensors named as by fingerprint(),
     classes and functions by identity); None where that cannot be taken: a cycle, more than `limit`
     bytes, or anything that does not pickle."""
     out = _Digest(limit)

@@ -14,6 +14,8 @@ void register_errors(nb::module_& m);
 void register_datasets(nb::module_& m);
 /// The loader and its options (loader.cpp).
 void register_loader(nb::module_& m);
+/// A fast digest of a byte stream, for a dataset's quick fingerprint (digest.cpp).
+void register_digest(nb::module_& m);
 /// What tests and benchmarks call (hooks.cpp).
 void register_hooks(nb::module_& m);
 

@@ -179,6 +179,28 @@ def test_a_change_in_what_a_lambda_holds_reaches_fresh_workers(zygote_path):
     assert (first, list(loader)) == ([[0, 0], [0, 0]], [[5, 5], [5, 5]])
 
 
+def test_the_fingerprints_digest_sees_any_change_however_the_stream_is_cut():
+    # Note [A fingerprint's digest] (python/src/digest.cpp).
+    from ferry import _ferry
+
+    def digest(*parts):
+        d = _ferry.Digest()
+        for p in parts:
+            d.update(p)
+        return d.digest()
+
+    data = bytes(range(256)) * 41 + b"tail"
+    whole = digest(data)
+    assert len(whole) == 16
+    assert all(digest(data[:i], memoryview(data)[i:j], data[j:]) == whole for i, j in [(0, 0), (1, 9), (7, 8), (13, 5000)])
+    changed = {digest(data[:i] + bytes([data[i] ^ 1 << b]) + data[i + 1:]) for i in (0, 7, 8, 5000, len(data) - 1)
+               for b in (0, 7)}
+    assert len(changed) == 10 and whole not in changed  # each one-bit change, a digest of its own
+    assert len({digest(b""), digest(b"\0"), digest(b"\0" * 8), digest(b"\0" * 9)}) == 4  # trailing zeros count
+    with pytest.raises(TypeError):
+        _ferry.Digest().update("text")  # not a buffer
+
+
 class Counted(tud.Dataset):
     def __len__(self):
         return 4
