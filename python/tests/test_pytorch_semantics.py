@@ -68,6 +68,30 @@ def test_seeds_and_order_are_torchs_for_each_generator_and_epoch(persistent, gen
     assert sorted(r[0] for r in ours[0]) == list(range(12))
 
 
+@pytest.mark.parametrize("generator", [None, 5], ids=["default-generator", "generator-5"])
+def test_a_random_samplers_order_is_drawn_as_torch_draws_it_without_iterating_it(generator, monkeypatch):
+    # The order is drawn by randperm as torch's RandomSampler draws it (checked once a process on a
+    # small one), and reaches the engine as an int64 buffer; the generator is left where torch's
+    # sampler leaves it.
+    from ferry import _bridge
+
+    def iterate(self):
+        raise AssertionError("the sampler was iterated")
+
+    torch.manual_seed(3)
+    g = None if generator is None else torch.Generator().manual_seed(generator)
+    loader = ferry.DataLoader(range(1000), batch_size=64, shuffle=True, generator=g, drop_last=True)
+    assert _bridge._torch_draws is True
+    monkeypatch.setattr(tud.RandomSampler, "__iter__", iterate)
+    ours = [b.tolist() for b in loader]
+    after = (g or torch.default_generator).get_state()
+    monkeypatch.undo()
+    torch.manual_seed(3)
+    g = None if generator is None else torch.Generator().manual_seed(generator)
+    assert ours == [b.tolist() for b in tud.DataLoader(range(1000), batch_size=64, shuffle=True, generator=g, drop_last=True)]
+    assert torch.equal(after, (g or torch.default_generator).get_state())
+
+
 def test_two_generators_give_two_runs_and_manual_seed_governs_the_default():
     def run(g=None, seed=None):
         return epochs(lambda: ferry.DataLoader(Draws(8), batch_size=2, num_workers=2, generator=g), n=1, seed=seed)
