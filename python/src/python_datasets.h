@@ -165,8 +165,7 @@ class PyBatchSampler final : public ferry::BatchSampler {
     }
     PyBuffer_Release(&view);
     if (!int64) throw ferry::Error("sampler: epoch " + std::to_string(epoch) + ": a plan's order must be int64");
-    ferry::BatchPlan out =
-        ferry::make_batches(std::move(indices), nb::cast<std::size_t>(t[1]), nb::cast<bool>(t[2]));
+    ferry::BatchPlan out = ferry::make_batches(std::move(indices), nb::cast<std::size_t>(t[1]), nb::cast<bool>(t[2]));
     if (out.size() != batches_)
       throw ferry::Error("sampler: epoch " + std::to_string(epoch) + " gave " + std::to_string(out.size()) +
                          " batches, but len() said " + std::to_string(batches_) +
