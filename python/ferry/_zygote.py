@@ -27,8 +27,8 @@ stays its own until the main process (which holds a pidfd of it) has read how it
 
 Note [Loader zygotes forked from the main process]
 A dataset made after ferry's import is not in the zygote: it is pickled and sent, and a million
-(path, label) tuples took 1.54 s to reach their first batch that way, where torch's fork took 0.19 s
-(8 workers, H200 host; 0.71 s forked as below; bench/RESULTS.md "A million Python objects: the
+(path, label) tuples took 0.98 s to reach their first batch that way, where torch's fork took 0.14 s
+(8 workers, H200 host; 0.32 s forked as below; bench/RESULTS.md "A million Python objects: the
 loader's zygote forked from the main process"). So a loader made while its process
 runs one thread (OpenBLAS's aside, as for the zygote; the loader's own threads start later) forks
 its loader zygote itself: the dataset is there as it is, copy-on-write, neither pickled nor sent.
