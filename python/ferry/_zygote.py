@@ -573,10 +573,11 @@ class LoaderZygote:
             try:
                 fd = os.pidfd_open(self.pid)
                 try:
-                    select.select([fd], [], [], 5.0)
+                    if not select.select([fd], [], [], 5.0)[0]:  # stuck: it goes now, so the wait below ends
+                        signal.pidfd_send_signal(fd, signal.SIGKILL)
                 finally:
                     os.close(fd)
-                os.waitpid(self.pid, os.WNOHANG)
+                os.waitpid(self.pid, 0)
             except (OSError, ChildProcessError):
                 pass
 

@@ -109,7 +109,18 @@ class PyBatchSampler final : public ferry::BatchSampler {
   ferry::BatchPlan plan(std::uint64_t epoch) const override {
     Gil gil;
     nb::object batches = call(plan_, epoch);
-    if (nb::isinstance<nb::tuple>(batches)) return of_order(nb::borrow<nb::tuple>(batches), epoch);
+    ferry::BatchPlan out =
+        nb::isinstance<nb::tuple>(batches) ? of_order(nb::borrow<nb::tuple>(batches), epoch) : of_lists(batches, epoch);
+    if (out.size() != batches_)
+      throw ferry::Error("sampler: epoch " + std::to_string(epoch) + " gave " + std::to_string(out.size()) +
+                         " batches, but len() said " + std::to_string(batches_) +
+                         ": ferry plans each epoch by its length (resume counts on it)");
+    return out;
+  }
+
+ private:
+  // The epoch as a sampler gives it: an iterable of batches, each an iterable of indices.
+  ferry::BatchPlan of_lists(const nb::object& batches, std::uint64_t epoch) const {
     ferry::BatchPlan out;
     std::vector<std::size_t> one;
     try {
@@ -131,46 +142,34 @@ class PyBatchSampler final : public ferry::BatchSampler {
       throw ferry::Error("sampler: epoch " + std::to_string(epoch) + ", batch " + std::to_string(out.size()) +
                          ": an index is not an int");
     }
-    if (out.size() != batches_)
-      throw ferry::Error("sampler: epoch " + std::to_string(epoch) + " gave " + std::to_string(out.size()) +
-                         " batches, but len() said " + std::to_string(batches_) +
-                         ": ferry plans each epoch by its length (resume counts on it)");
     return out;
   }
 
- private:
   // The package's own form of a sampler's epoch (ferry/_bridge.py, random_order()): (order, batch
   // size, drop_last), the order an int64 buffer, grouped here as BatchSampler groups it, where a
   // list of lists of Python ints took 0.1 s a million indices to read.
   ferry::BatchPlan of_order(const nb::tuple& t, std::uint64_t epoch) const {
     if (t.size() != 3) throw ferry::Error("sampler: epoch " + std::to_string(epoch) + ": a plan tuple holds 3 items");
-    Py_buffer view;
-    if (PyObject_GetBuffer(t[0].ptr(), &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+    struct View {  // released on every way out
+      Py_buffer b{};
+      ~View() { PyBuffer_Release(&b); }
+    } view;
+    if (PyObject_GetBuffer(t[0].ptr(), &view.b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
       nb::python_error e;
       throw PyException(e);
     }
-    std::vector<std::size_t> indices;
-    const bool int64 = view.itemsize == 8 && view.format && (view.format[0] == 'l' || view.format[0] == 'q') && !view.format[1];
-    if (int64) {
-      const auto* p = static_cast<const std::int64_t*>(view.buf);
-      indices.resize(static_cast<std::size_t>(view.len / 8));
-      for (std::size_t i = 0; i < indices.size(); ++i) {
-        if (p[i] < 0 || static_cast<std::size_t>(p[i]) >= dataset_size_) {
-          PyBuffer_Release(&view);
-          throw ferry::Error("sampler: epoch " + std::to_string(epoch) + " has index " + std::to_string(p[i]) +
-                             ", outside the dataset's " + std::to_string(dataset_size_) + " samples");
-        }
-        indices[i] = static_cast<std::size_t>(p[i]);
-      }
+    const char* format = view.b.format;
+    if (view.b.itemsize != 8 || !format || (format[0] != 'l' && format[0] != 'q') || format[1])
+      throw ferry::Error("sampler: epoch " + std::to_string(epoch) + ": a plan's order must be int64");
+    const auto* p = static_cast<const std::int64_t*>(view.b.buf);
+    std::vector<std::size_t> indices(static_cast<std::size_t>(view.b.len / 8));
+    for (std::size_t i = 0; i < indices.size(); ++i) {
+      if (p[i] < 0 || static_cast<std::size_t>(p[i]) >= dataset_size_)
+        throw ferry::Error("sampler: epoch " + std::to_string(epoch) + " has index " + std::to_string(p[i]) +
+                           ", outside the dataset's " + std::to_string(dataset_size_) + " samples");
+      indices[i] = static_cast<std::size_t>(p[i]);
     }
-    PyBuffer_Release(&view);
-    if (!int64) throw ferry::Error("sampler: epoch " + std::to_string(epoch) + ": a plan's order must be int64");
-    ferry::BatchPlan out = ferry::make_batches(std::move(indices), nb::cast<std::size_t>(t[1]), nb::cast<bool>(t[2]));
-    if (out.size() != batches_)
-      throw ferry::Error("sampler: epoch " + std::to_string(epoch) + " gave " + std::to_string(out.size()) +
-                         " batches, but len() said " + std::to_string(batches_) +
-                         ": ferry plans each epoch by its length (resume counts on it)");
-    return out;
+    return ferry::make_batches(std::move(indices), nb::cast<std::size_t>(t[1]), nb::cast<bool>(t[2]));
   }
 
   Callable plan_;

@@ -78,12 +78,12 @@ struct DataLoaderOptions {
   /// and no worker idles through the epoch's last round. The next epoch is the one begin() would
   /// start next (set_epoch() before the current epoch ends picks another); its plan comes from the
   /// sampler's plan(epoch) ahead of time, and work made for an epoch that does not follow
-  /// (set_epoch, restore) is dropped. A
-  /// sample error met ahead is reported then, and counts toward its own epoch. Where the workers
-  /// cannot (none, or not persistent), the next epoch's plan alone is made ahead, on a thread of
-  /// its own while this epoch runs, for a sampler whose plans_ahead() is true. A stream of tar
-  /// shards over s3:// (TarShards) asks for each worker's first shard of the next epoch as the
-  /// worker's last shard is read, with or without persistent workers (WorkerInfo::next_epoch_ahead).
+  /// (set_epoch, restore) is dropped. A sample error met ahead is reported then, and counts
+  /// toward its own epoch. Where the workers cannot (none, or not persistent), the next epoch's
+  /// plan alone is made ahead, on a thread of its own while this epoch runs, for a sampler whose
+  /// plans_ahead() is true. A stream of tar shards over s3:// (TarShards) asks for each worker's
+  /// first shard of the next epoch as the worker's last shard is read, with or without persistent
+  /// workers (WorkerInfo::next_epoch_ahead).
   bool prefetch_next_epoch = true;
   /// Deliver in sampler order (true) or as batches complete (false).
   bool in_order = true;
