@@ -460,7 +460,9 @@ class DataLoader:
         self._loader = _ferry.Loader(cpp_dataset, options, convert)
         if python:
             _python_loaders.add(self)
-        if self._pool is not None:  # worker processes start now, while the script goes on
+        # Worker processes start now, while the script goes on; forked from a loader zygote forked
+        # from this process, they start at iter() (Note [Loader zygotes forked from the main process]).
+        if self._pool is not None and not self._pool.forked:
             self._pool.prestart(self.num_workers)
 
     def __del__(self) -> None:
@@ -499,6 +501,8 @@ class DataLoader:
         if self._python:
             self._begin_python_epoch()
         batches = self._loader.begin()
+        if self._pool is not None:
+            self._pool.settle()  # the loader zygote forked when it was made: whether the dataset pickles
         if self._python and (self.device is not None or self._pool is not None):
             return self._python_batches(batches)
         if self._widen is not None:

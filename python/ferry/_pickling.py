@@ -81,26 +81,6 @@ def fingerprint(obj: Any) -> Tuple[bytes, bool]:
     return buf.getvalue(), pickler.tensors == 0
 
 
-class _Digest:
-    """A pickle's digest (Note [A fingerprint's digest] in python/src/digest.cpp), taken as it is
-    written (the pickle itself is not kept), and at most `limit` bytes."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit, self._written = limit, 0
-        self.hash = _ferry.Digest()
-
-    def write(self, data: Any) -> int:
-        self._written += len(data)
-        if self._written > self._limit:
-            raise _TooLarge
-        self.hash.update(data)
-        return len(data)
-
-
-class _TooLarge(Exception):
-    pass
-
-
 class _Quick(pickle.Pickler):
     """pickle without the memo, tensors named by identity and version, classes and functions by
     identity. A class or function that travels by value (a script's, a notebook's) is written
@@ -184,13 +164,13 @@ def quick_fingerprint(obj: Any, limit: int) -> Optional[bytes]:
     """The digest of `obj`'s values, pickled without the memo (tensors named as by fingerprint(),
     classes and functions by identity); None where that cannot be taken: a cycle, more than `limit`
     bytes, or anything that does not pickle."""
-    out = _Digest(limit)
+    out = _ferry.Digest(limit)  # written to as the pickle is made (which is not kept); past the limit, a ValueError
     pickler = _Quick(out)
     try:
         pickler.dump(obj)
     except Exception:  # noqa: BLE001  (then the full fingerprint answers)
         return None
-    return out.hash.digest()
+    return out.digest()
 
 
 def _check(obj: Any) -> Optional[BaseException]:
@@ -245,3 +225,45 @@ def find_unpicklable(obj: Any, name: str) -> Optional[Tuple[str, BaseException]]
             break
     return path, error
 
+
+def check_picklable(payload: tuple) -> "tuple[bytes, bool]":
+    """The payload's fingerprint (Note [Datasets by value]), or a TypeError naming what in the
+    dataset, collate_fn or worker_init_fn cannot travel to a worker process."""
+    try:
+        return fingerprint(payload)
+    except Exception:  # noqa: BLE001
+        pass
+    found = None
+    for name, obj in zip(("dataset", "", "collate_fn", "worker_init_fn"), payload):
+        if name:
+            found = find_unpicklable(obj, name)
+            if found is not None:
+                break
+    where, exc = found if found is not None else ("the dataset", RuntimeError("it does not pickle"))
+    raise TypeError(
+        f"DataLoader: worker processes need the dataset, collate_fn and worker_init_fn to pickle, and {where} "
+        f"({type(exc).__name__}: {exc}) does not: a script's or notebook's classes, functions and lambdas travel "
+        "by value, but an open socket, a lock, a CUDA tensor or a generator cannot cross a process. Make it in "
+        "the worker (in __getitem__, or worker_init_fn), or pass worker_type='thread'") from exc
+
+
+def digest(data: Any) -> bytes:
+    """The digest of `data`, a buffer (Note [A fingerprint's digest])."""
+    d = _ferry.Digest()
+    d.update(data)
+    return d.digest()
+
+
+def baseline(payload: tuple, limit: int) -> Tuple[Optional[bytes], Optional[bytes], Optional[str]]:
+    """What a loader zygote forked from the main process tells it of the payload it holds (Note
+    [Loader zygotes forked from the main process]): its quick fingerprint (at most `limit` bytes);
+    where that cannot be taken, the digest of its full one; where the payload does not pickle,
+    check_picklable's message naming what fails."""
+    quick = quick_fingerprint(payload, limit)
+    if quick is not None:
+        return quick, None, None
+    try:
+        full, _ = check_picklable(payload)
+    except TypeError as exc:
+        return None, None, str(exc)
+    return None, digest(full), None

@@ -77,25 +77,7 @@ def context(name: Any) -> Any:
         return _contexts[name]
 
 
-def check_picklable(payload: tuple) -> "tuple[bytes, bool]":
-    """The payload's fingerprint (Note [Datasets by value]), or a TypeError naming what in the
-    dataset, collate_fn or worker_init_fn cannot travel to a worker process."""
-    try:
-        return _pickling.fingerprint(payload)
-    except Exception:  # noqa: BLE001
-        pass
-    found = None
-    for name, obj in zip(("dataset", "", "collate_fn", "worker_init_fn"), payload):
-        if name:
-            found = _pickling.find_unpicklable(obj, name)
-            if found is not None:
-                break
-    where, exc = found if found is not None else ("the dataset", RuntimeError("it does not pickle"))
-    raise TypeError(
-        f"DataLoader: worker processes need the dataset, collate_fn and worker_init_fn to pickle, and {where} "
-        f"({type(exc).__name__}: {exc}) does not: a script's or notebook's classes, functions and lambdas travel "
-        "by value, but an open socket, a lock, a CUDA tensor or a generator cannot cross a process. Make it in "
-        "the worker (in __getitem__, or worker_init_fn), or pass worker_type='thread'") from exc
+check_picklable = _pickling.check_picklable  # (a name of this module: tests count its calls)
 
 
 # The quick fingerprint's limit where no full one was taken (a loader zygote forked from this process).
@@ -122,22 +104,24 @@ class Pool:
         self.slabs = slabs
         self._payload = payload  # (dataset, fetch mode, finish, worker_init_fn, sample seeding)
         forked = None
-        self._fingerprint: Optional[bytes] = None  # None: not taken (a loader zygote forked from this process)
+        self._fingerprint: Optional[bytes] = None  # the full fingerprint, where this process took one
+        # What the loader's zygote holds, as (quick fingerprint, full one as ("bytes", fingerprint)
+        # or ("digest", its digest)), either None where not known; None: ask the zygote.
+        self._held: Optional[tuple] = None
+        self._no_quick = False  # this payload had no quick fingerprint: not asked for one again
+        self._told_by: Optional[_zygote.LoaderZygote] = None  # whose baseline says whether the payload pickles
         if ctx is None and _zygote.fork_safe():
-            # Note [Loader zygotes forked from the main process] (_zygote.py): the quick
-            # fingerprint is what a later epoch compares with, and a first check that the dataset
-            # pickles (where it does not, the full fingerprint names what fails).
-            self._quick = self._quick_fingerprint()
-            if self._quick is None:  # none to be had (a cycle): the full one, as below
-                self._fingerprint, plain = check_picklable(payload)
+            # Note [Loader zygotes forked from the main process] (_zygote.py): nothing is taken
+            # here; the child takes the payload's fingerprint itself, the baseline the first
+            # epoch's start compares with and the check that the dataset pickles.
             try:
-                forked = _zygote.LoaderZygote.forked(payload)
+                forked = _zygote.LoaderZygote.forked(payload, tell=_QUICK_LIMIT)
             except OSError:
                 pass
         if forked is None:
-            if self._fingerprint is None:
-                self._fingerprint, plain = check_picklable(payload)
-            self._quick = self._quick_fingerprint()
+            self._fingerprint, plain = check_picklable(payload)
+            quick = self._quick_fingerprint()
+            self._held, self._no_quick = (quick, ("bytes", self._fingerprint)), quick is None
         self._lock = threading.Lock()
         self._start_locks: Dict[int, threading.Lock] = {}
         self._prestarter: Optional[threading.Thread] = None
@@ -150,6 +134,7 @@ class Pool:
         self._connect_lock = threading.Lock()
         self._connected = False
         self._connect_error: Optional[BaseException] = None
+        self._retired: List[_zygote.LoaderZygote] = []  # loader zygotes ended, reaped at close()
         self._forked = forked is not None
         if forked is not None:
             self._loader_zygote, self._connected = forked, True
@@ -219,19 +204,66 @@ class Pool:
         self.base_seed = base_seed
         if not renew and not first:
             return
-        quick = self._quick_fingerprint() if self._quick is not None else None
-        changed = quick is None or quick != self._quick  # the same values: not sent again
-        if changed:
-            fingerprint, plain = check_picklable(self._payload)
-            changed = fingerprint != self._fingerprint
-            self._quick = quick  # None stays None: a dataset with no quick fingerprint is not asked for one again
-        if changed:
-            self._fingerprint = fingerprint
+        if first and self._forked and self._fork_again():
+            return
+        sent = self._changed()
+        if sent is not None:
+            fingerprint, plain = sent
             if self._ctx is None:
                 self._zygote_of_loader().send_payload(fingerprint if plain else self._dumps())
-        if changed or (renew and not first):
+        if sent is not None or (renew and not first):
             with self._lock:
                 self.generation += 1
+
+    def _fork_again(self) -> bool:
+        """At the first epoch's iter() of a loader whose zygote was forked when it was made: where
+        this process may still fork, a new zygote forked now holds the dataset as it is, so nothing
+        is compared (Note [Loader zygotes forked from the main process]). The first one's baseline
+        is read by settle(), which then ends it."""
+        if not _zygote.fork_safe():
+            return False
+        try:
+            again = _zygote.LoaderZygote.forked(self._payload)
+        except OSError:
+            return False
+        with self._lock:
+            first, self._loader_zygote = self._loader_zygote, again
+        self._told_by = first
+        return True
+
+    def settle(self) -> None:
+        """After the first epoch's start (its order drawn, its workers asked for): where the loader
+        zygote forked when the loader was made was replaced by _fork_again(), its baseline is read,
+        and the dataset that does not pickle is a TypeError naming what fails, as it is where the
+        dataset is sent. Then that zygote is ended (reaped at close())."""
+        told_by, self._told_by = self._told_by, None
+        if told_by is None:
+            return
+        error = told_by.baseline(_QUICK_LIMIT)[2]
+        told_by.close(reap=False)
+        self._retired.append(told_by)
+        if error is not None:
+            raise TypeError(error)
+
+    def _changed(self) -> Optional[tuple]:
+        """The payload's full fingerprint and whether it is the payload's pickle, where it differs
+        from what the loader's zygote holds (the zygote is asked where this process does not know);
+        None where it is the same."""
+        held = self._held
+        if held is None:
+            quick, full, _ = self._zygote_of_loader().baseline(_QUICK_LIMIT)
+            held = (quick, ("digest", full) if full is not None else None)
+        quick = None if self._no_quick else self._quick_fingerprint()
+        self._no_quick = quick is None
+        if quick is not None and quick == held[0]:
+            self._held = held
+            return None
+        fingerprint, plain = check_picklable(self._payload)  # a TypeError naming what does not pickle
+        self._fingerprint = fingerprint
+        kind, value = held[1] if held[1] is not None else (None, None)
+        same = value == (fingerprint if kind == "bytes" else _pickling.digest(fingerprint)) if kind else False
+        self._held = (quick, ("bytes", fingerprint))
+        return None if same else (fingerprint, plain)
 
     def prestart(self, workers: int) -> None:
         """Starts the processes now, on a thread of their own, while the script goes on (builds its
@@ -403,8 +435,12 @@ class Pool:
             prestarter.join(5.0)  # its process, if any, was stopped above or by its own closed check
         with self._lock:
             loader_zygote, self._loader_zygote = self._loader_zygote, None
+            told_by, self._told_by = self._told_by, None
         if loader_zygote is not None and not exiting:
             loader_zygote.close()  # it ends, killing any worker left (a busy one at exit)
+        for retired in [told_by] + self._retired if not exiting else []:
+            if retired is not None:
+                retired.close()
 
     def pids(self) -> List[int]:
         with self._lock:

@@ -28,22 +28,30 @@ stays its own until the main process (which holds a pidfd of it) has read how it
 Note [Loader zygotes forked from the main process]
 A dataset made after ferry's import is not in the zygote: it is pickled and sent, and a million
 (path, label) tuples took 0.98 s to reach their first batch that way, where torch's fork took 0.14 s
-(8 workers, H200 host; 0.32 s forked as below; bench/RESULTS.md "A million Python objects: the
-loader's zygote forked from the main process"). So a loader made while its process
-runs one thread (OpenBLAS's aside, as for the zygote; the loader's own threads start later) forks
-its loader zygote itself: the dataset is there as it is, copy-on-write, neither pickled nor sent.
-What is taken instead is its quick fingerprint (Note [Datasets by value]), which an epoch's start
-compares with as before (the first epoch's too: a dataset changed between DataLoader() and
-iter() is sent), and which is a first check that the dataset pickles: where it does not, the full
-fingerprint is taken and names what fails, as on the other path. The child holds the main
-process's memory and files: it freezes the collector (no finalizer of the main process's objects
-runs there), closes its copies of ferry's other pipes (registered with own()) and slab files (a
-slab is not mapped in a child, MADV_DONTFORK), so that another loader's processes end when that
-loader closes them; drops the zygote's handle (a worker's own loaders start their own); puts the
-script's signal handlers back to the default (a SIGTERM handler that saves a checkpoint must not run
-in it); and the main process flushes its standard streams first, so no worker writes their
-buffered text again. It is the main process's child, reaped when its loader closes it; a main
-process that ends without its exit handlers has its temporary folder removed by it, as by the zygote.
+(8 workers, H200 host; bench/RESULTS.md "A million Python objects: the loader's zygote forked from
+the main process"). So a loader made while its process runs one thread (OpenBLAS's aside, as for
+the zygote; the loader's own threads start later) forks its loader zygote itself: the dataset is
+there as it is, copy-on-write, neither pickled nor sent. The loader starts no worker before its
+first iter(). There, where the process still runs one thread (no CUDA started since), it forks
+another loader zygote, which holds the dataset as it is at that iter(), as torch's fork does:
+nothing is compared. The first one, meanwhile, has taken the dataset's quick fingerprint (Note
+[Datasets by value]) in its own process since the loader was made, and the first iter() reads it
+once the epoch's order is drawn: a dataset that does not pickle is a TypeError naming what fails
+there, as where it is sent (checked on the dataset as the loader was made), and that zygote ends.
+Where the process runs threads at the first iter(), that zygote stays the loader's, and the
+dataset's quick fingerprint in this process is compared with its own, as at a later epoch's start
+with the zygote it was last sent to or forked with (asked for its fingerprint then). The quick
+fingerprint took 0.13 s and the first batch 0.31 s on two cores where it was taken in this process
+when the loader was made and again at iter(); 0.18 s with neither (bench/RESULTS.md).
+The child holds the main process's memory and files: it freezes the collector (no finalizer of
+the main process's objects runs there), closes its copies of ferry's other pipes (registered with
+own()) and slab files (a slab is not mapped in a child, MADV_DONTFORK), so that another loader's
+processes end when that loader closes them; drops the zygote's handle (a worker's own loaders
+start their own); puts the script's signal handlers back to the default (a SIGTERM handler that
+saves a checkpoint must not run in it); and the main process flushes its standard streams first,
+so no worker writes their buffered text again. It is the main process's child, reaped when its
+loader closes it; a main process that ends without its exit handlers has its temporary folder
+removed by it, as by the zygote.
 """
 
 from __future__ import annotations
@@ -340,6 +348,10 @@ def _serve_loader(conn: Any, main_pid: int, tempdir: str, payload: Optional[tupl
                 os.close(fd)
                 children.add(pid)
                 reply = ("pid", pid)
+        elif kind == "baseline":  # what the main process compares the dataset with (_pickling.baseline)
+            from . import _pickling
+
+            reply = ("baseline",) + (_pickling.baseline(payload, message[1]) if payload is not None else (None, None, None))
         elif kind == "status":  # how a worker ended (it has, or is about to: its pipe closed)
             _, pid, wait = message
             code = None
@@ -497,15 +509,18 @@ def _forked_from_main() -> None:
 class LoaderZygote:
     """The main side of one loader's zygote."""
 
-    def __init__(self, conn: Any, pid: int, child: bool = False) -> None:
+    def __init__(self, conn: Any, pid: int, child: bool = False, told: bool = False) -> None:
         self.conn, self.pid = own(conn), pid
         self._child = child  # forked from this process, which reaps it
         self._lock = threading.Lock()
+        self._told = told  # its baseline comes unasked, before any reply
+        self._baseline: Optional[tuple] = None
 
     @classmethod
-    def forked(cls, payload: tuple) -> "LoaderZygote":
+    def forked(cls, payload: tuple, tell: Optional[int] = None) -> "LoaderZygote":
         """A loader zygote forked from this process, holding `payload` as it is now (Note [Loader
-        zygotes forked from the main process]). Only where fork_safe()."""
+        zygotes forked from the main process]). Only where fork_safe(). `tell`: it takes its
+        baseline() at once, quick fingerprints of at most that many bytes, before it serves."""
         parent, child = multiprocessing.Pipe(duplex=True)
         main_pid = os.getpid()
         tempdir = multiprocessing.util.get_temp_dir()
@@ -519,14 +534,43 @@ class LoaderZygote:
             try:
                 parent.close()
                 _forked_from_main()
+                if tell is not None:
+                    from . import _pickling
+
+                    try:
+                        child.send(("baseline",) + _pickling.baseline(payload, tell))
+                    except OSError:
+                        pass  # the loader is gone: its pipe's end says so below
                 _serve_loader(child, main_pid, tempdir, payload)
             finally:
                 os._exit(0)
         child.close()
-        return cls(parent, pid, child=True)
+        return cls(parent, pid, child=True, told=tell is not None)
+
+    def _take_told(self) -> None:
+        """Reads the baseline it sends unasked (under the lock, before any other reply)."""
+        if self._told:
+            self._told = False
+            message = self.conn.recv()
+            self._baseline = tuple(message[1:])
+
+    def baseline(self, limit: int) -> Tuple[Optional[bytes], Optional[bytes], Optional[str]]:
+        """Its payload's quick fingerprint, or the digest of its full one, or why it does not
+        pickle (_pickling.baseline); (None, None, None) where it cannot say (it has ended)."""
+        try:
+            with self._lock:
+                self._take_told()
+                if self._baseline is None:
+                    self.conn.send(("baseline", limit))
+                    self._baseline = tuple(self.conn.recv()[1:])
+        except (EOFError, OSError):
+            return None, None, None
+        return self._baseline  # type: ignore[return-value]
 
     def send_payload(self, blob: bytes) -> None:
         with self._lock:
+            self._take_told()
+            self._baseline = None  # the main process knows the new one's
             self.conn.send(("payload", blob))
 
     def fork(self, worker: int, workers: int) -> Tuple[Any, "ForkedProcess"]:
@@ -534,6 +578,7 @@ class LoaderZygote:
         parent, child = multiprocessing.Pipe(duplex=True)
         try:
             with self._lock:
+                self._take_told()
                 self.conn.send(("fork", worker, workers))
                 multiprocessing.reduction.send_handle(self.conn, child.fileno(), self.pid)
                 kind, value = self.conn.recv()
@@ -550,13 +595,15 @@ class LoaderZygote:
     def status(self, pid: int, wait: float) -> Optional[int]:
         try:
             with self._lock:
+                self._take_told()
                 self.conn.send(("status", pid, wait))
                 _, code = self.conn.recv()
         except (EOFError, OSError):
             return None
         return code
 
-    def close(self) -> None:
+    def close(self, reap: bool = True) -> None:
+        """Ends it. `reap`: waits for it to end (a forked one); else a later close() does."""
         if self._lock.acquire(blocking=False):  # else a call is in flight: the pipe's end says it
             try:
                 self.conn.send(("close",))
@@ -568,7 +615,7 @@ class LoaderZygote:
             self.conn.close()
         except OSError:
             pass
-        if self._child:  # it ends as its pipe closes (its workers killed first): reaped here
+        if self._child and reap:  # it ends as its pipe closes (its workers killed first): reaped here
             self._child = False
             try:
                 fd = os.pidfd_open(self.pid)

@@ -30,6 +30,11 @@ using namespace nb::literals;
 // the stream is cut into update() calls.
 class Digest {
  public:
+  explicit Digest(std::uint64_t limit = UINT64_MAX) : limit_(limit) {}
+
+  // Whether n more bytes would take the stream past its limit.
+  bool over(std::size_t n) const noexcept { return n > limit_ || length_ > limit_ - n; }
+
   void update(const unsigned char* p, std::size_t n) {
     length_ += n;
     if (held_ > 0) {  // fill the word held back from the last call first
@@ -81,10 +86,22 @@ class Digest {
     x *= 0xC4CEB9FE1A85EC53ull;
     return x ^ (x >> 32);
   }
-  std::uint64_t a_ = 0x6A09E667F3BCC908ull, b_ = 0xBB67AE8584CAA73Bull, length_ = 0;
+  std::uint64_t a_ = 0x6A09E667F3BCC908ull, b_ = 0xBB67AE8584CAA73Bull, length_ = 0, limit_;
   std::array<unsigned char, 8> tail_{};
   std::size_t held_ = 0;
 };
+
+// Adds the bytes of `data`, a contiguous buffer, within the digest's limit; returns their count.
+std::size_t add(Digest& d, nb::handle data) {
+  Py_buffer view;
+  if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
+  const auto n = static_cast<std::size_t>(view.len);
+  const bool over = d.over(n);
+  if (!over) d.update(static_cast<const unsigned char*>(view.buf), n);
+  PyBuffer_Release(&view);
+  if (over) throw nb::value_error("Digest: past its limit of bytes");
+  return n;
+}
 
 }  // namespace
 
@@ -92,16 +109,15 @@ void register_digest(nb::module_& m) {
   nb::class_<Digest>(m, "Digest",
                      "A 128-bit digest of a byte stream (Note [A fingerprint's digest]): not cryptographic, at memory "
                      "speed, the same however the stream is cut into update() calls.")
-      .def(nb::init<>())
+      .def(nb::init<std::uint64_t>(), "limit"_a = UINT64_MAX,
+           "A digest of at most `limit` bytes (write() past it is a ValueError).")
       .def(
-          "update",
-          [](Digest& d, nb::handle data) {
-            Py_buffer view;
-            if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw nb::python_error();
-            d.update(static_cast<const unsigned char*>(view.buf), static_cast<std::size_t>(view.len));
-            PyBuffer_Release(&view);
-          },
-          "data"_a, "Adds the bytes of `data` (any contiguous buffer).")
+          "update", [](Digest& d, nb::handle data) { add(d, data); }, "data"_a,
+          "Adds the bytes of `data` (any contiguous buffer).")
+      .def(
+          "write", [](Digest& d, nb::handle data) { return add(d, data); }, "data"_a,
+          "As update(), as a file's write() (pickle.Pickler writes to it): returns the bytes' count; past the "
+          "limit, a ValueError and nothing added.")
       .def(
           "digest",
           [](const Digest& d) {

@@ -342,15 +342,24 @@ class Holding(Squares):
         self.files = {"index": [1, 2], "guard": held}
 
 
-def test_what_cannot_cross_a_process_is_named_and_lambdas_travel():
-    # A lambda (and a class or function of a script's __main__) travels by value.
+@pytest.mark.parametrize("forks", ["at-iter", "when-made", "never"])
+def test_what_cannot_cross_a_process_is_named_and_lambdas_travel(forks, monkeypatch):
+    # A lambda (and a class or function of a script's __main__) travels by value. What does not
+    # pickle is named by the loader's first iter() at the latest: its zygote forked at iter() (the
+    # one forked when it was made says), forked when it was made (this process had threads at
+    # iter()), or the dataset sent.
+    import ferry._zygote
+
+    calls = []
+    monkeypatch.setattr(ferry._zygote, "fork_safe",
+                        lambda: calls.append(1) or {"at-iter": True, "never": False}.get(forks, len(calls) % 2 == 1))
     assert [b for b in ferry.DataLoader(Squares(4), batch_size=2, num_workers=2, collate_fn=lambda b: len(b))] == [2, 2]
     with pytest.raises(TypeError, match=r"dataset.files\['guard'\] \(TypeError: cannot pickle '_thread.lock' object\).*"
                                         r"worker_type='thread'"):
-        ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2)
+        iter(ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2))
     lock = threading.Lock()
     with pytest.raises(TypeError, match=r"worker_init_fn \(closure variable 'lock'\)"):
-        ferry.DataLoader(Squares(4), num_workers=2, worker_init_fn=lambda w: lock.acquire())
+        iter(ferry.DataLoader(Squares(4), num_workers=2, worker_init_fn=lambda w: lock.acquire()))
     assert len(list(ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2, worker_type="thread"))) == 4
 
 

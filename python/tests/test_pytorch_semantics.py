@@ -187,10 +187,36 @@ def test_a_dataset_is_sent_again_only_when_its_values_changed(kind, monkeypatch,
     assert [p.forked for p in [loader._pool]] == [forked]
     # Sent when made (not to a loader zygote forked with it), then at each epoch whose values changed.
     assert len(sent) == (2 if kind is Cyclic else 1) + (not forked)
-    # The full fingerprint is taken when the loader is made (only where it has no quick one, when
-    # its zygote is forked) and, where the quick one answers, only when it saw a change (a cyclic
-    # dataset has no quick one: every epoch asks).
-    assert len(full) == (5 if kind is Cyclic else 1 + (not forked))
+    # The full fingerprint is taken in this process when the loader is made where its zygote is not
+    # forked (one forked takes its own), at no first epoch whose zygote was forked at its iter(),
+    # and at a later epoch where the quick one saw a change (a cyclic dataset has no quick one:
+    # every later epoch asks).
+    assert len(full) == (3 + 2 * (not forked) if kind is Cyclic else 1 + (not forked))
+
+
+@pytest.mark.parametrize("changed", [False, True], ids=["unchanged", "changed"])
+def test_a_loader_zygote_forked_when_made_is_compared_at_iter_where_it_cannot_fork_again(changed, monkeypatch):
+    # Note [Loader zygotes forked from the main process]: the loader's zygote is forked when it is
+    # made; where this process cannot fork at the first iter() (threads started), that zygote's own
+    # fingerprint is what the dataset is compared with, and a change is sent.
+    import ferry._procs
+    import ferry._zygote
+
+    safe = iter([True, False])
+    monkeypatch.setattr(ferry._zygote, "fork_safe", lambda: next(safe))
+    sent, full = [], []
+    real = ferry._zygote.LoaderZygote.send_payload
+    monkeypatch.setattr(ferry._zygote.LoaderZygote, "send_payload", lambda self, blob: sent.append(1) or real(self, blob))
+    check = ferry._procs.check_picklable
+    monkeypatch.setattr(ferry._procs, "check_picklable", lambda payload: full.append(1) or check(payload))
+    ds = Mutable()
+    loader = ferry.DataLoader(ds, batch_size=2, num_workers=2)
+    zygote = loader._pool._loader_zygote
+    if changed:
+        ds.value = 3
+    assert rows(loader) == [3 if changed else 0] * 4
+    assert loader._pool.forked and loader._pool._loader_zygote is zygote  # not forked again
+    assert (len(sent), len(full)) == ((1, 1) if changed else (0, 0))
 
 
 def test_a_change_in_what_a_lambda_holds_reaches_fresh_workers(zygote_path):
@@ -223,6 +249,11 @@ def test_the_fingerprints_digest_sees_any_change_however_the_stream_is_cut():
     assert len({digest(b""), digest(b"\0"), digest(b"\0" * 8), digest(b"\0" * 9)}) == 4  # trailing zeros count
     with pytest.raises(TypeError):
         _ferry.Digest().update("text")  # not a buffer
+    limited = _ferry.Digest(limit=10)  # as the file a quick fingerprint's pickle is written to
+    assert limited.write(b"12345") == 5
+    with pytest.raises(ValueError, match="limit"):
+        limited.write(b"123456")  # past the limit: nothing added
+    assert limited.write(memoryview(b"12345")) == 5 and limited.digest() == digest(b"1234512345")
 
 
 class Counted(tud.Dataset):
@@ -399,8 +430,8 @@ FORKED = textwrap.dedent("""
     first = [b.tolist() for b in a]
     za = a._pool._loader_zygote
     b = ferry.DataLoader(Items(), batch_size=4, num_workers=2)
-    zb = b._pool._loader_zygote
     assert len(list(b)) == 2                      # b's zygote has forked its workers: it let go of a's pipes before
+    zb = b._pool._loader_zygote                   # forked at b's iter(), as a's
     mine = {f"socket:[{os.fstat(c.fileno()).st_ino}]" for c in (za.conn,)}
     kept = mine & sockets(zb.pid)                 # a's pipe, held by b's zygote
     child = str(za.pid) in children()
