@@ -129,16 +129,24 @@ class _PythonBatches:
     runs, as in `for b in ferry.DataLoader(...)`, and moves batches to the device. A failed batch
     raises and the next call goes on, as with the loader's own iterator."""
 
-    __slots__ = ("_owner", "_batches", "_move")
+    __slots__ = ("_owner", "_batches", "_move", "_pool")
 
     def __init__(self, owner: Any, batches: Iterator[Any], move: Optional[Callable[[Any], Any]]) -> None:
-        self._owner, self._batches, self._move = owner, batches, move
+        self._owner, self._batches, self._move, self._pool = owner, batches, move, owner._pool
 
     def __iter__(self) -> "_PythonBatches":
         return self
 
     def __next__(self) -> Any:
-        batch = next(self._batches)
+        pool = self._pool
+        try:
+            batch = next(self._batches)
+        except StopIteration:
+            if pool is not None:
+                pool.settle()  # by the first epoch's end, whether the dataset pickles is known
+            raise
+        if pool is not None and pool.unsettled:
+            pool.settle(wait=False)
         if self._move is None:
             return batch
         moved = self._move(batch)
@@ -502,7 +510,7 @@ class DataLoader:
             self._begin_python_epoch()
         batches = self._loader.begin()
         if self._pool is not None:
-            self._pool.settle()  # the loader zygote forked when it was made: whether the dataset pickles
+            self._pool.settle(wait=False)  # whether the dataset pickles, if known by now
         if self._python and (self.device is not None or self._pool is not None):
             return self._python_batches(batches)
         if self._widen is not None:

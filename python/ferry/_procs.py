@@ -152,6 +152,11 @@ class Pool:
             forkserver.ensure_running()
 
     @property
+    def unsettled(self) -> bool:
+        """Whether settle() has something to read."""
+        return self._told_by is not None
+
+    @property
     def forked(self) -> bool:
         """Whether this loader's zygote was forked from this process (Note [Loader zygotes forked
         from the main process])."""
@@ -199,6 +204,7 @@ class Pool:
         """At an epoch's iter(), before its workers start: the epoch's base seed, and with `renew`
         (workers that are not persistent) the epoch's own processes, over the dataset as it is now
         (sent again only if it changed since it was last sent)."""
+        self.settle()  # the first epoch ended early
         first = self._epochs == 0
         self._epochs += 1
         self.base_seed = base_seed
@@ -231,14 +237,17 @@ class Pool:
         self._told_by = first
         return True
 
-    def settle(self) -> None:
-        """After the first epoch's start (its order drawn, its workers asked for): where the loader
-        zygote forked when the loader was made was replaced by _fork_again(), its baseline is read,
-        and the dataset that does not pickle is a TypeError naming what fails, as it is where the
-        dataset is sent. Then that zygote is ended (reaped at close())."""
-        told_by, self._told_by = self._told_by, None
-        if told_by is None:
-            return
+    def settle(self, wait: bool = True) -> None:
+        """Where the loader zygote forked when the loader was made was replaced by _fork_again():
+        its baseline is read (`wait`: or only if it has come), and a dataset that does not pickle is
+        a TypeError naming what fails, as it is where the dataset is sent. Then that zygote is ended
+        (reaped at close()). Asked at each of the first epoch's batches until it answers, and at
+        the epoch's end and the next one's start (Note [Loader zygotes forked from the main process])."""
+        with self._lock:
+            told_by = self._told_by
+            if told_by is None or not (wait or told_by.answered()):
+                return
+            self._told_by = None
         error = told_by.baseline(_QUICK_LIMIT)[2]
         told_by.close(reap=False)
         self._retired.append(told_by)

@@ -345,9 +345,9 @@ class Holding(Squares):
 @pytest.mark.parametrize("forks", ["at-iter", "when-made", "never"])
 def test_what_cannot_cross_a_process_is_named_and_lambdas_travel(forks, monkeypatch):
     # A lambda (and a class or function of a script's __main__) travels by value. What does not
-    # pickle is named by the loader's first iter() at the latest: its zygote forked at iter() (the
-    # one forked when it was made says), forked when it was made (this process had threads at
-    # iter()), or the dataset sent.
+    # pickle is named by the loader's first epoch's end at the latest: its zygote forked at iter()
+    # (the one forked when it was made says, as it can), forked when it was made (this process had
+    # threads at iter(): named there), or the dataset sent (named when the loader is made).
     import ferry._zygote
 
     calls = []
@@ -356,10 +356,10 @@ def test_what_cannot_cross_a_process_is_named_and_lambdas_travel(forks, monkeypa
     assert [b for b in ferry.DataLoader(Squares(4), batch_size=2, num_workers=2, collate_fn=lambda b: len(b))] == [2, 2]
     with pytest.raises(TypeError, match=r"dataset.files\['guard'\] \(TypeError: cannot pickle '_thread.lock' object\).*"
                                         r"worker_type='thread'"):
-        iter(ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2))
+        list(ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2))
     lock = threading.Lock()
     with pytest.raises(TypeError, match=r"worker_init_fn \(closure variable 'lock'\)"):
-        iter(ferry.DataLoader(Squares(4), num_workers=2, worker_init_fn=lambda w: lock.acquire()))
+        list(ferry.DataLoader(Squares(4), num_workers=2, worker_init_fn=lambda w: lock.acquire()))
     assert len(list(ferry.DataLoader(Holding(4, threading.Lock()), num_workers=2, worker_type="thread"))) == 4
 
 
