@@ -509,8 +509,6 @@ class DataLoader:
         if self._python:
             self._begin_python_epoch()
         batches = self._loader.begin()
-        if self._pool is not None:
-            self._pool.settle(wait=False)  # whether the dataset pickles, if known by now
         if self._python and (self.device is not None or self._pool is not None):
             return self._python_batches(batches)
         if self._widen is not None:

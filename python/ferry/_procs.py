@@ -112,10 +112,10 @@ class Pool:
         self._told_by: Optional[_zygote.LoaderZygote] = None  # whose baseline says whether the payload pickles
         if ctx is None and _zygote.fork_safe():
             # Note [Loader zygotes forked from the main process] (_zygote.py): nothing is taken
-            # here; the child takes the payload's fingerprint itself, the baseline the first
-            # epoch's start compares with and the check that the dataset pickles.
+            # here; the child takes the payload's fingerprint itself when asked, the baseline the
+            # first epoch's start compares with and the check that the dataset pickles.
             try:
-                forked = _zygote.LoaderZygote.forked(payload, tell=_QUICK_LIMIT)
+                forked = _zygote.LoaderZygote.forked(payload)
             except OSError:
                 pass
         if forked is None:
@@ -239,13 +239,18 @@ class Pool:
 
     def settle(self, wait: bool = True) -> None:
         """Where the loader zygote forked when the loader was made was replaced by _fork_again():
-        its baseline is read (`wait`: or only if it has come), and a dataset that does not pickle is
-        a TypeError naming what fails, as it is where the dataset is sent. Then that zygote is ended
-        (reaped at close()). Asked at each of the first epoch's batches until it answers, and at
-        the epoch's end and the next one's start (Note [Loader zygotes forked from the main process])."""
+        its baseline is asked for, and read (`wait`: or only if it has come), and a dataset that
+        does not pickle is a TypeError naming what fails, as it is where the dataset is sent. Then
+        that zygote is ended (reaped at close()). Called after each of the first epoch's batches
+        until it answers (the first asks), and at the epoch's end and the next one's start (Note
+        [Loader zygotes forked from the main process])."""
         with self._lock:
             told_by = self._told_by
-            if told_by is None or not (wait or told_by.answered()):
+        if told_by is None:
+            return
+        told_by.ask(_QUICK_LIMIT)
+        with self._lock:
+            if self._told_by is not told_by or not (wait or told_by.answered()):
                 return
             self._told_by = None
         error = told_by.baseline(_QUICK_LIMIT)[2]
@@ -259,10 +264,12 @@ class Pool:
         from what the loader's zygote holds (the zygote is asked where this process does not know);
         None where it is the same."""
         held = self._held
-        if held is None:
-            quick, full, _ = self._zygote_of_loader().baseline(_QUICK_LIMIT)
-            held = (quick, ("digest", full) if full is not None else None)
+        if held is None:  # the zygote takes its fingerprint as this process takes its own
+            self._zygote_of_loader().ask(_QUICK_LIMIT)
         quick = None if self._no_quick else self._quick_fingerprint()
+        if held is None:
+            theirs, full, _ = self._zygote_of_loader().baseline(_QUICK_LIMIT)
+            held = (theirs, ("digest", full) if full is not None else None)
         self._no_quick = quick is None
         if quick is not None and quick == held[0]:
             self._held = held

@@ -34,18 +34,19 @@ the zygote; the loader's own threads start later) forks its loader zygote itself
 there as it is, copy-on-write, neither pickled nor sent. The loader starts no worker before its
 first iter(). There, where the process still runs one thread (no CUDA started since), it forks
 another loader zygote, which holds the dataset as it is at that iter(), as torch's fork does:
-nothing is compared. The first one, meanwhile, has taken the dataset's quick fingerprint (Note
-[Datasets by value]) in its own process since the loader was made, to say whether the dataset
-pickles, which a later epoch's workers need where they are not persistent. The first epoch reads
-its answer once it has come, at a batch, and at the latest at the epoch's end (or the next
-iter()): a dataset that does not pickle is a TypeError naming what fails, as where it is sent
-(checked on the dataset as the loader was made), and that zygote ends. The first batch does not
-wait for it: with the answer awaited at iter(), a million (path, label) tuples reached their first
-batch in 0.18 s on an H200 host where PyTorch's took 0.15 s. Where the process runs threads at
-the first iter(), that zygote stays the loader's, and the dataset's quick fingerprint in this
-process is compared with its own, as at a later epoch's start with the zygote it was last sent to
-or forked with (asked for its fingerprint then). Taken in this process when the loader was made
-and again at iter(), the quick fingerprint held the first batch back by 0.2 s (bench/RESULTS.md).
+nothing is compared. Once the first batch is in hand, the first one is asked to take the
+dataset's quick fingerprint (Note [Datasets by value]) in its own process, to say whether the
+dataset pickles, which a later epoch's workers need where they are not persistent. The first
+epoch reads its answer once it has come, at a batch, and at the latest at the epoch's end (or the
+next iter()): a dataset that does not pickle is a TypeError naming what fails, as where it is sent
+(checked on the dataset as the loader was made), and that zygote ends. Nothing before the first
+batch waits for it or shares a core with it: with the answer taken from the loader's making and
+awaited at iter(), a million (path, label) tuples reached their first batch in 0.18 s on an H200
+host where PyTorch's took 0.15 s, and 0.15 s against 0.13 on two cores. Where the process runs
+threads at the first iter(), that zygote stays the loader's, and the dataset's quick fingerprint
+in this process is compared with its own, taken at the same time, as at a later epoch's start with
+the zygote it was last sent to or forked with. Taken in this process when the loader was made and
+again at iter(), the quick fingerprint held the first batch back by 0.2 s (bench/RESULTS.md).
 The child holds the main process's memory and files: it freezes the collector (no finalizer of
 the main process's objects runs there), closes its copies of ferry's other pipes (registered with
 own()) and slab files (a slab is not mapped in a child, MADV_DONTFORK), so that another loader's
@@ -376,8 +377,19 @@ def _serve_loader(conn: Any, main_pid: int, tempdir: str, payload: Optional[tupl
             end()
         try:
             conn.send(reply)
-        except OSError:
-            end(closed=False)
+        except OSError:  # a reply not waited for (a baseline asked for) finds the loader closed
+            end(closed=_said_close(conn))
+
+
+def _said_close(conn: Any) -> bool:
+    """Whether the pipe, closed by the loader, holds its "close" (sent before it closed the pipe)."""
+    try:
+        while conn.poll():
+            if conn.recv()[0] == "close":
+                return True
+    except (EOFError, OSError):
+        pass
+    return False
 
 
 def _rebuild_error(value: tuple) -> BaseException:
@@ -512,18 +524,17 @@ def _forked_from_main() -> None:
 class LoaderZygote:
     """The main side of one loader's zygote."""
 
-    def __init__(self, conn: Any, pid: int, child: bool = False, told: bool = False) -> None:
+    def __init__(self, conn: Any, pid: int, child: bool = False) -> None:
         self.conn, self.pid = own(conn), pid
         self._child = child  # forked from this process, which reaps it
         self._lock = threading.Lock()
-        self._told = told  # its baseline comes unasked, before any reply
+        self._asked = False  # its baseline asked for by ask(), not yet read
         self._baseline: Optional[tuple] = None
 
     @classmethod
-    def forked(cls, payload: tuple, tell: Optional[int] = None) -> "LoaderZygote":
+    def forked(cls, payload: tuple) -> "LoaderZygote":
         """A loader zygote forked from this process, holding `payload` as it is now (Note [Loader
-        zygotes forked from the main process]). Only where fork_safe(). `tell`: it takes its
-        baseline() at once, quick fingerprints of at most that many bytes, before it serves."""
+        zygotes forked from the main process]). Only where fork_safe()."""
         parent, child = multiprocessing.Pipe(duplex=True)
         main_pid = os.getpid()
         tempdir = multiprocessing.util.get_temp_dir()
@@ -537,30 +548,32 @@ class LoaderZygote:
             try:
                 parent.close()
                 _forked_from_main()
-                if tell is not None:
-                    from . import _pickling
-
-                    try:
-                        child.send(("baseline",) + _pickling.baseline(payload, tell))
-                    except OSError:
-                        pass  # the loader is gone: its pipe's end says so below
                 _serve_loader(child, main_pid, tempdir, payload)
             finally:
                 os._exit(0)
         child.close()
-        return cls(parent, pid, child=True, told=tell is not None)
+        return cls(parent, pid, child=True)
 
     def _take_told(self) -> None:
-        """Reads the baseline it sends unasked (under the lock, before any other reply)."""
-        if self._told:
-            self._told = False
-            message = self.conn.recv()
-            self._baseline = tuple(message[1:])
+        """Reads the baseline ask() asked for (under the lock, before any other reply)."""
+        if self._asked:
+            self._asked = False
+            self._baseline = tuple(self.conn.recv()[1:])
+
+    def ask(self, limit: int) -> None:
+        """Asks for baseline(limit) without waiting for it: it is taken while this process goes on."""
+        try:
+            with self._lock:
+                if not self._asked and self._baseline is None:
+                    self.conn.send(("baseline", limit))
+                    self._asked = True
+        except OSError:
+            pass  # it has ended: baseline() says it cannot tell
 
     def answered(self) -> bool:
-        """Whether baseline() will not wait for the baseline it sends unasked."""
+        """Whether baseline() will not wait for what ask() asked for."""
         try:
-            return not self._told or self.conn.poll()
+            return not self._asked or self.conn.poll()
         except OSError:
             return True  # its pipe is closed: baseline() says it cannot tell
 
