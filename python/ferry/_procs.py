@@ -233,8 +233,12 @@ class Pool:
         except OSError:
             return False
         with self._lock:
-            first, self._loader_zygote = self._loader_zygote, again
-        self._told_by = first
+            closed = self._closed
+            if not closed:
+                self._told_by, self._loader_zygote = self._loader_zygote, again
+        if closed:  # closed meanwhile: the caller finds it so
+            again.close()
+            return False
         return True
 
     def settle(self, wait: bool = True) -> None:
