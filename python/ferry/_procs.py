@@ -458,9 +458,10 @@ class Pool:
             told_by, self._told_by = self._told_by, None
         if loader_zygote is not None and not exiting:
             loader_zygote.close()  # it ends, killing any worker left (a busy one at exit)
-        for retired in [told_by] + self._retired if not exiting else []:
-            if retired is not None:
-                retired.close()
+        if not exiting:  # at exit they end with this process (their pipes close)
+            for retired in [told_by, *self._retired]:
+                if retired is not None:
+                    retired.close()
 
     def pids(self) -> List[int]:
         with self._lock:

@@ -554,7 +554,7 @@ class LoaderZygote:
         child.close()
         return cls(parent, pid, child=True)
 
-    def _take_told(self) -> None:
+    def _read_answer(self) -> None:
         """Reads the baseline ask() asked for (under the lock, before any other reply)."""
         if self._asked:
             self._asked = False
@@ -580,19 +580,17 @@ class LoaderZygote:
     def baseline(self, limit: int) -> Tuple[Optional[bytes], Optional[bytes], Optional[str]]:
         """Its payload's quick fingerprint, or the digest of its full one, or why it does not
         pickle (_pickling.baseline); (None, None, None) where it cannot say (it has ended)."""
+        self.ask(limit)
         try:
             with self._lock:
-                self._take_told()
-                if self._baseline is None:
-                    self.conn.send(("baseline", limit))
-                    self._baseline = tuple(self.conn.recv()[1:])
+                self._read_answer()
         except (EOFError, OSError):
             return None, None, None
-        return self._baseline  # type: ignore[return-value]
+        return self._baseline or (None, None, None)  # type: ignore[return-value]
 
     def send_payload(self, blob: bytes) -> None:
         with self._lock:
-            self._take_told()
+            self._read_answer()
             self._baseline = None  # the main process knows the new one's
             self.conn.send(("payload", blob))
 
@@ -601,7 +599,7 @@ class LoaderZygote:
         parent, child = multiprocessing.Pipe(duplex=True)
         try:
             with self._lock:
-                self._take_told()
+                self._read_answer()
                 self.conn.send(("fork", worker, workers))
                 multiprocessing.reduction.send_handle(self.conn, child.fileno(), self.pid)
                 kind, value = self.conn.recv()
@@ -618,7 +616,7 @@ class LoaderZygote:
     def status(self, pid: int, wait: float) -> Optional[int]:
         try:
             with self._lock:
-                self._take_told()
+                self._read_answer()
                 self.conn.send(("status", pid, wait))
                 _, code = self.conn.recv()
         except (EOFError, OSError):

@@ -110,7 +110,7 @@ void register_digest(nb::module_& m) {
                      "A 128-bit digest of a byte stream (Note [A fingerprint's digest]): not cryptographic, at memory "
                      "speed, the same however the stream is cut into update() calls.")
       .def(nb::init<std::uint64_t>(), "limit"_a = UINT64_MAX,
-           "A digest of at most `limit` bytes (write() past it is a ValueError).")
+           "A digest of at most `limit` bytes (update() or write() past it is a ValueError).")
       .def(
           "update", [](Digest& d, nb::handle data) { add(d, data); }, "data"_a,
           "Adds the bytes of `data` (any contiguous buffer).")
