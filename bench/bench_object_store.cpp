@@ -15,7 +15,7 @@
 //
 //   build/release/bench/bench_object_store --images 2048 --workers 2 --runs 3 --latency-ms 20 [--server-cpus 4] [--only gpu]
 //       [--per-shard 128] [--batch 64] [--drop-last] [--float (to_float + ImageNet's mean/std)] [--local-only]
-//       [--persistent | --loader-per-epoch] [--prefetch N] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
+//       [--persistent | --loader-per-epoch] [--prefetch N] [--keep-mib N] [--sse2-pass] [--no-next-epoch-ahead] [--detail] [--no-cache-row] [--watchdog-s N]
 //       [--keep-shards DIR] [--photos DIR] [--round-robin]
 // --local-only: the local-disk rows alone (no server started). --keep-shards DIR: the shards
 // written to DIR and left there (train-000.tar, ...), for bench/tar_peers.py to read the same bytes.
@@ -47,6 +47,7 @@
 
 #include "cpu_time.h"
 #include "proc_threads.h"
+#include "ferry/detail/pass_paths.h"
 #include "ferry/ferry.h"
 #include "loaders/fault_proxy.h"
 #include "loaders/files.h"
@@ -289,6 +290,11 @@ int main(int argc, char** argv) {
   o.round_robin = flag(argc, argv, "--round-robin");
   o.prefetch_factor = arg(argc, argv, "--prefetch", o.prefetch_factor);
   o.prefetch_next_epoch = !flag(argc, argv, "--no-next-epoch-ahead");
+  // --sse2-pass: the image pass's SSE2 kernels where the CPU has AVX2 (the pass before 2026-11-29).
+  if (flag(argc, argv, "--sse2-pass")) ferry::detail::allow_avx2_pass(false);
+  // --keep-mib N: pinned_memory_limit, which caps the host batches kept for reuse (unset, the cap
+  // grows to the pipeline's depth; 2048 is the cap before 2026-11-29's change).
+  if (const int keep = arg(argc, argv, "--keep-mib", 0); keep > 0) o.pinned_memory_limit = std::size_t(keep) << 20;
   const bool proxy_with_loader = flag(argc, argv, "--proxy-with-loader");
   const auto count = [](const auto& b) -> std::size_t {
     if constexpr (std::is_same_v<std::decay_t<decltype(b)>, Tensor>)

@@ -143,8 +143,13 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
     // Batches on the host: recycle their buffers too. A fresh buffer over glibc's mmap
     // threshold (32 MiB) is mapped anew, and first-touching its pages cost 3x the collate
     // itself on 38.5 MB batches (one minor fault a 4 KiB page; bench_multi_gpu's host row).
+    // The cap on what is kept grows, unset, to every batch the workers and the consumer may hold.
     s.collate_pool = s.pageable_cache(opt.pinned_memory_limit.value_or(DataLoaderOptions::kDefaultPinnedMemoryLimit));
-    s.allocator = s.collate_pool.get();
+    const std::size_t held =
+        static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(std::max(opt.num_workers, 1)) + 2;
+    s.cache_blocks =
+        std::make_unique<DepthCheckedAllocator>(*s.collate_pool, held, "the workers and the consumer", !opt.pinned_memory_limit);
+    s.allocator = s.cache_blocks.get();
   }
   if (opt.device && s.pin_stage) {
     DeviceStageOptions d;
@@ -277,7 +282,8 @@ void LoaderCore::Parts::setup_pinning() {
     allocator = direct_blocks.get();
   } else if (!opt.allocator) {
     collate_pool = pageable_cache(pinned_pool->limit_bytes());
-    allocator = collate_pool.get();
+    cache_blocks = std::make_unique<DepthCheckedAllocator>(*collate_pool, in_flight + 1, "the workers", may_grow);
+    allocator = cache_blocks.get();
   }
   pin_stage = std::make_unique<PinStage>(
       engine,

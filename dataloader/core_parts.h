@@ -125,6 +125,7 @@ struct LoaderCore::Parts {
   std::shared_ptr<PinnedPool> pinned_pool;
   std::shared_ptr<PinnedPool> collate_pool;  // copy mode, or no pinning: recycled pageable batch buffers
   std::unique_ptr<DepthCheckedAllocator> pin_blocks, direct_blocks;
+  std::unique_ptr<DepthCheckedAllocator> cache_blocks;  // collate_pool's, its cap grown to the pipeline's depth
   std::unique_ptr<ParallelFor> pin_copy_pool;
   StatsBook stats;  // consumer thread
   IoCounters io;    // this loader's object-store reads (its workers add to them)

@@ -9,9 +9,16 @@
 #include <emmintrin.h>
 #define FERRY_PASS_SSE2 1
 #endif
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define FERRY_PASS_AVX2 1  // compiled with target("avx2"), run where the CPU has it
+#endif
+
+#include <atomic>
 
 #include "ferry/core/error.h"
 #include "ferry/detail/pass_math.h"
+#include "ferry/detail/pass_paths.h"
 #include "ferry/loaders/transforms.h"
 
 namespace ferry::detail {
@@ -351,7 +358,196 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
 }
 #endif
 
+#ifdef FERRY_PASS_AVX2
+#define FERRY_AVX2 __attribute__((target("avx2")))
+
+// run_pass_rgb on AVX2, eight pixels a step, the cached rows planar (R, G and B planes of W
+// floats each) where run_pass_rgb keeps them interleaved:
+//   * the source row's columns become floats eight bytes at a time (vpmovzxbd, vcvtdq2ps);
+//   * the horizontal step lerps two pixels a vector (pixel x + j in the low half, x + 4 + j in
+//     the high half, each tap an unaligned 4-float load whose 4th lane is ignored), and four such
+//     vectors are transposed into eight R, eight G and eight B values (4 unpacks, 3 shuffles);
+//   * the vertical lerp and the multiply-add then run on each plane's contiguous floats, which
+//     CHW output stores as they are.
+// No FMA (the target is avx2 alone), and each value goes through run_pass_c's float operations in
+// the same order, so the output is the same bit for bit (the tests run both paths).
+struct PlanarScratch {
+  std::vector<float> cache, row, w, w8;
+  std::vector<std::int32_t> o0, o1;
+};
+
+struct PlanarRows {
+  const std::uint8_t* src;
+  std::int64_t src_w, xa, span, W, W8;
+  PlanarScratch* sc;
+  float* slot[2];
+  std::int64_t held[2] = {-1, -1};
+};
+
+// Source row r, interpolated along x, into the three planes at `dst`.
+FERRY_AVX2 void horizontal_avx2(const PlanarRows& p, std::int64_t r, float* __restrict dst) {
+  const std::uint8_t* __restrict row = p.src + (r * p.src_w + p.xa) * 3;
+  float* __restrict f = p.sc->row.data();
+  const std::int64_t span = p.span;  // a local: the stores below could alias p
+  std::int64_t k = 0;
+  for (; k + 16 <= span; k += 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
+    _mm256_storeu_ps(f + k, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)));
+    _mm256_storeu_ps(f + k + 8, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(bytes, bytes))));
+  }
+  for (; k < span; ++k) f[k] = static_cast<float>(row[k]);
+  const std::int32_t* __restrict o0 = p.sc->o0.data();
+  const std::int32_t* __restrict o1 = p.sc->o1.data();
+  const float* __restrict w8 = p.sc->w8.data();
+  const std::int64_t W = p.W, W8 = p.W8;
+  float* __restrict R = dst;
+  float* __restrict G = dst + W;
+  float* __restrict B = dst + 2 * W;
+  for (std::int64_t x = 0; x < W8; x += 8) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) {
+      const __m256 v0 =
+          _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(f + o0[x + j])), _mm_loadu_ps(f + o0[x + 4 + j]), 1);
+      const __m256 v1 =
+          _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(f + o1[x + j])), _mm_loadu_ps(f + o1[x + 4 + j]), 1);
+      const __m256 w = _mm256_loadu_ps(w8 + 4 * x + 8 * j);
+      v[j] = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_sub_ps(v1, v0), w));
+    }
+    // v[j] = pixel x+j | pixel x+4+j, each r g b (and one ignored lane)
+    const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]);  // r0 r1 g0 g1 | r4 r5 g4 g5
+    const __m256 t1 = _mm256_unpackhi_ps(v[0], v[1]);  // b0 b1 .. .. | b4 b5 .. ..
+    const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]);  // r2 r3 g2 g3 | r6 r7 g6 g7
+    const __m256 t3 = _mm256_unpackhi_ps(v[2], v[3]);  // b2 b3 .. .. | b6 b7 .. ..
+    _mm256_storeu_ps(R + x, _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0)));
+    _mm256_storeu_ps(G + x, _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2)));
+    _mm256_storeu_ps(B + x, _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0)));
+  }
+  const float* __restrict w = p.sc->w.data();
+  for (std::int64_t x = W8; x < W; ++x)
+    for (int c = 0; c < 3; ++c) {
+      const float v0 = f[o0[x] + c], v1 = f[o1[x] + c];
+      dst[c * W + x] = v0 + (v1 - v0) * w[x];
+    }
+}
+
+// The slot holding source row r, filled into one that is not `avoid` when neither does.
+FERRY_AVX2 int fetch_avx2(PlanarRows& p, std::int64_t r, int avoid) {
+  if (p.held[0] == r) return 0;
+  if (p.held[1] == r) return 1;
+  const int s = avoid == 0 ? 1 : 0;
+  horizontal_avx2(p, r, p.slot[s]);
+  p.held[s] = r;
+  return s;
+}
+
+template <class Out, bool kRound>
+FERRY_AVX2 void run_pass_rgb_avx2(const Image& in, const std::vector<Tap>& ty, const std::vector<Tap>& tx, Out* out, bool chw,
+                                  const float* a, const float* b) {
+  constexpr int kC = 3;
+  const std::int64_t H = static_cast<std::int64_t>(ty.size()), W = static_cast<std::int64_t>(tx.size());
+  const std::pair<std::int64_t, std::int64_t> cols = tap_span(tx, in.w);
+  const std::int64_t xa = cols.first, span = (cols.second - cols.first) * kC, W8 = W / 8 * 8;
+  thread_local PlanarScratch sc;
+  sc.cache.resize(static_cast<std::size_t>(2 * kC * W));
+  sc.row.resize(static_cast<std::size_t>(span + 4));
+  std::fill(sc.row.begin() + span, sc.row.end(), 0.f);  // what a padded tap reads
+  sc.w.resize(static_cast<std::size_t>(W));
+  sc.w8.resize(static_cast<std::size_t>(4 * W8));
+  sc.o0.resize(static_cast<std::size_t>(W));
+  sc.o1.resize(static_cast<std::size_t>(W));
+  for (std::int64_t x = 0; x < W; ++x) {
+    const Tap& t = tx[static_cast<std::size_t>(x)];
+    const bool pad = t.i0 < 0;
+    sc.o0[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i0 - xa) * kC);
+    sc.o1[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i1 - xa) * kC);
+    sc.w[static_cast<std::size_t>(x)] = pad ? 0.f : t.w;
+  }
+  // Eight pixels' weights as the horizontal step's four vectors take them: vector j holds pixel
+  // x + j's weight in its low four lanes and pixel x + 4 + j's in its high four.
+  for (std::int64_t x = 0; x < W8; x += 8)
+    for (int j = 0; j < 4; ++j)
+      for (int l = 0; l < 4; ++l) {
+        sc.w8[static_cast<std::size_t>(4 * x + 8 * j + l)] = sc.w[static_cast<std::size_t>(x + j)];
+        sc.w8[static_cast<std::size_t>(4 * x + 8 * j + 4 + l)] = sc.w[static_cast<std::size_t>(x + 4 + j)];
+      }
+  PlanarRows rows{static_cast<const std::uint8_t*>(in.data),  in.w, xa, span, W, W8, &sc,
+                  {sc.cache.data(), sc.cache.data() + kC * W}};
+  alignas(32) float vals[8];
+  for (std::int64_t y = 0; y < H; ++y) {
+    const Tap& r = ty[static_cast<std::size_t>(y)];
+    if (r.i0 < 0) {  // a padded row
+      for (std::int64_t x = 0; x < W; ++x)
+        for (int c = 0; c < kC; ++c) {
+          const float o = a[c] * 0.f + b[c];
+          if (chw)
+            out[(c * H + y) * W + x] = store_as<Out>(o);
+          else
+            out[(y * W + x) * kC + c] = store_as<Out>(o);
+        }
+      continue;
+    }
+    const int s0 = fetch_avx2(rows, r.i0, -1);
+    const int s1 = fetch_avx2(rows, r.i1, s0);
+    const __m256 wy = _mm256_set1_ps(r.w);
+    for (int c = 0; c < kC; ++c) {
+      const float* __restrict t = rows.slot[s0] + c * W;
+      const float* __restrict u = rows.slot[s1] + c * W;
+      const __m256 A = _mm256_set1_ps(a[c]), Bc = _mm256_set1_ps(b[c]);
+      Out* plane = out + (c * H + y) * W;  // chw
+      Out* hwc = out + y * W * kC + c;
+      for (std::int64_t x = 0; x < W8; x += 8) {
+        const __m256 t8 = _mm256_loadu_ps(t + x), u8 = _mm256_loadu_ps(u + x);
+        __m256 e = _mm256_add_ps(t8, _mm256_mul_ps(_mm256_sub_ps(u8, t8), wy));
+        if constexpr (kRound) {
+          const __m256 magic = _mm256_set1_ps(12582912.0f);
+          e = _mm256_sub_ps(_mm256_add_ps(e, magic), magic);
+        }
+        const __m256 v = _mm256_add_ps(_mm256_mul_ps(A, e), Bc);
+        if constexpr (std::is_same_v<Out, float>) {
+          if (chw) {
+            _mm256_storeu_ps(plane + x, v);
+            continue;
+          }
+        }
+        _mm256_store_ps(vals, v);
+        if (chw)
+          for (int i = 0; i < 8; ++i) plane[x + i] = store_as<Out>(vals[i]);
+        else
+          for (int i = 0; i < 8; ++i) hwc[(x + i) * kC] = store_as<Out>(vals[i]);
+      }
+      for (std::int64_t x = W8; x < W; ++x) {
+        float e = t[x] + (u[x] - t[x]) * r.w;
+        if constexpr (kRound) e = round_even(e);
+        const float o = a[c] * e + b[c];
+        if (chw)
+          plane[x] = store_as<Out>(o);
+        else
+          hwc[x * kC] = store_as<Out>(o);
+      }
+    }
+  }
+}
+#undef FERRY_AVX2
+
+std::atomic<bool> g_avx2_allowed{true};
+
+bool use_avx2() noexcept {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has && g_avx2_allowed.load(std::memory_order_relaxed);
+}
+#endif
+
 }  // namespace
+
+bool allow_avx2_pass(bool allowed) noexcept {
+#ifdef FERRY_PASS_AVX2
+  g_avx2_allowed.store(allowed, std::memory_order_relaxed);
+  return use_avx2();
+#else
+  (void)allowed;
+  return false;
+#endif
+}
 
 // One bilinear pass from `in` into `out`. Output is HWC, or CHW when `chw`; `round` rounds the
 // interpolated value (uint8 semantics); the value written is a[c] * v + b[c].
@@ -360,6 +556,9 @@ void run_pass(const Image& in, const Axis& ay, const Axis& ax, Out* out, bool ch
   const std::vector<Tap> ty = taps(ay), tx = taps(ax);
   auto with = [&]<bool kRound>() {
     if constexpr (std::is_same_v<In, std::uint8_t>) {
+#ifdef FERRY_PASS_AVX2
+      if (in.c == 3 && use_avx2()) return run_pass_rgb_avx2<Out, kRound>(in, ty, tx, out, chw, a, b);
+#endif
 #ifdef FERRY_PASS_SSE2
       if (in.c == 3) return run_pass_rgb<Out, kRound>(in, ty, tx, out, chw, a, b);
 #else

@@ -1,5 +1,5 @@
 // loaders/image_pass.h — the image pass's kernels: one bilinear pass over an image (Note [Fused
-// transforms] in loaders/transforms.cpp says what an axis is), with an SSE2 path for RGB. Private
+// transforms] in loaders/transforms.cpp says what an axis is), with AVX2 and SSE2 paths for RGB. Private
 // to ferry_loaders: ImageTransform (transforms.cpp) plans the passes and runs them through these.
 #pragma once
 

@@ -260,6 +260,8 @@ PinnedPoolStats PinnedPool::stats() const {
 
 std::size_t PinnedPool::limit_bytes() const noexcept { return impl_->limit.load(); }
 
+bool PinnedPool::hard_limit() const noexcept { return impl_->hard_limit; }
+
 void PinnedPool::raise_limit(std::size_t bytes) {
   std::lock_guard l(impl_->mu);
   if (bytes > impl_->limit.load()) impl_->limit.store(bytes);
@@ -280,6 +282,22 @@ std::size_t pinned_growth_cap() {
 Storage DepthCheckedAllocator::allocate(std::size_t nbytes) {
   const std::size_t limit = pool_.limit_bytes();
   const std::size_t need = nbytes * depth_;
+  if (cache_) {  // a cap on what is kept, never a reason to refuse
+    if (nbytes > 0 && need > limit && may_grow_) {
+      std::lock_guard l(mu_);
+      if (!told_) {  // grows once, at the first batch that needs it
+        told_ = true;
+        const std::size_t to = std::min(need, pinned_growth_cap());
+        if (to > limit) {
+          pool_.raise_limit(to);
+          log_info("DataLoader: the host batches kept for reuse grow from " + mib(limit) + " to " + mib(to) + ": " + what_ +
+                   " may hold up to " + std::to_string(depth_) + " batches of " + mib(nbytes) +
+                   " at once (pinned_memory_limit is unset; set it to cap what is kept)");
+        }
+      }
+    }
+    return pool_.allocate(nbytes);
+  }
   if (nbytes > 0 && need > limit) {
     const std::size_t cap = may_grow_ ? pinned_growth_cap() : 0;
     if (may_grow_ && need <= cap) {

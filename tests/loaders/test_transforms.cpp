@@ -181,6 +181,7 @@ TEST_CASE("transform shapes and errors", "[errors][transforms]") {
 }
 
 #include "ferry/detail/pass_math.h"
+#include "ferry/detail/pass_paths.h"
 
 namespace {
 detail::PassAxis pass_axis(const ImagePassPlan::Axis& a) {
@@ -212,45 +213,54 @@ TEST_CASE("a transform's single-pass plan, evaluated per pixel, equals apply_int
   transforms.emplace_back("train rgb channels_last",
                           ImageTransform().random_resized_crop(21, 26).horizontal_flip().to_float().channels_last().normalize(
                               {0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f}));
-  for (auto& [name, t] : transforms) {
-    for (int channels : {1, 3}) {
-      if (channels == 1 && name.starts_with("train rgb")) continue;
-      for (std::uint64_t seed = 0; seed < 40; ++seed) {
-        INFO(name << ", channels " << channels << ", seed " << seed);
-        Generator shape_rng(seed, 99);
-        const std::int64_t H = 20 + static_cast<std::int64_t>(shape_rng.randint(40)),
-                           W = 20 + static_cast<std::int64_t>(shape_rng.randint(40));
-        Tensor img = Tensor::empty(DType::UInt8, {H, W, channels});
-        for (std::int64_t k = 0; k < img.numel(); ++k)
-          img.data<std::uint8_t>()[k] = static_cast<std::uint8_t>(shape_rng.randint(256));
-        Generator g1(seed, 1, 2), g2(seed, 1, 2);
-        const Tensor want = t(img, g1);
-        const std::optional<ImagePassPlan> plan = t.plan(H, W, channels, g2);
-        REQUIRE(plan);
-        const detail::PassAxis ay = pass_axis(plan->y), ax = pass_axis(plan->x);
-        const std::int64_t OH = ay.N, OW = ax.N;
-        REQUIRE(want.numel() == OH * OW * channels);
-        std::size_t mismatches = 0;
-        for (std::int64_t y = 0; y < OH; ++y)
-          for (std::int64_t x = 0; x < OW; ++x)
-            for (int c = 0; c < channels; ++c) {
-              const float v = detail::pass_value(img.data<std::uint8_t>(), W * channels, channels, detail::pass_tap(ay, y),
-                                                 detail::pass_tap(ax, x), c, plan->round);
-              if (plan->to_float) {
-                const float got = plan->a[c] * v + plan->b[c];
-                const std::int64_t at = plan->channels_last ? (y * OW + x) * channels + c : (c * OH + y) * OW + x;
-                if (plan->out_dtype == DType::Float16)
-                  mismatches += detail::pass_f16_bits(got) != want.data<Half>()[at].bits;
-                else if (plan->out_dtype == DType::BFloat16)
-                  mismatches += detail::pass_bf16_bits(got) != want.data<BFloat16>()[at].bits;
-                else
-                  mismatches += got != want.data<float>()[at];
-              } else {
-                mismatches +=
-                    detail::pass_store_u8(v, plan->a[c], plan->b[c]) != want.data<std::uint8_t>()[(y * OW + x) * channels + c];
+  // Both 3-channel kernels where the CPU has AVX2: the AVX2 one, then the SSE2 one.
+  const bool avx2 = detail::allow_avx2_pass(true);
+  struct AllowAvx2Again {
+    ~AllowAvx2Again() { detail::allow_avx2_pass(true); }
+  } again;
+  for (const bool use_avx2 : {true, false}) {
+    if (use_avx2 && !avx2) continue;
+    detail::allow_avx2_pass(use_avx2);
+    for (auto& [name, t] : transforms) {
+      for (int channels : {1, 3}) {
+        if (channels == 1 && name.starts_with("train rgb")) continue;
+        for (std::uint64_t seed = 0; seed < 40; ++seed) {
+          INFO(name << ", channels " << channels << ", seed " << seed << (use_avx2 ? ", AVX2" : ""));
+          Generator shape_rng(seed, 99);
+          const std::int64_t H = 20 + static_cast<std::int64_t>(shape_rng.randint(40)),
+                             W = 20 + static_cast<std::int64_t>(shape_rng.randint(40));
+          Tensor img = Tensor::empty(DType::UInt8, {H, W, channels});
+          for (std::int64_t k = 0; k < img.numel(); ++k)
+            img.data<std::uint8_t>()[k] = static_cast<std::uint8_t>(shape_rng.randint(256));
+          Generator g1(seed, 1, 2), g2(seed, 1, 2);
+          const Tensor want = t(img, g1);
+          const std::optional<ImagePassPlan> plan = t.plan(H, W, channels, g2);
+          REQUIRE(plan);
+          const detail::PassAxis ay = pass_axis(plan->y), ax = pass_axis(plan->x);
+          const std::int64_t OH = ay.N, OW = ax.N;
+          REQUIRE(want.numel() == OH * OW * channels);
+          std::size_t mismatches = 0;
+          for (std::int64_t y = 0; y < OH; ++y)
+            for (std::int64_t x = 0; x < OW; ++x)
+              for (int c = 0; c < channels; ++c) {
+                const float v = detail::pass_value(img.data<std::uint8_t>(), W * channels, channels, detail::pass_tap(ay, y),
+                                                   detail::pass_tap(ax, x), c, plan->round);
+                if (plan->to_float) {
+                  const float got = plan->a[c] * v + plan->b[c];
+                  const std::int64_t at = plan->channels_last ? (y * OW + x) * channels + c : (c * OH + y) * OW + x;
+                  if (plan->out_dtype == DType::Float16)
+                    mismatches += detail::pass_f16_bits(got) != want.data<Half>()[at].bits;
+                  else if (plan->out_dtype == DType::BFloat16)
+                    mismatches += detail::pass_bf16_bits(got) != want.data<BFloat16>()[at].bits;
+                  else
+                    mismatches += got != want.data<float>()[at];
+                } else {
+                  mismatches +=
+                      detail::pass_store_u8(v, plan->a[c], plan->b[c]) != want.data<std::uint8_t>()[(y * OW + x) * channels + c];
+                }
               }
-            }
-        REQUIRE(mismatches == 0);
+          REQUIRE(mismatches == 0);
+        }
       }
     }
   }

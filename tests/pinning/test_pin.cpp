@@ -204,6 +204,40 @@ TEST_CASE("an unset pinned budget grows to the pipeline's depth; a set one is an
   CHECK(fixed->limit_bytes() == 5 * 2560);
 }
 
+TEST_CASE("host batches kept for reuse: an unset cap grows to the pipeline's depth, a set one stays, neither refuses", "[pin]") {
+  // 16 workers' float ImageNet batches (154 MB, 34 alive at once) passed the 2 GiB cap: most were
+  // freed and mapped anew, every page faulted in as a worker wrote it.
+  auto cache = [](std::size_t limit) {
+    PinnedPoolOptions po;
+    po.limit_bytes = limit;
+    po.backend = pageable_backend_for_tests();
+    po.hard_limit = false;
+    return std::make_shared<PinnedPool>(po);
+  };
+  auto grown = cache(2 * 2560);
+  detail::DepthCheckedAllocator grows(*grown, 8, "the workers and the consumer", /*may_grow=*/true);
+  {
+    std::vector<Storage> alive;
+    for (int i = 0; i < 8; ++i) alive.push_back(grows.allocate(2560));
+    CHECK(grown->limit_bytes() == 8 * 2560);
+  }
+  // All eight were kept: eight more take them again, nothing new allocated.
+  std::vector<Storage> again;
+  for (int i = 0; i < 8; ++i) again.push_back(grows.allocate(2560));
+  CHECK(grown->stats().allocations == 8);
+  CHECK(grown->stats().frees == 0);
+  // A cap the user set stays: past it buffers are freed, and no allocation is refused.
+  auto fixed = cache(2 * 2560);
+  detail::DepthCheckedAllocator keeps(*fixed, 8, "the workers and the consumer", /*may_grow=*/false);
+  {
+    std::vector<Storage> alive;
+    for (int i = 0; i < 8; ++i) alive.push_back(keeps.allocate(2560));
+  }
+  CHECK(fixed->limit_bytes() == 2 * 2560);
+  CHECK(fixed->stats().bytes_pinned <= 2 * 2560);
+  CHECK(fixed->stats().frees == 6);
+}
+
 namespace {
 // Sample 0 is slow, so batches 1.. finish first and wait in the reorder buffer for batch 0.
 struct SlowFirst {

@@ -104,6 +104,8 @@ class PinnedPool final : public BatchAllocator {
   bool owns(const Storage& storage) const;
   PinnedPoolStats stats() const;
   std::size_t limit_bytes() const noexcept;
+  /// False for a cache (PinnedPoolOptions::hard_limit false): its limit caps what it keeps.
+  bool hard_limit() const noexcept;
   /// Raises the budget to `bytes` (never lowers it); waiters see the new budget at once.
   void raise_limit(std::size_t bytes);
 
@@ -124,10 +126,15 @@ std::size_t pinned_growth_cap();
 /// behind later ones forever. Refusing names the numbers instead of hanging. With `may_grow` (the
 /// user left pinned_memory_limit unset and the pool is the loader's own) the budget grows to fit
 /// instead, once, within half the machine's memory, and says so at info level.
+///
+/// Over a cache (a pool without a hard limit: recycled pageable buffers), the limit only caps what
+/// is kept for reuse, so nothing is refused: with `may_grow` the cap grows to hold `depth`
+/// batches, within the same bound, and past the cap buffers are freed and made anew (a fresh
+/// buffer of a large batch is mapped anew and faults in every page as it is written).
 class DepthCheckedAllocator final : public BatchAllocator {
  public:
   DepthCheckedAllocator(PinnedPool& pool, std::size_t depth, const char* what, bool may_grow)
-      : pool_(pool), depth_(depth), what_(what), may_grow_(may_grow) {}
+      : pool_(pool), depth_(depth), what_(what), may_grow_(may_grow), cache_(!pool.hard_limit()) {}
   Storage allocate(std::size_t nbytes) override;
 
  private:
@@ -135,6 +142,7 @@ class DepthCheckedAllocator final : public BatchAllocator {
   std::size_t depth_;
   const char* what_;
   bool may_grow_;
+  bool cache_;
   std::mutex mu_;
   bool told_ = false;  // guarded by mu_
 };
