@@ -245,7 +245,8 @@ class DataLoader:
             within half the machine's memory, and says so at info level; set, it is never
             exceeded and a pipeline that cannot fit is an error naming the numbers.
             Batches are recycled from this pool: holding many batches alive (e.g. list(loader))
-            with pin_memory or device makes the loader wait for one to be freed.
+            with pin_memory or device makes the loader wait for one to be freed. Without pinning,
+            it caps the host batches kept for reuse (never waited for), grown the same way unset.
         trace_batches: record the first N batches' timelines (write_trace(path) saves them).
         num_replicas, rank: for a ferry dataset in data-parallel training: this process reads rank
             `rank`'s share of every epoch, split over `num_replicas` processes as torch's
