@@ -283,13 +283,14 @@ Storage DepthCheckedAllocator::allocate(std::size_t nbytes) {
   const std::size_t limit = pool_.limit_bytes();
   const std::size_t need = nbytes * depth_;
   if (cache_) {  // a cap on what is kept, never a reason to refuse
-    if (nbytes > 0 && need > limit && may_grow_) {
-      std::lock_guard l(mu_);
-      if (!told_) {  // grows once, at the first batch that needs it
-        told_ = true;
-        const std::size_t to = std::min(need, pinned_growth_cap());
-        if (to > limit) {
-          pool_.raise_limit(to);
+    if (nbytes > 0 && need > limit && may_grow_ && !at_cap_.load(std::memory_order_relaxed)) {
+      const std::size_t cap = pinned_growth_cap(), to = std::min(need, cap);
+      if (to == cap) at_cap_.store(true, std::memory_order_relaxed);  // no further growth asked of the machine
+      if (to > limit) {
+        pool_.raise_limit(to);
+        std::lock_guard l(mu_);
+        if (!told_) {
+          told_ = true;
           log_info("DataLoader: the host batches kept for reuse grow from " + mib(limit) + " to " + mib(to) + ": " + what_ +
                    " may hold up to " + std::to_string(depth_) + " batches of " + mib(nbytes) +
                    " at once (pinned_memory_limit is unset; set it to cap what is kept)");

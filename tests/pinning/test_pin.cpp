@@ -226,6 +226,9 @@ TEST_CASE("host batches kept for reuse: an unset cap grows to the pipeline's dep
   for (int i = 0; i < 8; ++i) again.push_back(grows.allocate(2560));
   CHECK(grown->stats().allocations == 8);
   CHECK(grown->stats().frees == 0);
+  // A larger batch later (batches of varying size) grows it again.
+  again.push_back(grows.allocate(4096));
+  CHECK(grown->limit_bytes() == 8 * 4096);
   // A cap the user set stays: past it buffers are freed, and no allocation is refused.
   auto fixed = cache(2 * 2560);
   detail::DepthCheckedAllocator keeps(*fixed, 8, "the workers and the consumer", /*may_grow=*/false);

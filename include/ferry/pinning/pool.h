@@ -29,6 +29,7 @@
 // Thread safety: all members may be called from any thread.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -143,6 +144,7 @@ class DepthCheckedAllocator final : public BatchAllocator {
   const char* what_;
   bool may_grow_;
   bool cache_;
+  std::atomic<bool> at_cap_{false};  // a cache grown as far as the machine allows
   std::mutex mu_;
   bool told_ = false;  // guarded by mu_
 };
