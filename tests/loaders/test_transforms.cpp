@@ -207,6 +207,8 @@ TEST_CASE("a transform's single-pass plan, evaluated per pixel, equals apply_int
       "train bfloat16",
       ImageTransform().random_resized_crop(22, 19).horizontal_flip().to_float(DType::BFloat16).normalize({0.5f}, {0.25f}));
   transforms.emplace_back("eval float16 + pad", ImageTransform().resize_shorter(17).center_crop(21, 27).to_float(DType::Float16));
+  // Narrower than one AVX2 step of eight pixels: the tail alone.
+  transforms.emplace_back("train narrow", ImageTransform().random_resized_crop(5, 7).horizontal_flip().to_float());
   // Per-channel means and stds (3 channels only): each channel's own multiply-add.
   transforms.emplace_back("train rgb", ImageTransform().random_resized_crop(25, 22).horizontal_flip().to_float().normalize(
                                            {0.485f, 0.456f, 0.406f}, {0.229f, 0.224f, 0.225f}));
