@@ -128,6 +128,22 @@ struct RowScratch {
   std::vector<std::int32_t> o0, o1;
 };
 
+// Each output pixel's taps for a 3-channel row converted to floats from source column xa: offsets
+// of the two pixels (a padded tap reads the zeros at `span`) and the weight.
+void pixel_taps(const std::vector<Tap>& tx, std::int64_t xa, std::int64_t span, RowScratch& sc) {
+  const std::size_t W = tx.size();
+  sc.w.resize(W);
+  sc.o0.resize(W);
+  sc.o1.resize(W);
+  for (std::size_t x = 0; x < W; ++x) {
+    const Tap& t = tx[x];
+    const bool pad = t.i0 < 0;
+    sc.o0[x] = static_cast<std::int32_t>(pad ? span : (t.i0 - xa) * 3);
+    sc.o1[x] = static_cast<std::int32_t>(pad ? span : (t.i1 - xa) * 3);
+    sc.w[x] = pad ? 0.f : t.w;
+  }
+}
+
 // The two source rows a separable pass keeps interpolated along x (an upscale reuses them).
 struct TwoRows {
   float* slot[2];
@@ -271,16 +287,7 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
   sc.cache.resize(static_cast<std::size_t>(2 * pitch));
   sc.row.resize(static_cast<std::size_t>(span + 4));
   std::fill(sc.row.begin() + span, sc.row.end(), 0.f);  // what a padded tap and the last pixel's 4th lane read
-  sc.w.resize(static_cast<std::size_t>(W));
-  sc.o0.resize(static_cast<std::size_t>(W));
-  sc.o1.resize(static_cast<std::size_t>(W));
-  for (std::int64_t x = 0; x < W; ++x) {
-    const Tap& t = tx[static_cast<std::size_t>(x)];
-    const bool pad = t.i0 < 0;
-    sc.o0[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i0 - xa) * kC);
-    sc.o1[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i1 - xa) * kC);
-    sc.w[static_cast<std::size_t>(x)] = pad ? 0.f : t.w;
-  }
+  pixel_taps(tx, xa, span, sc);
   TwoRows rows{{sc.cache.data(), sc.cache.data() + pitch}};
   auto horizontal = [&](std::int64_t r, float* __restrict dst) {
     const std::uint8_t* __restrict row = src + (r * in.w + xa) * kC;
@@ -371,9 +378,8 @@ void run_pass_rgb(const Image& in, const std::vector<Tap>& ty, const std::vector
 //     CHW output stores as they are.
 // No FMA (the target is avx2 alone), and each value goes through run_pass_c's float operations in
 // the same order, so the output is the same bit for bit (the tests run both paths).
-struct PlanarScratch {
-  std::vector<float> cache, row, w, w8;
-  std::vector<std::int32_t> o0, o1;
+struct PlanarScratch : RowScratch {
+  std::vector<float> w8;  // the weights as the horizontal step's vectors take them
 };
 
 struct PlanarRows {
@@ -451,17 +457,8 @@ FERRY_AVX2 void run_pass_rgb_avx2(const Image& in, const std::vector<Tap>& ty, c
   sc.cache.resize(static_cast<std::size_t>(2 * kC * W));
   sc.row.resize(static_cast<std::size_t>(span + 4));
   std::fill(sc.row.begin() + span, sc.row.end(), 0.f);  // what a padded tap reads
-  sc.w.resize(static_cast<std::size_t>(W));
+  pixel_taps(tx, xa, span, sc);
   sc.w8.resize(static_cast<std::size_t>(4 * W8));
-  sc.o0.resize(static_cast<std::size_t>(W));
-  sc.o1.resize(static_cast<std::size_t>(W));
-  for (std::int64_t x = 0; x < W; ++x) {
-    const Tap& t = tx[static_cast<std::size_t>(x)];
-    const bool pad = t.i0 < 0;
-    sc.o0[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i0 - xa) * kC);
-    sc.o1[static_cast<std::size_t>(x)] = static_cast<std::int32_t>(pad ? span : (t.i1 - xa) * kC);
-    sc.w[static_cast<std::size_t>(x)] = pad ? 0.f : t.w;
-  }
   // Eight pixels' weights as the horizontal step's four vectors take them: vector j holds pixel
   // x + j's weight in its low four lanes and pixel x + 4 + j's in its high four.
   for (std::int64_t x = 0; x < W8; x += 8)
