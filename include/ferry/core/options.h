@@ -111,7 +111,7 @@ struct DataLoaderOptions {
   /// at info level. Set, it is never exceeded: a pipeline that cannot fit is an Error naming the
   /// numbers. A loader without pinning keeps its batches' host buffers for reuse up to this many
   /// bytes (a retention cap: past it buffers are freed, never waited for); unset, that cap grows
-  /// the same way, at the first batch, to every batch the workers and the consumer may hold.
+  /// the same way, from the first batch on, to every batch the workers and the consumer may hold.
   std::optional<std::size_t> pinned_memory_limit;
   static constexpr std::size_t kDefaultPinnedMemoryLimit = std::size_t{2} << 30;
   /// Threads that copy one large batch into pinned memory (one thread's memcpy is ~12 GB/s).
