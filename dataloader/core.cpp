@@ -144,12 +144,8 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
     // threshold (32 MiB) is mapped anew, and first-touching its pages cost 3x the collate
     // itself on 38.5 MB batches (one minor fault a 4 KiB page; bench_multi_gpu's host row).
     // The cap on what is kept grows, unset, to every batch the workers and the consumer may hold.
-    s.collate_pool = s.pageable_cache(opt.pinned_memory_limit.value_or(DataLoaderOptions::kDefaultPinnedMemoryLimit));
-    const std::size_t held =
-        static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(std::max(opt.num_workers, 1)) + 2;
-    s.cache_blocks =
-        std::make_unique<DepthCheckedAllocator>(*s.collate_pool, held, "the workers and the consumer", !opt.pinned_memory_limit);
-    s.allocator = s.cache_blocks.get();
+    s.allocator = s.pageable_cache(opt.pinned_memory_limit.value_or(DataLoaderOptions::kDefaultPinnedMemoryLimit),
+                                   s.in_flight() + 2, "the workers and the consumer", !opt.pinned_memory_limit);
   }
   if (opt.device && s.pin_stage) {
     DeviceStageOptions d;
@@ -175,12 +171,18 @@ void LoaderCore::build_route(std::vector<HostRows> gather, std::optional<std::st
   log_debug(describe_options(opt, s.traits.streaming) + "; route: " + route_name(s.route));
 }
 
-std::shared_ptr<PinnedPool> LoaderCore::Parts::pageable_cache(std::size_t limit) {
+BatchAllocator* LoaderCore::Parts::pageable_cache(std::size_t limit, std::size_t depth, const char* what, bool may_grow) {
   PinnedPoolOptions po;  // recycled pageable batch buffers: a cache that never waits
   po.limit_bytes = limit;
   po.backend = pageable_backend();
   po.hard_limit = false;
-  return std::make_shared<PinnedPool>(po);
+  collate_pool = std::make_shared<PinnedPool>(po);
+  cache_blocks = std::make_unique<DepthCheckedAllocator>(*collate_pool, depth, what, may_grow);
+  return cache_blocks.get();
+}
+
+std::size_t LoaderCore::Parts::in_flight() const noexcept {
+  return static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(std::max(opt.num_workers, 1));
 }
 
 bool LoaderCore::Parts::make_pinned_pool() {
@@ -273,17 +275,13 @@ void LoaderCore::Parts::setup_pinning() {
   if (opt.pin_threads > 1) pin_copy_pool = std::make_unique<ParallelFor>(opt.pin_threads, placement);
   const std::size_t behind =
       static_cast<std::size_t>(opt.pin_depth) + (opt.device ? static_cast<std::size_t>(opt.device_prefetch) : 0) + 2;
-  const std::size_t in_flight =
-      static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(std::max(opt.num_workers, 1));
   const bool may_grow = !opt.pinned_pool && !opt.pinned_memory_limit;
   pin_blocks = std::make_unique<DepthCheckedAllocator>(*pinned_pool, behind, "the pin thread", may_grow);
   if (opt.pin_mode == DataLoaderOptions::PinMode::Direct) {
-    direct_blocks = std::make_unique<DepthCheckedAllocator>(*pinned_pool, behind + in_flight, "direct pin_mode", may_grow);
+    direct_blocks = std::make_unique<DepthCheckedAllocator>(*pinned_pool, behind + in_flight(), "direct pin_mode", may_grow);
     allocator = direct_blocks.get();
   } else if (!opt.allocator) {
-    collate_pool = pageable_cache(pinned_pool->limit_bytes());
-    cache_blocks = std::make_unique<DepthCheckedAllocator>(*collate_pool, in_flight + 1, "the workers", may_grow);
-    allocator = cache_blocks.get();
+    allocator = pageable_cache(pinned_pool->limit_bytes(), in_flight() + 1, "the workers", may_grow);
   }
   pin_stage = std::make_unique<PinStage>(
       engine,

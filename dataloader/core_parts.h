@@ -92,7 +92,11 @@ struct LoaderCore::Parts {
   void stop() noexcept;
   // The route (core.cpp).
   bool make_pinned_pool();
-  std::shared_ptr<PinnedPool> pageable_cache(std::size_t limit);
+  /// Recycled pageable batch buffers (collate_pool), kept up to `limit` bytes, the cap grown to
+  /// `depth` batches where `may_grow` (cache_blocks, which it returns).
+  BatchAllocator* pageable_cache(std::size_t limit, std::size_t depth, const char* what, bool may_grow);
+  /// Batches the workers may hold: prefetch_factor x num_workers (one worker where there are none).
+  std::size_t in_flight() const noexcept;
   void choose_gather(std::vector<HostRows> fields, std::string why);
   void setup_gather();
   /// The device gather's batches in flight, for small batches (setup_gather).

@@ -382,12 +382,11 @@ struct PlanarScratch : RowScratch {
   std::vector<float> w8;  // the weights as the horizontal step's vectors take them
 };
 
+// What the horizontal step reads: the source, the columns it converts, the output's width.
 struct PlanarRows {
   const std::uint8_t* src;
   std::int64_t src_w, xa, span, W, W8;
   PlanarScratch* sc;
-  float* slot[2];
-  std::int64_t held[2] = {-1, -1};
 };
 
 // Source row r, interpolated along x, into the three planes at `dst`.
@@ -436,16 +435,6 @@ FERRY_AVX2 void horizontal_avx2(const PlanarRows& p, std::int64_t r, float* __re
     }
 }
 
-// The slot holding source row r, filled into one that is not `avoid` when neither does.
-FERRY_AVX2 int fetch_avx2(PlanarRows& p, std::int64_t r, int avoid) {
-  if (p.held[0] == r) return 0;
-  if (p.held[1] == r) return 1;
-  const int s = avoid == 0 ? 1 : 0;
-  horizontal_avx2(p, r, p.slot[s]);
-  p.held[s] = r;
-  return s;
-}
-
 template <class Out, bool kRound>
 FERRY_AVX2 void run_pass_rgb_avx2(const Image& in, const std::vector<Tap>& ty, const std::vector<Tap>& tx, Out* out, bool chw,
                                   const float* a, const float* b) {
@@ -467,8 +456,10 @@ FERRY_AVX2 void run_pass_rgb_avx2(const Image& in, const std::vector<Tap>& ty, c
         sc.w8[static_cast<std::size_t>(4 * x + 8 * j + l)] = sc.w[static_cast<std::size_t>(x + j)];
         sc.w8[static_cast<std::size_t>(4 * x + 8 * j + 4 + l)] = sc.w[static_cast<std::size_t>(x + 4 + j)];
       }
-  PlanarRows rows{static_cast<const std::uint8_t*>(in.data),  in.w, xa, span, W, W8, &sc,
-                  {sc.cache.data(), sc.cache.data() + kC * W}};
+  const PlanarRows planar{static_cast<const std::uint8_t*>(in.data), in.w, xa, span, W, W8, &sc};
+  // A call, not inlined: the lambda is not compiled for AVX2, horizontal_avx2 is.
+  auto horizontal = [&planar](std::int64_t r, float* dst) { horizontal_avx2(planar, r, dst); };
+  TwoRows rows{{sc.cache.data(), sc.cache.data() + kC * W}};
   alignas(32) float vals[8];
   for (std::int64_t y = 0; y < H; ++y) {
     const Tap& r = ty[static_cast<std::size_t>(y)];
@@ -483,8 +474,8 @@ FERRY_AVX2 void run_pass_rgb_avx2(const Image& in, const std::vector<Tap>& ty, c
         }
       continue;
     }
-    const int s0 = fetch_avx2(rows, r.i0, -1);
-    const int s1 = fetch_avx2(rows, r.i1, s0);
+    const int s0 = rows.fetch(r.i0, -1, horizontal);
+    const int s1 = rows.fetch(r.i1, s0, horizontal);
     const __m256 wy = _mm256_set1_ps(r.w);
     for (int c = 0; c < kC; ++c) {
       const float* __restrict t = rows.slot[s0] + c * W;

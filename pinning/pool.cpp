@@ -279,6 +279,17 @@ std::size_t pinned_growth_cap() {
   return cap;
 }
 
+void DepthCheckedAllocator::grow(std::size_t from, std::size_t to, std::size_t nbytes, const char* what_grows,
+                                 const char* set_it_to) {
+  pool_.raise_limit(to);
+  std::lock_guard l(mu_);
+  if (told_) return;
+  told_ = true;
+  log_info("DataLoader: " + std::string(what_grows) + " from " + mib(from) + " to " + mib(to) + ": " + what_ +
+           " may hold up to " + std::to_string(depth_) + " batches of " + mib(nbytes) +
+           " at once (pinned_memory_limit is unset; set it to " + set_it_to + ")");
+}
+
 Storage DepthCheckedAllocator::allocate(std::size_t nbytes) {
   const std::size_t limit = pool_.limit_bytes();
   const std::size_t need = nbytes * depth_;
@@ -286,31 +297,14 @@ Storage DepthCheckedAllocator::allocate(std::size_t nbytes) {
     if (nbytes > 0 && need > limit && may_grow_ && !at_cap_.load(std::memory_order_relaxed)) {
       const std::size_t cap = pinned_growth_cap(), to = std::min(need, cap);
       if (to == cap) at_cap_.store(true, std::memory_order_relaxed);  // no further growth asked of the machine
-      if (to > limit) {
-        pool_.raise_limit(to);
-        std::lock_guard l(mu_);
-        if (!told_) {
-          told_ = true;
-          log_info("DataLoader: the host batches kept for reuse grow from " + mib(limit) + " to " + mib(to) + ": " + what_ +
-                   " may hold up to " + std::to_string(depth_) + " batches of " + mib(nbytes) +
-                   " at once (pinned_memory_limit is unset; set it to cap what is kept)");
-        }
-      }
+      if (to > limit) grow(limit, to, nbytes, "the host batches kept for reuse grow", "cap what is kept");
     }
     return pool_.allocate(nbytes);
   }
   if (nbytes > 0 && need > limit) {
     const std::size_t cap = may_grow_ ? pinned_growth_cap() : 0;
     if (may_grow_ && need <= cap) {
-      pool_.raise_limit(need);
-      std::lock_guard l(mu_);
-      if (!told_) {
-        told_ = true;
-        log_info("DataLoader: the pinned budget grows from " + mib(limit) + " to " + mib(need) + ": " + what_ +
-                 " may hold up to " + std::to_string(depth_) + " batches of " + mib(nbytes) +
-                 " at once (pinned_memory_limit is unset; set it to "
-                 "bound the budget, and an error names what does not fit)");
-      }
+      grow(limit, need, nbytes, "the pinned budget grows", "bound the budget, and an error names what does not fit");
     } else if (may_grow_) {
       throw Error("pinned memory: " + std::string(what_) + " may hold up to " + std::to_string(depth_) + " batches of " +
                   std::to_string(nbytes) + " bytes at once (" + std::to_string(need) +

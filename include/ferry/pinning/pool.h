@@ -139,6 +139,9 @@ class DepthCheckedAllocator final : public BatchAllocator {
   Storage allocate(std::size_t nbytes) override;
 
  private:
+  // Raises the pool's limit to `to`, saying so at info level the first time.
+  void grow(std::size_t from, std::size_t to, std::size_t nbytes, const char* what_grows, const char* set_it_to);
+
   PinnedPool& pool_;
   std::size_t depth_;
   const char* what_;
