@@ -8,6 +8,7 @@ tensor: its caching host allocator's first block, then one reused).
 Usage: probe_slabs.py [--mb 193] [--threads 15]
 """
 import argparse
+import ctypes
 import mmap
 import os
 import threading
@@ -16,12 +17,16 @@ import time
 import torch
 
 import ferry  # noqa: F401  (the extension the slabs register through)
-from ferry import _slabs
+from ferry import _ferry
+
+# A pool of shared blocks as a loader's (Note [Shared blocks] in python/src/blocks.cpp), with room
+# for every block the probe holds at once: each lease below makes a block (memfd, mapping, register).
+BLOCKS = None
 
 
 def make(i, mb):
     t0 = time.perf_counter()
-    slab = _slabs.Slab(i, mb << 20, pinned=True)
+    slab = BLOCKS.lease(mb << 20, True, 1 << 20)
     return slab, time.perf_counter() - t0
 
 
@@ -31,6 +36,8 @@ def main():
     ap.add_argument("--threads", type=int, default=15)
     args = ap.parse_args()
     torch.cuda.init()
+    global BLOCKS
+    BLOCKS = _ferry.SharedBlocks(True, (2 * args.threads + 2) * (args.mb << 20))
     print(f"# slabs of {args.mb} MiB; {torch.cuda.get_device_name(0)}, torch {torch.__version__}\n")
     fd = os.memfd_create("probe", os.MFD_CLOEXEC)
     os.ftruncate(fd, args.mb << 20)
@@ -40,11 +47,10 @@ def main():
     populated.close()
     os.close(fd)
     slab, alone = make(0, args.mb)
-    view = torch.frombuffer(slab.mm, dtype=torch.uint8)
+    view = torch.frombuffer((ctypes.c_uint8 * slab.size).from_address(slab.address), dtype=torch.uint8)
     print(f"* one slab: {alone * 1e3:.0f} ms (a memfd mapped with its pages made, not registered: {unpinned * 1e3:.0f} ms); "
           f"torch sees it pinned: {view.is_pinned()}")
-    del view
-    slab.close()
+    del view  # the slab stays leased, as every one below: each is made anew
     out = [None] * args.threads
     def run(i):
         out[i] = make(1 + i, args.mb)
@@ -58,8 +64,7 @@ def main():
     each = sorted(s for _, s in out)
     print(f"* {args.threads} at once: {wall * 1e3:.0f} ms in all; each {each[0] * 1e3:.0f} to {each[-1] * 1e3:.0f} ms "
           f"(median {each[len(each) // 2] * 1e3:.0f})")
-    for s, _ in out:
-        s.close()
+    held = out  # held: the next ones are made anew
     t0 = time.perf_counter()
     times = []
     made = []
@@ -69,8 +74,7 @@ def main():
         times.append(t)
     wall = time.perf_counter() - t0
     print(f"* {args.threads} one after another: {wall * 1e3:.0f} ms in all; first {times[0] * 1e3:.0f} ms")
-    for s in made:
-        s.close()
+    del made, held, slab
     x = torch.empty(args.mb << 20, dtype=torch.uint8).fill_(1)
     for k in range(3):
         t0 = time.perf_counter()

@@ -131,11 +131,16 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
     returned.notify_all();
   }
 
-  Storage allocate(std::size_t nbytes) {
-    if (hard_limit && nbytes > limit)
+  // `wait` false: where allocate() would wait for a lease to come back (or throw for a request
+  // over the budget), an empty Storage instead; `may_allocate` false: a free block, or a pending
+  // one once its fences complete, and never a new one.
+  Storage allocate(std::size_t nbytes, bool wait = true, bool may_allocate = true) {
+    if (hard_limit && nbytes > limit) {
+      if (!wait) return {};
       throw Error("PinnedPool: a batch needs " + std::to_string(nbytes) + " bytes (" + mib(nbytes) +
                   ") but pinned_memory_limit is " + std::to_string(limit) + " bytes (" + mib(limit) +
                   "); raise the limit or make batches smaller");
+    }
     const std::size_t want = std::max<std::size_t>(nbytes, 1);
     std::unique_lock l(mu);
     bool waited = false;
@@ -148,7 +153,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
       for (auto& [ptr, b] : blocks)
         if (b.state == State::Free && b.size >= want && b.size <= 2 * want && (!best || b.size < best->size)) best = &b;
       if (best) return lease(*best, nbytes);
-      if (pinned + reserved + want <= limit || !hard_limit) {
+      if (may_allocate && (pinned + reserved + want <= limit || !hard_limit)) {
         reserved += want;
         l.unlock();
         void* p = nullptr;
@@ -171,7 +176,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
       }
       // Over budget: give back a free block of the wrong size, if any.
       auto unfit = std::find_if(blocks.begin(), blocks.end(), [](const auto& kv) { return kv.second.state == State::Free; });
-      if (unfit != blocks.end()) {
+      if (may_allocate && unfit != blocks.end()) {
         backend->free(unfit->first, unfit->second.size);
         pinned -= unfit->second.size;
         ++counters.frees;
@@ -192,6 +197,7 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
         l.lock();
         continue;
       }
+      if (!wait) return {};
       if (stop_requested()) throw Error("PinnedPool: gave up waiting for a block: the loader is stopping");
       returned.wait_for(l, std::chrono::milliseconds(20));
       if (!warned && std::chrono::steady_clock::now() - started > std::chrono::seconds(5)) {
@@ -224,6 +230,8 @@ PinnedPool::~PinnedPool() = default;
 
 Storage PinnedPool::allocate(std::size_t nbytes) { return impl_->allocate(nbytes); }
 
+Storage PinnedPool::try_allocate(std::size_t nbytes, bool may_allocate) { return impl_->allocate(nbytes, false, may_allocate); }
+
 void PinnedPool::add_fence(const Storage& storage, std::shared_ptr<Fence> fence) {
   std::lock_guard l(impl_->mu);
   auto it = impl_->blocks.upper_bound(storage.data());
@@ -246,6 +254,24 @@ bool PinnedPool::owns(const Storage& storage) const {
   if (it == impl_->blocks.begin()) return false;
   --it;
   return storage.data() >= it->second.ptr && storage.data() < it->second.ptr + std::max<std::size_t>(it->second.size, 1);
+}
+
+std::size_t PinnedPool::release_free_below(std::size_t bytes) {
+  std::lock_guard l(impl_->mu);
+  impl_->reap();
+  std::size_t released = 0;
+  for (auto it = impl_->blocks.begin(); it != impl_->blocks.end();) {
+    if (it->second.state != Impl::State::Free || it->second.size >= bytes) {
+      ++it;
+      continue;
+    }
+    impl_->backend->free(it->first, it->second.size);
+    impl_->pinned -= it->second.size;
+    ++impl_->counters.frees;
+    ++released;
+    it = impl_->blocks.erase(it);
+  }
+  return released;
 }
 
 PinnedPoolStats PinnedPool::stats() const {

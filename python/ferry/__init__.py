@@ -24,7 +24,6 @@ sampler, batch_sampler, worker_init_fn and ferry.get_worker_info():
 from __future__ import annotations
 
 import atexit
-import collections
 import multiprocessing.util  # noqa: F401  (its exit handler is registered first, so it runs after ferry's)
 import numbers
 import threading
@@ -32,7 +31,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterator, Optional
 
-from . import _bridge, _ferry, _python, _zygote
+from . import _bridge, _ferry, _python, _slabs, _zygote
 from . import datasets
 from ._ferry import (  # noqa: F401  (re-exported)
     CudaError,
@@ -129,10 +128,12 @@ class _PythonBatches:
     runs, as in `for b in ferry.DataLoader(...)`, and moves batches to the device. A failed batch
     raises and the next call goes on, as with the loader's own iterator."""
 
-    __slots__ = ("_owner", "_batches", "_move", "_pool")
+    __slots__ = ("_owner", "_batches", "_move", "_pool", "_pin")
 
     def __init__(self, owner: Any, batches: Iterator[Any], move: Optional[Callable[[Any], Any]]) -> None:
         self._owner, self._batches, self._move, self._pool = owner, batches, move, owner._pool
+        # objects with a pin_memory() of their own, as torch's pin_memory asks them
+        self._pin = owner._pool is not None and owner._pool.slabs is not None and owner._pool.slabs.pinned
 
     def __iter__(self) -> "_PythonBatches":
         return self
@@ -147,11 +148,12 @@ class _PythonBatches:
             raise
         if pool is not None and pool.unsettled:
             pool.settle(wait=False)
+        if type(batch) is _ferry.Delivered:  # through ferry's pipeline: pinned, or on the device already
+            batch = _slabs.rebuild(batch)
+            return _python.pin(batch, tensors=False) if self._pin else batch
         if self._move is None:
             return batch
-        moved = self._move(batch)
-        self._owner._copied(batch)
-        return moved
+        return self._move(batch)
 
 
 class LoaderStats(dict):
@@ -382,7 +384,6 @@ class DataLoader:
         self.device = device_index
         self._python = python
         self._pool = None
-        self._pending: "collections.deque" = collections.deque()  # (copy event, CPU batch), see _copied
         self._seeds = _bridge.Seeds()
         self._seed_epoch: Optional[int] = None  # the epoch the base seed was drawn for
         self._resume_seeds: Optional[Dict[str, int]] = None
@@ -452,8 +453,18 @@ class DataLoader:
         # torch's C importer of DLPack capsules (what torch.utils.dlpack.from_dlpack calls for a
         # capsule, without its Python-level checks: a few microseconds a tensor).
         convert = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
-        options = make_options(engine_batch, engine_shuffle, engine_drop_last, bool(pin_memory) and not python,
-                               None if python else self.device, 0 if python else stream_handle)
+        # A Python dataset's batches in worker processes' slabs go through ferry's pipeline: pinned
+        # already, and copied by the device stage (Note [Slabs] in ferry/_slabs.py); other Python
+        # batches are pinned by torch on the worker, and moved on the consumer's stream here.
+        slabs = None if self._pool is None else self._pool.slabs
+        through = slabs is not None and slabs.pinned
+        if python and not through:
+            options = make_options(engine_batch, engine_shuffle, engine_drop_last, False, None, 0)
+        else:
+            options = make_options(engine_batch, engine_shuffle, engine_drop_last, bool(pin_memory) or through,
+                                   self.device, stream_handle)
+        if through and slabs is not None:
+            options = _ferry.with_shared_blocks(options, slabs.blocks)
         if num_replicas is not None or rank is not None:
             if python:
                 raise TypeError("DataLoader: num_replicas= and rank= are for ferry datasets; a Python dataset takes "
@@ -475,35 +486,12 @@ class DataLoader:
             self._pool.prestart(self.num_workers)
 
     def __del__(self) -> None:
-        self._copies_done()
         pool = getattr(self, "_pool", None)
         if pool is not None:  # the threads that drive the processes first, then the processes
             loader = getattr(self, "_loader", None)
             if loader is not None:
                 loader.release()
             pool.close()
-
-    def _copied(self, batch: Any) -> None:
-        """Keeps a CPU batch whose tensors view shared-memory slabs until its device copy has run
-        (Note [Slabs] in ferry/_slabs.py): only then may a worker process write into them again."""
-        if self._pool is None or self._pool.slabs is None:
-            return
-        torch = _torch()
-        event = torch.cuda.Event()
-        event.record(self._torch_stream)
-        pending = self._pending
-        pending.append((event, batch))
-        while pending and pending[0][0].query():
-            pending.popleft()
-
-    def _copies_done(self) -> None:
-        pending = getattr(self, "_pending", None)
-        while pending:
-            event, _ = pending.popleft()
-            try:
-                event.synchronize()
-            except Exception:  # torch is being torn down at exit: the process ends with its copies
-                pass
 
     def __iter__(self) -> Iterator[Any]:
         """Starts the next epoch (ending one still in progress) and yields its batches."""
@@ -621,7 +609,6 @@ class DataLoader:
     def close(self) -> None:
         """Ends the epoch in progress: its workers stop (also done when the loader is freed)."""
         self._loader.end()
-        self._copies_done()
 
     def __repr__(self) -> str:
         dev = "" if self.device is None else f", device={self.device}"

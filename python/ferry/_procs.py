@@ -380,32 +380,32 @@ class Pool:
             return value
         slabs = self.slabs
         lease = slabs.lease() if slabs is not None else None
+        drops = []
+        if slabs is not None:
+            retired = slabs.retired
+            drops = [i for i in slot.mapped if i in retired]
+            slot.mapped.difference_update(drops)
         try:
-            drops = []
-            if slabs is not None:
-                drops = [i for i in slot.mapped if i in slabs.retired]
-                slot.mapped.difference_update(drops)
             self._send_slab(slot, lease)
             slot.conn.send(message + (None if lease is None else lease.id, drops, slabs is not None))
             kind, value = self._reply(slot, worker, message, kinds=True)
             while kind == "need" and slabs is not None:  # no slab, or too small (Note [Slabs])
-                given, lease = lease, None
-                lease = slabs.lease_for(value, given, worker)
+                lease = None  # back to the pool before another is asked for
+                lease = slabs.lease_for(value, worker)
                 self._send_slab(slot, lease)
                 slot.conn.send(("into", None if lease is None else lease.id))
                 kind, value = self._reply(slot, worker, message, kinds=True)
-            blob, placed, missed, whole = value
         except BaseException:
-            if lease is not None and slabs is not None:
-                slabs.give_back(lease)
+            lease = None  # not held by the traceback's frame: the block goes back to the pool now
             raise
+        blob, regions = value
         slot.busy = False
         if slabs is None:
             return Collated(pickle.loads(blob), False)
-        return Collated(slabs.view_batch(blob, lease, placed, missed), whole and slabs.pinned)
+        return Collated(slabs.view_batch(blob, lease, regions), regions is not None and slabs.pinned)
 
     @staticmethod
-    def _send_slab(slot: _Slot, lease: Optional[_slabs.Slab]) -> None:
+    def _send_slab(slot: _Slot, lease: Any) -> None:
         """The slab's descriptor, to a process that has not mapped it yet."""
         if lease is not None and lease.id not in slot.mapped:
             slot.conn.send(("slab", lease.id, lease.size))

@@ -508,15 +508,15 @@ def _forked_from_main() -> None:
         except (OSError, ValueError):
             pass
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    from . import _slabs
-
     for obj in list(_owned):
         try:
             obj.close()  # this process's copy of the pipe
         except OSError:
             pass
-    for slab in list(_slabs.made):
-        slab.forget()  # its mapping was not copied (MADV_DONTFORK); the file is closed here
+    from . import _ferry
+
+    # The shared blocks' mappings were not copied (MADV_DONTFORK); their files are closed here.
+    _ferry.forget_shared_blocks()
     _zygote = None  # a worker's own loaders start a zygote of their own
     _owned.clear()
 

@@ -46,7 +46,17 @@ struct Delivery {
 };
 void deliver(std::vector<ferry::Tensor>&& b, Delivery& d) { d.tensors = std::move(b); }
 void deliver(ferry::LabeledBatch&& b, Delivery& d) { d.tensors = {std::move(b.image), std::move(b.label)}; }
-void deliver(PyRef&& b, Delivery& d) { d.object = std::move(b); }
+void deliver(PyBatch&& b, Delivery& d) {
+  d.object = std::move(b.object);
+  d.tensors = std::move(b.tensors);
+}
+
+// A Python batch delivered with its tensors (Note [Python batches through the pipeline]): its
+// structure and the tensors, converted, that the Python half puts back in it.
+struct Delivered {
+  nb::object structure;
+  nb::list tensors;
+};
 
 // One epoch at a time over any dataset kind; every call on the consumer (Python's) thread.
 class Loader {
@@ -236,7 +246,6 @@ class PyLoader {
     }
     if (!got) throw nb::stop_iteration();
     last_pointers_.clear();
-    if (batch.object) return batch.object.take();
     nb::list out;
     for (const ferry::Tensor& t : batch.tensors) {
       last_pointers_.push_back(reinterpret_cast<std::uintptr_t>(t.defined() ? t.raw() : nullptr));
@@ -248,6 +257,10 @@ class PyLoader {
         out.append(convert_(cap).attr("view")(torch_bool()));  // see capsule_of
       else
         out.append(convert_(cap));
+    }
+    if (batch.object) {
+      if (batch.tensors.empty()) return batch.object.take();
+      return nb::cast(Delivered{batch.object.take(), std::move(out)});
     }
     if (!fields_.empty() && fields_.size() == out.size()) {
       nb::dict named;
@@ -394,6 +407,11 @@ void register_loader(nb::module_& m) {
         "max_error_fraction"_a, "gather"_a, "pinned_memory_limit"_a.none(), "stream"_a, "trace_batches"_a,
         "gpu_decode_threads"_a = 0);
 
+  nb::class_<Delivered>(m, "Delivered",
+                        "A Python batch delivered with its tensors: its structure (a pickle whose persistent ids "
+                        "are places in `tensors`) and the tensors (Note [Python batches through the pipeline]).")
+      .def_ro("structure", &Delivered::structure)
+      .def_ro("tensors", &Delivered::tensors);
   nb::class_<PyLoader>(m, "Loader")
       .def(nb::init<const PyDataset&, ferry::DataLoaderOptions, nb::object>(), "dataset"_a, "options"_a, "convert"_a.none())
       .def("begin", &PyLoader::iter, nb::rv_policy::reference_internal,

@@ -16,6 +16,8 @@ void register_datasets(nb::module_& m);
 void register_loader(nb::module_& m);
 /// A fast digest of a byte stream, for a dataset's quick fingerprint (digest.cpp).
 void register_digest(nb::module_& m);
+/// Shared blocks for worker processes' batches, and the batches they make (blocks.cpp).
+void register_blocks(nb::module_& m);
 /// What tests and benchmarks call (hooks.cpp).
 void register_hooks(nb::module_& m);
 

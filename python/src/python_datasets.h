@@ -87,14 +87,46 @@ struct PyIter {
   }
 };
 
+// Note [Python batches through the pipeline]
+// A Python dataset's batch crosses ferry's pipeline as a PyBatch: the Python object, and, where a
+// worker process wrote the batch's tensors into a shared block (Note [Slabs] in ferry/_slabs.py),
+// those tensors as ferry tensors viewing the block, the object then being the batch's structure
+// (its pickle, each tensor a persistent id: its place in `tensors`). The pin thread and the
+// device stage treat them as any C++ batch's tensors: already pinned (a registered block passes
+// through), and with a device, copied by the device stage, whose event fences the block in its
+// pool (the block is reused only behind the copy) and orders the consumer's stream. The Python
+// half rebuilds the batch from the structure and the delivered tensors (ferry/__init__.py,
+// _PythonBatches). Any other batch travels as the object alone, as the dataset's collate made it.
+struct PyBatch {
+  PyRef object;
+  std::vector<ferry::Tensor> tensors;  // non-empty: `object` is the structure they fill
+
+  void pin_memory(ferry::PinContext& ctx) {
+    for (ferry::Tensor& t : tensors) t = ctx.pin(t);
+  }
+};
+
+// What a Python finish() returns for a batch whose tensors are in a shared block: made by
+// ferry._ferry.TensorBatch (blocks.cpp), taken apart by PyCollate.
+struct TensorBatch {
+  PyRef structure;
+  std::vector<ferry::Tensor> tensors;
+};
+
 // collate_fn, then pin_memory, on the worker that fetched the samples.
 struct PyCollate {
-  Callable finish;  // finish(list of samples) -> batch
-  PyRef operator()(std::vector<PyRef>&& samples) const {
+  Callable finish;  // finish(list of samples) -> batch, or a TensorBatch
+  PyBatch operator()(std::vector<PyRef>&& samples) const {
     return with_gil([&] {
       nb::list list;
       for (PyRef& s : samples) list.append(s.take());
-      return PyRef(call(finish, list));
+      nb::object made = call(finish, list);
+      if (nb::isinstance<TensorBatch>(made)) {
+        auto& parts = nb::cast<TensorBatch&>(made);
+        if (!parts.structure) throw ferry::Error("a TensorBatch was handed to the loader twice");
+        return PyBatch{std::move(parts.structure), std::move(parts.tensors)};
+      }
+      return PyBatch{PyRef(std::move(made)), {}};
     });
   }
 };

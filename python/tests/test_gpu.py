@@ -133,9 +133,12 @@ class _Records:
 def test_a_python_dataset_on_the_device_and_pinned(workers):
     ds = _Records()
     host = list(torch.utils.data.DataLoader(ds, batch_size=8))
-    pinned = list(ferry.DataLoader(ds, batch_size=8, num_workers=workers, pin_memory=True))
-    dev = list(ferry.DataLoader(ds, batch_size=8, num_workers=workers, device=0))
+    pinned_loader = ferry.DataLoader(ds, batch_size=8, num_workers=workers, pin_memory=True)
+    dev_loader = ferry.DataLoader(ds, batch_size=8, num_workers=workers, device=0)
+    pinned, dev = list(pinned_loader), list(dev_loader)
     assert len(host) == len(pinned) == len(dev) == 5
+    if workers:  # worker processes' batches: in slabs, through ferry's pin thread and device stage
+        assert pinned_loader.stats()["slab_batches"] == 5 and dev_loader.stats()["device"]
     for h, p, d in zip(host, pinned, dev):
         assert all(p[k].is_pinned() for k in h)
         assert all(d[k].is_cuda and d[k].device.index == 0 for k in h)
@@ -154,8 +157,7 @@ class _Rows:
 
 
 def _in_a_slab(loader, tensor):
-    slabs = loader._pool.slabs
-    return any(s.address <= tensor.data_ptr() < s.address + s.size for s in list(slabs._live.values()))
+    return loader._pool.slabs.blocks.holds(tensor.data_ptr())
 
 
 def test_worker_processes_write_into_registered_slabs_that_are_the_pinned_batches():
@@ -169,17 +171,19 @@ def test_worker_processes_write_into_registered_slabs_that_are_the_pinned_batche
 
 
 def _rows_and_a_parameter(samples):
-    """default_collate, and a tensor that requires grad: no slab takes it, so pin_memory copies it."""
+    """default_collate, and a tensor that requires grad: no slab takes it."""
     return {"rows": torch.utils.data.default_collate(samples), "grad": torch.ones(3, requires_grad=True)}
 
 
-def test_a_batch_partly_outside_its_slab_is_still_pinned_whole():
+def test_a_batch_with_a_tensor_no_slab_takes_travels_as_torchs_and_is_pinned_whole():
     loader = ferry.DataLoader(_Rows(), batch_size=4, num_workers=2, pin_memory=True, collate_fn=_rows_and_a_parameter)
     for k, batch in enumerate(loader):
-        assert _in_a_slab(loader, batch["rows"]) and batch["rows"].is_pinned()
+        assert not _in_a_slab(loader, batch["rows"]) and batch["rows"].is_pinned()
+        assert torch.equal(batch["rows"], torch.full_like(batch["rows"], k % 251))
         assert batch["grad"].is_pinned() and torch.equal(batch["grad"], torch.ones(3))
         if k == 5:
             break
+    assert loader.stats()["slab_batches"] == 0
 
 
 def test_slabs_are_not_written_again_before_their_device_copy_ran():
@@ -195,4 +199,21 @@ def test_slabs_are_not_written_again_before_their_device_copy_ran():
         torch.cuda.synchronize()
     for k, rows in enumerate(firsts):
         assert torch.equal(rows.cpu(), torch.full((4, 8), k % 251, dtype=torch.uint8)), k
-    assert loader.stats()["slab_batches"] > 0
+    stats = loader.stats()
+    # the device stage copied them (its event fencing each slab), not torch
+    assert stats["slab_batches"] == 60 and stats["device"] and stats["copy_seconds"] > 0
+
+
+def test_python_batches_through_the_device_stage_equal_the_host_path_and_reuse_their_slabs():
+    ds = _Records()
+    host = list(torch.utils.data.DataLoader(ds, batch_size=8))
+    loader = ferry.DataLoader(ds, batch_size=8, num_workers=2, device=0, persistent_workers=True)
+    for epoch in range(3):
+        for h, d in zip(host, loader):
+            assert all(d[k].is_cuda for k in ("image", "vec", "label"))
+            for k in h:
+                assert torch.equal(d[k].cpu(), h[k]), (epoch, k)
+    stats, blocks = loader.stats(), loader._pool.slabs.blocks.stats()
+    assert stats["device"] and stats["slab_batches"] == 15 and stats["slab_misses"] == 0
+    # made in the first epoch, leased again behind their copies' events after
+    assert blocks["made"] <= 2 * 2 + 4 and blocks["leases"] >= 15

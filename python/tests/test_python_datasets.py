@@ -805,31 +805,38 @@ def test_a_batch_larger_than_the_slabs_gets_a_larger_slab_and_the_small_ones_ret
     stats = ours.stats()
     assert stats["slab_misses"] == 0 and stats["slab_batches"] == 10
     slabs = ours._pool.slabs
-    assert slabs.size >= 4 * (1 << 20) and all(s.size >= slabs.size for s in slabs._free)
-    assert slabs.retired  # the 1 MiB slabs of the first batches, unmapped in the processes
+    assert slabs.size >= 4 * (1 << 20)
+    assert slabs.retired  # the 1 MiB slabs of the first batches, given back and unmapped in the processes
     again = [b.clone() for b in ours]  # the second epoch: the grown slabs hold every batch
     assert_same(again, got)
-    assert ours.stats()["slab_misses"] == 0 and len(slabs._live) <= slabs.max_count
+    assert ours.stats()["slab_misses"] == 0 and slabs.blocks.stats()["blocks"] <= slabs.max_count
 
 
-def test_slabs_are_made_one_at_a_time_the_lowest_worker_first(monkeypatch):
+def test_slabs_are_made_one_at_a_time_the_lowest_worker_first():
     from ferry import _slabs
 
-    real, order, at_once, gate = _slabs.Slab, [], [0, 0], threading.Event()
-
-    def slow(slab_id, size, pinned):  # the first one made holds its turn until the others queue
-        at_once[0] += 1
-        at_once[1] = max(at_once)
-        order.append(threading.current_thread().name)
-        if len(order) == 1:
-            gate.wait(10)
-        at_once[0] -= 1
-        return real(slab_id, size, pinned)
-
-    monkeypatch.setattr(_slabs, "Slab", slow)
+    order, at_once, gate = [], [0, 0], threading.Event()
     slabs = _slabs.Slabs(pinned=False, max_count=8, limit=None)
+
+    class Slow:  # the first slab made holds its turn until the others queue
+        def __init__(self, blocks):
+            self.blocks = blocks
+
+        def lease(self, nbytes, may_allocate, max_blocks):
+            if not may_allocate:
+                return None  # none free: each thread makes one
+            at_once[0] += 1
+            at_once[1] = max(at_once)
+            order.append(threading.current_thread().name)
+            if len(order) == 1:
+                gate.wait(10)
+            at_once[0] -= 1
+            return self.blocks.lease(nbytes, may_allocate, max_blocks)
+
+    real = slabs.blocks
+    slabs.blocks = Slow(real)
     got = []
-    threads = [threading.Thread(target=lambda w=w: got.append(slabs.lease_for(4096, None, w)), name=str(w))
+    threads = [threading.Thread(target=lambda w=w: got.append(slabs.lease_for(4096, w)), name=str(w))
                for w in (5, 3, 4, 1)]
     threads[0].start()
     deadline = time.monotonic() + 10
@@ -844,10 +851,11 @@ def test_slabs_are_made_one_at_a_time_the_lowest_worker_first(monkeypatch):
         t.join(10)
     assert order == ["5", "1", "3", "4"] and at_once[1] == 1
     assert len(got) == 4 and all(s is not None and s.size >= 4096 for s in got)
-    for slab in got:
-        slabs.give_back(slab)
+    assert len({s.id for s in got}) == 4 and real.stats()["blocks"] == 4
+    got.clear()  # the leases go back: the pool keeps the blocks, free
+    assert real.stats()["bytes_in_use"] == 0
     slabs.close()
-    assert all(s.fd < 0 for s in got)
+    assert slabs.lease_for(4096, 0) is None  # closed: no slab is leased after
 
 
 def test_batches_held_past_the_slabs_and_past_the_loader_stay_right_and_are_freed(slabs_on):

@@ -221,3 +221,51 @@ TEST_CASE("without a GPU driver, CUDA's unavailability says so, not that a drive
   INFO(why);
   CHECK((why.find("no NVIDIA GPU driver on this machine") != std::string::npos || why == "ferry was built without CUDA"));
 }
+
+TEST_CASE("try_allocate never waits for a lease: it answers empty where allocate would wait", "[unit][pool]") {
+  PinnedPool pool(options(4096));
+  Storage held = pool.allocate(4096);
+  CHECK_FALSE(pool.try_allocate(1000));  // the budget is held by a lease: no wait, no block
+  CHECK_FALSE(pool.try_allocate(8192));  // over the budget: empty, not an Error
+  CHECK(pool.stats().allocations == 1);
+  std::byte* first = held.data();
+  auto fence = std::make_shared<ManualFence>();
+  pool.add_fence(held, fence);
+  held = {};
+  std::thread opener([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    fence->open();
+  });
+  Storage again = pool.try_allocate(4096, false);  // a pending block: it waits for the fence, then reuses it
+  opener.join();
+  REQUIRE(again);
+  CHECK(again.data() == first);
+  CHECK(pool.stats().allocations == 1);
+}
+
+TEST_CASE("try_allocate without may_allocate reuses a block and never makes one", "[unit][pool]") {
+  PinnedPool pool(options(1 << 20));
+  CHECK_FALSE(pool.try_allocate(1000, false));  // nothing to reuse
+  CHECK(pool.stats().allocations == 0);
+  std::byte* first = pool.try_allocate(1000).data();  // made, then back (no fence)
+  CHECK(pool.stats().allocations == 1);
+  CHECK(pool.try_allocate(900, false).data() == first);
+  CHECK_FALSE(pool.try_allocate(100, false));  // the free block is too large for it, and none is made
+  CHECK(pool.stats().allocations == 1);
+}
+
+TEST_CASE("release_free_below gives back only free blocks smaller than asked", "[unit][pool]") {
+  PinnedPool pool(options(1 << 20));
+  auto fence = std::make_shared<ManualFence>();
+  Storage held = pool.allocate(100);
+  {
+    Storage pending = pool.allocate(200);
+    pool.add_fence(pending, fence);
+  }
+  { Storage small = pool.allocate(300), large = pool.allocate(5000); }  // both free now
+  CHECK(pool.release_free_below(1000) == 1);  // the free 300: not the held 100, the pending 200 or the 5000
+  CHECK(pool.stats().blocks == 3);
+  fence->open();
+  CHECK(pool.release_free_below(1000) == 1);  // the 200, its fence done
+  CHECK(pool.stats().frees == 2);
+}

@@ -98,6 +98,16 @@ class PinnedPool final : public BatchAllocator {
   /// Leases a block of at least `nbytes` (see Note [Pinned block lifecycle]). May block on the
   /// budget; throws ferry::Error if `nbytes` exceeds it, CudaError if the backend fails.
   Storage allocate(std::size_t nbytes) override;
+  /// Leases a block as allocate() does, but never waits for a lease to come back: where
+  /// allocate() would (the budget held by blocks still leased), or throw (a request over a hard
+  /// budget), returns an empty Storage. It still waits for a pending block's fences (the device
+  /// copy that reads it). `may_allocate` false: only a free or pending block is reused, none is
+  /// made (and no free block of another size is given back). For a caller that has somewhere
+  /// else to put the bytes (a Python batch's tensors go as torch's shared memory instead).
+  Storage try_allocate(std::size_t nbytes, bool may_allocate = true);
+  /// Gives back the free blocks smaller than `bytes` (pending ones once their fences have
+  /// completed), for a caller whose requests have grown past them; returns how many.
+  std::size_t release_free_below(std::size_t bytes);
   /// Attaches a fence to the block behind `storage`: the block is not reused before it completes.
   /// Throws ferry::Error if `storage` did not come from this pool.
   void add_fence(const Storage& storage, std::shared_ptr<Fence> fence);
