@@ -787,13 +787,84 @@ def test_worker_processes_send_batches_through_slabs_equal_to_torchs(slabs_on):
     assert stats["slab_bytes"] > 0 and 1 <= stats["slabs_made"] <= 2 + 2 * 2
 
 
-def test_slabs_carry_every_kind_of_tensor_and_leave_the_rest_to_torch(slabs_on):
-    ours = list(loader(Mixed(12), (2, "process"), batch_size=3, collate_fn=with_a_parameter))
+Pair = collections.namedtuple("Pair", "left right")
+
+
+class Carried(Squares):
+    """Tensors of every kind a slab carries, in containers torch's collate keeps."""
+
+    def __getitem__(self, i):
+        t = torch.arange(12, dtype=torch.float64).view(3, 4) * i
+        shared = torch.full((2,), i, dtype=torch.int16)
+        return {"strided": t.t(), "bool": torch.tensor([i % 2 == 0, True]), "scalar": torch.tensor(i),
+                "empty": torch.empty(0, 5), "twice": [shared, shared], "name": f"m{i}",
+                "half": torch.full((3,), i / 3, dtype=torch.bfloat16), "pair": Pair(torch.tensor(i), i)}
+
+
+def test_slabs_carry_every_kind_of_tensor_ferry_has_and_the_batch_is_rebuilt_as_torchs(slabs_on):
+    ours = loader(Carried(12), (2, "process"), batch_size=3)
+    got = list(ours)
+    theirs = list(tud.DataLoader(Carried(12), batch_size=3))
+    for a, b in zip(got, theirs):
+        assert type(a["pair"]) is type(b["pair"]) and a["bool"].dtype == torch.bool
+        assert_same([a], [b])
+    assert len(got) == 4 and ours.stats()["slab_batches"] == 4 and ours.stats()["slab_misses"] == 0
+
+
+def test_a_batch_with_a_tensor_no_slab_takes_travels_torchs_way_whole(slabs_on):
+    # A complex tensor (a dtype ferry has not) and one that requires grad: each batch goes as
+    # torch pickles it, none of its tensors in a slab.
+    ours = loader(Mixed(12), (2, "process"), batch_size=3, collate_fn=with_a_parameter)
+    got = list(ours)
     theirs = list(tud.DataLoader(Mixed(12), batch_size=3, collate_fn=with_a_parameter))
-    for a, b in zip(ours, theirs):
+    for a, b in zip(got, theirs):
         grad_a, grad_b = a.pop("grad"), b.pop("grad")
         assert grad_a.requires_grad and torch.equal(grad_a, grad_b)
         assert_same([a], [b])
+    assert ours.stats()["slab_batches"] == 0 and ours.stats()["slab_misses"] == 4
+
+
+def test_a_tensor_batch_outside_its_block_or_of_an_unknown_dtype_is_refused_by_name():
+    from ferry import _ferry
+
+    blocks = _ferry.SharedBlocks(False, 1 << 20)
+    block = blocks.lease(4096, True, 4)
+    assert block is not None and block.size == 4096 and blocks.holds(block.address)
+    _ferry.TensorBatch(b"", block, [(0, "float32", (1024,))])  # exactly the block
+    with pytest.raises(ValueError, match="tensor 1 .*dtype 'complex64'"):
+        _ferry.TensorBatch(b"", block, [(0, "uint8", (4,)), (256, "complex64", (2,))])
+    with pytest.raises(ValueError, match=r"tensor 0 \(4100 bytes at 0\) lies outside its block of 4096 bytes"):
+        _ferry.TensorBatch(b"", block, [(0, "uint8", (4100,))])
+    with pytest.raises(ValueError, match="outside its block"):
+        _ferry.TensorBatch(b"", block, [(4096, "uint8", (1,))])
+    assert blocks.lease(4096, True, 1) is None  # one block held, at most one: none made, none free
+
+
+def test_a_process_forked_from_the_main_one_closes_its_copies_of_the_blocks(slabs_on):
+    from ferry import _ferry
+
+    def blocks_open():
+        fds = os.listdir("/proc/self/fd")
+        return sum("ferry-block" in os.readlink(f"/proc/self/fd/{fd}") for fd in fds
+                   if os.path.exists(f"/proc/self/fd/{fd}"))
+
+    ours = loader(Squares(16), (2, "process"), batch_size=4)
+    held = list(ours)  # the slabs stay leased while their batches live
+    assert blocks_open() > 0
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _ferry.forget_shared_blocks()
+            os.write(write, str(blocks_open()).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    left = int(os.read(read, 16))
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert left == 0
+    del held
 
 
 def test_a_batch_larger_than_the_slabs_gets_a_larger_slab_and_the_small_ones_retire(slabs_on):
