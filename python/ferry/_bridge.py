@@ -175,8 +175,6 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
             batch = samples[0].batch
             if type(batch) is _ferry.TensorBatch:  # its tensors in a slab (Note [Slabs] in ferry/_slabs.py)
                 return batch
-            if samples[0].pinned:  # only objects with a pin_memory() of their own are asked
-                return pin(batch, tensors=False) if pinning else batch
         else:
             batch = collate(samples)
         return pin(batch) if pinning else batch

@@ -401,8 +401,8 @@ class Pool:
         blob, regions = value
         slot.busy = False
         if slabs is None:
-            return Collated(pickle.loads(blob), False)
-        return Collated(slabs.view_batch(blob, lease, regions), regions is not None and slabs.pinned)
+            return Collated(pickle.loads(blob))
+        return Collated(slabs.view_batch(blob, lease, regions))
 
     @staticmethod
     def _send_slab(slot: _Slot, lease: Any) -> None:
@@ -504,13 +504,13 @@ def _stop(slots: List[_Slot], wait: float) -> None:
 
 
 class Collated:
-    """A batch collated in a worker process (what fetch gives the loader's collate step), and
-    whether its tensors are all in a registered slab (pinned already: no CUDA call asks again)."""
+    """A batch collated in a worker process (what fetch gives the loader's collate step): the
+    batch, or a ferry._ferry.TensorBatch where its tensors are in a slab (Note [Slabs])."""
 
-    __slots__ = ("batch", "pinned")
+    __slots__ = ("batch",)
 
-    def __init__(self, batch: Any, pinned: bool) -> None:
-        self.batch, self.pinned = batch, pinned
+    def __init__(self, batch: Any) -> None:
+        self.batch = batch
 
 
 class RemoteStream:

@@ -49,8 +49,7 @@ class SharedMemoryBackend final : public ferry::HostBackend {
     const int fd = memfd_create("ferry-block", MFD_CLOEXEC);
     if (fd < 0) throw ferry::Error(std::string("shared block: memfd_create failed: ") + std::strerror(errno));
     void* p = MAP_FAILED;
-    if (ftruncate(fd, static_cast<off_t>(bytes)) == 0)
-      p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (ftruncate(fd, static_cast<off_t>(bytes)) == 0) p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       const int err = errno;
       close(fd);
@@ -173,7 +172,7 @@ class SharedBlocks {
   std::optional<Block> lease(std::size_t nbytes, bool may_allocate, std::size_t max_blocks) {
     ferry::Storage s;
     {
-      NoGil nogil;  // a pending block's fence may be waited for; registering takes a while
+      NoGil nogil;         // a pending block's fence may be waited for; registering takes a while
       if (may_allocate) {  // requests only grow: smaller free blocks would never be leased again
         pool_->release_free_below(nbytes);
         if (pool_->stats().blocks >= max_blocks) may_allocate = false;
@@ -211,7 +210,8 @@ class SharedBlocks {
 };
 
 std::optional<ferry::DType> dtype_named(const std::string& name) {
-  static const char* const names[] = {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"};
+  static const char* const names[] = {"bool",  "uint8",   "int8",     "int16",   "int32",
+                                      "int64", "float16", "bfloat16", "float32", "float64"};
   for (std::size_t k = 0; k < std::size(names); ++k)
     if (name == names[k]) return static_cast<ferry::DType>(k);
   return std::nullopt;
@@ -224,9 +224,10 @@ TensorBatch tensor_batch(nb::object structure, const Block& block,
   out.tensors.reserve(regions.size());
   for (const auto& [offset, name, dims] : regions) {
     const std::optional<ferry::DType> dtype = dtype_named(name);
-    if (!dtype) throw nb::value_error(("TensorBatch: tensor " + std::to_string(out.tensors.size()) + " has dtype '" + name +
-                                       "', which ferry does not carry")
-                                          .c_str());
+    if (!dtype)
+      throw nb::value_error(
+          ("TensorBatch: tensor " + std::to_string(out.tensors.size()) + " has dtype '" + name + "', which ferry does not carry")
+              .c_str());
     ferry::Shape shape(dims.begin(), dims.end());
     std::size_t n = ferry::itemsize(*dtype);
     for (std::int64_t d : dims) {
@@ -251,7 +252,8 @@ void register_blocks(nb::module_& m) {
       .def_ro("id", &Block::id, "The block's id, the same for every lease of it.")
       .def_ro("fd", &Block::fd, "Its memfd (the pool's: send it, never close it).")
       .def_prop_ro("address", [](const Block& b) { return reinterpret_cast<std::uintptr_t>(b.storage.data()); })
-      .def_prop_ro("size", [](const Block& b) { return b.storage.nbytes(); }, "The block's bytes.");
+      .def_prop_ro(
+          "size", [](const Block& b) { return b.storage.nbytes(); }, "The block's bytes.");
   nb::class_<SharedBlocks>(m, "SharedBlocks", "A Python loader's pool of shared blocks (Note [Shared blocks]).")
       .def(nb::init<bool, std::size_t>(), "page_locked"_a, "limit"_a)
       .def("lease", &SharedBlocks::lease, "nbytes"_a, "may_allocate"_a, "max_blocks"_a,

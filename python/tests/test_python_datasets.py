@@ -787,7 +787,7 @@ def test_worker_processes_send_batches_through_slabs_equal_to_torchs(slabs_on):
     assert stats["slab_bytes"] > 0 and 1 <= stats["slabs_made"] <= 2 + 2 * 2
 
 
-Pair = collections.namedtuple("Pair", "left right")
+LeftRight = collections.namedtuple("LeftRight", "left right")
 
 
 class Carried(Squares):
@@ -798,7 +798,7 @@ class Carried(Squares):
         shared = torch.full((2,), i, dtype=torch.int16)
         return {"strided": t.t(), "bool": torch.tensor([i % 2 == 0, True]), "scalar": torch.tensor(i),
                 "empty": torch.empty(0, 5), "twice": [shared, shared], "name": f"m{i}",
-                "half": torch.full((3,), i / 3, dtype=torch.bfloat16), "pair": Pair(torch.tensor(i), i)}
+                "half": torch.full((3,), i / 3, dtype=torch.bfloat16), "pair": LeftRight(torch.tensor(i), i)}
 
 
 def test_slabs_carry_every_kind_of_tensor_ferry_has_and_the_batch_is_rebuilt_as_torchs(slabs_on):
