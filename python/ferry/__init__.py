@@ -392,8 +392,9 @@ class DataLoader:
         engine_batch, engine_shuffle, engine_drop_last = batch_size, shuffle, drop_last
         if python:
             # Note [Python datasets] (python/src/python_datasets.h): the workers run the dataset's Python
-            # code; pinning happens on the worker (torch's pin_memory), the device copy on the
-            # consumer's stream as batches arrive.
+            # code; a worker process's batch comes in a slab, through ferry's pin thread and device
+            # stage (Note [Python batches through the pipeline]); any other batch is pinned on the
+            # worker (torch's pin_memory) and copied on the consumer's stream as it arrives.
             cpp_dataset, engine, self._pool = _bridge.make_dataset(
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                 drop_last=drop_last, collate_fn=collate_fn, pin_memory=_ferry.pins(asked),
