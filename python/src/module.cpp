@@ -33,23 +33,9 @@ NB_MODULE(_ferry, m) {
       },
       "seed"_a, "epoch"_a, "index"_a,
       "The first 64 bits of the sample's own generator, keyed by (seed, epoch, index), as C++'s ctx.rng().");
-  m.def(
-      "host_register",
-      [](std::uintptr_t address, std::size_t bytes) {
-        NoGil unlocked;
-        ferry::cuda::host_register(reinterpret_cast<void*>(address), bytes);
-      },
-      "address"_a, "bytes"_a, "Pins a mapping made elsewhere (cudaHostRegister, portable); raises ferry.CudaError.");
   m.attr("DEFAULT_PINNED_MEMORY_LIMIT") = ferry::DataLoaderOptions::kDefaultPinnedMemoryLimit;
   m.def("pinned_growth_cap", &ferry::detail::pinned_growth_cap,
         "How far an unset pinned budget may grow (half the machine's memory, at most 3/4 of what is free; 0: unknown).");
-  m.def(
-      "host_unregister",
-      [](std::uintptr_t address) {
-        NoGil unlocked;
-        ferry::cuda::host_unregister(reinterpret_cast<void*>(address));
-      },
-      "address"_a, "Undoes host_register.");
   m.def(
       "cuda_available", [] { return ferry::cuda::device_count() > 0; }, "Whether ferry sees a CUDA device.");
   m.def(
