@@ -100,16 +100,16 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
 
   // A cache past its budget gives free blocks back until under it. Needs mu.
   void trim() {
-    for (auto it = blocks.begin(); it != blocks.end() && pinned > limit;) {
-      if (it->second.state != State::Free) {
-        ++it;
-        continue;
-      }
-      backend->free(it->first, it->second.size);
-      pinned -= it->second.size;
-      ++counters.frees;
-      it = blocks.erase(it);
-    }
+    for (auto it = blocks.begin(); it != blocks.end() && pinned > limit;)
+      it = it->second.state == State::Free ? give_back(it) : std::next(it);
+  }
+
+  // Frees a free block; returns the block after it. Needs mu.
+  std::map<std::byte*, Block>::iterator give_back(std::map<std::byte*, Block>::iterator it) {
+    backend->free(it->first, it->second.size);
+    pinned -= it->second.size;
+    ++counters.frees;
+    return blocks.erase(it);
   }
 
   Storage lease(Block& b, std::size_t nbytes) {
@@ -177,18 +177,16 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
       // Over budget: give back a free block of the wrong size, if any.
       auto unfit = std::find_if(blocks.begin(), blocks.end(), [](const auto& kv) { return kv.second.state == State::Free; });
       if (may_allocate && unfit != blocks.end()) {
-        backend->free(unfit->first, unfit->second.size);
-        pinned -= unfit->second.size;
-        ++counters.frees;
-        blocks.erase(unfit);
+        give_back(unfit);
         continue;
       }
+      // Wait for a pending block's fences (the device is still reading it), else for a lease.
+      auto pending = std::find_if(blocks.begin(), blocks.end(), [](const auto& kv) { return kv.second.state == State::Pending; });
+      if (pending == blocks.end() && !wait) return {};
       if (!waited) {
         ++counters.waits;
         waited = true;
       }
-      // Wait for a pending block's fences (the device is still reading it), else for a lease.
-      auto pending = std::find_if(blocks.begin(), blocks.end(), [](const auto& kv) { return kv.second.state == State::Pending; });
       if (pending != blocks.end()) {
         ++counters.fence_waits;
         std::vector<std::shared_ptr<Fence>> fences = pending->second.fences;
@@ -197,7 +195,6 @@ struct PinnedPool::Impl : std::enable_shared_from_this<Impl> {
         l.lock();
         continue;
       }
-      if (!wait) return {};
       if (stop_requested()) throw Error("PinnedPool: gave up waiting for a block: the loader is stopping");
       returned.wait_for(l, std::chrono::milliseconds(20));
       if (!warned && std::chrono::steady_clock::now() - started > std::chrono::seconds(5)) {
@@ -261,15 +258,9 @@ std::size_t PinnedPool::release_free_below(std::size_t bytes) {
   impl_->reap();
   std::size_t released = 0;
   for (auto it = impl_->blocks.begin(); it != impl_->blocks.end();) {
-    if (it->second.state != Impl::State::Free || it->second.size >= bytes) {
-      ++it;
-      continue;
-    }
-    impl_->backend->free(it->first, it->second.size);
-    impl_->pinned -= it->second.size;
-    ++impl_->counters.frees;
-    ++released;
-    it = impl_->blocks.erase(it);
+    const bool small_and_free = it->second.state == Impl::State::Free && it->second.size < bytes;
+    it = small_and_free ? impl_->give_back(it) : std::next(it);
+    released += small_and_free;
   }
   return released;
 }

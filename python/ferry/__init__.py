@@ -568,9 +568,7 @@ class DataLoader:
         stats = LoaderStats(self._loader.stats())
         slabs = None if self._pool is None else self._pool.slabs
         if slabs is not None:  # worker processes' batches: in a slab, or (partly) as torch's shared memory
-            stats["slab_batches"], stats["slab_misses"] = slabs.batches, slabs.misses
-            stats["slab_bytes"] = slabs.live_bytes()
-            stats["slabs_made"], stats["slab_make_seconds"] = slabs.made, slabs.make_seconds
+            stats.update(slabs.stats())
         return stats
 
     def reset_stats(self) -> None:

@@ -53,8 +53,8 @@ ALIGN = 256  # each tensor's offset in a slab (DMA- and vector-friendly)
 # 1.25-1.42x without; bench/RESULTS.md). The tests turn this on to run the slab path without CUDA.
 FOR_PAGEABLE = False
 _ROUND = 1 << 20
-# The dtypes ferry carries (ferry::DType), by torch's name.
-DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+# The dtypes ferry carries (ferry::DType), by name: torch's names for the same types.
+DTYPES = frozenset(_ferry.DTYPE_NAMES)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -87,14 +87,6 @@ class Slabs:
         with self._lock:
             self._retired.update(self.blocks.retired())
             return self._retired
-
-    @property
-    def made(self) -> int:
-        return int(self.blocks.stats()["made"])
-
-    @property
-    def make_seconds(self) -> float:
-        return float(self.blocks.stats()["make_seconds"])
 
     def lease(self) -> Any:
         """A free slab for a batch about to be asked for, or None (none free: the process asks
@@ -163,8 +155,11 @@ class Slabs:
         """No slab is leased after; each goes back to the pool as its batch is freed."""
         self._closed = True
 
-    def live_bytes(self) -> int:
-        return int(self.blocks.stats()["bytes"])
+    def stats(self) -> Dict[str, Any]:
+        """The loader's slab counts, as stats() reports them."""
+        blocks = self.blocks.stats()
+        return {"slab_batches": self.batches, "slab_misses": self.misses, "slab_bytes": blocks["bytes"],
+                "slabs_made": blocks["made"], "slab_make_seconds": blocks["make_seconds"]}
 
 
 def rebuild(delivered: Any) -> Any:

@@ -209,11 +209,11 @@ class SharedBlocks {
   std::shared_ptr<ferry::PinnedPool> pool_;
 };
 
+constexpr int kDTypes = static_cast<int>(ferry::DType::Float64) + 1;
+
 std::optional<ferry::DType> dtype_named(const std::string& name) {
-  static const char* const names[] = {"bool",  "uint8",   "int8",     "int16",   "int32",
-                                      "int64", "float16", "bfloat16", "float32", "float64"};
-  for (std::size_t k = 0; k < std::size(names); ++k)
-    if (name == names[k]) return static_cast<ferry::DType>(k);
+  for (int k = 0; k < kDTypes; ++k)
+    if (name == ferry::dtype_name(static_cast<ferry::DType>(k))) return static_cast<ferry::DType>(k);
   return std::nullopt;
 }
 
@@ -271,6 +271,9 @@ void register_blocks(nb::module_& m) {
             new (self) TensorBatch(tensor_batch(std::move(structure), block, regions));
           },
           "structure"_a, "block"_a, "regions"_a);
+  nb::list names;
+  for (int k = 0; k < kDTypes; ++k) names.append(ferry::dtype_name(static_cast<ferry::DType>(k)));
+  m.attr("DTYPE_NAMES") = nb::tuple(names);
   m.def(
       "with_shared_blocks",
       [](ferry::DataLoaderOptions options, const SharedBlocks& blocks) {
