@@ -377,9 +377,13 @@ void LoaderCore::begin_epoch() {
       // No plan: a stream that fills batches across workers sends the next epoch's jobs once this
       // one's end is known (the engine does nothing for other streams).
       s.engine.prefetch_next(next, nullptr);
+    } else if (!s.batch_sampler->plans_ahead()) {
+      // A sampler asked in its epoch's turn (a user's Python sampler: DistributedSampler after
+      // set_epoch, a RandomSampler drawing from a generator the loop also draws from): neither its
+      // plan nor its batches are made ahead.
     } else if (s.engine.prefetches_next()) {
       s.engine.prefetch_next(next, std::make_shared<const BatchPlan>(s.batch_sampler->plan(next)));
-    } else if (s.batch_sampler->plans_ahead()) {
+    } else {
       // A plan takes a few ns an index (bench_plan: a million-index epoch, 2.7-3.5 ms on a
       // 2-core machine), which would otherwise hold up the next epoch's start.
       s.epochs.plan_ahead = EpochBook::PlanAhead{next, std::async(std::launch::async, [sampler = s.batch_sampler, next] {

@@ -207,7 +207,10 @@ class DataLoader:
         prefetch_factor: batches in flight per worker (default 2).
         persistent_workers: keep the worker threads (and a Python dataset's worker processes)
             across epochs; they then also make the next epoch's first batches while the current
-            epoch ends (C++ prefetch_next_epoch), so an epoch does not start by waiting. Without
+            epoch ends (C++ prefetch_next_epoch), so an epoch does not start by waiting, where the
+            next epoch's order is known ahead (ferry's own: a ferry dataset, or seed=). An order
+            from a sampler, a batch_sampler or torch's generator is asked for at the epoch's
+            iter(), as torch asks (after sampler.set_epoch(), after the loop's draws). Without
             it, as in PyTorch, each epoch of a Python dataset has new worker processes, which see
             the dataset as it is at that iter() and run worker_init_fn again.
         seed: keys the shuffle and every sample's random transform with the epoch and index: the

@@ -68,6 +68,44 @@ def test_seeds_and_order_are_torchs_for_each_generator_and_epoch(persistent, gen
     assert sorted(r[0] for r in ours[0]) == list(range(12))
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+def test_the_loop_drawing_between_epochs_moves_the_next_epochs_order_as_torchs(persistent):
+    # torch draws an epoch's order at its iter(): what the loop draws from the same generator
+    # before it (torch.randn on the CPU) moves it. Persistent workers make nothing of the next
+    # epoch ahead here, where the order is not known until then.
+    def run(loader_type):
+        torch.manual_seed(0)
+        loader = loader_type(Draws(16), batch_size=2, shuffle=True, num_workers=2, persistent_workers=persistent)
+        out = []
+        for _ in range(3):
+            out.append(rows(loader))
+            torch.randn(3)
+        return out
+
+    ours, theirs = run(ferry.DataLoader), run(tud.DataLoader)
+    assert ours == theirs
+    assert [r[0] for r in ours[1]] != [r[0] for r in ours[2]]
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+def test_a_distributed_samplers_set_epoch_reaches_each_epoch_as_in_torch(persistent):
+    # The data-parallel recipe: sampler.set_epoch(e) before each epoch's iter(). A sampler is asked
+    # for its order in its epoch's turn, never ahead of it.
+    def run(loader_type):
+        data = Draws(32)
+        sampler = tud.DistributedSampler(data, num_replicas=2, rank=1, shuffle=True, seed=3)
+        loader = loader_type(data, batch_size=4, sampler=sampler, num_workers=2, persistent_workers=persistent)
+        out = []
+        for epoch in range(3):
+            sampler.set_epoch(epoch)
+            out.append([r[0] for r in rows(loader)])
+        return out
+
+    ours, theirs = run(ferry.DataLoader), run(tud.DataLoader)
+    assert ours == theirs
+    assert ours[0] != ours[1] != ours[2]
+
+
 @pytest.mark.parametrize("generator", [None, 5], ids=["default-generator", "generator-5"])
 def test_a_random_samplers_order_is_drawn_as_torch_draws_it_without_iterating_it(generator, monkeypatch):
     # The order is drawn by randperm as torch's RandomSampler draws it (checked once a process on a

@@ -309,3 +309,34 @@ TEST_CASE("without workers to make it, the next epoch's plan is made on a thread
   CHECK(batches_of(loader) == 4);
   CHECK_THROWS_WITH(batches_of(loader), Catch::Contains("no plan for epoch 1"));
 }
+
+TEST_CASE("persistent workers make nothing ahead for a sampler asked in its epoch's turn", "[loader][ahead]") {
+  // A sampler whose order depends on what the loop does between epochs (a user's Python sampler
+  // after set_epoch): epoch e's plan is asked for as epoch e begins, and no sample of epoch e is
+  // fetched before. The same loader with a sampler that plans ahead does both (the test can fail).
+  for (const bool ahead : {false, true}) {
+    INFO((ahead ? "plans_ahead" : "a sampler asked in its turn"));
+    auto sampler = std::make_shared<LoggedPlans>(ahead);
+    Recorded ds;
+    ds.n = 16;
+    DataLoaderOptions o = ahead_options(true);
+    o.batch_sampler = sampler;
+    o.batch_size = 1;
+    o.shuffle = false;
+    DataLoader loader(ds, o);
+    for (std::uint64_t e = 0; e < 3; ++e) {
+      INFO("epoch " << e);
+      CHECK(batches_of(loader) == 4);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // time for anything made ahead to show
+      std::set<std::uint64_t> planned;
+      for (const auto& entry : sampler->entries()) planned.insert(entry.epoch);
+      if (ahead) {
+        CHECK(planned.count(e + 1) == 1);
+        CHECK(eventually([&] { return ds.log->count(e + 1) > 0; }));
+      } else {
+        CHECK(*planned.rbegin() == e);  // epochs 0..e, each in its turn
+        CHECK(ds.log->count(e + 1) == 0);
+      }
+    }
+  }
+}

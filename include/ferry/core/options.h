@@ -77,7 +77,8 @@ struct DataLoaderOptions {
   /// prefetch window has room for), so the next epoch starts without waiting for its first batch
   /// and no worker idles through the epoch's last round. The next epoch is the one begin() would
   /// start next (set_epoch() before the current epoch ends picks another); its plan comes from the
-  /// sampler's plan(epoch) ahead of time, and work made for an epoch that does not follow
+  /// sampler's plan(epoch) ahead of time (only for a sampler whose plans_ahead() is true: one
+  /// asked in its epoch's turn gets no work ahead), and work made for an epoch that does not follow
   /// (set_epoch, restore) is dropped. A sample error met ahead is reported then, and counts
   /// toward its own epoch. Where the workers cannot (none, or not persistent), the next epoch's
   /// plan alone is made ahead, on a thread of its own while this epoch runs, for a sampler whose

@@ -157,7 +157,10 @@ class BatchSampler {
   virtual BatchPlan plan(std::uint64_t epoch) const;
   /// True when plan() is a function of the epoch alone, safe to call on another thread: the
   /// loader then makes the next epoch's plan while this epoch runs, so an epoch does not start by
-  /// waiting for it. False for a sampler that must be asked in its epoch's turn.
+  /// waiting for it (and, with persistent workers, the next epoch's first batches:
+  /// DataLoaderOptions::prefetch_next_epoch). False for a sampler that must be asked in its
+  /// epoch's turn (one whose order depends on what happens between epochs): plan(e) is then
+  /// called only as epoch e begins, and nothing of epoch e is made before.
   virtual bool plans_ahead() const noexcept { return true; }
 
  protected:
