@@ -173,12 +173,16 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
     loaded (told in reply to "start")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     dataset: Any = None
+    default_collate: Any = None
     try:
         if error is None and payload is not None:
             import torch
             import torch.multiprocessing  # noqa: F401  (registers the tensor reductions)
 
             torch.set_num_threads(1)
+            import torch.utils.data
+
+            default_collate = torch.utils.data.default_collate
             dataset, fetch_mode, finish, init, seeding = payload
             getitems = getattr(dataset, "__getitems__", None) if fetch_mode == "map" else None
         slabs = _slabs.ProcessSlabs()
@@ -209,7 +213,11 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
             elif message[0] == "map":  # a batch, collated here and written into its slab
                 _, indices, seed, epoch, slab, drops, asks = message
                 slabs.drop(drops)
-                batch = finish(_python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding))
+                samples = _python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding)
+                if slab is not None and finish is default_collate:  # Note [Collated into the slab]
+                    batch = slabs.collate(samples, slab)
+                else:
+                    batch = finish(samples)
                 reply = ("ok", slabs.dump(batch, slab, (lambda needed: ask(conn, slabs, needed)) if asks else None))
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
                 _, index, seed, epoch = message

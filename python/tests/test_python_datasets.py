@@ -5,7 +5,9 @@ Ctrl-C, and nothing left behind."""
 
 import collections
 import gc
+import io
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -838,6 +840,87 @@ def test_a_tensor_batch_outside_its_block_or_of_an_unknown_dtype_is_refused_by_n
     with pytest.raises(ValueError, match="outside its block"):
         _ferry.TensorBatch(b"", block, [(4096, "uint8", (1,))])
     assert blocks.lease(4096, True, 1) is None  # one block held, at most one: none made, none free
+
+
+def process_slab(size):
+    """A block leased from a pool of this process, mapped as a worker process maps its slab."""
+    from ferry import _ferry, _slabs
+
+    blocks = _ferry.SharedBlocks(False, 1 << 24)
+    block = blocks.lease(size, True, 4)
+    side = _slabs.ProcessSlabs()
+    side.add(block.id, block.size, os.dup(block.fd))
+    return blocks, block, side
+
+
+def test_default_collate_stacks_into_the_slab_and_dump_writes_those_tensors_no_more(monkeypatch):
+    # Note [Collated into the slab]: each tensor torch's default_collate stacks is made in the
+    # slab, where dump() finds it (no copy); the other tensors (the labels' tensor) are laid after.
+    from ferry import _slabs
+
+    samples = [(torch.arange(12, dtype=torch.float32).view(3, 4) + i, i, {"m": torch.full((2,), i, dtype=torch.int16)})
+               for i in range(5)]
+    blocks, block, side = process_slab(1 << 16)
+    batch = side.collate(samples, block.id)
+    base = side._maps[block.id][1]
+    assert batch[0].data_ptr() == base.data_ptr()  # stacked where the slab begins
+    assert batch[2]["m"].data_ptr() == base.data_ptr() + 256
+    copies = []
+    real = _slabs._SlabPickler.persistent_id
+
+    def counted(self, obj):
+        if type(obj) is torch.Tensor and id(obj) not in self._placed:
+            copies.append(tuple(obj.shape))
+        return real(self, obj)
+
+    monkeypatch.setattr(_slabs._SlabPickler, "persistent_id", counted)
+    blob, regions = side.dump(batch, block.id)
+    assert copies == [(5,)]  # the labels alone were copied in
+    assert [r[0] for r in regions] == [0, 512, 256] and regions[1][1:] == ("int64", (5,))
+    tensors = []
+    for offset, dtype, shape in regions:
+        t = torch.empty(shape, dtype=getattr(torch, dtype))
+        tensors.append(base[offset:offset + t.numel() * t.element_size()].view(t.dtype).view(shape))
+    rebuilt = _slabs._Rebuilder(io.BytesIO(blob), tensors).load()
+    assert_same([rebuilt], [tud.default_collate(samples)])
+
+
+def test_tensors_stacked_into_a_slab_the_batch_then_leaves_are_moved_out_first():
+    # A slab with room for the images but not the labels: the batch asks for another slab (the main
+    # process gives this one back to the pool) or goes torch's way; either way its images must no
+    # longer be read from the slab given back.
+    samples = [(torch.full((64,), float(i)), i) for i in range(4)]
+    blocks, block, side = process_slab(1024)  # 1 KiB: the 4 x 64 floats fill it
+    batch = side.collate(samples, block.id)
+    base = side._maps[block.id][1]
+    assert batch[0].data_ptr() == base.data_ptr()
+    blob, regions = side.dump(batch, block.id, lambda needed: None)  # no larger slab: torch's way
+    assert regions is None
+    base.fill_(7)  # the slab, reused by another batch
+    assert_same([pickle.loads(blob)], [tud.default_collate(samples)])
+    assert_same([batch], [tud.default_collate(samples)])
+
+
+def test_what_default_collate_does_not_stack_plainly_goes_to_torchs_collate_tensor_fn():
+    # Mixed shapes fail as torch's fail; a tensor subclass and mixed dtypes are stacked by torch.
+    class Sub(torch.Tensor):
+        pass
+
+    blocks, block, side = process_slab(1 << 16)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        side.collate([torch.zeros(2), torch.zeros(3)], block.id)
+    for samples in ([torch.zeros(2).as_subclass(Sub), torch.ones(2).as_subclass(Sub)],
+                    [torch.zeros(2), torch.ones(2, dtype=torch.float64)]):
+        try:
+            want = tud.default_collate(samples)
+        except RuntimeError as exc:
+            with pytest.raises(RuntimeError, match=str(exc)[:30]):
+                side.collate(samples, block.id)
+            continue
+        got = side.collate(samples, block.id)
+        base = side._maps[block.id][1]
+        assert type(got) is type(want) and got.dtype == want.dtype and torch.equal(got, want)
+        assert not (base.data_ptr() <= got.data_ptr() < base.data_ptr() + base.numel())
 
 
 def test_a_process_forked_from_the_main_one_closes_its_copies_of_the_blocks(slabs_on):
