@@ -102,8 +102,10 @@ if [ "$what" = python ]; then
       ${FIRST_LOADER_ARGS:-} 2>&1) | tee "$OUT/first_loader.md"
   fi
   if [ "${RESNET_BENCH:-0}" = 1 ]; then  # ResNet-50 fed by ferry and by PyTorch's DataLoader (bench/resnet_loaders.py)
-    links build/bench-data/photos /tmp/ferry-photos60 60
-    (cd /tmp && PYTHONUNBUFFERED=1 timeout 300 $PY "$OLDPWD/bench/resnet_loaders.py" --images /tmp/ferry-photos60 \
+    # RESNET_COPIES: links to each photo (60: 10,260 images, 40 batches an epoch; 300: 51,300, 200 batches)
+    copies=${RESNET_COPIES:-60}
+    links build/bench-data/photos /tmp/ferry-photos$copies $copies
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout 300 $PY "$OLDPWD/bench/resnet_loaders.py" --images /tmp/ferry-photos$copies \
       ${RESNET_ARGS:-} 2>&1) | tee "$OUT/resnet.md"
   fi
   exit $rc

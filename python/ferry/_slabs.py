@@ -2,7 +2,8 @@
 
 Note [Slabs]
 When batches are pinned (pin_memory or device), a worker process collates a batch, then copies
-its tensors into a slab: a block of the loader's pinned pool whose memory is a memfd segment,
+its tensors into a slab (with torch's default_collate and a slab at hand, it stacks them there
+instead: Note [Collated into the slab]): a block of the loader's pinned pool whose memory is a memfd segment,
 mapped in both processes (its descriptor sent once a process over the process's pipe) and
 registered with CUDA (Note [Shared blocks] in python/src/blocks.cpp). Only the batch's structure
 crosses the pipe: the batch is pickled with each tensor replaced by a persistent id (its place in
@@ -263,7 +264,9 @@ class ProcessSlabs:
 
 
 class _Placer:
-    """Note [Collated into the slab]
+    """The tensors collate() stacked into one slab, and where.
+
+    Note [Collated into the slab]
     A worker process given a slab with its request, whose collate_fn is torch's default_collate,
     collates through torch's own collate() with one entry of its map replaced: a list of plain CPU
     tensors of one shape and one dtype ferry carries is stacked (torch.stack, out=) straight into
