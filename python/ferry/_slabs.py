@@ -277,10 +277,11 @@ class _Placer:
     tensors, in the order collate made them; dump() lays the batch's other tensors after them.
     Where the batch then does not go through this slab (it does not fit, or holds a tensor no
     slab takes), the placed tensors are moved to memory of their own first (detach()): the main
-    process gives the slab back to the pool as it answers a request for a larger one. Each
-    float image batch of the ResNet recipe (154 MB) is thus written once instead of three times
-    (faulting in a new segment, stacking into it, copying it), 0.11 against 0.52-0.58 ms of CPU an
-    image on the 2-core machine (bench/RESULTS.md)."""
+    process gives the slab back to the pool as it answers a request for a larger one. The ResNet
+    recipe's float batch (154 MB) is thus written once, into memory already mapped, where it was
+    written twice, first into a segment new each batch (147 page faults an image): 0.115 against
+    0.692 ms of a worker's CPU an image on the H200 host (bench/RESULTS.md, "Python datasets:
+    batches stacked into the slab")."""
 
     def __init__(self, base: Any, slab_id: int, fallback: Callable) -> None:
         self.base, self.slab_id, self.fallback = base, slab_id, fallback
