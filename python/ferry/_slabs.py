@@ -193,7 +193,7 @@ class ProcessSlabs:
         writes those tensors no more."""
         from torch.utils.data._utils import collate as torch_collate
 
-        placer = _Placer(self._maps[slab_id][1], slab_id, torch_collate.collate_tensor_fn)
+        placer = _Placer(self._maps[slab_id][1], torch_collate.collate_tensor_fn)
         fn_map = dict(torch_collate.default_collate_fn_map)
         import torch
 
@@ -212,6 +212,8 @@ class ProcessSlabs:
         self._maps[slab_id] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
 
     def drop(self, ids: List[int]) -> None:
+        """Unmaps slabs the pool has freed. Nothing of this process may view them any more: the
+        worker's loop lets go of each batch once its reply is sent."""
         for slab_id in ids:
             entry = self._maps.pop(slab_id, None)
             if entry is not None:
@@ -227,21 +229,18 @@ class ProcessSlabs:
         batch pickled as torch pickles it, its tensors in torch's shared memory: (the pickle,
         None). With `ask` (the main process's answer, a slab's id or None, for a batch of so many
         bytes), a batch that has no slab or does not fit its slab asks for one."""
-        placed, self._placed = self._placed, None
-        if placed is not None and placed.slab_id != slab_id:
-            placed.detach()
-            placed = None
+        placed, self._placed = self._placed, None  # what collate() put in this slab for this batch
         if slab_id is not None:
             try:
                 return self._dump(batch, slab_id, placed)
             except _NoRoom:
-                pass
+                foreign = False
             except _Foreign:
-                if placed is not None:
-                    placed.detach()
+                foreign = True
+            if placed is not None:  # the batch leaves the slab, which goes back to the pool
+                placed.detach()
+            if foreign:
                 return _plain(batch), None
-        if placed is not None:  # the slab goes back to the pool as another is asked for
-            placed.detach()
         if ask is None:
             return _plain(batch), None
         try:
@@ -283,8 +282,8 @@ class _Placer:
     0.692 ms of a worker's CPU an image on the H200 host (bench/RESULTS.md, "Python datasets:
     batches stacked into the slab")."""
 
-    def __init__(self, base: Any, slab_id: int, fallback: Callable) -> None:
-        self.base, self.slab_id, self.fallback = base, slab_id, fallback
+    def __init__(self, base: Any, fallback: Callable) -> None:
+        self.base, self.fallback = base, fallback
         self.offset = 0
         self.placed: Dict[int, Tuple[Any, Tuple[int, str, Tuple[int, ...]]]] = {}
 

@@ -213,12 +213,17 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
             elif message[0] == "map":  # a batch, collated here and written into its slab
                 _, indices, seed, epoch, slab, drops, asks = message
                 slabs.drop(drops)
-                samples = _python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding)
-                if slab is not None and finish is default_collate:  # Note [Collated into the slab]
-                    batch = slabs.collate(samples, slab)
-                else:
-                    batch = finish(samples)
-                reply = ("ok", slabs.dump(batch, slab, (lambda needed: ask(conn, slabs, needed)) if asks else None))
+                batch: Any = None
+                samples: Any = None
+                try:
+                    samples = _python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding)
+                    if slab is not None and finish is default_collate:  # Note [Collated into the slab]
+                        batch = slabs.collate(samples, slab)
+                    else:
+                        batch = finish(samples)
+                    reply = ("ok", slabs.dump(batch, slab, (lambda needed: ask(conn, slabs, needed)) if asks else None))
+                finally:  # the batch may view its slab, which a later message may retire and unmap (slabs.drop)
+                    batch = samples = None
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
                 _, index, seed, epoch = message
                 reply = ("ok", _python.fetch_samples(dataset, None, [index], seed, epoch, seeding)[0])
