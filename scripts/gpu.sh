@@ -12,7 +12,8 @@
 # nothing else (PYTHON_BENCH=0 leaves the benchmark out; RESNET_BENCH=1 adds bench/resnet_loaders.py,
 # ResNet-50 fed by each loader, with RESNET_ARGS; PYDS_BENCH=1 adds bench/python_datasets.py, a
 # Python dataset through each loader, with PYDS_ARGS; PYOBJ_BENCH=1 adds bench/python_objects.py,
-# a dataset of a million Python objects, first batch and memory, with PYOBJ_ARGS; PYTHON_INSTALL=0
+# a dataset of a million Python objects, first batch and memory, with PYOBJ_ARGS; CEILING_BENCH=1
+# adds bench/recipe_ceiling.py, the ResNet recipe's own work with no loader, with CEILING_ARGS; PYTHON_INSTALL=0
 # keeps the package an earlier call installed; PYTHON_DEMO=0 leaves the demo out).
 # gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
 # DataLoader on the same workloads.
@@ -107,6 +108,12 @@ if [ "$what" = python ]; then
     links build/bench-data/photos /tmp/ferry-photos$copies $copies
     (cd /tmp && PYTHONUNBUFFERED=1 timeout 300 $PY "$OLDPWD/bench/resnet_loaders.py" --images /tmp/ferry-photos$copies \
       ${RESNET_ARGS:-} 2>&1) | tee "$OUT/resnet.md"
+  fi
+  if [ "${CEILING_BENCH:-0}" = 1 ]; then  # the recipe's own work, no loader (bench/recipe_ceiling.py)
+    copies=${RESNET_COPIES:-60}
+    links build/bench-data/photos /tmp/ferry-photos$copies $copies
+    (cd /tmp && PYTHONUNBUFFERED=1 timeout 300 $PY "$OLDPWD/bench/recipe_ceiling.py" --images /tmp/ferry-photos$copies \
+      ${CEILING_ARGS:-} 2>&1) | tee "$OUT/ceiling.md"
   fi
   exit $rc
 fi

@@ -1,5 +1,6 @@
 #include "ferry/core/dlpack.h"
 
+#include <algorithm>
 #include <dlpack/dlpack.h>
 
 #include "ferry/core/error.h"
@@ -94,7 +95,10 @@ Tensor from_dlpack(DLManagedTensor* managed) {
   if (t.ndim < 0) throw Error("from_dlpack: negative ndim");
   Shape shape(t.shape, t.shape + t.ndim);
   const DType dtype = from_dl(t.dtype);
-  if (t.strides) {
+  // An empty tensor holds no element whose place a stride could get wrong: any strides are compact
+  // (torch gives a [3, 0, 5] tensor strides (5, 5, 1), or (0, 1, 0) after a transpose).
+  const bool empty = std::find(shape.begin(), shape.end(), 0) != shape.end();
+  if (t.strides && !empty) {
     std::int64_t expect = 1;
     for (int d = t.ndim - 1; d >= 0; --d) {
       if (shape[static_cast<std::size_t>(d)] != 1 && t.strides[d] != expect)

@@ -133,7 +133,7 @@ class _PythonBatches:
     def __init__(self, owner: Any, batches: Iterator[Any], move: Optional[Callable[[Any], Any]]) -> None:
         self._owner, self._batches, self._move, self._pool = owner, batches, move, owner._pool
         # objects with a pin_memory() of their own, as torch's pin_memory asks them
-        self._pin = owner._pool is not None and owner._pool.slabs is not None and owner._pool.slabs.pinned
+        self._pin = owner._pins_delivered
 
     def __iter__(self) -> "_PythonBatches":
         return self
@@ -149,6 +149,8 @@ class _PythonBatches:
         if pool is not None and pool.unsettled:
             pool.settle(wait=False)
         if type(batch) is _ferry.Delivered:  # through ferry's pipeline: pinned, or on the device already
+            if type(batch.structure) is not bytes:  # a worker thread's (Note [Thread batches through the pipeline])
+                return _python.rebuild_host(batch.structure, batch.tensors, self._pin)
             batch = _slabs.rebuild(batch)
             return _python.pin(batch, tensors=False) if self._pin else batch
         if self._move is None:
@@ -387,6 +389,7 @@ class DataLoader:
         self.device = device_index
         self._python = python
         self._pool = None
+        self._host_batches = False  # Note [Thread batches through the pipeline] (ferry/_python.py)
         self._seeds = _bridge.Seeds()
         self._seed_epoch: Optional[int] = None  # the epoch the base seed was drawn for
         self._resume_seeds: Optional[Dict[str, int]] = None
@@ -410,6 +413,7 @@ class DataLoader:
             self.sampler, self.batch_sampler = engine["sampler"], engine["batch_sampler"]
             self.collate_fn = engine["collate_fn"]
             self._order = engine["order"]
+            self._host_batches = engine["through"]
             if gather != "auto":
                 raise ValueError("DataLoader: gather= is for ferry's datasets of rows (idx, npy)")
         else:
@@ -458,10 +462,15 @@ class DataLoader:
         # capsule, without its Python-level checks: a few microseconds a tensor).
         convert = getattr(torch._C, "_from_dlpack", None) or torch.utils.dlpack.from_dlpack
         # A Python dataset's batches in worker processes' slabs go through ferry's pipeline: pinned
-        # already, and copied by the device stage (Note [Slabs] in ferry/_slabs.py); other Python
-        # batches are pinned by torch on the worker, and moved on the consumer's stream here.
+        # already, and copied by the device stage (Note [Slabs] in ferry/_slabs.py); so do worker
+        # threads' batches, pinned by the pin thread. Batches that do not (a tensor the pipeline
+        # does not take) are pinned by torch on the worker, and moved on the consumer's stream here.
         slabs = None if self._pool is None else self._pool.slabs
         through = slabs is not None and slabs.pinned
+        # Batches of worker threads (or of no workers) through the pipeline where they are pinned
+        # (Note [Thread batches through the pipeline] in ferry/_python.py).
+        through = through or (self._host_batches and _ferry.pins(asked) and _ferry.cuda_available())
+        self._pins_delivered = through  # a delivered batch was pinned (objects with pin_memory() follow)
         if python and not through:
             options = make_options(engine_batch, engine_shuffle, engine_drop_last, False, None, 0)
         else:
@@ -502,7 +511,7 @@ class DataLoader:
         if self._python:
             self._begin_python_epoch()
         batches = self._loader.begin()
-        if self._python and (self.device is not None or self._pool is not None):
+        if self._python and (self.device is not None or self._pool is not None or self._host_batches):
             return self._python_batches(batches)
         if self._widen is not None:
             return self._widened(batches)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable, List, Optional
 
-from . import _ferry
-from ._python import WorkerInfo, _local, fetch_samples, is_iterable, pin
+from . import _ferry, _slabs
+from ._python import WorkerInfo, _local, fetch_samples, host_batch, is_iterable, pin
 
 
 class Unbatched:
@@ -160,8 +160,6 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
     pool = None
     if num_workers > 0 and worker_type == "process":
         slabs = None
-        from . import _slabs
-
         if not iterable and (pinning or _slabs.FOR_PAGEABLE):  # Note [Slabs]: pinned batches are written there
             slabs = _slabs.Slabs(pinned=pinning and _ferry.cuda_available(),
                                  max_count=num_workers * prefetch_factor + 4, limit=pinned_memory_limit)
@@ -170,6 +168,10 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
                             collate, worker_init_fn, bool(sample_seeding)),
                            slabs)
 
+    # Note [Thread batches through the pipeline] (ferry/_python.py): a batch collated on this
+    # process's threads goes through ferry's pin thread and device stage where it is pinned.
+    through = pool is None and ((pinning and _ferry.cuda_available()) or _slabs.FOR_PAGEABLE)  # (the tests' way without CUDA)
+
     def finish(samples: List[Any]) -> Any:
         if samples and isinstance(samples[0], _procs.Collated):  # collated by a worker process
             batch = samples[0].batch
@@ -177,6 +179,10 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
                 return batch
         else:
             batch = collate(samples)
+            if through:
+                made = host_batch(batch)
+                if made is not None:
+                    return made
         return pin(batch) if pinning else batch
 
     threaded = num_workers > 0
@@ -207,7 +213,7 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
 
         cpp = _ferry.python_dataset(fetch=None, fetch_one=None, size=None, open=open_stream, finish=finish, plan=None,
                                     plan_batches=0, worker_start=worker_start, name=name)
-        return cpp, {**engine, **attributes, "order": None}, pool
+        return cpp, {**engine, **attributes, "order": None, "through": through}, pool
 
     size = len(dataset)
     # As torch: __getitems__ once a batch with automatic batching only (batch_size=None: __getitem__).
@@ -275,4 +281,4 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
         engine = {"batch_size": 1, "shuffle": False, "drop_last": False}
     cpp = _ferry.python_dataset(fetch=fetch, fetch_one=fetch_one, size=size, open=None, finish=finish, plan=plan,
                                 plan_batches=plan_batches, worker_start=worker_start, name=name)
-    return cpp, {**engine, **attributes, "order": order}, pool
+    return cpp, {**engine, **attributes, "order": order, "through": through}, pool

@@ -146,6 +146,77 @@ def pin(obj: Any, tensors: bool = True) -> Any:
                         lambda o: o.pin_memory() if hasattr(o, "pin_memory") else o)
 
 
+class Place:
+    """Where a tensor of a batch going through ferry's pipeline stood: its index among the batch's
+    tensors, and its dtype (a bool tensor travels as uint8)."""
+
+    __slots__ = ("index", "dtype")
+
+    def __init__(self, index: int, dtype: Any) -> None:
+        self.index, self.dtype = index, dtype
+
+
+class _Foreign(Exception):
+    """A tensor ferry's pipeline does not take as it is."""
+
+
+_DTYPES = frozenset(_ferry.DTYPE_NAMES)  # the dtypes ferry carries, by torch's names
+
+
+def host_batch(batch: Any) -> Any:
+    """A batch collated on a worker thread (or the loader's own thread), as a TensorBatch for
+    ferry's pipeline; None where it holds no tensor, or one the pipeline does not take as it is.
+
+    Note [Thread batches through the pipeline]
+    With pin_memory or a device, a batch a worker thread collated (or the loader's own thread,
+    num_workers=0) crosses ferry's pipeline as a worker process's slab does (Note [Python batches
+    through the pipeline] in python/src/python_datasets.h): its tensors go to the C++ loader as
+    DLPack capsules (no copy), the rest of the batch as its structure, each tensor replaced by a
+    Place. ferry's pin thread copies the tensors into one block of the loader's pinned pool (one
+    budget, one fence), and with a device the device stage makes the copy, where torch's
+    pin_memory() copied each tensor on the worker and the consumer's thread queued the device
+    copy. The consumer's thread puts the delivered tensors back (rebuild_host), pinning any other
+    object with a pin_memory() method, so the batch is what torch's pin_memory() makes: containers
+    rebuilt as it rebuilds them, every other object kept as it is (not copied), each tensor
+    occurrence its own pinned tensor. A batch holding a tensor the pipeline does not take as it is
+    (a subclass, one requiring grad, not contiguous, not on the CPU, sparse, quantized, or of a
+    dtype ferry has not) is pinned by torch on the worker, as before."""
+    import torch
+
+    tensors: List[Any] = []
+
+    def on_tensor(t: Any) -> Any:
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad \
+                or t.is_quantized or t.is_nested or str(t.dtype)[6:] not in _DTYPES or not t.is_contiguous():
+            raise _Foreign
+        tensors.append(t)
+        return Place(len(tensors) - 1, t.dtype)
+
+    try:
+        structure = _map_tensors(batch, on_tensor, lambda o: o)
+    except _Foreign:
+        return None
+    if not tensors:
+        return None
+    from torch.utils.dlpack import to_dlpack
+
+    # bool as uint8, its bytes (torch before 2.1 exports no bool); rebuild_host views it back.
+    return _ferry.TensorBatch.of_host(
+        structure, [to_dlpack(t.view(torch.uint8) if t.dtype == torch.bool else t) for t in tensors])
+
+
+def rebuild_host(structure: Any, tensors: List[Any], pinning: bool) -> Any:
+    """The batch host_batch() took apart, with the delivered tensors in their places (and, with
+    `pinning`, objects with a pin_memory() method pinned, as torch's pin_memory asks them)."""
+    def on_other(o: Any) -> Any:
+        if type(o) is Place:
+            t = tensors[o.index]
+            return t if t.dtype == o.dtype else t.view(o.dtype)
+        return o.pin_memory() if pinning and hasattr(o, "pin_memory") else o
+
+    return _map_tensors(structure, lambda t: t, on_other)
+
+
 def to_device(obj: Any, device: Any) -> Any:
     """Every tensor in a batch (the same containers as pin()) moved to `device`, without waiting."""
     return _map_tensors(obj, lambda t: t.to(device, non_blocking=True), lambda o: o)

@@ -18,6 +18,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <dlpack/dlpack.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -245,6 +246,27 @@ TensorBatch tensor_batch(nb::object structure, const Block& block,
   return out;
 }
 
+// A batch a worker thread (or the loader's own thread) collated: each tensor a DLPack capsule of a
+// contiguous host tensor, taken over here, so that the ferry tensor views torch's memory and holds
+// it until the pin thread has copied it into the batch's pinned block (Note [Thread batches
+// through the pipeline] in ferry/_python.py).
+TensorBatch host_tensor_batch(nb::object structure, const nb::list& capsules) {
+  TensorBatch out;
+  out.tensors.reserve(capsules.size());
+  for (nb::handle cap : capsules) {
+    PyObject* p = cap.ptr();
+    const std::string which = "TensorBatch.of_host: tensor " + std::to_string(out.tensors.size());
+    if (!PyCapsule_IsValid(p, "dltensor")) throw nb::value_error((which + " is not an unconsumed DLPack capsule").c_str());
+    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(p, "dltensor"));
+    if (PyCapsule_SetName(p, "used_dltensor") != 0) throw nb::python_error();
+    ferry::Tensor t = ferry::from_dlpack(managed);  // owns the export from here, on every way out
+    if (t.device().kind != ferry::MemoryKind::Host) throw nb::value_error((which + " is not in host memory").c_str());
+    out.tensors.push_back(std::move(t));
+  }
+  out.structure = PyRef(std::move(structure));
+  return out;
+}
+
 }  // namespace
 
 void register_blocks(nb::module_& m) {
@@ -270,7 +292,13 @@ void register_blocks(nb::module_& m) {
              const std::vector<std::tuple<std::size_t, std::string, std::vector<std::int64_t>>>& regions) {
             new (self) TensorBatch(tensor_batch(std::move(structure), block, regions));
           },
-          "structure"_a, "block"_a, "regions"_a);
+          "structure"_a, "block"_a, "regions"_a)
+      .def_static(
+          "of_host",
+          [](nb::object structure, const nb::list& capsules) { return host_tensor_batch(std::move(structure), capsules); },
+          "structure"_a, "capsules"_a,
+          "A batch whose tensors are host tensors' DLPack capsules (each taken over): the pin thread copies them into "
+          "a pinned block (Note [Thread batches through the pipeline] in ferry/_python.py).");
   nb::list names;
   for (int k = 0; k < kDTypes; ++k) names.append(ferry::dtype_name(static_cast<ferry::DType>(k)));
   m.attr("DTYPE_NAMES") = nb::tuple(names);

@@ -91,12 +91,15 @@ struct PyIter {
 // A Python dataset's batch crosses ferry's pipeline as a PyBatch: the Python object, and, where a
 // worker process wrote the batch's tensors into a shared block (Note [Slabs] in ferry/_slabs.py),
 // those tensors as ferry tensors viewing the block, the object then being the batch's structure
-// (its pickle, each tensor a persistent id: its place in `tensors`). The pin thread and the
-// device stage treat them as any C++ batch's tensors: already pinned (a registered block passes
-// through), and with a device, copied by the device stage, whose event fences the block in its
-// pool (the block is reused only behind the copy) and orders the consumer's stream. The Python
-// half rebuilds the batch from the structure and the delivered tensors (ferry/__init__.py,
-// _PythonBatches). Any other batch travels as the object alone, as the dataset's collate made it.
+// (its pickle, each tensor a persistent id: its place in `tensors`). A batch a worker thread
+// collated comes the same way with its tensors still torch's host memory, its structure the batch
+// with a Place for each tensor (Note [Thread batches through the pipeline] in ferry/_python.py).
+// The pin thread and the device stage treat them as any C++ batch's tensors: a registered block
+// passes through and a thread's tensors are copied into one pinned block, and with a device the
+// device stage copies them, its event fencing the block in its pool (the block is reused only
+// behind the copy) and ordering the consumer's stream. The Python half rebuilds the batch from
+// the structure and the delivered tensors (ferry/__init__.py, _PythonBatches). Any other batch
+// travels as the object alone, as the dataset's collate made it.
 struct PyBatch {
   PyRef object;
   std::vector<ferry::Tensor> tensors;  // non-empty: `object` is the structure they fill

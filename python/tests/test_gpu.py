@@ -146,6 +146,25 @@ def test_a_python_dataset_on_the_device_and_pinned(workers):
             assert torch.equal(p[k], h[k]) and torch.equal(d[k].cpu(), h[k])
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_worker_threads_batches_go_through_the_pin_thread_and_the_device_stage(workers):
+    # Note [Thread batches through the pipeline]: ferry's pin thread copies them into its pool's
+    # blocks and its device stage makes the device copy, where torch pinned them on the worker.
+    ds = _Records()
+    host = list(torch.utils.data.DataLoader(ds, batch_size=8))
+    pinned_loader = ferry.DataLoader(ds, batch_size=8, num_workers=workers, worker_type="thread", pin_memory=True)
+    dev_loader = ferry.DataLoader(ds, batch_size=8, num_workers=workers, worker_type="thread", device=0)
+    pinned, dev = list(pinned_loader), list(dev_loader)
+    assert len(host) == len(pinned) == len(dev) == 5
+    assert pinned_loader.stats()["pinning"] and pinned_loader.stats()["pin_seconds"] > 0
+    assert dev_loader.stats()["device"] and dev_loader.stats()["copy_seconds"] > 0
+    for h, p, d in zip(host, pinned, dev):
+        assert all(p[k].is_pinned() for k in h)
+        assert all(d[k].is_cuda and d[k].device.index == 0 for k in h)
+        for k in h:
+            assert torch.equal(p[k], h[k]) and torch.equal(d[k].cpu(), h[k])
+
+
 class _Rows:
     """Batch k of 4 rows of 64 KiB, every byte k % 251: a batch written over early shows."""
 
@@ -202,6 +221,23 @@ def test_slabs_are_not_written_again_before_their_device_copy_ran():
     stats = loader.stats()
     # the device stage copied them (its event fencing each slab), not torch
     assert stats["slab_batches"] == 60 and stats["device"] and stats["copy_seconds"] > 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_worker_threads_pinned_blocks_are_not_written_again_before_their_device_copy_ran(workers):
+    # As for worker processes' slabs: the pool gives a block back only behind its copy's event.
+    stream = torch.cuda.Stream(0)
+    with torch.cuda.stream(stream):
+        loader = ferry.DataLoader(_Rows(), batch_size=4, num_workers=workers, worker_type="thread", device=0)
+        firsts = []
+        for k, rows in enumerate(loader):
+            torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before the next copy
+            firsts.append(rows[:, :8].clone())
+        torch.cuda.synchronize()
+    for k, rows in enumerate(firsts):
+        assert torch.equal(rows.cpu(), torch.full((4, 8), k % 251, dtype=torch.uint8)), k
+    stats = loader.stats()
+    assert stats["device"] and stats["copy_seconds"] > 0
 
 
 def test_python_batches_through_the_device_stage_equal_the_host_path_and_reuse_their_slabs():

@@ -665,13 +665,14 @@ def test_worker_processes_die_with_a_sigkilled_main_process(tmp_path):
             proc.wait()
 
 
-@pytest.mark.parametrize("kind", [(3, "thread"), (2, "process"), (2, "process-slabs")], ids=kind_id)
+@pytest.mark.parametrize("kind", [(3, "thread"), (3, "thread-through"), (2, "process"), (2, "process-slabs")],
+                         ids=kind_id)
 def test_create_iterate_break_destroy_leaves_no_thread_process_or_descriptor(kind, monkeypatch):
-    if kind[1] == "process-slabs":
+    if kind[1] in ("process-slabs", "thread-through"):  # the pinned paths, without CUDA
         import ferry._slabs
 
         monkeypatch.setattr(ferry._slabs, "FOR_PAGEABLE", True)
-        kind = (2, "process")
+        kind = (kind[0], kind[1].split("-")[0])
     pids = []
 
     def cycle():
@@ -824,6 +825,72 @@ def test_a_batch_with_a_tensor_no_slab_takes_travels_torchs_way_whole(slabs_on):
         assert grad_a.requires_grad and torch.equal(grad_a, grad_b)
         assert_same([a], [b])
     assert ours.stats()["slab_batches"] == 0 and ours.stats()["slab_misses"] == 4
+
+
+# --- worker threads' batches through the pipeline (Note [Thread batches through the pipeline]) ---
+
+SENTINEL = object()
+
+
+def with_an_object(samples):
+    """default_collate, and an object torch's pin_memory keeps as it is (not copied)."""
+    return {**tud.default_collate(samples), "meta": SENTINEL}
+
+
+def counting_host_batches(monkeypatch):
+    import ferry._bridge
+
+    made = []
+    real = ferry._bridge.host_batch
+
+    def counted(batch):
+        out = real(batch)
+        made.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ferry._bridge, "host_batch", counted)
+    return made
+
+
+@pytest.mark.parametrize("kind", [(0, "thread"), (2, "thread")], ids=kind_id)
+def test_worker_threads_send_batches_through_the_pipeline_rebuilt_as_torchs(kind, slabs_on, monkeypatch):
+    made = counting_host_batches(monkeypatch)
+    ours = loader(Carried(12), kind, batch_size=3)
+    got = list(ours)
+    theirs = list(tud.DataLoader(Carried(12), batch_size=3))
+    for a, b in zip(got, theirs):
+        assert type(a["pair"]) is type(b["pair"]) and a["bool"].dtype == torch.bool
+        assert a["twice"][0] is not a["twice"][1]  # each occurrence its own tensor, as torch's pin_memory makes
+        assert_same([a], [b])
+    assert len(got) == 4 and made == [True] * 4
+    # The batch's other objects are kept as they are (torch's pin_memory does not copy them).
+    kept = list(loader(Squares(6), kind, batch_size=3, collate_fn=with_an_object))
+    assert [b["meta"] is SENTINEL for b in kept] == [True, True]
+
+
+def test_a_thread_batch_with_a_tensor_the_pipeline_does_not_take_goes_torchs_way(slabs_on, monkeypatch):
+    made = counting_host_batches(monkeypatch)
+    ours = loader(Mixed(12), (2, "thread"), batch_size=3, collate_fn=with_a_parameter)
+    got = list(ours)
+    theirs = list(tud.DataLoader(Mixed(12), batch_size=3, collate_fn=with_a_parameter))
+    for a, b in zip(got, theirs):
+        grad_a, grad_b = a.pop("grad"), b.pop("grad")
+        assert grad_a.requires_grad and torch.equal(grad_a, grad_b)
+        assert_same([a], [b])
+    assert made == [False] * 4
+
+
+def test_a_thread_batch_is_rebuilt_with_the_dtype_it_had():
+    from ferry import _python
+
+    # A bool tensor travels as uint8: the Place keeps the dtype.
+    structure = {"flags": _python.Place(0, torch.bool), "n": [_python.Place(1, torch.int16), 3]}
+    back = _python.rebuild_host(structure, [torch.tensor([1, 0], dtype=torch.uint8), torch.ones(2, dtype=torch.int16)],
+                                False)
+    assert back["flags"].dtype == torch.bool and back["flags"].tolist() == [True, False]
+    assert back["n"][0].dtype == torch.int16 and back["n"][1] == 3
+    with pytest.raises(ValueError, match="tensor 0 is not an unconsumed DLPack capsule"):
+        _python._ferry.TensorBatch.of_host({}, [object()])
 
 
 def test_a_tensor_batch_outside_its_block_or_of_an_unknown_dtype_is_refused_by_name():

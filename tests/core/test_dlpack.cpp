@@ -54,3 +54,14 @@ TEST_CASE("a strided import is refused and still released", "[unit][dlpack][erro
   CHECK(deleted == 1);
   CHECK_THROWS_WITH(from_dlpack(nullptr), Catch::Contains("null"));
 }
+
+TEST_CASE("an empty tensor is taken whatever its strides", "[unit][dlpack]") {
+  static std::int64_t shape[3] = {3, 0, 5}, strides[3] = {5, 5, 1};  // what torch gives a [3, 0, 5] tensor
+  static float data[1];
+  auto* m = new DLManagedTensor{};
+  m->dl_tensor = DLTensor{data, {kDLCPU, 0}, 3, {kDLFloat, 32, 1}, shape, strides, 0};
+  m->deleter = [](DLManagedTensor* self) { delete self; };
+  const Tensor t = from_dlpack(m);
+  CHECK(t.shape() == Shape{3, 0, 5});
+  CHECK(t.numel() == 0);
+}
