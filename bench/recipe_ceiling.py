@@ -22,11 +22,26 @@ import platform
 import time
 
 
-def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds: float, out) -> None:
+def tune_malloc() -> None:
+    """glibc's malloc told to keep what it frees (no mmap of its own for a large block, no trim)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    if not libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) or not libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1):
+        raise SystemExit("mallopt refused")
+
+
+def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds: float, batch: int, tune: bool,
+        out) -> None:
+    import resource
+
     import torch
     import torchvision
     import torchvision.transforms as t
 
+    if tune:
+        tune_malloc()
     torch.set_num_threads(1)  # as a DataLoader's workers run
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
     recipe = t.Compose([t.RandomResizedCrop(224), t.RandomHorizontalFlip(), t.ToTensor(), t.Normalize(mean, std)])
@@ -36,19 +51,31 @@ def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds
     begin, end = start + warmup, start + warmup + seconds
     done, k = 0, 0
     cpu0 = t0 = None
+    faults0 = 0
+    held: list = []
+    slab = None
     while True:
         now = time.monotonic()
         if t0 is None and now >= begin:  # (a process whose imports ran past the warm-up counts from here)
             cpu0, t0, done = time.process_time(), now, 0
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if now >= end:
             break
-        data[order[k % len(order)]]
+        x, _ = data[order[k % len(order)]]
         k += 1
         done += 1
+        if batch > 1:  # held as a worker holds a batch's samples, then stacked into memory kept across batches
+            held.append(x)
+            if len(held) == batch:
+                if slab is None:
+                    slab = torch.empty((batch,) + tuple(x.shape), dtype=x.dtype)
+                torch.stack(held, out=slab)
+                held = []
     if t0 is None:
-        out.put((0, 0.0, 0.0))
+        out.put((0, 0.0, 0.0, 0))
     else:
-        out.put((done, time.process_time() - cpu0, time.monotonic() - t0))
+        out.put((done, time.process_time() - cpu0, time.monotonic() - t0,
+                 resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0))
 
 
 def main() -> None:
@@ -57,6 +84,8 @@ def main() -> None:
     ap.add_argument("--procs", default="15,16", help="process counts to run, comma-separated")
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--batch", default="1", help="samples held before they are stacked (1: none held), comma-separated")
+    ap.add_argument("--malloc", default="glibc", help="glibc (as it is), tuned (keeps what it frees), or both")
     args = ap.parse_args()
     ctx = multiprocessing.get_context("fork")  # nothing here has started a thread
     import torch
@@ -71,12 +100,15 @@ def main() -> None:
     print(f"# The recipe's own work in P processes, no loader: {os.cpu_count()} vCPUs ({cpu}), {platform.platform()}, "
           f"torch {torch.__version__}, torchvision {torchvision.__version__}, images {args.images}, "
           f"{args.seconds:g} s counted after {args.warmup:g} s\n")
-    print("| processes | images/s | busy cores | ms of CPU an image |")
-    print("|---:|---:|---:|---:|")
-    for procs in (int(p) for p in args.procs.split(",")):
+    print("| processes | samples held | malloc | images/s | busy cores | ms of CPU an image | page faults an image |")
+    print("|---:|---:|---|---:|---:|---:|---:|")
+    mallocs = ["glibc", "tuned"] if args.malloc == "both" else [args.malloc]
+    runs = [(int(p), int(b), m) for p in args.procs.split(",") for b in args.batch.split(",") for m in mallocs]
+    for procs, batch, how in runs:
         out = ctx.Queue()
         start = time.monotonic() + 1.0  # every process forked and importing before the clock starts
-        ps = [ctx.Process(target=one, args=(args.images, r, procs, start, args.warmup, args.seconds, out))
+        ps = [ctx.Process(target=one, args=(args.images, r, procs, start, args.warmup, args.seconds, batch,
+                                            how == "tuned", out))
               for r in range(procs)]
         for p in ps:
             p.start()
@@ -87,7 +119,9 @@ def main() -> None:
             raise SystemExit(f"{procs} processes: a process counted nothing (imports longer than the warm-up?)")
         rate = sum(g[0] / g[2] for g in got)  # each over its own counted window
         busy = sum(g[1] / g[2] for g in got)
-        print(f"| {procs} | {rate:,.0f} | {busy:.1f} | {1000 * busy / rate:.2f} |", flush=True)
+        faults = sum(g[3] for g in got) / max(1, sum(g[0] for g in got))
+        print(f"| {procs} | {batch if batch > 1 else '-'} | {how} | {rate:,.0f} | {busy:.1f} | {1000 * busy / rate:.2f} | "
+              f"{faults:.0f} |", flush=True)
 
 
 if __name__ == "__main__":
