@@ -194,9 +194,6 @@ struct Engine::State {
   bool inline_pending = false;     // a batch posted to the helper and not yet taken
   bool helper_keepable = false;    // that batch's job holds a keep-alive: it may be abandoned
   std::uint64_t refill_burst = 1;  // dispatch only when this many slots are free (or none in flight)
-  // Whether the consumer's last next() had to wait for its batch: the workers are the bottleneck,
-  // and a slot freed is refilled at once (see dispatch()).
-  bool starved = false;
 
   std::size_t limit() const { return static_cast<std::size_t>(opt.prefetch_factor) * static_cast<std::size_t>(W); }
 
@@ -411,14 +408,10 @@ struct Engine::State {
         while (dead(next_key)) ++next_key;
       }
       if (opt.in_order ? next_key >= window->next() + k : in_flight >= k) return;
-      // Refill in bursts of half the window while the consumer finds its batches made: a worker
-      // that ran dry is woken once per burst rather than once per batch (bench/RESULTS.md, engine
-      // overhead). While the consumer waits for them, each slot is refilled as it frees, as
-      // PyTorch's DataLoader sends the next indices for each batch it takes: a burst would leave
-      // workers whose batches take long without their next job (15 workers on second-long Python
-      // batches were 12-15% idle, bench/RESULTS.md "Python datasets").
+      // Refill in bursts of half the window: a worker that ran dry is woken once per burst rather
+      // than once per batch (bench/RESULTS.md, engine overhead).
       const std::uint64_t free = opt.in_order ? window->next() + k - next_key : k - in_flight;
-      if (!bursting && !starved && in_flight > 0 && free < refill_burst) return;
+      if (!bursting && in_flight > 0 && free < refill_burst) return;
       bursting = true;
       Job job;
       job.key = next_key;
@@ -753,7 +746,6 @@ struct Engine::State {
     if (!live) throw Error("DataLoader: next() called with no live epoch");
     if (W == 0) return next_inline();
     auto deadline = Clock::now() + opt.timeout;
-    bool waited = false;
     for (;;) {
       if (opt.in_order) {
         if (opt.shared_stream) {
@@ -766,7 +758,6 @@ struct Engine::State {
         }
         if (window->ready()) {
           Result r = window->take();
-          starved = waited;
           if (!r.skipped) return deliver(std::move(r));
           ++delivered;  // a batch whose records all failed: left out, the epoch goes on
           dispatch();
@@ -776,7 +767,6 @@ struct Engine::State {
         if (!arrived.empty()) {
           Result r = std::move(arrived.front());
           arrived.pop_front();
-          starved = waited;
           return deliver(std::move(r));
         }
         if (opt.shared_stream ? (end_key != kNoEnd && in_flight == 0)
@@ -784,7 +774,6 @@ struct Engine::State {
                               : delivered >= total)
           return {};
       }
-      waited = starved = true;  // nothing made yet: what frees is refilled at once
       dispatch();
       if (opt.timeout.count() > 0) {
         auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - Clock::now());
