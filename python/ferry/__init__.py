@@ -399,8 +399,10 @@ class DataLoader:
         if python:
             # Note [Python datasets] (python/src/python_datasets.h): the workers run the dataset's Python
             # code; a worker process's batch comes in a slab, through ferry's pin thread and device
-            # stage (Note [Python batches through the pipeline]); any other batch is pinned on the
-            # worker (torch's pin_memory) and copied on the consumer's stream as it arrives.
+            # stage (Note [Python batches through the pipeline]), and so does a worker thread's,
+            # pinned by the pin thread (Note [Thread batches through the pipeline]); a batch the
+            # pipeline does not take is pinned on the worker (torch's pin_memory) and copied on
+            # the consumer's stream as it arrives.
             cpp_dataset, engine, self._pool = _bridge.make_dataset(
                 dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
                 drop_last=drop_last, collate_fn=collate_fn, pin_memory=_ferry.pins(asked),
