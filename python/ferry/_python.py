@@ -148,7 +148,7 @@ def pin(obj: Any, tensors: bool = True) -> Any:
 
 class Place:
     """Where a tensor of a batch going through ferry's pipeline stood: its index among the batch's
-    tensors, and its dtype (a bool tensor travels as uint8)."""
+    tensors, and its dtype (the delivered tensor is viewed as it, should the two differ)."""
 
     __slots__ = ("index", "dtype")
 
@@ -171,11 +171,14 @@ def host_batch(batch: Any) -> Any:
     With pin_memory or a device, a batch a worker thread collated (or the loader's own thread,
     num_workers=0) crosses ferry's pipeline as a worker process's slab does (Note [Python batches
     through the pipeline] in python/src/python_datasets.h): its tensors go to the C++ loader as
-    DLPack capsules (no copy), the rest of the batch as its structure, each tensor replaced by a
-    Place. ferry's pin thread copies the tensors into one block of the loader's pinned pool (one
-    budget, one fence), and with a device the device stage makes the copy, where torch's
-    pin_memory() copied each tensor on the worker and the consumer's thread queued the device
-    copy. The consumer's thread puts the delivered tensors back (rebuild_host), pinning any other
+    views of torch's memory (no copy), held by a reference to the tensors, the rest of the batch
+    as its structure, each tensor replaced by a Place. ferry's pin thread copies the tensors into
+    one block of the loader's pinned pool (one budget, one fence), and with a device the device
+    stage makes the copy, where torch's pin_memory() copied each tensor on the worker and the
+    consumer's thread queued the device copy. The views, and with them the reference, go with the
+    batch to the consumer's thread, which lets them go holding the GIL: the pin thread never
+    waits for the GIL, nor takes it as Python exits (Note [Threads Python ends at exit] in
+    python/src/gil.h). The consumer's thread puts the delivered tensors back (rebuild_host), pinning any other
     object with a pin_memory() method, so the batch is what torch's pin_memory() makes: containers
     rebuilt as it rebuilds them, every other object kept as it is (not copied), each tensor
     occurrence its own pinned tensor. A batch holding a tensor the pipeline does not take as it is
@@ -198,11 +201,8 @@ def host_batch(batch: Any) -> Any:
         return None
     if not tensors:
         return None
-    from torch.utils.dlpack import to_dlpack
-
-    # bool as uint8, its bytes (torch before 2.1 exports no bool); rebuild_host views it back.
-    return _ferry.TensorBatch.of_host(
-        structure, [to_dlpack(t.view(torch.uint8) if t.dtype == torch.bool else t) for t in tensors])
+    return _ferry.TensorBatch.of_host(structure, tensors,
+                                      [(t.data_ptr(), str(t.dtype)[6:], tuple(t.shape)) for t in tensors])
 
 
 def rebuild_host(structure: Any, tensors: List[Any], pinning: bool) -> Any:

@@ -18,7 +18,6 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
-#include <dlpack/dlpack.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -246,22 +245,28 @@ TensorBatch tensor_batch(nb::object structure, const Block& block,
   return out;
 }
 
-// A batch a worker thread (or the loader's own thread) collated: each tensor a DLPack capsule of a
-// contiguous host tensor, taken over here, so that the ferry tensor views torch's memory and holds
-// it until the pin thread has copied it into the batch's pinned block (Note [Thread batches
-// through the pipeline] in ferry/_python.py).
-TensorBatch host_tensor_batch(nb::object structure, const nb::list& capsules) {
+// A batch a worker thread (or the loader's own thread) collated: each tensor viewed where torch
+// holds it, (address, dtype name, shape), the tensors kept alive by `keep` until the last view
+// goes (Note [Thread batches through the pipeline] in ferry/_python.py). A view's bytes are read
+// by the pin thread; PyBatch keeps the views until the batch is delivered, so that `keep` is
+// dropped on the consumer's thread, which holds the GIL then.
+TensorBatch host_tensor_batch(nb::object structure, nb::object keep,
+                              const std::vector<std::tuple<std::uintptr_t, std::string, std::vector<std::int64_t>>>& views) {
   TensorBatch out;
-  out.tensors.reserve(capsules.size());
-  for (nb::handle cap : capsules) {
-    PyObject* p = cap.ptr();
+  out.tensors.reserve(views.size());
+  auto owner = std::make_shared<PyRef>(std::move(keep));
+  for (const auto& [address, name, dims] : views) {
     const std::string which = "TensorBatch.of_host: tensor " + std::to_string(out.tensors.size());
-    if (!PyCapsule_IsValid(p, "dltensor")) throw nb::value_error((which + " is not an unconsumed DLPack capsule").c_str());
-    auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(p, "dltensor"));
-    if (PyCapsule_SetName(p, "used_dltensor") != 0) throw nb::python_error();
-    ferry::Tensor t = ferry::from_dlpack(managed);  // owns the export from here, on every way out
-    if (t.device().kind != ferry::MemoryKind::Host) throw nb::value_error((which + " is not in host memory").c_str());
-    out.tensors.push_back(std::move(t));
+    const std::optional<ferry::DType> dtype = dtype_named(name);
+    if (!dtype) throw nb::value_error((which + " has dtype '" + name + "', which ferry does not carry").c_str());
+    std::size_t n = ferry::itemsize(*dtype);
+    for (std::int64_t d : dims) {
+      if (d < 0) throw nb::value_error((which + ": a negative dimension").c_str());
+      n *= static_cast<std::size_t>(d);
+    }
+    if (address == 0 && n > 0) throw nb::value_error((which + ": no address").c_str());
+    ferry::Storage storage = ferry::Storage::wrap(reinterpret_cast<void*>(address), n, ferry::Device::host(), owner);
+    out.tensors.emplace_back(std::move(storage), *dtype, ferry::Shape(dims.begin(), dims.end()));
   }
   out.structure = PyRef(std::move(structure));
   return out;
@@ -295,10 +300,13 @@ void register_blocks(nb::module_& m) {
           "structure"_a, "block"_a, "regions"_a)
       .def_static(
           "of_host",
-          [](nb::object structure, const nb::list& capsules) { return host_tensor_batch(std::move(structure), capsules); },
-          "structure"_a, "capsules"_a,
-          "A batch whose tensors are host tensors' DLPack capsules (each taken over): the pin thread copies them into "
-          "a pinned block (Note [Thread batches through the pipeline] in ferry/_python.py).");
+          [](nb::object structure, nb::object keep,
+             const std::vector<std::tuple<std::uintptr_t, std::string, std::vector<std::int64_t>>>& views) {
+            return host_tensor_batch(std::move(structure), std::move(keep), views);
+          },
+          "structure"_a, "keep"_a, "views"_a,
+          "A batch whose tensors are views (address, dtype name, shape) of host memory that `keep` holds: the pin "
+          "thread copies them into a pinned block (Note [Thread batches through the pipeline] in ferry/_python.py).");
   nb::list names;
   for (int k = 0; k < kDTypes; ++k) names.append(ferry::dtype_name(static_cast<ferry::DType>(k)));
   m.attr("DTYPE_NAMES") = nb::tuple(names);

@@ -43,12 +43,14 @@ using namespace nb::literals;
 struct Delivery {
   std::vector<ferry::Tensor> tensors;
   PyRef object;
+  std::vector<ferry::Tensor> sources;  // PyBatch::sources, let go with the GIL held (PyLoader::next)
 };
 void deliver(std::vector<ferry::Tensor>&& b, Delivery& d) { d.tensors = std::move(b); }
 void deliver(ferry::LabeledBatch&& b, Delivery& d) { d.tensors = {std::move(b.image), std::move(b.label)}; }
 void deliver(PyBatch&& b, Delivery& d) {
   d.object = std::move(b.object);
   d.tensors = std::move(b.tensors);
+  d.sources = std::move(b.sources);
 }
 
 // A Python batch delivered with its tensors (Note [Python batches through the pipeline]): its

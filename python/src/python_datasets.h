@@ -103,8 +103,16 @@ struct PyIter {
 struct PyBatch {
   PyRef object;
   std::vector<ferry::Tensor> tensors;  // non-empty: `object` is the structure they fill
+  // A worker thread's tensors as they were before pinning (views of torch's memory, held by a
+  // PyRef): kept until delivery, so that their PyRef is dropped on the consumer's thread, which
+  // holds the GIL then, not on the pin thread (Note [Thread batches through the pipeline]).
+  std::vector<ferry::Tensor> sources;
 
   void pin_memory(ferry::PinContext& ctx) {
+    if (!ctx.measuring() && sources.empty()) {
+      for (const ferry::Tensor& t : tensors)
+        if (t.device().kind == ferry::MemoryKind::Host) sources.push_back(t);
+    }
     for (ferry::Tensor& t : tensors) t = ctx.pin(t);
   }
 };
@@ -127,9 +135,9 @@ struct PyCollate {
       if (nb::isinstance<TensorBatch>(made)) {
         auto& parts = nb::cast<TensorBatch&>(made);
         if (!parts.structure) throw ferry::Error("a TensorBatch was handed to the loader twice");
-        return PyBatch{std::move(parts.structure), std::move(parts.tensors)};
+        return PyBatch{std::move(parts.structure), std::move(parts.tensors), {}};
       }
-      return PyBatch{PyRef(std::move(made)), {}};
+      return PyBatch{PyRef(std::move(made)), {}, {}};
     });
   }
 };

@@ -877,14 +877,16 @@ def test_worker_threads_send_batches_through_the_pipeline_rebuilt_as_torchs(kind
 def test_a_thread_batch_is_rebuilt_with_the_dtype_it_had():
     from ferry import _python
 
-    # A bool tensor travels as uint8: the Place keeps the dtype.
+    # The Place keeps the dtype: a tensor delivered as uint8 comes back as the bool it was.
     structure = {"flags": _python.Place(0, torch.bool), "n": [_python.Place(1, torch.int16), 3]}
     back = _python.rebuild_host(structure, [torch.tensor([1, 0], dtype=torch.uint8), torch.ones(2, dtype=torch.int16)],
                                 False)
     assert back["flags"].dtype == torch.bool and back["flags"].tolist() == [True, False]
     assert back["n"][0].dtype == torch.int16 and back["n"][1] == 3
-    with pytest.raises(ValueError, match="tensor 0 is not an unconsumed DLPack capsule"):
-        _python._ferry.TensorBatch.of_host({}, [object()])
+    with pytest.raises(ValueError, match="tensor 1 has dtype 'complex64', which ferry does not carry"):
+        _python._ferry.TensorBatch.of_host({}, [], [(8, "uint8", (4,)), (8, "complex64", (2,))])
+    with pytest.raises(ValueError, match="tensor 0: a negative dimension"):
+        _python._ferry.TensorBatch.of_host({}, [], [(8, "uint8", (-1,))])
 
 
 def test_a_tensor_batch_outside_its_block_or_of_an_unknown_dtype_is_refused_by_name():
