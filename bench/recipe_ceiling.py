@@ -23,12 +23,11 @@ import time
 
 
 def tune_malloc() -> None:
-    """glibc's malloc told to keep what it frees (no mmap of its own for a large block, no trim)."""
-    import ctypes
+    """glibc's malloc told to keep what it frees, as ferry's worker processes tell it (Note [A
+    worker's freed memory kept] in ferry/_worker.py)."""
+    from ferry import _worker
 
-    libc = ctypes.CDLL("libc.so.6")
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    if not libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) or not libc.mallopt(M_TRIM_THRESHOLD, (1 << 31) - 1):
+    if not _worker.keep_freed_memory():
         raise SystemExit("mallopt refused")
 
 

@@ -13,7 +13,8 @@
 # ResNet-50 fed by each loader, with RESNET_ARGS; PYDS_BENCH=1 adds bench/python_datasets.py, a
 # Python dataset through each loader, with PYDS_ARGS; PYOBJ_BENCH=1 adds bench/python_objects.py,
 # a dataset of a million Python objects, first batch and memory, with PYOBJ_ARGS; CEILING_BENCH=1
-# adds bench/recipe_ceiling.py, the ResNet recipe's own work with no loader, with CEILING_ARGS; PYTHON_INSTALL=0
+# adds bench/recipe_ceiling.py, the ResNet recipe's own work with no loader, on RESNET_COPIES's folder,
+# with CEILING_ARGS; PYTHON_INSTALL=0
 # keeps the package an earlier call installed; PYTHON_DEMO=0 leaves the demo out).
 # gather: the suite, then bench_gather (the device gather, the host path, the link) and PyTorch's
 # DataLoader on the same workloads.

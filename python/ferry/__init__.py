@@ -389,7 +389,9 @@ class DataLoader:
         self.device = device_index
         self._python = python
         self._pool = None
-        self._host_batches = False  # Note [Thread batches through the pipeline] (ferry/_python.py)
+        # Note [Thread batches through the pipeline] (ferry/_python.py): worker threads' batches go
+        # through the pipeline (and there are pinned).
+        self._host_batches = self._host_batches_pinned = False
         self._seeds = _bridge.Seeds()
         self._seed_epoch: Optional[int] = None  # the epoch the base seed was drawn for
         self._resume_seeds: Optional[Dict[str, int]] = None
@@ -415,7 +417,7 @@ class DataLoader:
             self.sampler, self.batch_sampler = engine["sampler"], engine["batch_sampler"]
             self.collate_fn = engine["collate_fn"]
             self._order = engine["order"]
-            self._host_batches = engine["through"]
+            self._host_batches, self._host_batches_pinned = engine["through"], engine["pinned_through"]
             if gather != "auto":
                 raise ValueError("DataLoader: gather= is for ferry's datasets of rows (idx, npy)")
         else:
@@ -468,10 +470,7 @@ class DataLoader:
         # threads' batches, pinned by the pin thread. Batches that do not (a tensor the pipeline
         # does not take) are pinned by torch on the worker, and moved on the consumer's stream here.
         slabs = None if self._pool is None else self._pool.slabs
-        through = slabs is not None and slabs.pinned
-        # Batches of worker threads (or of no workers) through the pipeline where they are pinned
-        # (Note [Thread batches through the pipeline] in ferry/_python.py).
-        through = through or (self._host_batches and _ferry.pins(asked) and _ferry.cuda_available())
+        through = (slabs is not None and slabs.pinned) or self._host_batches_pinned
         self._pins_delivered = through  # a delivered batch was pinned (objects with pin_memory() follow)
         if python and not through:
             options = make_options(engine_batch, engine_shuffle, engine_drop_last, False, None, 0)

@@ -169,8 +169,10 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
                            slabs)
 
     # Note [Thread batches through the pipeline] (ferry/_python.py): a batch collated on this
-    # process's threads goes through ferry's pin thread and device stage where it is pinned.
-    through = pool is None and ((pinning and _ferry.cuda_available()) or _slabs.FOR_PAGEABLE)  # (the tests' way without CUDA)
+    # process's threads goes through ferry's pin thread and device stage where it is pinned
+    # (`pinned_through`), and, without CUDA, where the tests ask (_slabs.FOR_PAGEABLE).
+    pinned_through = pool is None and pinning and _ferry.cuda_available()
+    through = pinned_through or (pool is None and _slabs.FOR_PAGEABLE)
 
     def finish(samples: List[Any]) -> Any:
         if samples and isinstance(samples[0], _procs.Collated):  # collated by a worker process
@@ -213,7 +215,8 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
 
         cpp = _ferry.python_dataset(fetch=None, fetch_one=None, size=None, open=open_stream, finish=finish, plan=None,
                                     plan_batches=0, worker_start=worker_start, name=name)
-        return cpp, {**engine, **attributes, "order": None, "through": through}, pool
+        return cpp, {**engine, **attributes, "order": None, "through": through,
+                     "pinned_through": pinned_through}, pool
 
     size = len(dataset)
     # As torch: __getitems__ once a batch with automatic batching only (batch_size=None: __getitem__).
@@ -281,4 +284,5 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
         engine = {"batch_size": 1, "shuffle": False, "drop_last": False}
     cpp = _ferry.python_dataset(fetch=fetch, fetch_one=fetch_one, size=size, open=None, finish=finish, plan=plan,
                                 plan_batches=plan_batches, worker_start=worker_start, name=name)
-    return cpp, {**engine, **attributes, "order": order, "through": through}, pool
+    return cpp, {**engine, **attributes, "order": order, "through": through,
+                 "pinned_through": pinned_through}, pool

@@ -187,12 +187,15 @@ def host_batch(batch: Any) -> Any:
     import torch
 
     tensors: List[Any] = []
+    views: List[Any] = []  # (address, dtype name, shape) of each
 
     def on_tensor(t: Any) -> Any:
+        name = str(t.dtype)[6:]  # "torch.float32"
         if type(t) is not torch.Tensor or t.device.type != "cpu" or t.layout != torch.strided or t.requires_grad \
-                or t.is_quantized or t.is_nested or str(t.dtype)[6:] not in _DTYPES or not t.is_contiguous():
+                or t.is_quantized or t.is_nested or name not in _DTYPES or not t.is_contiguous():
             raise _Foreign
         tensors.append(t)
+        views.append((t.data_ptr(), name, tuple(t.shape)))
         return Place(len(tensors) - 1, t.dtype)
 
     try:
@@ -201,8 +204,7 @@ def host_batch(batch: Any) -> Any:
         return None
     if not tensors:
         return None
-    return _ferry.TensorBatch.of_host(structure, tensors,
-                                      [(t.data_ptr(), str(t.dtype)[6:], tuple(t.shape)) for t in tensors])
+    return _ferry.TensorBatch.of_host(structure, tensors, views)
 
 
 def rebuild_host(structure: Any, tensors: List[Any], pinning: bool) -> Any:

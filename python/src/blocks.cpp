@@ -29,6 +29,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "module.h"
@@ -217,29 +218,33 @@ std::optional<ferry::DType> dtype_named(const std::string& name) {
   return std::nullopt;
 }
 
+// A tensor's dtype and bytes from its dtype name and shape; `which` ("TensorBatch: tensor 2")
+// names it in the error.
+std::pair<ferry::DType, std::size_t> typed_bytes(const std::string& which, const std::string& name,
+                                                 const std::vector<std::int64_t>& dims) {
+  const std::optional<ferry::DType> dtype = dtype_named(name);
+  if (!dtype) throw nb::value_error((which + " has dtype '" + name + "', which ferry does not carry").c_str());
+  std::size_t n = ferry::itemsize(*dtype);
+  for (std::int64_t d : dims) {
+    if (d < 0) throw nb::value_error((which + ": a negative dimension").c_str());
+    n *= static_cast<std::size_t>(d);
+  }
+  return {*dtype, n};
+}
+
 // The tensors of a batch a process wrote into `block`: (offset, dtype name, shape) each.
 TensorBatch tensor_batch(nb::object structure, const Block& block,
                          const std::vector<std::tuple<std::size_t, std::string, std::vector<std::int64_t>>>& regions) {
   TensorBatch out;
   out.tensors.reserve(regions.size());
   for (const auto& [offset, name, dims] : regions) {
-    const std::optional<ferry::DType> dtype = dtype_named(name);
-    if (!dtype)
-      throw nb::value_error(
-          ("TensorBatch: tensor " + std::to_string(out.tensors.size()) + " has dtype '" + name + "', which ferry does not carry")
-              .c_str());
-    ferry::Shape shape(dims.begin(), dims.end());
-    std::size_t n = ferry::itemsize(*dtype);
-    for (std::int64_t d : dims) {
-      if (d < 0) throw nb::value_error("TensorBatch: a negative dimension");
-      n *= static_cast<std::size_t>(d);
-    }
+    const std::string which = "TensorBatch: tensor " + std::to_string(out.tensors.size());
+    const auto [dtype, n] = typed_bytes(which, name, dims);
     if (offset > block.storage.nbytes() || n > block.storage.nbytes() - offset)
-      throw nb::value_error(("TensorBatch: tensor " + std::to_string(out.tensors.size()) + " (" + std::to_string(n) +
-                             " bytes at " + std::to_string(offset) + ") lies outside its block of " +
-                             std::to_string(block.storage.nbytes()) + " bytes")
+      throw nb::value_error((which + " (" + std::to_string(n) + " bytes at " + std::to_string(offset) +
+                             ") lies outside its block of " + std::to_string(block.storage.nbytes()) + " bytes")
                                 .c_str());
-    out.tensors.emplace_back(block.storage, *dtype, std::move(shape), offset);
+    out.tensors.emplace_back(block.storage, dtype, ferry::Shape(dims.begin(), dims.end()), offset);
   }
   out.structure = PyRef(std::move(structure));
   return out;
@@ -257,16 +262,10 @@ TensorBatch host_tensor_batch(nb::object structure, nb::object keep,
   auto owner = std::make_shared<PyRef>(std::move(keep));
   for (const auto& [address, name, dims] : views) {
     const std::string which = "TensorBatch.of_host: tensor " + std::to_string(out.tensors.size());
-    const std::optional<ferry::DType> dtype = dtype_named(name);
-    if (!dtype) throw nb::value_error((which + " has dtype '" + name + "', which ferry does not carry").c_str());
-    std::size_t n = ferry::itemsize(*dtype);
-    for (std::int64_t d : dims) {
-      if (d < 0) throw nb::value_error((which + ": a negative dimension").c_str());
-      n *= static_cast<std::size_t>(d);
-    }
+    const auto [dtype, n] = typed_bytes(which, name, dims);
     if (address == 0 && n > 0) throw nb::value_error((which + ": no address").c_str());
     ferry::Storage storage = ferry::Storage::wrap(reinterpret_cast<void*>(address), n, ferry::Device::host(), owner);
-    out.tensors.emplace_back(std::move(storage), *dtype, ferry::Shape(dims.begin(), dims.end()));
+    out.tensors.emplace_back(std::move(storage), dtype, ferry::Shape(dims.begin(), dims.end()));
   }
   out.structure = PyRef(std::move(structure));
   return out;
