@@ -409,7 +409,18 @@ struct Engine::State {
       }
       if (opt.in_order ? next_key >= window->next() + k : in_flight >= k) return;
       // Refill in bursts of half the window: a worker that ran dry is woken once per burst rather
-      // than once per batch (bench/RESULTS.md, engine overhead).
+      // than once per batch (bench/RESULTS.md, engine overhead). Not under round-robin:
+      //
+      // Note [Refill under round-robin]
+      // With round_robin, batch b is worker b mod W's, and a worker's next job is the batch a full
+      // round after its last. Held back until half the window was free, that job reached the
+      // worker up to half a window of batches late: a worker whose batch came in slow held the
+      // consumer, the other workers' finished batches filled the window behind it, and they all
+      // waited for the burst. Second-long batches whose times spread by 30% then kept the workers
+      // 0.83 busy in bench/sim_refill.py's model (0.89 refilled a slot at a time, as PyTorch's index
+      // queue does), where ferry's worker processes were 0.80-0.86 busy on the ResNet recipe
+      // (bench/RESULTS.md, "Python datasets: the refill under round-robin"). Batches that slow
+      // make the wake-ups a burst saves immaterial; round-robin serves Python datasets only.
       const std::uint64_t free = opt.in_order ? window->next() + k - next_key : k - in_flight;
       if (!bursting && in_flight > 0 && free < refill_burst) return;
       bursting = true;
@@ -863,7 +874,9 @@ void Engine::begin_epoch(std::uint64_t epoch, std::shared_ptr<const BatchPlan> p
   s.end_key = State::kNoEnd;
   s.inline_done = false;
   s.window = std::make_unique<ReorderWindow<Result>>(std::max<std::size_t>(s.limit(), 1), start);
-  s.refill_burst = std::max<std::uint64_t>(1, s.limit() / 2);
+  // Round-robin jobs go out one per freed slot, as PyTorch's index queue refills (Note [Refill
+  // under round-robin]); any-free-worker jobs in bursts of half the window.
+  s.refill_burst = s.opt.round_robin ? 1 : std::max<std::uint64_t>(1, s.limit() / 2);
   s.live = true;
   s.start_workers();
   if (s.W > 0) s.dispatch();

@@ -90,6 +90,12 @@ class Gate {
     std::unique_lock l(mu_);
     cv_.wait(l, [&] { return open_; });
   }
+  // Whether it opened within `d`.
+  template <class Duration>
+  bool wait_for(Duration d) {
+    std::unique_lock l(mu_);
+    return cv_.wait_for(l, d, [&] { return open_; });
+  }
   bool is_open() {
     std::lock_guard l(mu_);
     return open_;

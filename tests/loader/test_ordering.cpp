@@ -276,3 +276,35 @@ TEST_CASE("round_robin: batch b is made by worker b mod num_workers, even when a
     }
   }
 }
+
+TEST_CASE("round_robin: a worker's next job goes out as soon as one slot of the window is free", "[ordering]") {
+  // Note [Refill under round-robin]. Two workers, window 4: worker 0 makes batches 0, 2, 4;
+  // worker 1 makes 1, 3. Batch 1 waits (up to 5 s) for batch 4 to start: that happens only if
+  // taking batch 0 sent batch 4 out at once. Refilled in bursts of half the window, batch 4 would
+  // wait for batch 1 to be taken too, and batch 1 would give up waiting.
+  struct Held {
+    std::shared_ptr<Gate> four_started;
+    std::shared_ptr<std::atomic<bool>> waited_out;
+    std::size_t size() const { return 12; }
+    std::vector<Tensor> get(std::size_t) const { throw Error("get: not used when get_batch answers"); }
+    std::vector<std::vector<Tensor>> get_batch(std::span<const std::size_t> idx, const WorkerInfo&) const {
+      const std::size_t batch = idx[0] / 2;
+      if (batch == 4) four_started->open();
+      if (batch == 1 && !four_started->wait_for(std::chrono::seconds(5))) *waited_out = true;
+      std::vector<std::vector<Tensor>> out;
+      for (auto i : idx) out.push_back({Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(i))});
+      return out;
+    }
+  };
+  auto waited_out = std::make_shared<std::atomic<bool>>(false);
+  DataLoaderOptions o;
+  o.batch_size = 2;
+  o.num_workers = 2;
+  o.prefetch_factor = 2;
+  o.round_robin = true;
+  DataLoader loader(Held{std::make_shared<Gate>(), waited_out}, o);
+  std::int64_t b = 0;
+  for (auto& batch : loader) CHECK(batch[0].data<std::int64_t>()[0] == 2 * b++);
+  CHECK(b == 6);
+  CHECK_FALSE(waited_out->load());
+}
