@@ -10,6 +10,13 @@ they spend is the recipe's alone.
 Each process is forked before any thread starts here, warms up for --warmup seconds, then counts
 the images it finishes and the CPU it spends over the same --seconds window as the others.
 
+With --batch B > 1, each process also collates its samples into batches of B (image, label), into
+memory kept across batches, as a worker process does: `--stack held` holds a batch's samples and
+stacks them once all are made (torch's default_collate's way: ferry's slab collate, Note
+[Collated into the slab]); `--stack streamed` copies each sample's tensors into the batch's rows
+as the sample is made (Note [Samples stacked as they come]). Both run ferry's own code over a
+block of its pool.
+
     python3 bench/recipe_ceiling.py --images /tmp/ferry-photos300 --procs 8,15,16 --seconds 20
 """
 
@@ -32,7 +39,7 @@ def tune_malloc() -> None:
 
 
 def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds: float, batch: int, tune: bool,
-        out) -> None:
+        stack: str, out) -> None:
     import resource
 
     import torch
@@ -52,7 +59,15 @@ def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds
     cpu0 = t0 = None
     faults0 = 0
     held: list = []
-    slab = None
+    side = placer = None
+    if batch > 1:
+        from ferry import _ferry, _slabs
+
+        need = batch * (3 * 224 * 224 * 4 + 8) + (1 << 20)
+        blocks = _ferry.SharedBlocks(False, need)
+        block = blocks.lease(need, True, 1)
+        side = _slabs.ProcessSlabs()
+        side.add(block.id, block.size, os.dup(block.fd))
     while True:
         now = time.monotonic()
         if t0 is None and now >= begin:  # (a process whose imports ran past the warm-up counts from here)
@@ -60,16 +75,17 @@ def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds
             faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if now >= end:
             break
-        x, _ = data[order[k % len(order)]]
+        if batch > 1 and placer is None:
+            placer = side.placer(block.id, batch)
+        sample = data[order[k % len(order)]]
         k += 1
         done += 1
-        if batch > 1:  # held as a worker holds a batch's samples, then stacked into memory kept across batches
-            held.append(x)
+        if batch > 1:  # collated into memory kept across batches, as a worker process does
+            held.append(placer.take(sample) if stack == "streamed" else sample)
             if len(held) == batch:
-                if slab is None:
-                    slab = torch.empty((batch,) + tuple(x.shape), dtype=x.dtype)
-                torch.stack(held, out=slab)
-                held = []
+                side.collate(held, block.id, placer if stack == "streamed" else None)
+                held, placer = [], None
+        del sample
     if t0 is None:
         out.put((0, 0.0, 0.0, 0))
     else:
@@ -85,6 +101,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--batch", default="1", help="samples held before they are stacked (1: none held), comma-separated")
     ap.add_argument("--malloc", default="glibc", help="glibc (as it is), tuned (keeps what it frees), or both")
+    ap.add_argument("--stack", default="held", help="with --batch: held (stacked once all are made), streamed "
+                    "(each sample into its rows as it comes), or both")
     args = ap.parse_args()
     ctx = multiprocessing.get_context("fork")  # nothing here has started a thread
     import torch
@@ -99,15 +117,17 @@ def main() -> None:
     print(f"# The recipe's own work in P processes, no loader: {os.cpu_count()} vCPUs ({cpu}), {platform.platform()}, "
           f"torch {torch.__version__}, torchvision {torchvision.__version__}, images {args.images}, "
           f"{args.seconds:g} s counted after {args.warmup:g} s\n")
-    print("| processes | samples held | malloc | images/s | busy cores | ms of CPU an image | page faults an image |")
-    print("|---:|---:|---|---:|---:|---:|---:|")
+    print("| processes | batch | stacked | malloc | images/s | busy cores | ms of CPU an image | page faults an image |")
+    print("|---:|---:|---|---|---:|---:|---:|---:|")
     mallocs = ["glibc", "tuned"] if args.malloc == "both" else [args.malloc]
-    runs = [(int(p), int(b), m) for p in args.procs.split(",") for b in args.batch.split(",") for m in mallocs]
-    for procs, batch, how in runs:
+    stacks = ["held", "streamed"] if args.stack == "both" else [args.stack]
+    runs = [(int(p), int(b), st, m) for p in args.procs.split(",") for b in args.batch.split(",")
+            for st in (stacks if int(b) > 1 else ["-"]) for m in mallocs]
+    for procs, batch, stack, how in runs:
         out = ctx.Queue()
         start = time.monotonic() + 1.0  # every process forked and importing before the clock starts
         ps = [ctx.Process(target=one, args=(args.images, r, procs, start, args.warmup, args.seconds, batch,
-                                            how == "tuned", out))
+                                            how == "tuned", stack, out))
               for r in range(procs)]
         for p in ps:
             p.start()
@@ -119,7 +139,7 @@ def main() -> None:
         rate = sum(g[0] / g[2] for g in got)  # each over its own counted window
         busy = sum(g[1] / g[2] for g in got)
         faults = sum(g[3] for g in got) / max(1, sum(g[0] for g in got))
-        print(f"| {procs} | {batch if batch > 1 else '-'} | {how} | {rate:,.0f} | {busy:.1f} | {1000 * busy / rate:.2f} | "
+        print(f"| {procs} | {batch if batch > 1 else '-'} | {stack} | {how} | {rate:,.0f} | {busy:.1f} | {1000 * busy / rate:.2f} | "
               f"{faults:.0f} |", flush=True)
 
 

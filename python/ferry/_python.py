@@ -74,9 +74,10 @@ def reseed(seed: int, numpy_seed: Any = None) -> None:
 
 
 def fetch_samples(dataset: Any, getitems: Optional[Callable], indices: List[int], seed: int, epoch: int,
-                  seeding: bool) -> List[Any]:
+                  seeding: bool, take: Optional[Callable[[Any], Any]] = None) -> List[Any]:
     """A batch's samples, with ferry.sample_seed() answering for each (and, with `seeding`, the
-    global generators seeded from it first: once a sample, or once a batch for __getitems__)."""
+    global generators seeded from it first: once a sample, or once a batch for __getitems__).
+    `take`: what is kept of each sample as __getitem__ returns it (not with __getitems__)."""
     try:
         if getitems is not None:
             _local.sample = (seed, epoch, None)
@@ -88,7 +89,7 @@ def fetch_samples(dataset: Any, getitems: Optional[Callable], indices: List[int]
             _local.sample = (seed, epoch, i)
             if seeding:
                 reseed(_ferry.sample_seed(seed, epoch, int(i)))
-            out.append(dataset[i])
+            out.append(dataset[i] if take is None else take(dataset[i]))
         return out
     finally:
         _local.sample = None

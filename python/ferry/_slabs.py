@@ -187,13 +187,22 @@ class ProcessSlabs:
         self._maps: Dict[int, Tuple[mmap.mmap, Any]] = {}
         self._placed: Optional[_Placer] = None  # what collate() stacked into a slab, for the next dump()
 
-    def collate(self, samples: List[Any], slab_id: int) -> Any:
-        """torch's default_collate of `samples`, each tensor it stacks made in slab `slab_id`
-        where it fits (Note [Collated into the slab]); dump() of the result with the same slab
-        writes those tensors no more."""
+    def placer(self, slab_id: int, samples: int) -> "_Placer":
+        """What stacks a batch of `samples` samples into slab `slab_id`: take() each sample as it
+        is made (Note [Samples stacked as they come]), then collate() them with it."""
         from torch.utils.data._utils import collate as torch_collate
 
-        placer = _Placer(self._maps[slab_id][1], torch_collate.collate_tensor_fn)
+        return _Placer(self._maps[slab_id][1], torch_collate.collate_tensor_fn, samples)
+
+    def collate(self, samples: List[Any], slab_id: int, placer: "Optional[_Placer]" = None) -> Any:
+        """torch's default_collate of `samples`, each tensor it stacks made in slab `slab_id`
+        where it fits (Note [Collated into the slab]), or already there where `placer` took the
+        samples as they came; dump() of the result with the same slab writes those tensors no
+        more."""
+        from torch.utils.data._utils import collate as torch_collate
+
+        if placer is None:
+            placer = self.placer(slab_id, len(samples))
         fn_map = dict(torch_collate.default_collate_fn_map)
         import torch
 
@@ -282,28 +291,113 @@ class _Placer:
     0.692 ms of a worker's CPU an image on the H200 host (bench/RESULTS.md, "Python datasets:
     batches stacked into the slab")."""
 
-    def __init__(self, base: Any, fallback: Callable) -> None:
-        self.base, self.fallback = base, fallback
-        self.offset = 0
-        self.placed: Dict[int, Tuple[Any, Tuple[int, str, Tuple[int, ...]]]] = {}
-
-    def stack(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
+    def __init__(self, base: Any, fallback: Callable, samples: int) -> None:
         import torch
 
+        self._torch = torch
+        self.base, self.fallback = base, fallback
+        self.samples = samples  # the batch's
+        self.offset = 0
+        self.placed: Dict[int, Tuple[Any, Tuple[int, str, Tuple[int, ...]]]] = {}
+        # Note [Samples stacked as they come]: by each tensor's place in the first sample's walk,
+        # its stacked tensor and that tensor's place in the slab (None: not stacked as it came);
+        # and each row handed out in a sample, by id: (its tensor's place in the walk, its row, it).
+        self._stacks: List[Optional[Tuple[Any, Tuple[int, str, Tuple[int, ...]]]]] = []
+        self._rows: Dict[int, Tuple[int, int, Any]] = {}
+        self._taken = 0
+
+    def _plain(self, t: Any) -> bool:
+        """Whether `t` is a tensor this placer stacks: a plain CPU tensor of a dtype ferry carries."""
+        torch = self._torch
+        return type(t) is torch.Tensor and t.device.type == "cpu" and t.layout == torch.strided and \
+            not t.is_nested and not t.is_quantized and not t.requires_grad and str(t.dtype)[6:] in DTYPES
+
+    def _room(self, dtype: Any, shape: Tuple[int, ...], nbytes: int) -> Optional[Tuple[Any, int]]:
+        """A tensor of `shape` in the slab after what is placed, and where it starts; None if it does not fit."""
+        start = _round_up(self.offset, ALIGN)
+        if start + nbytes > self.base.numel():
+            return None
+        self.offset = start + nbytes
+        return self.base[start:start + nbytes].view(dtype).view(shape), start
+
+    def take(self, sample: Any) -> Any:
+        """The sample, each plain tensor in its tuples, lists, dicts and namedtuples copied into its
+        row of the batch's stacked tensor in the slab, and replaced by that row.
+
+        Note [Samples stacked as they come]
+        torch's default_collate stacks a batch's tensors once every sample is made, so a worker
+        holds the whole batch's samples until then (154 MB for the ResNet recipe's float images)
+        and reads them back from memory to stack them: 3.22 against 2.83 ms of CPU an image in 15
+        processes making the recipe's samples (bench/recipe_ceiling.py, --batch 256 against 1).
+        A worker process collating with default_collate into a slab (Note [Collated into the
+        slab]) instead copies each sample's tensors into the slab as the sample comes out of
+        __getitem__, still in cache, and the sample keeps only the row: the first sample lays out
+        a stacked tensor for each of its plain tensors, (batch size, *its shape), and the later
+        samples' tensors of that place, dtype and shape go to their rows. collate() then finds,
+        for such a place, every row of one stacked tensor in order, and returns that tensor: the
+        values, dtype and shape torch.stack gives. Anything else (a tensor of another dtype or
+        shape, a subclass, a container this does not rebuild: a custom Mapping or Sequence) stays
+        in the sample as it was, and collate stacks the list it is in as before, rows included:
+        the same values. A sample's containers are rebuilt as their own type (tuple, list, dict,
+        namedtuple), as collate rebuilds them; the dataset's own objects are never changed."""
+        row = self._taken
+        self._taken += 1
+        if row >= self.samples:
+            return sample
+        torch = self._torch
+        place = 0
+        stacks = self._stacks
+
+        def walk(o: Any) -> Any:
+            nonlocal place
+            kind = type(o)
+            if kind is torch.Tensor:
+                at = place
+                place += 1
+                if row == 0:
+                    stacks.append(None)
+                    if self._plain(o):
+                        shape = (self.samples,) + tuple(o.shape)
+                        room = self._room(o.dtype, shape, o.numel() * o.element_size() * self.samples)
+                        if room is not None:
+                            stacks[at] = (room[0], (room[1], str(o.dtype)[6:], shape))
+                stacked = stacks[at] if at < len(stacks) else None
+                if stacked is None or o.dtype != stacked[0].dtype or o.shape != stacked[0].shape[1:] or \
+                        not self._plain(o):
+                    return o
+                mine = stacked[0][row]
+                mine.copy_(o)
+                self._rows[id(mine)] = (at, row, mine)
+                return mine
+            if kind is tuple or kind is list:
+                return kind(walk(x) for x in o)
+            if kind is dict:
+                return {key: walk(value) for key, value in o.items()}
+            if isinstance(o, tuple) and hasattr(o, "_fields"):  # a namedtuple
+                return kind(*(walk(x) for x in o))
+            return o
+
+        return walk(sample)
+
+    def stack(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
+        torch = self._torch
+        first = self._rows.get(id(batch[0]))
+        if first is not None and len(batch) == self.samples:
+            at = first[0]
+            if all(self._rows.get(id(x), (None, None, None))[2] is x and self._rows[id(x)][:2] == (at, j)
+                   for j, x in enumerate(batch)):
+                out, where = self._stacks[at]  # type: ignore[misc]  (a row's place has its stack)
+                self.placed[id(out)] = (out, where)
+                return out
         elem = batch[0]
-        dtype = str(elem.dtype)[6:]
-        if type(elem) is torch.Tensor and elem.device.type == "cpu" and elem.layout == torch.strided and \
-                not elem.is_nested and not elem.is_quantized and dtype in DTYPES and \
-                all(type(x) is torch.Tensor and x.dtype == elem.dtype and x.shape == elem.shape and
-                    x.device == elem.device and x.layout == torch.strided and not x.requires_grad for x in batch):
+        if self._plain(elem) and all(self._plain(x) and x.dtype == elem.dtype and x.shape == elem.shape
+                                     for x in batch):
             shape = (len(batch),) + tuple(elem.shape)
-            nbytes = elem.numel() * len(batch) * elem.element_size()
-            start = _round_up(self.offset, ALIGN)
-            if start + nbytes <= self.base.numel():
-                out = self.base[start:start + nbytes].view(elem.dtype).view(shape)
+            room = self._room(elem.dtype, shape, elem.numel() * len(batch) * elem.element_size())
+            if room is not None:
+                out, start = room
                 torch.stack(batch, 0, out=out)
-                self.offset = start + nbytes
-                self.placed[id(out)] = (out, (start, dtype, shape))
+                self.placed[id(out)] = (out, (start, str(elem.dtype)[6:], shape))
                 return out
         return self.fallback(batch, collate_fn_map=collate_fn_map)
 

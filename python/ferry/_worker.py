@@ -240,14 +240,18 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
                 batch: Any = None
                 samples: Any = None
                 try:
-                    samples = _python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding)
+                    placer = None
+                    if slab is not None and finish is default_collate and getitems is None:
+                        placer = slabs.placer(slab, len(indices))  # Note [Samples stacked as they come]
+                    samples = _python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding,
+                                                    None if placer is None else placer.take)
                     if slab is not None and finish is default_collate:  # Note [Collated into the slab]
-                        batch = slabs.collate(samples, slab)
+                        batch = slabs.collate(samples, slab, placer)
                     else:
                         batch = finish(samples)
                     reply = ("ok", slabs.dump(batch, slab, (lambda needed: ask(conn, slabs, needed)) if asks else None))
                 finally:  # the batch may view its slab, which a later message may retire and unmap (slabs.drop)
-                    batch = samples = None
+                    batch = samples = placer = None
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
                 _, index, seed, epoch = message
                 reply = ("ok", _python.fetch_samples(dataset, None, [index], seed, epoch, seeding)[0])

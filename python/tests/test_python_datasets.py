@@ -948,6 +948,94 @@ def test_default_collate_stacks_into_the_slab_and_dump_writes_those_tensors_no_m
     assert_same([rebuilt], [tud.default_collate(samples)])
 
 
+def taken_as_they_come(side, slab_id, samples):
+    """Samples through a placer as a worker process takes them, then collated with it."""
+    placer = side.placer(slab_id, len(samples))
+    return side.collate([placer.take(sample) for sample in samples], slab_id, placer)
+
+
+def test_samples_stacked_into_the_slab_as_they_come_are_torchs_batch(monkeypatch):
+    # Note [Samples stacked as they come]: each sample's tensors are copied into their rows as the
+    # sample is taken; collate returns the stacked tensors where they lie, and dump() adds only the
+    # labels. The dataset's own tensors are neither changed nor kept.
+    from ferry import _slabs
+
+    cached = torch.arange(6, dtype=torch.int16)
+    samples = [{"image": torch.arange(12, dtype=torch.float32).view(3, 4).t() + i, "label": i,
+                "pair": LeftRight(cached, [torch.tensor(i), "x"])} for i in range(5)]
+    blocks, block, side = process_slab(1 << 16)
+    base = side._maps[block.id][1]
+    placer = side.placer(block.id, 5)
+    taken = [placer.take(sample) for sample in samples]
+    for i, t in enumerate(taken):  # each tensor is its row of the slab now, its containers rebuilt
+        assert t["image"].data_ptr() == base.data_ptr() + i * 48
+        assert type(t["pair"]) is LeftRight and t["pair"].left.data_ptr() != cached.data_ptr()
+        assert base.data_ptr() <= t["pair"].right[0].data_ptr() < base.data_ptr() + base.numel()
+    batch = side.collate(taken, block.id, placer)
+    assert batch["image"].data_ptr() == base.data_ptr() and batch["image"].is_contiguous()
+    copies = []
+    real = _slabs._SlabPickler.persistent_id
+
+    def counted(self, obj):
+        if type(obj) is torch.Tensor and id(obj) not in self._placed:
+            copies.append(tuple(obj.shape))
+        return real(self, obj)
+
+    monkeypatch.setattr(_slabs._SlabPickler, "persistent_id", counted)
+    blob, regions = side.dump(batch, block.id)
+    assert copies == [(5,)]  # the labels alone were copied in
+    assert_same([batch], [tud.default_collate(samples)])
+    assert torch.equal(cached, torch.arange(6, dtype=torch.int16)) and samples[0]["image"][0, 0] == 0
+
+
+class Custom(collections.abc.Mapping):
+    """A Mapping of the user's own: collate rebuilds it (as a dict), the placer leaves it as it is."""
+
+    def __init__(self, **items):
+        self._items = items
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
+def test_samples_that_do_not_match_the_first_are_stacked_by_torch_from_what_they_hold():
+    # A later sample with another dtype or shape at a place, or a subclass there: the rows taken so
+    # far stay in their samples and collate stacks the list as torch does, with the same values
+    # (or fails as torch fails); a container the placer does not rebuild is left as it is.
+    class Sub(torch.Tensor):
+        pass
+
+    def make(i, odd):
+        x = torch.full((2,), float(i))
+        if i == 2 and odd == "dtype":
+            x = x.double()
+        if i == 3 and odd == "subclass":
+            x = x.as_subclass(Sub)
+        return (x, Custom(m=torch.full((3,), i)))
+
+    for odd in ("dtype", "subclass", None):
+        samples = [make(i, odd) for i in range(4)]
+        blocks, block, side = process_slab(1 << 16)
+        try:
+            want = tud.default_collate(samples)
+        except RuntimeError as exc:
+            with pytest.raises(RuntimeError, match=str(exc)[:30]):
+                taken_as_they_come(side, block.id, samples)
+            continue
+        got = taken_as_they_come(side, block.id, samples)
+        assert type(got[0]) is type(want[0]) and got[0].dtype == want[0].dtype and torch.equal(got[0], want[0])
+        assert_same([got[1]], [want[1]])
+    blocks, block, side = process_slab(1 << 16)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        taken_as_they_come(side, block.id, [torch.zeros(2), torch.zeros(2), torch.zeros(3)])
+
+
 def test_tensors_stacked_into_a_slab_the_batch_then_leaves_are_moved_out_first():
     # A slab with room for the images but not the labels: the batch asks for another slab (the main
     # process gives this one back to the pool) or goes torch's way; either way its images must no
