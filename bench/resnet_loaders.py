@@ -159,6 +159,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--rows", default="gpu,ferry-float,ferry-uint8,torch")
+    ap.add_argument("--trace", type=int, default=0, help="ferry's Python-dataset rows record their first N batches' "
+                    "timelines (trace_batches) and write them to --trace-dir/trace-<row>.json")
+    ap.add_argument("--trace-dir", default=".")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds): how soon a thread waiting for the GIL gets it")
     args = ap.parse_args()
@@ -213,10 +216,11 @@ def main():
 
     made = []  # ferry loaders of the last row, whose stats() are printed after it
 
-    def ferry_python_rows(uint8=False, device=True, pin=True, worker_type="process"):
+    def ferry_python_rows(uint8=False, device=True, pin=True, worker_type="process", prefetch_factor=None):
         loader = ferry.DataLoader(torchvision_folder(uint8), batch_size=args.batch, shuffle=True,
                                   num_workers=args.workers, device=0 if device and not uint8 else None, pin_memory=pin,
-                                  drop_last=True, persistent_workers=True, worker_type=worker_type)
+                                  drop_last=True, persistent_workers=True, worker_type=worker_type,
+                                  prefetch_factor=prefetch_factor, trace_batches=args.trace)
         made.append(loader)
         return lambda: loader
 
@@ -242,6 +246,9 @@ def main():
                         torch_rows, None),
         "torch-uint8": (f"torch DataLoader + torchvision ImageFolder, uint8 (PILToTensor), {args.workers} workers",
                         lambda: torch_rows(True), normalize_chw_uint8),
+        "ferry-torchvision-prefetch4": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} "
+                                        "worker processes, prefetch_factor=4", lambda: ferry_python_rows(prefetch_factor=4),
+                                        as_is),
         "ferry-torchvision-threads": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker "
                                       "threads", lambda: ferry_python_rows(worker_type="thread"), as_is),
         "ferry-torchvision-uint8": (f"ferry.DataLoader + torchvision ImageFolder, uint8 (PILToTensor), "
@@ -271,6 +278,8 @@ def main():
                 if pool is not None and pool.slabs is not None:
                     slabs.update(size=pool.slabs.size, limit=pool.slabs.limit, max_count=pool.slabs.max_count)
                 report = f"{key}: {stats}{slabs or ''}"
+                if args.trace:
+                    made[-1].write_trace(os.path.join(args.trace_dir, f"trace-{key}.json"))
                 made[-1].close()
                 made.clear()
         med = statistics.median(rates)

@@ -344,40 +344,39 @@ class _Placer:
         self._taken += 1
         if row >= self.samples:
             return sample
-        torch = self._torch
-        place = 0
-        stacks = self._stacks
+        return self._walk(sample, row, [0])
 
-        def walk(o: Any) -> Any:
-            nonlocal place
-            kind = type(o)
-            if kind is torch.Tensor:
-                at = place
-                place += 1
-                if row == 0:
-                    stacks.append(None)
-                    if self._plain(o):
-                        shape = (self.samples,) + tuple(o.shape)
-                        room = self._room(o.dtype, shape, o.numel() * o.element_size() * self.samples)
-                        if room is not None:
-                            stacks[at] = (room[0], (room[1], str(o.dtype)[6:], shape))
-                stacked = stacks[at] if at < len(stacks) else None
-                if stacked is None or o.dtype != stacked[0].dtype or o.shape != stacked[0].shape[1:] or \
-                        not self._plain(o):
-                    return o
-                mine = stacked[0][row]
-                mine.copy_(o)
-                self._rows[id(mine)] = (at, row, mine)
-                return mine
-            if kind is tuple or kind is list:
-                return kind(walk(x) for x in o)
-            if kind is dict:
-                return {key: walk(value) for key, value in o.items()}
-            if isinstance(o, tuple) and hasattr(o, "_fields"):  # a namedtuple
-                return kind(*(walk(x) for x in o))
-            return o
-
-        return walk(sample)
+    def _walk(self, o: Any, row: int, place: List[int]) -> Any:
+        """take()'s walk of one object of sample `row`; place[0] counts the tensors met so far.
+        (A method, not a closure: a closure that calls itself is a reference cycle, and would
+        keep the rows, so the slab, mapped until the collector runs.)"""
+        kind = type(o)
+        if kind is self._torch.Tensor:
+            at = place[0]
+            place[0] += 1
+            stacks = self._stacks
+            if row == 0:
+                stacks.append(None)
+                if self._plain(o):
+                    shape = (self.samples,) + tuple(o.shape)
+                    room = self._room(o.dtype, shape, o.numel() * o.element_size() * self.samples)
+                    if room is not None:
+                        stacks[at] = (room[0], (room[1], str(o.dtype)[6:], shape))
+            stacked = stacks[at] if at < len(stacks) else None
+            if stacked is None or o.dtype != stacked[0].dtype or o.shape != stacked[0].shape[1:] or \
+                    not self._plain(o):
+                return o
+            mine = stacked[0][row]
+            mine.copy_(o)
+            self._rows[id(mine)] = (at, row, mine)
+            return mine
+        if kind is tuple or kind is list:
+            return kind(self._walk(x, row, place) for x in o)
+        if kind is dict:
+            return {key: self._walk(value, row, place) for key, value in o.items()}
+        if isinstance(o, tuple) and hasattr(o, "_fields"):  # a namedtuple
+            return kind(*(self._walk(x, row, place) for x in o))
+        return o
 
     def stack(self, batch: Any, *, collate_fn_map: Any = None) -> Any:
         torch = self._torch

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 import warnings
 
 import pytest
@@ -986,6 +987,15 @@ def test_samples_stacked_into_the_slab_as_they_come_are_torchs_batch(monkeypatch
     assert copies == [(5,)]  # the labels alone were copied in
     assert_same([batch], [tud.default_collate(samples)])
     assert torch.equal(cached, torch.arange(6, dtype=torch.int16)) and samples[0]["image"][0, 0] == 0
+    # Once the batch and its samples are let go, nothing views the slab any more, without waiting
+    # for the collector (a reference cycle would keep the rows until it ran, past the slab's unmap).
+    gc.disable()
+    try:
+        placed = weakref.ref(placer)
+        del batch, taken, placer, t
+        assert placed() is None
+    finally:
+        gc.enable()
 
 
 class Custom(collections.abc.Mapping):
