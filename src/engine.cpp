@@ -416,11 +416,12 @@ struct Engine::State {
       // round after its last. Held back until half the window was free, that job reached the
       // worker up to half a window of batches late: a worker whose batch came in slow held the
       // consumer, the other workers' finished batches filled the window behind it, and they all
-      // waited for the burst. Second-long batches whose times spread by 30% then kept the workers
-      // 0.83 busy in bench/sim_refill.py's model (0.89 refilled a slot at a time, as PyTorch's index
-      // queue does), where ferry's worker processes were 0.80-0.86 busy on the ResNet recipe
-      // (bench/RESULTS.md, "Python datasets: the refill under round-robin"). Batches that slow
-      // make the wake-ups a burst saves immaterial; round-robin serves Python datasets only.
+      // waited for the burst. The ResNet recipe's second-long batches spread by 0.13-0.18 (stdev
+      // over mean, traced on the H200 host): in bench/sim_refill.py's model that keeps workers
+      // 0.91-0.93 busy with the bursts and 0.96-0.98 refilled a slot at a time, as PyTorch's index
+      // queue refills; traced with this rule, ferry's worker processes were 0.97-0.98 busy
+      // (bench/RESULTS.md, "Python datasets: the refill under round-robin"). Batches that slow make
+      // the wake-ups a burst saves immaterial; round-robin serves Python datasets only.
       const std::uint64_t free = opt.in_order ? window->next() + k - next_key : k - in_flight;
       if (!bursting && in_flight > 0 && free < refill_burst) return;
       bursting = true;

@@ -383,9 +383,10 @@ class _Placer:
         first = self._rows.get(id(batch[0]))
         if first is not None and len(batch) == self.samples:
             at = first[0]
-            if all(self._rows.get(id(x), (None, None, None))[2] is x and self._rows[id(x)][:2] == (at, j)
-                   for j, x in enumerate(batch)):
-                out, where = self._stacks[at]  # type: ignore[misc]  (a row's place has its stack)
+            stacked = self._stacks[at]  # a row's place has its stack
+            if stacked is not None and all(self._rows.get(id(x), (None, None, None))[2] is x and
+                                           self._rows[id(x)][:2] == (at, j) for j, x in enumerate(batch)):
+                out, where = stacked
                 self.placed[id(out)] = (out, where)
                 return out
         elem = batch[0]
