@@ -289,7 +289,8 @@ class _Placer:
     recipe's float batch (154 MB) is thus written once, into memory already mapped, where it was
     written twice, first into a segment new each batch (147 page faults an image): 0.115 against
     0.692 ms of a worker's CPU an image on the H200 host (bench/RESULTS.md, "Python datasets:
-    batches stacked into the slab")."""
+    batches stacked into the slab"). Without __getitems__, each sample's tensors now go to the
+    slab as the sample comes (Note [Samples stacked as they come]), and collate finds them there."""
 
     def __init__(self, base: Any, fallback: Callable, samples: int) -> None:
         import torch
