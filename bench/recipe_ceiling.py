@@ -14,7 +14,8 @@ With --batch B > 1, each process also collates its samples into batches of B (im
 memory kept across batches, as a worker process does: `--stack held` holds a batch's samples and
 stacks them once all are made (torch's default_collate's way: ferry's slab collate, Note
 [Collated into the slab]); `--stack streamed` copies each sample's tensors into the batch's rows
-as the sample is made (Note [Samples stacked as they come]). Both run ferry's own code over a
+as the sample is made (Note [Samples stacked as they come]), with non-temporal stores as ferry's
+workers do, and `--stack copied` the same with torch's copy_. All run ferry's own code over a
 block of its pool.
 
     python3 bench/recipe_ceiling.py --images /tmp/ferry-photos300 --procs 8,15,16 --seconds 20
@@ -63,6 +64,8 @@ def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds
     if batch > 1:
         from ferry import _ferry, _slabs
 
+        _slabs.STREAMING_STORES = stack != "copied"
+
         need = batch * (3 * 224 * 224 * 4 + 8) + (1 << 20)
         blocks = _ferry.SharedBlocks(False, need)
         block = blocks.lease(need, True, 1)
@@ -81,9 +84,9 @@ def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds
         k += 1
         done += 1
         if batch > 1:  # collated into memory kept across batches, as a worker process does
-            held.append(placer.take(sample) if stack == "streamed" else sample)
+            held.append(sample if stack == "held" else placer.take(sample))
             if len(held) == batch:
-                side.collate(held, block.id, placer if stack == "streamed" else None)
+                side.collate(held, block.id, None if stack == "held" else placer)
                 held, placer = [], None
         del sample
     if t0 is None:
@@ -101,8 +104,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--batch", default="1", help="samples held before they are stacked (1: none held), comma-separated")
     ap.add_argument("--malloc", default="glibc", help="glibc (as it is), tuned (keeps what it frees), or both")
-    ap.add_argument("--stack", default="held", help="with --batch: held (stacked once all are made), streamed "
-                    "(each sample into its rows as it comes), or both")
+    ap.add_argument("--stack", default="streamed", help="with --batch, comma-separated: held (stacked once all are "
+                    "made), streamed (each sample into its rows as it comes, non-temporal stores), copied (the same "
+                    "with copy_)")
     args = ap.parse_args()
     ctx = multiprocessing.get_context("fork")  # nothing here has started a thread
     import torch
@@ -120,7 +124,7 @@ def main() -> None:
     print("| processes | batch | stacked | malloc | images/s | busy cores | ms of CPU an image | page faults an image |")
     print("|---:|---:|---|---|---:|---:|---:|---:|")
     mallocs = ["glibc", "tuned"] if args.malloc == "both" else [args.malloc]
-    stacks = ["held", "streamed"] if args.stack == "both" else [args.stack]
+    stacks = args.stack.split(",")
     runs = [(int(p), int(b), st, m) for p in args.procs.split(",") for b in args.batch.split(",")
             for st in (stacks if int(b) > 1 else ["-"]) for m in mallocs]
     for procs, batch, stack, how in runs:
