@@ -14,8 +14,7 @@ With --batch B > 1, each process also collates its samples into batches of B (im
 memory kept across batches, as a worker process does: `--stack held` holds a batch's samples and
 stacks them once all are made (torch's default_collate's way: ferry's slab collate, Note
 [Collated into the slab]); `--stack streamed` copies each sample's tensors into the batch's rows
-as the sample is made (Note [Samples stacked as they come]), with non-temporal stores as ferry's
-workers do, and `--stack copied` the same with torch's copy_. All run ferry's own code over a
+as the sample is made (Note [Samples stacked as they come]). Both run ferry's own code over a
 block of its pool.
 
     python3 bench/recipe_ceiling.py --images /tmp/ferry-photos300 --procs 8,15,16 --seconds 20
@@ -64,8 +63,6 @@ def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds
     if batch > 1:
         from ferry import _ferry, _slabs
 
-        _slabs.STREAMING_STORES = stack != "copied"
-
         need = batch * (3 * 224 * 224 * 4 + 8) + (1 << 20)
         blocks = _ferry.SharedBlocks(False, need)
         block = blocks.lease(need, True, 1)
@@ -105,8 +102,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1", help="samples held before they are stacked (1: none held), comma-separated")
     ap.add_argument("--malloc", default="glibc", help="glibc (as it is), tuned (keeps what it frees), or both")
     ap.add_argument("--stack", default="streamed", help="with --batch, comma-separated: held (stacked once all are "
-                    "made), streamed (each sample into its rows as it comes, non-temporal stores), copied (the same "
-                    "with copy_)")
+                    "made) or streamed (each sample into its rows as it comes); both: the two")
     args = ap.parse_args()
     ctx = multiprocessing.get_context("fork")  # nothing here has started a thread
     import torch
@@ -124,7 +120,7 @@ def main() -> None:
     print("| processes | batch | stacked | malloc | images/s | busy cores | ms of CPU an image | page faults an image |")
     print("|---:|---:|---|---|---:|---:|---:|---:|")
     mallocs = ["glibc", "tuned"] if args.malloc == "both" else [args.malloc]
-    stacks = args.stack.split(",")
+    stacks = ["held", "streamed"] if args.stack == "both" else args.stack.split(",")
     runs = [(int(p), int(b), st, m) for p in args.procs.split(",") for b in args.batch.split(",")
             for st in (stacks if int(b) > 1 else ["-"]) for m in mallocs]
     for procs, batch, stack, how in runs:

@@ -54,9 +54,6 @@ ALIGN = 256  # each tensor's offset in a slab (DMA- and vector-friendly)
 # 1.25-1.42x without; bench/RESULTS.md). The tests turn this on to run the slab path without CUDA.
 FOR_PAGEABLE = False
 _ROUND = 1 << 20
-# A sample's tensors go into their rows with non-temporal stores (Note [Samples stacked as they
-# come]); bench/recipe_ceiling.py turns this off to measure copy_ beside it.
-STREAMING_STORES = True
 # The dtypes ferry carries (ferry::DType), by name: torch's names for the same types.
 DTYPES = frozenset(_ferry.DTYPE_NAMES)
 
@@ -195,8 +192,7 @@ class ProcessSlabs:
         is made (Note [Samples stacked as they come]), then collate() them with it."""
         from torch.utils.data._utils import collate as torch_collate
 
-        mm, base = self._maps[slab_id]
-        return _Placer(base, torch_collate.collate_tensor_fn, samples, mm)
+        return _Placer(self._maps[slab_id][1], torch_collate.collate_tensor_fn, samples)
 
     def collate(self, samples: List[Any], slab_id: int, placer: "Optional[_Placer]" = None) -> Any:
         """torch's default_collate of `samples`, each tensor it stacks made in slab `slab_id`
@@ -296,12 +292,11 @@ class _Placer:
     batches stacked into the slab"). Without __getitems__, each sample's tensors now go to the
     slab as the sample comes (Note [Samples stacked as they come]), and collate finds them there."""
 
-    def __init__(self, base: Any, fallback: Callable, samples: int, buffer: Any = None) -> None:
+    def __init__(self, base: Any, fallback: Callable, samples: int) -> None:
         import torch
 
         self._torch = torch
         self.base, self.fallback = base, fallback
-        self._buffer = buffer if STREAMING_STORES else None  # the slab's mapping, `base`'s memory
         self.samples = samples  # the batch's
         self.offset = 0
         self.placed: Dict[int, Tuple[Any, Tuple[int, str, Tuple[int, ...]]]] = {}
@@ -345,10 +340,7 @@ class _Placer:
         shape, a subclass, a container this does not rebuild: a custom Mapping or Sequence) stays
         in the sample as it was, and collate stacks the list it is in as before, rows included:
         the same values. A sample's containers are rebuilt as their own type (tuple, list, dict,
-        namedtuple), as collate rebuilds them; the dataset's own objects are never changed.
-        A contiguous tensor goes to its row with non-temporal stores (_ferry.stream_into, SSE2 on
-        x86-64, memcpy elsewhere): the slab's lines are written without being read first, and
-        without evicting from the caches what the next sample's decode and transforms work in."""
+        namedtuple), as collate rebuilds them; the dataset's own objects are never changed."""
         row = self._taken
         self._taken += 1
         if row >= self.samples:
@@ -376,11 +368,7 @@ class _Placer:
                     not self._plain(o):
                 return o
             mine = stacked[0][row]
-            nbytes = o.numel() * o.element_size()
-            if self._buffer is not None and nbytes and o.is_contiguous():  # the same bytes copy_ writes
-                _ferry.stream_into(self._buffer, stacked[1][0] + row * nbytes, o.data_ptr(), nbytes)
-            else:
-                mine.copy_(o)
+            mine.copy_(o)
             self._rows[id(mine)] = (at, row, mine)
             return mine
         if kind is tuple or kind is list:

@@ -21,14 +21,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <emmintrin.h>
-#endif
-
-#include <algorithm>
 #include <cerrno>
-#include <cstddef>
-#include <cstdint>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -278,52 +271,6 @@ TensorBatch host_tensor_batch(nb::object structure, nb::object keep,
   return out;
 }
 
-// Copies n bytes from src to dst, dst's cache lines written with non-temporal stores where the
-// machine has them (Note [Samples stacked as they come] in ferry/_slabs.py): written, not read
-// first, and not kept in the caches the caller's next sample works in.
-void stream_bytes(std::byte* dst, const std::byte* src, std::size_t n) {
-#if defined(__x86_64__) || defined(_M_X64)
-  const std::size_t head = std::min(n, (16 - reinterpret_cast<std::uintptr_t>(dst) % 16) % 16);
-  std::memcpy(dst, src, head);
-  dst += head;
-  src += head;
-  n -= head;
-  for (; n >= 64; n -= 64, dst += 64, src += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 32));
-    const __m128i d = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(dst + 48), d);
-  }
-  std::memcpy(dst, src, n);
-  _mm_sfence();  // the stores are visible before whatever the caller does next (the reply that names them)
-#else
-  std::memcpy(dst, src, n);
-#endif
-}
-
-// stream_into(): n bytes at address `src` into the writable buffer `dst` (a worker's mapped slab)
-// at `offset`, the range checked against the buffer's length.
-void stream_into(nb::handle dst, std::size_t offset, std::uintptr_t src, std::size_t n) {
-  Py_buffer view;
-  if (PyObject_GetBuffer(dst.ptr(), &view, PyBUF_WRITABLE | PyBUF_SIMPLE) != 0) throw nb::python_error();
-  const auto length = static_cast<std::size_t>(view.len);
-  if (offset > length || n > length - offset) {
-    PyBuffer_Release(&view);
-    throw nb::value_error(("stream_into: " + std::to_string(n) + " bytes at " + std::to_string(offset) +
-                           " lie outside the buffer of " + std::to_string(length) + " bytes")
-                              .c_str());
-  }
-  {
-    nb::gil_scoped_release unlocked;
-    stream_bytes(static_cast<std::byte*>(view.buf) + offset, reinterpret_cast<const std::byte*>(src), n);
-  }
-  PyBuffer_Release(&view);
-}
-
 }  // namespace
 
 void register_blocks(nb::module_& m) {
@@ -359,10 +306,6 @@ void register_blocks(nb::module_& m) {
           "structure"_a, "keep"_a, "views"_a,
           "A batch whose tensors are views (address, dtype name, shape) of host memory that `keep` holds: the pin "
           "thread copies them into a pinned block (Note [Thread batches through the pipeline] in ferry/_python.py).");
-  m.def("stream_into", &stream_into, "dst"_a, "offset"_a, "src"_a, "nbytes"_a,
-        "Copies nbytes from address src (memory the caller keeps alive) into the writable buffer dst at offset, "
-        "with non-temporal stores where the machine has them (Note [Samples stacked as they come] in "
-        "ferry/_slabs.py); the range must lie in dst.");
   nb::list names;
   for (int k = 0; k < kDTypes; ++k) names.append(ferry::dtype_name(static_cast<ferry::DType>(k)));
   m.attr("DTYPE_NAMES") = nb::tuple(names);

@@ -237,7 +237,7 @@ def test_python_batches_through_the_device_stage_equal_the_host_path_and_reuse_t
             for k in h:
                 assert torch.equal(d[k].cpu(), h[k]), (epoch, k)
     stats, blocks = loader.stats(), loader._pool.slabs.blocks.stats()
-    # (persistent workers make the next epoch's first batches ahead: one more at most)
-    assert stats["device"] and 15 <= stats["slab_batches"] <= 16 and stats["slab_misses"] == 0
+    # (persistent workers make the next epoch's first batches ahead: a window of 2 x 2 at most)
+    assert stats["device"] and 15 <= stats["slab_batches"] <= 15 + 2 * 2 and stats["slab_misses"] == 0
     # made in the first epoch, leased again behind their copies' events after
     assert blocks["made"] <= 2 * 2 + 4 and blocks["leases"] >= 15

@@ -998,28 +998,6 @@ def test_samples_stacked_into_the_slab_as_they_come_are_torchs_batch(monkeypatch
         gc.enable()
 
 
-def test_stream_into_writes_the_bytes_at_any_offset_and_refuses_a_range_outside_its_buffer():
-    # The non-temporal copy a sample's tensors take into the slab (Note [Samples stacked as they
-    # come]): unaligned heads, 64-byte bodies and tails all land, nothing around them changes.
-    import mmap
-
-    from ferry import _ferry
-
-    src = torch.arange(4096, dtype=torch.int32).view(torch.uint8)[:9000].clone()
-    for offset in (0, 1, 7, 16, 100):
-        for n in (1, 15, 16, 63, 64, 65, 1000, 8999):
-            mm = mmap.mmap(-1, 10240)
-            mm[:] = b"\xee" * len(mm)
-            _ferry.stream_into(mm, offset, src.data_ptr(), n)
-            got = bytes(mm)
-            assert got[offset:offset + n] == bytes(src[:n].tolist()), (offset, n)
-            assert got[:offset] == b"\xee" * offset and got[offset + n:] == b"\xee" * (len(mm) - offset - n)
-    with pytest.raises(ValueError, match="8 bytes at 10236 lie outside the buffer of 10240 bytes"):
-        _ferry.stream_into(mm, 10236, src.data_ptr(), 8)
-    with pytest.raises(BufferError):  # read-only
-        _ferry.stream_into(b"0123", 0, src.data_ptr(), 1)
-
-
 class Custom(collections.abc.Mapping):
     """A Mapping of the user's own: collate rebuilds it (as a dict), the placer leaves it as it is."""
 
