@@ -187,12 +187,16 @@ class ProcessSlabs:
         self._maps: Dict[int, Tuple[mmap.mmap, Any]] = {}
         self._placed: Optional[_Placer] = None  # what collate() stacked into a slab, for the next dump()
 
-    def placer(self, slab_id: int, samples: int) -> "_Placer":
+    def placer(self, slab_id: Optional[int], samples: int,
+               ask: Optional[Callable[[int], Optional[int]]] = None) -> "_Placer":
         """What stacks a batch of `samples` samples into slab `slab_id`: take() each sample as it
-        is made (Note [Samples stacked as they come]), then collate() them with it."""
+        is made (Note [Samples stacked as they come]), then collate() them with it. With no slab,
+        `ask` (the main process's answer, a slab's id or None, for so many bytes) is asked for one
+        once the first sample shows the batch's bytes (the placer's slab_id then)."""
         from torch.utils.data._utils import collate as torch_collate
 
-        return _Placer(self._maps[slab_id][1], torch_collate.collate_tensor_fn, samples)
+        base = None if slab_id is None else self._maps[slab_id][1]
+        return _Placer(base, torch_collate.collate_tensor_fn, samples, slab_id, ask, self._maps)
 
     def collate(self, samples: List[Any], slab_id: int, placer: "Optional[_Placer]" = None) -> Any:
         """torch's default_collate of `samples`, each tensor it stacks made in slab `slab_id`
@@ -292,12 +296,17 @@ class _Placer:
     batches stacked into the slab"). Without __getitems__, each sample's tensors now go to the
     slab as the sample comes (Note [Samples stacked as they come]), and collate finds them there."""
 
-    def __init__(self, base: Any, fallback: Callable, samples: int) -> None:
+    def __init__(self, base: Any, fallback: Callable, samples: int, slab_id: Optional[int] = None,
+                 ask: Optional[Callable[[int], Optional[int]]] = None,
+                 maps: Optional[Dict[int, Tuple[mmap.mmap, Any]]] = None) -> None:
         import torch
 
         self._torch = torch
         self.base, self.fallback = base, fallback
         self.samples = samples  # the batch's
+        self.slab_id = slab_id  # the slab `base` views (None: none yet, or none given)
+        self.refused = False  # a slab was asked for and none given
+        self._ask, self._maps = ask, maps  # no slab yet: asked once the first sample is seen
         self.offset = 0
         self.placed: Dict[int, Tuple[Any, Tuple[int, str, Tuple[int, ...]]]] = {}
         # Note [Samples stacked as they come]: by each tensor's place in the first sample's walk,
@@ -346,9 +355,38 @@ class _Placer:
         (bench/RESULTS.md, "Python datasets: the refill under round-robin")."""
         row = self._taken
         self._taken += 1
-        if row >= self.samples:
+        if row == 0 and self.base is None and self._ask is not None:
+            self._bind(sample)
+        if row >= self.samples or self.base is None:
             return sample
         return self._walk(sample, row, [0])
+
+    def _bind(self, first: Any) -> None:
+        """Asks for a slab that holds the batch the first sample announces: its tensors stacked,
+        and a number (an int, a float, a numpy value) a sample for what collate makes a tensor of,
+        as dump() would count them. Asked once; None: the batch goes as it did."""
+        ask, maps = self._ask, self._maps
+        self._ask = self._maps = None  # let go of the asker: it holds the process's slabs, which hold this placer
+        torch = self._torch
+        needed = 0
+        todo = [first]
+        while todo:
+            o = todo.pop()
+            if type(o) in (tuple, list) or isinstance(o, tuple):
+                todo.extend(o)
+            elif isinstance(o, dict):
+                todo.extend(o.values())
+            elif isinstance(o, torch.Tensor):
+                needed = _round_up(needed, ALIGN) + o.numel() * o.element_size() * self.samples
+            elif isinstance(o, (int, float)):  # bool is an int
+                needed = _round_up(needed, ALIGN) + 8 * self.samples
+            elif type(o).__module__ == "numpy" and isinstance(getattr(o, "nbytes", None), int):
+                needed = _round_up(needed, ALIGN) + o.nbytes * self.samples
+        slab_id = ask(needed) if ask is not None and needed else None
+        if slab_id is None or maps is None:
+            self.refused = True
+            return
+        self.slab_id, self.base = slab_id, maps[slab_id][1]
 
     def _walk(self, o: Any, row: int, place: List[int]) -> Any:
         """take()'s walk of one object of sample `row`; place[0] counts the tensors met so far.

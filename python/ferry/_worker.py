@@ -240,18 +240,24 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
                 batch: Any = None
                 samples: Any = None
                 try:
+                    asker = (lambda needed: ask(conn, slabs, needed)) if asks else None
                     placer = None
-                    if slab is not None and finish is default_collate and getitems is None:
-                        placer = slabs.placer(slab, len(indices))  # Note [Samples stacked as they come]
+                    if finish is default_collate and getitems is None and (slab is not None or asker is not None):
+                        # Note [Samples stacked as they come]; with no slab, one is asked for at the first sample
+                        placer = slabs.placer(slab, len(indices), asker)
                     samples = _python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding,
                                                     None if placer is None else placer.take)
+                    if placer is not None:
+                        slab = placer.slab_id
+                        if placer.refused:  # asked already: the batch goes torch's way
+                            asker = None
                     if slab is not None and finish is default_collate:  # Note [Collated into the slab]
                         batch = slabs.collate(samples, slab, placer)
                     else:
                         batch = finish(samples)
-                    reply = ("ok", slabs.dump(batch, slab, (lambda needed: ask(conn, slabs, needed)) if asks else None))
+                    reply = ("ok", slabs.dump(batch, slab, asker))
                 finally:  # the batch may view its slab, which a later message may retire and unmap (slabs.drop)
-                    batch = samples = placer = None
+                    batch = samples = placer = asker = None
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
                 _, index, seed, epoch = message
                 reply = ("ok", _python.fetch_samples(dataset, None, [index], seed, epoch, seeding)[0])

@@ -998,6 +998,66 @@ def test_samples_stacked_into_the_slab_as_they_come_are_torchs_batch(monkeypatch
         gc.enable()
 
 
+def test_a_request_without_a_slab_asks_for_one_at_its_first_sample_for_the_whole_batch():
+    # The first sample announces the batch's bytes (its tensors stacked, a number a sample as a
+    # tensor's element), asked for once; the batch is then stacked into the slab given, and dump()
+    # finds it fits. No slab given: the samples stay as they are, and nothing is asked again.
+    import math
+
+    import numpy
+
+    samples = [(torch.full((3, 5), float(i)), i, {"w": numpy.float32(i), "s": "x"}) for i in range(4)]
+    blocks, block, side = process_slab(1 << 16)
+    asked = []
+
+    def give(needed):
+        asked.append(needed)
+        return block.id
+
+    placer = side.placer(None, 4, give)
+    taken = [placer.take(sample) for sample in samples]
+    assert placer.slab_id == block.id and not placer.refused
+    batch = side.collate(taken, block.id, placer)
+    base = side._maps[block.id][1]
+    assert batch[0].data_ptr() == base.data_ptr()
+    blob, regions = side.dump(batch, block.id, lambda needed: asked.append(needed))
+    assert len(asked) == 1 and regions is not None  # it fit: nothing asked again
+    sizes = {"float32": 4, "int64": 8}
+    used = max(offset + sizes[dtype] * math.prod(shape) for offset, dtype, shape in regions)
+    assert [r[1:] for r in regions] == [("float32", (4, 3, 5)), ("int64", (4,)), ("float32", (4,))]
+    assert used <= asked[0] <= 2 * used  # what the batch takes, give or take the alignment
+    assert_same([batch], [tud.default_collate(samples)])
+    refused = side.placer(None, 4, lambda needed: asked.append(needed))
+    assert [refused.take(sample) is sample for sample in samples] == [True] * 4
+    assert refused.refused and refused.slab_id is None and len(asked) == 2
+
+
+class FreedBefore(Squares):
+    """Each sample says whether the tensor of the sample made before it in its process was already
+    freed: a worker that stacks samples as they come keeps only their rows in the slab."""
+
+    def __getitem__(self, i):
+        x = torch.full((64,), float(i))
+        freed = getattr(self, "_last", None) is None or self._last() is None
+        self._last = weakref.ref(x)
+        return x, freed
+
+
+def test_worker_processes_stack_each_sample_into_the_slab_as_it_comes(slabs_on):
+    # Through the loader: batches equal torch's, and each sample's tensor is let go as the next is
+    # made (a held batch keeps them all to the end), a request without a slab asking for one at its
+    # first sample: no more slabs are made for that than batches are held.
+    ours = loader(FreedBefore(48), (2, "process"), batch_size=8)
+    got = list(ours)
+    theirs = list(tud.DataLoader(FreedBefore(48), batch_size=8))
+    for (x, _), (y, _) in zip(got, theirs):
+        assert_same([x], [y])
+    assert not any(freed[1:].any() for _, freed in theirs)
+    assert [bool(freed[1:].all()) for _, freed in got] == [True] * 6
+    stats = ours.stats()
+    assert stats["slab_batches"] == 6 and stats["slab_misses"] == 0 and stats["slabs_made"] <= 6
+
+
 class Custom(collections.abc.Mapping):
     """A Mapping of the user's own: collate rebuilds it (as a dict), the placer leaves it as it is."""
 
