@@ -917,6 +917,22 @@ def process_slab(size):
     return blocks, block, side
 
 
+def counting_slab_copies(monkeypatch):
+    """The shapes of the tensors dump() copies into a slab (those not already placed there)."""
+    from ferry import _slabs
+
+    copies = []
+    real = _slabs._SlabPickler.persistent_id
+
+    def counted(self, obj):
+        if type(obj) is torch.Tensor and id(obj) not in self._placed:
+            copies.append(tuple(obj.shape))
+        return real(self, obj)
+
+    monkeypatch.setattr(_slabs._SlabPickler, "persistent_id", counted)
+    return copies
+
+
 def test_default_collate_stacks_into_the_slab_and_dump_writes_those_tensors_no_more(monkeypatch):
     # Note [Collated into the slab]: each tensor torch's default_collate stacks is made in the
     # slab, where dump() finds it (no copy); the other tensors (the labels' tensor) are laid after.
@@ -929,15 +945,7 @@ def test_default_collate_stacks_into_the_slab_and_dump_writes_those_tensors_no_m
     base = side._maps[block.id][1]
     assert batch[0].data_ptr() == base.data_ptr()  # stacked where the slab begins
     assert batch[2]["m"].data_ptr() == base.data_ptr() + 256
-    copies = []
-    real = _slabs._SlabPickler.persistent_id
-
-    def counted(self, obj):
-        if type(obj) is torch.Tensor and id(obj) not in self._placed:
-            copies.append(tuple(obj.shape))
-        return real(self, obj)
-
-    monkeypatch.setattr(_slabs._SlabPickler, "persistent_id", counted)
+    copies = counting_slab_copies(monkeypatch)
     blob, regions = side.dump(batch, block.id)
     assert copies == [(5,)]  # the labels alone were copied in
     assert [r[0] for r in regions] == [0, 512, 256] and regions[1][1:] == ("int64", (5,))
@@ -959,7 +967,6 @@ def test_samples_stacked_into_the_slab_as_they_come_are_torchs_batch(monkeypatch
     # Note [Samples stacked as they come]: each sample's tensors are copied into their rows as the
     # sample is taken; collate returns the stacked tensors where they lie, and dump() adds only the
     # labels. The dataset's own tensors are neither changed nor kept.
-    from ferry import _slabs
 
     cached = torch.arange(6, dtype=torch.int16)
     samples = [{"image": torch.arange(12, dtype=torch.float32).view(3, 4).t() + i, "label": i,
@@ -974,15 +981,7 @@ def test_samples_stacked_into_the_slab_as_they_come_are_torchs_batch(monkeypatch
         assert base.data_ptr() <= t["pair"].right[0].data_ptr() < base.data_ptr() + base.numel()
     batch = side.collate(taken, block.id, placer)
     assert batch["image"].data_ptr() == base.data_ptr() and batch["image"].is_contiguous()
-    copies = []
-    real = _slabs._SlabPickler.persistent_id
-
-    def counted(self, obj):
-        if type(obj) is torch.Tensor and id(obj) not in self._placed:
-            copies.append(tuple(obj.shape))
-        return real(self, obj)
-
-    monkeypatch.setattr(_slabs._SlabPickler, "persistent_id", counted)
+    copies = counting_slab_copies(monkeypatch)
     blob, regions = side.dump(batch, block.id)
     assert copies == [(5,)]  # the labels alone were copied in
     assert_same([batch], [tud.default_collate(samples)])
