@@ -37,6 +37,7 @@ segments have no name: nothing is left in /dev/shm whatever happens to either pr
 
 from __future__ import annotations
 
+import collections.abc
 import io
 import mmap
 import multiprocessing.reduction
@@ -378,10 +379,10 @@ class _Placer:
         todo = [first]
         while todo:
             o = todo.pop()
-            if type(o) in (tuple, list) or isinstance(o, tuple):
-                todo.extend(o)
-            elif isinstance(o, dict):
+            if isinstance(o, collections.abc.Mapping):  # as default_collate walks them
                 todo.extend(o.values())
+            elif isinstance(o, collections.abc.Sequence) and not isinstance(o, (str, bytes)):
+                todo.extend(o)
             elif isinstance(o, torch.Tensor):
                 needed = _round_up(needed, ALIGN) + o.numel() * o.element_size() * self.samples
             elif isinstance(o, (int, float)):  # bool is an int

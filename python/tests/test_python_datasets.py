@@ -1005,7 +1005,7 @@ def test_a_request_without_a_slab_asks_for_one_at_its_first_sample_for_the_whole
 
     import numpy
 
-    samples = [(torch.full((3, 5), float(i)), i, {"w": numpy.float32(i), "s": "x"}) for i in range(4)]
+    samples = [(torch.full((3, 5), float(i)), i, Custom(w=numpy.float32(i), s="x")) for i in range(4)]
     blocks, block, side = process_slab(1 << 16)
     asked = []
 
