@@ -398,11 +398,11 @@ class Pool:
         except BaseException:
             lease = None  # not held by the traceback's frame: the block goes back to the pool now
             raise
-        blob, regions = value
+        blob, regions, streamed = value
         slot.busy = False
         if slabs is None:
             return Collated(pickle.loads(blob))
-        return Collated(slabs.view_batch(blob, lease, regions))
+        return Collated(slabs.view_batch(blob, lease, regions, streamed))
 
     @staticmethod
     def _send_slab(slot: _Slot, lease: Any) -> None:

@@ -83,6 +83,7 @@ class Slabs:
         self._warned = False
         self.batches = 0  # batches whose tensors all travelled in a slab
         self.misses = 0  # batches that travelled as torch's shared memory
+        self.streamed = 0  # slab batches stacked as their samples came (Note [Samples stacked as they come])
 
     @property
     def retired(self) -> set:
@@ -142,12 +143,15 @@ class Slabs:
                 self._queue_busy = False
                 self._make_turn.notify_all()
 
-    def view_batch(self, blob: bytes, slab: Any, regions: Optional[List[Tuple[int, str, Tuple[int, ...]]]]) -> Any:
+    def view_batch(self, blob: bytes, slab: Any, regions: Optional[List[Tuple[int, str, Tuple[int, ...]]]],
+                   streamed: bool = False) -> Any:
         """The batch a process pickled: a TensorBatch for the loader where its tensors are all in
-        `slab` (`regions`: their places), else the batch itself (its tensors torch's shared memory)."""
+        `slab` (`regions`: their places), else the batch itself (its tensors torch's shared memory).
+        `streamed`: the process stacked its samples into the slab as they came."""
         with self._lock:
             if slab is not None and regions is not None:
                 self.batches += 1
+                self.streamed += bool(streamed)
             else:
                 self.misses += 1
         if slab is None or regions is None:
@@ -161,7 +165,8 @@ class Slabs:
     def stats(self) -> Dict[str, Any]:
         """The loader's slab counts, as stats() reports them."""
         blocks = self.blocks.stats()
-        return {"slab_batches": self.batches, "slab_misses": self.misses, "slab_bytes": blocks["bytes"],
+        return {"slab_batches": self.batches, "slab_streamed": self.streamed, "slab_misses": self.misses,
+                "slab_bytes": blocks["bytes"],
                 "slabs_made": blocks["made"], "slab_make_seconds": blocks["make_seconds"]}
 
 
@@ -308,6 +313,7 @@ class _Placer:
         self.samples = samples  # the batch's
         self.slab_id = slab_id  # the slab `base` views (None: none yet, or none given)
         self.refused = False  # a slab was asked for and none given
+        self.streamed = False  # collate found a stacked tensor whole, its rows filled as the samples came
         self._ask, self._maps = ask, maps  # no slab yet: asked once the first sample is seen
         self.offset = 0
         self.placed: Dict[int, Tuple[Any, Tuple[int, str, Tuple[int, ...]]]] = {}
@@ -437,6 +443,7 @@ class _Placer:
                                            self._rows[id(x)][:2] == (at, j) for j, x in enumerate(batch)):
                 out, where = stacked
                 self.placed[id(out)] = (out, where)
+                self.streamed = True
                 return out
         elem = batch[0]
         if self._plain(elem) and all(self._plain(x) and x.dtype == elem.dtype and x.shape == elem.shape

@@ -255,7 +255,8 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
                         batch = slabs.collate(samples, slab, placer)
                     else:
                         batch = finish(samples)
-                    reply = ("ok", slabs.dump(batch, slab, asker))
+                    # (the pickle, the tensors' places, whether its samples were stacked as they came)
+                    reply = ("ok", slabs.dump(batch, slab, asker) + (placer is not None and placer.streamed,))
                 finally:  # the batch may view its slab, which a later message may retire and unmap (slabs.drop)
                     batch = samples = placer = asker = None
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
