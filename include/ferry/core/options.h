@@ -92,7 +92,8 @@ struct DataLoaderOptions {
   /// assigns them, so that what a worker keeps of its own (a random generator seeded once, a
   /// cache) meets the same batches on every run. Off (the default), any free worker takes the
   /// next batch, which balances slow samples. The Python package turns it on for Python datasets
-  /// (their transforms draw from each worker's seeded global generators).
+  /// (their transforms draw from each worker's seeded global generators). On, each batch taken
+  /// sends the next job at once, as PyTorch's index queue refills (off, jobs go out in bursts).
   bool round_robin = false;
   /// Deliver batches in pinned (page-locked) memory: a pin thread copies each batch, in order,
   /// into a block of a bounded, recycled pinned pool. Without a CUDA device this logs one warning
