@@ -65,11 +65,14 @@ def main() -> None:
     ap.add_argument("--hold", default="0,50", help="ms the loop holds the GIL a batch, comma-separated")
     ap.add_argument("--batches", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--step-ms", type=float, default=0.0, help="ms the loop then sleeps a batch (a GPU step: the "
+                    "GIL released)")
     ap.add_argument("--spread", default="0", help="batch times' standard deviation over their mean, comma-separated "
                     "(as bench/sim_refill.py's)")
     args = ap.parse_args()
     ideal = args.workers / (args.batch * args.sample_ms / 1000)
-    print(f"# {args.workers} worker processes, batches of {args.batch} samples of {args.sample_ms:g} ms ({args.work}); "
+    print(f"# {args.workers} worker processes, batches of {args.batch} samples of {args.sample_ms:g} ms ({args.work}), "
+          f"the loop sleeping {args.step_ms:g} ms a batch; "
           f"{os.cpu_count()} vCPUs, {platform.platform()}, torch {torch.__version__}, ferry {ferry.__version__}\n")
     print("| batch times' spread | the loop holds the GIL a batch | batches/s | / the workers' rate | workers' busy cores |")
     print("|---:|---:|---:|---:|---:|")
@@ -86,6 +89,8 @@ def main() -> None:
             end = time.perf_counter() + hold
             while time.perf_counter() < end:  # the step's Python, the GIL held
                 pass
+            if args.step_ms:
+                time.sleep(args.step_ms / 1000)
         wall = time.perf_counter() - t0
         rate = args.batches / wall
         busy = f"{(cpu_seconds(pids) - c0) / wall:.2f}" if args.work == "spin" else "-"
