@@ -383,11 +383,18 @@ class _Placer:
         torch = self._torch
         needed = 0
         todo = [first]
+        walked = set()  # containers seen: one that holds itself is walked once, not forever
         while todo:
             o = todo.pop()
+            container = isinstance(o, collections.abc.Mapping) or \
+                (isinstance(o, collections.abc.Sequence) and not isinstance(o, (str, bytes)))
+            if container:
+                if id(o) in walked:
+                    continue
+                walked.add(id(o))
             if isinstance(o, collections.abc.Mapping):  # as default_collate walks them
                 todo.extend(o.values())
-            elif isinstance(o, collections.abc.Sequence) and not isinstance(o, (str, bytes)):
+            elif container:
                 todo.extend(o)
             elif isinstance(o, torch.Tensor):
                 needed = _round_up(needed, ALIGN) + o.numel() * o.element_size() * self.samples
