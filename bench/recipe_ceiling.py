@@ -75,7 +75,7 @@ def one(images: str, rank: int, procs: int, start: float, warmup: float, seconds
             faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         if now >= end:
             break
-        if batch > 1 and placer is None:
+        if stack == "streamed" and placer is None:
             placer = side.placer(block.id, batch)
         sample = data[order[k % len(order)]]
         k += 1
@@ -99,7 +99,8 @@ def main() -> None:
     ap.add_argument("--procs", default="15,16", help="process counts to run, comma-separated")
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--seconds", type=float, default=20.0)
-    ap.add_argument("--batch", default="1", help="samples held before they are stacked (1: none held), comma-separated")
+    ap.add_argument("--batch", default="1", help="samples a batch, collated as --stack says (1: no batches), "
+                    "comma-separated")
     ap.add_argument("--malloc", default="glibc", help="glibc (as it is), tuned (keeps what it frees), or both")
     ap.add_argument("--stack", default="streamed", help="with --batch, comma-separated: held (stacked once all are "
                     "made) or streamed (each sample into its rows as it comes); both: the two")
@@ -121,6 +122,8 @@ def main() -> None:
     print("|---:|---:|---|---|---:|---:|---:|---:|")
     mallocs = ["glibc", "tuned"] if args.malloc == "both" else [args.malloc]
     stacks = ["held", "streamed"] if args.stack == "both" else args.stack.split(",")
+    if set(stacks) - {"held", "streamed"}:
+        raise SystemExit(f"--stack {args.stack}: held, streamed or both")
     runs = [(int(p), int(b), st, m) for p in args.procs.split(",") for b in args.batch.split(",")
             for st in (stacks if int(b) > 1 else ["-"]) for m in mallocs]
     for procs, batch, stack, how in runs:

@@ -446,8 +446,9 @@ class _Placer:
         if first is not None and len(batch) == self.samples:
             at = first[0]
             stacked = self._stacks[at]  # a row's place has its stack
-            if stacked is not None and all(self._rows.get(id(x), (None, None, None))[2] is x and
-                                           self._rows[id(x)][:2] == (at, j) for j, x in enumerate(batch)):
+            # (_rows keeps each row alive, so an id found there is that row's)
+            if stacked is not None and all(self._rows.get(id(x), (None, None))[:2] == (at, j)
+                                           for j, x in enumerate(batch)):
                 out, where = stacked
                 self.placed[id(out)] = (out, where)
                 self.streamed = True

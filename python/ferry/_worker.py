@@ -244,7 +244,7 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
                     placer = None
                     if finish is default_collate and getitems is None and (slab is not None or asker is not None):
                         # Note [Samples stacked as they come]; with no slab, one is asked for at the first sample
-                        placer = slabs.placer(slab, len(indices), asker)
+                        placer = slabs.placer(slab, len(indices), asker if slab is None else None)
                     samples = _python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding,
                                                     None if placer is None else placer.take)
                     if placer is not None:
