@@ -20,7 +20,8 @@ consumer's stream).
 A slab is leased by the loader's worker thread for one batch. A request carries a free slab where
 there is one; a process whose batch has none, or does not fit the one it was given, says how many
 bytes it needs ("need"): at the batch's first sample where it stacks samples as they come (Note
-[Samples stacked as they come]), else once it has collated the batch; the worker thread answers with a slab
+[Samples stacked as they come]; it goes on making samples until the answer comes), else once it
+has collated the batch; the worker thread answers with a slab
 that holds them: a free one, taken at once, or a new one made then (1.25x the largest batch seen,
 rounded up to 1 MiB). Registering a slab of a float image batch takes a tenth of a second or
 more, and CUDA registers one at a time (bench/RESULTS.md, "Python datasets"): slabs are made one
@@ -187,6 +188,22 @@ class _Rebuilder(pickle.Unpickler):
 
 # --- the worker process's side ------------------------------------------------------------------
 
+class Asking:
+    """How a worker process asks the main process for a slab (Note [Slabs]): send() the bytes a
+    batch needs; answer() is (whether the answer has come, the slab's id or None), waiting for it
+    with `wait`, else only looking. Calling it does both: the id, or None."""
+
+    def send(self, needed: int) -> None:
+        raise NotImplementedError
+
+    def answer(self, wait: bool) -> Tuple[bool, Optional[int]]:
+        raise NotImplementedError
+
+    def __call__(self, needed: int) -> Optional[int]:
+        self.send(needed)
+        return self.answer(True)[1]
+
+
 class ProcessSlabs:
     """The slabs a worker process has mapped, by id."""
 
@@ -194,12 +211,11 @@ class ProcessSlabs:
         self._maps: Dict[int, Tuple[mmap.mmap, Any]] = {}
         self._placed: Optional[_Placer] = None  # what collate() stacked into a slab, for the next dump()
 
-    def placer(self, slab_id: Optional[int], samples: int,
-               ask: Optional[Callable[[int], Optional[int]]] = None) -> "_Placer":
+    def placer(self, slab_id: Optional[int], samples: int, ask: "Optional[Asking]" = None) -> "_Placer":
         """What stacks a batch of `samples` samples into slab `slab_id`: take() each sample as it
-        is made (Note [Samples stacked as they come]), then collate() them with it. With no slab,
-        `ask` (the main process's answer, a slab's id or None, for so many bytes) is asked for one
-        once the first sample shows the batch's bytes (the placer's slab_id then)."""
+        is made (Note [Samples stacked as they come]), then settle() the list and collate() it
+        with it. With no slab, `ask` asks the main process for one once the first sample shows the
+        batch's bytes, and the samples go on meanwhile (the placer's slab_id once answered)."""
         from torch.utils.data._utils import collate as torch_collate
 
         base = None if slab_id is None else self._maps[slab_id][1]
@@ -304,8 +320,7 @@ class _Placer:
     slab as the sample comes (Note [Samples stacked as they come]), and collate finds them there."""
 
     def __init__(self, base: Any, fallback: Callable, samples: int, slab_id: Optional[int] = None,
-                 ask: Optional[Callable[[int], Optional[int]]] = None,
-                 maps: Optional[Dict[int, Tuple[mmap.mmap, Any]]] = None) -> None:
+                 ask: Optional[Asking] = None, maps: Optional[Dict[int, Tuple[mmap.mmap, Any]]] = None) -> None:
         import torch
 
         self._torch = torch
@@ -315,6 +330,9 @@ class _Placer:
         self.refused = False  # a slab was asked for and none given
         self.streamed = False  # collate found a stacked tensor whole, its rows filled as the samples came
         self._ask, self._maps = ask, maps  # no slab yet: asked once the first sample is seen
+        self._pending: Optional[Asking] = None  # asked, not yet answered
+        self._held: List[Any] = []  # the samples taken while the answer was awaited, as they are
+        self._late: List[Any] = []  # those samples again, their tensors in their rows (settle())
         self.offset = 0
         self.placed: Dict[int, Tuple[Any, Tuple[int, str, Tuple[int, ...]]]] = {}
         # Note [Samples stacked as they come]: by each tensor's place in the first sample's walk,
@@ -360,9 +378,14 @@ class _Placer:
         namedtuple), as collate rebuilds them; the dataset's own objects are never changed.
         A request that carries no slab (none was free when it was sent: the slab of the batch
         just taken is still the consumer's) asks for one at its first sample, for the bytes that
-        sample announces (ask() at once, not once the batch is collated as dump() asks): in
+        sample announces (at once, not once the batch is collated as dump() asks): in
         test_python_datasets.py's loader test of this, five of six batches found none in their
-        request, and were held whole before. In 15
+        request, and were held whole before. The samples go on while the main process answers
+        (making a slab registers it with CUDA, a tenth of a second or more, one at a time: a
+        first epoch's fifteen workers asking at once would wait up to two seconds): each sample
+        taken meanwhile is held as it is, and the answer is looked for as each sample comes; once
+        it has come, the held samples' tensors go to their rows, and settle() puts those samples,
+        rebuilt, in the batch's list (it waits for the answer if the batch is made first). In 15
         processes on the H200 host: 3.35 against 3.59 and 3.71 against 4.24 ms of CPU an image on
         two starts of the host, where the recipe with no batches took 2.86 and 3.64
         (bench/RESULTS.md, "Python datasets: the refill under round-robin")."""
@@ -370,16 +393,39 @@ class _Placer:
         self._taken += 1
         if row == 0 and self.base is None and self._ask is not None:
             self._bind(sample)
+        if self._pending is not None:
+            self._answered(False)
+            if self._pending is not None:
+                self._held.append(sample)
+                return sample
         if row >= self.samples or self.base is None:
             return sample
         return self._walk(sample, row, [0])
+
+    def settle(self, samples: List[Any]) -> List[Any]:
+        """`samples` (the list of what take() returned) as collate is to take it: the answer to
+        the slab asked for waited for if it has not come, and the samples held until it came
+        replaced by their rebuilt selves, their tensors in their rows."""
+        if self._pending is not None:
+            self._answered(True)
+        late, self._late = self._late, []
+        samples[:len(late)] = late
+        return samples
+
+    def close(self) -> None:
+        """The batch was not made: an answer still to come is waited for (the pipe must not keep
+        it for the worker's next message) and let go, with what was held."""
+        pending, self._pending = self._pending, None
+        self._held, self._late, self._maps = [], [], None
+        if pending is not None:
+            pending.answer(True)
 
     def _bind(self, first: Any) -> None:
         """Asks for a slab that holds the batch the first sample announces: its tensors stacked,
         and a number (an int, a float, a numpy value) a sample for what collate makes a tensor of,
         as dump() would count them. Asked once; None: the batch goes as it did."""
         ask, maps = self._ask, self._maps
-        self._ask = self._maps = None  # let go of the asker: it holds the process's slabs, which hold this placer
+        self._ask = None
         torch = self._torch
         needed = 0
         todo = [first]
@@ -402,11 +448,28 @@ class _Placer:
                 needed = _round_up(needed, ALIGN) + 8 * self.samples
             elif type(o).__module__ == "numpy" and isinstance(getattr(o, "nbytes", None), int):
                 needed = _round_up(needed, ALIGN) + o.nbytes * self.samples
-        slab_id = ask(needed) if ask is not None and needed else None
-        if slab_id is None or maps is None:
+        if ask is None or not needed or maps is None:
+            self.refused, self._maps = True, None
+            return
+        ask.send(needed)
+        self._pending = ask
+
+    def _answered(self, wait: bool) -> None:
+        """Takes the answer to the slab asked for if it has come (with `wait`, once it comes): the
+        slab, the samples held meanwhile walked into their rows; or none, the batch going as it
+        did."""
+        pending, maps, held = self._pending, self._maps, self._held
+        assert pending is not None and maps is not None  # (_bind asked: a slab can be answered)
+        came, slab_id = pending.answer(wait)
+        if not came:
+            return
+        # let go of the asker: it holds the process's slabs, which hold this placer
+        self._pending, self._maps, self._held = None, None, []
+        if slab_id is None:
             self.refused = True
             return
         self.slab_id, self.base = slab_id, maps[slab_id][1]
+        self._late = [self._walk(sample, row, [0]) for row, sample in enumerate(held)]
 
     def _walk(self, o: Any, row: int, place: List[int]) -> Any:
         """take()'s walk of one object of sample `row`; place[0] counts the tensors met so far.

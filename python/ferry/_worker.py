@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from . import _python, _slabs
 
@@ -154,15 +154,24 @@ def send(conn: Any, reply: Any) -> None:
         exit_now()
 
 
-def ask(conn: Any, slabs: _slabs.ProcessSlabs, needed: int) -> Optional[int]:
-    """Asks the main process for a slab of `needed` bytes (Note [Slabs]): its id, or None."""
-    conn.send(("need", needed))
-    while True:
-        message = conn.recv()
-        if message[0] == "slab":  # a slab this process has not mapped yet; its descriptor follows
-            slabs.add(message[1], message[2], multiprocessing.reduction.recv_handle(conn))
-            continue
-        return message[1]  # ("into", id or None)
+class Asker(_slabs.Asking):
+    """Asks the main process for a slab of so many bytes over the process's pipe (Note [Slabs]);
+    while a batch is made, only a slab's descriptor and the answer come over it."""
+
+    def __init__(self, conn: Any, slabs: _slabs.ProcessSlabs) -> None:
+        self.conn, self.slabs = conn, slabs
+
+    def send(self, needed: int) -> None:
+        self.conn.send(("need", needed))
+
+    def answer(self, wait: bool) -> Tuple[bool, Optional[int]]:
+        while wait or self.conn.poll():
+            message = self.conn.recv()
+            if message[0] == "slab":  # a slab this process has not mapped yet; its descriptor follows
+                self.slabs.add(message[1], message[2], multiprocessing.reduction.recv_handle(self.conn))
+                continue
+            return True, message[1]  # ("into", id or None)
+        return False, None
 
 
 def keep_freed_memory() -> bool:
@@ -239,15 +248,16 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
                 slabs.drop(drops)
                 batch: Any = None
                 samples: Any = None
+                placer = None
                 try:
-                    asker = (lambda needed: ask(conn, slabs, needed)) if asks else None
-                    placer = None
+                    asker = Asker(conn, slabs) if asks else None
                     if finish is default_collate and getitems is None and (slab is not None or asker is not None):
                         # Note [Samples stacked as they come]; with no slab, one is asked for at the first sample
                         placer = slabs.placer(slab, len(indices), asker if slab is None else None)
                     samples = _python.fetch_samples(dataset, getitems, indices, seed, epoch, seeding,
                                                     None if placer is None else placer.take)
                     if placer is not None:
+                        samples = placer.settle(samples)
                         slab = placer.slab_id
                         if placer.refused:  # asked already: the batch goes torch's way
                             asker = None
@@ -258,6 +268,8 @@ def serve(conn: Any, worker: int, workers: int, payload: Optional[tuple], error:
                     # (the pickle, the tensors' places, whether its samples were stacked as they came)
                     reply = ("ok", slabs.dump(batch, slab, asker) + (placer is not None and placer.streamed,))
                 finally:  # the batch may view its slab, which a later message may retire and unmap (slabs.drop)
+                    if placer is not None:  # an answer still to come (the batch failed) is taken off the pipe
+                        placer.close()
                     batch = samples = placer = asker = None
             elif message[0] == "one":  # one sample, as it is (the loader collates what on_error kept)
                 _, index, seed, epoch = message

@@ -22,6 +22,7 @@ import torch
 import torch.utils.data as tud
 
 import ferry
+from ferry import _slabs
 from conftest import alive, interrupt_after
 
 
@@ -1008,40 +1009,93 @@ def test_a_request_without_a_slab_asks_for_one_at_its_first_sample_for_the_whole
 
     samples = [(torch.full((3, 5), float(i)), i, Custom(w=numpy.float32(i), s="x")) for i in range(4)]
     blocks, block, side = process_slab(1 << 16)
-    asked = []
-
-    def give(needed):
-        asked.append(needed)
-        return block.id
-
-    placer = side.placer(None, 4, give)
-    taken = [placer.take(sample) for sample in samples]
+    asker = Answers(block.id)
+    placer = side.placer(None, 4, asker)
+    taken = placer.settle([placer.take(sample) for sample in samples])
     assert placer.slab_id == block.id and not placer.refused
     batch = side.collate(taken, block.id, placer)
     base = side._maps[block.id][1]
-    assert batch[0].data_ptr() == base.data_ptr()
-    blob, regions = side.dump(batch, block.id, lambda needed: asked.append(needed))
-    assert len(asked) == 1 and regions is not None  # it fit: nothing asked again
+    assert batch[0].data_ptr() == base.data_ptr() and placer.streamed
+    blob, regions = side.dump(batch, block.id, asker)
+    assert len(asker.asked) == 1 and regions is not None  # it fit: nothing asked again
     sizes = {"float32": 4, "int64": 8}
     used = max(offset + sizes[dtype] * math.prod(shape) for offset, dtype, shape in regions)
     assert [r[1:] for r in regions] == [("float32", (4, 3, 5)), ("int64", (4,)), ("float32", (4,))]
-    assert used <= asked[0] <= 2 * used  # what the batch takes, give or take the alignment
+    assert used <= asker.asked[0] <= 2 * used  # what the batch takes, give or take the alignment
     assert_same([batch], [tud.default_collate(samples)])
-    refused = side.placer(None, 4, lambda needed: asked.append(needed))
+    refuser = Answers(None)
+    refused = side.placer(None, 4, refuser)
     assert [refused.take(sample) is sample for sample in samples] == [True] * 4
-    assert refused.refused and refused.slab_id is None and len(asked) == 2
+    assert refused.settle(list(samples)) == samples
+    assert refused.refused and refused.slab_id is None and len(refuser.asked) == 1 and refuser.looks == 1
     # A sample that holds itself is counted once (collate then fails as torch's does, not here).
     looped = [torch.zeros(4)]
     looped.append(looped)
-    side.placer(None, 4, lambda needed: asked.append(needed)).take(looped)
-    assert asked[2] == 4 * 16
+    counter = Answers(None)
+    side.placer(None, 4, counter).take(looped)
+    assert counter.asked == [4 * 16]
+
+
+class Answers(_slabs.Asking):
+    """The main process's answers to a worker's ask for a slab, in a test: `slab_id` (or None),
+    come once the answer has been looked for more than `after` times (None: only when waited for)."""
+
+    def __init__(self, slab_id, after=0):
+        self.slab_id, self.after = slab_id, after
+        self.asked, self.looks, self.waits = [], 0, 0
+
+    def send(self, needed):
+        self.asked.append(needed)
+
+    def answer(self, wait):
+        self.looks += 1
+        self.waits += bool(wait)
+        if wait or (self.after is not None and self.looks > self.after):
+            return True, self.slab_id
+        return False, None
+
+
+def test_samples_taken_before_the_slab_is_answered_go_to_their_rows_once_it_is():
+    # The samples go on while the main process makes the slab asked for: those taken before the
+    # answer came are held as they are, then copied into their rows, and settle() puts them,
+    # rebuilt, in the batch's list. An answer not come by the batch's end is waited for there; a
+    # batch that fails waits for it too (the pipe must not keep it), and keeps nothing.
+    samples = [{"x": torch.full((3,), float(i)), "y": (i, torch.tensor([i, -i]))} for i in range(5)]
+    want = tud.default_collate(samples)
+    for after, held in ((2, 2), (None, 5), (0, 0)):
+        blocks, block, side = process_slab(1 << 16)
+        base = side._maps[block.id][1]
+        asker = Answers(block.id, after)
+        placer = side.placer(None, 5, asker)
+        taken = [placer.take(sample) for sample in samples]
+        assert [t is s for t, s in zip(taken, samples)] == [True] * held + [False] * (5 - held)
+        taken = placer.settle(taken)
+        assert not any(t is s for t, s in zip(taken, samples))
+        assert [t["x"].data_ptr() - base.data_ptr() for t in taken] == [12 * i for i in range(5)]
+        assert asker.waits == (after is None) and len(asker.asked) == 1
+        batch = side.collate(taken, block.id, placer)
+        assert placer.streamed and batch["x"].data_ptr() == base.data_ptr()
+        assert_same([batch], [want])
+    failed = Answers(block.id, None)
+    placer = side.placer(None, 5, failed)
+    held = weakref.ref(samples[0]["x"])
+    placer.take(samples[0])
+    placer.close()
+    assert failed.waits == 1 and placer.slab_id is None
+    del samples
+    assert held() is None  # nothing of the failed batch kept
 
 
 class FreedBefore(Squares):
     """Each sample says whether the tensor of the sample made before it in its process was already
     freed: a worker that stacks samples as they come keeps only their rows in the slab."""
 
+    def __init__(self, n=50, sleep=0.0):
+        super().__init__(n)
+        self.sleep = sleep
+
     def __getitem__(self, i):
+        time.sleep(self.sleep)
         x = torch.full((64,), float(i))
         freed = getattr(self, "_last", None) is None or self._last() is None
         self._last = weakref.ref(x)
@@ -1052,16 +1106,47 @@ def test_worker_processes_stack_each_sample_into_the_slab_as_it_comes(slabs_on):
     # Through the loader: batches equal torch's, and each sample's tensor is let go as the next is
     # made (a held batch keeps them all to the end), a request without a slab asking for one at its
     # first sample: no more slabs are made for that than batches are held.
-    ours = loader(FreedBefore(48), (2, "process"), batch_size=8)
+    ours = loader(FreedBefore(48, sleep=0.005), (2, "process"), batch_size=8)
     got = list(ours)
     theirs = list(tud.DataLoader(FreedBefore(48), batch_size=8))
     for (x, _), (y, _) in zip(got, theirs):
         assert_same([x], [y])
     assert not any(freed[1:].any() for _, freed in theirs)
-    assert [bool(freed[1:].all()) for _, freed in got] == [True] * 6
+    # Samples made while the slab was being answered are held (Note [Samples stacked as they
+    # come]), the later ones let go as they come: in each batch, none freed, then all.
+    runs = [freed[1:].tolist() for _, freed in got]
+    assert all(run == sorted(run) for run in runs) and any(any(run) for run in runs)
     stats = ours.stats()
     assert stats["slab_batches"] == 6 and stats["slab_streamed"] == 6 and stats["slab_misses"] == 0
     assert stats["slabs_made"] <= 6
+
+
+class FaultyRows(Squares):
+    def __getitem__(self, i):
+        if i == 13:
+            raise KeyError(f"no sample {i}")
+        return torch.full((4,), float(i))
+
+
+@pytest.mark.parametrize("on_error", [None, "skip"])
+def test_a_batch_that_fails_while_its_slab_is_being_asked_for_leaves_its_process_ready(slabs_on, on_error):
+    # Sample 13 fails after its batch's first sample asked for a slab: the answer is taken off the
+    # pipe before the error goes back, and the process's next batches are right (one worker: the
+    # same process makes them all), in this epoch and the next.
+    ours = loader(FaultyRows(20), (1, "process"), batch_size=4, **({"on_error": on_error} if on_error else {}))
+    want = [[float(i) for i in range(b, b + 4) if i != 13] for b in range(0, 20, 4)]
+    for _ in range(2):
+        it = iter(ours)
+        got = [next(it)[:, 0].tolist() for _ in range(3)]
+        if on_error is None:
+            with pytest.raises(ferry.WorkerError, match="no sample 13"):
+                next(it)
+        else:
+            got.append(next(it)[:, 0].tolist())
+        got.append(next(it)[:, 0].tolist())
+        assert got == (want if on_error else want[:3] + want[4:])
+        assert next(it, None) is None
+    assert ours.stats()["slab_misses"] == 0
 
 
 class Custom(collections.abc.Mapping):
