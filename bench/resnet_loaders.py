@@ -111,6 +111,16 @@ def cpu_report(before, after, wall):
     return "; ".join(f"{k} {c:.2f}" for c, k in reversed(rows) if c >= 0.05)
 
 
+def wait_for_slabs(worker_id):
+    """worker_init_fn of the `-waits` row: each worker process waits for the main process's answer
+    to its ask for a slab at the batch's first sample (ferry before f09e82a), where it goes on
+    making samples meanwhile."""
+    from ferry import _worker
+
+    answer = _worker.Asker.answer
+    _worker.Asker.answer = lambda self, wait: answer(self, True)
+
+
 def make_model():
     model = torchvision.models.resnet50().cuda().to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -216,11 +226,11 @@ def main():
 
     made = []  # ferry loaders of the last row, whose stats() are printed after it
 
-    def ferry_python_rows(uint8=False, device=True, pin=True, worker_type="process", prefetch_factor=None):
+    def ferry_python_rows(uint8=False, device=True, pin=True, worker_type="process", prefetch_factor=None, init=None):
         loader = ferry.DataLoader(torchvision_folder(uint8), batch_size=args.batch, shuffle=True,
                                   num_workers=args.workers, device=0 if device and not uint8 else None, pin_memory=pin,
                                   drop_last=True, persistent_workers=True, worker_type=worker_type,
-                                  prefetch_factor=prefetch_factor, trace_batches=args.trace)
+                                  prefetch_factor=prefetch_factor, trace_batches=args.trace, worker_init_fn=init)
         made.append(loader)
         return lambda: loader
 
@@ -249,6 +259,9 @@ def main():
         "ferry-torchvision-prefetch4": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} "
                                         "worker processes, prefetch_factor=4", lambda: ferry_python_rows(prefetch_factor=4),
                                         as_is),
+        "ferry-torchvision-waits": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker "
+                                    "processes, each waiting for its slab at a batch's first sample",
+                                    lambda: ferry_python_rows(init=wait_for_slabs), as_is),
         "ferry-torchvision-threads": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker "
                                       "threads", lambda: ferry_python_rows(worker_type="thread"), as_is),
         "ferry-torchvision-uint8": (f"ferry.DataLoader + torchvision ImageFolder, uint8 (PILToTensor), "
