@@ -252,6 +252,8 @@ def main():
                                        to_cuda),
         "ferry-torchvision-alone": (f"ferry.DataLoader + the same recipe, {args.workers} worker processes, the loader "
                                     "alone (no training step)", lambda: ferry_python_rows(device=False, pin=False), None),
+        "ferry-torchvision-device-alone": (f"ferry.DataLoader + the same recipe, {args.workers} worker processes, "
+                                           "device=0, the loader alone (no training step)", ferry_python_rows, None),
         "torch-alone": (f"torch DataLoader + the same recipe, {args.workers} workers, the loader alone (no training step)",
                         torch_rows, None),
         "torch-uint8": (f"torch DataLoader + torchvision ImageFolder, uint8 (PILToTensor), {args.workers} workers",
