@@ -226,11 +226,13 @@ def main():
 
     made = []  # ferry loaders of the last row, whose stats() are printed after it
 
-    def ferry_python_rows(uint8=False, device=True, pin=True, worker_type="process", prefetch_factor=None, init=None):
+    def ferry_python_rows(uint8=False, device=True, pin=True, worker_type="process", prefetch_factor=None, init=None,
+                          seed=None):
         loader = ferry.DataLoader(torchvision_folder(uint8), batch_size=args.batch, shuffle=True,
                                   num_workers=args.workers, device=0 if device and not uint8 else None, pin_memory=pin,
                                   drop_last=True, persistent_workers=True, worker_type=worker_type,
-                                  prefetch_factor=prefetch_factor, trace_batches=args.trace, worker_init_fn=init)
+                                  prefetch_factor=prefetch_factor, trace_batches=args.trace, worker_init_fn=init,
+                                  seed=seed)
         made.append(loader)
         return lambda: loader
 
@@ -264,6 +266,9 @@ def main():
         "ferry-torchvision-waits": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker "
                                     "processes, each waiting for its slab at a batch's first sample",
                                     lambda: ferry_python_rows(init=wait_for_slabs), as_is),
+        "ferry-torchvision-seeded": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker "
+                                     "processes, seed=0 (ferry's order and seeds: the next epoch made ahead)",
+                                     lambda: ferry_python_rows(seed=0), as_is),
         "ferry-torchvision-threads": (f"ferry.DataLoader + the same torchvision ImageFolder recipe, {args.workers} worker "
                                       "threads", lambda: ferry_python_rows(worker_type="thread"), as_is),
         "ferry-torchvision-uint8": (f"ferry.DataLoader + torchvision ImageFolder, uint8 (PILToTensor), "
