@@ -74,6 +74,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, NoReturn, Optional, Tuple
 
@@ -137,6 +138,15 @@ def _fork_safe() -> bool:
     its others are all OpenBLAS's, which OpenBLAS shuts down before a fork."""
     n = _threads()
     return n == 1 or n == 1 + _openblas_threads()
+
+
+def _fork() -> int:
+    """os.fork() from a process _fork_safe() let fork. Python 3.12 warns of any fork from a process
+    of several threads (a DeprecationWarning, an error under -W error, raised in the parent after
+    the child exists); OpenBLAS's threads count there, though OpenBLAS parks them for the fork."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"This process \(pid=\d+\) is multi-threaded", DeprecationWarning)
+        return os.fork()
 
 
 # Set for a fresh zygote's own import of ferry, which must not start a zygote of its own.
@@ -413,7 +423,7 @@ class Zygote:
     def fork(cls) -> "Zygote":
         parent, child = multiprocessing.Pipe(duplex=True)
         main_pid = os.getpid()
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             try:
                 parent.close()
@@ -543,7 +553,7 @@ class LoaderZygote:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
-        pid = os.fork()
+        pid = _fork()
         if pid == 0:
             try:
                 parent.close()

@@ -554,6 +554,27 @@ def test_the_zygote_is_forked_where_the_other_threads_are_openblas_s(monkeypatch
     assert z._fork_safe()
 
 
+def test_forking_beside_openblas_threads_raises_no_warning_even_as_an_error(monkeypatch):
+    # Python 3.12 warns of a fork from a process of several threads, OpenBLAS's counted: where
+    # ferry forks beside them only, the warning is false, and under -W error it would raise in
+    # the parent after the child exists. (Python's own fork is stood in for: 3.11 has no warning.)
+    import warnings
+
+    z = ferry._zygote
+
+    def fork():
+        warnings.warn(f"This process (pid={os.getpid()}) is multi-threaded, use of fork() may lead to deadlocks "
+                      "in the child.", DeprecationWarning, stacklevel=2)
+        return 12345
+
+    monkeypatch.setattr(z.os, "fork", fork)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert z._fork() == 12345
+        with pytest.raises(DeprecationWarning):  # the filter is the fork's alone
+            fork()
+
+
 BLAS_IN_WORKERS = textwrap.dedent("""
     import os, numpy, torch, ferry
 
