@@ -17,10 +17,9 @@ import statistics
 from collections import defaultdict
 from typing import Dict, List, Tuple
 
-CONSUMER = 1000  # TraceRecorder::kConsumerTrack
-
-
 def workers(events: list, skip: int) -> None:
+    # The loader names its tracks: "consumer", and "worker N" for each worker (TraceRecorder).
+    names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     spans: Dict[int, Dict[int, List[float]]] = defaultdict(dict)  # worker -> batch -> [start, end] in us
     waits: List[Tuple[float, float]] = []
     consumer: List[Tuple[float, float]] = []
@@ -31,17 +30,16 @@ def workers(events: list, skip: int) -> None:
         if batch < skip:
             continue
         start, end = e["ts"], e["ts"] + e["dur"]
-        if e["tid"] == CONSUMER:
+        track = names.get(e["tid"], "")
+        if track == "consumer":
             consumer.append((start, end))
             if e["name"] == "wait for batch":
                 waits.append((start, end))
-            continue
-        if e["tid"] >= CONSUMER:
-            continue
-        span = spans[e["tid"]].setdefault(batch, [start, end])
-        span[0], span[1] = min(span[0], start), max(span[1], end)
-    if not spans:
-        print(f"  workers: no worker spans after batch {skip}")
+        elif track.startswith("worker "):
+            span = spans[e["tid"]].setdefault(batch, [start, end])
+            span[0], span[1] = min(span[0], start), max(span[1], end)
+    if not spans or not consumer:
+        print(f"  workers: no {'worker' if not spans else 'consumer'} spans after batch {skip}")
         return
     times: List[float] = []
     idle = busy = 0.0

@@ -218,8 +218,7 @@ class ProcessSlabs:
         batch's bytes, and the samples go on meanwhile (the placer's slab_id once answered)."""
         from torch.utils.data._utils import collate as torch_collate
 
-        base = None if slab_id is None else self._maps[slab_id][1]
-        return _Placer(base, torch_collate.collate_tensor_fn, samples, slab_id, ask, self._maps)
+        return _Placer(self._maps, torch_collate.collate_tensor_fn, samples, slab_id, ask)
 
     def collate(self, samples: List[Any], slab_id: int, placer: "Optional[_Placer]" = None) -> Any:
         """torch's default_collate of `samples`, each tensor it stacks made in slab `slab_id`
@@ -319,17 +318,18 @@ class _Placer:
     batches stacked into the slab"). Without __getitems__, each sample's tensors now go to the
     slab as the sample comes (Note [Samples stacked as they come]), and collate finds them there."""
 
-    def __init__(self, base: Any, fallback: Callable, samples: int, slab_id: Optional[int] = None,
-                 ask: Optional[Asking] = None, maps: Optional[Dict[int, Tuple[mmap.mmap, Any]]] = None) -> None:
+    def __init__(self, maps: Dict[int, Tuple[mmap.mmap, Any]], fallback: Callable, samples: int,
+                 slab_id: Optional[int] = None, ask: Optional[Asking] = None) -> None:
         import torch
 
         self._torch = torch
-        self.base, self.fallback = base, fallback
+        self.fallback, self._maps = fallback, maps  # the process's slabs, by id
+        self.base: Any = None if slab_id is None else maps[slab_id][1]  # the slab as bytes, once there is one
         self.samples = samples  # the batch's
         self.slab_id = slab_id  # the slab `base` views (None: none yet, or none given)
         self.refused = False  # a slab was asked for and none given
         self.streamed = False  # collate found a stacked tensor whole, its rows filled as the samples came
-        self._ask, self._maps = ask, maps  # no slab yet: asked once the first sample is seen
+        self._ask = ask  # no slab yet: asked once the first sample is seen
         self._pending: Optional[Asking] = None  # asked, not yet answered
         self._held: List[Any] = []  # the samples taken while the answer was awaited, as they are
         self._late: List[Any] = []  # those samples again, their tensors in their rows (settle())
@@ -416,7 +416,7 @@ class _Placer:
         """The batch was not made: an answer still to come is waited for (the pipe must not keep
         it for the worker's next message) and let go, with what was held."""
         pending, self._pending = self._pending, None
-        self._held, self._late, self._maps = [], [], None
+        self._held, self._late = [], []
         if pending is not None:
             pending.answer(True)
 
@@ -424,8 +424,7 @@ class _Placer:
         """Asks for a slab that holds the batch the first sample announces: its tensors stacked,
         and a number (an int, a float, a numpy value) a sample for what collate makes a tensor of,
         as dump() would count them. Asked once; None: the batch goes as it did."""
-        ask, maps = self._ask, self._maps
-        self._ask = None
+        ask, self._ask = self._ask, None
         torch = self._torch
         needed = 0
         todo = [first]
@@ -448,8 +447,8 @@ class _Placer:
                 needed = _round_up(needed, ALIGN) + 8 * self.samples
             elif type(o).__module__ == "numpy" and isinstance(getattr(o, "nbytes", None), int):
                 needed = _round_up(needed, ALIGN) + o.nbytes * self.samples
-        if ask is None or not needed or maps is None:
-            self.refused, self._maps = True, None
+        if ask is None or not needed:
+            self.refused = True
             return
         ask.send(needed)
         self._pending = ask
@@ -458,17 +457,17 @@ class _Placer:
         """Takes the answer to the slab asked for if it has come (with `wait`, once it comes): the
         slab, the samples held meanwhile walked into their rows; or none, the batch going as it
         did."""
-        pending, maps, held = self._pending, self._maps, self._held
-        assert pending is not None and maps is not None  # (_bind asked: a slab can be answered)
+        pending, held = self._pending, self._held
+        assert pending is not None  # (_bind asked)
         came, slab_id = pending.answer(wait)
         if not came:
             return
         # let go of the asker: it holds the process's slabs, which hold this placer
-        self._pending, self._maps, self._held = None, None, []
+        self._pending, self._held = None, []
         if slab_id is None:
             self.refused = True
             return
-        self.slab_id, self.base = slab_id, maps[slab_id][1]
+        self.slab_id, self.base = slab_id, self._maps[slab_id][1]
         self._late = [self._walk(sample, row, [0]) for row, sample in enumerate(held)]
 
     def _walk(self, o: Any, row: int, place: List[int]) -> Any:

@@ -921,8 +921,6 @@ def process_slab(size):
 
 def counting_slab_copies(monkeypatch):
     """The shapes of the tensors dump() copies into a slab (those not already placed there)."""
-    from ferry import _slabs
-
     copies = []
     real = _slabs._SlabPickler.persistent_id
 
@@ -1103,9 +1101,10 @@ class FreedBefore(Squares):
 
 
 def test_worker_processes_stack_each_sample_into_the_slab_as_it_comes(slabs_on):
-    # Through the loader: batches equal torch's, and each sample's tensor is let go as the next is
-    # made (a held batch keeps them all to the end), a request without a slab asking for one at its
-    # first sample: no more slabs are made for that than batches are held.
+    # Through the loader: batches equal torch's, and each sample's tensor made once its batch has a
+    # slab is let go as the next is made (a held batch keeps them all to the end), a request
+    # without a slab asking for one at its first sample: no more slabs are made for that than
+    # batches are held.
     ours = loader(FreedBefore(48, sleep=0.005), (2, "process"), batch_size=8)
     got = list(ours)
     theirs = list(tud.DataLoader(FreedBefore(48), batch_size=8))
