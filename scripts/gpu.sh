@@ -196,7 +196,7 @@ if [ "$what" = tokens ]; then
 fi
 if [ "$what" = images ]; then
   # GPU_TESTS: a Catch filter for the suite (e.g. "[decode]"), for short device time.
-  (FERRY_REQUIRE_GPU=1 timeout 150 build/gpu/tests/test_gpu ${GPU_TESTS:-} 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
+  (FERRY_REQUIRE_GPU=1 timeout 150 build/gpu/tests/test_gpu ${GPU_TESTS:-"~[multi]"} 2>&1 | tail -20) | tee "$OUT/test_gpu.txt"
   grep -q "All tests passed" "$OUT/test_gpu.txt" || rc=1
   links build/bench-data/photos /tmp/ferry-photos60 60
   timeout 300 build/gpu/bench/bench_gpu_decode --photos /tmp/ferry-photos60 --tar /tmp/ferry-shards60 --runs 3 --step-ms 20 --steps 200 \

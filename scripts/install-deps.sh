@@ -4,7 +4,8 @@
 set -euo pipefail
 packages=(g++ cmake ninja-build curl libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
           zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcurl4-openssl-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
-          python3-dev python3-venv python3-pip python3-numpy python3-torch clang-format)
+          python3-dev python3-venv python3-pip python3-numpy python3-torch clang-format
+          libopenblas0-pthread)  # numpy's BLAS as PyPI's wheels have it: OpenBLAS's threads (the zygote's fork test)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

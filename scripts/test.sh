@@ -15,6 +15,13 @@ for preset in "${presets[@]}"; do
   [ -x .venv/bin/python ] && python_args=(-DPython_EXECUTABLE="$PWD/.venv/bin/python")
   cmake --preset "$preset" "${python_args[@]}"
   cmake --build --preset "$preset"
+  # A preset that builds the Python package runs its suite: one that built it without registering
+  # the tests (the wheels missing, nanobind not found) fails here, not by a suite gone quiet.
+  if grep -q "^FERRY_BUILD_PYTHON:BOOL=ON" "build/$preset/CMakeCache.txt" \
+     && ! ctest --preset "$preset" -N | grep -q " python_tests$"; then
+    echo "scripts/test.sh: preset '$preset' builds the Python package but registered no python_tests (see CMake's 'ferry: Python module' line)" >&2
+    exit 1
+  fi
   ctest --preset "$preset" 2>&1 | tee "build/$preset/ctest-output.txt"
   # What passing output hides: why tests were skipped, and the Python suite's count.
   python3 scripts/test_summary.py "build/$preset/ctest-output.txt" "build/$preset/Testing/Temporary/LastTest.log" || true

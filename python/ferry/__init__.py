@@ -415,6 +415,8 @@ class DataLoader:
                 pinned_memory_limit=pinned_memory_limit)
             engine_batch, engine_shuffle, engine_drop_last = engine["batch_size"], engine["shuffle"], engine["drop_last"]
             self.sampler, self.batch_sampler = engine["sampler"], engine["batch_sampler"]
+            if batch_sampler is not None:  # as torch: the batches are the batch sampler's
+                self.batch_size, self.drop_last = None, False
             self.collate_fn = engine["collate_fn"]
             self._order = engine["order"]
             self._host_batches, self._host_batches_pinned = engine["through"], engine["pinned_through"]

@@ -213,6 +213,10 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
                 return _procs.RemoteStream(pool, worker, engine["batch_size"])
             return iter(dataset)
 
+        # As torch: an iterable dataset's sampler is an endless constant one, batched where batch_size is set.
+        attributes["sampler"] = data.dataloader._InfiniteConstantSampler()
+        if batch_size is not None:
+            attributes["batch_sampler"] = data.BatchSampler(attributes["sampler"], batch_size, drop_last)
         cpp = _ferry.python_dataset(fetch=None, fetch_one=None, size=None, open=open_stream, finish=finish, plan=None,
                                     plan_batches=0, worker_start=worker_start, name=name)
         return cpp, {**engine, **attributes, "order": None, "through": through,
@@ -259,6 +263,8 @@ def make_dataset(dataset: Any, *, batch_size: Optional[int], shuffle: bool, samp
             attributes["batch_sampler"] = batch_sampler
     if batch_sampler is not None:
         user = batch_sampler
+        if attributes["sampler"] is None:  # as torch: the user's batch_sampler beside a default sampler
+            attributes["sampler"] = data.SequentialSampler(dataset)
 
         def plan(epoch: int) -> Any:  # batches, or (order, batch size, drop_last): PyBatchSampler
             if order is not None:  # kept for state_dict(): a resumed epoch draws its order again

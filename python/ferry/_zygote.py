@@ -105,7 +105,11 @@ _OPENBLAS_GETTERS = ("openblas_get_num_threads", "openblas_get_num_threads64_", 
 
 def _openblas_threads() -> int:
     """Threads the OpenBLAS libraries loaded in this process run besides the caller's (a library
-    set to n threads starts n - 1). Only libraries already loaded are asked; 0 when none is."""
+    set to n threads starts n - 1). Only libraries already loaded are asked; 0 when none is. Each
+    OpenBLAS counts once, by its getter's address: Debian's libblas.so.3 and liblapack.so.3 are
+    linked to the one libopenblas, and a lookup in any of them finds its getter. A library whose
+    threads are down (`blas_server_avail` 0: OpenBLAS stops them before a fork and starts them at
+    its next threaded call) runs none, so another thread is never taken for one of them."""
     try:
         with open("/proc/self/maps") as f:
             paths = {line.split()[-1] for line in f if "openblas" in line.lower() and ".so" in line}
@@ -114,6 +118,7 @@ def _openblas_threads() -> int:
     import ctypes
 
     total = 0
+    asked = set()  # the getters' addresses
     for path in sorted(paths):
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
@@ -122,7 +127,14 @@ def _openblas_threads() -> int:
         for name in _OPENBLAS_GETTERS:
             getter = getattr(lib, name, None)
             if getter is not None:
-                total += max(int(getter()) - 1, 0)
+                address = ctypes.cast(getter, ctypes.c_void_p).value
+                if address not in asked:
+                    asked.add(address)
+                    try:
+                        running = ctypes.c_int.in_dll(lib, "blas_server_avail").value != 0
+                    except ValueError:  # a build that does not export it: its threads taken as up
+                        running = True
+                    total += max(int(getter()) - 1, 0) if running else 0
                 break
     return total
 

@@ -25,12 +25,53 @@ def gpu_available() -> bool:
     return torch.cuda.is_available() and ferry._ferry.cuda_available()
 
 
+# The test running now is marked `gpu` (the gpu marker: CTest's python_gpu_tests runs these alone,
+# labelled gpu; python_tests runs the rest).
+_marked_gpu = False
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (CTest's python_gpu_tests, label gpu)")
+
+
+@pytest.fixture(autouse=True)
+def _gpu_mark(request):
+    global _marked_gpu
+    _marked_gpu = request.node.get_closest_marker("gpu") is not None
+    yield
+    _marked_gpu = False
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # The GPU entry on a host without a GPU: skipped as the C++ GPU suite is (exit 77, CTest's
+    # SKIP_RETURN_CODE), not a pass; under FERRY_REQUIRE_GPU=1 its tests have failed already.
+    if os.environ.get("FERRY_GPU_SUITE") == "1" and exitstatus == 0 and os.environ.get("FERRY_REQUIRE_GPU") != "1" \
+            and not gpu_available():
+        session.exitstatus = 77
+
+
 def require_gpu():
+    """Skips the calling test without a usable CUDA device (fails it under FERRY_REQUIRE_GPU=1).
+    Only a test marked gpu may call it, so that the GPU entry runs every such test."""
+    if not _marked_gpu:
+        pytest.fail("a test that needs a GPU is marked @pytest.mark.gpu (CTest's python_gpu_tests runs those)")
     if gpu_available():
         return
     if os.environ.get("FERRY_REQUIRE_GPU") == "1":
         pytest.fail("FERRY_REQUIRE_GPU=1 but no usable CUDA device (torch and ferry must both see one)")
     pytest.skip("needs a CUDA device")
+
+
+def require_torchvision_io():
+    """torchvision.io, which a GPU test encodes its JPEGs with: skipped without it, failed under
+    FERRY_REQUIRE_GPU=1 (a GPU run that skips a GPU test is not a pass)."""
+    try:
+        import torchvision.io as tv
+    except ImportError as e:
+        if os.environ.get("FERRY_REQUIRE_GPU") == "1":
+            pytest.fail(f"FERRY_REQUIRE_GPU=1 but torchvision.io does not import: {e}")
+        pytest.skip(f"needs torchvision.io: {e}")
+    return tv
 
 
 def alive(pid: int) -> bool:

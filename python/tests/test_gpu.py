@@ -11,7 +11,9 @@ import pytest
 import torch
 
 import ferry
-from conftest import require_gpu
+from conftest import require_gpu, require_torchvision_io
+
+pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +95,7 @@ def test_a_loader_freed_mid_epoch_returns_its_threads_pinned_blocks_and_device_m
 
 
 def test_gpu_decode_from_python(tmp_path):
-    tv = pytest.importorskip("torchvision.io")
+    tv = require_torchvision_io()
     rng = np.random.default_rng(3)
     for c in ("a", "b"):
         (tmp_path / c).mkdir()

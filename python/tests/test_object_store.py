@@ -55,17 +55,18 @@ def test_missing_objects_name_the_url(object_store):
         ferry.datasets.image_folder("s3://ferry-py/no-such-prefix/")
 
 
+@pytest.mark.gpu
 def test_gpu_decode_over_s3_equals_local(object_store, tmp_path):
     """decode="gpu" over s3://: an image folder, indexed tar shards and the tar stream give the
     batches the same files give locally, bit for bit (the same JPEG bytes reach the same nvJPEG
     decode)."""
-    from conftest import require_gpu
+    from conftest import require_gpu, require_torchvision_io
     require_gpu()
     import io
     import tarfile
 
     import torch
-    tv = pytest.importorskip("torchvision.io")
+    tv = require_torchvision_io()
     rng = np.random.default_rng(5)
     folder, shards = tmp_path / "folder", tmp_path / "shards"
     shards.mkdir()

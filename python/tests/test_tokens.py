@@ -55,14 +55,24 @@ def test_megatron_fixture_packed(tmp_path):
     assert len(ds) == (sum(meta["lengths"]) - 1) // 32
     b = next(iter(ferry.DataLoader(ds, batch_size=4)))
     assert b["input_ids"].dtype == torch.int32 and b["cu_seqlens"].shape == (4, 33)
-    # The first window starts the first document: its positions count up to the second's start.
-    first = meta["lengths"][0]
-    pos = b["position_ids"][0].tolist()
-    assert pos[:min(first, 32)] == list(range(min(first, 32)))
-    if first < 32:
-        assert pos[first] == 0 and b["cu_seqlens"][0, 1].item() == first
+    # The corpus by the fixture's rule (meta["token"]); window w covers tokens [32 w, 32 w + 33).
+    corpus = [(d * 7919 + t * 31) % meta["vocab"] for d, n in enumerate(meta["lengths"]) for t in range(n)]
+    starts = np.cumsum(meta["lengths"])[:-1].tolist()
     tok = b["input_ids"][0].tolist()
-    assert tok[:3] == [(t * 31) % meta["vocab"] for t in range(3)]
+    assert tok == corpus[:32] and b["labels"][0].tolist() == corpus[1:33]
+    assert b["position_ids"][0].tolist() == list(range(32))  # the first document is longer than the window
+    # A window a document starts inside: positions restart there, cu_seqlens names it, labels run on
+    # across the documents' boundary to the next document's first token.
+    w = next(s // 32 for s in starts if s % 32 != 0)
+    cut = starts[[s // 32 for s in starts].index(w)] - 32 * w
+    rows = epoch(ferry.DataLoader(ds, batch_size=4))[w // 4]
+    got = {k: v[w % 4].tolist() for k, v in rows.items()}
+    assert got["input_ids"] == corpus[32 * w:32 * w + 32] and got["labels"] == corpus[32 * w + 1:32 * w + 33]
+    inside = [s - 32 * w for s in starts if 32 * w < s < 32 * w + 32]
+    assert inside[0] == cut
+    bounds = [0] + inside + [32]
+    assert got["position_ids"] == [k for a, z in zip(bounds, bounds[1:]) for k in range(z - a)]
+    assert got["cu_seqlens"] == [0] + inside + [32] * (33 - 1 - len(inside))
     shuffled = ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=32, packed=True, shuffle_documents=True,
                                        document_block=16)
     assert len(shuffled) == len(ds)
@@ -107,11 +117,15 @@ def test_mixture_resumes_from_state_dict_and_takes_new_weights(token_file):
     got = [x["input_ids"] for x in first] + [x["input_ids"] for x in rest]
     assert len(got) == len(whole) == 12
     assert all(torch.equal(x, y["input_ids"]) for x, y in zip(got, whole))
-    # New weights from sample 40 on: the first 5 batches are unchanged, the rest differ.
+    # New weights from sample 40 on (only b's windows): samples 0-39 unchanged, every one from 40 on
+    # one of b's; sample 40 came from a under the old weights, so a start 1 or 8 samples late fails.
     changed = ferry.datasets.mixture([(a, 0.75), (b, 0.25)], seed=9, block=8, size=96, schedule=[(40, [0.0, 1.0])])
     other = epoch(ferry.DataLoader(changed, batch_size=8, seed=1))
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(other[:5], whole[:5]))
-    assert not torch.equal(other[6]["input_ids"], whole[6]["input_ids"])
+    rows = lambda e: [tuple(r) for x in e for r in x["input_ids"].tolist()]  # noqa: E731
+    b_windows = set(rows(epoch(ferry.DataLoader(b, batch_size=8))))
+    old, new = rows(whole), rows(other)
+    assert new[:40] == old[:40]
+    assert old[40] not in b_windows and all(r in b_windows for r in new[40:])
     with pytest.raises(ValueError, match="fields differ"):
         ferry.datasets.mixture([(a, 1), (ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=16, packed=True), 1)])
 
@@ -141,6 +155,7 @@ def test_tokens_and_megatron_over_s3_equal_local(object_store, token_file):
         assert all(torch.equal(x[k], y[k]) for x, y in zip(r, loc) for k in x)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("workers", [0, 3])
 def test_device_batches_equal_the_host_batches(token_file, workers):
     from conftest import require_gpu

@@ -1,5 +1,5 @@
 // libFuzzer targets for the loaders' parsers: one binary per format, chosen at compile time
-// (FERRY_FUZZ_IDX, _NPY, _TOKENS (a Megatron index and an llm.c header), _S3 (an object store's XML answers), _TAR (the reader, and TarImages' index over the same bytes), _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
+// (FERRY_FUZZ_IDX, _NPY, _TOKENS (a Megatron index and an llm.c header), _S3 (an object store's XML answers), _TAR (the reader, and TarImages' index over the same bytes), _TAR_STREAM (TarShards' record assembly, skip and a loader's reading), _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
 // transform plan whose every tap must lie inside the image). Any input must either parse or raise ferry::DataError
 // (a clear error); anything else (a crash, an ASan/UBSan report, another exception) is a finding.
 #include <sys/mman.h>
@@ -91,6 +91,47 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         (void)images.get(i, ctx);
       } catch (const ferry::DataError&) {
       }
+    }
+#elif defined(FERRY_FUZZ_TAR_STREAM)
+    // The tar stream's record assembly over the bytes as a file (TarShards: members grouped into
+    // records by key, a damaged member after a complete record deferred to the next call, skip()
+    // by headers alone, a loader's one reading of the epoch and its second epoch at the learned
+    // offsets). Read whole by a worker's own stream, then checked against it where that read
+    // succeeded: the same stream after skip(k) gives the records after the first k, and a loader
+    // gives every record once, in order, in both epochs.
+    static const int fd = memfd_create("fuzz-stream.tar", 0);
+    if (fd < 0 || ftruncate(fd, 0) != 0 || pwrite(fd, data, size, 0) != static_cast<ssize_t>(size)) __builtin_trap();
+    const ferry::TarShards shards({"/proc/self/fd/" + std::to_string(fd)}, {.shuffle = false});
+    std::vector<std::uint64_t> whole;  // each record's offset
+    bool whole_read = false;
+    try {
+      ferry::TarShards::Stream s = shards.open(ferry::WorkerInfo{});
+      while (const auto r = s.next()) {
+        std::size_t bytes = 0;
+        for (const auto& [name, field] : r->fields) bytes += field.size();
+        if (r->fields.empty() || bytes > size || r->offset >= size) __builtin_trap();
+        if (!whole.empty() && r->offset <= whole.back()) __builtin_trap();
+        whole.push_back(r->offset);
+      }
+      whole_read = true;
+    } catch (const ferry::DataError&) {
+    }
+    if (!whole_read) return 0;
+    const std::size_t k = size == 0 ? 0 : data[size - 1] % (whole.size() + 1);
+    ferry::TarShards::Stream s = shards.open(ferry::WorkerInfo{});
+    if (s.skip(k) != k) __builtin_trap();
+    std::size_t at = k;
+    while (const auto r = s.next())
+      if (at >= whole.size() || r->offset != whole[at++]) __builtin_trap();
+    if (at != whole.size()) __builtin_trap();
+    ferry::DataLoaderOptions o;
+    o.batch_size = 3;
+    ferry::DataLoader loader(shards.map([](ferry::TarRecord r) { return static_cast<std::int64_t>(r.offset); }), o);
+    for (int epoch = 0; epoch < 2; ++epoch) {
+      std::vector<std::uint64_t> got;
+      for (const auto& batch : loader)
+        for (std::int64_t i = 0; i < batch.numel(); ++i) got.push_back(static_cast<std::uint64_t>(batch.item<std::int64_t>(i)));
+      if (got != whole) __builtin_trap();
     }
 #elif defined(FERRY_FUZZ_IMAGE)
     // Small pixel limit: the fuzzer looks for crashes, not for large images.

@@ -831,7 +831,7 @@ TEST_CASE("a slow answer: the hedge answers first, with the same bytes", "[s3][f
   FaultProxy proxy(ObjectStore::get().port());
   ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
   ::setenv("FERRY_S3_HEDGE_AFTER", "0.2", 1);
-  proxy.delay(std::chrono::milliseconds(2000), /*first_only=*/true);
+  proxy.delay(std::chrono::milliseconds(20000), /*first_only=*/true);  // ended early by the proxy's end
   const ObjectStoreStats before = object_store_stats();
   const auto t0 = std::chrono::steady_clock::now();
   const Tensor remote = read_npy(d.url("arrays/x.npy"));
@@ -841,7 +841,9 @@ TEST_CASE("a slow answer: the hedge answers first, with the same bytes", "[s3][f
   CHECK(remote.equal(read_npy(d.local("arrays/x.npy"))));
   CHECK(after.hedges - before.hedges == 1);
   CHECK(after.hedges_won - before.hedges_won == 1);
-  CHECK(seconds < 2.0);  // not a timing claim: the delayed answer alone would take 2 s
+  // An order, not a timing claim: the delayed answer alone takes 20 s, a bound no loaded machine
+  // reaches with the hedge's answer (its latency is bench_object_store's, bench/RESULTS.md).
+  CHECK(seconds < 20.0);
 }
 
 TEST_CASE("the store stopped mid-epoch and started again: retries recover, nothing lost or twice", "[s3][faults]") {

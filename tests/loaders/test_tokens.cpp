@@ -386,6 +386,9 @@ TEST_CASE("packed sequences: position ids restart at each document, cu_seqlens a
       const std::size_t pos = window * 64;
       REQUIRE(std::equal(all.begin() + static_cast<std::ptrdiff_t>(pos), all.begin() + static_cast<std::ptrdiff_t>(pos + 64),
                          b[0].begin() + static_cast<std::ptrdiff_t>(r * 64)));
+      // Labels: the next corpus token everywhere, across a document's end too.
+      REQUIRE(std::equal(all.begin() + static_cast<std::ptrdiff_t>(pos + 1), all.begin() + static_cast<std::ptrdiff_t>(pos + 65),
+                         b[1].begin() + static_cast<std::ptrdiff_t>(r * 64)));
       std::vector<std::int64_t> cu{0};
       for (std::size_t k = 0; k < 64; ++k) {
         ++seen[pos + k];
@@ -508,17 +511,24 @@ TEST_CASE("documents shuffled each epoch: every token once, documents whole betw
   for (std::uint64_t e : {0, 1}) {
     const auto ref = epoch(seqs, opts(5, 0, false), e);
     CHECK(epoch(seqs, opts(5, 3, false), e) == ref);  // any worker count
-    std::vector<std::int64_t> stream, order;
+    std::vector<std::int64_t> stream, order, labels;
     for (const auto& b : ref)
       for (std::size_t r = 0; r < b[0].size() / 64; ++r)
         for (std::size_t k = 0; k < 64; ++k) {
           const std::int64_t t = b[0][r * 64 + k], p = b[2][r * 64 + k];
+          labels.push_back(b[1][r * 64 + k]);
           // Inside a document each token is the one before + 31 (mod vocab): pieces are whole.
           if (p > 0) CHECK(t == (stream.back() + 31) % f.vocab);
           if (p == 0 && k > 0) order.push_back(doc_of(t));
           stream.push_back(t);
         }
     REQUIRE(stream.size() == seqs.size() * 64);
+    // Labels: the shuffled stream's next token, across a piece's end to the next document's first
+    // (the windows in order are the stream; the last window's last label is past it).
+    for (std::size_t i = 0; i + 1 < stream.size(); ++i) {
+      INFO("stream position " << i);
+      REQUIRE(labels[i] == stream[i + 1]);
+    }
     std::multiset<std::int64_t> seen(stream.begin(), stream.end());
     for (std::int64_t t : seen) CHECK(seen.count(t) <= whole.count(t));  // nothing read twice
     CHECK(whole.size() - seen.size() < 64);                              // only the tail past the last window

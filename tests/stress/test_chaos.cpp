@@ -2,8 +2,9 @@
 // (1% of samples throw, 0.1% sleep 2 s, 10 block until the end), timeout 500 ms, 4 workers, under
 // each policy at once (one loader per thread). Checked: every sample that was not faulted is
 // delivered exactly once; every fault is reported exactly once, naming its sample; with replace
-// every batch is full and the run equals one with 3 workers; no TimeoutError comes later than a
-// sanity bound (the exact latency is a benchmark: bench/RESULTS.md); threads and batch buffers are
+// every batch is full and the run equals one with 3 workers; a sample delayed past the timeout is
+// never delivered (its TimeoutError came first), and no TimeoutError comes later than a
+// bound (the exact latency is a benchmark: bench/RESULTS.md); threads and batch buffers are
 // bounded and all return. FERRY_CHAOS_BATCHES scales the run down (the sanitizer presets).
 //
 // Streams cannot be read past a call that never returns (ferry/core/dataloader.h, "Timeouts"), so
@@ -158,7 +159,10 @@ TEST_CASE("chaos: 100,000 batches through 1% throwing, 0.1% slow and 10 hung sam
     CHECK(raise.timeouts >= 10);
     CHECK(raise.stats.timeouts == raise.timeouts);
     INFO("raise: longest wait for a TimeoutError " << raise.max_timeout_latency_ms << " ms");
-    CHECK(raise.max_timeout_latency_ms < 500 + 1000);  // sanity: the hang's forever, or the 2 s delay, never reach the caller
+    // The order is checked above: a sample delayed 2 s is never delivered, so its TimeoutError came
+    // before the delay ended. Here only a bound no loaded machine reaches (the hangs are forever);
+    // the latency itself is a benchmark (bench/RESULTS.md, "Timeouts").
+    CHECK(raise.max_timeout_latency_ms < 30000);
   }
   // Skip and replace: each fault is reported exactly once and costs only itself.
   for (Run* r : {&skip, &replace4, &replace3}) {

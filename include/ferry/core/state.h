@@ -13,15 +13,18 @@
 // fetched, and the number of workers, prefetch depth, in_order, pinning and device may all change.
 // Batches prefetched but not received are not counted.
 //
-// Streams (iterable datasets, tar shards) resume mid-epoch with the same number of workers (each
-// worker's stream is its own shard of the data) and batch size, in order, under on_error = Raise:
-// each worker's stream skips the records its batches before the state had used, through the
-// stream's skip(n) when it has one (a mapped stream skips without running its transform, so tar
-// records skipped are read, not decoded), else by reading them. Anything else is a ferry::Error.
+// Streams (iterable datasets, tar shards) resume mid-epoch with the same batch size, in order,
+// under on_error = Raise: the stream skips the records its batches before the state had used,
+// through the stream's skip(n) when it has one (a mapped stream skips without running its
+// transform, so tar records skipped are read, not decoded), else by reading them. A stream that
+// fills across workers (kFillsAcrossWorkers: tar shards in a loader, one reading of the epoch
+// dealt to the workers) resumes at any number of workers; one whose every worker reads its own
+// shard of the data resumes with the same number. Anything else is a ferry::Error.
 //
 // Checks: restore() compares the state with the loader (seed, dataset size, and a hash of the
 // epoch's batch plan, which changes with the sampler, shuffle, batch_size, drop_last or a sampler
-// that is not a function of the epoch; for streams, the batch size and workers) and throws
+// that is not a function of the epoch; for streams, the batch size, and the workers where each
+// reads its own shard) and throws
 // ferry::Error naming what differs.
 //
 // Elastic data parallelism: a DistributedSampler state restored at another world size continues
