@@ -44,6 +44,47 @@ class _Pickler(cloudpickle.Pickler):
                               cloudpickle.Pickler.dispatch_table)
 
 
+# Note [Replies by the main process's names]
+# A worker's batch, sample or exception may hold a class or function of the user's script: a
+# namedtuple made there, a batch class a collate_fn returns. The main process has them as
+# `__main__.Name`, and torch's fork-started workers pickle them by that name. ferry's worker may
+# not hold them under it: one forked from a zygote received them by value (Note [Datasets by
+# value]) and its own `__main__` is ferry's; a spawn or forkserver worker's script runs as
+# `__mp_main__`. Plain pickling then fails ("attribute lookup Pair on __main__ failed", or "not
+# the same object as __main__.Pair"). ReplyPickler names such a class or function by its
+# qualified name in the main process's `__main__` instead (main_attr), so the main process gets
+# its own object, as with torch. A class local to a function cannot be named, and fails as with torch.
+
+
+def main_attr(qualname: str) -> Any:
+    """The object `qualname` names in this process's `__main__` (a worker's reply unpickled)."""
+    obj: Any = sys.modules["__main__"]
+    try:
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise pickle.UnpicklingError(
+            f"a worker's batch holds __main__.{qualname}, which this process's __main__ does not define "
+            "(a class or function of the script the workers run must be defined at the script's top level)") from None
+    return obj
+
+
+class ReplyPickler(multiprocessing.reduction.ForkingPickler):
+    """What a worker sends back: torch's multiprocessing reductions, and a class or function of the
+    user's `__main__` by its name there (Note [Replies by the main process's names])."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (isinstance(obj, type) or type(obj) is types.FunctionType) and getattr(obj, "__module__", None) == "__main__":
+            name = getattr(obj, "__qualname__", "")
+            if "<locals>" not in name:
+                here: Any = sys.modules.get("__main__")
+                for part in name.split("."):
+                    here = getattr(here, part, None)
+                if here is not obj:
+                    return main_attr, (name,)
+        return NotImplemented
+
+
 def _named(*key: Any) -> Any:  # what fingerprints write in an object's place: only pickled, never unpickled
     return key
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import collections.abc
 import io
 import mmap
-import multiprocessing.reduction
 import os
 import pickle
 import threading
@@ -49,6 +48,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from . import _ferry
+from ._pickling import ReplyPickler
 
 ALIGN = 256  # each tensor's offset in a slab (DMA- and vector-friendly)
 # Slabs replace the pin copy, so they serve pinned batches (pin_memory or device) only: for a
@@ -535,7 +535,7 @@ class _Placer:
 
 
 def _plain(batch: Any) -> bytes:
-    return bytes(multiprocessing.reduction.ForkingPickler.dumps(batch, pickle.HIGHEST_PROTOCOL))
+    return bytes(ReplyPickler.dumps(batch, pickle.HIGHEST_PROTOCOL))
 
 
 _STRICT, _MEASURE = 1, 2  # a tensor that does not fit: _NoRoom; counted only
@@ -554,7 +554,7 @@ class _Discard:
         return len(data)
 
 
-class _SlabPickler(multiprocessing.reduction.ForkingPickler):
+class _SlabPickler(ReplyPickler):
     def __init__(self, file: Any, base: Any, mode: int, placed: Optional[_Placer] = None) -> None:
         super().__init__(file, pickle.HIGHEST_PROTOCOL)
         import torch

@@ -30,6 +30,7 @@ import traceback
 from typing import Any, Optional, Tuple
 
 from . import _python, _slabs
+from ._pickling import ReplyPickler
 
 
 def _tempdir() -> Optional[str]:
@@ -92,7 +93,7 @@ def wrap(exc: BaseException) -> tuple:
     rebuilt there) the exception itself."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        blob = bytes(multiprocessing.reduction.ForkingPickler.dumps(exc))
+        blob = bytes(ReplyPickler.dumps(exc))
         pickle.loads(blob)  # an exception that cannot be rebuilt travels as its text alone
     except Exception:  # noqa: BLE001
         blob = None

@@ -6,6 +6,7 @@ Note [Zygote], Note [Quiet ends]). Checked against torch's own DataLoader where 
 the behaviour."""
 
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -714,3 +715,70 @@ def test_a_dataset_in_a_module_that_imports_ferry_loads_in_the_workers(tmp_path)
     done = run_python(["-c", code])
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[[0, 1], [8, 27]]" and done.stderr == ""
+
+
+# --- a script's own classes in samples and batches (Note [Replies by the main process's names]) --
+
+SCRIPT_CLASSES = textwrap.dedent("""
+    import collections, faulthandler, sys, threading
+
+    HOW, CONTEXT = sys.argv[1], (None if sys.argv[2] == "default" else sys.argv[2])
+    if HOW == "faulthandler":     # the watchdog thread runs before ferry's import
+        faulthandler.dump_traceback_later(600)
+    elif HOW == "thread":         # a tracker's thread
+        stop = threading.Event()
+        threading.Thread(target=stop.wait, daemon=True).start()
+
+    import torch
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Batch:                  # what a collate_fn of the script returns
+        def __init__(self, items):
+            self.ids = torch.tensor([i for i, _ in items])
+
+    def collate(items):
+        return Batch(items)
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+        def __getitem__(self, i):
+            return (i, Pair(i, float(i)))
+
+    def main():
+        import ferry              # imported inside main(), after the thread started
+        for collate_fn in (None, collate):
+            loader = ferry.DataLoader(Items(), batch_size=4, num_workers=2, collate_fn=collate_fn,
+                                      multiprocessing_context=CONTEXT)
+            for b in loader:
+                if collate_fn is None:
+                    assert type(b[1]) is Pair, type(b[1])  # the script's own class, as torch's workers give
+                    print(b[1].a.tolist(), end=" ")
+                else:
+                    assert type(b) is Batch, type(b)
+                    print(b.ids.tolist(), end=" ")
+        print()
+        if HOW == "faulthandler":
+            faulthandler.cancel_dump_traceback_later()
+
+    if __name__ == "__main__":
+        main()
+""")
+
+
+@pytest.mark.parametrize("how,context", [("faulthandler", "default"), ("thread", "default"), ("none", "default"),
+                                         ("thread", "spawn"), ("thread", "forkserver")])
+def test_a_scripts_namedtuple_and_batch_class_come_back_as_the_scripts_own(tmp_path, how, context):
+    script = tmp_path / "classes.py"
+    script.write_text(SCRIPT_CLASSES)
+    done = run_python([str(script), how, context], timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[0,", "1,", "2,", "3]", "[4,", "5,", "6,", "7]"] * 2
+
+
+def test_a_class_the_main_process_does_not_have_is_named_in_the_error():
+    from ferry import _pickling
+
+    with pytest.raises(pickle.UnpicklingError, match="__main__.NoSuchClass, which this process's __main__ does not define"):
+        _pickling.main_attr("NoSuchClass")
