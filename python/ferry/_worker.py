@@ -86,6 +86,31 @@ def die_with(main_pid: int) -> None:
         os._exit(0)
 
     threading.Thread(target=watch, name="ferry: watch the loader's process", daemon=True).start()
+    _quiet_after(main_pid, fd)
+
+
+def _quiet_after(main_pid: int, fd: Optional[int]) -> None:
+    """Nothing this process prints of an error met as the loader's process ends: multiprocessing's
+    resource sharer (the thread that hands a tensor's shared-memory descriptor to the main
+    process, torch's way) reports the main process's half-done handshake through sys.excepthook,
+    between the main process's end and this one's. An error is printed as before unless the main
+    process ends within half a second of it (its sockets close a moment before its pidfd says so)."""
+    original = sys.excepthook
+
+    def hook(kind: Any, value: Any, tb: Any) -> None:
+        try:
+            if fd is not None:
+                gone = bool(select.select([fd], [], [], 0.5)[0])
+            else:
+                time.sleep(0.5)
+                os.kill(main_pid, 0)
+                gone = False
+        except (ProcessLookupError, OSError, ValueError):
+            gone = True
+        if not gone:
+            original(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def wrap(exc: BaseException) -> tuple:

@@ -245,9 +245,21 @@ def _preload() -> None:
         pass
 
 
+def _name_process(name: str) -> None:
+    """The name `ps -e`, `top` and /proc/PID/comm show for this process (PR_SET_NAME, at most 15
+    bytes): ferry's own processes say what they are, not "python"."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _serve(conn: Any, main_pid: int, modules: Optional[list] = None) -> None:
     """The zygote: forks a loader zygote for each loader that asks, until the main process ends.
     `modules`: installed packages to import first (a fresh zygote: what the main process had)."""
+    _name_process("ferry-zygote")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
@@ -306,6 +318,7 @@ def _serve_loader(conn: Any, main_pid: int, tempdir: str, payload: Optional[tupl
     the dataset already here (forked from the main process), else sent as a pickle."""
     from . import _worker
 
+    _name_process("ferry-loader")
     multiprocessing.process.current_process()._config["tempdir"] = tempdir  # type: ignore[attr-defined]
 
     try:
@@ -367,6 +380,7 @@ def _serve_loader(conn: Any, main_pid: int, tempdir: str, payload: Optional[tupl
                     try:
                         os.close(main)
                         conn.close()
+                        _name_process(f"ferry-worker-{worker}")
                         _worker.die_with(main_pid)
                         _worker.serve(multiprocessing.connection.Connection(fd), worker, workers, payload)
                     finally:

@@ -657,6 +657,35 @@ def test_the_main_process_ending_mid_epoch_leaves_nothing_and_prints_nothing(tmp
     assert os.listdir(scratch) == []  # the main process's temporary folder: removed by the zygote
 
 
+EXIT_AT_FIRST_BATCH = textwrap.dedent("""
+    import os, torch, ferry
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+        def __getitem__(self, i):
+            return torch.full((4,), i)
+
+    for batch in ferry.DataLoader(Items(), batch_size=4, num_workers=2):
+        os._exit(0)  # while the workers hand over their next batches
+""")
+
+
+def test_os_exit_at_the_first_batch_prints_nothing_20_times_in_20(tmp_path):
+    # A worker handing over a batch torch's way (its tensors' shared memory through
+    # multiprocessing's resource sharer) met the main process's end mid-handshake and printed the
+    # sharer's traceback, after the main process had gone, in about 1 run of 10.
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_AT_FIRST_BATCH)
+    noisy = []
+    for run in range(20):
+        done = run_python([str(script)])  # returns once every process holding its output has ended
+        assert done.returncode == 0, done.stderr
+        if done.stderr:
+            noisy.append((run, done.stderr[-2000:]))
+    assert noisy == []
+
+
 TEMPORARY = textwrap.dedent("""
     import sys, torch, ferry
 
@@ -782,3 +811,30 @@ def test_a_class_the_main_process_does_not_have_is_named_in_the_error():
 
     with pytest.raises(pickle.UnpicklingError, match="__main__.NoSuchClass, which this process's __main__ does not define"):
         _pickling.main_attr("NoSuchClass")
+
+
+NAMES = textwrap.dedent("""
+    import os, torch, ferry
+
+    def comm(pid):
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+        def __getitem__(self, i):
+            return torch.tensor([os.getpid()])
+
+    loader = ferry.DataLoader(Items(), batch_size=2, num_workers=2, persistent_workers=True)
+    workers = sorted({int(v) for b in loader for v in b})
+    zygote = ferry._zygote._zygote
+    print(comm(zygote.pid), comm(loader._pool._loader_zygote.pid), *sorted(comm(p) for p in workers))
+""")
+
+
+def test_ferrys_processes_say_what_they_are():
+    # ps -e and top show PR_SET_NAME's name: the zygote, the loader's zygote and its workers.
+    done = run_python(["-c", NAMES])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ferry-zygote", "ferry-loader", "ferry-worker-0", "ferry-worker-1"]
