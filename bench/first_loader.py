@@ -12,7 +12,9 @@ The processes run one after another, the loaders taking turns, --runs of each; t
 the median and the range, and what the child saw at its start: the threads its process ran after
 importing torch and torchvision (ferry forks its zygote from a process of one thread, else
 starts a fresh interpreter) and the seconds its imports took.
-Usage: first_loader.py --images DIR [--workers 15] [--runs 3]
+--after-cuda: the script's ResNet-50 on the GPU (one step run) before ferry's import, so the CUDA
+driver's threads run as ferry is imported.
+Usage: first_loader.py --images DIR [--workers 15] [--runs 3] [--after-cuda]
 """
 import argparse
 import json
@@ -25,13 +27,18 @@ import time
 LOADERS = ("torch", "ferry-pin", "ferry-device")
 
 
-def child(which: str, images: str, workers: int) -> None:
+def child(which: str, images: str, workers: int, after_cuda: bool) -> None:
     t0 = time.perf_counter()
     import torch
     import torchvision
     import torchvision.transforms as T
 
+    if after_cuda:  # the script's model on the GPU before ferry's import (CUDA's threads run)
+        model = torchvision.models.resnet50().cuda()
+        model(torch.zeros(2, 3, 224, 224, device="cuda")).sum().backward()
+        torch.cuda.synchronize()
     threads = len(os.listdir("/proc/self/task"))
+    names = sorted({open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")})
     import ferry
     from ferry import _zygote
 
@@ -53,7 +60,8 @@ def child(which: str, images: str, workers: int) -> None:
     x = x.cuda(non_blocking=True)
     torch.cuda.synchronize()
     first = time.perf_counter() - t
-    print(json.dumps({"first": first, "imports": imports, "threads": threads, "zygote": zygote}), flush=True)
+    print(json.dumps({"first": first, "imports": imports, "threads": threads, "zygote": zygote, "names": names}),
+          flush=True)
     if hasattr(loader, "close"):
         loader.close()
     del x, y, loader
@@ -65,22 +73,28 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=15)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--child", choices=LOADERS)
+    ap.add_argument("--after-cuda", action="store_true",
+                    help="a ResNet-50 on the GPU (a step run) before ferry's import, as in a script that imports it late")
     args = ap.parse_args()
     if args.child:
-        child(args.child, args.images, args.workers)
+        child(args.child, args.images, args.workers, args.after_cuda)
         return
     results: dict = {k: [] for k in LOADERS}
     for _ in range(args.runs):
         for which in LOADERS:
             out = subprocess.run([sys.executable, __file__, "--child", which, "--images", args.images, "--workers",
-                                  str(args.workers)], capture_output=True, text=True, timeout=300)
+                                  str(args.workers)] + (["--after-cuda"] if args.after_cuda else []),
+                                 capture_output=True, text=True, timeout=300)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
             if out.returncode != 0 or not lines:
                 print(f"{which}: exit {out.returncode}\n{out.stderr[-2000:]}", file=sys.stderr)
                 continue
             results[which].append(json.loads(lines[-1]))
     print(f"{args.workers} worker processes, batch 256, torchvision's float recipe over {args.images}; "
-          f"one fresh process a run, {args.runs} runs a loader, taking turns\n")
+          f"one fresh process a run, {args.runs} runs a loader, taking turns"
+          + ("; a ResNet-50 on the GPU before ferry's import" if args.after_cuda else "") + "\n")
+    names = sorted({n for rs in results.values() for r in rs for n in r.get("names", [])})
+    print(f"threads' names before ferry's import: {', '.join(names)}\n")
     print("| loader | first batch, median (s) | range (s) | threads after importing torch | zygote | imports (s) |")
     print("|---|---:|---:|---:|---|---:|")
     for which in LOADERS:

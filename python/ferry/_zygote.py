@@ -9,12 +9,21 @@ dataset (9 s to the first batch where torch's fork took 2.4 s, bench/RESULTS.md)
 the main script again, so a script without a main guard, or one fed on standard input, fails.
 
 ferry forks a zygote from the main process when ferry is imported, while the process has one
-thread, or its other threads are all OpenBLAS's (otherwise it starts one as a fresh interpreter,
+thread, or its other threads are all OpenBLAS's or the CUDA driver's (below; otherwise it starts one as a fresh interpreter,
 which imports torch and the rest again; the script's own imports of them took 7.7-9.2 s on an
 H200 host, bench/RESULTS.md "A process's first loader"). numpy's OpenBLAS starts a thread a CPU
 as numpy is imported, and torch imports numpy, so a script that imports torch before ferry has
 them; OpenBLAS shuts them down before a fork (its pthread_atfork handler) and starts them again
-when next used, so the fork copies no lock of theirs. The zygote imports torch and the installed
+when next used, so the fork copies no lock of theirs. A script that put its model on the GPU
+before importing ferry runs the CUDA driver's threads (named "cuda-EvtHandlr", "cuda0000..."),
+which sit in the driver's own waits: the fork copies their locks, which only the driver takes, and
+the zygote and every process forked from it must not use CUDA (torch says so: "Cannot
+re-initialize CUDA in forked subprocess"), as torch's own fork-started workers must not. ferry's
+workers make host memory only, so the zygote is forked there too, as torch forks its workers
+(the fresh interpreter took 10.5-13.1 s to a ResNet loader's first batch where torch's fork took
+1.8-5.9 s, H200 host); FERRY_ZYGOTE_AFTER_CUDA=0 takes the fresh interpreter instead. The
+user's own threads (a tracker's, faulthandler's watchdog) still do: they may hold any lock.
+The zygote imports torch and the installed
 packages the main process has imported (torchvision, PIL) at once, in the background of the
 script, and those imported since as each loader asks for a loader zygote. A loader asks the
 zygote for a loader zygote of its own, sends it the dataset once (Note [Datasets by value]), and the loader
@@ -29,10 +38,10 @@ Note [Loader zygotes forked from the main process]
 A dataset made after ferry's import is not in the zygote: it is pickled and sent, and a million
 (path, label) tuples took 0.98 s to reach their first batch that way, where torch's fork took 0.14 s
 (8 workers, H200 host; bench/RESULTS.md "A million Python objects: the loader's zygote forked from
-the main process"). So a loader made while its process runs one thread (OpenBLAS's aside, as for
+the main process"). So a loader made while its process runs one thread (OpenBLAS's and the CUDA driver's aside, as for
 the zygote; the loader's own threads start later) forks its loader zygote itself: the dataset is
 there as it is, copy-on-write, neither pickled nor sent. The loader starts no worker before its
-first iter(). There, where the process still runs one thread (no CUDA started since), it forks
+first iter(). There, where the process still runs one thread (the same threads aside), it forks
 another loader zygote, which holds the dataset as it is at that iter(), as torch's fork does:
 nothing is compared. Once the first batch is in hand, the first one is asked to take the
 dataset's quick fingerprint (Note [Datasets by value]) in its own process, to say whether the
@@ -145,11 +154,32 @@ def fork_safe() -> bool:
     return enabled() and _fork_safe()
 
 
+def _cuda_driver_threads() -> int:
+    """Threads of this process the CUDA driver started (it names them "cuda-EvtHandlr",
+    "cuda0000..." and the like; Note [Zygote]); 0 where FERRY_ZYGOTE_AFTER_CUDA=0."""
+    if os.environ.get("FERRY_ZYGOTE_AFTER_CUDA", "1") == "0":
+        return 0
+    me = threading.get_native_id()
+    n = 0
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) == me:
+                continue
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    n += f.read().startswith("cuda")
+            except OSError:  # a thread that ended meanwhile
+                pass
+    except OSError:
+        return 0
+    return n
+
+
 def _fork_safe() -> bool:
     """Whether the zygote may be forked from this process (Note [Zygote]): it runs one thread, or
-    its others are all OpenBLAS's, which OpenBLAS shuts down before a fork."""
+    its others are all OpenBLAS's, which OpenBLAS shuts down before a fork, or the CUDA driver's."""
     n = _threads()
-    return n == 1 or n == 1 + _openblas_threads()
+    return n == 1 or n == 1 + _openblas_threads() + _cuda_driver_threads()
 
 
 def _fork() -> int:

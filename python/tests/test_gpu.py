@@ -243,3 +243,41 @@ def test_python_batches_through_the_device_stage_equal_the_host_path_and_reuse_t
     assert stats["device"] and 15 <= stats["slab_batches"] <= 15 + 2 * 2 and stats["slab_misses"] == 0
     # made in the first epoch, leased again behind their copies' events after
     assert blocks["made"] <= 2 * 2 + 4 and blocks["leases"] >= 15
+
+
+class _Nested(torch.utils.data.Dataset):
+    """Samples as real datasets return them: dicts of numpy arrays, numbers, strings and nested
+    dicts and lists (module level: worker processes import it)."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        return {"id": i, "img": np.full((3, 4, 4), i, dtype=np.uint8),
+                "meta": {"score": float(i) / 2, "tags": ["a", f"t{i}"], "inner": {"deep": np.arange(5, dtype=np.int16) + i}},
+                "vec": np.arange(3, dtype=np.int32) * i, "pair": (torch.tensor([i, -i]), [np.float32(i)])}
+
+
+def _tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
+@pytest.mark.parametrize("workers,kind", [(0, "thread"), (2, "thread"), (2, "process")])
+def test_pin_memory_pins_every_tensor_of_a_nested_sample(workers, kind):
+    # torch pins every tensor of any structure default_collate makes; an unpinned one would make
+    # every non_blocking copy of it synchronous without a word.
+    ours = list(ferry.DataLoader(_Nested(), batch_size=4, num_workers=workers, worker_type=kind, pin_memory=True))
+    theirs = list(torch.utils.data.DataLoader(_Nested(), batch_size=4, pin_memory=True))
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        ta, tb = _tensors(a), _tensors(b)
+        assert len(ta) == len(tb) == 7
+        assert [t.is_pinned() for t in ta] == [True] * 7, [(t.dtype, tuple(t.shape)) for t in ta if not t.is_pinned()]
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb))
+        assert a["meta"]["tags"] == b["meta"]["tags"]

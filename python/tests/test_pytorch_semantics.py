@@ -838,3 +838,35 @@ def test_ferrys_processes_say_what_they_are():
     done = run_python(["-c", NAMES])
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["ferry-zygote", "ferry-loader", "ferry-worker-0", "ferry-worker-1"]
+
+
+AFTER_CUDA = textwrap.dedent("""
+    import ctypes, os, sys, threading
+
+    # Threads as the CUDA driver starts them once a model is on the GPU (named "cuda-EvtHandlr"
+    # and the like), here stood in for on a machine without one; or a thread of the script's own.
+    ready, stop = threading.Event(), threading.Event()
+
+    def driver():
+        if sys.argv[1] == "cuda":
+            ctypes.CDLL(None).prctl(15, b"cuda-EvtHandlr", 0, 0, 0)
+        ready.set()
+        stop.wait()
+
+    threading.Thread(target=driver, daemon=True).start()
+    ready.wait()
+    import torch, ferry
+    from ferry import _zygote
+
+    print(_zygote._fork_safe(), _zygote._zygote._popen is None)
+""")
+
+
+@pytest.mark.parametrize("thread", ["cuda", "own"])
+def test_the_zygote_is_forked_beside_the_cuda_drivers_threads_not_beside_the_scripts_own(thread):
+    done = run_python(["-c", AFTER_CUDA, thread])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == (["True", "True"] if thread == "cuda" else ["False", "False"])
+    off = run_python(["-c", AFTER_CUDA, thread], FERRY_ZYGOTE_AFTER_CUDA="0")
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.split() == ["False", "False"]
