@@ -15,8 +15,9 @@ H200 host, bench/RESULTS.md "A process's first loader"). numpy's OpenBLAS starts
 as numpy is imported, and torch imports numpy, so a script that imports torch before ferry has
 them; OpenBLAS shuts them down before a fork (its pthread_atfork handler) and starts them again
 when next used, so the fork copies no lock of theirs. A script that put its model on the GPU
-before importing ferry runs the CUDA driver's threads (named "cuda-EvtHandlr", "cuda0000..."),
-which sit in the driver's own waits: the fork copies their locks, which only the driver takes, and
+before importing ferry runs the CUDA driver's threads (named "cuda-EvtHandlr", "cuda0000...";
+after a backward pass, torch's autograd thread for the GPU, "pt_autograd_0"), which sit in their
+own waits: the fork copies their locks, which only the driver and autograd take, and
 the zygote and every process forked from it must not use CUDA (torch says so: "Cannot
 re-initialize CUDA in forked subprocess"), as torch's own fork-started workers must not. ferry's
 workers make host memory only, so the zygote is forked there too, as torch forks its workers
@@ -154,9 +155,14 @@ def fork_safe() -> bool:
     return enabled() and _fork_safe()
 
 
+# How the CUDA driver names its threads ("cuda-EvtHandlr", "cuda00001400006"), and torch its
+# autograd engine's device threads ("pt_autograd_0", started by a backward pass on the GPU).
+_CUDA_THREADS = ("cuda", "pt_autograd_")
+
+
 def _cuda_driver_threads() -> int:
-    """Threads of this process the CUDA driver started (it names them "cuda-EvtHandlr",
-    "cuda0000..." and the like; Note [Zygote]); 0 where FERRY_ZYGOTE_AFTER_CUDA=0."""
+    """Threads of this process the CUDA driver, or torch's autograd for a GPU, started (named as
+    _CUDA_THREADS; Note [Zygote]); 0 where FERRY_ZYGOTE_AFTER_CUDA=0."""
     if os.environ.get("FERRY_ZYGOTE_AFTER_CUDA", "1") == "0":
         return 0
     me = threading.get_native_id()
@@ -167,7 +173,7 @@ def _cuda_driver_threads() -> int:
                 continue
             try:
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    n += f.read().startswith("cuda")
+                    n += f.read().startswith(_CUDA_THREADS)
             except OSError:  # a thread that ended meanwhile
                 pass
     except OSError:

@@ -547,6 +547,7 @@ def test_the_zygote_is_forked_where_the_other_threads_are_openblas_s(monkeypatch
     z = ferry._zygote
     monkeypatch.setattr(z, "_threads", lambda: 3)
     monkeypatch.setattr(z, "_openblas_threads", lambda: 2)
+    monkeypatch.setattr(z, "_cuda_driver_threads", lambda: 0)  # a GPU host's test process runs CUDA's
     assert z._fork_safe()
     monkeypatch.setattr(z, "_openblas_threads", lambda: 1)  # a thread that is not OpenBLAS's
     assert not z._fork_safe()
