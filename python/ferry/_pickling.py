@@ -28,6 +28,7 @@ import io
 import multiprocessing.reduction
 import pickle
 import sys
+import threading
 import types
 from collections import ChainMap
 from typing import Any, List, Optional, Tuple
@@ -37,11 +38,44 @@ import cloudpickle
 from . import _ferry
 
 
+# Note [What a fork would have shared]
+# torch's fork-started workers take a dataset holding a lock, a logger's handler or the process's
+# standard streams as the fork copies them; a pickle refuses them ("cannot pickle '_thread.lock'").
+# A dataset sent by value takes them as a fork would give them, but safe: each lock (Lock, RLock)
+# arrives a new one, unlocked (a fork copies a lock held by another thread held, for ever), and
+# sys.stdin, sys.stdout and sys.stderr arrive as the worker's own (the same descriptors, which the
+# worker inherited). A fingerprint writes them so too, by kind, so they are never a change. Any other open
+# file still cannot travel: the refusal names where it is (Note [Datasets by value]) and the way
+# out (open it in the worker, in __getitem__ or worker_init_fn, or worker_type="thread").
+_LOCKS = (type(threading.Lock()), type(threading.RLock()))
+
+
+def _std_stream(name: str) -> Any:
+    return getattr(sys, name)
+
+
+def _fork_like(obj: Any) -> Any:
+    """The reduction of an object a fork would have shared (Note [What a fork would have shared]),
+    or None."""
+    kind = type(obj)
+    if kind in _LOCKS:
+        return (threading.RLock if kind is _LOCKS[1] else threading.Lock), ()
+    if isinstance(obj, io.IOBase):
+        for name in ("stdin", "stdout", "stderr"):
+            if obj is getattr(sys, name, None) or obj is getattr(sys, f"__{name}__", None):
+                return _std_stream, (name,)
+    return None
+
+
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, with the reductions torch registers for multiprocessing (tensors by shared memory)."""
+    """cloudpickle, with the reductions torch registers for multiprocessing (tensors by shared
+    memory), and locks and the standard streams as a fork would give them."""
 
     dispatch_table = ChainMap(multiprocessing.reduction.ForkingPickler._extra_reducers,  # type: ignore[attr-defined]
                               cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _fork_like(obj) or super().reducer_override(obj)
 
 
 # Note [Replies by the main process's names]
@@ -103,6 +137,9 @@ class _Fingerprinter(cloudpickle.Pickler):
         if isinstance(obj, self._tensor):
             self.tensors += 1
             return _named, (id(obj), obj._version)
+        like = _fork_like(obj)  # as dumps() writes it: where no tensor is in it, this pickle is what is sent
+        if like is not None:
+            return like
         return super().reducer_override(obj)
 
 
@@ -142,6 +179,9 @@ class _Quick(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, self._tensor):
             return _named, (id(obj), obj._version)
+        like = _fork_like(obj)
+        if like is not None:
+            return like
         if not isinstance(obj, _CODE_TYPES) or obj is _named:
             return NotImplemented  # (the namer itself is written by name)
         if id(obj) in self._written or not _by_value(obj):
@@ -284,8 +324,9 @@ def check_picklable(payload: tuple) -> "tuple[bytes, bool]":
     raise TypeError(
         f"DataLoader: worker processes need the dataset, collate_fn and worker_init_fn to pickle, and {where} "
         f"({type(exc).__name__}: {exc}) does not: a script's or notebook's classes, functions and lambdas travel "
-        "by value, but an open socket, a lock, a CUDA tensor or a generator cannot cross a process. Make it in "
-        "the worker (in __getitem__, or worker_init_fn), or pass worker_type='thread'") from exc
+        "by value, and locks and the standard streams arrive as a fork would give them, but an open file or "
+        "socket, a CUDA tensor or a generator cannot cross a process. Make it in the worker (in __getitem__, or "
+        "worker_init_fn), or pass worker_type='thread'") from exc
 
 
 def digest(data: Any) -> bytes:
