@@ -91,7 +91,8 @@ def main() -> None:
         for _ in range(args.runs):  # the rows take turns, so a busy moment hits them alike
             for row in ROWS:
                 got[row].append(one_run(script, row, args.workers))
-    print(f"{platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    print(f"{cpu}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
           f"{args.workers} workers, {args.runs} runs a row, {time.strftime('%Y-%m-%d')}")
     print("| loader | SIGINT to KeyboardInterrupt, median (max) | SIGINT to exit, median (max) |")
     print("|---|---:|---:|")
