@@ -26,7 +26,9 @@ def main():
         return
     out = outputs(text)
     for name in skipped:
-        first = next((line for line in out.get(name, "").splitlines() if line.strip()), "(no output)")
+        lines = [line for line in out.get(name, "").splitlines() if line.strip()]
+        # A pytest entry's reason is its first SKIPPED line (-rs), not its progress dots.
+        first = next((line for line in lines if line.startswith("SKIPPED")), lines[0] if lines else "(no output)")
         print(f"skipped: {name}: {first}")
     py = out.get("python_tests", "")
     counts = re.findall(r"^=*\s*(\d+ passed.*?) in [\d.]+s", py, re.M)
