@@ -584,6 +584,14 @@ OpenedDataset DatasetRegistry::open(const DatasetConfig& config, std::vector<std
       return make_tar_index(c);
     }
   }
+  if (!contains(name)) {  // what open() knows: the registered names and the tar stream
+    std::vector<std::string> known = names();
+    known.push_back("tar");
+    std::sort(known.begin(), known.end());
+    std::string list;
+    for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+    throw Error("DatasetRegistry: no dataset named '" + name + "' (registered: " + list + ")");
+  }
   return create(config);
 }
 

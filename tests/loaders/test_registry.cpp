@@ -86,6 +86,8 @@ TEST_CASE("built-in datasets by name", "[unit][registry]") {
   CHECK_THROWS_WITH(reg.create("synthetic", "dtype=float128"), Catch::Contains("not a dtype"));
   CHECK_THROWS_WITH(reg.create("synthetic", "colour=red"), Catch::Contains("unknown option 'colour'"));
   CHECK_THROWS_WITH(reg.create("imagenet"), Catch::Contains("no dataset named 'imagenet'") && Catch::Contains("synthetic"));
+  // open() (the CLI's way in) names the tar stream it makes beside the registered datasets.
+  CHECK_THROWS_WITH(reg.open("imagenet"), Catch::Contains("no dataset named 'imagenet'") && Catch::Contains("synthetic, tar"));
   CHECK_THROWS_AS(reg.create("npy", "path=/nonexistent.npy"), DataError);
   CHECK_THROWS_WITH(reg.add("npy", [](const DatasetConfig&) -> DynamicDataset { throw Error("unused"); }),
                     Catch::Contains("already registered"));

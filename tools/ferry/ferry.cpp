@@ -193,6 +193,9 @@ struct Run {
 
 // Iterates the loader (f.batches batches, or f.epochs epochs); a progress line on stderr when
 // `progress`. Bad samples (DataError) are counted and skipped, as a training loop would.
+// A progress line is on the terminal, not yet ended by a newline (an error printed then starts a line of its own).
+bool g_progress_open = false;
+
 template <class Loader>
 Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup = 0) {
   Run r;
@@ -207,6 +210,7 @@ Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup
   const bool tty = isatty(STDERR_FILENO) != 0;
   auto print = [&](bool final) {
     if (!tty && !final) return;
+    g_progress_open = tty && !final;
     const double s = std::chrono::duration<double>(Clock::now() - t0).count();
     std::fprintf(stderr, "%s%8llu batches  %9.1f batches/s  %11.0f samples/s  %9.1f MB/s%s", tty ? "\r" : "",
                  static_cast<unsigned long long>(seen), seen / std::max(s, 1e-9), r.samples / std::max(s, 1e-9),
@@ -508,7 +512,8 @@ int main(int argc, char** argv) {
                   "device; needs --device)");
     }
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "\nferry: %s\n", e.what());
+    // A progress line left open on the terminal ends first; otherwise the error is the first line.
+    std::fprintf(stderr, "%sferry: %s\n", g_progress_open ? "\n" : "", e.what());
     return 1;
   }
   return 0;
