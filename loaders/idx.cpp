@@ -53,7 +53,7 @@ Header read_header(ByteSource& src, std::size_t file_size) {
       throw DataError(src.name(), at,
                       "IDX dimension " + std::to_string(d) + " is " + std::to_string(v) + ", larger than 2^31 - 1");
     h.shape.push_back(v);
-    numel = loaders::checked_mul(numel, v, src.name(), "IDX element count");
+    numel = loaders::checked_mul(numel, v, src.name(), "IDX element count", at);  // `at`: this dimension's field
   }
   h.nbytes = loaders::checked_mul(numel, itemsize(h.dtype), src.name(), "IDX data size");
   // A gzip stream inflates at most ~1032:1; a header claiming more cannot be true (and must not

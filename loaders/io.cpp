@@ -484,8 +484,8 @@ bool ByteSource::at_end() {
   return true;
 }
 
-std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const std::string& file, const char* what) {
-  if (a != 0 && b > ~std::uint64_t{0} / a) throw DataError(file, DataError::kNoOffset, std::string(what) + " overflows 64 bits");
+std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const std::string& file, const char* what, std::uint64_t at) {
+  if (a != 0 && b > ~std::uint64_t{0} / a) throw DataError(file, at, std::string(what) + " overflows 64 bits");
   return a * b;
 }
 
