@@ -214,9 +214,8 @@ struct NpyLayout {
 };
 NpyLayout npy_layout(std::span<const std::byte> bytes, const std::string& name);
 
-/// Checked a * b for sizes taken from file headers; DataError on overflow.
-/// a * b, or a DataError naming `file`, `what` overflowed and the byte `at` where the factor that
-/// overflowed it lies (DataError::kNoOffset: none).
+/// Checked a * b for sizes taken from file headers: on overflow a DataError naming `file`, `what`
+/// overflowed and the byte `at` where the factor that overflowed it lies (DataError::kNoOffset: none).
 std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const std::string& file, const char* what,
                           std::uint64_t at = DataError::kNoOffset);
 

@@ -557,6 +557,16 @@ void DatasetRegistry::add(const std::string& name, Factory factory, std::string 
     throw Error("DatasetRegistry: a dataset named '" + name + "' is already registered");
 }
 
+namespace {
+// The error for a name no dataset has, listing `known` in order.
+[[noreturn]] void no_dataset_named(const std::string& name, std::vector<std::string> known) {
+  std::sort(known.begin(), known.end());
+  std::string list;
+  for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
+  throw Error("DatasetRegistry: no dataset named '" + name + "' (registered: " + list + ")");
+}
+}  // namespace
+
 OpenedDataset DatasetRegistry::open(const std::string& name, const std::string& config, std::vector<std::string>* classes) const {
   return open(DatasetConfig(name, config), classes);
 }
@@ -587,10 +597,7 @@ OpenedDataset DatasetRegistry::open(const DatasetConfig& config, std::vector<std
   if (!contains(name)) {  // what open() knows: the registered names and the tar stream
     std::vector<std::string> known = names();
     known.push_back("tar");
-    std::sort(known.begin(), known.end());
-    std::string list;
-    for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
-    throw Error("DatasetRegistry: no dataset named '" + name + "' (registered: " + list + ")");
+    no_dataset_named(name, std::move(known));
   }
   return create(config);
 }
@@ -606,9 +613,9 @@ DynamicDataset DatasetRegistry::create(const DatasetConfig& config) const {
     std::lock_guard lock(mu_);
     auto it = entries_.find(name);
     if (it == entries_.end()) {
-      std::string known;
-      for (auto& [k, v] : entries_) known += (known.empty() ? "" : ", ") + k;
-      throw Error("DatasetRegistry: no dataset named '" + name + "' (registered: " + known + ")");
+      std::vector<std::string> known;
+      for (auto& [k, v] : entries_) known.push_back(k);
+      no_dataset_named(name, std::move(known));
     }
     f = it->second.factory;
   }

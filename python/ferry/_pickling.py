@@ -90,16 +90,21 @@ class _Pickler(cloudpickle.Pickler):
 # its own object, as with torch. A class local to a function cannot be named, and fails as with torch.
 
 
+def _in_main(qualname: str) -> Any:
+    """The object `qualname` names in this process's `__main__`, or None."""
+    obj: Any = sys.modules.get("__main__")
+    for part in qualname.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
 def main_attr(qualname: str) -> Any:
     """The object `qualname` names in this process's `__main__` (a worker's reply unpickled)."""
-    obj: Any = sys.modules["__main__"]
-    try:
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except AttributeError:
+    obj = _in_main(qualname)
+    if obj is None:
         raise pickle.UnpicklingError(
             f"a worker's batch holds __main__.{qualname}, which this process's __main__ does not define "
-            "(a class or function of the script the workers run must be defined at the script's top level)") from None
+            "(a class or function of the script the workers run must be defined at the script's top level)")
     return obj
 
 
@@ -110,12 +115,8 @@ class ReplyPickler(multiprocessing.reduction.ForkingPickler):
     def reducer_override(self, obj: Any) -> Any:
         if (isinstance(obj, type) or type(obj) is types.FunctionType) and getattr(obj, "__module__", None) == "__main__":
             name = getattr(obj, "__qualname__", "")
-            if "<locals>" not in name:
-                here: Any = sys.modules.get("__main__")
-                for part in name.split("."):
-                    here = getattr(here, part, None)
-                if here is not obj:
-                    return main_attr, (name,)
+            if "<locals>" not in name and _in_main(name) is not obj:
+                return main_attr, (name,)
         return NotImplemented
 
 

@@ -21,8 +21,10 @@ own waits: the fork copies their locks, which only the driver and autograd take,
 the zygote and every process forked from it must not use CUDA (torch says so: "Cannot
 re-initialize CUDA in forked subprocess"), as torch's own fork-started workers must not. ferry's
 workers make host memory only, so the zygote is forked there too, as torch forks its workers
-(the fresh interpreter took 10.5-13.1 s to a ResNet loader's first batch where torch's fork took
-1.8-5.9 s, H200 host); FERRY_ZYGOTE_AFTER_CUDA=0 takes the fresh interpreter instead. The
+(the fresh interpreter took 9.5-11.3 s to a ResNet loader's first batch where torch's fork took
+4.6 s; forked, 1.56-1.63 s against 5.06 s: H200 host, bench/RESULTS.md "A process's first loader
+with the model on the GPU before ferry's import"); FERRY_ZYGOTE_AFTER_CUDA=0 takes the fresh
+interpreter instead. The
 user's own threads (a tracker's, faulthandler's watchdog) still do: they may hold any lock.
 The zygote imports torch and the installed
 packages the main process has imported (torchvision, PIL) at once, in the background of the

@@ -191,11 +191,11 @@ struct Run {
   double mb_per_second() const { return seconds > 0 ? bytes / seconds / 1e6 : 0; }
 };
 
-// Iterates the loader (f.batches batches, or f.epochs epochs); a progress line on stderr when
-// `progress`. Bad samples (DataError) are counted and skipped, as a training loop would.
 // A progress line is on the terminal, not yet ended by a newline (an error printed then starts a line of its own).
 bool g_progress_open = false;
 
+// Iterates the loader (f.batches batches, or f.epochs epochs); a progress line on stderr when
+// `progress`. Bad samples (DataError) are counted and skipped, as a training loop would.
 template <class Loader>
 Run run_loader(Loader& loader, const Flags& f, bool progress, std::size_t warmup = 0) {
   Run r;
