@@ -3,7 +3,7 @@
 # (on the GPU when there is one, else on the CPU). Extra arguments go to the demo (--epochs N, --cpu).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/install-deps.sh
+scripts/install-deps.sh --demo
 cmake --preset default >/dev/null
 cmake --build --preset default --target train_fashion_mnist ferry_cli
 exec build/default/examples/fashion_mnist/train_fashion_mnist "$@"

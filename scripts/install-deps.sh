@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
 # Installs ferry's build and test dependencies from Debian 12 packages. Idempotent: does nothing
 # when everything is already there. Runs apt-get as root (directly, or through sudo).
+#   scripts/install-deps.sh          everything the tests need (scripts/test.sh)
+#   scripts/install-deps.sh --demo   only what the C++ build and the demo need (scripts/demo.sh):
+#                                    no Python environment, torch, nvJPEG or test servers
 set -euo pipefail
+demo=0
+[ "${1:-}" = --demo ] && demo=1
 packages=(g++ cmake ninja-build curl libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
-          zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcurl4-openssl-dev libcli11-dev nlohmann-json3-dev dataset-fashion-mnist
-          python3-dev python3-venv python3-pip python3-numpy python3-torch clang-format
-          libopenblas0-pthread)  # numpy's BLAS as PyPI's wheels have it: OpenBLAS's threads (the zygote's fork test)
+          zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcurl4-openssl-dev libcli11-dev nlohmann-json3-dev
+          dataset-fashion-mnist)
+if [ "$demo" = 0 ]; then
+  packages+=(python3-dev python3-venv python3-pip python3-numpy python3-torch clang-format
+             libopenblas0-pthread)  # numpy's BLAS as PyPI's wheels have it: OpenBLAS's threads (the zygote's fork test)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -14,7 +22,7 @@ done
 # (header and library) into /opt/ferry-nvjpeg, where CMake looks for it.
 nvjpeg_version=13.0.1.86
 cuda_root=$(dirname "$(dirname "$(command -v nvcc 2>/dev/null || echo /usr/local/cuda/bin/nvcc)")")
-if [ -x "$cuda_root/bin/nvcc" ] && [ ! -f "$cuda_root/include/nvjpeg.h" ] && [ ! -f /opt/ferry-nvjpeg/nvidia/cu13/include/nvjpeg.h ] \
+if [ "$demo" = 0 ] && [ -x "$cuda_root/bin/nvcc" ] && [ ! -f "$cuda_root/include/nvjpeg.h" ] && [ ! -f /opt/ferry-nvjpeg/nvidia/cu13/include/nvjpeg.h ] \
    && command -v python3 >/dev/null; then
   echo "install-deps: nvidia-nvjpeg==$nvjpeg_version (PyPI) into /opt/ferry-nvjpeg"
   SUDO_PIP=""; [ "$(id -u)" -eq 0 ] || SUDO_PIP=sudo
@@ -33,10 +41,18 @@ if [ ${#missing[@]} -eq 0 ]; then
 else
   SUDO=""
   [ "$(id -u)" -eq 0 ] || SUDO=sudo
-  echo "install-deps: installing ${missing[*]}"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  # apt's and dpkg's lines (hundreds, whatever -qq says) go to a log, shown where the step fails.
+  log="${TMPDIR:-/tmp}/ferry-install-deps.log"
+  echo "install-deps: installing ${missing[*]} (apt's output: $log)"
+  if ! { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"; } \
+       > "$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "install-deps: apt-get failed (the whole output: $log)" >&2
+    exit 1
+  fi
+  echo "install-deps: installed ${#missing[@]} packages and what they need"
 fi
+[ "$demo" = 0 ] || exit 0
 # The Python module's build and tests: a virtual environment over Debian's Python (which has
 # Debian's torch and numpy) with the pinned wheels from PyPI. CMake builds the module with it
 # (scripts/test.sh passes it as Python_EXECUTABLE).
