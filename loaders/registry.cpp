@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <sstream>
@@ -41,16 +42,6 @@ Shape parse_shape(const DatasetConfig& c, const std::string& text) {
   return shape;
 }
 
-float parse_float(const DatasetConfig& c, const std::string& key, const std::string& text) {
-  try {
-    std::size_t used = 0;
-    const float v = std::stof(text, &used);
-    if (used == text.size()) return v;
-  } catch (const std::exception&) {
-  }
-  throw Error("dataset '" + c.dataset() + "': option '" + key + "' must be a number, got '" + text + "'");
-}
-
 DType parse_dtype(const DatasetConfig& c, const std::string& name) {
   for (DType d : {DType::Bool, DType::UInt8, DType::Int8, DType::Int16, DType::Int32, DType::Int64, DType::Float16,
                   DType::BFloat16, DType::Float32, DType::Float64})
@@ -72,35 +63,9 @@ struct Synthetic {
   }
 };
 
-constexpr const char* kImageFolderHelp =
-    "root/<class>/<image>: root=<dir>, size=224, channels=3, random_crop=0|1 (random_resized_crop + flip; else "
-    "resize_shorter + center_crop), float=0|1, mean=, std= (normalize; implies float; one value, or one per channel "
-    "as 0.485:0.456:0.406), dct_scaling=0|1, decode=cpu|gpu (gpu: direct mode only, see ferry::make_image_folder)";
-
-constexpr const char* kTarIndexHelp =
-    "WebDataset shards (<key>.jpg + <key>.cls) indexed once, as a map-style dataset (shuffled across shards, "
-    "resumable, GPU decode): dir=<folder of .tar> or shards=a.tar:b.tar, and image_folder's size=, channels=, "
-    "random_crop=, float=, mean=, std=, dct_scaling=, decode=cpu|gpu (gpu: see ferry::make_tar_index)";
-
-constexpr const char* kTokensHelp =
-    "a flat token file as language-model sequences (input_ids, labels[, position_ids, cu_seqlens]): path=<file> "
-    "(nanoGPT's raw .bin, llm.c's .bin, a 1-D .npy), dtype=uint16|uint32|int32|... (a raw file's token type; a headed "
-    "file's is read from its header), format=auto|raw|llmc|npy, eod=<end-of-document token id>, seq_len=1024, "
-    "packed=0|1 (position_ids and cu_seqlens by document; needs eod), random_offset=0|1 (nanoGPT's random windows), "
-    "num_samples= (random_offset), vocab=<vocabulary size, checked>, out_dtype=int64|int32, raw=0|1 (one field of "
-    "the window's seq_len + 1 tokens as stored)";
-
-constexpr const char* kMegatronHelp =
-    "a Megatron-LM indexed dataset (prefix.bin + prefix.idx) as language-model sequences: prefix=<path without "
-    ".bin/.idx>, seq_len=1024, packed=0|1 (position_ids and cu_seqlens by document), shuffle_documents=0|1 (documents in "
-    "an order shuffled each epoch, within blocks of document_block=256), best_fit_group=<sequences; 0: off> (packed: "
-    "documents placed whole by best fit in groups of that many sequences), random_offset=0|1, num_samples=, "
-    "vocab=<vocabulary size, checked>, out_dtype=int64|int32, raw=0|1";
-
 std::vector<float> parse_floats(const DatasetConfig& c, const std::string& key) {
   std::vector<float> out;
-  for (const std::string& item : c.items(key)) out.push_back(parse_float(c, key, item));  // "a:b:c", or typed items
-  if (out.empty()) throw Error("dataset '" + c.dataset() + "': option '" + key + "' has no value");
+  for (double v : c.numbers(key)) out.push_back(static_cast<float>(v));  // "a:b:c", or typed items
   return out;
 }
 
@@ -109,10 +74,11 @@ void add_builtins(DatasetRegistry& r) {
       "idx",
       [](const DatasetConfig& c) {
         IdxDatasetOptions o;
-        if (c.integer("flip", 0)) o.transform.horizontal_flip();
-        if (c.integer("float", 0) || c.has("mean") || c.has("std")) o.transform.to_float();
+        if (c.flag("flip")) o.transform.horizontal_flip();
+        if (c.flag("float") || c.has("mean") || c.has("std")) o.transform.to_float();
         if (c.has("mean") || c.has("std"))
-          o.transform.normalize({parse_float(c, "mean", c.str("mean", "0"))}, {parse_float(c, "std", c.str("std", "1"))});
+          o.transform.normalize({c.has("mean") ? static_cast<float>(c.number("mean")) : 0.f},
+                                {c.has("std") ? static_cast<float>(c.number("std")) : 1.f});
         // Images and labels as two fields, passed on for the device gather (host_rows: the flip and
         // normalize run in its kernel).
         struct IdxRows {
@@ -132,8 +98,7 @@ void add_builtins(DatasetRegistry& r) {
         c.finish();
         return DynamicDataset(std::move(rows));
       },
-      "IDX images and labels (MNIST format): images=<file>, labels=<file> (raw or .gz), flip=0|1 (random "
-      "horizontal flip), float=0|1, mean=, std= (normalize; implies float)");
+      builtin_schema("idx"));
   r.add(
       "npy",
       [](const DatasetConfig& c) {
@@ -148,11 +113,11 @@ void add_builtins(DatasetRegistry& r) {
         c.finish();
         return DynamicDataset(std::move(rows));
       },
-      "rows of a .npy array: path=<file>");
+      builtin_schema("npy"));
   // Image datasets with CPU decode; decode=gpu needs the typed dataset (the loader's direct mode).
   auto images = [](const char* typed, auto make) {
     return [typed, make](const DatasetConfig& c) {
-      if (c.str("decode", "cpu") == "gpu")
+      if (c.str("decode") == "gpu")
         throw Error("dataset '" + c.dataset() +
                     "': decode=gpu needs the loader's direct mode, which a registry dataset "
                     "(std::vector<Tensor> samples) does not have: use ferry::" +
@@ -162,32 +127,27 @@ void add_builtins(DatasetRegistry& r) {
       return DynamicDataset(ferry::map(make(c), labeled));
     };
   };
-  r.add("image_folder", images("make_image_folder", make_image_folder), kImageFolderHelp);
-  r.add("tar_index", images("make_tar_index", make_tar_index), kTarIndexHelp);
+  r.add("image_folder", images("make_image_folder", make_image_folder), builtin_schema("image_folder"));
+  r.add("tar_index", images("make_tar_index", make_tar_index), builtin_schema("tar_index"));
   r.add(
-      "tokens", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, kTokensHelp);
+      "tokens", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, builtin_schema("tokens"));
   r.add(
-      "megatron", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, kMegatronHelp);
+      "megatron", [](const DatasetConfig& c) { return DynamicDataset(make_token_sequences(c)); }, builtin_schema("megatron"));
   r.add(
       "synthetic",
       [](const DatasetConfig& c) {
-        const std::int64_t n = c.integer("n", 10000);
-        if (n < 0) throw Error("dataset 'synthetic': option 'n' must be >= 0");
-        Synthetic d{static_cast<std::size_t>(n), parse_dtype(c, c.str("dtype", "uint8")),
-                    parse_shape(c, c.str("shape", "3x224x224"))};
+        const std::int64_t n = c.integer("n");
+        Synthetic d{static_cast<std::size_t>(n), parse_dtype(c, c.str("dtype")), parse_shape(c, c.str("shape"))};
         FaultOptions f;  // ferry::FaultInjector, to try a pipeline's fault handling from the command line
-        f.seed = static_cast<std::uint64_t>(c.integer("fault_seed", 0));
-        f.throw_rate = parse_float(c, "throw_rate", c.str("throw_rate", "0"));
-        f.delay_rate = parse_float(c, "delay_rate", c.str("delay_rate", "0"));
-        f.delay = std::chrono::milliseconds(c.integer("delay_ms", 0));
+        f.seed = static_cast<std::uint64_t>(c.integer("fault_seed"));
+        f.throw_rate = c.number("throw_rate");
+        f.delay_rate = c.number("delay_rate");
+        f.delay = std::chrono::milliseconds(c.integer("delay_ms"));
         c.finish();
-        for (double rate : {f.throw_rate, f.delay_rate})
-          if (!(rate >= 0 && rate <= 1)) throw Error("dataset 'synthetic': throw_rate and delay_rate must be in [0, 1]");
         if (f.throw_rate > 0 || f.delay_rate > 0) return DynamicDataset(FaultInjector(std::move(d), std::move(f)));
         return DynamicDataset(std::move(d));
       },
-      "in-memory patterns: n=10000, shape=3x224x224, dtype=uint8; injected faults (ferry::FaultInjector): "
-      "throw_rate=0, delay_rate=0, delay_ms=0, fault_seed=0");
+      builtin_schema("synthetic"));
 }
 
 // --- plugins ------------------------------------------------------------------------------------
@@ -283,17 +243,14 @@ namespace {
 // image_folder's and tar_index's image options (all but root= / dir= / shards=).
 ImageFolderOptions image_options(const DatasetConfig& c) {
   ImageFolderOptions o;
-  o.channels = static_cast<int>(c.integer("channels", 3));
-  const std::int64_t size = c.integer("size", 224);
-  if (size < 1 || size > 32768)
-    throw Error("dataset '" + c.dataset() + "': option 'size' must be in [1, 32768], got " + std::to_string(size));
-  const int n = static_cast<int>(size);
-  if (c.integer("random_crop", 0))
+  o.channels = static_cast<int>(c.integer("channels"));
+  const int n = static_cast<int>(c.integer("size"));
+  if (c.flag("random_crop"))
     o.transform.random_resized_crop(n, n).horizontal_flip();
   else
     o.transform.resize_shorter(n).center_crop(n, n);
   const bool normalize = c.has("mean") || c.has("std");
-  if (c.integer("float", 0) || normalize) o.transform.to_float();
+  if (c.flag("float") || normalize) o.transform.to_float();
   if (normalize) {
     std::vector<float> mean = c.has("mean") ? parse_floats(c, "mean") : std::vector<float>{0.f};
     std::vector<float> std = c.has("std") ? parse_floats(c, "std") : std::vector<float>{1.f};
@@ -303,76 +260,55 @@ ImageFolderOptions image_options(const DatasetConfig& c) {
     if (std.size() == 1) std.resize(mean.size(), std[0]);
     o.transform.normalize(std::move(mean), std::move(std));
   }
-  o.dct_scaling = c.integer("dct_scaling", 0) != 0;
-  const std::string decode = c.str("decode", "cpu");
-  if (decode != "cpu" && decode != "gpu")
-    throw Error("dataset '" + c.dataset() + "': option 'decode' must be cpu or gpu, got '" + decode + "'");
+  o.dct_scaling = c.flag("dct_scaling");
+  const std::string decode = c.str("decode");
   o.decode = decode == "gpu" ? ImageFolderOptions::Decode::Gpu : ImageFolderOptions::Decode::Cpu;
   return o;
 }
 }  // namespace
 
-ImageFolder make_image_folder(const DatasetConfig& c) {
+ImageFolder make_image_folder(const DatasetConfig& config) {
+  const DatasetConfig c = with_builtin_schema(config, "image_folder");
   ImageFolderOptions o = image_options(c);
   const std::string root = c.str("root");
   c.finish();
   return ImageFolder(root, std::move(o));
 }
 
-TokenSequences make_token_sequences(const DatasetConfig& c) {
+TokenSequences make_token_sequences(const DatasetConfig& config) {
+  const bool megatron = config.dataset() == "megatron";
+  const DatasetConfig c = with_builtin_schema(config, megatron ? "megatron" : "tokens");
   TokenSequenceOptions o;
-  const std::int64_t seq_len = c.integer("seq_len", 1024);
-  if (seq_len < 1) throw Error("dataset '" + c.dataset() + "': option 'seq_len' must be >= 1, got " + std::to_string(seq_len));
-  o.seq_len = static_cast<std::size_t>(seq_len);
-  o.packed = c.integer("packed", 0) != 0;
-  o.random_offset = c.integer("random_offset", 0) != 0;
-  o.raw = c.integer("raw", 0) != 0;
-  o.shuffle_documents = c.integer("shuffle_documents", 0) != 0;
-  const std::int64_t block = c.integer("document_block", 256);
-  if (block < 1) throw Error("dataset '" + c.dataset() + "': option 'document_block' must be >= 1, got " + std::to_string(block));
-  o.document_block = static_cast<std::size_t>(block);
-  const std::int64_t group = c.integer("best_fit_group", 0);
-  if (group < 0) throw Error("dataset '" + c.dataset() + "': option 'best_fit_group' must be >= 0, got " + std::to_string(group));
-  o.best_fit_group = static_cast<std::size_t>(group);
-  if (c.has("num_samples")) {
-    const std::int64_t n = c.integer("num_samples");
-    if (n < 0) throw Error("dataset '" + c.dataset() + "': option 'num_samples' must be >= 0");
-    o.num_samples = static_cast<std::size_t>(n);
+  o.seq_len = static_cast<std::size_t>(c.integer("seq_len"));
+  o.packed = c.flag("packed");
+  o.random_offset = c.flag("random_offset");
+  o.raw = c.flag("raw");
+  if (megatron) {
+    o.shuffle_documents = c.flag("shuffle_documents");
+    o.document_block = static_cast<std::size_t>(c.integer("document_block"));
+    o.best_fit_group = static_cast<std::size_t>(c.integer("best_fit_group"));
   }
-  const std::string out = c.str("out_dtype", "int64");
-  if (out != "int64" && out != "int32")
-    throw Error("dataset '" + c.dataset() + "': option 'out_dtype' must be int64 or int32, got '" + out + "'");
-  o.dtype = out == "int64" ? DType::Int64 : DType::Int32;
+  if (c.has("num_samples")) o.num_samples = static_cast<std::size_t>(c.integer("num_samples"));
+  o.dtype = c.str("out_dtype") == "int64" ? DType::Int64 : DType::Int32;
   std::optional<std::int64_t> vocab;
-  if (c.has("vocab")) {
-    vocab = c.integer("vocab");
-    if (*vocab < 1) throw Error("dataset '" + c.dataset() + "': option 'vocab' must be >= 1");
-  }
+  if (c.has("vocab")) vocab = c.integer("vocab");
   std::shared_ptr<const TokenCorpus> corpus;
-  if (c.dataset() == "megatron") {
+  if (megatron) {
     const std::string prefix = c.str("prefix");
     c.finish();
     corpus = open_megatron(prefix, {.vocab_size = vocab});
   } else {
     TokenFileOptions f;
     f.vocab_size = vocab;
-    if (c.has("dtype")) {
-      try {
-        f.type = parse_token_type(c.str("dtype"));
-      } catch (const Error& e) {
-        throw Error("dataset '" + c.dataset() + "': option 'dtype': " + e.what());
-      }
-    }
+    if (c.has("dtype")) f.type = parse_token_type(c.str("dtype"));  // one of the schema's choices
     if (c.has("eod")) f.eod = c.integer("eod");
-    const std::string format = c.str("format", "auto");
+    const std::string format = c.str("format");
     if (format == "raw")
       f.format = TokenFileOptions::Format::Raw;
     else if (format == "llmc")
       f.format = TokenFileOptions::Format::LlmC;
     else if (format == "npy")
       f.format = TokenFileOptions::Format::Npy;
-    else if (format != "auto")
-      throw Error("dataset '" + c.dataset() + "': option 'format' must be auto, raw, llmc or npy, got '" + format + "'");
     const std::string path = c.str("path");
     c.finish();
     corpus = open_token_file(path, f);
@@ -380,8 +316,8 @@ TokenSequences make_token_sequences(const DatasetConfig& c) {
   return TokenSequences(std::move(corpus), o);
 }
 
-TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& c) {
-  ImageFolderOptions f = image_options(c);
+TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& config) {
+  ImageFolderOptions f = image_options(with_builtin_schema(config, "tar"));
   TarRecordDecodeOptions o;
   o.channels = f.channels;
   o.transform = std::move(f.transform);
@@ -389,7 +325,8 @@ TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& c) {
   return o;
 }
 
-TarImages make_tar_index(const DatasetConfig& c) {
+TarImages make_tar_index(const DatasetConfig& config) {
+  const DatasetConfig c = with_builtin_schema(config, "tar_index");
   ImageFolderOptions f = image_options(c);
   TarImagesOptions o;
   o.channels = f.channels;
@@ -493,25 +430,121 @@ std::string DatasetConfig::text() const {
   return out;
 }
 
+namespace {
+std::string number_text(double v) {
+  if (v == std::floor(v) && std::fabs(v) < 9.0e15) return std::to_string(static_cast<std::int64_t>(v));
+  std::ostringstream ss;
+  ss << v;
+  return ss.str();
+}
+}  // namespace
+
+const char* DatasetOption::kind_name(Kind kind) noexcept {
+  switch (kind) {
+    case Kind::Integer: return "int";
+    case Kind::Flag: return "flag";
+    case Kind::Number: return "number";
+    case Kind::Numbers: return "numbers";
+    case Kind::Text: return "text";
+    case Kind::Choice: return "choice";
+    case Kind::Path: return "path";
+    case Kind::Paths: return "paths";
+  }
+  return "text";
+}
+
+std::string DatasetOption::range() const {
+  if (kind == Kind::Choice) {
+    std::string out;
+    for (const std::string& c : choices) out += (out.empty() ? "" : ", ") + c;
+    return "one of " + out;
+  }
+  if (kind == Kind::Flag) return "0 or 1";
+  if (min && max) return "in [" + number_text(*min) + ", " + number_text(*max) + "]";
+  if (min) return ">= " + number_text(*min);
+  if (max) return "<= " + number_text(*max);
+  return {};
+}
+
+const DatasetOption* DatasetSchema::find(const std::string& key) const noexcept {
+  for (const DatasetOption& o : options)
+    if (o.key == key) return &o;
+  return nullptr;
+}
+
+std::string DatasetSchema::help() const {
+  std::string out = summary;
+  std::size_t width = 0;
+  for (const DatasetOption& o : options) width = std::max(width, o.key.size() + 1 + o.fallback.size());
+  for (const DatasetOption& o : options) {
+    std::string head = o.key + "=" + o.fallback;
+    head.resize(width, ' ');
+    std::string tail = o.doc;
+    const std::string r = o.range();
+    if (o.required) tail += " (required)";
+    if (!r.empty() && o.kind != DatasetOption::Kind::Flag) tail += " (" + r + ")";
+    out += "\n  " + head + "  " + tail;
+  }
+  return out;
+}
+
+DatasetConfig DatasetConfig::with_schema(const DatasetSchema& schema) const {
+  DatasetConfig c(*this);
+  c.schema_ = &schema;
+  for (const auto& [key, value] : values_) c.declared(key);  // an undeclared key fails here
+  return c;
+}
+
+const DatasetOption* DatasetConfig::declared(const std::string& key) const {
+  if (!schema_) return nullptr;
+  if (const DatasetOption* o = schema_->find(key)) return o;
+  std::string known;
+  for (const DatasetOption& o : schema_->options) known += (known.empty() ? "" : ", ") + o.key;
+  throw Error("dataset '" + dataset_ + "': unknown option '" + key + "' (it takes: " + known + ")");
+}
+
+void DatasetConfig::bad_value(const std::string& key, const std::string& what, const std::string& value) const {
+  throw Error("dataset '" + dataset_ + "': option '" + key + "' must be " + what + ", got '" + value + "'");
+}
+
 std::vector<std::string> DatasetConfig::items(const std::string& key) const {
+  declared(key);
   auto it = items_.find(key);
   if (it == items_.end()) throw Error("dataset '" + dataset_ + "': option '" + key + "' is required");
-  read_.push_back(key);
+  read_->push_back(key);
   return it->second;
 }
 
 std::string DatasetConfig::str(const std::string& key) const {
+  const DatasetOption* o = declared(key);
   auto it = values_.find(key);
-  if (it == values_.end()) throw Error("dataset '" + dataset_ + "': option '" + key + "' is required");
+  if (it == values_.end()) {
+    if (o && !o->fallback.empty()) {
+      read_->push_back(key);
+      return o->fallback;
+    }
+    throw Error("dataset '" + dataset_ + "': option '" + key + "' is required" + (o ? " (" + o->doc + ")" : std::string()));
+  }
   if (!scalar_.at(key))
     throw Error("dataset '" + dataset_ + "': option '" + key + "' takes one value, got a list of " +
                 std::to_string(items_.at(key).size()));
-  read_.push_back(key);
+  read_->push_back(key);
+  if (o && o->kind == DatasetOption::Kind::Choice &&
+      std::find(o->choices.begin(), o->choices.end(), it->second) == o->choices.end())
+    bad_value(key, o->range(), it->second);
   return it->second;
 }
+namespace {
+// A getter with a fallback of its own for a key the schema declares: the default would be stated twice.
+[[noreturn]] void default_twice(const std::string& dataset, const std::string& key) {
+  throw Error("dataset '" + dataset + "': option '" + key +
+              "' has its default in the dataset's schema; a getter with a fallback of its own may not read it");
+}
+}  // namespace
 std::string DatasetConfig::str(const std::string& key, const std::string& fallback) const {
+  if (declared(key)) default_twice(dataset_, key);
   if (has(key)) return str(key);
-  read_.push_back(key);  // a known option, for finish()'s list
+  read_->push_back(key);  // a known option, for finish()'s list
   return fallback;
 }
 std::int64_t DatasetConfig::integer(const std::string& key) const {
@@ -523,20 +556,64 @@ std::int64_t DatasetConfig::integer(const std::string& key) const {
   } catch (const std::exception&) {
     used = 0;
   }
-  if (v.empty() || used != v.size())
-    throw Error("dataset '" + dataset_ + "': option '" + key + "' must be an integer, got '" + v + "'");
+  if (v.empty() || used != v.size()) bad_value(key, "an integer", v);
+  if (const DatasetOption* o = declared(key))
+    if ((o->min && static_cast<double>(out) < *o->min) || (o->max && static_cast<double>(out) > *o->max))
+      bad_value(key, "an integer " + o->range(), v);
   return out;
 }
 std::int64_t DatasetConfig::integer(const std::string& key, std::int64_t fallback) const {
+  if (declared(key)) default_twice(dataset_, key);
   if (has(key)) return integer(key);
-  read_.push_back(key);
+  read_->push_back(key);
   return fallback;
+}
+bool DatasetConfig::flag(const std::string& key) const {
+  const std::string v = str(key);
+  if (v == "1" || v == "true") return true;
+  if (v == "0" || v == "false") return false;
+  bad_value(key, "0 or 1 (or false, true)", v);
+}
+namespace {
+std::optional<double> parse_number(const std::string& text) {
+  try {
+    std::size_t used = 0;
+    const double v = std::stod(text, &used);
+    if (used == text.size() && std::isfinite(v)) return v;
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+}  // namespace
+double DatasetConfig::number(const std::string& key) const {
+  const std::string v = str(key);
+  const std::optional<double> x = parse_number(v);
+  if (!x) bad_value(key, "a number", v);
+  if (const DatasetOption* o = declared(key))
+    if ((o->min && *x < *o->min) || (o->max && *x > *o->max)) bad_value(key, "a number " + o->range(), v);
+  return *x;
+}
+std::vector<double> DatasetConfig::numbers(const std::string& key) const {
+  std::vector<double> out;
+  const DatasetOption* o = declared(key);
+  for (const std::string& item : items(key)) {
+    const std::optional<double> x = parse_number(item);
+    if (!x) bad_value(key, "a number or a list of numbers (a:b:c)", item);
+    if (o && ((o->min && *x < *o->min) || (o->max && *x > *o->max))) bad_value(key, "numbers " + o->range(), item);
+    out.push_back(*x);
+  }
+  if (out.empty()) throw Error("dataset '" + dataset_ + "': option '" + key + "' has no value");
+  return out;
 }
 void DatasetConfig::finish() const {
   for (auto& [k, v] : values_)
-    if (std::find(read_.begin(), read_.end(), k) == read_.end()) {
+    if (std::find(read_->begin(), read_->end(), k) == read_->end()) {
       std::string known;
-      for (const std::string& r : read_) known += (known.empty() ? "" : ", ") + r;
+      if (schema_) {
+        for (const DatasetOption& o : schema_->options) known += (known.empty() ? "" : ", ") + o.key;
+        throw Error("dataset '" + dataset_ + "': option '" + k + "' does not apply here (it takes: " + known + ")");
+      }
+      for (const std::string& r : *read_) known += (known.empty() ? "" : ", ") + r;
       throw Error("dataset '" + dataset_ + "': unknown option '" + k + "' (it takes: " + known + ")");
     }
 }
@@ -553,7 +630,16 @@ DatasetRegistry& DatasetRegistry::global() {
 void DatasetRegistry::add(const std::string& name, Factory factory, std::string help) {
   if (name.empty()) throw Error("DatasetRegistry: a dataset name must not be empty");
   std::lock_guard lock(mu_);
-  if (!entries_.emplace(name, Entry{std::move(factory), std::move(help)}).second)
+  if (!entries_.emplace(name, Entry{std::move(factory), std::move(help), nullptr}).second)
+    throw Error("DatasetRegistry: a dataset named '" + name + "' is already registered");
+}
+
+void DatasetRegistry::add(const std::string& name, Factory factory, DatasetSchema schema) {
+  if (name.empty()) throw Error("DatasetRegistry: a dataset name must not be empty");
+  auto shared = std::make_shared<const DatasetSchema>(std::move(schema));
+  std::string help = shared->help();
+  std::lock_guard lock(mu_);
+  if (!entries_.emplace(name, Entry{std::move(factory), std::move(help), std::move(shared)}).second)
     throw Error("DatasetRegistry: a dataset named '" + name + "' is already registered");
 }
 
@@ -576,20 +662,20 @@ OpenedDataset DatasetRegistry::open(const DatasetConfig& config, std::vector<std
   const std::string& name = config.dataset();
   if (name == "tokens" || name == "megatron") return make_token_sequences(DatasetConfig(config));
   if (name == "image_folder" && classes) {  // the registry's own image_folder, its classes kept
-    const DatasetConfig c(config);
+    const DatasetConfig c = with_builtin_schema(config, name);
     ImageFolder folder = make_image_folder(c);
     *classes = folder.classes();
-    if (c.str("decode", "cpu") == "gpu") return folder;
+    if (c.str("decode") == "gpu") return folder;
     return DynamicDataset(ferry::map(std::move(folder), labeled));
   }
   if (name == "tar") {
-    const DatasetConfig c(config);
-    if (c.str("decode", "cpu") == "gpu") return make_tar_gpu_stream(c);
+    const DatasetConfig c = with_builtin_schema(config, name);
+    if (c.str("decode") == "gpu") return make_tar_gpu_stream(c);
     return make_tar_stream(c);  // names any other value but cpu
   }
   if (name == "image_folder" || name == "tar_index") {
-    const DatasetConfig c(config);
-    if (c.str("decode", "cpu") == "gpu") {
+    const DatasetConfig c = with_builtin_schema(config, name);
+    if (c.str("decode") == "gpu") {
       if (name == "image_folder") return make_image_folder(c);
       return make_tar_index(c);
     }
@@ -609,6 +695,7 @@ DynamicDataset DatasetRegistry::create(const std::string& name, const std::strin
 DynamicDataset DatasetRegistry::create(const DatasetConfig& config) const {
   const std::string& name = config.dataset();
   Factory f;
+  std::shared_ptr<const DatasetSchema> schema;
   {
     std::lock_guard lock(mu_);
     auto it = entries_.find(name);
@@ -618,8 +705,11 @@ DynamicDataset DatasetRegistry::create(const DatasetConfig& config) const {
       no_dataset_named(name, std::move(known));
     }
     f = it->second.factory;
+    schema = it->second.schema;
   }
-  return f(DatasetConfig(config));  // a copy: what this factory reads, finish() checks
+  // A copy: what this factory reads, finish() checks. The schema outlives it (the entry's, held).
+  if (schema && config.schema() != schema.get()) return f(config.with_schema(*schema));
+  return f(DatasetConfig(config));
 }
 
 bool DatasetRegistry::contains(const std::string& name) const {
@@ -638,6 +728,16 @@ std::string DatasetRegistry::help(const std::string& name) const {
   std::lock_guard lock(mu_);
   auto it = entries_.find(name);
   return it == entries_.end() ? std::string() : it->second.help;
+}
+
+const DatasetSchema* DatasetRegistry::schema(const std::string& name) const {
+  {
+    std::lock_guard lock(mu_);
+    auto it = entries_.find(name);
+    if (it != entries_.end()) return it->second.schema.get();
+  }
+  if (name == "tar") return &builtin_schema("tar");  // a stream: open()'s, not an entry
+  return nullptr;
 }
 
 std::vector<std::string> DatasetRegistry::load_plugin(const std::string& path) {
@@ -666,7 +766,7 @@ std::vector<std::string> DatasetRegistry::load_plugin(const std::string& path) {
   for (auto& [name, ops] : staging.datasets) {
     entries_.emplace(
         name, Entry{[path, name = name, ops = ops](const DatasetConfig& c) { return create_plugin_dataset(path, name, ops, c); },
-                    "plugin dataset from " + path});
+                    "plugin dataset from " + path, nullptr});
     names.push_back(name);
   }
   plugins_.emplace(handle, names);

@@ -23,7 +23,7 @@ Every dataset yields samples as a tuple of fields; the loader stacks them into b
 from __future__ import annotations
 
 import builtins
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import _ferry
 from ._ferry import Dataset
@@ -32,6 +32,35 @@ __all__ = ["Dataset", "image_folder", "idx", "npy", "tar", "tokens", "megatron",
            "load_plugin", "registered"]
 
 Floats = Union[float, Sequence[float]]
+
+
+def _defaults(name: str) -> Dict[str, Any]:
+    """Dataset ``name``'s option defaults as Python values, read from its C++ schema (the one place
+    each is declared: ferry/loaders/registry.h, DatasetSchema); options without one are left out."""
+    out: Dict[str, Any] = {}
+    for o in _ferry.dataset_schema(name):
+        text = o["default"]
+        if text is None:
+            continue
+        kind = o["kind"]
+        if kind == "flag":
+            out[o["key"]] = text == "1"
+        elif kind == "int" or (kind == "choice" and all(c.isdigit() for c in o["choices"])):
+            out[o["key"]] = int(text)
+        elif kind == "number":
+            out[o["key"]] = builtins.float(text)
+        else:
+            out[o["key"]] = text
+    return out
+
+
+_IMAGE_FOLDER = _defaults("image_folder")
+_IDX = _defaults("idx")
+_TAR = _defaults("tar")
+_TOKENS = _defaults("tokens")
+_MEGATRON = _defaults("megatron")
+_SYNTHETIC = _defaults("synthetic")
+_SYNTHETIC_SHAPE = tuple(int(x) for x in _SYNTHETIC["shape"].split("x"))
 
 
 def _items(value) -> List[str]:
@@ -62,9 +91,10 @@ def registry(name: str, timeout: Optional[float] = None, **options) -> Dataset:
     return _make(name, timeout, **options)
 
 
-def image_folder(root: str, size: int = 224, random_crop: bool = False, channels: int = 3,
-                 float: Optional[bool] = None, mean: Optional[Floats] = None, std: Optional[Floats] = None,
-                 dct_scaling: bool = False, decode: str = "cpu", timeout: Optional[float] = None) -> Dataset:
+def image_folder(root: str, size: int = _IMAGE_FOLDER["size"], random_crop: bool = _IMAGE_FOLDER["random_crop"],
+                 channels: int = _IMAGE_FOLDER["channels"], float: Optional[bool] = None, mean: Optional[Floats] = None,
+                 std: Optional[Floats] = None, dct_scaling: bool = _IMAGE_FOLDER["dct_scaling"],
+                 decode: str = _IMAGE_FOLDER["decode"], timeout: Optional[float] = None) -> Dataset:
     """JPEG/PNG images in ``root/<class>/<image>``, labels by class folder (sorted), as
     ``(image, label)``: uint8 HWC as decoded, or float32 CHW with ``float=True`` or mean/std
     (normalize, per channel: one value or one per channel).
@@ -79,7 +109,7 @@ def image_folder(root: str, size: int = 224, random_crop: bool = False, channels
                  dct_scaling=dct_scaling, decode=decode)
 
 
-def idx(images: str, labels: str, flip: bool = False, float: Optional[bool] = None,
+def idx(images: str, labels: str, flip: bool = _IDX["flip"], float: Optional[bool] = None,
         mean: Optional[float] = None, std: Optional[float] = None, timeout: Optional[float] = None) -> Dataset:
     """IDX images and labels (the MNIST / Fashion-MNIST format, raw or .gz) as ``(image, label)``:
     uint8 28x28 images as the file stores them (batches ``[B, 28, 28]``), or float32 1x28x28 with
@@ -97,10 +127,11 @@ def npy(path: str, timeout: Optional[float] = None) -> Dataset:
     return _make("npy", timeout, path=path)
 
 
-def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size: int = 224,
-        random_crop: bool = False, channels: int = 3, shuffle: bool = True, index: Optional[bool] = None,
-        float: Optional[bool] = None, mean: Optional[Floats] = None, std: Optional[Floats] = None,
-        dct_scaling: bool = False, decode: str = "cpu", timeout: Optional[float] = None) -> Dataset:
+def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size: int = _TAR["size"],
+        random_crop: bool = _TAR["random_crop"], channels: int = _TAR["channels"], shuffle: bool = _TAR["shuffle"],
+        index: Optional[bool] = None, float: Optional[bool] = None, mean: Optional[Floats] = None,
+        std: Optional[Floats] = None, dct_scaling: bool = _TAR["dct_scaling"], decode: str = _TAR["decode"],
+        timeout: Optional[float] = None) -> Dataset:
     """WebDataset-style tar shards (``<key>.jpg`` + ``<key>.cls``) as ``(image, label)``: ``dir``
     (its .tar files) or a list of ``shards``.
 
@@ -133,10 +164,10 @@ def tar(dir: Optional[str] = None, shards: Optional[Iterable[str]] = None, size:
                  shuffle=shuffle, float=float, mean=mean, std=std, dct_scaling=dct_scaling, decode=decode)
 
 
-def tokens(path: str, seq_len: int = 1024, dtype: Optional[str] = None, eod: Optional[int] = None,
-           packed: bool = False, random_offset: bool = False, num_samples: Optional[int] = None,
-           vocab_size: Optional[int] = None, out_dtype: str = "int64", format: str = "auto",
-           timeout: Optional[float] = None) -> Dataset:
+def tokens(path: str, seq_len: int = _TOKENS["seq_len"], dtype: Optional[str] = None, eod: Optional[int] = None,
+           packed: bool = _TOKENS["packed"], random_offset: bool = _TOKENS["random_offset"],
+           num_samples: Optional[int] = None, vocab_size: Optional[int] = None, out_dtype: str = _TOKENS["out_dtype"],
+           format: str = _TOKENS["format"], timeout: Optional[float] = None) -> Dataset:
     """A flat token file as language-model sequences (C++ ``ferry::TokenSequences``): nanoGPT's raw
     ``.bin`` (give ``dtype``, e.g. "uint16"), llm.c's ``.bin`` or a 1-D ``.npy`` (their dtype from the
     header), memory-mapped, or an ``s3://`` object read by ranged requests.
@@ -156,10 +187,11 @@ def tokens(path: str, seq_len: int = 1024, dtype: Optional[str] = None, eod: Opt
                  format=format)
 
 
-def megatron(prefix: str, seq_len: int = 1024, packed: bool = False, random_offset: bool = False,
-             num_samples: Optional[int] = None, vocab_size: Optional[int] = None, out_dtype: str = "int64",
-             shuffle_documents: bool = False, document_block: int = 256, best_fit_group: int = 0,
-             timeout: Optional[float] = None) -> Dataset:
+def megatron(prefix: str, seq_len: int = _MEGATRON["seq_len"], packed: bool = _MEGATRON["packed"],
+             random_offset: bool = _MEGATRON["random_offset"], num_samples: Optional[int] = None,
+             vocab_size: Optional[int] = None, out_dtype: str = _MEGATRON["out_dtype"],
+             shuffle_documents: bool = _MEGATRON["shuffle_documents"], document_block: int = _MEGATRON["document_block"],
+             best_fit_group: int = _MEGATRON["best_fit_group"], timeout: Optional[float] = None) -> Dataset:
     """A Megatron-LM indexed dataset (``prefix.bin`` + ``prefix.idx``, as megatron-core's
     ``IndexedDatasetBuilder`` writes them; local or ``s3://``) as sequences, like ``tokens``: each of
     its sequences is a document, so ``packed=True`` needs no eod id. Opening reads only the index's
@@ -194,8 +226,10 @@ def mixture(sources: Sequence[Tuple[Dataset, float]], seed: int = 0, block: int 
                                [(int(i), [float(x) for x in w]) for i, w in schedule])
 
 
-def synthetic(n: int = 10000, shape: Sequence[int] = (3, 224, 224), dtype: str = "uint8",
-              throw_rate: float = 0, delay_rate: float = 0, delay_ms: int = 0, fault_seed: int = 0) -> Dataset:
+def synthetic(n: int = _SYNTHETIC["n"], shape: Sequence[int] = _SYNTHETIC_SHAPE,
+              dtype: str = _SYNTHETIC["dtype"], throw_rate: float = _SYNTHETIC["throw_rate"],
+              delay_rate: float = _SYNTHETIC["delay_rate"], delay_ms: int = _SYNTHETIC["delay_ms"],
+              fault_seed: int = _SYNTHETIC["fault_seed"]) -> Dataset:
     """In-memory patterns as ``(sample, label)``: sample i's bytes are all i % 251, its label i % 10.
     throw_rate/delay_rate/delay_ms inject failures and delays (to try a pipeline's fault handling)."""
     return _make("synthetic", None,

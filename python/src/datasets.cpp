@@ -155,6 +155,29 @@ void register_datasets(nb::module_& m) {
       "help", [](const std::string& name) { return ferry::DatasetRegistry::global().help(name); }, "name"_a,
       "The configuration keys of a registered dataset.");
   m.def(
+      "dataset_schema",
+      [](const std::string& name) {
+        const ferry::DatasetSchema* schema = ferry::DatasetRegistry::global().schema(name);
+        if (!schema) throw nb::key_error(("no schema for dataset '" + name + "' (a plugin's declares none)").c_str());
+        nb::list out;
+        for (const ferry::DatasetOption& o : schema->options) {
+          nb::dict d;
+          d["key"] = o.key;
+          d["kind"] = ferry::DatasetOption::kind_name(o.kind);
+          d["default"] = o.fallback.empty() ? nb::none() : nb::cast(o.fallback);
+          d["required"] = o.required;
+          d["min"] = o.min ? nb::cast(*o.min) : nb::none();
+          d["max"] = o.max ? nb::cast(*o.max) : nb::none();
+          d["choices"] = o.choices;
+          d["doc"] = o.doc;
+          out.append(d);
+        }
+        return out;
+      },
+      "name"_a,
+      "A dataset's options as its schema declares them (ferry/loaders/registry.h, DatasetSchema): a list of dicts "
+      "(key, kind, default as text or None, required, min, max, choices, doc).");
+  m.def(
       "load_plugin", [](const std::string& path) { return ferry::DatasetRegistry::global().load_plugin(path); }, "path"_a,
       "Loads a dataset plugin library; returns the names it registered.");
 }

@@ -504,12 +504,14 @@ int main(int argc, char** argv) {
     } else if (list->parsed()) {
       auto& registry = ferry::DatasetRegistry::global();
       for (const auto& p : list_plugins) registry.load_plugin(p);
-      for (const auto& name : registry.names()) std::printf("%-14s %s\n", name.c_str(), registry.help(name).c_str());
-      std::printf("%-14s %s\n", "tar",
-                  "WebDataset shards as a stream (read once, front to back; batches filled across the workers): "
-                  "dir=<folder of .tar> or shards=a.tar:b.tar, and image_folder's size=, channels=, random_crop=, float=, "
-                  "mean=, std=, dct_scaling=; shuffle=1 (the shard order), decode=cpu|gpu (gpu: each JPEG decoded on the "
-                  "device; needs --device)");
+      // Each dataset's schema (key=default, what it does, its range), "tar" (a stream) in its place.
+      std::vector<std::string> names = registry.names();
+      names.push_back("tar");
+      std::sort(names.begin(), names.end());
+      for (const auto& name : names) {
+        const ferry::DatasetSchema* schema = registry.schema(name);
+        std::printf("%s: %s\n", name.c_str(), schema ? schema->help().c_str() : registry.help(name).c_str());
+      }
     }
   } catch (const std::exception& e) {
     // A progress line left open on the terminal ends first; otherwise the error is the first line.

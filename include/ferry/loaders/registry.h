@@ -6,9 +6,9 @@
 //   ferry::DynamicDataset ds = reg.create("ramp", "n=1000,dim=16");
 //   ferry::DataLoader loader(ds, {.batch_size = 64});                    // batches: std::vector<Tensor>
 //
-// Built in: "idx" (images=, labels=), "npy" (path=), "image_folder" (root=, size=, channels=,
-// random_crop=0|1, float=, mean=, std=, dct_scaling=, decode=cpu|gpu), "tar_index" (dir= or
-// shards=, and image_folder's image keys), "synthetic" (n=, shape=3x224x224, dtype=uint8). Every dataset made here yields
+// Built in: "idx", "npy", "image_folder", "tar_index", "tar" (a stream: open()'s), "tokens",
+// "megatron" and "synthetic", each with its options' schema (DatasetSchema: every key, default,
+// range and doc declared once; `ferry list` prints them, schema(name) gives them). Every dataset made here yields
 // samples as std::vector<Tensor> (one tensor per field; labels as int64 scalars). An unknown name,
 // an unknown or malformed option, a plugin file that cannot be loaded, a library without the
 // entry point, or a plugin built for another ABI version is a ferry::Error saying which.
@@ -37,6 +37,48 @@
 
 namespace ferry {
 
+/// One option of a dataset's schema (DatasetSchema): its key, what kind of value it takes, its
+/// default and range, and what it does. The one place each built-in option is declared: the
+/// registry's parsing and checks, `ferry list` and the Python package's keyword defaults read it.
+struct DatasetOption {
+  enum class Kind : std::uint8_t {
+    Integer,  ///< a whole number, within [min, max]
+    Flag,     ///< 0 or 1 (also true/false)
+    Number,   ///< a real number, within [min, max]
+    Numbers,  ///< one number or a list ("0.485:0.456:0.406")
+    Text,     ///< any text (a shape "3x224x224", a dtype name)
+    Choice,   ///< one of `choices`
+    Path,     ///< a file, folder or s3:// URL
+    Paths,    ///< a list of paths ("a.tar:b.tar", brace patterns)
+  };
+  std::string key;
+  Kind kind = Kind::Text;
+  /// The value taken when the key is not given, as text ("1024", "0", "cpu"). Empty: none, and the
+  /// dataset decides from the other keys, as `doc` says (unless `required`).
+  std::string fallback;
+  bool required = false;
+  /// Integer and Number: the range a value must lie in (inclusive); unset: unbounded.
+  std::optional<double> min, max;
+  /// Choice: the values it takes.
+  std::vector<std::string> choices;
+  std::string doc;
+  /// "int", "flag", "number", "numbers", "text", "choice", "path" or "paths".
+  static const char* kind_name(Kind kind) noexcept;
+  /// The range or choices as the errors and help say them ("in [1, 32768]", "one of cpu, gpu"); empty when free.
+  std::string range() const;
+};
+
+/// A registered dataset's options, in the order help lists them.
+struct DatasetSchema {
+  /// What the dataset reads and yields, in a sentence.
+  std::string summary;
+  std::vector<DatasetOption> options;
+  /// The option `key`, or nullptr.
+  const DatasetOption* find(const std::string& key) const noexcept;
+  /// The summary, then each option on a line: "key=default  doc (range)".
+  std::string help() const;
+};
+
 /// Parsed "key=value,key=value" options. Getters throw ferry::Error naming the dataset, the key and
 /// the bad value; finish() throws for keys nobody asked for (a typo shows up at once). A backslash
 /// escapes the character after it, so a value may hold any: "\," "\=" "\:" and "\\" stand for
@@ -50,13 +92,26 @@ class DatasetConfig {
   using Values = std::map<std::string, std::vector<std::string>>;
   DatasetConfig(std::string dataset, const std::string& text);
   DatasetConfig(std::string dataset, const Values& values);
-  /// Required. A list given as Values of other than one item is an Error here (items() reads it).
+  /// The same options read by `schema` (not copied: it must outlive this config): a key it does not
+  /// declare is an Error at once, naming the keys it does; str(), integer(), flag() and number()
+  /// of a declared key take its default when the key is not given and check its range or choices;
+  /// the getters that take a fallback refuse a declared key (its default is the schema's).
+  DatasetConfig with_schema(const DatasetSchema& schema) const;
+  const DatasetSchema* schema() const noexcept { return schema_; }
+  /// Required (or the schema's default). A list given as Values of other than one item is an Error
+  /// here (items() reads it).
   std::string str(const std::string& key) const;
   /// A required list: the value split at each ':' that is not escaped and not a URL's "://".
   std::vector<std::string> items(const std::string& key) const;
   std::string str(const std::string& key, const std::string& fallback) const;
   std::int64_t integer(const std::string& key) const;
   std::int64_t integer(const std::string& key, std::int64_t fallback) const;
+  /// A Flag: 0, 1, false or true (or the schema's default).
+  bool flag(const std::string& key) const;
+  /// A Number (or the schema's default).
+  double number(const std::string& key) const;
+  /// A Numbers list: each item a number, at least one.
+  std::vector<double> numbers(const std::string& key) const;
   bool has(const std::string& key) const { return values_.count(key) != 0; }
   void finish() const;
   const std::map<std::string, std::string>& values() const noexcept { return values_; }
@@ -66,12 +121,27 @@ class DatasetConfig {
 
  private:
   std::string unescape(const std::string& text) const;
+  // The declared option `key` of the schema (nullptr without one); fails for an undeclared key.
+  const DatasetOption* declared(const std::string& key) const;
+  [[noreturn]] void bad_value(const std::string& key, const std::string& what, const std::string& value) const;
+  const DatasetSchema* schema_ = nullptr;
   std::string dataset_;
   std::map<std::string, std::string> values_;              // unescaped (a Values list: its items joined by ':')
   std::map<std::string, std::vector<std::string>> items_;  // each value's items, unescaped
   std::map<std::string, bool> scalar_;                     // whether str() may read it
-  mutable std::vector<std::string> read_;
+  // The keys read, for finish(): shared by copies (with_schema's and the make_* functions'), so
+  // that what any of them reads counts.
+  std::shared_ptr<std::vector<std::string>> read_ = std::make_shared<std::vector<std::string>>();
 };
+
+/// The schema of built-in dataset `name` ("idx", "npy", "image_folder", "tar_index", "tar",
+/// "tokens", "megatron", "synthetic"); ferry::Error for another name.
+const DatasetSchema& builtin_schema(const std::string& name);
+/// `config` read by built-in dataset `name`'s schema (DatasetConfig::with_schema), unless it has a
+/// schema already: what each make_* function below reads its options through.
+inline DatasetConfig with_builtin_schema(const DatasetConfig& config, const std::string& name) {
+  return config.schema() ? config : config.with_schema(builtin_schema(name));
+}
 
 /// A map-style dataset of std::vector<Tensor> samples, of any registered kind (one tensor per
 /// field; labels as int64 scalars). Copies share it.
@@ -107,9 +177,10 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& config);
 /// make_tar_gpu_stream's.
 TarRecordDecodeOptions tar_stream_decode(const DatasetConfig& config);
 inline TarShards tar_stream_shards(const DatasetConfig& config) {
+  const DatasetConfig c = with_builtin_schema(config, "tar");
   TarShardsOptions so;
-  so.shuffle = config.integer("shuffle", 1) != 0;
-  return TarShards(tar_shard_paths(config), so);
+  so.shuffle = c.flag("shuffle");
+  return TarShards(tar_shard_paths(c), so);
 }
 /// make_tar_stream's dataset: a TarDecodeStream (each record decoded into its batch row) whose
 /// samples and batches are {image, int64 label} std::vector<Tensor>.
@@ -149,12 +220,11 @@ class TarRowsStream : public DatasetBase<TarRowsStream> {
 };
 
 inline TarRowsStream make_tar_stream(const DatasetConfig& config) {
-  const std::string decode = config.str("decode", "cpu");
-  if (decode == "gpu") throw Error("dataset 'tar': decode=gpu is make_tar_gpu_stream's stream");
-  if (decode != "cpu") throw Error("dataset 'tar': option 'decode' must be cpu or gpu, got '" + decode + "'");
-  const TarRecordDecodeOptions o = tar_stream_decode(config);
-  TarShards shards = tar_stream_shards(config);
-  config.finish();
+  const DatasetConfig c = with_builtin_schema(config, "tar");
+  if (c.str("decode") == "gpu") throw Error("dataset 'tar': decode=gpu is make_tar_gpu_stream's stream");
+  const TarRecordDecodeOptions o = tar_stream_decode(c);
+  TarShards shards = tar_stream_shards(c);
+  c.finish();
   return TarRowsStream(TarDecodeStream(std::move(shards), o));
 }
 /// The name make_tar_stream had before 0.2.0 (CHANGELOG.md); kept for one minor version at least.
@@ -164,13 +234,14 @@ inline TarRowsStream make_tar_stream(const DatasetConfig& config) {
 /// The same stream with decode=gpu: each record's JPEG left compressed (encode_labeled_image) for
 /// the loader's device stage to decode; LabeledBatch batches. ferry::Error unless channels=3.
 inline auto make_tar_gpu_stream(const DatasetConfig& config) {
-  if (config.str("decode", "gpu") != "gpu")
-    throw Error("dataset 'tar': make_tar_gpu_stream is decode=gpu, got decode='" + config.str("decode") + "'");
-  const TarRecordDecodeOptions o = tar_stream_decode(config);
+  const DatasetConfig c = with_builtin_schema(config, "tar");
+  if (c.has("decode") && c.str("decode") != "gpu")  // a decode= not given is gpu here
+    throw Error("dataset 'tar': make_tar_gpu_stream is decode=gpu, got decode='" + c.str("decode") + "'");
+  const TarRecordDecodeOptions o = tar_stream_decode(c);
   if (o.channels != 3)
     throw Error("dataset 'tar': decode=gpu produces RGB: channels must be 3, got " + std::to_string(o.channels));
-  TarShards shards = tar_stream_shards(config);
-  config.finish();
+  TarShards shards = tar_stream_shards(c);
+  c.finish();
   return shards.map([o](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), o, ctx.rng()); });
 }
 
@@ -196,6 +267,9 @@ class DatasetRegistry {
 
   /// Registers `name`; ferry::Error when the name is taken.
   void add(const std::string& name, Factory factory, std::string help = {});
+  /// Registers `name` with its options' schema: the factory's DatasetConfig reads by it
+  /// (DatasetConfig::with_schema), and help(name) is schema.help().
+  void add(const std::string& name, Factory factory, DatasetSchema schema);
   /// Creates dataset `name` from a "key=value,..." string, or from typed values
   /// (DatasetConfig(name, values)).
   DynamicDataset create(const std::string& name, const std::string& config = {}) const;
@@ -210,6 +284,9 @@ class DatasetRegistry {
   /// Registered names, sorted.
   std::vector<std::string> names() const;
   std::string help(const std::string& name) const;
+  /// The schema `name` was registered with (every built-in dataset's, "tar" included), or nullptr
+  /// (a plugin's, or an unknown name). Valid as long as the registry.
+  const DatasetSchema* schema(const std::string& name) const;
   /// Loads a plugin library and returns the names it registered (the same names again when the
   /// library was loaded before).
   std::vector<std::string> load_plugin(const std::string& path);
@@ -218,6 +295,7 @@ class DatasetRegistry {
   struct Entry {
     Factory factory;
     std::string help;
+    std::shared_ptr<const DatasetSchema> schema;  // null: none declared
   };
   mutable std::mutex mu_;
   std::map<std::string, Entry> entries_;               // guarded by mu_

@@ -193,8 +193,9 @@ LlmcHeader parse_llmc_header(std::span<const std::byte> header, const std::strin
 
 /// Options of TokenSequences.
 struct TokenSequenceOptions {
-  /// Tokens a sample's input_ids hold.
+  /// Tokens a sample's input_ids hold, in [1, kMaxSeqLen].
   std::size_t seq_len = 1024;
+  static constexpr std::size_t kMaxSeqLen = std::size_t{1} << 30;
   /// nanoGPT's random windows instead of the corpus cut in order (size() stays the same unless
   /// num_samples says otherwise).
   bool random_offset = false;
@@ -260,6 +261,14 @@ class TokenSequences : public DatasetBase<TokenSequences> {
   /// (0, seq_len) where a piece starts.
   void read_best_fit(std::size_t index, SampleContext& ctx, std::span<std::int64_t> inputs, std::span<std::int64_t> labels,
                      std::vector<std::size_t>& starts) const;
+  /// The window-start rule, once for every caller (window_start, the device gather's RowWindow,
+  /// prefetch): an ordered window `index` starts index * seq_len; a random one at a draw of the
+  /// sample's generator, Generator(seed, epoch, index), which `rng()` gives (called only then).
+  template <class Rng>
+  static std::uint64_t start_of(const TokenSequenceOptions& o, std::uint64_t tokens, std::size_t index, Rng&& rng) {
+    if (o.random_offset) return rng().randint(tokens - o.seq_len);
+    return static_cast<std::uint64_t>(index) * o.seq_len;
+  }
   /// Calls fn(corpus offset, length, stream position) for each document of the stream (corpus
   /// order, or shuffled) that overlaps stream positions [lo, hi), in stream order.
   template <class Fn>
