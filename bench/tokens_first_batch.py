@@ -3,7 +3,9 @@
 it takes, as the corpus grows: ferry (megatron + mixture + DataLoader) against megatron-core's
 BlendedMegatronDatasetBuilder + GPTDataset (when importable; it needs torch >= 2), side by side.
 
-Each corpus: 3 sources of --total/3 tokens in documents of --doc tokens. The .idx files are real
+Each corpus: 3 sources of --total/3 tokens in documents of --doc tokens (longer where a source would
+otherwise hold more than --max-documents: at 15 T tokens an index of 1,000-token documents would be
+300 GB). The .idx files are real
 (every document's length and pointer, written here in the published MMIDIDX layout); the .bin
 files are sparse (their size only: reading them gives zeros, which is all timing needs). Each
 loader runs in a fresh process (so memory and caches start equal): from nothing to the first batch
@@ -12,8 +14,8 @@ torch) are imported; memory is the process's peak RSS growth over the same span.
 corpus once (ferry: the mixture's size, the sources' total; megatron-core: as many samples). megatron-core builds and caches its indices under a fresh folder each run (the cold
 start a new run pays).
 
-Usage: tokens_first_batch.py [--totals 3e8,3e9,3e10] [--doc 1000] [--seq 2048] [--batch 8] [--dir /tmp/ferry-first]
-       [--rows ferry,megatron-core] [--mixture-size N]
+Usage: tokens_first_batch.py [--totals 3e8,3e9,3e10] [--doc 1000] [--max-documents 3e6] [--seq 2048] [--batch 8]
+       [--dir /tmp/ferry-first] [--rows ferry,megatron-core] [--mixture-size N] [--shuffle]
 """
 import argparse
 import json
@@ -24,6 +26,11 @@ import tempfile
 import time
 
 import numpy as np
+
+
+def document_tokens(tokens, doc, max_documents):
+    """Each document's tokens: `doc`, or longer where a source would hold more than max_documents."""
+    return max(doc, -(-(tokens // 3) // max_documents))
 
 
 def write_corpus(folder, tokens, doc):
@@ -53,7 +60,7 @@ def rss_mb():
         return next(int(l.split()[1]) for l in f if l.startswith("VmRSS:")) / 1024
 
 
-def child(kind, prefixes, seq, batch, size):
+def child(kind, prefixes, seq, batch, size, shuffle):
     # The libraries are imported first (torch with them): the clock and the memory count from there.
     import torch
     if kind == "ferry":
@@ -66,7 +73,7 @@ def child(kind, prefixes, seq, batch, size):
     if kind == "ferry":
         sources = [(ferry.datasets.megatron(p, seq_len=seq), w) for p, w in zip(prefixes, (0.5, 0.3, 0.2))]
         mix = ferry.datasets.mixture(sources, seed=1234, size=size)
-        b = next(iter(ferry.DataLoader(mix, batch_size=batch)))
+        b = next(iter(ferry.DataLoader(mix, batch_size=batch, shuffle=shuffle)))
         shape = tuple(b["input_ids"].shape)
     else:
         from collections import OrderedDict
@@ -94,6 +101,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--totals", default="3e8,3e9,3e10")
     p.add_argument("--doc", type=int, default=1000)
+    p.add_argument("--max-documents", type=float, default=3e6, help="documents a source at most (longer documents past it)")
+    p.add_argument("--shuffle", action="store_true", help="ferry: DataLoader(shuffle=True) over the mixture")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--dir", default="/tmp/ferry-first")
@@ -102,28 +111,29 @@ def main():
     p.add_argument("--child", nargs="*")
     a = p.parse_args()
     if a.child:
-        return child(a.child[0], a.child[1:], a.seq, a.batch, a.mixture_size)
+        return child(a.child[0], a.child[1:], a.seq, a.batch, a.mixture_size, a.shuffle)
     try:
         import megatron.core  # noqa: F401
         kinds = a.rows.split(",")
     except Exception as e:  # noqa: BLE001 (any import failure: say it and go on)
         kinds = [k for k in a.rows.split(",") if k != "megatron-core"]
         print(f"# megatron-core not importable here: {type(e).__name__}: {e}")
-    print(f"# first batch of a 3-source mixture (0.5/0.3/0.2), documents of {a.doc} tokens, seq {a.seq}, batch {a.batch}, "
-          f"{os.cpu_count()} CPUs; a fresh process each")
+    print(f"# first batch of a 3-source mixture (0.5/0.3/0.2), documents of {a.doc} tokens (at most {int(a.max_documents):,} "
+          f"a source), seq {a.seq}, batch {a.batch}, shuffle={a.shuffle}, {os.cpu_count()} CPUs; a fresh process each")
     print("| corpus tokens | documents | loader | first batch (s) | RSS growth (MB) |")
     print("|---:|---:|---|---:|---:|")
     for total in (int(float(t)) for t in a.totals.split(",")):
-        prefixes = write_corpus(os.path.join(a.dir, f"c{total}"), total, a.doc)
+        doc = document_tokens(total, a.doc, int(a.max_documents))
+        prefixes = write_corpus(os.path.join(a.dir, f"c{total}"), total, doc)
         for kind in kinds:
-            extra = [] if a.mixture_size is None else ["--mixture-size", str(a.mixture_size)]
+            extra = ([] if a.mixture_size is None else ["--mixture-size", str(a.mixture_size)]) + (["--shuffle"] if a.shuffle else [])
             r = subprocess.run([sys.executable, __file__, "--seq", str(a.seq), "--batch", str(a.batch), *extra, "--child", kind, *prefixes],
                                capture_output=True, text=True, timeout=600)
             if r.returncode != 0:
-                print(f"| {total:,} | {total // a.doc:,} | {kind} | failed: {r.stderr.strip().splitlines()[-1:]} | |")
+                print(f"| {total:,} | {total // doc:,} | {kind} | failed: {r.stderr.strip().splitlines()[-1:]} | |")
                 continue
             out = json.loads(r.stdout.strip().splitlines()[-1])
-            print(f"| {total:,} | {total // a.doc:,} | {kind} | {out['seconds']:.3f} | {out['rss_mb']:.0f} |", flush=True)
+            print(f"| {total:,} | {total // doc:,} | {kind} | {out['seconds']:.3f} | {out['rss_mb']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ std::shared_ptr<const BatchSampler> make_batch_sampler(const DataLoaderOptions& 
     else
       sampler = std::make_shared<SequentialSampler>(t.dataset_size);
   }
-  return std::make_shared<BatchSampler>(std::move(sampler), o.batch_size, o.drop_last);
+  return std::make_shared<BatchSampler>(std::move(sampler), o.batch_size, o.drop_last, /*lazy=*/true);  // Note [Lazy plans]
 }
 
 }  // namespace
@@ -354,7 +354,7 @@ void LoaderCore::begin_epoch() {
       if (!plan && s.epochs.plan_ahead && s.epochs.plan_ahead->epoch == s.epochs.next_epoch)
         plan = s.epochs.plan_ahead->plan.get();  // a sampler's error, here
       s.epochs.plan_ahead.reset();
-      if (!plan) plan = std::make_shared<const BatchPlan>(s.batch_sampler->plan(s.epochs.next_epoch));
+      if (!plan) plan = std::make_shared<const BatchPlan>(s.batch_sampler->epoch_plan(s.epochs.next_epoch));
     }
     s.epochs.epoch_plan = plan;
     s.epochs.epoch_plan_hash.reset();
@@ -367,7 +367,7 @@ void LoaderCore::begin_epoch() {
   s.epochs.epoch_exhausted = false;
   s.epochs.stopped_mid_epoch = false;
   if (!s.stats.origin_ns) s.stats.origin_ns = now_ns();  // before any stage starts work
-  s.faults.begin_epoch(s.epochs.next_epoch, plan ? plan->indices.size() : s.traits.dataset_size);
+  s.faults.begin_epoch(s.epochs.next_epoch, plan ? plan->samples() : s.traits.dataset_size);
   s.engine.begin_epoch(s.epochs.next_epoch, std::move(plan), start);
   s.epochs.epoch_delivered = static_cast<std::int64_t>(start);
   s.epochs.live_epoch = s.epochs.next_epoch;
@@ -382,13 +382,13 @@ void LoaderCore::begin_epoch() {
       // set_epoch, a RandomSampler drawing from a generator the loop also draws from): neither its
       // plan nor its batches are made ahead.
     } else if (s.engine.prefetches_next()) {
-      s.engine.prefetch_next(next, std::make_shared<const BatchPlan>(s.batch_sampler->plan(next)));
+      s.engine.prefetch_next(next, std::make_shared<const BatchPlan>(s.batch_sampler->epoch_plan(next)));
     } else {
       // A plan takes a few ns an index (bench_plan: a million-index epoch, 2.7-3.5 ms on a
       // 2-core machine), which would otherwise hold up the next epoch's start.
       s.epochs.plan_ahead = EpochBook::PlanAhead{next, std::async(std::launch::async, [sampler = s.batch_sampler, next] {
                                                    name_this_thread("ferry-plan");  // else it shows as the consumer, its maker
-                                                   return std::make_shared<const BatchPlan>(sampler->plan(next));
+                                                   return std::make_shared<const BatchPlan>(sampler->epoch_plan(next));
                                                  })};
     }
   }

@@ -87,9 +87,9 @@ bool LoaderCore::Parts::fetch_row(const Job& job, JobContext& ctx, std::size_t r
   report.kind = kind;
   report.message = error ? what_of(error) : stuck_message;
   if (opt.on_error == OnError::Replace) {
-    const std::span<const std::size_t> all = job.epoch_indices;
-    for (unsigned t = 0; t < 16 && !all.empty(); ++t) {
-      const std::size_t c = all[replacement_position(opt.seed, ctx.worker.epoch, i, t, all.size())];
+    const std::size_t all = job.plan ? job.plan->samples() : 0;
+    for (unsigned t = 0; t < 16 && all > 0; ++t) {
+      const std::size_t c = job.plan->sample_at(replacement_position(opt.seed, ctx.worker.epoch, i, t, all));
       if (c == i || listed_stuck(job, c) || faults.is_stuck(c)) continue;
       if (meter) ctx.set_sample(c);  // a candidate that gets stuck is the one to leave out next time
       const bool failed = attempt(row, c, ctx, meter, fn) != nullptr;

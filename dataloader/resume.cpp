@@ -15,20 +15,42 @@ std::shared_ptr<const DistributedSampler> LoaderCore::Parts::distributed() const
 
 // The plan of `epoch` whose order starts at `segment_start` (DistributedSampler; else 0).
 std::shared_ptr<const BatchPlan> LoaderCore::Parts::plan_of(std::uint64_t epoch, std::size_t segment_start) const {
-  if (segment_start == 0) return std::make_shared<const BatchPlan>(batch_sampler->plan(epoch));
+  if (segment_start == 0) return std::make_shared<const BatchPlan>(batch_sampler->epoch_plan(epoch));
   return std::make_shared<const BatchPlan>(
-      make_batches(distributed()->indices_from(epoch, segment_start), opt.batch_size, opt.drop_last));
+      BatchPlan::lazy(distributed()->order_from(epoch, segment_start), opt.batch_size, opt.drop_last));
 }
 
 namespace {
+// A plan's hash: FNV-1a's constants, a word at a time, over every index and every batch bound, a
+// lazy plan's as a whole one's of the same batches. Past Sampler::kWholeShuffle samples (a lazy
+// plan's epoch may be billions), over the count, the bounds' rule and 4,096 samples spread over
+// the epoch instead: a resume stays O(1) in the epoch's size (Note [Lazy plans]).
 std::uint64_t hash_plan(const BatchPlan& p) {
-  std::uint64_t h = 1469598103934665603ull;  // FNV-1a's constants, a word at a time, over every index and bound
+  std::uint64_t h = 1469598103934665603ull;
   auto mix = [&](std::uint64_t v) {
     h = (h ^ v) * 1099511628211ull;
     h ^= h >> 29;
   };
-  for (std::size_t i : p.indices) mix(i);
-  for (std::size_t o : p.offsets) mix(o);
+  const std::size_t n = p.samples(), batches = p.size();
+  if (!p.is_lazy() || n <= Sampler::kWholeShuffle) {
+    std::vector<std::size_t> chunk;
+    for (std::size_t b = 0; b < batches; ++b) {
+      if (!p.is_lazy()) {
+        for (std::size_t i : p.batch(b)) mix(i);
+        continue;
+      }
+      p.batch_into(b, chunk);
+      for (std::size_t i : chunk) mix(i);
+    }
+    for (std::size_t b = 0; b <= batches; ++b) mix(p.offset(b));
+    return h;
+  }
+  mix(n);
+  mix(batches);
+  mix(p.batch_size);
+  mix(p.drop_last ? 1 : 0);
+  constexpr std::size_t kSpread = 4096;
+  for (std::size_t k = 0; k < kSpread; ++k) mix(p.sample_at(n / kSpread * k + n % kSpread * k / kSpread));  // k * n / kSpread
   return h;
 }
 
@@ -87,14 +109,14 @@ LoaderState LoaderCore::save_state() const {
     if (!plan) plan = s.plan_of(st.epoch, segment);
     st.batches = k;
     st.batches_per_epoch = plan->size();
-    st.samples_per_epoch = plan->indices.size();
+    st.samples_per_epoch = plan->samples();
     if (hash_cached && !s.epochs.epoch_plan_hash) s.epochs.epoch_plan_hash = hash_plan(*plan);
     st.plan_hash = hash_cached ? *s.epochs.epoch_plan_hash : hash_plan(*plan);
     if (auto d = s.distributed()) {
       st.world_size = d->world_size();
       st.rank = d->rank();
       st.segment_start = segment;
-      st.position = d->position_after(segment, plan->offsets[k]);
+      st.position = d->position_after(segment, plan->offset(k));
     }
     return st;
   }
@@ -151,10 +173,10 @@ void LoaderCore::restore_state(const LoaderState& st) {
     // is the saving rank's, the counts are every rank's).
     const bool other_rank = d && !elastic && st.rank != d->rank();
     auto plan = s.plan_of(st.epoch, segment);
-    if (!elastic && (plan->size() != st.batches_per_epoch || plan->indices.size() != st.samples_per_epoch ||
+    if (!elastic && (plan->size() != st.batches_per_epoch || plan->samples() != st.samples_per_epoch ||
                      (!other_rank && hash_plan(*plan) != st.plan_hash)))
       throw Error("DataLoader::restore(): epoch " + std::to_string(st.epoch) + "'s batches differ from the saved loader's (" +
-                  std::to_string(plan->size()) + " batches of " + std::to_string(plan->indices.size()) + " samples here, " +
+                  std::to_string(plan->size()) + " batches of " + std::to_string(plan->samples()) + " samples here, " +
                   std::to_string(st.batches_per_epoch) + " of " + std::to_string(st.samples_per_epoch) +
                   " saved, or the same counts in another order): another sampler, shuffle, batch_size or drop_last, or a "
                   "sampler that is not a function of the epoch");

@@ -1,5 +1,5 @@
-// Mixtures of datasets (ferry::Mixture) and the permutation they draw from (IndexPermutation),
-// ferry/loaders/tokens.h; Note [Token positions in O(1)] in sequences.cpp.
+// Mixtures of datasets (ferry::Mixture, ferry/loaders/tokens.h), drawn from keyed permutations
+// (IndexPermutation, ferry/core/sampler.h); Note [Token positions in O(1)] in sequences.cpp.
 #include <algorithm>
 #include <cmath>
 #include <numeric>
@@ -7,33 +7,6 @@
 #include "ferry/loaders/tokens.h"
 
 namespace ferry {
-
-// --- permutations -------------------------------------------------------------------------------
-
-IndexPermutation::IndexPermutation(std::uint64_t n, std::uint64_t key) noexcept : n_(n), key_(key) {
-  const int bits = n <= 4 ? 2 : std::bit_width(n - 1);
-  half_bits_ = (bits + 1) / 2;
-}
-
-std::uint64_t IndexPermutation::round(std::uint64_t half, int r) const noexcept {
-  return mix_seed(key_, half, static_cast<std::uint64_t>(r)) & ((std::uint64_t{1} << half_bits_) - 1);
-}
-
-std::uint64_t IndexPermutation::at(std::uint64_t i) const noexcept {
-  if (n_ <= 1) return i;
-  const std::uint64_t mask = (std::uint64_t{1} << half_bits_) - 1;
-  std::uint64_t x = i;
-  do {  // cycle walking: a bijection of [0, 4^half_bits) applied until it lands in [0, n)
-    std::uint64_t l = x >> half_bits_, r = x & mask;
-    for (int k = 0; k < 4; ++k) {
-      const std::uint64_t t = l ^ round(r, k);
-      l = r;
-      r = t;
-    }
-    x = (l << half_bits_) | r;
-  } while (x >= n_);
-  return x;
-}
 
 // --- mixtures -----------------------------------------------------------------------------------
 

@@ -78,11 +78,12 @@ std::vector<DatasetOption> sequence_options() {
 
 std::map<std::string, DatasetSchema> make_schemas() {
   std::map<std::string, DatasetSchema> s;
-  s["idx"] = {"IDX images and labels (the MNIST format, raw or .gz) as (image, label)",
-              {required("images", Kind::Path, "the IDX images file"), required("labels", Kind::Path, "the IDX labels file"),
-               opt("flip", Kind::Flag, "0", "random horizontal flip"),
-               opt("float", Kind::Flag, "0", "float32 1x28x28 (implied by mean= or std=)"),
-               opt("mean", Kind::Number, "", "normalize (implies float)"), opt("std", Kind::Number, "", "normalize (implies float)")}};
+  s["idx"] = {
+      "IDX images and labels (the MNIST format, raw or .gz) as (image, label)",
+      {required("images", Kind::Path, "the IDX images file"), required("labels", Kind::Path, "the IDX labels file"),
+       opt("flip", Kind::Flag, "0", "random horizontal flip"),
+       opt("float", Kind::Flag, "0", "float32 1x28x28 (implied by mean= or std=)"),
+       opt("mean", Kind::Number, "", "normalize (implies float)"), opt("std", Kind::Number, "", "normalize (implies float)")}};
   s["npy"] = {"rows of a .npy array (memory-mapped) as (row,)", {required("path", Kind::Path, "the .npy file")}};
   s["image_folder"] = {"JPEG/PNG images in root/<class>/<image> as (image, label), labels by sorted class folder",
                        with({required("root", Kind::Path, "the folder of class folders")}, image_options())};
@@ -90,19 +91,21 @@ std::map<std::string, DatasetSchema> make_schemas() {
       opt("dir", Kind::Path, "", "a folder of .tar shards (sorted); or shards="),
       opt("shards", Kind::Paths, "", "the shards, as a.tar:b.tar or brace patterns; or dir="),
   };
-  s["tar_index"] = {"WebDataset shards (<key>.jpg + <key>.cls) indexed once, as a map-style dataset (shuffled across shards, "
-                    "resumable, GPU decode)",
-                    with(shards, image_options())};
+  s["tar_index"] = {
+      "WebDataset shards (<key>.jpg + <key>.cls) indexed once, as a map-style dataset (shuffled across shards, "
+      "resumable, GPU decode)",
+      with(shards, image_options())};
   s["tar"] = {"WebDataset shards as a stream (read once, front to back; batches filled across the workers)",
               with(with(shards, {opt("shuffle", Kind::Flag, "1", "shuffle the shard order each epoch")}), image_options())};
-  s["tokens"] = {"a flat token file (nanoGPT's raw .bin, llm.c's .bin, a 1-D .npy) as language-model sequences "
-                 "(input_ids, labels[, position_ids, cu_seqlens])",
-                 with({required("path", Kind::Path, "the token file"),
-                       choice("dtype", "", {"uint8", "int8", "int16", "uint16", "int32", "uint32", "int64"},
-                              "a raw file's token type (a headed file's is read from its header)"),
-                       choice("format", "auto", {"auto", "raw", "llmc", "npy"}, "the file's format"),
-                       ranged(opt("eod", Kind::Integer, "", "the end-of-document token id (packed= needs it)"), 0)},
-                      sequence_options())};
+  s["tokens"] = {
+      "a flat token file (nanoGPT's raw .bin, llm.c's .bin, a 1-D .npy) as language-model sequences "
+      "(input_ids, labels[, position_ids, cu_seqlens])",
+      with({required("path", Kind::Path, "the token file"),
+            choice("dtype", "", {"uint8", "int8", "int16", "uint16", "int32", "uint32", "int64"},
+                   "a raw file's token type (a headed file's is read from its header)"),
+            choice("format", "auto", {"auto", "raw", "llmc", "npy"}, "the file's format"),
+            ranged(opt("eod", Kind::Integer, "", "the end-of-document token id (packed= needs it)"), 0)},
+           sequence_options())};
   const TokenSequenceOptions d;
   s["megatron"] = {
       "a Megatron-LM indexed dataset (prefix.bin + prefix.idx) as language-model sequences",
@@ -114,16 +117,14 @@ std::map<std::string, DatasetSchema> make_schemas() {
                  ranged(opt("best_fit_group", Kind::Integer, std::to_string(d.best_fit_group),
                             "packed: documents placed whole by best fit in groups of this many sequences (0: off)"),
                         0)}))};
-  s["synthetic"] = {"in-memory patterns (sample i's bytes all i % 251, label i % 10), with injected faults",
-                    {ranged(opt("n", Kind::Integer, "10000", "samples"), 0),
-                     opt("shape", Kind::Text, "3x224x224", "each sample's shape"),
-                     choice("dtype", "uint8",
-                            {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"},
-                            "each sample's dtype"),
-                     ranged(opt("throw_rate", Kind::Number, "0", "the fraction of samples that throw"), 0, 1),
-                     ranged(opt("delay_rate", Kind::Number, "0", "the fraction of samples delayed"), 0, 1),
-                     ranged(opt("delay_ms", Kind::Integer, "0", "each delay"), 0),
-                     opt("fault_seed", Kind::Integer, "0", "the faults' seed")}};
+  s["synthetic"] = {
+      "in-memory patterns (sample i's bytes all i % 251, label i % 10), with injected faults",
+      {ranged(opt("n", Kind::Integer, "10000", "samples"), 0), opt("shape", Kind::Text, "3x224x224", "each sample's shape"),
+       choice("dtype", "uint8", {"bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"},
+              "each sample's dtype"),
+       ranged(opt("throw_rate", Kind::Number, "0", "the fraction of samples that throw"), 0, 1),
+       ranged(opt("delay_rate", Kind::Number, "0", "the fraction of samples delayed"), 0, 1),
+       ranged(opt("delay_ms", Kind::Integer, "0", "each delay"), 0), opt("fault_seed", Kind::Integer, "0", "the faults' seed")}};
   return s;
 }
 

@@ -463,6 +463,9 @@ struct TarShards::Held {
   struct Slot {
     std::mutex mu;
     std::function<Feed(const FeedKey&)> make;  // set by the loader's first open
+    // The loader's cancellation (its StreamShare's, at its destruction): a reading made ahead
+    // stops with it; one taken by an epoch also with the epoch's (BatchFeed::stop_with).
+    std::shared_ptr<const std::atomic<bool>> loader_cancelled;
     std::optional<FeedKey> ahead_key;
     Feed ahead;
     Feed take(const FeedKey& key) {
@@ -557,7 +560,12 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
     const Held::FeedKey key{worker.seed, worker.epoch, worker.num_workers, worker.batch_size, worker.next_epoch_ahead};
     // The loader's slot (one a loader; a stream opened with no loader_share makes its own).
     const std::shared_ptr<Held::Slot> slot =
-        worker.loader_share ? worker.loader_share->get<Held::Slot>(this, [] { return std::make_unique<Held::Slot>(); })
+        worker.loader_share ? worker.loader_share->get<Held::Slot>(this,
+                                                                   [&] {
+                                                                     auto made = std::make_unique<Held::Slot>();
+                                                                     made->loader_cancelled = worker.loader_share->cancelled();
+                                                                     return made;
+                                                                   })
                             : std::make_shared<Held::Slot>();
     s.feed_ = worker.share->get<detail::BatchFeed>(this, [&] {
       {
@@ -597,102 +605,108 @@ TarShards::Stream TarShards::open(const WorkerInfo& worker) const {
             // on its own thread).
             auto lane_ahead = std::make_shared<std::vector<std::shared_ptr<loaders::OpenAhead>>>();
             for (std::size_t l = 0; l < lanes; ++l) lane_ahead->push_back(std::make_shared<loaders::OpenAhead>());
-            auto feed = std::make_unique<detail::BatchFeed>(shape, [paths, lanes, next_first, held, used, ahead_to, key, learn,
-                                                                    lane_ahead](std::size_t unit, detail::BatchFeed::Sink& sink) {
-              const std::string& path = (*paths)[unit];
-              if (std::shared_ptr<const LearnedShard> known = learn ? learn->learned_for(path) : nullptr) {
-                for (std::size_t i = 0; i < known->records.size(); ++i) {
-                  auto d = std::make_shared<Dealt>();
-                  d->learned = known;
-                  d->index = i;
-                  if (!sink.push(std::move(d))) return;
-                }
-              } else {
-                // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
-                Stream one;
-                one.shards_.push_back(path);
-                one.ahead_ = (*lane_ahead)[unit % lanes];
-                if (held && (unit == 0 || unit + 1 == paths->size())) {
-                  one.held_ = held;
-                  one.worker_ = kFeedHeld;
-                  if (unit + 1 == paths->size()) one.next_first_ = next_first;
-                }
-                std::shared_ptr<LearnedShard> learning;
-                if (learn)
-                  if (std::optional<FileStamp> stamp = stamp_of(path)) {
-                    learning = std::make_shared<LearnedShard>();
-                    learning->path = path;
-                    learning->stamp = *stamp;
-                    one.direct_ = std::make_shared<Stream::Direct>();
-                    one.direct_->learning = true;
+            std::shared_ptr<const std::atomic<bool>> loader_cancelled;
+            if (const std::shared_ptr<Held::Slot> owner = weak_slot.lock()) loader_cancelled = owner->loader_cancelled;
+            auto feed = std::make_unique<detail::BatchFeed>(
+                shape,
+                [paths, lanes, next_first, held, used, ahead_to, key, learn, lane_ahead](std::size_t unit,
+                                                                                         detail::BatchFeed::Sink& sink) {
+                  const std::string& path = (*paths)[unit];
+                  if (std::shared_ptr<const LearnedShard> known = learn ? learn->learned_for(path) : nullptr) {
+                    for (std::size_t i = 0; i < known->records.size(); ++i) {
+                      auto d = std::make_shared<Dealt>();
+                      d->learned = known;
+                      d->index = i;
+                      if (!sink.push(std::move(d))) return;
+                    }
+                  } else {
+                    // One shard a Stream; the lane's next shard's opening read goes out once this one is open.
+                    Stream one;
+                    one.shards_.push_back(path);
+                    one.ahead_ = (*lane_ahead)[unit % lanes];
+                    if (held && (unit == 0 || unit + 1 == paths->size())) {
+                      one.held_ = held;
+                      one.worker_ = kFeedHeld;
+                      if (unit + 1 == paths->size()) one.next_first_ = next_first;
+                    }
+                    std::shared_ptr<LearnedShard> learning;
+                    if (learn)
+                      if (std::optional<FileStamp> stamp = stamp_of(path)) {
+                        learning = std::make_shared<LearnedShard>();
+                        learning->path = path;
+                        learning->stamp = *stamp;
+                        one.direct_ = std::make_shared<Stream::Direct>();
+                        one.direct_->learning = true;
+                      }
+                    sink.on_wait = [&one] { return one.progress(); };
+                    bool opened = false;
+                    for (;;) {
+                      std::optional<TarRecord> r;
+                      std::exception_ptr failed;
+                      if (learning) one.direct_->members.clear();
+                      try {
+                        r = one.next();
+                      } catch (...) {
+                        failed = std::current_exception();
+                      }
+                      // Handed over outside the handler: the worker that takes it holds its only
+                      // reference (the exception's last owner is the thread that reads it).
+                      if (failed) {
+                        learning.reset();  // a shard with an error is read as a stream again
+                        if (!sink.fail(std::move(failed))) return;
+                        continue;
+                      }
+                      if (!opened && unit + lanes < paths->size()) one.ahead_->send((*paths)[unit + lanes], kAheadPiece);
+                      opened = true;
+                      if (!r) break;
+                      if (learning) {
+                        LearnedShard::Record rec;
+                        rec.offset = r->offset;
+                        rec.key_begin = learning->keys.size();
+                        rec.key_size = static_cast<std::uint32_t>(r->key.size());
+                        rec.first_member = learning->members.size();
+                        rec.members = static_cast<std::uint32_t>(one.direct_->members.size());
+                        learning->keys += r->key;
+                        for (auto& [field, m] : one.direct_->members)
+                          learning->members.push_back({m.data_offset, m.size, learning->field_id(field)});
+                        learning->records.push_back(rec);
+                      }
+                      auto d = std::make_shared<Dealt>();
+                      d->record = std::move(*r);
+                      if (!sink.push(std::move(d))) return;
+                    }
+                    if (learning && stamp_of(path) == learning->stamp) {
+                      learning->keys.shrink_to_fit();
+                      learning->records.shrink_to_fit();
+                      learning->members.shrink_to_fit();
+                      learn->learn(std::move(learning));
+                    }
                   }
-                sink.on_wait = [&one] { return one.progress(); };
-                bool opened = false;
-                for (;;) {
-                  std::optional<TarRecord> r;
-                  std::exception_ptr failed;
-                  if (learning) one.direct_->members.clear();
-                  try {
-                    r = one.next();
-                  } catch (...) {
-                    failed = std::current_exception();
-                  }
-                  // Handed over outside the handler: the worker that takes it holds its only
-                  // reference (the exception's last owner is the thread that reads it).
-                  if (failed) {
-                    learning.reset();  // a shard with an error is read as a stream again
-                    if (!sink.fail(std::move(failed))) return;
-                    continue;
-                  }
-                  if (!opened && unit + lanes < paths->size()) one.ahead_->send((*paths)[unit + lanes], kAheadPiece);
-                  opened = true;
-                  if (!r) break;
-                  if (learning) {
-                    LearnedShard::Record rec;
-                    rec.offset = r->offset;
-                    rec.key_begin = learning->keys.size();
-                    rec.key_size = static_cast<std::uint32_t>(r->key.size());
-                    rec.first_member = learning->members.size();
-                    rec.members = static_cast<std::uint32_t>(one.direct_->members.size());
-                    learning->keys += r->key;
-                    for (auto& [field, m] : one.direct_->members)
-                      learning->members.push_back({m.data_offset, m.size, learning->field_id(field)});
-                    learning->records.push_back(rec);
-                  }
-                  auto d = std::make_shared<Dealt>();
-                  d->record = std::move(*r);
-                  if (!sink.push(std::move(d))) return;
-                }
-                if (learning && stamp_of(path) == learning->stamp) {
-                  learning->keys.shrink_to_fit();
-                  learning->records.shrink_to_fit();
-                  learning->members.shrink_to_fit();
-                  learn->learn(std::move(learning));
-                }
-              }
-              // The epoch's last shard read (local shards, next_epoch_ahead): the next epoch's reading
-              // starts, for the loader's next open to take. Only from a reading a loader uses (one
-              // made ahead and never taken makes no other).
-              if (unit + 1 == paths->size() && used->load())
-                if (std::shared_ptr<Held::Slot> to = ahead_to.lock()) {
-                  std::function<Held::Feed(const Held::FeedKey&)> make_next;
-                  {
-                    std::lock_guard l(to->mu);
-                    make_next = to->make;
-                  }
-                  if (make_next) {
-                    Held::FeedKey next = key;
-                    ++next.epoch;
-                    to->put(next, make_next(next));
-                  }
-                }
-            });
+                  // The epoch's last shard read (local shards, next_epoch_ahead): the next epoch's reading
+                  // starts, for the loader's next open to take. Only from a reading a loader uses (one
+                  // made ahead and never taken makes no other).
+                  if (unit + 1 == paths->size() && used->load())
+                    if (std::shared_ptr<Held::Slot> to = ahead_to.lock()) {
+                      std::function<Held::Feed(const Held::FeedKey&)> make_next;
+                      {
+                        std::lock_guard l(to->mu);
+                        make_next = to->make;
+                      }
+                      if (make_next) {
+                        Held::FeedKey next = key;
+                        ++next.epoch;
+                        to->put(next, make_next(next));
+                      }
+                    }
+                },
+                loader_cancelled);
             return Held::Feed{std::move(feed), std::move(used)};
           };
         }
       }
       Held::Feed f = slot->take(key);
       if (!f.feed) f = slot->make(key);
+      f.feed->stop_with(worker.share->cancelled());  // the epoch's end stops its readers
       f.used->store(true);
       return std::move(f.feed);
     });

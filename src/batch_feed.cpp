@@ -5,6 +5,7 @@
 #include <string>
 
 #include "ferry/core/error.h"
+#include "ferry/detail/io_counters.h"
 #include "thread.h"
 
 namespace ferry::detail {
@@ -24,9 +25,10 @@ bool BatchFeed::Sink::fail(std::exception_ptr error) {
   return feed_.put(lane_, Item{nullptr, std::move(error), false, 0}, on_wait);
 }
 
-BatchFeed::BatchFeed(Shape shape, ReadUnit read)
+BatchFeed::BatchFeed(Shape shape, ReadUnit read, std::shared_ptr<const std::atomic<bool>> given_up)
     : shape_(shape),
       read_(std::move(read)),
+      given_up_(std::move(given_up)),
       lanes_(std::max<std::size_t>(1, std::min(shape.lanes, std::max<std::size_t>(shape.units, 1)))) {
   if (shape_.batch_size == 0) throw Error("BatchFeed: batch_size must be positive");
   ended_ = shape_.units == 0;
@@ -40,10 +42,18 @@ BatchFeed::~BatchFeed() {
   {
     std::lock_guard l(mu_);
     stopping_ = true;
+    stop_.store(true);
   }
   for (Lane& lane : lanes_) lane.space.notify_all();
   dealt_.notify_all();
   threads_.reset();  // joins
+}
+
+void BatchFeed::stop_with(std::shared_ptr<const std::atomic<bool>> given_up) {
+  std::lock_guard l(mu_);
+  if (also_owned_ || !given_up) return;
+  also_owned_ = std::move(given_up);
+  also_given_up_.store(also_owned_.get(), std::memory_order_release);
 }
 
 std::size_t BatchFeed::room(const Lane& lane) const { return lane.unit == unit_ ? 4 * shape_.lane_records : shape_.lane_records; }
@@ -51,10 +61,10 @@ std::size_t BatchFeed::room(const Lane& lane) const { return lane.unit == unit_ 
 bool BatchFeed::put(std::size_t lane, Item item, const std::function<bool()>& on_wait) {
   std::unique_lock l(mu_);
   Lane& ln = lanes_[lane];
-  while (!stopping_ && ln.items.size() >= room(ln) && !item.end_of_unit) {
+  while (!stopping_ && !stopped() && ln.items.size() >= room(ln) && !item.end_of_unit) {
     if (on_wait) {
       ln.space.wait_for(l, kWaitPoll);
-      if (stopping_ || ln.items.size() < room(ln)) break;
+      if (stopping_ || stopped() || ln.items.size() < room(ln)) break;
       l.unlock();
       try {
         on_wait();
@@ -63,17 +73,21 @@ bool BatchFeed::put(std::size_t lane, Item item, const std::function<bool()>& on
       }
       l.lock();
     } else {
-      ln.space.wait(l);
+      ln.space.wait_for(l, kWaitPoll);  // a wake-up now and then: the loader may give up meanwhile
     }
   }
-  if (stopping_) return false;
+  if (stopping_ || stopped()) return false;
   ln.items.push_back(std::move(item));
   if (waiting_ > 0) dealt_.notify_all();
   return true;
 }
 
 void BatchFeed::lane_main(std::size_t lane) {
-  for (std::size_t u = lane; u < shape_.units; u += lanes_.size()) {
+  // The lane's object-store reads end when the loader gives up on the feed (Note [One batcher
+  // across workers], its last paragraph); no counters: the workers count what they take.
+  const ScopedIo io(
+      nullptr, [](const void* feed) noexcept { return static_cast<const BatchFeed*>(feed)->stopped(); }, this);
+  for (std::size_t u = lane; u < shape_.units && !stopped(); u += lanes_.size()) {
     {
       std::lock_guard l(mu_);
       lanes_[lane].unit = u;
@@ -108,7 +122,8 @@ BatchFeed::Box BatchFeed::next(std::uint64_t batch, std::uint64_t& position) {
     }
     // Nothing of it waits: none left when its records have all been dealt (and taken), or the
     // epoch's records ended, or it comes before the resumed start.
-    if (ended_ || stopping_ || position_ >= (batch + 1) * B || batch < first_batch_) {
+    // Or the loader gave up on the epoch (stopped(): the lanes read no more).
+    if (ended_ || stopping_ || stopped() || position_ >= (batch + 1) * B || batch < first_batch_) {
       if (dealt_other && waiting_ > 0) dealt_.notify_all();
       return nullptr;
     }
@@ -119,7 +134,7 @@ BatchFeed::Box BatchFeed::next(std::uint64_t batch, std::uint64_t& position) {
         dealt_other = false;
       }
       ++waiting_;
-      dealt_.wait(l);
+      dealt_.wait_for(l, kWaitPoll);  // a wake-up now and then: the loader may give up meanwhile
       --waiting_;
       continue;
     }

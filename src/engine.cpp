@@ -50,12 +50,31 @@ struct EpochState {
   std::vector<std::shared_ptr<void>> streams;
   StreamShare share;                          // what the workers' streams share (WorkerInfo::share)
   std::shared_ptr<StreamShare> loader_share;  // the loader's (WorkerInfo::loader_share), kept while a task runs
+  // The loader gave up on the epoch: its jobs, and the threads its streams' shared readers run.
+  void cancel() noexcept {
+    cancelled.store(true);
+    share.cancel();
+  }
 };
 
 struct Task {
   std::shared_ptr<EpochState> epoch;
   Job job;
 };
+
+// Batch b of `plan` as the job's indices: a view of a whole plan, or a lazy plan's batch computed
+// now (Note [Lazy plans], ferry/core/sampler.h). The task holds the epoch, and so the plan.
+void take_batch(Job& job, const BatchPlan& plan, std::size_t b) {
+  job.plan = &plan;
+  if (!plan.is_lazy()) {
+    job.indices = plan.batch(b);
+    return;
+  }
+  auto v = std::make_shared<std::vector<std::size_t>>();
+  plan.batch_into(b, *v);
+  job.indices = *v;
+  job.owned = std::move(v);
+}
 
 // One worker thread's control block, shared by the thread and the engine (an abandoned thread
 // keeps it). See Note [Abandoned workers].
@@ -431,8 +450,7 @@ struct Engine::State {
         job.batch = static_cast<std::int64_t>(opt.shared_stream ? next_key : next_key / static_cast<std::uint64_t>(W));
       } else {
         job.batch = static_cast<std::int64_t>(next_key);
-        job.indices = ep->plan->batch(next_key);
-        job.epoch_indices = ep->plan->indices;
+        take_batch(job, *ep->plan, next_key);
       }
       queues[queue_of(next_key)]->push(Task{ep, job});
       ++in_flight;
@@ -452,8 +470,7 @@ struct Engine::State {
       job.key = ahead_dispatched;
       job.batch = static_cast<std::int64_t>(ahead_dispatched);
       if (!opt.streaming) {
-        job.indices = ahead->plan->batch(ahead_dispatched);
-        job.epoch_indices = ahead->plan->indices;
+        take_batch(job, *ahead->plan, ahead_dispatched);
       }
       queues[queue_of(ahead_dispatched)]->push(Task{ahead, job});
       ++ahead_dispatched;
@@ -462,7 +479,7 @@ struct Engine::State {
 
   void drop_ahead() noexcept {
     if (!ahead) return;
-    ahead->cancelled.store(true);
+    ahead->cancel();
     ahead->results.close();
     ahead.reset();
     ahead_dispatched = 0;
@@ -673,8 +690,7 @@ struct Engine::State {
         job.batch = static_cast<std::int64_t>(delivered);
         if (!opt.streaming) {
           if (delivered >= total) return {};
-          job.indices = ep->plan->batch(delivered);
-          job.epoch_indices = ep->plan->indices;
+          take_batch(job, *ep->plan, delivered);
         }
         if (!opt.wait_poll.active()) {
           ++delivered;
@@ -919,7 +935,7 @@ std::int64_t Engine::next_key() const noexcept {
 void Engine::end_epoch() noexcept {
   State& s = *state_;
   if (!s.live) return;
-  s.ep->cancelled.store(true);
+  s.ep->cancel();
   s.ep->results.close();
   s.settle_inline();
   if (!s.opt.persistent_workers)
@@ -935,6 +951,7 @@ void Engine::end_epoch() noexcept {
 
 void Engine::shutdown() noexcept {
   end_epoch();
+  state_->loader_share->cancel();  // the next epoch's readers made ahead stop too
   state_->drop_ahead();
   state_->stop_workers();
   state_->stop_helper();
@@ -972,7 +989,7 @@ void WaitPoll::check() const {
 void Engine::interrupt() noexcept {
   State& s = *state_;
   if (!s.live) return;
-  s.ep->cancelled.store(true);
+  s.ep->cancel();
   s.ep->results.close();
 }
 

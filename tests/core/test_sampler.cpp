@@ -125,3 +125,117 @@ TEST_CASE("BatchSampler groups indices, with and without drop_last", "[unit][sam
   CHECK(BatchSampler(std::make_shared<SequentialSampler>(0), 4, false).plan(0).size() == 0);
   CHECK_THROWS_WITH(BatchSampler(seq, 0, false), Catch::Contains("batch_size must be >= 1"));
 }
+
+// Note [Lazy plans]: every built-in order read a position at a time is the epoch's indices().
+TEST_CASE("a sampler's order() is its indices(), read a position at a time", "[unit][sampler]") {
+  auto same = [](const Sampler& s, std::uint64_t epoch) {
+    const std::shared_ptr<const SampleOrder> o = s.order(epoch);
+    REQUIRE(o);
+    const std::vector<std::size_t> whole = s.indices(epoch);
+    REQUIRE(o->size() == whole.size());
+    std::size_t differ = 0;
+    for (std::size_t p = 0; p < whole.size(); ++p) differ += o->at(p) != whole[p];
+    CHECK(differ == 0);
+    std::vector<std::size_t> part(std::min<std::size_t>(7, whole.size()));
+    const std::size_t begin = whole.size() / 3;
+    if (begin + part.size() <= whole.size()) {
+      o->fill(begin, part);
+      CHECK(std::equal(part.begin(), part.end(), whole.begin() + static_cast<std::ptrdiff_t>(begin)));
+    }
+  };
+  same(SequentialSampler(100), 0);
+  same(RandomSampler(1000, 3), 2);
+  same(RandomSampler(1000, 3, true, 50), 1);
+  same(RandomSampler(Sampler::kWholeShuffle + 1000, 3), 5);           // a keyed permutation
+  same(RandomSampler(1000, 3, true, Sampler::kWholeShuffle + 5), 1);  // a draw a position
+  for (bool shuffle : {false, true})
+    for (bool drop : {false, true})
+      for (std::size_t n : {std::size_t{0}, std::size_t{3}, std::size_t{103}, Sampler::kWholeShuffle + 3})
+        for (std::size_t world : {1, 3, 4})
+          for (std::size_t rank = 0; rank < world; ++rank) {
+            const bool big = n > Sampler::kWholeShuffle;  // a keyed permutation: one world size, two starts
+            if (big && (world != 3 || drop)) continue;
+            const DistributedSampler d(n, world, rank, shuffle, 11, drop);
+            same(d, 4);
+            for (std::size_t start : {std::size_t{0}, std::size_t{1}, n / 2, n}) {
+              if (big && start != n / 2) continue;
+              const std::vector<std::size_t> whole = d.indices_from(4, start);
+              const std::shared_ptr<const SampleOrder> o = d.order_from(4, start);
+              REQUIRE(o->size() == whole.size());
+              std::size_t differ = 0;
+              for (std::size_t p = 0; p < whole.size(); ++p) differ += o->at(p) != whole[p];
+              CHECK(differ == 0);
+            }
+          }
+  // A user's Sampler gives none: its epochs are planned whole.
+  struct Mine final : Sampler {
+    std::size_t size() const override { return 3; }
+    std::vector<std::size_t> indices(std::uint64_t) const override { return {2, 0, 1}; }
+  };
+  CHECK(Mine().order(0) == nullptr);
+  CHECK(!BatchSampler(std::make_shared<Mine>(), 2, false, true).epoch_plan(0).is_lazy());
+}
+
+TEST_CASE("a shuffle past kWholeShuffle samples is a keyed permutation: each index once, another per epoch", "[unit][sampler]") {
+  const std::size_t n = Sampler::kWholeShuffle * 2 + 12345;
+  const RandomSampler r(n, 99);
+  const std::shared_ptr<const SampleOrder> a = r.order(0), b = r.order(1);
+  std::vector<bool> seen(n);
+  std::size_t moved = 0, differs = 0, bad = 0;  // counted, not asserted a position (2 M of them)
+  for (std::size_t p = 0; p < n; ++p) {
+    const std::size_t i = a->at(p);
+    if (i >= n || seen[i]) {
+      ++bad;
+      continue;
+    }
+    seen[i] = true;
+    moved += i != p;
+    differs += i != b->at(p);
+  }
+  CHECK(bad == 0);
+  CHECK(moved > n - n / 100);  // a shuffle, not the identity
+  CHECK(differs > n - n / 100);
+  CHECK(RandomSampler(n, 99).order(0)->at(777) == a->at(777));  // a function of (seed, epoch) alone
+  CHECK(RandomSampler(n, 98).order(0)->at(777) != a->at(777));
+  // A subset of the draws (num_samples < n) is the permutation's first positions.
+  const RandomSampler fewer(n, 99, false, 1000);
+  CHECK(fewer.order(0)->size() == 1000);
+  CHECK(fewer.order(0)->at(999) == a->at(999));
+  // Draws with replacement: in range, and seeded.
+  const RandomSampler drawn(10, 5, true, Sampler::kWholeShuffle + 1);
+  std::set<std::size_t> values;
+  for (std::size_t p = 0; p < 1000; ++p) values.insert(drawn.order(0)->at(p));
+  CHECK(values.size() == 10);
+  CHECK(*values.rbegin() == 9);
+}
+
+TEST_CASE("a lazy plan has a whole plan's batches, and holds nothing of the epoch", "[unit][sampler]") {
+  for (bool drop : {false, true})
+    for (std::size_t n : {0, 1, 7, 64, 1000}) {
+      const auto s = std::make_shared<RandomSampler>(n, 4);
+      const BatchPlan whole = BatchSampler(s, 7, drop).plan(3);
+      const BatchPlan lazy = BatchSampler(s, 7, drop, true).epoch_plan(3);
+      REQUIRE(lazy.is_lazy());
+      CHECK(lazy.indices.empty());
+      REQUIRE(lazy.size() == whole.size());
+      CHECK(lazy.samples() == whole.samples());
+      std::vector<std::size_t> got;
+      for (std::size_t b = 0; b <= whole.size(); ++b) CHECK(lazy.offset(b) == whole.offset(b));
+      for (std::size_t b = 0; b < whole.size(); ++b) {
+        lazy.batch_into(b, got);
+        CHECK(std::equal(got.begin(), got.end(), whole.batch(b).begin(), whole.batch(b).end()));
+      }
+      for (std::size_t p = 0; p < whole.samples(); ++p) CHECK(lazy.sample_at(p) == whole.sample_at(p));
+      if (lazy.size() > 0) CHECK_THROWS_WITH(lazy.batch(0), Catch::Contains("batch_into"));
+    }
+  // An epoch of 2^40 samples: its plan is a few numbers, its last batch computed when asked.
+  const std::size_t huge = std::size_t{1} << 40;
+  const BatchPlan p = BatchSampler(std::make_shared<RandomSampler>(huge, 1), 1000, false, true).epoch_plan(0);
+  CHECK(p.size() == (huge + 999) / 1000);
+  std::vector<std::size_t> last;
+  p.batch_into(p.size() - 1, last);
+  CHECK(last.size() == huge % 1000);
+  for (std::size_t i : last) CHECK(i < huge);
+  CHECK_THROWS_WITH(BatchPlan::lazy(nullptr, 4, false), Catch::Contains("no order"));
+  CHECK_THROWS_WITH(BatchPlan::lazy(std::make_shared<SequentialSampler>(3)->order(0), 0, false), Catch::Contains(">= 1"));
+}

@@ -512,3 +512,47 @@ TEST_CASE("after a break, state() is where the epoch stopped until the next begi
   CHECK(stream.state() == live);
   CHECK(stream.state().batches == 3);
 }
+
+// Note [Lazy plans]: an epoch of 2^40 samples (a pretraining corpus' windows) starts, resumes and
+// replaces a bad sample without a plan of every index (8 TiB here: an eager plan cannot be made).
+TEST_CASE("an epoch of 2^40 samples starts, resumes mid-epoch and replaces a sample, planned lazily", "[resume]") {
+  struct Huge {  // sample i is i; sample 3 of any batch that holds an index ending in 7 fails
+    std::size_t size() const { return std::size_t{1} << 40; }
+    std::vector<Tensor> get(std::size_t i) const {
+      if (i % 1000 == 7) throw DataError("huge", DataError::kNoOffset, "sample " + std::to_string(i) + " is bad");
+      return {Tensor::scalar<std::int64_t>(static_cast<std::int64_t>(i))};
+    }
+  };
+  for (bool shuffle : {false, true}) {
+    INFO((shuffle ? "shuffled" : "in order"));
+    DataLoaderOptions o;
+    o.batch_size = 64;
+    o.shuffle = shuffle;
+    o.seed = 5;
+    o.num_workers = 2;
+    o.on_error = OnError::Replace;
+    o.max_error_fraction = 0;
+    DataLoader reference(DynamicDataset(Huge{}), o);
+    CHECK(reference.size() == (std::size_t{1} << 40) / 64);
+    Batches first;
+    LoaderState saved;
+    {
+      auto it = reference.begin();
+      for (int k = 0; k < 40; ++k, ++it) {
+        first.push_back(values(*it));
+        if (k == 19) saved = reference.state();
+      }
+    }
+    for (const auto& b : first)
+      for (std::int64_t v : b) CHECK(v % 1000 != 7);  // replaced, by another sample of the epoch
+    if (!shuffle) CHECK(first[0][1] == 1);
+    for (int workers : {0, 3}) {
+      DataLoaderOptions r = o;
+      r.num_workers = workers;
+      DataLoader resumed(DynamicDataset(Huge{}), r);
+      resumed.restore(LoaderState::from_string(saved.to_string()));
+      auto it = resumed.begin();
+      for (int k = 20; k < 40; ++k, ++it) CHECK(values(*it) == first[static_cast<std::size_t>(k)]);
+    }
+  }
+}

@@ -72,6 +72,8 @@ class FaultProxy {
   int requests() const { return requests_.load(); }
   /// Hung requests whose client closed the connection (gave up on the answer).
   int hangs_ended_by_client() const { return hangs_ended_by_client_.load(); }
+  /// Client connections open now (counted while they are open, not when they end).
+  int open_connections() const { return open_.load(); }
 
   FaultProxy(const FaultProxy&) = delete;
   FaultProxy& operator=(const FaultProxy&) = delete;
@@ -137,6 +139,11 @@ class FaultProxy {
   // One client connection: request after request (keep-alive), each forwarded on a fresh
   // upstream connection.
   void serve(int client) {
+    ++open_;
+    struct Closed {
+      std::atomic<int>& open;
+      ~Closed() { --open; }
+    } closed{open_};
     std::string in;
     while (!stopping_) {
       if (!read_until(client, in, "\r\n\r\n")) break;
@@ -268,6 +275,7 @@ class FaultProxy {
   std::atomic<bool> stopping_{false}, down_{false};
   std::atomic<int> requests_{0};
   std::atomic<int> hangs_ended_by_client_{0};
+  std::atomic<int> open_{0};
   std::mutex mu_;
   std::deque<Fault> faults_;
   std::chrono::milliseconds delay_{0};

@@ -911,6 +911,47 @@ TEST_CASE("a store that stops answering: the loader's timeout holds", "[s3][faul
   ObjectStore::get().use();
 }
 
+TEST_CASE("a tar stream's stalled reads end with the loader, and it sends no more", "[s3][faults][tar]") {
+  // Every shard's GET stalls (no answer). The reads are the stream's reader lanes' (BatchFeed), not
+  // the workers': the loader's end must still close them within storage.h's bound, not at the
+  // client's stall limit (30 s), and no lane may start another shard.
+  const Data& d = data();
+  std::vector<std::string> shards;
+  for (int s = 0; s < 3; ++s) shards.push_back(d.url("shards/train-00" + std::to_string(s) + ".tar"));
+  {
+    FaultProxy proxy(ObjectStore::get().port());
+    ::setenv("AWS_ENDPOINT_URL", proxy.endpoint().c_str(), 1);
+    ::setenv("FERRY_S3_HEDGE_AFTER", "off", 1);
+    ::setenv("AWS_MAX_ATTEMPTS", "1", 1);
+    using F = FaultProxy::Fault;
+    proxy.inject({F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang, F::Hang});
+    TarShardsOptions so;
+    so.shuffle = false;
+    auto keys = TarShards(shards, so).map([](TarRecord r) { return r.key; });
+    DataLoaderOptions o;
+    o.batch_size = 2;
+    o.num_workers = 2;
+    o.io_retries = 0;
+    o.timeout = std::chrono::seconds(1);
+    {
+      DataLoader loader(keys, o);
+      CHECK_THROWS_AS(*loader.begin(), TimeoutError);
+      CHECK(proxy.open_connections() >= 1);  // the lanes' stalled requests, open now
+    }                                        // the loader goes
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (proxy.open_connections() > 0 && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(proxy.open_connections() == 0);
+    const int requests = proxy.requests();
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    CHECK(proxy.requests() == requests);  // no lane started another shard
+    ::unsetenv("FERRY_S3_HEDGE_AFTER");
+    ::unsetenv("AWS_MAX_ATTEMPTS");
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  ObjectStore::get().use();
+}
+
 TEST_CASE("a batch's read that fails is read again while the rest of the batch is in flight", "[s3][faults]") {
   const Data& d = data();
   ImageFolderOptions io;

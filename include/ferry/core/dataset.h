@@ -82,10 +82,18 @@ class StreamShare {
     if (!slot) slot = std::shared_ptr<T>(make());
     return std::static_pointer_cast<T>(slot);
   }
+  /// The loader gave up on this share's work (its epoch ended, or the loader went): the threads
+  /// its objects run of their own (a tar stream's readers) read cancelled() and stop, their
+  /// object-store reads ending within storage.h's bound, though an abandoned worker may still hold
+  /// the object.
+  void cancel() noexcept { cancelled_->store(true, std::memory_order_relaxed); }
+  /// True once cancel() was called; the token outlives the share.
+  std::shared_ptr<const std::atomic<bool>> cancelled() const noexcept { return cancelled_; }
 
  private:
   std::mutex mu_;
   std::map<const void*, std::shared_ptr<void>> items_;
+  std::shared_ptr<std::atomic<bool>> cancelled_ = std::make_shared<std::atomic<bool>>(false);
 };
 
 /// Which worker is running, as torch.utils.data.get_worker_info(). With num_workers == 0 the

@@ -13,9 +13,23 @@
 // yours (DataLoaderOptions::sampler, ::batch_sampler). To write your own, derive from Sampler, or
 // from BatchSampler for variable-sized batches (bucketing), and override the virtual functions.
 //
+// Note [Lazy plans]
+// An epoch of a pretraining corpus is billions of samples: a plan of every index, 8 bytes each,
+// would take the first batch seconds and the memory gigabytes (15 T tokens at seq 8192: ~15 GB a
+// rank). So the built-in samplers also give their epoch as a SampleOrder (Sampler::order): the
+// p-th index of the epoch is a pure function of (arguments, epoch, p), read when asked. The loader
+// batches such an order lazily (BatchSampler::epoch_plan, BatchPlan::lazy): each batch's indices
+// are computed as the batch is dispatched, and nothing is proportional to the epoch. A shuffle of
+// up to kWholeShuffle samples is Fisher-Yates over the whole epoch, made when the order is (a few
+// ms, at most 8 MiB); a longer one is a keyed permutation read a position at a time
+// (IndexPermutation: a Feistel network with cycle walking, 30-130 ns a position on a 2-core
+// machine), so its first batch costs the same at any size. A user's Sampler without order() and
+// a user's BatchSampler are planned whole, as before.
+//
 // Thread safety: the const members may be called from several threads at once.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -25,6 +39,31 @@
 
 namespace ferry {
 
+/// A seeded random permutation of [0, n), evaluated one position at a time in O(1) expected
+/// time and no memory (a Feistel network of four rounds with cycle walking): at(i) for i in [0, n).
+class IndexPermutation {
+ public:
+  IndexPermutation(std::uint64_t n, std::uint64_t key) noexcept;
+  std::uint64_t at(std::uint64_t i) const noexcept;
+  std::uint64_t size() const noexcept { return n_; }
+
+ private:
+  std::uint64_t round(std::uint64_t half, int r) const noexcept;
+  std::uint64_t n_, key_;
+  int half_bits_ = 1;
+};
+
+/// One epoch's sample indices read a position at a time (Note [Lazy plans]): at(p), p < size(),
+/// is the p-th index the epoch visits. Thread safety: const members from any thread.
+class SampleOrder {
+ public:
+  virtual ~SampleOrder() = default;
+  virtual std::size_t size() const noexcept = 0;
+  virtual std::size_t at(std::size_t position) const = 0;
+  /// Positions [begin, begin + out.size()) into `out` (at() for each, unless overridden).
+  virtual void fill(std::size_t begin, std::span<std::size_t> out) const;
+};
+
 /// Produces the sample indices of one epoch.
 class Sampler {
  public:
@@ -33,6 +72,13 @@ class Sampler {
   virtual std::size_t size() const = 0;
   /// The indices of epoch `epoch`, in visiting order.
   virtual std::vector<std::size_t> indices(std::uint64_t epoch) const = 0;
+  /// The same indices as a SampleOrder read a position at a time, or null (the default): this
+  /// sampler's epochs are only whole. The built-in samplers but SubsetRandomSampler and
+  /// WeightedRandomSampler give one.
+  virtual std::shared_ptr<const SampleOrder> order(std::uint64_t epoch) const;
+  /// Shuffles of at most this many samples are Fisher-Yates over the whole epoch; longer ones a
+  /// keyed permutation read a position at a time (IndexPermutation). Note [Lazy plans].
+  static constexpr std::size_t kWholeShuffle = std::size_t{1} << 20;
 };
 
 /// 0, 1, ..., n-1.
@@ -41,6 +87,7 @@ class SequentialSampler final : public Sampler {
   explicit SequentialSampler(std::size_t n) : n_(n) {}
   std::size_t size() const override { return n_; }
   std::vector<std::size_t> indices(std::uint64_t epoch) const override;
+  std::shared_ptr<const SampleOrder> order(std::uint64_t epoch) const override;
 
  private:
   std::size_t n_;
@@ -54,6 +101,10 @@ class RandomSampler final : public Sampler {
                 std::optional<std::size_t> num_samples = std::nullopt);
   std::size_t size() const override { return num_samples_; }
   std::vector<std::size_t> indices(std::uint64_t epoch) const override;
+  /// Without replacement: Fisher-Yates of the epoch for n <= kWholeShuffle, else a keyed
+  /// permutation; with replacement: the same draws as indices() up to kWholeShuffle samples, else
+  /// a draw a position (Generator(seed, epoch, position)).
+  std::shared_ptr<const SampleOrder> order(std::uint64_t epoch) const override;
 
  private:
   std::size_t n_;
@@ -101,6 +152,7 @@ class DistributedSampler final : public Sampler {
   std::size_t size() const override { return per_rank_; }
   /// The DataLoader passes its own epoch; set_epoch() pins one instead (as in PyTorch).
   std::vector<std::size_t> indices(std::uint64_t epoch) const override;
+  std::shared_ptr<const SampleOrder> order(std::uint64_t epoch) const override;
   void set_epoch(std::uint64_t epoch) { pinned_epoch_ = epoch; }
 
   /// Elastic resume (ferry/core/state.h): this rank's indices when the epoch's order (the seeded
@@ -111,6 +163,8 @@ class DistributedSampler final : public Sampler {
   /// instead). So each remaining index is delivered once, plus at most world_size - 1 padding
   /// repeats, as in any PyTorch epoch. indices_from(epoch, 0) == indices(epoch).
   std::vector<std::size_t> indices_from(std::uint64_t epoch, std::size_t start) const;
+  /// indices_from(epoch, start) as a SampleOrder.
+  std::shared_ptr<const SampleOrder> order_from(std::uint64_t epoch, std::size_t start) const;
   /// The position in the epoch's order that the group has reached when every rank has taken
   /// `taken` indices of indices_from(epoch, start) (padding repeats do not count).
   std::size_t position_after(std::size_t start, std::size_t taken) const;
@@ -126,15 +180,40 @@ class DistributedSampler final : public Sampler {
   std::optional<std::uint64_t> pinned_epoch_;
 };
 
-/// The batches of one epoch: batch b is indices[offsets[b] .. offsets[b+1]).
+/// The batches of one epoch. Whole (what BatchSampler::plan gives): batch b is
+/// indices[offsets[b] .. offsets[b+1]). Lazy (BatchPlan::lazy, what the loader makes of a
+/// sampler's SampleOrder: Note [Lazy plans]): batch b is the order's positions
+/// [b * batch_size, (b + 1) * batch_size), the last one shorter unless drop_last; `indices` and
+/// `offsets` stay empty, and batch_into(), offset() and sample_at() read either kind.
 struct BatchPlan {
   std::vector<std::size_t> indices;
   std::vector<std::size_t> offsets{0};
-  std::size_t size() const noexcept { return offsets.size() - 1; }
-  std::span<const std::size_t> batch(std::size_t b) const {
-    return std::span<const std::size_t>(indices).subspan(offsets[b], offsets[b + 1] - offsets[b]);
+  std::shared_ptr<const SampleOrder> order;  ///< set: a lazy plan
+  std::size_t batch_size = 0;                ///< a lazy plan's
+  bool drop_last = false;                    ///< a lazy plan's
+
+  /// A lazy plan of `order` in batches of `batch_size` (ferry::Error for 0).
+  static BatchPlan lazy(std::shared_ptr<const SampleOrder> order, std::size_t batch_size, bool drop_last);
+  bool is_lazy() const noexcept { return order != nullptr; }
+  /// Batches in the epoch.
+  std::size_t size() const noexcept {
+    if (!order) return offsets.size() - 1;
+    const std::size_t n = order->size();
+    return drop_last ? n / batch_size : (n + batch_size - 1) / batch_size;
   }
-  /// Appends one batch.
+  /// Samples in the epoch (its batches' together).
+  std::size_t samples() const noexcept { return order ? offset(size()) : indices.size(); }
+  /// Where batch b starts among the epoch's samples (b <= size()).
+  std::size_t offset(std::size_t b) const noexcept {
+    return order ? std::min(b * batch_size, drop_last ? order->size() / batch_size * batch_size : order->size()) : offsets[b];
+  }
+  /// The epoch's p-th sample (p < samples()).
+  std::size_t sample_at(std::size_t p) const { return order ? order->at(p) : indices[p]; }
+  /// A whole plan's batch b, in place. ferry::Error for a lazy plan (batch_into reads both).
+  std::span<const std::size_t> batch(std::size_t b) const;
+  /// Batch b's indices into `out` (resized to the batch).
+  void batch_into(std::size_t b, std::vector<std::size_t>& out) const;
+  /// Appends one batch (a whole plan).
   void add(std::span<const std::size_t> batch) {
     indices.insert(indices.end(), batch.begin(), batch.end());
     offsets.push_back(indices.size());
@@ -149,12 +228,18 @@ BatchPlan make_batches(std::vector<std::size_t> indices, std::size_t batch_size,
 /// Derive and override size() and plan() for custom batching.
 class BatchSampler {
  public:
-  BatchSampler(std::shared_ptr<const Sampler> sampler, std::size_t batch_size, bool drop_last);
+  /// `lazy`: epoch_plan() batches the sampler's order() lazily (the loader's own batcher is lazy;
+  /// false keeps epoch_plan() equal to plan() for a subclass that overrides plan()).
+  BatchSampler(std::shared_ptr<const Sampler> sampler, std::size_t batch_size, bool drop_last, bool lazy = false);
   virtual ~BatchSampler() = default;
   /// Number of batches per epoch.
   virtual std::size_t size() const;
-  /// Every batch of epoch `epoch`.
+  /// Every batch of epoch `epoch`, whole.
   virtual BatchPlan plan(std::uint64_t epoch) const;
+  /// Epoch `epoch`'s plan as the loader takes it: lazy (BatchPlan::lazy) where this is the
+  /// library's own batcher (made by the loader from its options, or with lazy = true) over a
+  /// sampler that gives an order(); else plan(epoch). A subclass's plan() is always its own.
+  virtual BatchPlan epoch_plan(std::uint64_t epoch) const;
   /// True when plan() is a function of the epoch alone, safe to call on another thread: the
   /// loader then makes the next epoch's plan while this epoch runs, so an epoch does not start by
   /// waiting for it (and, with persistent workers, the next epoch's first batches:
@@ -170,6 +255,7 @@ class BatchSampler {
   std::shared_ptr<const Sampler> sampler_;
   std::size_t batch_size_ = 1;
   bool drop_last_ = false;
+  bool lazy_ = false;
 };
 
 }  // namespace ferry

@@ -28,8 +28,15 @@
 // A failed record (a damaged shard, a unit that does not open) takes its place in the order as an
 // error: next() of its batch throws it, so the error policy sees it at its position; the batch
 // still spends its B positions (DataLoader's produce_stream).
+//
+// The lanes read under the feed's own cancellation (detail::ScopedIo): once the loader gives up
+// on the feed's epoch (`given_up`: its StreamShare cancelled, at the epoch's end or the loader's
+// destruction) or the feed is destroyed, a lane's object-store read in progress ends within
+// storage.h's bound and no lane starts another, even while an abandoned worker still holds the
+// feed.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -75,12 +82,16 @@ class BatchFeed {
   /// read(unit, sink) reads one unit front to back into the sink (it may throw: the error takes
   /// the next position). Lanes start at once.
   using ReadUnit = std::function<void(std::size_t unit, Sink& sink)>;
-  BatchFeed(Shape shape, ReadUnit read);
+  /// `given_up`: the loader's cancellation of the feed's epoch (null: none), read by the lanes.
+  BatchFeed(Shape shape, ReadUnit read, std::shared_ptr<const std::atomic<bool>> given_up = nullptr);
   /// Stops the lanes and joins them (a lane in a read finishes that read first).
   ~BatchFeed();
   BatchFeed(const BatchFeed&) = delete;
   BatchFeed& operator=(const BatchFeed&) = delete;
 
+  /// The lanes stop also once `given_up` reads true (the epoch that takes a feed made ahead);
+  /// the first call holds.
+  void stop_with(std::shared_ptr<const std::atomic<bool>> given_up);
   /// Batch `batch`'s next record and its position in the epoch's order, or a null box when the
   /// batch has none left (its records all taken, or the epoch's records ended before them);
   /// rethrows a failed record's error. One caller a batch at a time.
@@ -102,11 +113,21 @@ class BatchFeed {
     std::size_t unit = 0;  // the unit it reads
   };
   std::size_t room(const Lane& lane) const;
+  // Whether the lanes should stop reading: the feed stopping, or the loader gave up on its epoch.
+  bool stopped() const noexcept {
+    if (stop_.load(std::memory_order_relaxed) || (given_up_ && given_up_->load(std::memory_order_relaxed))) return true;
+    const std::atomic<bool>* also = also_given_up_.load(std::memory_order_acquire);
+    return also && also->load(std::memory_order_relaxed);
+  }
   void lane_main(std::size_t lane);
   bool put(std::size_t lane, Item item, const std::function<bool()>& on_wait);
 
   const Shape shape_;
   const ReadUnit read_;
+  const std::shared_ptr<const std::atomic<bool>> given_up_;
+  std::atomic<bool> stop_{false};                        // stopping_, read without the mutex (the lanes' reads)
+  std::shared_ptr<const std::atomic<bool>> also_owned_;  // stop_with's, guarded by mu_ (kept for its pointer)
+  std::atomic<const std::atomic<bool>*> also_given_up_{nullptr};
   std::mutex mu_;
   std::condition_variable dealt_;  // a batch's queue or the unit being read got a record
   std::vector<Lane> lanes_;

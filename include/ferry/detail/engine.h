@@ -91,11 +91,13 @@ struct StuckSample {
 
 /// One batch to produce.
 struct Job {
-  std::uint64_t key = 0;                       ///< position in the epoch's key sequence
-  std::int64_t batch = 0;                      ///< batch index (map-style, shared streams) or the worker's j-th batch (stream)
-  std::span<const std::size_t> indices;        ///< map-style: the batch's sample indices
-  std::span<const std::size_t> epoch_indices;  ///< map-style: every sample of the epoch, in order
-  int attempt = 0;                             ///< > 0: dispatched again after a worker was abandoned
+  std::uint64_t key = 0;                 ///< position in the epoch's key sequence
+  std::int64_t batch = 0;                ///< batch index (map-style, shared streams) or the worker's j-th batch (stream)
+  std::span<const std::size_t> indices;  ///< map-style: the batch's sample indices
+  const BatchPlan* plan = nullptr;       ///< map-style: the epoch's plan (its every sample: sample_at)
+  /// A lazy plan's batch: the indices `indices` views, computed as the job was made.
+  std::shared_ptr<const std::vector<std::size_t>> owned;
+  int attempt = 0;                                        ///< > 0: dispatched again after a worker was abandoned
   std::shared_ptr<const std::vector<StuckSample>> stuck;  ///< samples not to fetch again (may be null)
 };
 

@@ -104,6 +104,7 @@
 
 #include "ferry/core/allocator.h"
 #include "ferry/core/dataset.h"
+#include "ferry/core/sampler.h"
 #include "ferry/core/rows.h"
 #include "ferry/core/tensor.h"
 
@@ -328,18 +329,6 @@ class Mixture : public DatasetBase<Mixture> {
   std::size_t size_ = 0;
 };
 
-/// A seeded random permutation of [0, n), evaluated one position at a time in O(1) expected
-/// time and no memory (a Feistel network with cycle walking): at(i) for i in [0, n).
-class IndexPermutation {
- public:
-  IndexPermutation(std::uint64_t n, std::uint64_t key) noexcept;
-  std::uint64_t at(std::uint64_t i) const noexcept;
-  std::uint64_t size() const noexcept { return n_; }
-
- private:
-  std::uint64_t round(std::uint64_t half, int r) const noexcept;
-  std::uint64_t n_, key_;
-  int half_bits_ = 1;
-};
+// IndexPermutation (the mixture's draws) is ferry/core/sampler.h's.
 
 }  // namespace ferry
