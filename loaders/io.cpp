@@ -241,8 +241,10 @@ std::shared_ptr<const MappedFile> MappedFile::open(const std::string& path) {
   Fd f;
   const std::size_t size = open_regular(path, f);
   // Private and writable: a Tensor over the mapping may be written (copy on write) without
-  // touching the file or faulting.
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE, f.fd, 0);
+  // touching the file or faulting. No reserve: a private writable mapping is otherwise charged
+  // in full against the machine's commit limit, and Linux's default heuristic refuses one larger
+  // than memory and swap (a 2 TB token file on any machine); only a page written is ever copied.
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, f.fd, 0);
   if (p == MAP_FAILED) throw_errno(path, "cannot map");
   return std::shared_ptr<const MappedFile>(new MappedFile(path, static_cast<const std::byte*>(p), size));
 }

@@ -121,6 +121,28 @@ TEST_CASE("raw, llm.c and .npy token files read back token for token", "[unit][t
   CHECK_THROWS_WITH(open_token_file(dir / "raw.bin"), Catch::Contains("needs its token type"));
 }
 
+TEST_CASE("a token file larger than the machine's memory and swap is mapped (2 TiB, sparse)", "[unit][tokens]") {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  WARN("skipped under a sanitizer: its mmap interceptor touches shadow memory in proportion to the mapping");
+  return;
+#endif
+  TempDir dir;
+  const std::string path = dir / "huge.bin";
+  const std::uint64_t bytes = std::uint64_t{1} << 41;  // 2^40 uint16 tokens: no machine's RAM + swap
+  {
+    std::ofstream(path, std::ios::binary).put('\0');
+    std::filesystem::resize_file(path, bytes);
+  }
+  const auto corpus = open_token_file(path, {.type = TokenType::UInt16});  // a private mapping charged in full failed here
+  CHECK(corpus->size() == bytes / 2);
+  TokenSequences seqs(corpus, {.seq_len = 4096});
+  CHECK(seqs.size() == (bytes / 2 - 1) / 4096);
+  const WorkerInfo w;
+  SampleContext ctx(seqs.size() - 1, 0, 0, w);
+  const std::vector<Tensor> last = seqs.get(seqs.size() - 1, ctx);  // a window near the end: zeros, read
+  CHECK(last.at(0).data<std::int64_t>()[4095] == 0);
+}
+
 TEST_CASE("damaged token files are DataErrors naming the file and the offset", "[errors][tokens]") {
   TempDir dir;
   const Bytes body = raw_bytes(pattern(100));
