@@ -119,11 +119,14 @@ if [ "$what" = python ]; then
   exit $rc
 fi
 # The Python module is built and tested by `python` (with the system compiler; see there).
-cmake -S . -B build/gpu -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_TEST_INSTALL=OFF -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
+# GPU_BUILD (default build/gpu) and GPU_CUDA_ARCHITECTURES (default 90; "80-virtual": PTX alone, as
+# a build on a machine without a GPU makes it, compiled by the driver at its first launch).
+gpu_build=${GPU_BUILD:-build/gpu}
+cmake -S . -B "$gpu_build" -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release -DFERRY_TEST_INSTALL=OFF -DCMAKE_POLICY_VERSION_MINIMUM=3.5 \
   -DFERRY_BUILD_PYTHON=OFF \
   -DFERRY_NCCL_ROOT="$nccl_root" \
-  -DCMAKE_CUDA_ARCHITECTURES=90 -DFERRY_FASHION_MNIST_DIR=$prefix/usr/share/datasets/fashion-mnist -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
-cmake --build build/gpu -j 16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
+  -DCMAKE_CUDA_ARCHITECTURES="${GPU_CUDA_ARCHITECTURES:-90}" -DFERRY_FASHION_MNIST_DIR=$prefix/usr/share/datasets/fashion-mnist -DZLIB_LIBRARY="$zlib" -DZLIB_LIBRARY_RELEASE="$zlib" > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build "$gpu_build" -j 16 ${BUILD_TARGETS:+--target $BUILD_TARGETS} > "$OUT/build.log" 2>&1 || { grep -E "error" -A3 "$OUT/build.log" | head -60; exit 1; }
 rc=0
 if [ "$what" = build ]; then exit 0; fi
 if [ "$what" = test ] || [ "$what" = all ] || [ "$what" = gather ]; then
