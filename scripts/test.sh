@@ -17,8 +17,10 @@ for preset in "${presets[@]}"; do
   cmake --build --preset "$preset"
   # A preset that builds the Python package runs its suite: one that built it without registering
   # the tests (the wheels missing, nanobind not found) fails here, not by a suite gone quiet.
+  # (ctest's listing is read whole first: grep -q leaving a pipe early kills ctest by SIGPIPE,
+  # which pipefail would read as the tests missing.)
   if grep -q "^FERRY_BUILD_PYTHON:BOOL=ON" "build/$preset/CMakeCache.txt" \
-     && ! ctest --preset "$preset" -N | grep -q " python_tests$"; then
+     && ! grep -q " python_tests$" <<<"$(ctest --preset "$preset" -N)"; then
     echo "scripts/test.sh: preset '$preset' builds the Python package but registered no python_tests (see CMake's 'ferry: Python module' line)" >&2
     exit 1
   fi
