@@ -26,6 +26,7 @@ workers again (rows with --steps 80 say what that costs).
 Usage: resnet_loaders.py --images DIR [--workers 15] [--steps 30] [--warmup 8] [--runs 3] [--rows gpu,ferry-float,...]
 """
 import argparse
+import importlib
 import sys
 import os
 import statistics
@@ -34,7 +35,11 @@ import time
 import torch
 import torchvision
 
-import ferry
+# --import-after-model: ferry imported once the model is on the GPU (CUDA started, its threads
+# running), as a script that imports it inside main() has it; otherwise at the top, as usual.
+LATE_IMPORT = "--import-after-model" in sys.argv
+if not LATE_IMPORT:
+    import ferry
 
 BREAKDOWN = bool(os.environ.get("RESNET_STATS"))  # also print busy cores by process and thread
 MEAN = (0.485, 0.456, 0.406)
@@ -172,6 +177,8 @@ def main():
     ap.add_argument("--trace", type=int, default=0, help="ferry's Python-dataset rows record their first N batches' "
                     "timelines (trace_batches) and write them to --trace-dir/trace-<row>.json")
     ap.add_argument("--trace-dir", default=".")
+    ap.add_argument("--import-after-model", action="store_true",
+                    help="import ferry after the model is on cuda:0 (CUDA's threads already running)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval (seconds): how soon a thread waiting for the GIL gets it")
     args = ap.parse_args()
@@ -179,6 +186,8 @@ def main():
         sys.setswitchinterval(args.switch_interval)
     torch.backends.cudnn.benchmark = True
     model, opt = make_model()
+    if LATE_IMPORT:
+        globals()["ferry"] = importlib.import_module("ferry")
     mean = torch.tensor(MEAN, device="cuda").view(1, 3, 1, 1) * 255
     std = torch.tensor(STD, device="cuda").view(1, 3, 1, 1) * 255
 
@@ -275,6 +284,7 @@ def main():
                                     f"{args.workers} worker processes", lambda: ferry_python_rows(True), normalize_chw_uint8),
     }
     print(f"# ResNet-50 bf16 channels_last, batch {args.batch}, {args.steps} steps after {args.warmup}, "
+          f"ferry imported {'after the model is on the GPU' if LATE_IMPORT else 'at the top'}, "
           f"median of {args.runs}; {torch.cuda.get_device_name(0)}, {os.cpu_count()} vCPUs, torch {torch.__version__}, "
           f"torchvision {torchvision.__version__}, images {args.images}, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
     print("| loader | images/s (median) | runs | / GPU alone | busy host cores | first batch (s) | first batch, the row's first run (s) |")
