@@ -81,7 +81,7 @@ def main():
 
     def dataloader():
         n = 0
-        for x, y in dl:
+        for x, _y in dl:
             x = x.cuda(non_blocking=True)
             n += x.shape[0]
         return n

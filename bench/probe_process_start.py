@@ -18,7 +18,7 @@ if __name__ == "__main__":
     s = time.perf_counter(); forkserver.ensure_running(); print("ensure_running %.3f s" % (time.perf_counter() - s), flush=True)
     for load, name in ((payload, "ImageFolder payload"), ((None,), "empty payload")):
         procs = []
-        for i in range(4):
+        for _ in range(4):
             a, c = ctx.Pipe()
             s = time.perf_counter()
             p = ctx.Process(target=child, args=(c, load), daemon=True)

@@ -147,9 +147,9 @@ def main():  # noqa: C901
         ds = Scalars(need) if name == "scalars" else Tensors(need)
         for w in (int(v) for v in args.workers.split(",")):
             makers = {
-                "torch": lambda: tud.DataLoader(ds, batch_size=batch, num_workers=w, pin_memory=pin),
-                "process": lambda: ferry.DataLoader(ds, batch_size=batch, num_workers=w, **ferry_pin),
-                "thread": lambda: ferry.DataLoader(ds, batch_size=batch, num_workers=w, worker_type="thread", **ferry_pin),
+                "torch": lambda ds=ds, batch=batch, w=w: tud.DataLoader(ds, batch_size=batch, num_workers=w, pin_memory=pin),
+                "process": lambda ds=ds, batch=batch, w=w: ferry.DataLoader(ds, batch_size=batch, num_workers=w, **ferry_pin),
+                "thread": lambda ds=ds, batch=batch, w=w: ferry.DataLoader(ds, batch_size=batch, num_workers=w, worker_type="thread", **ferry_pin),
             }
             if pin:
                 makers["thread-torch-pin"] = makers["thread"]

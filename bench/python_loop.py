@@ -186,7 +186,7 @@ def main():
         key = name[:3]
         n = batches[key]
         for gather, w in paths:
-            def make():
+            def make(path=path, w=w, gather=gather):
                 return ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True, num_workers=w,
                                         device=0, gather=gather)
             py, py_cores = median_rate(py_pass, make, 20, n, args.runs)
@@ -240,12 +240,12 @@ def main():
     print("| loader | workers | first batch |\n|---|---:|---:|")
     path = workloads[0][1]
     for gather, w in [("host", 12), ("host", 16)] + [("device", 0)] * ("device" in gathers):
-        ms, loader = first_batch_ms(lambda: ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True,
+        ms, loader = first_batch_ms(lambda w=w, gather=gather: ferry.DataLoader(ferry.datasets.npy(path), batch_size=256, shuffle=True,
                                                              num_workers=w, device=0, gather=gather))
         print(f"| ferry.DataLoader (Python), gather={gather} | {w} | {ms:.0f} ms |", flush=True)
         del loader
     for w in (12, 16):
-        ms, tl = first_batch_ms(lambda: torch_loader(path, w))
+        ms, tl = first_batch_ms(lambda w=w: torch_loader(path, w))
         print(f"| torch DataLoader, pin_memory | {w} | {ms:.0f} ms |", flush=True)
         del tl
 

@@ -71,7 +71,7 @@ def child(kind, prefixes, seq, batch, size, shuffle):
     rss0 = rss_mb()
     t0 = time.perf_counter()
     if kind == "ferry":
-        sources = [(ferry.datasets.megatron(p, seq_len=seq), w) for p, w in zip(prefixes, (0.5, 0.3, 0.2))]
+        sources = [(ferry.datasets.megatron(p, seq_len=seq), w) for p, w in zip(prefixes, (0.5, 0.3, 0.2), strict=True)]
         mix = ferry.datasets.mixture(sources, seed=1234, size=size)
         b = next(iter(ferry.DataLoader(mix, batch_size=batch, shuffle=shuffle)))
         shape = tuple(b["input_ids"].shape)

@@ -169,13 +169,13 @@ def main():
         results = {}
         for row in a.rows.split(","):
             if row.startswith("ferry-gpu-w"):
-                make = lambda w=int(row[11:]): ferry_rows(path, seq, batch, w, "device")
+                make = lambda w=int(row[11:]), seq=seq, batch=batch: ferry_rows(path, seq, batch, w, "device")
             elif row.startswith("ferry-w"):
-                make = lambda w=int(row[7:]): ferry_rows(path, seq, batch, w)
+                make = lambda w=int(row[7:]), seq=seq, batch=batch: ferry_rows(path, seq, batch, w)
             elif row == "nanogpt":
-                make = lambda: nanogpt_rows(path, seq, batch)
+                make = lambda seq=seq, batch=batch: nanogpt_rows(path, seq, batch)
             elif row.startswith("torch-w"):
-                make = lambda w=int(row[7:]): torch_rows(path, seq, batch, w)
+                make = lambda w=int(row[7:]), seq=seq, batch=batch: torch_rows(path, seq, batch, w)
             elif row in ("litdata", "turboloader"):  # peers from PyPI, when installed
                 try:
                     importlib.import_module(row)
@@ -183,7 +183,7 @@ def main():
                     print(f"| {shape} | {row} | not importable: {e} | | | |")
                     continue
                 rows_of = litdata_rows if row == "litdata" else turbo_rows
-                make = lambda rows_of=rows_of: rows_of(path, seq, batch)
+                make = lambda rows_of=rows_of, seq=seq, batch=batch: rows_of(path, seq, batch)
             else:
                 sys.exit(f"unknown row {row}")
             try:

@@ -43,7 +43,7 @@ def workers(events: list, skip: int) -> None:
         return
     times: List[float] = []
     idle = busy = 0.0
-    for worker, batches in sorted(spans.items()):
+    for _worker, batches in sorted(spans.items()):
         ordered = sorted(batches.values())
         times += [(b - a) / 1e6 for a, b in ordered]
         busy += sum(b - a for a, b in ordered)

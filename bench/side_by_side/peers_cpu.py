@@ -56,7 +56,7 @@ def measure(ds, workers, epochs=3):
                         persistent_workers=workers > 0)
     def epoch():
         n = 0
-        for x, y in loader:
+        for x, _y in loader:
             n += x.shape[0]
         return n
     epoch()

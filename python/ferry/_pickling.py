@@ -220,7 +220,7 @@ def _by_value(obj: Any) -> bool:
 
 def _filled(cell: Any) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents  # an empty cell raises
     except ValueError:
         return False
     return True
@@ -273,7 +273,7 @@ def _parts(obj: Any) -> List[Tuple[str, Any]]:
     closure = getattr(obj, "__closure__", None)
     if closure:
         names = getattr(getattr(obj, "__code__", None), "co_freevars", ())
-        for name, cell in zip(names, closure):
+        for name, cell in zip(names, closure, strict=True):
             try:
                 parts.append((f" (closure variable {name!r})", cell.cell_contents))
             except ValueError:
@@ -316,7 +316,7 @@ def check_picklable(payload: tuple) -> "tuple[bytes, bool]":
     except Exception:  # noqa: BLE001
         pass
     found = None
-    for name, obj in zip(("dataset", "", "collate_fn", "worker_init_fn"), payload):
+    for name, obj in zip(("dataset", "", "collate_fn", "worker_init_fn"), payload, strict=False):
         if name:
             found = find_unpicklable(obj, name)
             if found is not None:

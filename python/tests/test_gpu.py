@@ -29,7 +29,7 @@ def test_device_batches_equal_the_host_batches(rows_npy, gather, workers):
     dev = ferry.DataLoader(ds, batch_size=64, shuffle=True, seed=2, num_workers=workers, device=0, gather=gather)
     host = ferry.DataLoader(ds, batch_size=64, shuffle=True, seed=2)
     n = 0
-    for (d,), (h,) in zip(dev, host):
+    for (d,), (h,) in zip(dev, host, strict=True):
         assert d.is_cuda and d.device.index == 0
         assert d.data_ptr() == dev._loader.last_pointers()[0]  # torch views ferry's device buffer
         assert torch.equal(d.cpu(), h)
@@ -108,7 +108,7 @@ def test_gpu_decode_from_python(tmp_path):
                            seed=9, num_workers=2, device=0, gpu_decode_threads=1)
     cpu = ferry.DataLoader(ferry.datasets.image_folder(str(tmp_path), **kw), batch_size=8, shuffle=True, seed=9)
     n = 0
-    for (gi, gl), (ci, cl) in zip(gpu, cpu):
+    for (gi, gl), (ci, cl) in zip(gpu, cpu, strict=True):
         assert gi.is_cuda and gi.shape == (8, 3, 64, 64)
         assert torch.equal(gl.cpu(), cl)
         # the same crops and flips; pixels within the decoders' rounding (the C++ suite's tolerance)
@@ -141,7 +141,7 @@ def test_a_python_dataset_on_the_device_and_pinned(workers):
     assert len(host) == len(pinned) == len(dev) == 5
     if workers:  # worker processes' batches: in slabs, through ferry's pin thread and device stage
         assert pinned_loader.stats()["slab_batches"] == 5 and dev_loader.stats()["device"]
-    for h, p, d in zip(host, pinned, dev):
+    for h, p, d in zip(host, pinned, dev, strict=True):
         assert all(p[k].is_pinned() for k in h)
         assert all(d[k].is_cuda and d[k].device.index == 0 for k in h)
         for k in h:
@@ -160,7 +160,7 @@ def test_worker_threads_batches_go_through_the_pin_thread_and_the_device_stage(w
     assert len(host) == len(pinned) == len(dev) == 5
     assert pinned_loader.stats()["pinning"] and pinned_loader.stats()["pin_seconds"] > 0
     assert dev_loader.stats()["device"] and dev_loader.stats()["copy_seconds"] > 0
-    for h, p, d in zip(host, pinned, dev):
+    for h, p, d in zip(host, pinned, dev, strict=True):
         assert all(p[k].is_pinned() for k in h)
         assert all(d[k].is_cuda and d[k].device.index == 0 for k in h)
         for k in h:
@@ -216,7 +216,7 @@ def test_pinned_blocks_are_not_written_again_before_their_device_copy_ran(kind):
     with torch.cuda.stream(stream):
         loader = ferry.DataLoader(_Rows(), batch_size=4, num_workers=kind[0], worker_type=kind[1], device=0)
         firsts = []
-        for k, rows in enumerate(loader):
+        for rows in loader:
             torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time before the next copy
             firsts.append(rows[:, :8].clone())
         torch.cuda.synchronize()
@@ -234,7 +234,7 @@ def test_python_batches_through_the_device_stage_equal_the_host_path_and_reuse_t
     host = list(torch.utils.data.DataLoader(ds, batch_size=8))
     loader = ferry.DataLoader(ds, batch_size=8, num_workers=2, device=0, persistent_workers=True)
     for epoch in range(3):
-        for h, d in zip(host, loader):
+        for h, d in zip(host, loader, strict=True):
             assert all(d[k].is_cuda for k in ("image", "vec", "label"))
             for k in h:
                 assert torch.equal(d[k].cpu(), h[k]), (epoch, k)
@@ -275,9 +275,9 @@ def test_pin_memory_pins_every_tensor_of_a_nested_sample(workers, kind):
     ours = list(ferry.DataLoader(_Nested(), batch_size=4, num_workers=workers, worker_type=kind, pin_memory=True))
     theirs = list(torch.utils.data.DataLoader(_Nested(), batch_size=4, pin_memory=True))
     assert len(ours) == len(theirs) == 3
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         ta, tb = _tensors(a), _tensors(b)
         assert len(ta) == len(tb) == 7
         assert [t.is_pinned() for t in ta] == [True] * 7, [(t.dtype, tuple(t.shape)) for t in ta if not t.is_pinned()]
-        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb))
+        assert all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(ta, tb, strict=True))
         assert a["meta"]["tags"] == b["meta"]["tags"]

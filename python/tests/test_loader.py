@@ -122,7 +122,7 @@ def test_tar_stream_fills_batches_across_workers(tar_dir, workers):
     indexed = list(ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), index=True, **kw), batch_size=5, seed=7))
     assert [len(y) for _, y in stream] == [5, 5, 2]
     assert stream[0][0].dtype == torch.float32 and stream[0][0].shape == indexed[0][0].shape
-    for (x, y), (ix, iy) in zip(stream, indexed):
+    for (x, y), (ix, iy) in zip(stream, indexed, strict=True):
         assert torch.equal(y, iy) and torch.equal(x, ix)
     dropped = list(ferry.DataLoader(ferry.datasets.tar(dir=str(tar_dir), **kw), batch_size=5, num_workers=workers,
                                     drop_last=True))

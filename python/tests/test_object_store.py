@@ -13,7 +13,7 @@ def _batches(dataset, **options):
 
 
 def _same(a, b):
-    return len(a) == len(b) and all(all(np.array_equal(x, y) for x, y in zip(p, q)) for p, q in zip(a, b))
+    return len(a) == len(b) and all(all(np.array_equal(x, y) for x, y in zip(p, q, strict=True)) for p, q in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("workers", [0, 2])
@@ -48,7 +48,7 @@ def test_tar_shards_and_npy_over_s3_equal_local(object_store, tar_dir, rows_npy)
 
 
 def test_missing_objects_name_the_url(object_store):
-    object_store.__call__  # the server and settings are up
+    assert callable(object_store)  # the server and settings are up
     with pytest.raises(ferry.DataError, match=r"s3://ferry-py/nothing/here\.npy.*does not exist"):
         ferry.datasets.npy("s3://ferry-py/nothing/here.npy")
     with pytest.raises(ferry.DataError, match="holds no objects"):
@@ -95,7 +95,7 @@ def test_gpu_decode_over_s3_equals_local(object_store, tmp_path):
                            ferry.datasets.tar(shards=[str(shards / "train-0.tar")], index=True, **kw))):
         got, want = batches(remote), batches(local)
         assert len(got) == 4 and got[0][0].shape == (6, 3, 48, 48)
-        assert all(torch.equal(g, w) for b, c in zip(got, want) for g, w in zip(b, c))
+        assert all(torch.equal(g, w) for b, c in zip(got, want, strict=True) for g, w in zip(b, c, strict=True))
     # The stream (index=False): each 8 MiB of the shard one request, every JPEG decoded on the device.
     options = dict(batch_size=6, num_workers=2, device=0)
     stream = dict(size=48, random_crop=True, decode="gpu", index=False, shuffle=False)
@@ -104,7 +104,7 @@ def test_gpu_decode_over_s3_equals_local(object_store, tmp_path):
     assert ferry.object_store_stats()["requests"] - requests <= 2
     want = batches(ferry.datasets.tar(shards=[str(shards / "train-0.tar")], **stream))
     assert len(got) == 4 and got[0][0].shape == (6, 48, 48, 3) and got[0][0].dtype == torch.uint8  # HWC, as the CPU stream
-    assert all(torch.equal(g, w) for b, c in zip(got, want) for g, w in zip(b, c))
+    assert all(torch.equal(g, w) for b, c in zip(got, want, strict=True) for g, w in zip(b, c, strict=True))
 
 
 def test_a_silent_server_and_a_dataset_built_with_a_timeout(monkeypatch):

@@ -46,7 +46,7 @@ class Squares:
 def assert_same(ours, theirs):
     ours, theirs = list(ours), list(theirs)
     assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert type(a) is type(b)
         if isinstance(a, torch.Tensor):
             assert a.dtype == b.dtype and torch.equal(a, b)
@@ -852,7 +852,7 @@ def slabs_on(monkeypatch):
 
 def test_worker_processes_send_batches_through_slabs_equal_to_torchs(slabs_on):
     ours = loader(Squares(64), (2, "process"), batch_size=4)
-    for a, b in zip(ours, tud.DataLoader(Squares(64), batch_size=4)):  # each batch freed before the next
+    for a, b in zip(ours, tud.DataLoader(Squares(64), batch_size=4), strict=True):  # each batch freed before the next
         assert_same([a], [b])
     stats = ours.stats()
     # Each process's first batch asks for a slab once it knows its bytes: every batch travels in
@@ -880,7 +880,7 @@ def test_slabs_carry_every_kind_of_tensor_ferry_has_and_the_batch_is_rebuilt_as_
     ours = loader(Carried(12), (2, "process"), batch_size=3)
     got = list(ours)
     theirs = list(tud.DataLoader(Carried(12), batch_size=3))
-    for a, b in zip(got, theirs):
+    for a, b in zip(got, theirs, strict=True):
         assert type(a["pair"]) is type(b["pair"]) and a["bool"].dtype == torch.bool
         assert_same([a], [b])
     assert len(got) == 4 and ours.stats()["slab_batches"] == 4 and ours.stats()["slab_misses"] == 0
@@ -895,7 +895,7 @@ def test_a_batch_with_a_tensor_the_pipeline_does_not_take_travels_torchs_way_who
     ours = loader(Mixed(12), kind, batch_size=3, collate_fn=with_a_parameter)
     got = list(ours)
     theirs = list(tud.DataLoader(Mixed(12), batch_size=3, collate_fn=with_a_parameter))
-    for a, b in zip(got, theirs):
+    for a, b in zip(got, theirs, strict=True):
         grad_a, grad_b = a.pop("grad"), b.pop("grad")
         assert grad_a.requires_grad and torch.equal(grad_a, grad_b)
         assert_same([a], [b])
@@ -936,7 +936,7 @@ def test_worker_threads_send_batches_through_the_pipeline_rebuilt_as_torchs(kind
     ours = loader(Carried(12), kind, batch_size=3)
     got = list(ours)
     theirs = list(tud.DataLoader(Carried(12), batch_size=3))
-    for a, b in zip(got, theirs):
+    for a, b in zip(got, theirs, strict=True):
         assert type(a["pair"]) is type(b["pair"]) and a["bool"].dtype == torch.bool
         assert a["twice"][0] is not a["twice"][1]  # each occurrence its own tensor, as torch's pin_memory makes
         assert_same([a], [b])
@@ -1135,9 +1135,9 @@ def test_samples_taken_before_the_slab_is_answered_go_to_their_rows_once_it_is()
         asker = Answers(block.id, after)
         placer = side.placer(None, 5, asker)
         taken = [placer.take(sample) for sample in samples]
-        assert [t is s for t, s in zip(taken, samples)] == [True] * held + [False] * (5 - held)
+        assert [t is s for t, s in zip(taken, samples, strict=True)] == [True] * held + [False] * (5 - held)
         taken = placer.settle(taken)
-        assert not any(t is s for t, s in zip(taken, samples))
+        assert not any(t is s for t, s in zip(taken, samples, strict=True))
         assert [t["x"].data_ptr() - base.data_ptr() for t in taken] == [12 * i for i in range(5)]
         assert asker.waits == (after is None) and len(asker.asked) == 1
         batch = side.collate(taken, block.id, placer)
@@ -1177,7 +1177,7 @@ def test_worker_processes_stack_each_sample_into_the_slab_as_it_comes(slabs_on):
     ours = loader(FreedBefore(48, sleep=0.005), (2, "process"), batch_size=8)
     got = list(ours)
     theirs = list(tud.DataLoader(FreedBefore(48), batch_size=8))
-    for (x, _), (y, _) in zip(got, theirs):
+    for (x, _), (y, _) in zip(got, theirs, strict=True):
         assert_same([x], [y])
     assert not any(freed[1:].any() for _, freed in theirs)
     # Samples made while the slab was being answered are held (Note [Samples stacked as they

@@ -38,14 +38,14 @@ def test_windows_as_dicts_every_token_once(token_file, workers):
     for b in batches:
         assert set(b) == {"input_ids", "labels"}
         assert b["input_ids"].dtype == torch.int64 and b["input_ids"].shape == (8, 16)
-        for row, lab in zip(b["input_ids"].numpy(), b["labels"].numpy()):
+        for row, lab in zip(b["input_ids"].numpy(), b["labels"].numpy(), strict=True):
             at = int(np.nonzero(tokens == row[0])[0][0])
             assert at % 16 == 0
             assert np.array_equal(row, tokens[at:at + 16]) and np.array_equal(lab, tokens[at + 1:at + 17])
             starts.append(at)
     assert sorted(starts) == list(range(0, 640, 16))
     ref = epoch(ferry.DataLoader(ds, batch_size=8, shuffle=True, num_workers=0, seed=3))
-    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, ref))
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(batches, ref, strict=True))
 
 
 def test_megatron_fixture_packed(tmp_path):
@@ -71,7 +71,7 @@ def test_megatron_fixture_packed(tmp_path):
     inside = [s - 32 * w for s in starts if 32 * w < s < 32 * w + 32]
     assert inside[0] == cut
     bounds = [0] + inside + [32]
-    assert got["position_ids"] == [k for a, z in zip(bounds, bounds[1:]) for k in range(z - a)]
+    assert got["position_ids"] == [k for a, z in zip(bounds, bounds[1:], strict=False) for k in range(z - a)]
     assert got["cu_seqlens"] == [0] + inside + [32] * (33 - 1 - len(inside))
     shuffled = ferry.datasets.megatron(os.path.join(FIXTURES, "u16"), seq_len=32, packed=True, shuffle_documents=True,
                                        document_block=16)
@@ -92,7 +92,7 @@ def test_megatron_best_fit_packing_keeps_the_windows_tokens():
     ids = lambda e: sorted(torch.cat([x["input_ids"].flatten() for x in e]).tolist())  # noqa: E731
     assert ids(a) == ids(b) and ids(a) != []
     for x in a:
-        for pos, cu in zip(x["position_ids"].tolist(), x["cu_seqlens"].tolist()):
+        for pos, cu in zip(x["position_ids"].tolist(), x["cu_seqlens"].tolist(), strict=True):
             starts = [k for k, p in enumerate(pos) if p == 0]
             assert cu == starts + [32] * (33 - len(starts))
     with pytest.raises(ferry.Error, match="packed"):
@@ -116,7 +116,7 @@ def test_mixture_resumes_from_state_dict_and_takes_new_weights(token_file):
     rest = epoch(resumed)
     got = [x["input_ids"] for x in first] + [x["input_ids"] for x in rest]
     assert len(got) == len(whole) == 12
-    assert all(torch.equal(x, y["input_ids"]) for x, y in zip(got, whole))
+    assert all(torch.equal(x, y["input_ids"]) for x, y in zip(got, whole, strict=True))
     # New weights from sample 40 on (only b's windows): samples 0-39 unchanged, every one from 40 on
     # one of b's; sample 40 came from a under the old weights, so a start 1 or 8 samples late fails.
     changed = ferry.datasets.mixture([(a, 0.75), (b, 0.25)], seed=9, block=8, size=96, schedule=[(40, [0.0, 1.0])])
@@ -152,7 +152,7 @@ def test_tokens_and_megatron_over_s3_equal_local(object_store, token_file):
         r = epoch(ferry.DataLoader(remote, batch_size=8, shuffle=True, num_workers=2, seed=5))
         loc = epoch(ferry.DataLoader(local, batch_size=8, shuffle=True, num_workers=2, seed=5))
         assert len(r) == len(loc) > 0
-        assert all(torch.equal(x[k], y[k]) for x, y in zip(r, loc) for k in x)
+        assert all(torch.equal(x[k], y[k]) for x, y in zip(r, loc, strict=True) for k in x)
 
 
 @pytest.mark.gpu
@@ -168,7 +168,7 @@ def test_device_batches_equal_the_host_batches(token_file, workers):
         dev = [{k: v.cpu() for k, v in b.items()} for b in ferry.DataLoader(ds, batch_size=8, shuffle=True, seed=4, device=0,
                                                                              num_workers=workers, gather=gather)]
         assert len(dev) == len(host) > 0
-        assert all(set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in y) for x, y in zip(dev, host))
+        assert all(set(x) == set(y) and all(torch.equal(x[k], y[k]) for k in y) for x, y in zip(dev, host, strict=True))
     on_gpu = next(iter(ferry.DataLoader(ferry.datasets.tokens(path, seq_len=16, dtype="uint16"), batch_size=4, device=0)))
     assert on_gpu["input_ids"].is_cuda and on_gpu["labels"].device == on_gpu["input_ids"].device
 
@@ -278,6 +278,6 @@ def test_raw_windows_widened_as_the_device_path_does_equal_the_host_batches(pack
     fake = types.SimpleNamespace(_widen=(raw.token_type, "int64"))
     widened = list(ferry.DataLoader._widened(fake, iter(ferry.DataLoader(raw, batch_size=8, shuffle=True, seed=3))))
     assert len(widened) == len(host) > 0
-    for w, h in zip(widened, host):
+    for w, h in zip(widened, host, strict=True):
         assert set(w) == set(h)
         assert all(w[k].dtype == h[k].dtype and torch.equal(w[k], h[k]) for k in h)
