@@ -19,6 +19,7 @@
 
 #include "ferry/detail/engine.h"
 #include "ferry/detail/io_counters.h"
+#include "io.h"
 
 namespace ferry::loaders::cache {
 namespace {
@@ -78,13 +79,6 @@ std::string file_name(const std::string& key) {
   std::snprintf(out, sizeof out, "%016llx%016llx.fc", static_cast<unsigned long long>(a), static_cast<unsigned long long>(b));
   return out;
 }
-
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 bool read_all(int fd, void* dst, std::size_t n) {
   auto* p = static_cast<char*>(dst);

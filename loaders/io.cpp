@@ -16,19 +16,17 @@
 #include "s3.h"
 
 namespace ferry::loaders {
+
+Fd::~Fd() {
+  if (fd >= 0) ::close(fd);
+}
+
 namespace {
 
 [[noreturn]] void throw_errno(const std::string& path, const char* what) {
   const int e = errno;
   throw IoError(path, DataError::kNoOffset, std::string(what) + ": " + std::strerror(e), e);
 }
-
-struct Fd {
-  int fd = -1;
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
 
 // Opens `path` for reading and returns its size; DataError for anything but a non-empty regular file.
 std::size_t open_regular(const std::string& path, Fd& f) {

@@ -26,6 +26,16 @@
 
 namespace ferry::loaders {
 
+/// A file descriptor closed when it goes (-1: none).
+struct Fd {
+  int fd = -1;
+  Fd() = default;
+  explicit Fd(int f) noexcept : fd(f) {}
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd();
+};
+
 /// True for a path that names an object in S3-compatible storage ("s3://bucket/key").
 bool is_remote(std::string_view path) noexcept;
 
