@@ -35,11 +35,7 @@ import time
 import torch
 import torchvision
 
-# --import-after-model: ferry imported once the model is on the GPU (CUDA started, its threads
-# running), as a script that imports it inside main() has it; otherwise at the top, as usual.
-LATE_IMPORT = "--import-after-model" in sys.argv
-if not LATE_IMPORT:
-    import ferry
+ferry = None  # imported by main(): before the model, or with --import-after-model once it is on the GPU
 
 BREAKDOWN = bool(os.environ.get("RESNET_STATS"))  # also print busy cores by process and thread
 MEAN = (0.485, 0.456, 0.406)
@@ -166,6 +162,7 @@ def run(batches, model, opt, prepare, warmup, steps, made_at):
 
 
 def main():
+    global ferry
     ap = argparse.ArgumentParser()
     ap.add_argument("--images", required=True)
     ap.add_argument("--workers", type=int, default=15)
@@ -184,10 +181,12 @@ def main():
     args = ap.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
+    if not args.import_after_model:
+        ferry = importlib.import_module("ferry")
     torch.backends.cudnn.benchmark = True
     model, opt = make_model()
-    if LATE_IMPORT:
-        globals()["ferry"] = importlib.import_module("ferry")
+    if args.import_after_model:  # CUDA started, its threads running, as a script importing ferry in main() has it
+        ferry = importlib.import_module("ferry")
     mean = torch.tensor(MEAN, device="cuda").view(1, 3, 1, 1) * 255
     std = torch.tensor(STD, device="cuda").view(1, 3, 1, 1) * 255
 
@@ -284,7 +283,7 @@ def main():
                                     f"{args.workers} worker processes", lambda: ferry_python_rows(True), normalize_chw_uint8),
     }
     print(f"# ResNet-50 bf16 channels_last, batch {args.batch}, {args.steps} steps after {args.warmup}, "
-          f"ferry imported {'after the model is on the GPU' if LATE_IMPORT else 'at the top'}, "
+          f"ferry imported {'after the model is on the GPU' if args.import_after_model else 'before the model'}, "
           f"median of {args.runs}; {torch.cuda.get_device_name(0)}, {os.cpu_count()} vCPUs, torch {torch.__version__}, "
           f"torchvision {torchvision.__version__}, images {args.images}, GIL switch interval {sys.getswitchinterval() * 1e3:g} ms\n")
     print("| loader | images/s (median) | runs | / GPU alone | busy host cores | first batch (s) | first batch, the row's first run (s) |")

@@ -48,13 +48,12 @@ namespace {
 
 class LocalBlob final : public Blob {
  public:
-  LocalBlob(const std::string& path, int fd, std::uint64_t size) : Blob(path, size), fd_(fd) {}
-  ~LocalBlob() override { ::close(fd_); }
+  LocalBlob(const std::string& path, Fd fd, std::uint64_t size) : Blob(path, size), fd_(std::move(fd)) {}
   bool remote() const noexcept override { return false; }
   std::size_t read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const override;
 
  private:
-  int fd_;
+  Fd fd_;
 };
 
 }  // namespace
@@ -266,7 +265,7 @@ static std::size_t read_at(int fd, const std::string& path, std::uint64_t offset
 }
 
 std::size_t LocalBlob::read_at(std::uint64_t offset, std::byte* dst, std::size_t n) const {
-  return loaders::read_at(fd_, name_, offset, dst, n);
+  return loaders::read_at(fd_.fd, name_, offset, dst, n);
 }
 
 std::unique_ptr<Blob> Blob::open(const std::string& path) { return open(path, 0); }
@@ -307,8 +306,7 @@ std::unique_ptr<Blob> Blob::open(const std::string& path, std::size_t first_piec
   }
   Fd f;
   const std::size_t size = open_regular(path, f);
-  const int fd = std::exchange(f.fd, -1);
-  return std::make_unique<LocalBlob>(path, fd, size);
+  return std::make_unique<LocalBlob>(path, std::move(f), size);
 }
 
 std::vector<ListedFile> list_prefix(const std::string& dir) {
@@ -385,25 +383,19 @@ void read_file(const std::string& path, std::vector<std::byte>& out) {
 
 RangeReader::RangeReader(const std::string& path) : path_(path) {
   if (is_remote(path)) return;  // each read is a ranged GET; a missing object fails there
-  Fd f;
-  open_regular(path, f);
-  fd_ = std::exchange(f.fd, -1);
-}
-
-RangeReader::~RangeReader() {
-  if (fd_ >= 0) ::close(fd_);
+  open_regular(path, fd_);
 }
 
 void RangeReader::read(std::uint64_t offset, std::size_t size, std::vector<std::byte>& out) const {
   out.resize(size);
-  if (fd_ < 0) {
+  if (fd_.fd < 0) {
     const bool caching = cache::enabled();
     if (caching && cache::load(cache::range_key(path_, offset, size), out.data(), size)) return;
     s3::read(s3::parse(path_), offset, size, out.data());
     if (caching) cache::store(cache::range_key(path_, offset, size), out.data(), size);
     return;
   }
-  if (read_at(fd_, path_, offset, out.data(), size) != size)
+  if (read_at(fd_.fd, path_, offset, out.data(), size) != size)
     throw DataError(path_, offset,
                     "file ends before the " + std::to_string(size) + " bytes indexed here (it changed after it was indexed?)");
 }

@@ -20,19 +20,20 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "ferry/core/error.h"
 
 namespace ferry::loaders {
 
-/// A file descriptor closed when it goes (-1: none).
+/// A file descriptor closed when it goes (-1: none); moving it hands it over.
 struct Fd {
   int fd = -1;
   Fd() = default;
   explicit Fd(int f) noexcept : fd(f) {}
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
+  Fd(Fd&& other) noexcept : fd(std::exchange(other.fd, -1)) {}
+  Fd& operator=(Fd&&) = delete;
   ~Fd();
 };
 
@@ -169,7 +170,6 @@ class RangeReader {
  public:
   /// Opens `path`; DataError (IoError) when it cannot be opened or is not a regular file.
   explicit RangeReader(const std::string& path);
-  ~RangeReader();
   RangeReader(const RangeReader&) = delete;
   RangeReader& operator=(const RangeReader&) = delete;
   /// Reads `size` bytes at `offset` into `out` (resized to fit); DataError naming the file and the
@@ -178,7 +178,7 @@ class RangeReader {
 
  private:
   std::string path_;
-  int fd_ = -1;  // -1 for an object
+  Fd fd_;  // -1 for an object
 };
 
 /// True when `bytes` start with the gzip magic number.
