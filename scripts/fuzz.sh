@@ -14,12 +14,12 @@ for p in clang libclang-rt-14-dev; do
 done
 rm -rf build/fuzz
 cmake --preset fuzz
-cmake --build --preset fuzz --target fuzz_idx fuzz_npy fuzz_tokens fuzz_tar fuzz_tar_stream fuzz_image fuzz_plan fuzz_state fuzz_s3 fuzz_make_seeds
+cmake --build --preset fuzz --target fuzz_idx fuzz_npy fuzz_tokens fuzz_tar fuzz_tar_stream fuzz_image fuzz_plan fuzz_state fuzz_s3 fuzz_tokenizer fuzz_make_seeds
 corpus=build/fuzz/corpus
 build/fuzz/tests/fuzz/fuzz_make_seeds "$corpus"
 mkdir -p "$corpus/plan" && cp "$corpus"/image/*.jpg "$corpus/plan/"  # GPU decode's worker side reads JPEGs
 mkdir -p "$corpus/tar_stream" && cp "$corpus"/tar/* "$corpus/tar_stream/"  # the same archives, as a stream
-for target in idx npy tokens tar tar_stream image plan state s3; do
+for target in idx npy tokens tar tar_stream image plan state s3 tokenizer; do
   echo "=== fuzz_$target: ${seconds}s ==="
   mkdir -p "$corpus/$target" build/fuzz/findings
   # -rss_limit_mb: a parser that allocates what a header claims would be caught here.

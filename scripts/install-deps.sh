@@ -9,10 +9,11 @@ demo=0
 [ "${1:-}" = --demo ] && demo=1
 packages=(g++ cmake ninja-build curl libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
           zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcurl4-openssl-dev libcli11-dev nlohmann-json3-dev
-          dataset-fashion-mnist)
+          pkg-config libpcre2-dev libsentencepiece-dev dataset-fashion-mnist)
 if [ "$demo" = 0 ]; then
   packages+=(python3-dev python3-venv python3-pip python3-numpy python3-torch clang-format
-             libopenblas0-pthread)  # numpy's BLAS as PyPI's wheels have it: OpenBLAS's threads (the zygote's fork test)
+             libopenblas0-pthread  # numpy's BLAS as PyPI's wheels have it: OpenBLAS's threads (the zygote's fork test)
+             sentencepiece)        # spm_train: the tests train SentencePiece models on the machine's own text
 fi
 missing=()
 for p in "${packages[@]}"; do
@@ -63,6 +64,17 @@ if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import nanobind, pyte
   /usr/bin/python3 -m venv --system-site-packages "$venv"
   "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${python_wheels[@]}" \
     || echo "install-deps: the Python wheels did not install; the Python module will not be built"
+fi
+# Tables and text: pyarrow (its wheel ships Apache Arrow's C++ libraries and headers, which the
+# Parquet sources build against; it imports with Debian's NumPy) and `tokenizers`, the reference
+# the tokenizer tests compare ferry's ids with.
+text_wheels=(pyarrow==20.0.0 tokenizers==0.22.1)
+if [ -x "$venv/bin/python" ] && ! "$venv/bin/python" -c "
+import pyarrow, tokenizers
+assert pyarrow.__version__ == '20.0.0' and tokenizers.__version__ == '0.22.1'" 2>/dev/null; then
+  echo "install-deps: ${text_wheels[*]} (PyPI) into $venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "${text_wheels[@]}" \
+    || { echo "install-deps: ${text_wheels[*]} did not install; the text tests need them"; exit 1; }
 fi
 # The Python lint of scripts/check.sh (CI's first step): ruff, pinned, into the same environment.
 ruff_version=0.14.3

@@ -24,6 +24,7 @@
 #include "ferry/loaders/sample.h"
 #include "ferry/loaders/storage.h"
 #include "ferry/loaders/tar.h"
+#include "ferry/loaders/tokenizer.h"
 #include "ferry/loaders/tokens.h"
 #include "ferry/loaders/transforms.h"
 #include "ferry/pinning/cuda.h"

@@ -41,6 +41,7 @@ from ._ferry import (  # noqa: F401  (re-exported)
     IoError,
     OptionError,
     TimeoutError,
+    Tokenizer,
     WorkerError,
     object_store_stats,
 )
@@ -51,7 +52,7 @@ __all__ = [
     "DataLoader", "LoaderStats", "datasets", "load_plugin", "Dataset", "get_worker_info", "WorkerInfo",
     "sample_seed",
     "Error", "WorkerError", "TimeoutError", "DataError", "IoError", "CudaError", "Interrupted", "OptionError",
-    "object_store_stats",
+    "object_store_stats", "Tokenizer",
 ]
 __version__ = "0.2.0"
 

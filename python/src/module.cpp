@@ -2,7 +2,7 @@
 // PyTorch's keyword names, torch conversion, stubs). Its parts, each in a file of its own:
 // errors.cpp (ferry.Error and its subclasses), datasets.cpp with python_datasets.h (the
 // registry's datasets and Python datasets run on ferry's threads), loader.cpp (the loader and its
-// options, Note [Python loader]), blocks.cpp (shared blocks for worker processes' batches), digest.cpp (a fast digest, for a dataset's fingerprint),
+// options, Note [Python loader]), blocks.cpp (shared blocks for worker processes' batches), text.cpp (the tokenizers), digest.cpp (a fast digest, for a dataset's fingerprint),
 // hooks.cpp (what tests and benchmarks call) and gil.h (the GIL from ferry's threads). Here: the
 // module, and the process-wide calls (pinning, CUDA, storage).
 #include <nanobind/stl/string.h>
@@ -21,6 +21,7 @@ NB_MODULE(_ferry, m) {
   register_loader(m);
   register_digest(m);
   register_blocks(m);
+  register_text(m);
   register_hooks(m);
   m.def(
       "quiet_leak_warnings", [] { nb::set_leak_warnings(false); },

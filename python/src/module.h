@@ -18,6 +18,8 @@ void register_loader(nb::module_& m);
 void register_digest(nb::module_& m);
 /// Shared blocks for worker processes' batches, and the batches they make (blocks.cpp).
 void register_blocks(nb::module_& m);
+/// ferry.Tokenizer (text.cpp).
+void register_text(nb::module_& m);
 /// What tests and benchmarks call (hooks.cpp).
 void register_hooks(nb::module_& m);
 

@@ -1,5 +1,5 @@
 // libFuzzer targets for the loaders' parsers: one binary per format, chosen at compile time
-// (FERRY_FUZZ_IDX, _NPY, _TOKENS (a Megatron index and an llm.c header), _S3 (an object store's XML answers), _TAR (the reader, and TarImages' index over the same bytes), _TAR_STREAM (TarShards' record assembly, skip and a loader's reading), _IMAGE (full and region decode), _STATE (a loader state), _PLAN: GPU decode's worker side, the JPEG header and the
+// (FERRY_FUZZ_IDX, _NPY, _TOKENS (a Megatron index and an llm.c header), _S3 (an object store's XML answers), _TAR (the reader, and TarImages' index over the same bytes), _TAR_STREAM (TarShards' record assembly, skip and a loader's reading), _IMAGE (full and region decode), _STATE (a loader state), _TOKENIZER (text through a tokenizer.json, and tokenizer.json files), _PLAN: GPU decode's worker side, the JPEG header and the
 // transform plan whose every tap must lie inside the image). Any input must either parse or raise ferry::DataError
 // (a clear error); anything else (a crash, an ASan/UBSan report, another exception) is a finding.
 #include <sys/mman.h>
@@ -69,6 +69,29 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       const std::vector<ferry::Tensor> s = seqs.get(i, ctx);
       if (s.size() != 4 || s[3].numel() != 8) __builtin_trap();
     }
+#elif defined(FERRY_FUZZ_TOKENIZER)
+    // Text through a byte-level BPE tokenizer.json with a regex split, an added token and byte
+    // fallback (every UTF-8 text encodes; anything else is a DataError naming the byte), and, for
+    // an input that opens with '{', the input itself as a tokenizer.json (an Error, or a tokenizer
+    // that encodes a text).
+    static const auto tok = ferry::tokenizer_from_json(R"({"added_tokens": [{"id": 9, "content": "<|e|>", "special": true}],
+      "normalizer": null, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}| ?\\p{L}+|\\s+(?!\\S)|\\s+|[^\\s\\p{L}\\p{N}]+"}, "behavior": "Isolated", "invert": false},
+        {"type": "ByteLevel", "add_prefix_space": false, "use_regex": false}]},
+      "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2, "Ġ": 3, "Ġab": 4, "c": 5}, "merges": [["a", "b"], ["Ġ", "ab"]]}})",
+                                                       "fuzz.json");
+    const std::string_view text(reinterpret_cast<const char*>(data), size);
+    if (!text.empty() && text.front() == '{') {
+      try {
+        const auto t = ferry::tokenizer_from_json(text, "fuzz-input.json");
+        (void)t->encode("some text 123, and more");
+      } catch (const ferry::DataError&) {
+      } catch (const ferry::Error&) {
+      }
+    }
+    const auto ids = tok->encode(text);
+    for (std::int32_t id : ids)
+      if (id < 0 || static_cast<std::size_t>(id) >= tok->vocab_size()) __builtin_trap();
 #elif defined(FERRY_FUZZ_NPY)
     (void)ferry::parse_npy(bytes, "fuzz.npy");
 #elif defined(FERRY_FUZZ_TAR)

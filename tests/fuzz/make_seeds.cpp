@@ -47,6 +47,13 @@ int main(int argc, char** argv) {
   write_file(root + "/state/mid-epoch", bytes_of("ferry.LoaderState 1\nseed 42\nepoch 3\nbatches 17\nbatches_per_epoch 100\n"
                                                  "samples_per_epoch 6400\ndataset_size 6400\nplan_hash 00ff00ff00ff00ff\n"
                                                  "world_size 4\nrank 1\nsegment_start 0\nposition 4352\n"));
+  // Text for the tokenizer (UTF-8 of several scripts, an added token, digits, runs of spaces), and
+  // a tokenizer.json of its own.
+  write_file(root + "/tokenizer/text",
+             bytes_of("ab abab  c 12345 <|e|>ab\n\n  \xc3\xa9t\xc3\xa9 \xe6\x97\xa5\xe6\x9c\xac\xf0\x9f\x99\x82"));
+  write_file(root + "/tokenizer/json",
+             bytes_of(R"({"pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": true}, "model": {"type": "BPE",)"
+                      R"( "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"], "ignore_merges": true}})"));
   // An object store's answers (ListObjectsV2 pages, an error body), as SeaweedFS and S3 write them.
   write_file(
       root + "/s3/page",
