@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -668,6 +669,7 @@ OpenedDataset DatasetRegistry::open(const DatasetConfig& config, std::vector<std
     if (c.str("decode") == "gpu") return folder;
     return DynamicDataset(ferry::map(std::move(folder), labeled));
   }
+  if (name == "parquet") return make_table_tokens(config);
   if (name == "tar") {
     const DatasetConfig c = with_builtin_schema(config, name);
     if (c.str("decode") == "gpu") return make_tar_gpu_stream(c);
@@ -680,9 +682,10 @@ OpenedDataset DatasetRegistry::open(const DatasetConfig& config, std::vector<std
       return make_tar_index(c);
     }
   }
-  if (!contains(name)) {  // what open() knows: the registered names and the tar stream
+  if (!contains(name)) {  // what open() knows: the registered names and the streams
     std::vector<std::string> known = names();
     known.push_back("tar");
+    known.push_back("parquet");
     no_dataset_named(name, std::move(known));
   }
   return create(config);
@@ -736,7 +739,7 @@ const DatasetSchema* DatasetRegistry::schema(const std::string& name) const {
     auto it = entries_.find(name);
     if (it != entries_.end()) return it->second.schema.get();
   }
-  if (name == "tar") return &builtin_schema("tar");  // a stream: open()'s, not an entry
+  if (name == "tar" || name == "parquet") return &builtin_schema(name);  // streams: open()'s, not entries
   return nullptr;
 }
 
@@ -799,6 +802,50 @@ std::vector<std::string> tar_shard_paths(const DatasetConfig& c) {
     if (shards.empty()) throw Error("dataset '" + c.dataset() + "': option 'shards' names no file");
   }
   return shards;
+}
+
+namespace {
+// A token given by its text or its id (digits).
+std::optional<std::int32_t> token_option(const DatasetConfig& c, const std::string& key, const Tokenizer& tok) {
+  if (!c.has(key)) return std::nullopt;
+  const std::string v = c.str(key);
+  if (!v.empty() && std::all_of(v.begin(), v.end(), [](unsigned char ch) { return std::isdigit(ch); })) {
+    const std::int64_t id = c.integer(key);
+    if (id < 0 || id > INT32_MAX) throw Error("dataset 'parquet': option '" + key + "' id " + v + " is not a token id");
+    return static_cast<std::int32_t>(id);
+  }
+  const std::optional<std::int32_t> id = tok.token_id(v);
+  if (!id) throw Error("dataset 'parquet': option '" + key + "': the tokenizer " + tok.name() + " has no token '" + v + "'");
+  return id;
+}
+}  // namespace
+
+TableTokens make_table_tokens(const DatasetConfig& config) {
+  const DatasetConfig c = with_builtin_schema(config, "parquet");
+  std::vector<std::string> files;
+  if (c.has("dir")) {
+    const std::string dir = c.str("dir");
+    if (!std::filesystem::is_directory(dir)) throw Error("dataset 'parquet': dir '" + dir + "' is not a directory");
+    for (const auto& e : std::filesystem::directory_iterator(dir))
+      if (e.path().extension() == ".parquet") files.push_back(e.path().string());
+    std::sort(files.begin(), files.end());
+    if (files.empty()) throw Error("dataset 'parquet': no .parquet files in '" + dir + "'");
+  } else {
+    for (const std::string& name : c.items("files"))
+      for (std::string& f : expand_braces(name)) files.push_back(std::move(f));
+    if (files.empty()) throw Error("dataset 'parquet': option 'files' (or dir) names no file");
+  }
+  TableTokensOptions o;
+  o.text = c.str("text");
+  o.seq_len = static_cast<std::size_t>(c.integer("seq_len"));
+  o.shuffle = c.flag("shuffle");
+  o.rows_per_read = static_cast<std::size_t>(c.integer("rows_per_read"));
+  auto tok = open_tokenizer(c.str("tokenizer"));
+  o.bos = token_option(c, "bos", *tok);
+  o.eos = token_option(c, "eos", *tok);
+  c.finish();
+  auto opened = ParquetFiles::open(std::move(files), {.columns = {o.text}});
+  return TableTokens(std::move(opened), std::move(tok), std::move(o));
 }
 
 }  // namespace ferry

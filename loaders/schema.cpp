@@ -1,6 +1,6 @@
 // The built-in datasets' option schemas (ferry/loaders/registry.h, DatasetSchema): every key,
 // default, range and doc of "idx", "npy", "image_folder", "tar_index", "tar", "tokens",
-// "megatron" and "synthetic" is declared here once. A default that an options struct holds
+// "megatron", "parquet" and "synthetic" is declared here once. A default that an options struct holds
 // (TokenSequenceOptions, ImageFolderOptions) is read from the struct, so the C++ constructors and
 // the registry cannot disagree.
 #include "ferry/loaders/registry.h"
@@ -9,6 +9,7 @@
 
 #include "ferry/core/error.h"
 #include "ferry/loaders/image.h"
+#include "ferry/loaders/table.h"
 #include "ferry/loaders/tokens.h"
 
 namespace ferry {
@@ -117,6 +118,21 @@ std::map<std::string, DatasetSchema> make_schemas() {
                  ranged(opt("best_fit_group", Kind::Integer, std::to_string(d.best_fit_group),
                             "packed: documents placed whole by best fit in groups of this many sequences (0: off)"),
                         0)}))};
+  const TableTokensOptions t;
+  s["parquet"] = {
+      "Parquet files of raw text, tokenized on the fly and cut into language-model windows (input_ids, labels); "
+      "row groups read across the workers, as a stream",
+      {opt("dir", Kind::Path, "", "a folder of .parquet files (sorted); or files="),
+       opt("files", Kind::Paths, "", "the files, as a.parquet:b.parquet or brace patterns; or dir="),
+       opt("text", Kind::Text, t.text, "the text column"),
+       required("tokenizer", Kind::Path, "a tokenizer.json or a SentencePiece .model"),
+       ranged(opt("seq_len", Kind::Integer, std::to_string(t.seq_len), "tokens a window (its labels shifted by one)"), 1,
+              double(TokenSequenceOptions::kMaxSeqLen)),
+       opt("bos", Kind::Text, "", "a token put before each row: its text (<s>) or its id"),
+       opt("eos", Kind::Text, "", "a token put after each row: its text (<|endoftext|>) or its id"),
+       opt("shuffle", Kind::Flag, flag_text(t.shuffle), "shuffle the row groups each epoch, and the rows within each read"),
+       ranged(opt("rows_per_read", Kind::Integer, std::to_string(t.rows_per_read), "rows read (and shuffled) at a time"), 1,
+              double(1 << 20))}};
   s["synthetic"] = {
       "in-memory patterns (sample i's bytes all i % 251, label i % 10), with injected faults",
       {ranged(opt("n", Kind::Integer, "10000", "samples"), 0), opt("shape", Kind::Text, "3x224x224", "each sample's shape"),

@@ -21,7 +21,8 @@ class SentencePieceTokenizer final : public Tokenizer {
     thread_local std::vector<int> ids;
     ids.clear();
     const auto status = sp_.Encode(text, &ids);
-    if (!status.ok()) throw DataError(std::string(where.empty() ? "text" : where), DataError::kNoOffset, "SentencePiece: " + status.ToString());
+    if (!status.ok())
+      throw DataError(std::string(where.empty() ? "text" : where), DataError::kNoOffset, "SentencePiece: " + status.ToString());
     out.insert(out.end(), ids.begin(), ids.end());
   }
   std::size_t vocab_size() const noexcept override { return static_cast<std::size_t>(sp_.GetPieceSize()); }

@@ -88,7 +88,9 @@ bool decode_byte_level(std::string_view token, std::string& out) {
   throw Error("tokenizer " + name + ": " + what + " (ferry reads the stages listed in ferry/loaders/tokenizer.h)");
 }
 
-std::string type_of(const json& j) { return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "?"; }
+std::string type_of(const json& j) {
+  return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "?";
+}
 
 // A compiled PCRE2 pattern; matches on the calling thread's match data.
 class Regex {
@@ -96,8 +98,8 @@ class Regex {
   Regex(const std::string& pattern, const std::string& name) {
     int err = 0;
     PCRE2_SIZE at = 0;
-    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err, &at,
-                          nullptr);
+    code_ =
+        pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &err, &at, nullptr);
     if (!code_) {
       std::array<PCRE2_UCHAR, 256> msg{};
       pcre2_get_error_message(err, msg.data(), msg.size());
@@ -225,8 +227,10 @@ class JsonTokenizer final : public Tokenizer {
       }
       const auto ia = file_vocab_.find(a), ib = file_vocab_.find(b), ic = file_vocab_.find(a + b);
       if (ia == file_vocab_.end() || ib == file_vocab_.end() || ic == file_vocab_.end())
-        throw Error("tokenizer " + name_ + ": merge " + std::to_string(rank) + " (" + a + " " + b + ") names a token not in the vocab");
-      merges_.insert_or_assign(pair_key(ia->second, ib->second), std::make_pair(rank, ic->second));  // a repeated pair: the last holds, as in `tokenizers`
+        throw Error("tokenizer " + name_ + ": merge " + std::to_string(rank) + " (" + a + " " + b +
+                    ") names a token not in the vocab");
+      merges_.insert_or_assign(pair_key(ia->second, ib->second),
+                               std::make_pair(rank, ic->second));  // a repeated pair: the last holds, as in `tokenizers`
       ++rank;
     }
   }
@@ -242,7 +246,8 @@ class JsonTokenizer final : public Tokenizer {
       added_.push_back(std::move(a));
     }
     // Longest first within each first byte: the first that matches at a position is the longest.
-    std::sort(added_.begin(), added_.end(), [](const AddedToken& x, const AddedToken& y) { return x.content.size() > y.content.size(); });
+    std::sort(added_.begin(), added_.end(),
+              [](const AddedToken& x, const AddedToken& y) { return x.content.size() > y.content.size(); });
     for (std::size_t k = 0; k < added_.size(); ++k) {
       auto& starts = added_.at(k).normalized ? first_normalized_ : first_raw_;
       starts[static_cast<unsigned char>(added_[k].content[0])].push_back(k);
@@ -420,7 +425,8 @@ class JsonTokenizer final : public Tokenizer {
     merge_word(word, out);
     if (cached) {
       if (cache.words.size() >= kCacheWords) cache.words.clear();
-      cache.words.emplace(std::string(word), std::vector<std::int32_t>(out.begin() + static_cast<std::ptrdiff_t>(before), out.end()));
+      cache.words.emplace(std::string(word),
+                          std::vector<std::int32_t>(out.begin() + static_cast<std::ptrdiff_t>(before), out.end()));
     }
   }
 
@@ -468,8 +474,10 @@ class JsonTokenizer final : public Tokenizer {
         bool all = true;
         for (std::size_t b = 0; b < unit.size() && all; ++b) {
           const auto f = vocab_.find(byte_token(static_cast<unsigned char>(unit[b])));
-          if (f == vocab_.end()) all = false;
-          else ids[b] = f->second;
+          if (f == vocab_.end())
+            all = false;
+          else
+            ids[b] = f->second;
         }
         if (all) {
           if (pending_unk >= 0) add(pending_unk), pending_unk = -1;
@@ -518,8 +526,8 @@ class JsonTokenizer final : public Tokenizer {
 
   std::string name_;
   std::uint64_t serial_;
-  std::unordered_map<std::string, std::int32_t> file_vocab_;  // as the file spells the entries
-  std::unordered_map<std::string, std::int32_t> vocab_;       // by the text they stand for
+  std::unordered_map<std::string, std::int32_t> file_vocab_;                         // as the file spells the entries
+  std::unordered_map<std::string, std::int32_t> vocab_;                              // by the text they stand for
   std::unordered_map<std::uint64_t, std::pair<std::int32_t, std::int32_t>> merges_;  // (a, b) -> (rank, merged id)
   std::array<std::int32_t, 256> byte_id_{};
   std::optional<std::int32_t> unk_;
@@ -533,8 +541,10 @@ class JsonTokenizer final : public Tokenizer {
  public:
   // After the stages are read: the vocab by the text its entries stand for.
   void finish() {
-    if (byte_level_) file_vocab_.clear();
-    else vocab_ = std::move(file_vocab_);
+    if (byte_level_)
+      file_vocab_.clear();
+    else
+      vocab_ = std::move(file_vocab_);
   }
 };
 
@@ -551,10 +561,14 @@ std::size_t detail::invalid_utf8(std::string_view s) noexcept {
     }
     std::size_t len;
     char32_t min;
-    if ((p[i] & 0xE0) == 0xC0) len = 2, min = 0x80;
-    else if ((p[i] & 0xF0) == 0xE0) len = 3, min = 0x800;
-    else if ((p[i] & 0xF8) == 0xF0) len = 4, min = 0x10000;
-    else return i;
+    if ((p[i] & 0xE0) == 0xC0)
+      len = 2, min = 0x80;
+    else if ((p[i] & 0xF0) == 0xE0)
+      len = 3, min = 0x800;
+    else if ((p[i] & 0xF8) == 0xF0)
+      len = 4, min = 0x10000;
+    else
+      return i;
     if (i + len > n) return i;
     char32_t v = p[i] & (0x7F >> len);
     for (std::size_t k = 1; k < len; ++k) {
@@ -566,7 +580,6 @@ std::size_t detail::invalid_utf8(std::string_view s) noexcept {
   }
   return std::string_view::npos;
 }
-
 
 std::shared_ptr<const Tokenizer> tokenizer_from_json(std::string_view text, const std::string& name) {
   json j;

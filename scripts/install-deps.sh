@@ -30,6 +30,22 @@ if [ "$demo" = 0 ] && [ -x "$cuda_root/bin/nvcc" ] && [ ! -f "$cuda_root/include
   $SUDO_PIP python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --target /opt/ferry-nvjpeg \
     "nvidia-nvjpeg==$nvjpeg_version" || echo "install-deps: nvJPEG not installed; GPU decode will not be built"
 fi
+# Apache Arrow's C++ libraries for the Parquet and Arrow table sources (Debian 12 has no Arrow):
+# the pinned pyarrow wheel ships libarrow, libparquet and their headers; into /opt/ferry-arrow,
+# where CMake looks for them, and on the system's library path as nvJPEG's.
+arrow_version=20.0.0
+if [ "$demo" = 0 ] && [ ! -f /opt/ferry-arrow/pyarrow/include/parquet/arrow/reader.h ] && command -v python3 >/dev/null; then
+  echo "install-deps: pyarrow==$arrow_version (PyPI: Arrow's C++ libraries) into /opt/ferry-arrow"
+  SUDO_PIP=""; [ "$(id -u)" -eq 0 ] || SUDO_PIP=sudo
+  $SUDO_PIP python3 -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps \
+    --target /opt/ferry-arrow "pyarrow==$arrow_version" || echo "install-deps: Arrow not installed; the table sources will not be built"
+fi
+arrow_lib=/opt/ferry-arrow/pyarrow
+if [ -f "$arrow_lib/libparquet.so.2000" ] && [ "$(cat /etc/ld.so.conf.d/ferry-arrow.conf 2>/dev/null)" != "$arrow_lib" ]; then
+  SUDO_LD=""; [ "$(id -u)" -eq 0 ] || SUDO_LD=sudo
+  # (ldconfig notes that the wheel's libraries are files, not links: true, and harmless)
+  echo "$arrow_lib" | $SUDO_LD tee /etc/ld.so.conf.d/ferry-arrow.conf > /dev/null && $SUDO_LD ldconfig 2>/dev/null
+fi
 # The wheel's libnvjpeg on the system's library path, as a Debian package's would be: an installed
 # ferry finds it without a RUNPATH outside its prefix.
 nvjpeg_lib=/opt/ferry-nvjpeg/nvidia/cu13/lib

@@ -31,6 +31,9 @@ BatchFeed::BatchFeed(Shape shape, ReadUnit read, std::shared_ptr<const std::atom
       given_up_(std::move(given_up)),
       lanes_(std::max<std::size_t>(1, std::min(shape.lanes, std::max<std::size_t>(shape.units, 1)))) {
   if (shape_.batch_size == 0) throw Error("BatchFeed: batch_size must be positive");
+  if (shape_.first_position % shape_.batch_size != 0) throw Error("BatchFeed: first_position must be whole batches");
+  position_ = shape_.first_position;
+  first_batch_ = shape_.first_position / shape_.batch_size;
   ended_ = shape_.units == 0;
   threads_ = std::make_unique<Threads>();
   threads_->lanes.reserve(lanes_.size());

@@ -19,8 +19,9 @@ struct Field {
   const char* name;
   std::uint64_t LoaderState::*member;
   bool hex;
+  bool optional = false;  // written only when not 0; 0 when missing (fields added within version 1)
 };
-constexpr std::array<Field, 13> kFields{{{"seed", &LoaderState::seed, false},
+constexpr std::array<Field, 16> kFields{{{"seed", &LoaderState::seed, false},
                                          {"epoch", &LoaderState::epoch, false},
                                          {"batches", &LoaderState::batches, false},
                                          {"batches_per_epoch", &LoaderState::batches_per_epoch, false},
@@ -32,7 +33,10 @@ constexpr std::array<Field, 13> kFields{{{"seed", &LoaderState::seed, false},
                                          {"segment_start", &LoaderState::segment_start, false},
                                          {"position", &LoaderState::position, false},
                                          {"batch_size", &LoaderState::batch_size, false},
-                                         {"stream_workers", &LoaderState::stream_workers, false}}};
+                                         {"stream_workers", &LoaderState::stream_workers, false},
+                                         {"cursor", &LoaderState::cursor, false, true},
+                                         {"cursor_unit", &LoaderState::cursor_unit, false, true},
+                                         {"cursor_offset", &LoaderState::cursor_offset, false, true}}};
 
 [[noreturn]] void bad(std::size_t line, const std::string& what) {
   throw Error("LoaderState: line " + std::to_string(line) + ": " + what);
@@ -49,6 +53,7 @@ std::string shown(std::string_view s) {  // a field as it appears in an error: p
 std::string LoaderState::to_string() const {
   std::string out = std::string(kMagic) + " " + std::to_string(kFormatVersion) + "\n";
   for (const Field& f : kFields) {
+    if (f.optional && this->*f.member == 0) continue;
     char value[32];
     if (f.hex)
       std::snprintf(value, sizeof value, "%016llx", static_cast<unsigned long long>(this->*f.member));
@@ -100,7 +105,8 @@ LoaderState LoaderState::from_string(std::string_view text) {
   }
   if (!header) throw Error("LoaderState: empty text, not a ferry loader state");
   for (std::size_t k = 0; k < kFields.size(); ++k)
-    if (!seen[k]) throw Error(std::string("LoaderState: the field '") + kFields[k].name + "' is missing");
+    if (!seen[k] && !kFields[k].optional) throw Error(std::string("LoaderState: the field '") + kFields[k].name + "' is missing");
+  if (s.cursor > 1) throw Error("LoaderState: cursor must be 0 or 1, got " + std::to_string(s.cursor));
   if (s.world_size && s.rank >= s.world_size)
     throw Error("LoaderState: rank " + std::to_string(s.rank) + " is not in [0, " + std::to_string(s.world_size) + ")");
   if (s.batches > s.batches_per_epoch && s.stream_workers == 0)

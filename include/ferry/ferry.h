@@ -23,6 +23,7 @@
 #include "ferry/loaders/registry.h"
 #include "ferry/loaders/sample.h"
 #include "ferry/loaders/storage.h"
+#include "ferry/loaders/table.h"
 #include "ferry/loaders/tar.h"
 #include "ferry/loaders/tokenizer.h"
 #include "ferry/loaders/tokens.h"

@@ -28,8 +28,8 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 from . import _ferry
 from ._ferry import Dataset
 
-__all__ = ["Dataset", "image_folder", "idx", "npy", "tar", "tokens", "megatron", "mixture", "synthetic", "registry",
-           "load_plugin", "registered"]
+__all__ = ["Dataset", "image_folder", "idx", "npy", "tar", "tokens", "megatron", "parquet", "mixture", "synthetic",
+           "registry", "load_plugin", "registered"]
 
 Floats = Union[float, Sequence[float]]
 
@@ -59,6 +59,7 @@ _IDX = _defaults("idx")
 _TAR = _defaults("tar")
 _TOKENS = _defaults("tokens")
 _MEGATRON = _defaults("megatron")
+_PARQUET = _defaults("parquet")
 _SYNTHETIC = _defaults("synthetic")
 _SYNTHETIC_SHAPE = tuple(int(x) for x in _SYNTHETIC["shape"].split("x"))
 
@@ -206,6 +207,36 @@ def megatron(prefix: str, seq_len: int = _MEGATRON["seq_len"], packed: bool = _M
                  shuffle_documents=shuffle_documents or None,
                  document_block=document_block if shuffle_documents else None, best_fit_group=best_fit_group or None,
                  num_samples=num_samples, vocab=vocab_size, out_dtype=out_dtype)
+
+
+def parquet(files: Union[str, Iterable[str], None] = None, tokenizer: Optional[str] = None, text: str = _PARQUET["text"],
+            seq_len: int = _PARQUET["seq_len"], bos: Union[int, str, None] = None, eos: Union[int, str, None] = None,
+            shuffle: bool = _PARQUET["shuffle"], rows_per_read: int = _PARQUET["rows_per_read"],
+            dir: Optional[str] = None) -> Dataset:
+    """Parquet files of raw text, tokenized on the fly by ferry's threads and cut into
+    language-model windows (C++ ``ferry::TableTokens``, ferry/loaders/table.h): ``files`` (a path,
+    a list, brace patterns) or ``dir`` (its .parquet files), the ``text`` column, and
+    ``tokenizer``: a ``tokenizer.json`` (BPE: GPT-2's, Llama 3's, Llama 2's layouts; ids as PyPI's
+    ``tokenizers`` gives them) or a SentencePiece ``.model``. ``bos``/``eos``: a token put before or
+    after each row, by its text (``"<|endoftext|>"``) or id.
+
+    A stream: batches are dicts of ``input_ids`` and ``labels`` ``[B, seq_len]`` int64 (labels
+    shifted by one). Opening reads only the files' footers. The row groups are read and tokenized
+    on reader threads, as many at once as ``num_workers`` (so every worker is busy however few
+    the files), and the windows are dealt in row-group order: the batches are the same for any
+    ``num_workers``. ``shuffle`` shuffles the row groups each epoch and the rows within each read of
+    ``rows_per_read`` rows. A row group's ids are cut into windows of ``seq_len + 1`` tokens
+    overlapping by one; the fewer than ``seq_len + 1`` left at a row group's end are not used.
+    Null rows are skipped; a file without the column, or text that is not UTF-8, is a
+    ferry.DataError naming the file (and row group and row)."""
+    if (dir is None) == (files is None):
+        raise ValueError("parquet: pass files= or dir=, not both")
+    if tokenizer is None:
+        raise ValueError("parquet: tokenizer= is required (a tokenizer.json or a SentencePiece .model)")
+    file_list: Optional[List[str]] = None if files is None else ([files] if isinstance(files, str) else list(files))
+    return _make("parquet", None, files=file_list, dir=dir, tokenizer=tokenizer, text=text, seq_len=seq_len,
+                 bos=None if bos is None else str(bos), eos=None if eos is None else str(eos), shuffle=shuffle,
+                 rows_per_read=rows_per_read)
 
 
 def mixture(sources: Sequence[Tuple[Dataset, float]], seed: int = 0, block: int = 1000, size: Optional[int] = None,

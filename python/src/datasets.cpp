@@ -28,6 +28,8 @@ PyDataset make_dataset_from(const ferry::DatasetConfig& config, std::optional<do
   if (const auto* seqs = std::get_if<ferry::TokenSequences>(&*d.opened)) {  // dict batches
     d.fields = seqs->field_names();
     d.token_type = ferry::token_type_name(seqs->corpus().type());
+  } else if (const auto* table = std::get_if<ferry::TableTokens>(&*d.opened)) {
+    d.fields = table->field_names();
   }
   return d;
 }

@@ -238,7 +238,8 @@ struct PyDataset {
 
   bool stream() const {
     return py_iter || (opened && (std::holds_alternative<ferry::TarImageStream>(*opened) ||
-                                  std::holds_alternative<ferry::TarGpuStream>(*opened)));
+                                  std::holds_alternative<ferry::TarGpuStream>(*opened) ||
+                                  std::holds_alternative<ferry::TableTokens>(*opened)));
   }
   bool has_size() const { return !stream(); }
   std::size_t size() const {
@@ -252,7 +253,7 @@ struct PyDataset {
               return 0;
           },
           *opened);
-    throw nb::type_error(("dataset '" + name + "' is a stream (tar shards): it has no len()").c_str());
+    throw nb::type_error(("dataset '" + name + "' is a stream (tar shards, table windows): it has no len()").c_str());
   }
   std::string repr() const { return "ferry.datasets." + name + "(\"" + config + "\")"; }
 };

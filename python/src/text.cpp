@@ -67,7 +67,8 @@ void register_text(nb::module_& m) {
            "The ids of each text, on `threads` threads (the GIL released).")
       .def_prop_ro("vocab_size", &Tok::vocab_size, "Ids are below this.")
       .def("token_id", &Tok::token_id, "token"_a, "The id of a vocabulary entry or added token by its text, or None.")
-      .def_prop_ro("name", [](Tok& t) { return t.name(); }, "The file it was read from.");
+      .def_prop_ro(
+          "name", [](Tok& t) { return t.name(); }, "The file it was read from.");
 }
 
 }  // namespace ferry_py

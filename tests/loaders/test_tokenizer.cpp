@@ -49,7 +49,7 @@ TEST_CASE("Character BPE with byte fallback and fused unk", "[tokenizer]") {
     "model": {"type": "BPE", "byte_fallback": true, "fuse_unk": true, "unk_token": "<unk>",
               "vocab": {"<unk>": 0, "_": 1, "a": 2, "_a": 3, "<0xC3>": 4, "<0xA9>": 5},
               "merges": ["_ a"]}})",
-                                             "fallback.json");
+                                              "fallback.json");
   // "a é": _a, _, then é's two bytes by fallback.
   CHECK(tok->encode("a \xc3\xa9") == Ids{3, 1, 4, 5});
   // "日本" has no byte tokens: one fused unk.

@@ -187,12 +187,19 @@ requires(MapDataset<Dataset> || IterableDataset<Dataset>) class DataLoader {
   /// (prefetched batches do not count); between epochs, the start of the epoch the next begin()
   /// runs. Costs one epoch plan between epochs. A stream's mid-epoch state needs in_order and
   /// on_error = Raise (ferry::Error otherwise: its position is not a function of the batch count).
-  LoaderState state() const { return typed_->core.save_state(); }
+  LoaderState state() const {
+    LoaderState s = typed_->core.save_state();
+    detail::save_stream_cursor(*typed_->dataset, s);
+    return s;
+  }
   /// The next begin() continues where `state` stood: its epoch, from the batch after the last one
   /// received, with no consumed sample fetched again. Any num_workers, prefetch, pinning or device.
   /// ferry::Error names what differs when the state is not this loader's (seed, dataset size, the
   /// epoch's batches, rank), and while an iterator is live.
-  void restore(const LoaderState& state) { typed_->core.restore_state(state); }
+  void restore(const LoaderState& state) {
+    typed_->core.restore_state(state);
+    detail::restore_stream_cursor(*typed_->dataset, state);
+  }
   /// The epoch the next begin() starts (0, 1, 2, ... by default).
   std::uint64_t next_epoch() const noexcept { return typed_->core.next_epoch(); }
   /// Sets the epoch the next begin() starts: resume or replay an epoch exactly.

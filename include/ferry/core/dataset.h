@@ -63,6 +63,7 @@
 #include "ferry/core/error.h"
 #include "ferry/core/random.h"
 #include "ferry/core/rows.h"
+#include "ferry/core/state.h"
 #include "ferry/core/tensor.h"
 #include "ferry/detail/batch_feed.h"
 
@@ -383,6 +384,17 @@ inline constexpr bool fills_across_workers = [] {
   else
     return false;
 }();
+/// A stream dataset that keeps a cursor (ferry/core/state.h) writes it into a loader's state
+/// (d.save_cursor(state)), and takes it from a restored one (d.restore_cursor(state)); others do
+/// nothing.
+template <class D>
+void save_stream_cursor(const D& d, LoaderState& state) {
+  if constexpr (requires { d.save_cursor(state); }) d.save_cursor(state);
+}
+template <class D>
+void restore_stream_cursor(const D& d, const LoaderState& state) {
+  if constexpr (requires { d.restore_cursor(state); }) d.restore_cursor(state);
+}
 /// The epoch-wide position of the sample stream.next() last returned, where the stream fills
 /// batches across workers (stream.position() engaged), else nullopt.
 template <class S>

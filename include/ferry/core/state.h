@@ -16,7 +16,9 @@
 // Streams (iterable datasets, tar shards) resume mid-epoch with the same batch size, in order,
 // under on_error = Raise: the stream skips the records its batches before the state had used,
 // through the stream's skip(n) when it has one (a mapped stream skips without running its
-// transform, so tar records skipped are read, not decoded), else by reading them. A stream that
+// transform, so tar records skipped are read, not decoded), else by reading them. A stream whose
+// dataset keeps a cursor (save_cursor / restore_cursor: TableTokens) puts in the state the unit
+// and offset of its next record, and a restore starts there: nothing before it is read again. A stream that
 // fills across workers (kFillsAcrossWorkers: tar shards in a loader, one reading of the epoch
 // dealt to the workers) resumes at any number of workers; one whose every worker reads its own
 // shard of the data resumes with the same number. Anything else is a ferry::Error.
@@ -61,6 +63,11 @@ struct LoaderState {
   // Streams: `batches` counts the stream batches up to the next one (the round-robin key, dead
   // keys of exhausted workers included), over stream_workers streams of batch_size records.
   std::uint64_t batch_size = 0, stream_workers = 0;
+  // Streams that know where their records come from (TableTokens): cursor 1, and the next
+  // record's unit (an index into the rank's units of the epoch, in their order) and its offset
+  // there, so that a restore starts reading at that unit instead of reading the epoch again.
+  // Written only when cursor is 1; 0 when a text lacks them.
+  std::uint64_t cursor = 0, cursor_unit = 0, cursor_offset = 0;
 
   /// The text format above.
   std::string to_string() const;

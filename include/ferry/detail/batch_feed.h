@@ -78,6 +78,10 @@ class BatchFeed {
     std::size_t lanes = 1;          ///< reader threads (at most units)
     std::size_t lane_records = 64;  ///< records a lane reads ahead (4x that for the unit being dealt)
     std::size_t batch_size = 1;
+    /// Records of the epoch before the feed's first (a multiple of batch_size): a feed that starts
+    /// mid-epoch (a resumed stream that knows where its next record is). Its records' positions,
+    /// and so their batches, count from there.
+    std::uint64_t first_position = 0;
   };
   /// read(unit, sink) reads one unit front to back into the sink (it may throw: the error takes
   /// the next position). Lanes start at once.

@@ -32,6 +32,7 @@
 #include "ferry/core/dataset.h"
 #include "ferry/core/tensor.h"
 #include "ferry/loaders/image.h"
+#include "ferry/loaders/table.h"
 #include "ferry/loaders/tar.h"
 #include "ferry/loaders/tokens.h"
 
@@ -245,17 +246,24 @@ inline auto make_tar_gpu_stream(const DatasetConfig& config) {
   return shards.map([o](TarRecord r, SampleContext& ctx) { return encode_labeled_image(std::move(r), o, ctx.rng()); });
 }
 
+/// "parquet"'s windows (ferry/loaders/table.h): the files of dir= or files=, the tokenizer's file,
+/// the options of TableTokensOptions. Error for a bad option; DataError for a file that does not
+/// open or lacks the text column.
+TableTokens make_table_tokens(const DatasetConfig& config);
+
 /// The streams "tar" opens (make_tar_stream, and make_tar_gpu_stream with decode=gpu).
 using TarImageStream = decltype(make_tar_stream(std::declval<const DatasetConfig&>()));
 using TarGpuStream = decltype(make_tar_gpu_stream(std::declval<const DatasetConfig&>()));
 
 /// A named dataset as the loader takes it: a map-style DynamicDataset (every registered name), the
+/// tokenized windows of "parquet" (TableTokens, a stream), the
 /// labeled-image streams of "tar" (decoded on the CPU, or on the device with decode=gpu), or, with
 /// decode=gpu, the typed ImageFolder ("image_folder") or TarImages ("tar_index") whose batches the
 /// device decodes (the loader's direct mode), or the typed TokenSequences of "tokens" and
 /// "megatron" (direct mode: each window written into its batch row, no collate copy). Use with
 /// std::visit: `std::visit([&](auto& ds) { ferry::DataLoader loader(std::move(ds), options); ... }, opened)`.
-using OpenedDataset = std::variant<DynamicDataset, TarImageStream, TarGpuStream, ImageFolder, TarImages, TokenSequences>;
+using OpenedDataset =
+    std::variant<DynamicDataset, TarImageStream, TarGpuStream, ImageFolder, TarImages, TokenSequences, TableTokens>;
 
 class DatasetRegistry {
  public:

@@ -1,0 +1,173 @@
+// table.cpp — ParquetFiles on Apache Arrow's C++ Parquet reader (ferry/loaders/table.h). Arrow's
+// types stay in this file.
+#include <arrow/api.h>
+#include <arrow/io/file.h>
+#include <parquet/arrow/reader.h>
+#include <parquet/exception.h>
+#include <parquet/file_reader.h>
+#include <parquet/metadata.h>
+#include <parquet/schema.h>
+
+#include <algorithm>
+#include <atomic>
+#include <exception>
+#include <thread>
+
+#include "ferry/core/error.h"
+#include "ferry/loaders/table.h"
+
+namespace ferry {
+namespace {
+
+constexpr std::size_t kFooterThreads = 16;
+
+// A top-level column of a string type (Parquet's BYTE_ARRAY as UTF-8 text, or no logical type).
+bool is_text(const parquet::ColumnDescriptor& c) {
+  if (c.physical_type() != parquet::Type::BYTE_ARRAY) return false;
+  const auto& logical = c.logical_type();
+  return !logical || logical->is_none() || logical->is_string();
+}
+
+class ArrowParquetFiles final : public ParquetFiles {
+ public:
+  ArrowParquetFiles(std::vector<std::string> paths, const ParquetOpenOptions& options) {
+    paths_ = std::move(paths);
+    meta_.resize(paths_.size());
+    std::vector<std::exception_ptr> errors(paths_.size());
+    std::atomic<std::size_t> next{0};
+    {
+      std::vector<std::jthread> threads;
+      const std::size_t n = std::min(kFooterThreads, paths_.size());
+      for (std::size_t t = 0; t < n; ++t)
+        threads.emplace_back([&] {
+          for (std::size_t i; (i = next.fetch_add(1)) < paths_.size();) {
+            try {
+              meta_[i] = read_footer(paths_[i], options);
+            } catch (...) {
+              errors[i] = std::current_exception();
+            }
+          }
+        });
+    }
+    for (auto& e : errors)
+      if (e) std::rethrow_exception(e);  // the first file's error, in the list's order
+    for (std::size_t f = 0; f < paths_.size(); ++f) {
+      std::uint64_t first = 0;
+      for (int g = 0; g < meta_[f]->num_row_groups(); ++g) {
+        const auto rows = static_cast<std::uint64_t>(meta_[f]->RowGroup(g)->num_rows());
+        if (rows > 0) units_.push_back({f, static_cast<std::size_t>(g), first, rows});
+        first += rows;
+      }
+      rows_ += first;
+    }
+  }
+
+  void read_text(std::size_t unit, const std::string& column, std::size_t rows_per_read, std::uint64_t max_row_bytes,
+                 const std::function<bool(const TextRows&, std::uint64_t)>& block) const override {
+    if (unit >= units_.size()) throw Error("ParquetFiles: unit " + std::to_string(unit) + " of " + std::to_string(units_.size()));
+    const TableUnit& u = units_[unit];
+    const std::string& path = paths_[u.file];
+    const std::string where = "row group " + std::to_string(u.row_group);
+    const int col = text_column(path, *meta_[u.file], column);
+    auto fail = [&](const std::string& what) -> DataError { return DataError(path, DataError::kNoOffset, where + ": " + what); };
+    try {
+      auto file = arrow::io::ReadableFile::Open(path);
+      if (!file.ok()) throw fail(file.status().ToString());
+      parquet::ArrowReaderProperties props;
+      props.set_batch_size(static_cast<std::int64_t>(std::max<std::size_t>(rows_per_read, 1)));
+      parquet::arrow::FileReaderBuilder builder;
+      if (auto st = builder.Open(*file, parquet::default_reader_properties(), meta_[u.file]); !st.ok()) throw fail(st.ToString());
+      builder.properties(props);
+      std::unique_ptr<parquet::arrow::FileReader> reader;
+      if (auto st = builder.Build(&reader); !st.ok()) throw fail(st.ToString());
+      auto batches = reader->GetRecordBatchReader({static_cast<int>(u.row_group)}, {col});
+      if (!batches.ok()) throw fail(batches.status().ToString());
+      TextRows rows;
+      std::uint64_t first = 0;
+      for (;;) {
+        auto next = (*batches)->Next();
+        if (!next.ok()) throw fail("at row " + std::to_string(first) + ": " + next.status().ToString());
+        const std::shared_ptr<arrow::RecordBatch>& batch = *next;
+        if (!batch) break;
+        rows.clear();
+        copy_rows(*batch->column(0), rows, max_row_bytes, first, fail);
+        if (!block(rows, first)) return;
+        first += rows.size();
+      }
+      if (first != u.rows) throw fail("has " + std::to_string(first) + " rows, its footer says " + std::to_string(u.rows));
+    } catch (const parquet::ParquetException& e) {
+      throw fail(e.what());
+    }
+  }
+
+ private:
+  static std::shared_ptr<parquet::FileMetaData> read_footer(const std::string& path, const ParquetOpenOptions& options) {
+    auto file = arrow::io::ReadableFile::Open(path);
+    if (!file.ok()) throw DataError(path, DataError::kNoOffset, "cannot open: " + file.status().ToString());
+    std::shared_ptr<parquet::FileMetaData> meta;
+    try {
+      meta = parquet::ParquetFileReader::Open(*file)->metadata();
+    } catch (const parquet::ParquetException& e) {
+      throw DataError(path, DataError::kNoOffset, std::string("not a readable Parquet file: ") + e.what());
+    }
+    for (const std::string& c : options.columns) (void)text_column(path, *meta, c);
+    return meta;
+  }
+
+  // The leaf index of top-level string column `name`; DataError naming the file otherwise.
+  static int text_column(const std::string& path, const parquet::FileMetaData& meta, const std::string& name) {
+    const parquet::SchemaDescriptor& schema = *meta.schema();
+    for (int i = 0; i < schema.num_columns(); ++i) {
+      const parquet::ColumnDescriptor& c = *schema.Column(i);
+      if (c.path()->ToDotString() != name) continue;
+      if (!is_text(c) || c.max_repetition_level() != 0)
+        throw DataError(path, DataError::kNoOffset,
+                        "column '" + name + "' is " + c.logical_type()->ToString() + " (" +
+                            parquet::TypeToString(c.physical_type()) + "), not a string column");
+      return i;
+    }
+    std::string names;
+    for (int i = 0; i < schema.num_columns() && i < 20; ++i) names += (i ? ", " : "") + schema.Column(i)->path()->ToDotString();
+    throw DataError(path, DataError::kNoOffset, "no column '" + name + "' (its columns: " + names + ")");
+  }
+
+  template <class Fail>
+  static void copy_rows(const arrow::Array& array, TextRows& rows, std::uint64_t max_row_bytes, std::uint64_t first, Fail& fail) {
+    auto copy = [&](const auto& a) {
+      const std::int64_t n = a.length();
+      rows.ends.reserve(static_cast<std::size_t>(n));
+      rows.valid.reserve(static_cast<std::size_t>(n));
+      for (std::int64_t i = 0; i < n; ++i) {
+        const bool ok = a.IsValid(i);
+        if (ok) {
+          const std::string_view v = a.GetView(i);
+          if (v.size() > max_row_bytes)
+            throw fail("row " + std::to_string(first + static_cast<std::uint64_t>(i)) + " holds " + std::to_string(v.size()) +
+                       " bytes, more than max_row_bytes (" + std::to_string(max_row_bytes) + ")");
+          rows.bytes.append(v);
+        }
+        rows.ends.push_back(rows.bytes.size());
+        rows.valid.push_back(ok ? 1 : 0);
+      }
+    };
+    switch (array.type_id()) {
+      case arrow::Type::STRING: return copy(static_cast<const arrow::StringArray&>(array));
+      case arrow::Type::LARGE_STRING: return copy(static_cast<const arrow::LargeStringArray&>(array));
+      case arrow::Type::BINARY: return copy(static_cast<const arrow::BinaryArray&>(array));
+      case arrow::Type::LARGE_BINARY: return copy(static_cast<const arrow::LargeBinaryArray&>(array));
+      case arrow::Type::STRING_VIEW: return copy(static_cast<const arrow::StringViewArray&>(array));
+      default: throw fail("the column reads as " + array.type()->ToString() + ", not a string");
+    }
+  }
+
+  std::vector<std::shared_ptr<parquet::FileMetaData>> meta_;
+};
+
+}  // namespace
+
+std::shared_ptr<const ParquetFiles> ParquetFiles::open(std::vector<std::string> paths, const ParquetOpenOptions& options) {
+  if (paths.empty()) throw Error("ParquetFiles: no files given");
+  return std::make_shared<ArrowParquetFiles>(std::move(paths), options);
+}
+
+}  // namespace ferry
