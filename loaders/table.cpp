@@ -1,5 +1,6 @@
-// table.cpp — ParquetFiles on Apache Arrow's C++ Parquet reader (ferry/loaders/table.h). Arrow's
-// types stay in this file.
+// table.cpp — ParquetFiles on Apache Arrow's C++ Parquet reader (ferry/loaders/table.h), built as
+// the module libferry_parquet.so that ParquetFiles::open loads on first use (table_open.cpp).
+// Arrow's types stay in this file.
 #include <arrow/api.h>
 #include <arrow/io/file.h>
 #include <parquet/arrow/reader.h>
@@ -27,6 +28,8 @@ bool is_text(const parquet::ColumnDescriptor& c) {
   const auto& logical = c.logical_type();
   return !logical || logical->is_none() || logical->is_string();
 }
+
+}  // namespace
 
 class ArrowParquetFiles final : public ParquetFiles {
  public:
@@ -163,11 +166,11 @@ class ArrowParquetFiles final : public ParquetFiles {
   std::vector<std::shared_ptr<parquet::FileMetaData>> meta_;
 };
 
-}  // namespace
-
-std::shared_ptr<const ParquetFiles> ParquetFiles::open(std::vector<std::string> paths, const ParquetOpenOptions& options) {
-  if (paths.empty()) throw Error("ParquetFiles: no files given");
-  return std::make_shared<ArrowParquetFiles>(std::move(paths), options);
-}
-
 }  // namespace ferry
+
+// The module's one entry (table_open.cpp declares it): the files opened, or an exception.
+extern "C" __attribute__((visibility("default"))) void ferry_parquet_open(std::vector<std::string>* paths,
+                                                                          const ferry::ParquetOpenOptions* options,
+                                                                          std::shared_ptr<const ferry::ParquetFiles>* out) {
+  *out = std::make_shared<ferry::ArrowParquetFiles>(std::move(*paths), *options);
+}

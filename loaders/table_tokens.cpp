@@ -25,6 +25,10 @@ void shuffle_order(std::vector<std::uint32_t>& order, Generator rng) {
 constexpr std::uint64_t kUnitOrderStream = 0x7461626c65756e69ULL;  // "tableuni"
 constexpr std::uint64_t kRowOrderStream = 0x7461626c65726f77ULL;   // "tablerow"
 
+// Tokens the lanes of a reading hold ahead of the workers, all lanes together (the lane of the row
+// group being dealt holds up to 4x its share): 64 MiB of ids.
+constexpr std::size_t kReadAheadTokens = std::size_t{1} << 24;
+
 // Reader threads a loader's reading of an epoch uses (at most the units, at least one).
 std::size_t lanes_for(int num_workers, std::size_t units) {
   return std::clamp<std::size_t>(static_cast<std::size_t>(std::max(num_workers, 1)), 1, std::max<std::size_t>(units, 1));
@@ -82,7 +86,7 @@ std::vector<std::size_t> TableTokens::rank_units(std::uint64_t seed, std::uint64
 }
 
 bool TableTokens::read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t epoch,
-                            const std::function<bool(std::vector<Tensor>)>& push) const {
+                            const std::function<bool(std::vector<std::int32_t>)>& push) const {
   const TableUnit& u = files_->units()[unit];
   const std::string& path = files_->paths()[u.file];
   const std::size_t len = options_.seq_len;
@@ -104,14 +108,8 @@ bool TableTokens::read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t 
           if (options_.eos) ids.push_back(*options_.eos);
         }
         while (ids.size() - at >= len + 1) {
-          const auto n = static_cast<std::int64_t>(len);
-          std::vector<Tensor> w{Tensor::empty(DType::Int64, {n}), Tensor::empty(DType::Int64, {n})};
-          auto* in = w[0].data<std::int64_t>();
-          auto* out = w[1].data<std::int64_t>();
-          for (std::size_t k = 0; k < len; ++k) {
-            in[k] = ids[at + k];
-            out[k] = ids[at + k + 1];
-          }
+          std::vector<std::int32_t> w(ids.begin() + static_cast<std::ptrdiff_t>(at),
+                                      ids.begin() + static_cast<std::ptrdiff_t>(at + len + 1));
           at += len;
           if (!push(std::move(w))) return more = false;
         }
@@ -160,7 +158,7 @@ struct TableTokens::Stream::Own {
   std::vector<std::size_t> units;
   std::size_t next_unit = 0;
   std::uint64_t seed = 0, epoch = 0;
-  std::vector<std::vector<Tensor>> windows;  // the unit being read's, not yet returned
+  std::vector<std::shared_ptr<const std::vector<std::int32_t>>> windows;  // the unit being read's, not yet returned
   std::size_t taken = 0;
 };
 
@@ -199,7 +197,9 @@ TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
     detail::BatchFeed::Shape shape;
     shape.units = units->size();
     shape.lanes = lanes_for(worker.num_workers, units->size());
-    shape.lane_records = std::max<std::size_t>(worker.batch_size, 16);
+    // Each lane reads ahead up to its share of kReadAheadTokens (a row group or more: the lanes
+    // tokenize the next row groups while the one being dealt is taken), at least a batch.
+    shape.lane_records = std::max<std::size_t>(worker.batch_size, kReadAheadTokens / shape.lanes / (options_.seq_len + 1));
     shape.batch_size = worker.batch_size;
     shape.first_position = first;
     std::weak_ptr<Book> book = book_;
@@ -210,14 +210,14 @@ TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
           // after that window finds where the next row group starts.
           std::exception_ptr failed;
           std::int64_t windows = 0;
-          std::shared_ptr<std::vector<Tensor>> held;
+          std::shared_ptr<std::vector<std::int32_t>> held;
           bool whole = false, open = true;
           try {
-            whole = self->read_unit((*units)[k], seed, epoch, [&](std::vector<Tensor> w) {
+            whole = self->read_unit((*units)[k], seed, epoch, [&](std::vector<std::int32_t> w) {
               if (k == 0 && static_cast<std::uint64_t>(windows++) < drop) return true;  // before the restored cursor
               if (k != 0) ++windows;
               if (held && !sink.push(std::move(held))) return open = false;
-              held = std::make_shared<std::vector<Tensor>>(std::move(w));
+              held = std::make_shared<std::vector<std::int32_t>>(std::move(w));
               return true;
             });
           } catch (...) {
@@ -243,23 +243,55 @@ TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
   return s;
 }
 
-std::optional<std::vector<Tensor>> TableTokens::Stream::next() {
+std::shared_ptr<const std::vector<std::int32_t>> TableTokens::Stream::next_ids() {
   if (feed_) {
     std::shared_ptr<void> box = feed_->next(batch_, position_);
-    if (!box) return std::nullopt;
-    return std::move(*static_cast<std::vector<Tensor>*>(box.get()));
+    return std::static_pointer_cast<std::vector<std::int32_t>>(box);
   }
   Own& o = *own_;
   while (o.taken == o.windows.size()) {
-    if (o.next_unit == o.units.size()) return std::nullopt;
+    if (o.next_unit == o.units.size()) return nullptr;
     o.windows.clear();
     o.taken = 0;
-    o.table->read_unit(o.units[o.next_unit++], o.seed, o.epoch, [&](std::vector<Tensor> w) {
-      o.windows.push_back(std::move(w));
+    o.table->read_unit(o.units[o.next_unit++], o.seed, o.epoch, [&](std::vector<std::int32_t> w) {
+      o.windows.push_back(std::make_shared<const std::vector<std::int32_t>>(std::move(w)));
       return true;
     });
   }
   return std::move(o.windows[o.taken++]);
+}
+
+namespace {
+// Window `ids` (seq_len + 1) as input_ids and labels rows: the first seq_len, and the last.
+void write_window(const std::vector<std::int32_t>& ids, std::int64_t* in, std::int64_t* out) {
+  const std::size_t len = ids.size() - 1;
+  for (std::size_t k = 0; k < len; ++k) {
+    in[k] = ids[k];
+    out[k] = ids[k + 1];
+  }
+}
+}  // namespace
+
+std::optional<std::vector<Tensor>> TableTokens::Stream::next() {
+  const auto ids = next_ids();
+  if (!ids) return std::nullopt;
+  const auto n = static_cast<std::int64_t>(ids->size() - 1);
+  std::vector<Tensor> w{Tensor::empty(DType::Int64, {n}), Tensor::empty(DType::Int64, {n})};
+  write_window(*ids, w[0].data<std::int64_t>(), w[1].data<std::int64_t>());
+  return w;
+}
+
+bool TableTokens::Stream::next_into(std::vector<Tensor>& batch, std::size_t row) {
+  const auto ids = next_ids();
+  if (!ids) return false;
+  const std::size_t len = ids->size() - 1;
+  write_window(*ids, batch.at(0).data<std::int64_t>() + row * len, batch.at(1).data<std::int64_t>() + row * len);
+  return true;
+}
+
+std::vector<Tensor> TableTokens::make_batch(std::size_t n, BatchAllocator& allocator) const {
+  const Shape shape{static_cast<std::int64_t>(n), static_cast<std::int64_t>(options_.seq_len)};
+  return {empty(DType::Int64, shape, allocator), empty(DType::Int64, shape, allocator)};
 }
 
 std::size_t TableTokens::Stream::skip(std::size_t n) {

@@ -50,6 +50,7 @@
 #include <string_view>
 #include <vector>
 
+#include "ferry/core/allocator.h"
 #include "ferry/core/dataset.h"
 #include "ferry/core/state.h"
 #include "ferry/core/tensor.h"
@@ -140,6 +141,9 @@ class TableTokens : public DatasetBase<TableTokens> {
   class Stream {
    public:
     std::optional<std::vector<Tensor>> next();
+    /// The next window written into row `row` of a batch make_batch made (the loader's direct
+    /// mode: no tensor a window, no collate copy); false at the stream's end.
+    bool next_into(std::vector<Tensor>& batch, std::size_t row);
     /// Drops the epoch's first n windows (whole batches: a resumed epoch).
     std::size_t skip(std::size_t n);
     /// In a loader: the batch the next windows are for.
@@ -149,6 +153,7 @@ class TableTokens : public DatasetBase<TableTokens> {
 
    private:
     friend class TableTokens;
+    std::shared_ptr<const std::vector<std::int32_t>> next_ids();  // the next window's seq_len + 1 ids
     std::shared_ptr<detail::BatchFeed> feed_;
     std::uint64_t batch_ = 0, position_ = 0;
     // Outside a loader: this stream's own reading, one row group after another.
@@ -161,13 +166,15 @@ class TableTokens : public DatasetBase<TableTokens> {
   /// The row groups (indices into files()->units()) this rank reads in `epoch`, in order.
   std::vector<std::size_t> rank_units(std::uint64_t seed, std::uint64_t epoch) const;
   std::vector<std::string> field_names() const { return {"input_ids", "labels"}; }
+  /// A batch of n windows for next_into: input_ids and labels [n, seq_len] int64.
+  std::vector<Tensor> make_batch(std::size_t n, BatchAllocator& allocator) const;
   const std::shared_ptr<const ParquetFiles>& files() const noexcept { return files_; }
   const TableTokensOptions& options() const noexcept { return options_; }
 
-  /// The windows of one row group in the epoch (what a loader's reading deals for it), until
-  /// push returns false; true when every window was pushed.
+  /// The windows of one row group in the epoch (what a loader's reading deals for it), each its
+  /// seq_len + 1 ids, until push returns false; true when every window was pushed.
   bool read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t epoch,
-                 const std::function<bool(std::vector<Tensor> window)>& push) const;
+                 const std::function<bool(std::vector<std::int32_t> window)>& push) const;
 
   /// The loader's hooks (ferry/core/state.h): the next window's cursor into a stream state, and a
   /// restored state's cursor for the next reading of its epoch. The dataset's copies share them.
