@@ -1,9 +1,7 @@
 // table.cpp — ParquetFiles on Apache Arrow's C++ Parquet reader (ferry/loaders/table.h), built as
 // the module libferry_parquet.so that ParquetFiles::open loads on first use (table_open.cpp).
 // Arrow's types stay in this file.
-#include <arrow/api.h>
-#include <arrow/io/file.h>
-#include <parquet/arrow/reader.h>
+#include <parquet/column_reader.h>
 #include <parquet/exception.h>
 #include <parquet/file_reader.h>
 #include <parquet/metadata.h>
@@ -12,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <new>
 #include <thread>
 
 #include "ferry/core/error.h"
@@ -73,43 +72,55 @@ class ArrowParquetFiles final : public ParquetFiles {
     const std::string where = "row group " + std::to_string(u.row_group);
     const int col = text_column(path, *meta_[u.file], column);
     auto fail = [&](const std::string& what) -> DataError { return DataError(path, DataError::kNoOffset, where + ": " + what); };
+    // Parquet's own column reader (no Arrow arrays, futures or threads): each value a view into
+    // the page being read, copied into `rows` before the next batch.
     try {
-      auto file = arrow::io::ReadableFile::Open(path);
-      if (!file.ok()) throw fail(file.status().ToString());
-      parquet::ArrowReaderProperties props;
-      props.set_batch_size(static_cast<std::int64_t>(std::max<std::size_t>(rows_per_read, 1)));
-      parquet::arrow::FileReaderBuilder builder;
-      if (auto st = builder.Open(*file, parquet::default_reader_properties(), meta_[u.file]); !st.ok()) throw fail(st.ToString());
-      builder.properties(props);
-      std::unique_ptr<parquet::arrow::FileReader> reader;
-      if (auto st = builder.Build(&reader); !st.ok()) throw fail(st.ToString());
-      auto batches = reader->GetRecordBatchReader({static_cast<int>(u.row_group)}, {col});
-      if (!batches.ok()) throw fail(batches.status().ToString());
+      const auto reader = parquet::ParquetFileReader::OpenFile(path, false, parquet::default_reader_properties(), meta_[u.file]);
+      const std::shared_ptr<parquet::ColumnReader> base = reader->RowGroup(static_cast<int>(u.row_group))->Column(col);
+      auto* column = dynamic_cast<parquet::ByteArrayReader*>(base.get());
+      if (!column) throw fail("column '" + column_name(col, u.file) + "' is not a byte array column");
+      const std::int16_t max_def = meta_[u.file]->schema()->Column(col)->max_definition_level();
+      const auto n = static_cast<std::int64_t>(std::max<std::size_t>(rows_per_read, 1));
+      std::vector<std::int16_t> def(static_cast<std::size_t>(n));
+      std::vector<parquet::ByteArray> values(static_cast<std::size_t>(n));
       TextRows rows;
       std::uint64_t first = 0;
-      for (;;) {
-        auto next = (*batches)->Next();
-        if (!next.ok()) throw fail("at row " + std::to_string(first) + ": " + next.status().ToString());
-        const std::shared_ptr<arrow::RecordBatch>& batch = *next;
-        if (!batch) break;
+      while (first < u.rows && column->HasNext()) {
         rows.clear();
-        copy_rows(*batch->column(0), rows, max_row_bytes, first, fail);
+        std::int64_t got_values = 0;
+        const std::int64_t levels = column->ReadBatch(n, max_def > 0 ? def.data() : nullptr, nullptr, values.data(), &got_values);
+        if (levels <= 0) break;
+        std::int64_t v = 0;
+        for (std::int64_t i = 0; i < levels; ++i) {
+          const bool present = max_def == 0 || def[static_cast<std::size_t>(i)] == max_def;
+          if (present) {
+            if (v >= got_values)
+              throw fail("at row " + std::to_string(first + static_cast<std::uint64_t>(i)) + ": fewer values than levels");
+            const parquet::ByteArray& b = values[static_cast<std::size_t>(v++)];
+            if (b.len > max_row_bytes)
+              throw fail("row " + std::to_string(first + static_cast<std::uint64_t>(i)) + " holds " + std::to_string(b.len) +
+                         " bytes, more than max_row_bytes (" + std::to_string(max_row_bytes) + ")");
+            rows.bytes.append(reinterpret_cast<const char*>(b.ptr), b.len);
+          }
+          rows.ends.push_back(rows.bytes.size());
+          rows.valid.push_back(present ? 1 : 0);
+        }
         if (!block(rows, first)) return;
-        first += rows.size();
+        first += static_cast<std::uint64_t>(levels);
       }
       if (first != u.rows) throw fail("has " + std::to_string(first) + " rows, its footer says " + std::to_string(u.rows));
     } catch (const parquet::ParquetException& e) {
       throw fail(e.what());
+    } catch (const std::bad_alloc&) {
+      throw fail("a page too large to read");
     }
   }
 
  private:
   static std::shared_ptr<parquet::FileMetaData> read_footer(const std::string& path, const ParquetOpenOptions& options) {
-    auto file = arrow::io::ReadableFile::Open(path);
-    if (!file.ok()) throw DataError(path, DataError::kNoOffset, "cannot open: " + file.status().ToString());
     std::shared_ptr<parquet::FileMetaData> meta;
     try {
-      meta = parquet::ParquetFileReader::Open(*file)->metadata();
+      meta = parquet::ParquetFileReader::OpenFile(path)->metadata();
     } catch (const parquet::ParquetException& e) {
       throw DataError(path, DataError::kNoOffset, std::string("not a readable Parquet file: ") + e.what());
     }
@@ -134,34 +145,7 @@ class ArrowParquetFiles final : public ParquetFiles {
     throw DataError(path, DataError::kNoOffset, "no column '" + name + "' (its columns: " + names + ")");
   }
 
-  template <class Fail>
-  static void copy_rows(const arrow::Array& array, TextRows& rows, std::uint64_t max_row_bytes, std::uint64_t first, Fail& fail) {
-    auto copy = [&](const auto& a) {
-      const std::int64_t n = a.length();
-      rows.ends.reserve(static_cast<std::size_t>(n));
-      rows.valid.reserve(static_cast<std::size_t>(n));
-      for (std::int64_t i = 0; i < n; ++i) {
-        const bool ok = a.IsValid(i);
-        if (ok) {
-          const std::string_view v = a.GetView(i);
-          if (v.size() > max_row_bytes)
-            throw fail("row " + std::to_string(first + static_cast<std::uint64_t>(i)) + " holds " + std::to_string(v.size()) +
-                       " bytes, more than max_row_bytes (" + std::to_string(max_row_bytes) + ")");
-          rows.bytes.append(v);
-        }
-        rows.ends.push_back(rows.bytes.size());
-        rows.valid.push_back(ok ? 1 : 0);
-      }
-    };
-    switch (array.type_id()) {
-      case arrow::Type::STRING: return copy(static_cast<const arrow::StringArray&>(array));
-      case arrow::Type::LARGE_STRING: return copy(static_cast<const arrow::LargeStringArray&>(array));
-      case arrow::Type::BINARY: return copy(static_cast<const arrow::BinaryArray&>(array));
-      case arrow::Type::LARGE_BINARY: return copy(static_cast<const arrow::LargeBinaryArray&>(array));
-      case arrow::Type::STRING_VIEW: return copy(static_cast<const arrow::StringViewArray&>(array));
-      default: throw fail("the column reads as " + array.type()->ToString() + ", not a string");
-    }
-  }
+  std::string column_name(int col, std::size_t file) const { return meta_[file]->schema()->Column(col)->path()->ToDotString(); }
 
   std::vector<std::shared_ptr<parquet::FileMetaData>> meta_;
 };

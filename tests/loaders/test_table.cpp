@@ -36,7 +36,8 @@ std::shared_ptr<const ferry::Tokenizer> char_tokenizer() {
     vocab += (vocab.empty() ? "" : ", ") + ("\"" + key + "\": " + std::to_string(c - 32));
   }
   return ferry::tokenizer_from_json(R"({"added_tokens": [{"id": 95, "content": "<eos>", "special": true}],
-    "model": {"type": "BPE", "vocab": {)" + vocab + R"(}, "merges": []}})",
+    "model": {"type": "BPE", "vocab": {)" +
+                                        vocab + R"(}, "merges": []}})",
                                     "chars.json");
 }
 
@@ -107,7 +108,8 @@ TEST_CASE("TableTokens cuts each row group's ids into windows, the same for any 
         ids.push_back(95);
       }
       for (std::size_t w = 0; ids.size() > 16 && w < (ids.size() - 1) / 16; ++w)
-        want.emplace_back(ids.begin() + static_cast<std::ptrdiff_t>(w * 16), ids.begin() + static_cast<std::ptrdiff_t>(w * 16 + 17));
+        want.emplace_back(ids.begin() + static_cast<std::ptrdiff_t>(w * 16),
+                          ids.begin() + static_cast<std::ptrdiff_t>(w * 16 + 17));
     }
   REQUIRE(want.size() > 40);
   for (int workers : {0, 1, 4}) {
@@ -162,7 +164,8 @@ TEST_CASE("A damaged Parquet file is a DataError naming it", "[table]") {
     std::ofstream(path, std::ios::binary) << bytes.substr(0, bytes.size() - 9);
   }
   CHECK_THROWS_WITH(ferry::ParquetFiles::open({path}), Contains("cut.parquet") && Contains("not a readable Parquet file"));
-  CHECK_THROWS_WITH(ferry::ParquetFiles::open(files.paths, {.columns = {"body"}}), Contains("no column 'body' (its columns: text)"));
+  CHECK_THROWS_WITH(ferry::ParquetFiles::open(files.paths, {.columns = {"body"}}),
+                    Contains("no column 'body' (its columns: text)"));
   CHECK_THROWS_AS(ferry::ParquetFiles::open({}), ferry::Error);
   auto opened = ferry::ParquetFiles::open(files.paths);
   CHECK_THROWS_WITH(ferry::TableTokens(opened, char_tokenizer(), {.seq_len = 0}), Contains("seq_len 0"));
