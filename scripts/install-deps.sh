@@ -9,7 +9,7 @@ demo=0
 [ "${1:-}" = --demo ] && demo=1
 packages=(g++ cmake ninja-build curl libtbb-dev libconcurrentqueue-dev libspdlog-dev catch2 libdlpack-dev
           zlib1g-dev libpng-dev libturbojpeg0-dev libjpeg62-turbo-dev libcurl4-openssl-dev libcli11-dev nlohmann-json3-dev
-          pkg-config libpcre2-dev libsentencepiece-dev dataset-fashion-mnist)
+          libpcre2-dev libsentencepiece-dev dataset-fashion-mnist)
 if [ "$demo" = 0 ]; then
   packages+=(python3-dev python3-venv python3-pip python3-numpy python3-torch clang-format
              libopenblas0-pthread  # numpy's BLAS as PyPI's wheels have it: OpenBLAS's threads (the zygote's fork test)
