@@ -1,6 +1,6 @@
 """First batch from many Parquet files: ferry.datasets.parquet opening N files (footers only) and
-delivering its first batch of token windows, timed from before the open; resident-set growth
-over the same span.
+delivering its first batch of token windows, timed from before the open (torch and ferry already
+imported, as in a training script); resident-set growth over the same span.
 
   python bench/table_first_batch.py --out build/bench-data/many --files 1000 --rows 2000
 
@@ -32,6 +32,8 @@ def rss_kb() -> int:
 
 
 def child(out: str, workers: int) -> None:
+    import torch  # noqa: F401  (a training script has it imported; the batches are torch tensors)
+
     import ferry
 
     files = sorted(os.path.join(out, f) for f in os.listdir(out) if f.endswith(".parquet"))
