@@ -123,13 +123,17 @@ bool TableTokens::read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t 
 void TableTokens::save_cursor(LoaderState& state) const {
   if (state.stream_workers == 0 || state.batches == 0) return;  // not a stream's, or at its epoch's start
   const std::uint64_t record = state.batches * state.batch_size;
+  // The cursor indexes this rank's row groups: the state names the rank and world size it holds for.
+  auto set = [&](std::uint64_t unit, std::uint64_t offset) {
+    state.cursor = 1;
+    state.cursor_unit = unit;
+    state.cursor_offset = offset;
+    state.world_size = static_cast<std::uint64_t>(options_.world_size);
+    state.rank = static_cast<std::uint64_t>(options_.rank);
+  };
   std::lock_guard l(book_->mu);
-  if (book_->resume && book_->resume->epoch == state.epoch && book_->resume->record == record) {
-    state.cursor = 1;  // restored and not read since
-    state.cursor_unit = book_->resume->unit;
-    state.cursor_offset = book_->resume->offset;
-    return;
-  }
+  if (book_->resume && book_->resume->epoch == state.epoch && book_->resume->record == record)
+    return set(book_->resume->unit, book_->resume->offset);                   // restored and not read since
   for (auto it = book_->epochs.rbegin(); it != book_->epochs.rend(); ++it) {  // the latest reading of the epoch
     const Book::Epoch& e = *it;
     if (e.epoch != state.epoch || record < e.base_record) continue;
@@ -139,10 +143,7 @@ void TableTokens::save_cursor(LoaderState& state) const {
       at += static_cast<std::uint64_t>(e.windows[k]);
       ++k;
     }
-    state.cursor = 1;
-    state.cursor_unit = k;
-    state.cursor_offset = record - at;
-    return;
+    return set(k, record - at);
   }
 }
 
@@ -150,6 +151,13 @@ void TableTokens::restore_cursor(const LoaderState& state) const {
   std::lock_guard l(book_->mu);
   book_->resume.reset();
   if (!state.cursor || state.batches == 0) return;
+  if (state.world_size != static_cast<std::uint64_t>(options_.world_size) ||
+      state.rank != static_cast<std::uint64_t>(options_.rank))
+    throw Error("TableTokens: the state's cursor is rank " + std::to_string(state.rank) + "'s of world size " +
+                std::to_string(state.world_size) + ", this dataset is rank " + std::to_string(options_.rank) + " of " +
+                std::to_string(options_.world_size) +
+                " (the row groups are dealt to the ranks by the world size; each rank "
+                "restores its own state at the same world size)");
   book_->resume = Book::Resume{state.epoch, state.cursor_unit, state.cursor_offset, state.batches * state.batch_size};
 }
 

@@ -155,6 +155,22 @@ TEST_CASE("TableTokens resumes from the state's cursor at other worker counts", 
   }
 }
 
+TEST_CASE("A table's cursor restores only at its rank and world size", "[table]") {
+  Files files({12, 30});
+  auto opened = ferry::ParquetFiles::open(files.paths, {.columns = {"text"}});
+  ferry::TableTokens rank1(opened, char_tokenizer(), {.seq_len = 8, .rank = 1, .world_size = 2});
+  ferry::DataLoader first(rank1, {.batch_size = 2, .num_workers = 2, .seed = 3});
+  (void)epoch_windows(first, 2);
+  const ferry::LoaderState state = first.state();
+  REQUIRE(state.cursor == 1);
+  CHECK((state.world_size == 2 && state.rank == 1));
+  ferry::TableTokens alone(opened, char_tokenizer(), {.seq_len = 8});
+  ferry::DataLoader other(alone, {.batch_size = 2, .num_workers = 2, .seed = 3});
+  CHECK_THROWS_WITH(other.restore(state), Contains("rank 1's of world size 2, this dataset is rank 0 of 1"));
+  ferry::DataLoader same(rank1, {.batch_size = 2, .num_workers = 1, .seed = 3});
+  CHECK_NOTHROW(same.restore(ferry::LoaderState::from_string(state.to_string())));
+}
+
 TEST_CASE("A damaged Parquet file is a DataError naming it", "[table]") {
   Files files({6});
   const std::string path = (files.dir / "cut.parquet").string();

@@ -35,7 +35,8 @@
 // any worker count. A state without a cursor (one saved before the epoch's first batch was
 // dealt) reads the epoch from its start and drops what came before. Each rank saves its own
 // state, and the world size must stay the same: another one deals the row groups to the ranks
-// differently (the cursor is then not used; ferry::Error).
+// differently (restore() then throws ferry::Error naming both; the state's rank and world_size
+// say whose cursor it is).
 //
 // Thread safety: immutable after construction; the loader's workers share it.
 #pragma once
