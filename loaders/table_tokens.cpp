@@ -93,6 +93,9 @@ bool TableTokens::read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t 
   std::vector<std::int32_t> ids;  // the row group's ids not yet in a window (the last window's last token first)
   std::size_t at = 0;             // ids before it are used
   std::vector<std::uint32_t> order;
+  // What names a row in an error: the prefix once a row group, the row's number put after it.
+  std::string where = path + ", row group " + std::to_string(u.row_group) + ", row ";
+  const std::size_t where_prefix = where.size();
   bool more = true;
   files_->read_text(
       unit, options_.text, options_.rows_per_read, options_.max_row_bytes, [&](const TextRows& rows, std::uint64_t first) {
@@ -103,8 +106,9 @@ bool TableTokens::read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t 
         for (std::uint32_t i : order) {
           if (!rows.valid[i]) continue;
           if (options_.bos) ids.push_back(*options_.bos);
-          tokenizer_->encode(rows.text(i), ids,
-                             path + ", row group " + std::to_string(u.row_group) + ", row " + std::to_string(first + i));
+          where.resize(where_prefix);
+          where += std::to_string(first + i);
+          tokenizer_->encode(rows.text(i), ids, where);
           if (options_.eos) ids.push_back(*options_.eos);
         }
         while (ids.size() - at >= len + 1) {
@@ -172,10 +176,9 @@ struct TableTokens::Stream::Own {
 
 TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
   Stream s;
-  auto self = std::make_shared<const TableTokens>(*this);  // the reading keeps the dataset alive (an abandoned worker)
   if (!worker.share || worker.batch_size == 0) {
     s.own_ = std::make_shared<Stream::Own>();
-    s.own_->table = self;
+    s.own_->table = std::make_shared<const TableTokens>(*this);
     s.own_->seed = worker.seed;
     s.own_->epoch = worker.epoch;
     s.own_->units = rank_units(worker.seed, worker.epoch);
@@ -211,6 +214,7 @@ TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
     shape.batch_size = worker.batch_size;
     shape.first_position = first;
     std::weak_ptr<Book> book = book_;
+    auto self = std::make_shared<const TableTokens>(*this);  // the reading keeps the dataset alive (an abandoned worker)
     auto feed = std::make_unique<detail::BatchFeed>(
         shape,
         [self, units, book, from, drop, seed = worker.seed, epoch = worker.epoch](std::size_t k, detail::BatchFeed::Sink& sink) {
@@ -222,8 +226,11 @@ TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
           bool whole = false, open = true;
           try {
             whole = self->read_unit((*units)[k], seed, epoch, [&](std::vector<std::int32_t> w) {
-              if (k == 0 && static_cast<std::uint64_t>(windows++) < drop) return true;  // before the restored cursor
-              if (k != 0) ++windows;
+              if (k == 0 && static_cast<std::uint64_t>(windows) < drop) {  // before the restored cursor
+                ++windows;
+                return true;
+              }
+              ++windows;
               if (held && !sink.push(std::move(held))) return open = false;
               held = std::make_shared<std::vector<std::int32_t>>(std::move(w));
               return true;

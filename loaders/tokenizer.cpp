@@ -251,6 +251,7 @@ class JsonTokenizer final : public Tokenizer {
     for (std::size_t k = 0; k < added_.size(); ++k) {
       auto& starts = added_.at(k).normalized ? first_normalized_ : first_raw_;
       starts[static_cast<unsigned char>(added_[k].content[0])].push_back(k);
+      (added_[k].normalized ? any_normalized_ : any_raw_) = true;
     }
   }
 
@@ -327,11 +328,11 @@ class JsonTokenizer final : public Tokenizer {
   // ids in their places.
   template <class Rest>
   void split_added(std::string_view text, bool normalized, std::vector<std::int32_t>& out, Rest&& rest) const {
-    const auto& first = normalized ? first_normalized_ : first_raw_;
-    if (std::all_of(first.begin(), first.end(), [](const auto& v) { return v.empty(); })) {
+    if (!(normalized ? any_normalized_ : any_raw_)) {
       if (!text.empty()) rest(text);
       return;
     }
+    const auto& first = normalized ? first_normalized_ : first_raw_;
     std::size_t from = 0;
     for (std::size_t i = 0; i < text.size(); ++i) {
       for (std::size_t k : first[static_cast<unsigned char>(text[i])]) {
@@ -534,6 +535,7 @@ class JsonTokenizer final : public Tokenizer {
   bool byte_fallback_ = false, fuse_unk_ = false, ignore_merges_ = false, byte_level_ = false;
   std::vector<AddedToken> added_;
   std::array<std::vector<std::size_t>, 256> first_raw_, first_normalized_;  // added tokens by first byte
+  bool any_raw_ = false, any_normalized_ = false;                           // whether each kind has any
   std::vector<NormalizeStep> normalize_;
   std::vector<PreStep> pre_;
   std::size_t vocab_size_ = 0;
