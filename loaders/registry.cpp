@@ -839,6 +839,7 @@ TableTokens make_table_tokens(const DatasetConfig& config) {
   o.text = c.str("text");
   o.seq_len = static_cast<std::size_t>(c.integer("seq_len"));
   o.shuffle = c.flag("shuffle");
+  o.packed = c.flag("packed");
   o.rows_per_read = static_cast<std::size_t>(c.integer("rows_per_read"));
   auto tok = open_tokenizer(c.str("tokenizer"));
   o.bos = token_option(c, "bos", *tok);

@@ -131,6 +131,7 @@ std::map<std::string, DatasetSchema> make_schemas() {
        opt("bos", Kind::Text, "", "a token put before each row: its text (<s>) or its id"),
        opt("eos", Kind::Text, "", "a token put after each row: its text (<|endoftext|>) or its id"),
        opt("shuffle", Kind::Flag, flag_text(t.shuffle), "shuffle the row groups each epoch, and the rows within each read"),
+       opt("packed", Kind::Flag, flag_text(t.packed), "windows with their rows' position_ids and cu_seqlens"),
        ranged(opt("rows_per_read", Kind::Integer, std::to_string(t.rows_per_read), "rows read (and shuffled) at a time"), 1,
               double(1 << 20))}};
   s["synthetic"] = {

@@ -86,12 +86,13 @@ std::vector<std::size_t> TableTokens::rank_units(std::uint64_t seed, std::uint64
 }
 
 bool TableTokens::read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t epoch,
-                            const std::function<bool(std::vector<std::int32_t>)>& push) const {
+                            const std::function<bool(TableWindow)>& push) const {
   const TableUnit& u = files_->units()[unit];
   const std::string& path = files_->paths()[u.file];
   const std::size_t len = options_.seq_len;
-  std::vector<std::int32_t> ids;  // the row group's ids not yet in a window (the last window's last token first)
-  std::size_t at = 0;             // ids before it are used
+  std::vector<std::int32_t> ids;    // the row group's ids not yet in a window (the last window's last token first)
+  std::vector<std::size_t> starts;  // packed: where rows begin in ids, ascending
+  std::size_t at = 0, started = 0;  // ids before `at` are used; starts before `started` too
   std::vector<std::uint32_t> order;
   // What names a row in an error: the prefix once a row group, the row's number put after it.
   std::string where = path + ", row group " + std::to_string(u.row_group) + ", row ";
@@ -105,20 +106,30 @@ bool TableTokens::read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t 
           shuffle_order(order, Generator(seed, kRowOrderStream ^ (epoch * 0x9E3779B97F4A7C15ULL), unit * 0x100000000ULL + first));
         for (std::uint32_t i : order) {
           if (!rows.valid[i]) continue;
+          const std::size_t begin = ids.size();
           if (options_.bos) ids.push_back(*options_.bos);
           where.resize(where_prefix);
           where += std::to_string(first + i);
           tokenizer_->encode(rows.text(i), ids, where);
           if (options_.eos) ids.push_back(*options_.eos);
+          if (options_.packed && ids.size() > begin) starts.push_back(begin);
         }
         while (ids.size() - at >= len + 1) {
-          std::vector<std::int32_t> w(ids.begin() + static_cast<std::ptrdiff_t>(at),
-                                      ids.begin() + static_cast<std::ptrdiff_t>(at + len + 1));
+          TableWindow w;
+          w.ids.assign(ids.begin() + static_cast<std::ptrdiff_t>(at), ids.begin() + static_cast<std::ptrdiff_t>(at + len + 1));
+          // The rows beginning among this window's inputs, after its first token (which restarts anyway).
+          while (started < starts.size() && starts[started] <= at) ++started;
+          for (std::size_t k = started; k < starts.size() && starts[k] < at + len; ++k)
+            w.starts.push_back(static_cast<std::uint32_t>(starts[k] - at));
           at += len;
           if (!push(std::move(w))) return more = false;
         }
         ids.erase(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(at));  // keeps the overlap token
+        while (started < starts.size() && starts[started] < at) ++started;
+        starts.erase(starts.begin(), starts.begin() + static_cast<std::ptrdiff_t>(started));
+        for (std::size_t& s : starts) s -= at;
         at = 0;
+        started = 0;
         return true;
       });
   return more;
@@ -170,12 +181,13 @@ struct TableTokens::Stream::Own {
   std::vector<std::size_t> units;
   std::size_t next_unit = 0;
   std::uint64_t seed = 0, epoch = 0;
-  std::vector<std::shared_ptr<const std::vector<std::int32_t>>> windows;  // the unit being read's, not yet returned
+  std::vector<std::shared_ptr<const TableWindow>> windows;  // the unit being read's, not yet returned
   std::size_t taken = 0;
 };
 
 TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
   Stream s;
+  s.packed_ = options_.packed;
   if (!worker.share || worker.batch_size == 0) {
     s.own_ = std::make_shared<Stream::Own>();
     s.own_->table = std::make_shared<const TableTokens>(*this);
@@ -222,17 +234,17 @@ TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
           // after that window finds where the next row group starts.
           std::exception_ptr failed;
           std::int64_t windows = 0;
-          std::shared_ptr<std::vector<std::int32_t>> held;
+          std::shared_ptr<TableWindow> held;
           bool whole = false, open = true;
           try {
-            whole = self->read_unit((*units)[k], seed, epoch, [&](std::vector<std::int32_t> w) {
+            whole = self->read_unit((*units)[k], seed, epoch, [&](TableWindow w) {
               if (k == 0 && static_cast<std::uint64_t>(windows) < drop) {  // before the restored cursor
                 ++windows;
                 return true;
               }
               ++windows;
               if (held && !sink.push(std::move(held))) return open = false;
-              held = std::make_shared<std::vector<std::int32_t>>(std::move(w));
+              held = std::make_shared<TableWindow>(std::move(w));
               return true;
             });
           } catch (...) {
@@ -258,18 +270,18 @@ TableTokens::Stream TableTokens::open(const WorkerInfo& worker) const {
   return s;
 }
 
-std::shared_ptr<const std::vector<std::int32_t>> TableTokens::Stream::next_ids() {
+std::shared_ptr<const TableWindow> TableTokens::Stream::next_window() {
   if (feed_) {
     std::shared_ptr<void> box = feed_->next(batch_, position_);
-    return std::static_pointer_cast<std::vector<std::int32_t>>(box);
+    return std::static_pointer_cast<const TableWindow>(box);
   }
   Own& o = *own_;
   while (o.taken == o.windows.size()) {
     if (o.next_unit == o.units.size()) return nullptr;
     o.windows.clear();
     o.taken = 0;
-    o.table->read_unit(o.units[o.next_unit++], o.seed, o.epoch, [&](std::vector<std::int32_t> w) {
-      o.windows.push_back(std::make_shared<const std::vector<std::int32_t>>(std::move(w)));
+    o.table->read_unit(o.units[o.next_unit++], o.seed, o.epoch, [&](TableWindow w) {
+      o.windows.push_back(std::make_shared<const TableWindow>(std::move(w)));
       return true;
     });
   }
@@ -277,36 +289,69 @@ std::shared_ptr<const std::vector<std::int32_t>> TableTokens::Stream::next_ids()
 }
 
 namespace {
-// Window `ids` (seq_len + 1) as input_ids and labels rows: the first seq_len, and the last.
-void write_window(const std::vector<std::int32_t>& ids, std::int64_t* in, std::int64_t* out) {
-  const std::size_t len = ids.size() - 1;
+// Window `w` (seq_len + 1 ids) as a sample's rows: input_ids its first seq_len ids, labels its
+// last; packed (positions and cu not null), position_ids restarting at each row's start and
+// cu_seqlens, the starts then seq_len repeated to seq_len + 1 entries.
+void write_window(const TableWindow& w, std::int64_t* in, std::int64_t* out, std::int64_t* positions, std::int32_t* cu) {
+  const std::size_t len = w.ids.size() - 1;
   for (std::size_t k = 0; k < len; ++k) {
-    in[k] = ids[k];
-    out[k] = ids[k + 1];
+    in[k] = w.ids[k];
+    out[k] = w.ids[k + 1];
   }
+  if (!positions) return;
+  std::size_t docs = 0, next = 0, first = 0;
+  cu[docs++] = 0;
+  for (std::size_t k = 0; k < len; ++k) {
+    if (next < w.starts.size() && w.starts[next] == k) {
+      first = k;
+      ++next;
+      cu[docs++] = static_cast<std::int32_t>(k);
+    }
+    positions[k] = static_cast<std::int64_t>(k - first);
+  }
+  while (docs <= len) cu[docs++] = static_cast<std::int32_t>(len);
 }
 }  // namespace
 
 std::optional<std::vector<Tensor>> TableTokens::Stream::next() {
-  const auto ids = next_ids();
-  if (!ids) return std::nullopt;
-  const auto n = static_cast<std::int64_t>(ids->size() - 1);
-  std::vector<Tensor> w{Tensor::empty(DType::Int64, {n}), Tensor::empty(DType::Int64, {n})};
-  write_window(*ids, w[0].data<std::int64_t>(), w[1].data<std::int64_t>());
-  return w;
+  const auto w = next_window();
+  if (!w) return std::nullopt;
+  const auto n = static_cast<std::int64_t>(w->ids.size() - 1);
+  std::vector<Tensor> out{Tensor::empty(DType::Int64, {n}), Tensor::empty(DType::Int64, {n})};
+  const bool packed = packed_;
+  if (packed) {
+    out.push_back(Tensor::empty(DType::Int64, {n}));
+    out.push_back(Tensor::empty(DType::Int32, {n + 1}));
+  }
+  write_window(*w, out[0].data<std::int64_t>(), out[1].data<std::int64_t>(), packed ? out[2].data<std::int64_t>() : nullptr,
+               packed ? out[3].data<std::int32_t>() : nullptr);
+  return out;
 }
 
 bool TableTokens::Stream::next_into(std::vector<Tensor>& batch, std::size_t row) {
-  const auto ids = next_ids();
-  if (!ids) return false;
-  const std::size_t len = ids->size() - 1;
-  write_window(*ids, batch.at(0).data<std::int64_t>() + row * len, batch.at(1).data<std::int64_t>() + row * len);
+  const auto w = next_window();
+  if (!w) return false;
+  const std::size_t len = w->ids.size() - 1;
+  const bool packed = packed_;
+  write_window(*w, batch.at(0).data<std::int64_t>() + row * len, batch.at(1).data<std::int64_t>() + row * len,
+               packed ? batch.at(2).data<std::int64_t>() + row * len : nullptr,
+               packed ? batch.at(3).data<std::int32_t>() + row * (len + 1) : nullptr);
   return true;
 }
 
+std::vector<std::string> TableTokens::field_names() const {
+  if (options_.packed) return {"input_ids", "labels", "position_ids", "cu_seqlens"};
+  return {"input_ids", "labels"};
+}
+
 std::vector<Tensor> TableTokens::make_batch(std::size_t n, BatchAllocator& allocator) const {
-  const Shape shape{static_cast<std::int64_t>(n), static_cast<std::int64_t>(options_.seq_len)};
-  return {empty(DType::Int64, shape, allocator), empty(DType::Int64, shape, allocator)};
+  const auto rows = static_cast<std::int64_t>(n), len = static_cast<std::int64_t>(options_.seq_len);
+  std::vector<Tensor> b{empty(DType::Int64, {rows, len}, allocator), empty(DType::Int64, {rows, len}, allocator)};
+  if (options_.packed) {
+    b.push_back(empty(DType::Int64, {rows, len}, allocator));
+    b.push_back(empty(DType::Int32, {rows, len + 1}, allocator));
+  }
+  return b;
 }
 
 std::size_t TableTokens::Stream::skip(std::size_t n) {

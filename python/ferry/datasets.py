@@ -212,7 +212,7 @@ def megatron(prefix: str, seq_len: int = _MEGATRON["seq_len"], packed: bool = _M
 def parquet(files: Union[str, Iterable[str], None] = None, tokenizer: Optional[str] = None, text: str = _PARQUET["text"],
             seq_len: int = _PARQUET["seq_len"], bos: Union[int, str, None] = None, eos: Union[int, str, None] = None,
             shuffle: bool = _PARQUET["shuffle"], rows_per_read: int = _PARQUET["rows_per_read"],
-            dir: Optional[str] = None) -> Dataset:
+            dir: Optional[str] = None, packed: bool = _PARQUET["packed"]) -> Dataset:
     """Parquet files of raw text, tokenized on the fly by ferry's threads and cut into
     language-model windows (C++ ``ferry::TableTokens``, ferry/loaders/table.h): ``files`` (a path,
     a list, brace patterns) or ``dir`` (its .parquet files), the ``text`` column, and
@@ -227,8 +227,11 @@ def parquet(files: Union[str, Iterable[str], None] = None, tokenizer: Optional[s
     ``num_workers``. ``shuffle`` shuffles the row groups each epoch and the rows within each read of
     ``rows_per_read`` rows. A row group's ids are cut into windows of ``seq_len + 1`` tokens
     overlapping by one; the fewer than ``seq_len + 1`` left at a row group's end are not used.
-    Null rows are skipped; a file without the column, or text that is not UTF-8, is a
-    ferry.DataError naming the file (and row group and row)."""
+    ``packed``: the batches also hold the rows' boundaries, ``position_ids`` ``[B, seq_len]``
+    (restarting at 0 at each row's first token and the window's) and ``cu_seqlens``
+    ``[B, seq_len + 1]`` int32 (where the rows start, then ``seq_len`` repeated), as
+    ``tokens(..., packed=True)`` gives them. Null rows are skipped; a file without the column, or
+    text that is not UTF-8, is a ferry.DataError naming the file (and row group and row)."""
     if (dir is None) == (files is None):
         raise ValueError("parquet: pass files= or dir=, not both")
     if tokenizer is None:
@@ -236,7 +239,7 @@ def parquet(files: Union[str, Iterable[str], None] = None, tokenizer: Optional[s
     file_list: Optional[List[str]] = None if files is None else ([files] if isinstance(files, str) else list(files))
     return _make("parquet", None, files=file_list, dir=dir, tokenizer=tokenizer, text=text, seq_len=seq_len,
                  bos=None if bos is None else str(bos), eos=None if eos is None else str(eos), shuffle=shuffle,
-                 rows_per_read=rows_per_read)
+                 rows_per_read=rows_per_read, packed=packed)
 
 
 def mixture(sources: Sequence[Tuple[Dataset, float]], seed: int = 0, block: int = 1000, size: Optional[int] = None,

@@ -110,6 +110,57 @@ def test_windows_are_the_reference_tokenizers_and_every_row_group_once(table):
     assert _windows(batches) == want
 
 
+def _expected_packed(table, seq_len=SEQ):
+    """shuffle=False's packed windows: (ids, position_ids, cu_seqlens), the rows' starts within each
+    window (each row its ids then eos) restarting the positions, as ferry/loaders/table.h says."""
+    ref = table["ref"]
+    eos = ref.token_to_id("<|endoftext|>")
+    out = []
+    for _, rows in table["files"]:
+        for g in range(0, len(rows), ROW_GROUP):
+            ids, starts = [], []
+            texts = [r for r in rows[g:g + ROW_GROUP] if r is not None]
+            for e in ref.encode_batch(texts, add_special_tokens=False):
+                starts.append(len(ids))
+                ids.extend(e.ids)
+                ids.append(eos)
+            for w in range((len(ids) - 1) // seq_len if len(ids) > seq_len else 0):
+                a = w * seq_len
+                inner = [s - a for s in starts if a < s < a + seq_len]
+                cu = [0] + inner
+                cu += [seq_len] * (seq_len + 1 - len(cu))
+                pos, first = [], 0
+                for k in range(seq_len):
+                    if k in inner:
+                        first = k
+                    pos.append(k - first)
+                out.append((ids[a:a + seq_len + 1], pos, cu))
+    return out
+
+
+def test_packed_windows_carry_each_rows_start(table):
+    ds = ferry.datasets.parquet(dir=table["dir"], tokenizer=table["tokenizer"], seq_len=SEQ, eos="<|endoftext|>",
+                                shuffle=False, packed=True)
+    assert ds.fields == ["input_ids", "labels", "position_ids", "cu_seqlens"]
+    want = _expected_packed(table)
+    assert sum(len(c) - c.count(SEQ) for _, _, c in want) > len(want)  # windows of several rows: the test can fail
+    for workers in (0, 3):
+        batches = _epoch(ferry.DataLoader(ds, batch_size=16, num_workers=workers))
+        b = batches[0]
+        assert b["position_ids"].dtype == b["input_ids"].dtype and b["position_ids"].shape == b["input_ids"].shape
+        assert str(b["cu_seqlens"].dtype) == "torch.int32" and b["cu_seqlens"].shape[1] == SEQ + 1
+        got = []
+        for b in batches:
+            for i in range(b["input_ids"].shape[0]):
+                got.append((b["input_ids"][i].tolist() + b["labels"][i][-1:].tolist(), b["position_ids"][i].tolist(),
+                            b["cu_seqlens"][i].tolist()))
+        assert got == want
+    # The packed windows' tokens are the unpacked ones'.
+    plain = ferry.datasets.parquet(dir=table["dir"], tokenizer=table["tokenizer"], seq_len=SEQ, eos="<|endoftext|>",
+                                   shuffle=False)
+    assert [w for w, _, _ in want] == _windows(_epoch(ferry.DataLoader(plain, batch_size=16)))
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_batches_identical_for_any_worker_count(table, shuffle):
     ds = ferry.datasets.parquet(files=[p for p, _ in table["files"]], tokenizer=table["tokenizer"], seq_len=SEQ,

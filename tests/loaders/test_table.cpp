@@ -155,6 +155,56 @@ TEST_CASE("TableTokens resumes from the state's cursor at other worker counts", 
   }
 }
 
+TEST_CASE("Packed table windows restart their positions at each row's bos, at any worker count", "[table]") {
+  Files files({12, 30, 9});
+  auto opened = ferry::ParquetFiles::open(files.paths, {.columns = {"text"}});
+  ferry::TableTokens ds(opened, char_tokenizer(),
+                        {.seq_len = 24, .bos = 94, .eos = 95, .shuffle = true, .packed = true, .rows_per_read = 4});
+  CHECK(ds.field_names() == std::vector<std::string>{"input_ids", "labels", "position_ids", "cu_seqlens"});
+  // Each row is its bos (94, '~', which no row's text holds), its characters, eos: a row starts
+  // exactly where a bos is.
+  auto check = [](std::vector<ferry::Tensor>& b, std::size_t& rows_inside) {
+    REQUIRE(b.size() == 4);
+    const auto n = static_cast<std::size_t>(b[0].size(0)), len = static_cast<std::size_t>(b[0].size(1));
+    REQUIRE(b[2].dtype() == ferry::DType::Int64);
+    REQUIRE(b[3].dtype() == ferry::DType::Int32);
+    REQUIRE(static_cast<std::size_t>(b[3].size(1)) == len + 1);
+    for (std::size_t r = 0; r < n; ++r) {
+      const std::int64_t* ids = b[0].data<std::int64_t>() + r * len;
+      const std::int64_t* pos = b[2].data<std::int64_t>() + r * len;
+      const std::int32_t* cu = b[3].data<std::int32_t>() + r * (len + 1);
+      std::vector<std::int32_t> want_cu{0};
+      for (std::size_t k = 0; k < len; ++k) {
+        if (k > 0 && ids[k] == 94) {
+          want_cu.push_back(static_cast<std::int32_t>(k));
+          ++rows_inside;
+        }
+        CHECK(pos[k] == (k == 0 || ids[k] == 94 ? 0 : pos[k - 1] + 1));
+      }
+      while (want_cu.size() < len + 1) want_cu.push_back(static_cast<std::int32_t>(len));
+      CHECK(std::vector<std::int32_t>(cu, cu + len + 1) == want_cu);
+    }
+  };
+  std::vector<Window> runs[2];
+  for (int w = 0; w < 2; ++w) {
+    ferry::DataLoader loader(ds, {.batch_size = 3, .num_workers = w == 0 ? 0 : 4, .seed = 2});
+    std::size_t rows_inside = 0;
+    for (auto& b : loader) {
+      check(b, rows_inside);
+      const auto n = static_cast<std::size_t>(b[0].size(0)), len = static_cast<std::size_t>(b[0].size(1));
+      for (std::size_t r = 0; r < n; ++r)
+        runs[w].emplace_back(b[2].data<std::int64_t>() + r * len, b[2].data<std::int64_t>() + (r + 1) * len);
+    }
+    CHECK(rows_inside > 10);  // rows begin inside windows, not only at their starts
+  }
+  CHECK(runs[0] == runs[1]);
+  // The tokens are the unpacked windows'.
+  ferry::TableTokens plain(opened, char_tokenizer(), {.seq_len = 24, .bos = 94, .eos = 95, .shuffle = true, .rows_per_read = 4});
+  ferry::DataLoader a(ds, {.batch_size = 3, .num_workers = 2, .seed = 2}),
+      b(plain, {.batch_size = 3, .num_workers = 2, .seed = 2});
+  CHECK(epoch_windows(a) == epoch_windows(b));
+}
+
 TEST_CASE("A table's cursor restores only at its rank and world size", "[table]") {
   Files files({12, 30});
   auto opened = ferry::ParquetFiles::open(files.paths, {.columns = {"text"}});

@@ -26,6 +26,12 @@
 // tokens left at a row group's end are not used (at most seq_len tokens a row group an epoch).
 // Null rows have no text and are skipped; a row longer than max_row_bytes, or text that is not
 // UTF-8, is a DataError naming the file, row group and row.
+// packed: the windows carry their rows' boundaries, as TokenSequences' packed windows do
+// (ferry/loaders/tokens.h): position_ids that restart at 0 at the window's first token and at
+// each row's first token (its bos where given), and cu_seqlens, the offsets where the window's
+// rows start, then seq_len, padded to seq_len + 1 entries by repeating seq_len. A row with no
+// tokens starts nothing. labels run across a row's end (mask labels[k] where position_ids[k + 1]
+// == 0 for a loss that should not).
 //
 // Resume: a loader's state (ferry/core/state.h) holds, beside the batches delivered, the cursor of
 // the next window: its row group (an index into the rank's row groups of the epoch) and its
@@ -115,22 +121,33 @@ class ParquetFiles {
   std::uint64_t rows_ = 0;
 };
 
+/// A window of a row group (TableTokens::read_unit): its seq_len + 1 ids and, when packed, the
+/// offsets in (0, seq_len) where rows begin in it, ascending (the window's first token begins one
+/// too, and is not listed).
+struct TableWindow {
+  std::vector<std::int32_t> ids;
+  std::vector<std::uint32_t> starts;
+};
+
 /// Options of TableTokens (Note [Table windows]).
 struct TableTokensOptions {
   std::string text = "text";  ///< the text column
   /// Tokens a window's input_ids hold, in [1, TokenSequenceOptions::kMaxSeqLen].
   std::size_t seq_len = 1024;
-  std::optional<std::int32_t> bos;   ///< an id put before each row's ids
-  std::optional<std::int32_t> eos;   ///< an id put after each row's ids (GPT-2's <|endoftext|>)
-  bool shuffle = true;               ///< the row groups' order, and the rows within each block, by (seed, epoch)
-  std::size_t rows_per_read = 1024;  ///< rows read (and shuffled) at a time, in [1, 1 << 20]
+  std::optional<std::int32_t> bos;  ///< an id put before each row's ids
+  std::optional<std::int32_t> eos;  ///< an id put after each row's ids (GPT-2's <|endoftext|>)
+  bool shuffle = true;              ///< the row groups' order, and the rows within each block, by (seed, epoch)
+  /// Windows with their rows' position_ids and cu_seqlens (Note [Table windows]).
+  bool packed = false;
+  std::size_t rows_per_read = 1024;                       ///< rows read (and shuffled) at a time, in [1, 1 << 20]
   std::uint64_t max_row_bytes = std::uint64_t{64} << 20;  ///< a longer row is a DataError
   int rank = 0;                                           ///< this process's rank
   int world_size = 1;
 };
 
 /// Windows of tokenized rows of Parquet files, as a stream that fills batches across a loader's
-/// workers. Samples: input_ids and labels [seq_len] int64.
+/// workers. Samples: input_ids and labels [seq_len] int64; packed, position_ids [seq_len] int64 and
+/// cu_seqlens [seq_len + 1] int32 beside them.
 class TableTokens : public DatasetBase<TableTokens> {
  public:
   static constexpr bool kFillsAcrossWorkers = true;
@@ -154,9 +171,10 @@ class TableTokens : public DatasetBase<TableTokens> {
 
    private:
     friend class TableTokens;
-    std::shared_ptr<const std::vector<std::int32_t>> next_ids();  // the next window's seq_len + 1 ids
+    std::shared_ptr<const TableWindow> next_window();
     std::shared_ptr<detail::BatchFeed> feed_;
     std::uint64_t batch_ = 0, position_ = 0;
+    bool packed_ = false;
     // Outside a loader: this stream's own reading, one row group after another.
     struct Own;
     std::shared_ptr<Own> own_;
@@ -166,16 +184,18 @@ class TableTokens : public DatasetBase<TableTokens> {
   Stream open(const WorkerInfo& worker) const;
   /// The row groups (indices into files()->units()) this rank reads in `epoch`, in order.
   std::vector<std::size_t> rank_units(std::uint64_t seed, std::uint64_t epoch) const;
-  std::vector<std::string> field_names() const { return {"input_ids", "labels"}; }
-  /// A batch of n windows for next_into: input_ids and labels [n, seq_len] int64.
+  /// "input_ids", "labels", and when packed "position_ids", "cu_seqlens".
+  std::vector<std::string> field_names() const;
+  /// A batch of n windows for next_into: input_ids and labels [n, seq_len] int64 (packed: and
+  /// position_ids [n, seq_len] int64, cu_seqlens [n, seq_len + 1] int32).
   std::vector<Tensor> make_batch(std::size_t n, BatchAllocator& allocator) const;
   const std::shared_ptr<const ParquetFiles>& files() const noexcept { return files_; }
   const TableTokensOptions& options() const noexcept { return options_; }
 
-  /// The windows of one row group in the epoch (what a loader's reading deals for it), each its
-  /// seq_len + 1 ids, until push returns false; true when every window was pushed.
+  /// The windows of one row group in the epoch (what a loader's reading deals for it), until push
+  /// returns false; true when every window was pushed.
   bool read_unit(std::size_t unit, std::uint64_t seed, std::uint64_t epoch,
-                 const std::function<bool(std::vector<std::int32_t> window)>& push) const;
+                 const std::function<bool(TableWindow window)>& push) const;
 
   /// The loader's hooks (ferry/core/state.h): the next window's cursor into a stream state, and a
   /// restored state's cursor for the next reading of its epoch. The dataset's copies share them.
