@@ -43,6 +43,10 @@
 // state, and the world size must stay the same: another one deals the row groups to the ranks
 // differently (restore() then throws ferry::Error naming both; the state's rank and world_size
 // say whose cursor it is).
+// Several ranks: each rank's windows are those of its row groups, so the ranks' epochs hold
+// different numbers of windows (the row groups' token counts differ) and end at different
+// batches; a data-parallel loop that must take the same number of steps on every rank counts its
+// steps (and reads on into the next epoch) rather than running each rank's epoch to its end.
 //
 // Thread safety: immutable after construction; the loader's workers share it.
 #pragma once
